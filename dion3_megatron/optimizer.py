@@ -1,0 +1,240 @@
+"""Dion3 as a ``torch.optim.Optimizer`` for one process (or DDP, where every rank steps alike).
+
+Matrices (>= 2-D) take the Dion3 rule, everything else AdamW, unless a param group says
+``algorithm="dion3"`` or ``algorithm="adamw"``. A 3-D tensor is a batch of matrices (MoE experts);
+4-D and larger (conv weights) flatten to (out, rest). The selected rows of every matrix whose
+selected block has the same shape are orthogonalized as one batch: the single-process form of
+megabatching. The math itself lives in :mod:`dion3_megatron.rule`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from . import rule
+from .rule import Dion3Hyperparameters
+
+ALGORITHMS = ("dion3", "adamw")
+
+
+def matrix_view(t: torch.Tensor) -> torch.Tensor:
+    """View a >= 2-D tensor as a (B, rows, cols) batch: 2-D -> (1, r, c); 3-D as is; 4-D+ flattened."""
+    if t.dim() == 2:
+        return t.unsqueeze(0)
+    if t.dim() == 3:
+        return t
+    return t.view(1, t.shape[0], -1)  # view, not reshape: updates must land in the tensor itself
+
+
+class Dion3(torch.optim.Optimizer):
+    """Dion3: top-fraction row selection, Gram Newton-Schulz, NorMuon normalization, error feedback.
+
+    Args:
+        params: parameters or param groups. A group may set ``algorithm`` ("dion3" | "adamw") and
+            any hyper-parameter below; ``fraction`` and ``num_heads`` may differ per group.
+        lr: learning rate (both algorithms).
+        fraction: share of each matrix's rows updated per step, in (0, 1].
+        mu: momentum decay of the applied rows (error feedback keeps the rest).
+        beta2: NorMuon per-row second-moment decay.
+        weight_decay: decoupled weight decay (both algorithms).
+        eps: NorMuon / AdamW epsilon.
+        adjust_lr: "spectral_norm" (sqrt(rows/cols)) or "rms_norm" (0.2 sqrt(max dim): AdamW lr transfer).
+        scale_lr_by_fraction: multiply the Dion3 step by 1/sqrt(fraction).
+        betas: AdamW betas.
+        num_heads: select rows per head (rows viewed as heads x head_dim).
+        ns_method: "gram" (Gram Newton-Schulz) or "standard".
+        ns_dtype: compute dtype of the orthogonalization: None (default) is fp16 on GPUs and fp32 on
+            CPU, where half-precision matmuls are slow; or torch.float16/bfloat16/float32/float64.
+
+    A step with a non-finite gradient anywhere changes nothing, warns, and counts in
+    :attr:`skipped_steps`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.01,
+        fraction: float = 0.25,
+        mu: float = 0.95,
+        beta2: float = 0.95,
+        weight_decay: float = 0.01,
+        eps: float = 1e-8,
+        adjust_lr: str = "spectral_norm",
+        scale_lr_by_fraction: bool = False,
+        betas: tuple[float, float] = (0.9, 0.95),
+        num_heads: Optional[int] = None,
+        ns_method: str = "gram",
+        ns_dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            fraction=fraction,
+            mu=mu,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            adjust_lr=adjust_lr,
+            scale_lr_by_fraction=scale_lr_by_fraction,
+            betas=betas,
+            num_heads=num_heads,
+            ns_method=ns_method,
+            ns_dtype=ns_dtype,
+            algorithm=None,
+        )
+        self.skipped_steps = 0
+        super().__init__(params, defaults)
+
+    # ----------------------------------------------------------------------------------------
+    # Groups and validation.
+
+    def add_param_group(self, param_group: dict) -> None:
+        index = len(self.param_groups)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        where = f"param group {index}"
+        if group["algorithm"] not in (None, *ALGORITHMS):
+            raise ValueError(f"{where}: algorithm must be one of {ALGORITHMS} or absent, got {group['algorithm']!r}")
+        betas = group["betas"]
+        if not (len(betas) == 2 and all(0 <= b < 1 for b in betas)):
+            raise ValueError(f"{where}: betas must be two values in [0, 1), got {betas!r}")
+        rule.check_hyperparameters(where, **{k: group[k] for k in Dion3Hyperparameters.__dataclass_fields__})
+        if group["algorithm"] == "dion3":
+            for p in group["params"]:
+                if p.dim() < 2:
+                    raise ValueError(
+                        f"{where}: algorithm 'dion3' needs tensors with >= 2 dims, got shape {tuple(p.shape)}"
+                    )
+
+    @staticmethod
+    def algorithm_of(group: dict, p: torch.Tensor) -> str:
+        return group["algorithm"] or ("dion3" if p.dim() >= 2 else "adamw")
+
+    @staticmethod
+    def hyperparameters(group: dict) -> Dion3Hyperparameters:
+        return Dion3Hyperparameters(**{k: group[k] for k in Dion3Hyperparameters.__dataclass_fields__})
+
+    # ----------------------------------------------------------------------------------------
+    # State.
+
+    def _init_state(self, group: dict, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if state:
+            return state
+        if self.algorithm_of(group, p) == "dion3":
+            view = matrix_view(p)
+            state["momentum"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state["variance"] = torch.zeros(view.shape[:-1], dtype=torch.float32, device=p.device)
+        else:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        return state
+
+    def _expected_state_shapes(self, group: dict, p: torch.Tensor) -> dict[str, tuple]:
+        if self.algorithm_of(group, p) == "dion3":
+            return {"momentum": tuple(p.shape), "variance": tuple(matrix_view(p).shape[:-1])}
+        return {"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["skipped_steps"] = self.skipped_steps
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load everything or nothing: shapes are checked for every parameter before any is set.
+
+        Unlike the base class this keeps state in fp32 whatever the parameters' dtype.
+        """
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"checkpoint has {len(groups)} param groups, the optimizer has {len(self.param_groups)}")
+        new_state: dict[torch.Tensor, dict] = {}
+        for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
+            if len(mine["params"]) != len(saved["params"]):
+                raise ValueError(
+                    f"param group {gi}: checkpoint has {len(saved['params'])} params, the optimizer has {len(mine['params'])}"
+                )
+            for p, pid in zip(mine["params"], saved["params"]):
+                saved_state = state_dict["state"].get(pid)
+                if saved_state is None:
+                    continue
+                expected = self._expected_state_shapes(mine, p)
+                got = {k: tuple(v.shape) for k, v in saved_state.items() if torch.is_tensor(v)}
+                if got != expected:
+                    raise ValueError(
+                        f"param group {gi}, param {pid} (shape {tuple(p.shape)}): checkpoint state {got} "
+                        f"does not match the expected {expected}"
+                    )
+                new_state[p] = {
+                    k: v.detach().to(device=p.device if k != "step" else v.device, dtype=torch.float32).clone()
+                    for k, v in saved_state.items()
+                }
+        self.state = defaultdict(dict, new_state)
+        for mine, saved in zip(self.param_groups, groups):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+    # ----------------------------------------------------------------------------------------
+    # The step.
+
+    def _check_gradients(self) -> bool:
+        """Validate gradients; True when all are finite (one host sync for the whole model)."""
+        flags = []
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError(f"param group {gi}: Dion3 does not support sparse gradients")
+                flags.append(torch.isfinite(p.grad).all().to("cpu", non_blocking=True))
+        if not flags:
+            return True
+        return bool(torch.stack(flags).all())
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._check_gradients():
+            self.skipped_steps += 1
+            warnings.warn(
+                f"Dion3: non-finite gradient, step skipped (no weight or state changed); "
+                f"{self.skipped_steps} step(s) skipped so far",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return loss
+        # Selected row blocks of the same shape are orthogonalized together.
+        batches: dict[tuple, list] = defaultdict(list)
+        for group in self.param_groups:
+            hp = self.hyperparameters(group)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._init_state(group, p)
+                if self.algorithm_of(group, p) == "adamw":
+                    state["step"] += 1
+                    rule.adamw_step(
+                        p, p.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()),
+                        group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                    )
+                    continue
+                momentum = matrix_view(state["momentum"])
+                momentum.add_(matrix_view(p.grad))
+                idx = rule.select_rows(rule.row_scores(momentum), hp.fraction, hp.num_heads)
+                selected = rule.take_selected(momentum, idx, hp.mu)
+                key = (tuple(selected.shape[1:]), selected.device, hp.ns_method, hp.ns_dtype)
+                batches[key].append((p, state, hp, idx, selected))
+        for entries in batches.values():
+            stacked = torch.cat([e[4] for e in entries]) if len(entries) > 1 else entries[0][4]
+            ortho = rule.orthogonalize_rows(stacked, entries[0][2]).split([e[4].shape[0] for e in entries])
+            for (p, state, hp, idx, _), block in zip(entries, ortho):
+                weight = matrix_view(p)
+                rule.finish_update(weight, state["variance"], idx, block, hp, weight.shape[-2], weight.shape[-1])
+        return loss

@@ -1,0 +1,310 @@
+"""Orthogonalization: Newton-Schulz and Gram Newton-Schulz, batched, any dtype.
+
+Both iterate X <- p(X X^T) X with p(A) = a I + b A + c A^2 for a schedule of (a, b, c).
+Standard NS works on the s x L matrix itself (s <= L); Gram NS iterates on the s x s Gram matrix
+and applies the accumulated polynomial to X once at the end (and once at the restart), which is
+cheaper when L >> s and makes every intermediate product symmetric.
+
+Matrix products go through a :class:`MatmulBackend` so GPU kernels (symmetric GEMMs) can be
+plugged in without touching the callers; the default backend is plain torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+Coefficients = Sequence[tuple[float, float, float]]
+
+# Polar Express (arXiv 2505.16932), 5 steps, before the safety factor is applied.
+POLAR_EXPRESS_RAW: tuple[tuple[float, float, float], ...] = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+)
+# Keller Jordan's constant quintic: the Muon baseline.
+KELLER_QUINTIC: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+
+GRAM_SAFETY = 1.05
+STANDARD_SAFETY = 1.01
+
+
+def polar_express_coefficients(safety: float = GRAM_SAFETY) -> list[tuple[float, float, float]]:
+    """Polar Express schedule scaled by a safety factor s as (a/s, b/s^3, c/s^5).
+
+    The factor keeps singular values that rounding pushed slightly above 1 from diverging.
+    """
+    if safety < 1.0:
+        raise ValueError(f"safety must be >= 1, got {safety}")
+    s = safety
+    return [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_RAW]
+
+
+def keller_coefficients(steps: int = 5) -> list[tuple[float, float, float]]:
+    """Keller Jordan's quintic repeated ``steps`` times (Muon's schedule)."""
+    return [KELLER_QUINTIC] * steps
+
+
+# --------------------------------------------------------------------------------------------
+# Matmul backend: the three product forms every NS variant needs.
+
+
+def _torch_matmul(
+    a: torch.Tensor, b: torch.Tensor, alpha: float, beta: float, c: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """alpha * a @ b + beta * c."""
+    if c is None:
+        out = torch.matmul(a, b)
+        return out if alpha == 1.0 else out.mul_(alpha)
+    if a.dim() == 3:
+        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+    return torch.addmm(c, a, b, beta=beta, alpha=alpha)
+
+
+def _torch_gram(x: torch.Tensor, alpha: float, beta: float, c: Optional[torch.Tensor]) -> torch.Tensor:
+    """alpha * x @ x^T + beta * c (symmetric result)."""
+    return _torch_matmul(x, x.mT, alpha, beta, c)
+
+
+@dataclass(frozen=True)
+class MatmulBackend:
+    """The products of (Gram) Newton-Schulz, on 3-D batched operands.
+
+    gram(x, alpha, beta, c)          = alpha * x @ x^T + beta * c       (result symmetric)
+    symmetric(a, b, alpha, beta, c)  = alpha * a @ b + beta * c         (a, b symmetric and commuting,
+                                                                         so the result is symmetric)
+    matmul(a, b, alpha, beta, c)     = alpha * a @ b + beta * c         (general)
+    A kernel backend may compute one triangle for ``gram`` and ``symmetric`` and mirror it.
+    """
+
+    name: str
+    gram: Callable[[torch.Tensor, float, float, Optional[torch.Tensor]], torch.Tensor]
+    symmetric: Callable[
+        [torch.Tensor, torch.Tensor, float, float, Optional[torch.Tensor]], torch.Tensor
+    ]
+    matmul: Callable[[torch.Tensor, torch.Tensor, float, float, Optional[torch.Tensor]], torch.Tensor]
+
+
+TORCH_BACKEND = MatmulBackend("torch", _torch_gram, _torch_matmul, _torch_matmul)
+
+_BACKENDS: dict[str, MatmulBackend] = {"torch": TORCH_BACKEND}
+# Chooses a backend for an operand (s x L batch) when none is forced; kernels register one.
+_AUTO_SELECTOR: Optional[Callable[[torch.Tensor], Optional[MatmulBackend]]] = None
+_FORCED: Optional[str] = None
+
+
+def register_backend(backend: MatmulBackend, selector: Optional[Callable] = None) -> None:
+    """Make ``backend`` available by name; ``selector(x)`` may claim operands for "auto" dispatch."""
+    global _AUTO_SELECTOR
+    _BACKENDS[backend.name] = backend
+    if selector is not None:
+        _AUTO_SELECTOR = selector
+
+
+_KERNELS_LOADED = False
+
+
+def _load_kernels() -> None:
+    """Import dion3_megatron.kernels once (it registers the "cutedsl" backend and its selector).
+
+    The package imports cleanly without nvidia-cutlass-dsl; any other failure leaves torch in charge.
+    """
+    global _KERNELS_LOADED
+    if _KERNELS_LOADED:
+        return
+    _KERNELS_LOADED = True
+    try:
+        import dion3_megatron.kernels  # noqa: F401
+    except Exception:  # pragma: no cover - a broken optional install must not break the optimizer
+        pass
+
+
+def set_backend(name: str) -> None:
+    """Force a backend by name for every call, or "auto" to let the registered selector decide."""
+    global _FORCED
+    if name != "auto" and name not in _BACKENDS:
+        _load_kernels()
+    if name != "auto" and name not in _BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(_BACKENDS)}, got {name!r}")
+    _FORCED = None if name == "auto" else name
+
+
+def get_backend(x: torch.Tensor) -> MatmulBackend:
+    """The backend that will run products for operand ``x``."""
+    if _FORCED is not None:
+        return _BACKENDS[_FORCED]
+    if _AUTO_SELECTOR is None and x.is_cuda:
+        _load_kernels()
+    if _AUTO_SELECTOR is not None:
+        chosen = _AUTO_SELECTOR(x)
+        if chosen is not None:
+            return chosen
+    return TORCH_BACKEND
+
+
+# --------------------------------------------------------------------------------------------
+# Shared pre/post-processing.
+
+
+def _as_wide_batch(g: torch.Tensor) -> tuple[torch.Tensor, bool, torch.Size]:
+    """View g (..., r, c) as a 3-D batch of wide matrices (s <= L); returns (x, transposed, shape)."""
+    if g.dim() < 2:
+        raise ValueError(f"orthogonalization needs a matrix or a batch of matrices, got shape {tuple(g.shape)}")
+    shape = g.shape
+    x = g.reshape(-1, shape[-2], shape[-1])
+    transposed = shape[-2] > shape[-1]
+    if transposed:
+        x = x.mT
+    return x, transposed, shape
+
+
+def _normalized(x: torch.Tensor, dtype: torch.dtype, norm_factor: float, eps: float) -> torch.Tensor:
+    """x / (norm_factor * ||x||_F + eps) per matrix, computed in fp32 (fp64 for fp64), then cast."""
+    work = torch.float64 if x.dtype == torch.float64 or dtype == torch.float64 else torch.float32
+    xw = x.to(work)
+    norm = torch.linalg.matrix_norm(xw, ord="fro", keepdim=True)
+    return (xw / (norm * norm_factor + eps)).to(dtype)
+
+
+def _restore(out: torch.Tensor, transposed: bool, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    if transposed:
+        out = out.mT
+    return out.reshape(shape).to(dtype)
+
+
+def _add_identity(m: torch.Tensor, scale: float) -> torch.Tensor:
+    m.diagonal(dim1=-2, dim2=-1).add_(scale)
+    return m
+
+
+# --------------------------------------------------------------------------------------------
+# The two iterations.
+
+
+def newton_schulz(
+    g: torch.Tensor,
+    coefficients: Optional[Coefficients] = None,
+    dtype: torch.dtype = torch.float16,
+    norm_factor: float = STANDARD_SAFETY,
+    eps: float = 1e-7,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """Standard Newton-Schulz: X <- a X + (b A + c A^2) X, A = X X^T, on each matrix of ``g``.
+
+    g: (..., rows, cols), tall or wide. Computes in ``dtype``; returns ``out_dtype`` (default g's).
+    Default schedule: Polar Express with safety 1.01, input normalised by 1.01 * ||g||_F.
+    """
+    coefficients = polar_express_coefficients(STANDARD_SAFETY) if coefficients is None else coefficients
+    x, transposed, shape = _as_wide_batch(g)
+    x = _normalized(x, dtype, norm_factor, eps)
+    mm = get_backend(x)
+    for a, b, c in coefficients:
+        gram = mm.gram(x, 1.0, 0.0, None)
+        poly = mm.symmetric(gram, gram, c, b, gram)  # b A + c A^2
+        x = mm.matmul(poly, x, 1.0, a, x)  # a X + (b A + c A^2) X
+    return _restore(x, transposed, shape, out_dtype or g.dtype)
+
+
+def gram_newton_schulz(
+    g: torch.Tensor,
+    coefficients: Optional[Coefficients] = None,
+    dtype: torch.dtype = torch.float16,
+    norm_factor: float = 1.0,
+    eps: float = 1e-7,
+    restarts: Sequence[int] = (2,),
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """Gram Newton-Schulz: the same polynomial iterated on R = X X^T, applied to X at the end.
+
+    One restart (at iteration 2 by default) re-forms X and R from the accumulated polynomial Q,
+    which stops rounding-born negative eigenvalues of R from growing in half precision.
+    Square matrices gain nothing from the Gram form and take :func:`newton_schulz`.
+    Default schedule: Polar Express with safety 1.05; input normalised by ||g||_F.
+    """
+    if g.dim() >= 2 and g.shape[-1] == g.shape[-2]:
+        if coefficients is None:  # the standard path's own schedule and normalisation
+            return newton_schulz(g, dtype=dtype, eps=eps, out_dtype=out_dtype)
+        return newton_schulz(g, coefficients, dtype, norm_factor, eps, out_dtype)
+    coefficients = polar_express_coefficients(GRAM_SAFETY) if coefficients is None else coefficients
+    x, transposed, shape = _as_wide_batch(g)
+    x = _normalized(x, dtype, norm_factor, eps)
+    mm = get_backend(x)
+    steps = len(coefficients)
+    restart_set = set(restarts)
+    r = mm.gram(x, 1.0, 0.0, None)
+    q: Optional[torch.Tensor] = None
+    for i, (a, b, c) in enumerate(coefficients):
+        if i in restart_set and q is not None:
+            x = mm.matmul(q, x, 1.0, 0.0, None)
+            r = mm.gram(x, 1.0, 0.0, None)
+            q = None
+        # Z = b R + c R^2; a*I stays out of Z so half precision does not lose b R + c R^2 under it.
+        z = mm.symmetric(r, r, c, b, r)
+        q = _add_identity(z.clone(), a) if q is None else mm.symmetric(q, z, 1.0, a, q)
+        if i < steps - 1 and (i + 1) not in restart_set:
+            rz = mm.symmetric(r, z, 1.0, a, r)  # (Z + aI) R
+            r = mm.symmetric(z, rz, 1.0, a, rz)  # (Z + aI) R (Z + aI)
+    assert q is not None
+    x = mm.matmul(q, x, 1.0, 0.0, None)
+    return _restore(x, transposed, shape, out_dtype or g.dtype)
+
+
+ORTHOGONALIZERS = {"gram": gram_newton_schulz, "standard": newton_schulz}
+
+
+def default_ns_dtype(device: torch.device) -> torch.dtype:
+    """fp16 on GPUs (keeps the Gram matrix accurate); fp32 elsewhere, since CPUs have no fast
+    half-precision matmul (fp16 there is ~100x slower than fp32) and fp32 only rounds less."""
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
+def orthogonalize(
+    g: torch.Tensor,
+    method: str = "gram",
+    dtype: Optional[torch.dtype] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """Orthogonalize each matrix of ``g`` with the named method and its default schedule.
+
+    dtype: compute dtype; None picks :func:`default_ns_dtype` for g's device.
+    """
+    try:
+        fn = ORTHOGONALIZERS[method]
+    except KeyError:
+        raise ValueError(f"ns method must be one of {sorted(ORTHOGONALIZERS)}, got {method!r}") from None
+    return fn(g, dtype=dtype or default_ns_dtype(g.device), out_dtype=out_dtype)
+
+
+def ns_flops(s: int, length: int, method: str = "gram", steps: int = 5) -> float:
+    """Matmul FLOPs of one s x L orthogonalization (s <= L), symmetric products at half cost.
+
+    standard: 5 (3 s^2 L + s^3) for 5 steps; gram with one restart: 6 s^2 L + 14 s^3.
+    """
+    s, length = min(s, length), max(s, length)
+    if method == "standard":
+        return steps * (3 * s * s * length + s**3)
+    if method == "gram":
+        return 6 * s * s * length + 14 * s**3
+    raise ValueError(f"method must be 'gram' or 'standard', got {method!r}")
+
+
+__all__ = [
+    "POLAR_EXPRESS_RAW",
+    "KELLER_QUINTIC",
+    "polar_express_coefficients",
+    "keller_coefficients",
+    "MatmulBackend",
+    "TORCH_BACKEND",
+    "register_backend",
+    "set_backend",
+    "get_backend",
+    "newton_schulz",
+    "gram_newton_schulz",
+    "default_ns_dtype",
+    "orthogonalize",
+    "ns_flops",
+]

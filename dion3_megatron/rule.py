@@ -1,0 +1,240 @@
+"""The Dion3 update rule on batches of same-shape matrices: pure tensor math, no communication.
+
+Per matrix W (n_rows x n_cols) with gradient G, momentum M (fp32) and per-row variance V (fp32):
+
+    M += G
+    S = top-k rows of M by L1 norm (k = max(1, ceil(f * rows)), per head if num_heads is given)
+    U = M[S];  M[S] *= mu                        # error feedback: only applied rows decay
+    O = orthogonalize(U)
+    v = beta2 V[S] + (1 - beta2) mean(O^2, -1);  V[S] = v
+    On = O / (sqrt(v) + eps);  On *= ||O||_F / max(||On||_F, eps)
+    W *= 1 - lr wd;  W[S] -= lr * scale * On
+
+The stages are separate functions so the distributed engine can run the row-local ones where the
+rows live and the orthogonalization on an owner rank. Every tensor here is a batch: matrices are
+(B, n_rows, n_cols), per-row quantities (B, n_rows), row indices (B, k).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .ortho import orthogonalize
+
+ADJUST_LR_CHOICES = ("spectral_norm", "rms_norm")
+NS_METHODS = ("gram", "standard")
+NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class Dion3Hyperparameters:
+    """Everything the rule needs for one matrix besides its tensors."""
+
+    lr: float = 0.01
+    fraction: float = 0.25
+    mu: float = 0.95
+    beta2: float = 0.95
+    weight_decay: float = 0.01
+    eps: float = 1e-8
+    adjust_lr: str = "spectral_norm"
+    scale_lr_by_fraction: bool = False
+    num_heads: Optional[int] = None
+    ns_method: str = "gram"
+    ns_dtype: Optional[torch.dtype] = None  # None: fp16 on GPUs, fp32 on CPU (ortho.default_ns_dtype)
+
+
+def check_hyperparameters(where: str, **values) -> None:
+    """Raise ValueError naming ``where`` and the parameter when a Dion3 value is out of range."""
+
+    def bad(name: str, expected: str) -> ValueError:
+        return ValueError(f"{where}: {name} must be {expected}, got {values[name]!r}")
+
+    checks = {
+        "lr": (lambda v: isinstance(v, (int, float)) and v >= 0, ">= 0"),
+        "fraction": (lambda v: isinstance(v, (int, float)) and 0 < v <= 1, "in (0, 1]"),
+        "mu": (lambda v: isinstance(v, (int, float)) and 0 <= v < 1, "in [0, 1)"),
+        "beta2": (lambda v: isinstance(v, (int, float)) and 0 <= v < 1, "in [0, 1)"),
+        "weight_decay": (lambda v: isinstance(v, (int, float)) and v >= 0, ">= 0"),
+        "eps": (lambda v: isinstance(v, (int, float)) and v > 0, "> 0"),
+        "adjust_lr": (lambda v: v in ADJUST_LR_CHOICES, f"one of {ADJUST_LR_CHOICES}"),
+        "scale_lr_by_fraction": (lambda v: isinstance(v, bool), "a bool"),
+        "num_heads": (lambda v: v is None or (isinstance(v, int) and v > 0), "None or a positive int"),
+        "ns_method": (lambda v: v in NS_METHODS, f"one of {NS_METHODS}"),
+        "ns_dtype": (lambda v: v is None or v in NS_DTYPES.values(), f"None or one of {list(NS_DTYPES)}"),
+    }
+    for name, value in values.items():
+        if name in checks and not checks[name][0](value):
+            raise bad(name, checks[name][1])
+
+
+# --------------------------------------------------------------------------------------------
+# Row selection.
+
+
+def selected_row_count(n_rows: int, fraction: float, num_heads: Optional[int] = None) -> int:
+    """Rows selected per matrix: max(1, ceil(f * rows)), taken per head when num_heads is given."""
+    if num_heads is None:
+        return max(1, math.ceil(fraction * n_rows))
+    if n_rows % num_heads:
+        raise ValueError(f"num_heads={num_heads} does not divide the matrix's {n_rows} rows")
+    return num_heads * max(1, math.ceil(fraction * (n_rows // num_heads)))
+
+
+def row_scores(m: torch.Tensor) -> torch.Tensor:
+    """L1 norm of every row: (B, n, c) -> (B, n), fp32. Partial column blocks' scores add up."""
+    return m.abs().sum(dim=-1, dtype=torch.float32)
+
+
+def select_rows(scores: torch.Tensor, fraction: float, num_heads: Optional[int] = None) -> torch.Tensor:
+    """Indices (B, k), ascending, of the top rows by score; ties go to the lower index.
+
+    A stable descending sort keeps equal scores in index order, so every rank picks the same rows.
+    """
+    batch, n_rows = scores.shape
+    k = selected_row_count(n_rows, fraction, num_heads)
+    if num_heads is None:
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        chosen = order[:, :k]
+    else:
+        head_dim = n_rows // num_heads
+        per_head = k // num_heads
+        order = torch.sort(scores.view(batch, num_heads, head_dim), dim=-1, descending=True, stable=True).indices
+        offsets = torch.arange(num_heads, device=scores.device).view(1, -1, 1) * head_dim
+        chosen = (order[:, :, :per_head] + offsets).reshape(batch, k)
+    return torch.sort(chosen, dim=-1).values
+
+
+def _row_index(idx: torch.Tensor, n_cols: int) -> torch.Tensor:
+    return idx.unsqueeze(-1).expand(-1, -1, n_cols)
+
+
+def gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """t[b, idx[b], :] for every b: (B, n, c), (B, k) -> (B, k, c)."""
+    return torch.gather(t, 1, _row_index(idx, t.shape[-1]))
+
+
+def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float) -> torch.Tensor:
+    """Copy out the selected rows of the momentum, then decay them there by mu (error feedback)."""
+    selected = gather_rows(momentum, idx)
+    momentum.scatter_(1, _row_index(idx, momentum.shape[-1]), selected * mu)
+    return selected
+
+
+# --------------------------------------------------------------------------------------------
+# NorMuon normalization and the weight update.
+
+
+def normalize_rows(
+    ortho: torch.Tensor, variance_selected: torch.Tensor, beta2: float, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NorMuon: divide each row by its running RMS, then restore the block's Frobenius norm.
+
+    ortho (B, k, c) fp32, variance_selected (B, k). Returns (normalized block, new variance rows).
+    """
+    variance = variance_selected * beta2 + ortho.square().mean(dim=-1) * (1 - beta2)
+    normalized = ortho / (variance.sqrt() + eps).unsqueeze(-1)
+    before = torch.linalg.matrix_norm(ortho, keepdim=True)
+    after = torch.linalg.matrix_norm(normalized, keepdim=True).clamp_min(eps)
+    return normalized * (before / after), variance
+
+
+def update_scale(
+    n_rows: int,
+    n_cols: int,
+    adjust_lr: str = "spectral_norm",
+    fraction: float = 1.0,
+    scale_lr_by_fraction: bool = False,
+) -> float:
+    """Multiplier of lr for the orthogonalized step of an n_rows x n_cols matrix.
+
+    spectral_norm: sqrt(rows / cols).  rms_norm: 0.2 sqrt(max(rows, cols)), which makes AdamW's
+    lr and weight decay transfer. Optionally 1/sqrt(f), keeping the step's norm as f shrinks.
+    """
+    if adjust_lr == "spectral_norm":
+        scale = math.sqrt(n_rows / n_cols)
+    elif adjust_lr == "rms_norm":
+        scale = 0.2 * math.sqrt(max(n_rows, n_cols))
+    else:
+        raise ValueError(f"adjust_lr must be one of {ADJUST_LR_CHOICES}, got {adjust_lr!r}")
+    return scale / math.sqrt(fraction) if scale_lr_by_fraction else scale
+
+
+def apply_update(
+    weight: torch.Tensor, idx: torch.Tensor, step: torch.Tensor, lr: float, weight_decay: float, scale: float
+) -> None:
+    """W *= 1 - lr wd (every row, base lr); W[idx] -= lr * scale * step. weight (B, n, c)."""
+    if weight_decay:
+        weight.mul_(1 - lr * weight_decay)
+    weight.scatter_add_(1, _row_index(idx, weight.shape[-1]), (step * (-lr * scale)).to(weight.dtype))
+
+
+def finish_update(
+    weight: torch.Tensor,
+    variance: torch.Tensor,
+    idx: torch.Tensor,
+    ortho: torch.Tensor,
+    hp: Dion3Hyperparameters,
+    n_rows: int,
+    n_cols: int,
+) -> None:
+    """Everything after the orthogonalization, for rows ``idx`` of (B, n, c) ``weight``.
+
+    n_rows, n_cols: the logical matrix's shape (a shard's weight may hold only some columns).
+    """
+    normalized, new_variance = normalize_rows(ortho, torch.gather(variance, 1, idx), hp.beta2, hp.eps)
+    variance.scatter_(1, idx, new_variance)
+    scale = update_scale(n_rows, n_cols, hp.adjust_lr, hp.fraction, hp.scale_lr_by_fraction)
+    apply_update(weight, idx, normalized, hp.lr, hp.weight_decay, scale)
+
+
+def dion3_step(
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    momentum: torch.Tensor,
+    variance: torch.Tensor,
+    hp: Dion3Hyperparameters,
+) -> None:
+    """One full Dion3 step on a (B, n, c) batch held whole in this process (the reference form)."""
+    momentum.add_(grad)
+    idx = select_rows(row_scores(momentum), hp.fraction, hp.num_heads)
+    selected = take_selected(momentum, idx, hp.mu)
+    ortho = orthogonalize_rows(selected, hp)
+    finish_update(weight, variance, idx, ortho, hp, weight.shape[-2], weight.shape[-1])
+
+
+def orthogonalize_rows(selected: torch.Tensor, hp: Dion3Hyperparameters) -> torch.Tensor:
+    """Orthogonalize a (B, k, c) batch of selected rows; fp32 out."""
+    return orthogonalize(selected, hp.ns_method, hp.ns_dtype, out_dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# AdamW for the parameters Dion3 does not take (biases, norms, embeddings, output head).
+
+
+def adamw_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """Decoupled-weight-decay Adam with bias correction; ``step`` counts from 1."""
+    beta1, beta2 = betas
+    g = grad.to(exp_avg.dtype)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias1 = 1 - beta1**step
+    bias2 = 1 - beta2**step
+    denom = (exp_avg_sq / bias2).sqrt_().add_(eps)
+    update = exp_avg / bias1 / denom
+    if weight_decay:
+        param.mul_(1 - lr * weight_decay)
+    param.add_(update.to(param.dtype), alpha=-lr)

@@ -1,0 +1,98 @@
+"""Train a small byte-level transformer with Dion3 on CPU (or a GPU when present) and print the loss.
+
+The corpus is the running Python's own standard-library sources: nothing to download.
+Usage: python examples/quickstart.py [--steps 200] [--fraction 0.25]
+"""
+
+import argparse
+import math
+import pathlib
+import sysconfig
+import time
+
+import torch
+
+from dion3_megatron import Dion3
+
+
+def stdlib_corpus(max_bytes: int = 4_000_000) -> torch.Tensor:
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
+
+
+class TinyGPT(torch.nn.Module):
+    def __init__(self, width: int = 128, layers: int = 2, heads: int = 4, context: int = 128):
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, width)
+        self.position = torch.nn.Parameter(torch.randn(context, width) * 0.02)
+        layer = torch.nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, 256, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[1]
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(n, device=tokens.device)
+        h = self.embed(tokens) + self.position[:n]
+        return self.head(self.norm(self.blocks(h, mask=mask, is_causal=True)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--fraction", type=float, default=0.25)
+    parser.add_argument("--lr", type=float, default=0.02)
+    args = parser.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    data = stdlib_corpus().to(device)
+    split = int(0.95 * len(data))
+    model = TinyGPT(context=args.context).to(device)
+    # Hidden-layer matrices take Dion3; embeddings, the output head and 1-D params take AdamW.
+    hidden = [p for n, p in model.named_parameters() if n.startswith("blocks") and p.dim() >= 2]
+    hidden_ids = {id(p) for p in hidden}
+    rest = [p for p in model.parameters() if id(p) not in hidden_ids]
+    opt = Dion3(
+        [{"params": hidden}, {"params": rest, "algorithm": "adamw", "lr": 3e-3}],
+        lr=args.lr,
+        fraction=args.fraction,
+    )
+
+    def batch(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(lo, hi - args.context - 1, (args.batch,), device=device)
+        rows = starts[:, None] + torch.arange(args.context + 1, device=device)
+        chunk = data[rows]
+        return chunk[:, :-1], chunk[:, 1:]
+
+    print(f"Dion3 fraction={args.fraction} on {device}: {sum(p.numel() for p in model.parameters())/1e6:.2f}M params, "
+          f"{len(data)/1e6:.1f}M bytes of stdlib source")
+    start = time.time()
+    for step in range(1, args.steps + 1):
+        tokens, targets = batch(0, split)
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 20 == 0 or step == 1:
+            rate = step * args.batch * args.context / (time.time() - start)
+            print(f"step {step:4d}  loss {loss.item():.3f}  ({rate:,.0f} tokens/s)", flush=True)
+    with torch.no_grad():
+        val = sum(
+            torch.nn.functional.cross_entropy(model(t).flatten(0, 1), y.flatten()).item()
+            for t, y in (batch(split, len(data)) for _ in range(10))
+        ) / 10
+    print(f"validation loss {val:.3f} ({val / math.log(2):.2f} bits/byte)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+from setuptools import find_packages, setup
+
+EXTRAS = {
+    "megatron": ["megatron-core==0.19.*"],
+    "deepspeed": ["deepspeed>=0.19,<0.20"],
+    "kernels": ["nvidia-cutlass-dsl>=4.8"],
+}
+# The tests exercise both integrations on CPU, so they need both frameworks.
+EXTRAS["test"] = ["pytest>=8", "numpy"] + EXTRAS["megatron"] + EXTRAS["deepspeed"]
+EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
+
+setup(
+    name="dion3-megatron",
+    version="0.1.0",
+    description="The Dion3 optimizer for Megatron-Core, DeepSpeed and PyTorch",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["dion3_megatron", "dion3_megatron.*"]),
+    python_requires=">=3.12",
+    install_requires=["torch>=2.4"],
+    extras_require=EXTRAS,
+    license="Apache-2.0",
+)

@@ -1,0 +1,231 @@
+"""Dion3 as a torch.optim.Optimizer: batching, tensor layouts, checkpoints, bad input."""
+
+import copy
+import io
+
+import pytest
+import torch
+
+from dion3_megatron import Dion3, rule
+
+
+def step_with(params, grads, **kwargs):
+    opt = Dion3(params, **kwargs)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.step()
+    return opt
+
+
+def test_same_shape_matrices_are_orthogonalized_as_one_batch(generator, monkeypatch):
+    shapes = [(16, 32)] * 3 + [(32, 16)] * 2 + [(20, 20)]
+    data = [torch.randn(s, generator=generator) for s in shapes]
+    grads = [torch.randn(s, generator=generator) for s in shapes]
+    calls = []
+    original = rule.orthogonalize_rows
+    monkeypatch.setattr(rule, "orthogonalize_rows", lambda x, hp: calls.append(tuple(x.shape)) or original(x, hp))
+    together = [torch.nn.Parameter(d.clone()) for d in data]
+    step_with(together, grads, fraction=0.5, ns_dtype=torch.float64)
+    # Selected blocks: 8x32 (x3), 16x16 (x2), 10x20 (x1): one call per distinct block shape.
+    assert sorted(calls) == sorted([(3, 8, 32), (2, 16, 16), (1, 10, 20)])
+    monkeypatch.setattr(rule, "orthogonalize_rows", original)
+    for d, g, p in zip(data, grads, together):
+        alone = torch.nn.Parameter(d.clone())
+        step_with([alone], [g], fraction=0.5, ns_dtype=torch.float64)
+        torch.testing.assert_close(p, alone, rtol=1e-6, atol=1e-7)
+
+
+def test_3d_tensor_is_a_batch_of_matrices(generator):
+    experts = torch.randn(4, 12, 20, generator=generator)
+    grad = torch.randn(4, 12, 20, generator=generator)
+    p = torch.nn.Parameter(experts.clone())
+    opt = step_with([p], [grad], fraction=0.25, ns_dtype=torch.float64)
+    assert opt.state[p]["variance"].shape == (4, 12)
+    for e in range(4):
+        alone = torch.nn.Parameter(experts[e].clone())
+        step_with([alone], [grad[e]], fraction=0.25, ns_dtype=torch.float64)
+        torch.testing.assert_close(p[e], alone, rtol=1e-6, atol=1e-7)
+
+
+def test_conv_weight_flattens_to_a_matrix(generator):
+    conv = torch.randn(8, 3, 3, 3, generator=generator)
+    grad = torch.randn(8, 3, 3, 3, generator=generator)
+    p = torch.nn.Parameter(conv.clone())
+    step_with([p], [grad], fraction=0.5, ns_dtype=torch.float64)
+    flat = torch.nn.Parameter(conv.reshape(8, 27).clone())
+    step_with([flat], [grad.reshape(8, 27)], fraction=0.5, ns_dtype=torch.float64)
+    torch.testing.assert_close(p.reshape(8, 27), flat, rtol=1e-6, atol=1e-7)
+
+
+def test_fraction_and_algorithm_per_group(generator):
+    a = torch.nn.Parameter(torch.randn(16, 8, generator=generator))
+    b = torch.nn.Parameter(torch.randn(16, 8, generator=generator))
+    c = torch.nn.Parameter(torch.randn(16, 8, generator=generator))
+    opt = Dion3(
+        [{"params": [a], "fraction": 0.25}, {"params": [b], "fraction": 0.5}, {"params": [c], "algorithm": "adamw"}],
+        weight_decay=0.0,
+    )
+    before = [t.detach().clone() for t in (a, b, c)]
+    for t in (a, b, c):
+        t.grad = torch.randn(16, 8, generator=generator)
+    opt.step()
+    moved = [int(((t.detach() - t0).abs().sum(1) > 0).sum()) for t, t0 in zip((a, b, c), before)]
+    assert moved == [4, 8, 16]
+    assert set(opt.state[c]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+class TinyModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.up = torch.nn.Linear(16, 48)
+        self.experts = torch.nn.Parameter(torch.randn(2, 16, 48) * 0.1)
+        self.down = torch.nn.Linear(48, 32)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        h = torch.relu(self.up(h)) + torch.einsum("bd,edf->bf", h, self.experts)
+        return self.down(h)
+
+
+def make_model_and_optimizer(seed=0):
+    torch.manual_seed(seed)
+    model = TinyModel()
+    matrices = [model.up.weight, model.experts, model.down.weight]
+    others = [model.embed.weight, model.up.bias, model.down.bias]
+    opt = Dion3(
+        [{"params": matrices}, {"params": others, "algorithm": "adamw", "lr": 3e-3}], lr=0.02, fraction=0.25
+    )
+    return model, opt
+
+
+def train(model, opt, batches):
+    losses = []
+    for tokens, targets in batches:
+        loss = torch.nn.functional.cross_entropy(model(tokens), targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def random_batches(generator, count):
+    return [
+        (torch.randint(0, 32, (64,), generator=generator), torch.randint(0, 32, (64,), generator=generator))
+        for _ in range(count)
+    ]
+
+
+def test_state_dict_round_trip_continues_bit_identically(generator):
+    model, opt = make_model_and_optimizer()
+    batches = random_batches(generator, 6)
+    train(model, opt, batches[:3])
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    train(model, opt, batches[3:])
+
+    resumed, resumed_opt = make_model_and_optimizer(seed=1)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["opt"])
+    train(resumed, resumed_opt, batches[3:])
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_state_stays_fp32_for_bf16_params(generator):
+    p = torch.nn.Parameter(torch.randn(8, 16, generator=generator).bfloat16())
+    opt = step_with([p], [torch.randn(8, 16, generator=generator).bfloat16()])
+    fresh = Dion3([p])
+    fresh.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert fresh.state[p]["momentum"].dtype == torch.float32
+    assert torch.equal(fresh.state[p]["momentum"], opt.state[p]["momentum"])
+
+
+def test_mismatched_checkpoint_is_refused_whole(generator):
+    model, opt = make_model_and_optimizer()
+    train(model, opt, random_batches(generator, 1))
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][1]["momentum"] = torch.zeros(2, 16, 47)
+    other_model, other = make_model_and_optimizer()
+    train(other_model, other, random_batches(generator, 1))
+    before = copy.deepcopy(other.state_dict())
+    with pytest.raises(ValueError, match="does not match"):
+        other.load_state_dict(sd)
+    after = other.state_dict()
+    for pid, state in before["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, after["state"][pid][key])
+    with pytest.raises(ValueError, match="param groups"):
+        Dion3([torch.nn.Parameter(torch.randn(4, 4))]).load_state_dict(sd)
+
+
+def test_dion3_lowers_the_loss_of_a_small_model(generator):
+    model, opt = make_model_and_optimizer()
+    tokens = torch.randint(0, 32, (256,), generator=generator)
+    targets = (tokens * 7 + 3) % 32  # a learnable mapping
+    losses = train(model, opt, [(tokens, targets)] * 60)
+    assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(fraction=0.0), "fraction"),
+        (dict(fraction=1.5), "fraction"),
+        (dict(lr=-0.1), "lr"),
+        (dict(mu=1.0), "mu"),
+        (dict(mu=-0.5), "mu"),
+        (dict(beta2=1.0), "beta2"),
+        (dict(adjust_lr="spectral"), "adjust_lr"),
+        (dict(ns_method="svd"), "ns_method"),
+        (dict(betas=(0.9, 1.2)), "betas"),
+        (dict(weight_decay=-1.0), "weight_decay"),
+    ],
+)
+def test_bad_hyperparameters_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=f"param group 0: {match}"):
+        Dion3([torch.nn.Parameter(torch.randn(4, 4))], **kwargs)
+
+
+def test_bad_groups_are_refused():
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    b = torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(ValueError, match="param group 1: algorithm must be"):
+        Dion3([{"params": [w]}, {"params": [b], "algorithm": "sgd"}])
+    with pytest.raises(ValueError, match="param group 0: algorithm 'dion3' needs tensors with >= 2 dims"):
+        Dion3([{"params": [b], "algorithm": "dion3"}])
+    with pytest.raises(ValueError, match="param group 1: fraction"):
+        Dion3([{"params": [w]}, {"params": [b], "fraction": 2}])
+
+
+def test_sparse_gradient_is_refused():
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    opt = Dion3(embedding.parameters())
+    embedding(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="param group 0: Dion3 does not support sparse gradients"):
+        opt.step()
+
+
+@pytest.mark.parametrize("bad_value", [float("inf"), float("nan")])
+@pytest.mark.parametrize("where", ["matrix", "bias"])
+def test_non_finite_gradient_skips_the_whole_step(bad_value, where, generator):
+    model, opt = make_model_and_optimizer()
+    train(model, opt, random_batches(generator, 2))
+    weights = copy.deepcopy(model.state_dict())
+    state = copy.deepcopy(opt.state_dict())
+    tokens, targets = random_batches(generator, 1)[0]
+    torch.nn.functional.cross_entropy(model(tokens), targets).backward()
+    (model.up.weight if where == "matrix" else model.down.bias).grad.view(-1)[3] = bad_value
+    with pytest.warns(RuntimeWarning, match="non-finite gradient, step skipped"):
+        opt.step()
+    assert opt.skipped_steps == 1
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    after = opt.state_dict()
+    for pid, s in state["state"].items():
+        for key, value in s.items():
+            assert torch.equal(value, after["state"][pid][key]), (pid, key)
+    assert after["skipped_steps"] == 1

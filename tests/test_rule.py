@@ -1,0 +1,149 @@
+"""The Dion3 rule: NorMuon at fraction 1, row selection, error feedback, lr scaling."""
+
+import math
+
+import pytest
+import torch
+
+from dion3_megatron import Dion3, ortho, rule
+
+
+def normuon_reference(weights, grads_per_step, lr, mu, beta2, wd, eps):
+    """Plain NorMuon with heavy-ball momentum, in fp64, one matrix at a time."""
+    weights = [w.double().clone() for w in weights]
+    buffers = [torch.zeros_like(w) for w in weights]
+    variances = [torch.zeros(w.shape[0], dtype=torch.float64) for w in weights]
+    coefficients = ortho.polar_express_coefficients(ortho.GRAM_SAFETY)
+    for grads in grads_per_step:
+        for i, g in enumerate(grads):
+            buffers[i] = mu * buffers[i] + g.double()
+            if buffers[i].shape[0] == buffers[i].shape[1]:  # square matrices take standard NS's own schedule
+                o = ortho.newton_schulz(buffers[i], dtype=torch.float64)
+            else:
+                o = ortho.newton_schulz(buffers[i], coefficients, dtype=torch.float64, norm_factor=1.0)
+            variances[i] = beta2 * variances[i] + (1 - beta2) * (o**2).mean(dim=1)
+            on = o / (variances[i].sqrt() + eps)[:, None]
+            on = on * o.norm() / on.norm()
+            n, m = weights[i].shape
+            weights[i] = weights[i] * (1 - lr * wd) - lr * math.sqrt(n / m) * on
+    return weights
+
+
+def test_fraction_one_is_normuon_with_heavy_ball(generator):
+    shapes = [(24, 64), (64, 24), (24, 64), (40, 40)]
+    weights = [torch.randn(s, generator=generator) for s in shapes]
+    grads = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(4)]
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    opt = Dion3(params, lr=0.05, fraction=1.0, mu=0.9, beta2=0.95, weight_decay=0.1, ns_dtype=torch.float64)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    expected = normuon_reference(weights, grads, 0.05, 0.9, 0.95, 0.1, 1e-8)
+    for p, e in zip(params, expected):
+        assert ((p.double() - e).norm() / e.norm()).item() <= 1e-6
+
+
+def test_only_selected_rows_move_and_the_rest_accumulate(generator):
+    n, m, f, lr, wd, mu = 32, 48, 0.25, 0.1, 0.05, 0.9
+    w0 = torch.randn(n, m, generator=generator)
+    p = torch.nn.Parameter(w0.clone())
+    opt = Dion3([p], lr=lr, fraction=f, mu=mu, weight_decay=wd)
+    g1 = torch.randn(n, m, generator=generator)
+    p.grad = g1.clone()
+    opt.step()
+    k = math.ceil(f * n)
+    chosen = torch.topk(g1.abs().sum(1), k).indices
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[chosen] = True
+    decayed = w0 * (1 - lr * wd)
+    assert torch.equal(p[~mask].detach(), decayed[~mask])
+    assert (p[mask].detach() - decayed[mask]).abs().amax(dim=1).min() > 1e-4
+    momentum = opt.state[p]["momentum"]
+    assert torch.equal(momentum[~mask], g1[~mask])
+    assert torch.allclose(momentum[mask], mu * g1[mask])
+    variance = opt.state[p]["variance"].view(-1)
+    assert torch.all(variance[~mask] == 0) and torch.all(variance[mask] > 0)
+    # Second step: unselected rows keep accumulating untouched.
+    g2 = torch.randn(n, m, generator=generator)
+    p.grad = g2.clone()
+    before = momentum.clone()
+    opt.step()
+    chosen2 = torch.topk((before + g2).abs().sum(1), k).indices
+    untouched = torch.ones(n, dtype=torch.bool)
+    untouched[chosen2] = False
+    assert torch.equal(momentum[untouched], (before + g2)[untouched])
+
+
+def test_per_head_selection_takes_k_rows_in_every_head(generator):
+    heads, head_dim = 4, 8
+    scores = torch.rand(2, heads * head_dim, generator=generator)
+    scores[:, :head_dim] += 10  # head 0 dominates: a global top-k would take only its rows
+    idx = rule.select_rows(scores, 0.25, num_heads=heads)
+    assert idx.shape == (2, heads * 2)
+    for b in range(2):
+        per_head = (idx[b] // head_dim).bincount(minlength=heads)
+        assert per_head.tolist() == [2] * heads
+        for h in range(heads):
+            block = scores[b, h * head_dim : (h + 1) * head_dim]
+            expected = torch.topk(block, 2).indices + h * head_dim
+            assert set(idx[b][idx[b] // head_dim == h].tolist()) == set(expected.tolist())
+    global_idx = rule.select_rows(scores, 0.25)
+    assert torch.all(global_idx < head_dim)
+
+
+def test_ties_break_by_index():
+    scores = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, 3.0, 0.5, 3.0]])
+    assert rule.select_rows(scores, 0.25).tolist() == [[1, 2]]
+    assert rule.select_rows(torch.ones(3, 10), 0.3).tolist() == [[0, 1, 2]] * 3
+    assert rule.select_rows(torch.zeros(1, 5), 0.01).tolist() == [[0]]  # k is at least 1
+
+
+def test_selected_row_count():
+    assert rule.selected_row_count(100, 0.25) == 25
+    assert rule.selected_row_count(10, 0.125) == 2
+    assert rule.selected_row_count(3, 0.01) == 1
+    assert rule.selected_row_count(64, 0.125, num_heads=4) == 8
+    assert rule.selected_row_count(64, 0.01, num_heads=4) == 4
+    with pytest.raises(ValueError, match="num_heads"):
+        rule.selected_row_count(10, 0.5, num_heads=3)
+
+
+def test_update_scale_modes():
+    assert rule.update_scale(64, 16) == pytest.approx(2.0)
+    assert rule.update_scale(64, 16, "rms_norm") == pytest.approx(0.2 * 8)
+    assert rule.update_scale(64, 16, fraction=0.25, scale_lr_by_fraction=True) == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="adjust_lr"):
+        rule.update_scale(4, 4, "max")
+
+
+@pytest.mark.parametrize("adjust_lr,scale_by_f", [("spectral_norm", False), ("rms_norm", False), ("spectral_norm", True)])
+def test_step_norm_follows_the_scale(adjust_lr, scale_by_f, generator):
+    n, m, f, lr = 48, 16, 0.25, 0.01
+    p = torch.nn.Parameter(torch.randn(n, m, generator=generator))
+    w0 = p.detach().clone()
+    opt = Dion3([p], lr=lr, fraction=f, weight_decay=0.0, adjust_lr=adjust_lr, scale_lr_by_fraction=scale_by_f,
+                ns_dtype=torch.float64)
+    g = torch.randn(n, m, generator=generator)
+    p.grad = g.clone()
+    opt.step()
+    k = rule.selected_row_count(n, f)
+    rows = torch.sort(torch.topk(g.abs().sum(1), k).indices).values
+    # NorMuon keeps the orthogonalized block's Frobenius norm, so the step's norm is lr*scale*||O||.
+    ortho_norm = ortho.gram_newton_schulz(g[rows].double(), dtype=torch.float64).norm()
+    expected = lr * rule.update_scale(n, m, adjust_lr, f, scale_by_f) * ortho_norm
+    assert (p.detach() - w0).norm().item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_adamw_path_matches_torch_adamw(generator):
+    data = torch.randn(37, generator=generator)
+    ours = torch.nn.Parameter(data.clone())
+    ref = torch.nn.Parameter(data.clone())
+    opt = Dion3([ours], lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW([ref], lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
+    for _ in range(5):
+        g = torch.randn(37, generator=generator)
+        ours.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-7)
