@@ -1,0 +1,231 @@
+"""The megabatch engine: sharded Dion3 over gloo equals the single-process optimizer on full
+matrices, with a constant number of collectives per shape and no full-matrix buffers."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dion3_megatron import Dion3, rule
+from dion3_megatron.megabatch import Dion3Engine, MatrixShard, Sharding, assign_owners
+from dist_utils import run_distributed
+
+STEPS = 3
+
+
+def make_sharding(kind: str, n: int, m: int, world: int, j: int) -> Sharding:
+    if kind == "rows":
+        return Sharding.even_rows(n, world)
+    if kind == "cols":
+        return Sharding.even_cols(m, world)
+    if kind == "flat":  # uneven ZeRO-like slices: partial rows, and an empty range on 4 ranks
+        total = n * m
+        cuts = [0] + sorted({(total * (i + 1)) // (world + 1) + 3 * j for i in range(world - 1)}) + [total]
+        if world == 4:
+            cuts[2] = cuts[1]
+        return Sharding.flat(cuts)
+    if kind == "mixed":
+        return make_sharding(["rows", "cols", "flat"][j % 3], n, m, world, j)
+    raise ValueError(kind)
+
+
+def local_piece(full: torch.Tensor, sharding: Sharding, rank: int) -> torch.Tensor:
+    b = sharding.bounds
+    if sharding.kind == "rows":
+        return full[b[rank] : b[rank + 1]].clone()
+    if sharding.kind == "cols":
+        return full[:, b[rank] : b[rank + 1]].contiguous()
+    return full.reshape(-1)[b[rank] : b[rank + 1]].clone()
+
+
+def matrices_and_grads(shapes, seed):
+    gen = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(STEPS)]
+    return weights, grads
+
+
+HP = dict(lr=0.02, mu=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, ns_dtype=torch.float32)
+
+
+def sharded_worker(rank, world, kind, shapes, fraction, seed, selection="global"):
+    weights, grads = matrices_and_grads(shapes, seed)
+    hp = rule.Dion3Hyperparameters(fraction=fraction, **HP)
+    group = dist.new_group(list(range(world)))
+    shards = []
+    for j, (w, shape) in enumerate(zip(weights, shapes)):
+        sharding = make_sharding(kind, *shape, world, j)
+        shards.append(MatrixShard(f"m{j}", local_piece(w, sharding, rank), None, shape, sharding, group, hp))
+    engine = Dion3Engine(shards, selection=selection)
+    for step in range(STEPS):
+        for shard, g in zip(shards, grads[step]):
+            shard.grad = local_piece(g, shard.sharding, rank)
+        engine.step()
+    return [s.weight for s in shards]
+
+
+def reassemble(pieces_per_rank, kind, shapes, world):
+    out = []
+    for j, shape in enumerate(shapes):
+        sharding = make_sharding(kind, *shape, world, j)
+        pieces = [pieces_per_rank[r][j] for r in range(world)]
+        if sharding.kind == "rows":
+            out.append(torch.cat(pieces, 0))
+        elif sharding.kind == "cols":
+            out.append(torch.cat(pieces, 1))
+        else:
+            out.append(torch.cat([p.reshape(-1) for p in pieces]).view(shape))
+    return out
+
+
+def single_process(shapes, fraction, seed):
+    weights, grads = matrices_and_grads(shapes, seed)
+    params = [torch.nn.Parameter(w) for w in weights]
+    opt = Dion3(params, fraction=fraction, **HP)
+    for step in range(STEPS):
+        for p, g in zip(params, grads[step]):
+            p.grad = g
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def max_relative_error(got, expected):
+    return max(((g - e).norm() / e.norm()).item() for g, e in zip(got, expected))
+
+
+# 5 matrices of one shape (not divisible by 2 or 4) plus a second shape: transposed aspect.
+SHAPES = [(24, 40)] * 5 + [(40, 24)] * 2
+
+
+@pytest.mark.parametrize(
+    "world,kind,fraction",
+    [(2, "rows", 0.25), (2, "cols", 1.0), (2, "cols", 0.25), (2, "flat", 0.25), (4, "mixed", 0.25), (4, "flat", 1.0)],
+)
+def test_sharded_step_equals_single_process(world, kind, fraction):
+    seed = torch.seed() % 2**31
+    pieces = run_distributed(sharded_worker, world, kind, SHAPES, fraction, seed)
+    got = reassemble(pieces, kind, SHAPES, world)
+    expected = single_process(SHAPES, fraction, seed)
+    assert max_relative_error(got, expected) <= 1e-5, f"seed={seed}"
+
+
+def reference_local_selection(shapes, fraction, seed, world):
+    """Single process, rows chosen within each of `world` equal row shards (rule.py functions)."""
+    weights, grads = matrices_and_grads(shapes, seed)
+    hp = rule.Dion3Hyperparameters(fraction=fraction, **HP)
+    out = []
+    for j, w in enumerate(weights):
+        w = w[None].clone()
+        momentum = torch.zeros_like(w)
+        variance = torch.zeros(1, w.shape[1])
+        rows_per = w.shape[1] // world
+        for step in range(STEPS):
+            momentum.add_(grads[step][j][None])
+            idx = torch.cat([
+                rule.select_rows(rule.row_scores(momentum[:, r * rows_per : (r + 1) * rows_per]), fraction) + r * rows_per
+                for r in range(world)
+            ], dim=1)
+            selected = rule.take_selected(momentum, idx, hp.mu)
+            ortho = rule.orthogonalize_rows(selected, hp)
+            rule.finish_update(w, variance, idx, ortho, hp, *w.shape[1:])
+        out.append(w[0])
+    return out
+
+
+def test_local_selection_scope_picks_rows_within_each_shard():
+    seed = torch.seed() % 2**31
+    pieces = run_distributed(sharded_worker, 2, "rows", SHAPES, 0.25, seed, "local")
+    got = reassemble(pieces, "rows", SHAPES, 2)
+    expected = reference_local_selection(SHAPES, 0.25, seed, 2)
+    assert max_relative_error(got, expected) <= 1e-5, f"seed={seed}"
+    globally = single_process(SHAPES, 0.25, seed)
+    assert max_relative_error(got, globally) > 1e-3  # the scopes really differ
+
+
+def counting_worker(rank, world, layers, fraction):
+    counts = {"all_reduce": 0, "all_to_all_single": 0, "other": 0}
+    for name in ("all_reduce", "all_to_all_single", "all_gather", "broadcast", "all_to_all", "reduce_scatter_tensor",
+                 "all_gather_into_tensor", "send", "recv"):
+        original = getattr(dist, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            counts[_name if _name in counts else "other"] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    group = dist.new_group(list(range(world)))
+    hp = rule.Dion3Hyperparameters(fraction=fraction, **HP)
+    hidden = 32
+    layer = [((3 * hidden, hidden), "rows"), ((hidden, hidden), "cols"), ((4 * hidden, hidden), "rows"),
+             ((hidden, 4 * hidden), "cols")]
+    shards = []
+    gen = torch.Generator().manual_seed(0)
+    for i in range(layers):
+        for t, (shape, kind) in enumerate(layer):
+            sharding = make_sharding(kind, *shape, world, 0)
+            piece = local_piece(torch.randn(shape, generator=gen), sharding, rank)
+            shards.append(MatrixShard(f"layer{i}.{t}", piece, torch.randn(piece.shape, generator=gen), shape, sharding,
+                                      group, hp))
+    engine = Dion3Engine(shards)
+    for key in counts:
+        counts[key] = 0
+    engine.step()
+    n_max = max(numel for numel in engine.buffer_numels)
+    bound = 0
+    for shape, _ in layer:
+        k = rule.selected_row_count(shape[0], fraction)
+        bound = max(bound, math.ceil(layers / world) * k * shape[1] + 2 * layers * k)
+    return dict(counts), len(layer), n_max, bound, max(math.prod(s) for s, _ in layer) * layers // world
+
+
+def test_collectives_per_step_do_not_grow_with_depth_and_buffers_stay_small():
+    shallow = run_distributed(counting_worker, 2, 2, 0.25)[0]
+    deep = run_distributed(counting_worker, 2, 8, 0.25)[0]
+    (c2, shapes, _, _, _), (c8, _, biggest, bound, group_share) = shallow, deep
+    assert c2 == c8, (c2, c8)
+    assert c8["other"] == 0
+    assert c8["all_reduce"] + c8["all_to_all_single"] <= 3 * shapes
+    assert c8["all_to_all_single"] == 2 * shapes
+    # No buffer holds more than one owner batch plus per-row scalars: never the matrices themselves.
+    assert biggest <= bound < group_share, (biggest, bound, group_share)
+
+
+def mismatch_worker(rank, world):
+    group = dist.new_group(list(range(world)))
+    hp = rule.Dion3Hyperparameters()
+    names = ["a", "b"] if rank == 0 else ["a", "c"]
+    shards = [MatrixShard(n, torch.randn(4, 8), torch.randn(4, 8), (8, 8), Sharding.even_rows(8, 2), group, hp)
+              for n in names]
+    try:
+        Dion3Engine(shards)
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_plan_mismatch_raises_a_clear_error_quickly():
+    import time
+
+    start = time.time()
+    messages = run_distributed(mismatch_worker, 2, timeout=60)
+    assert time.time() - start < 30
+    for message in messages:
+        assert "plans differ across ranks" in message and "'b (8, 8)" in message and "'c (8, 8)" in message
+
+
+def test_local_scope_refuses_column_shards():
+    shard = MatrixShard("proj", torch.randn(8, 8), None, (8, 8), Sharding.cols((0, 8)), None, rule.Dion3Hyperparameters())
+    with pytest.raises(ValueError, match="proj: selection_scope='local' picks rows within each row shard"):
+        Dion3Engine([shard], selection="local")
+    with pytest.raises(ValueError, match="selection_scope"):
+        Dion3Engine([shard], selection="nearby")
+
+
+def test_assign_owners_balances_cost():
+    costs = [8.0] * 6 + [3.0] * 4 + [1.0]
+    owners = assign_owners(costs, 3)
+    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(3)]
+    assert max(loads) - min(loads) <= 3.0
+    assert [owners[:6].count(r) for r in range(3)] == [2, 2, 2]  # same-shape matrices spread evenly
+    assert owners == assign_owners(costs, 3)
