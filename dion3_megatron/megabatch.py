@@ -213,6 +213,14 @@ class ShapeGroup:
     def owner(self, j: int) -> int:
         return j % self.world
 
+    @property
+    def uniform(self) -> bool:
+        """All shards split alike into non-empty row or column blocks (or whole): the batched path."""
+        first = self.shards[0].sharding
+        if first.kind not in ("full", "rows", "cols") or any(s.sharding != first for s in self.shards):
+            return False
+        return first.kind == "full" or all(a < b for a, b in zip(first.bounds, first.bounds[1:]))
+
     def describe(self) -> list[str]:
         return [f"{s.name} {s.shape} {s.sharding.kind}{list(s.sharding.bounds)}" for s in self.shards]
 
@@ -316,9 +324,13 @@ class Dion3Engine:
         self.selection = selection
         self.plan = build_plan(shards, selection)
         check_plan_matches(self.plan)
-        for sg in self.plan:
-            for shard in sg.shards:
-                init_state(shard, sg.rank)
+        self._group_state: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, sg in enumerate(self.plan):
+            if self._batched(sg):
+                self._group_state[i] = self._allocate_group_state(sg)
+            else:
+                for shard in sg.shards:
+                    init_state(shard, sg.rank)
         self.collectives: list[str] = []  # per step, for tests and benchmarks
         self.buffer_numels: list[int] = []
 
@@ -326,8 +338,130 @@ class Dion3Engine:
     def step(self) -> None:
         self.collectives = []
         self.buffer_numels = []
-        for sg in self.plan:
-            self._step_group(sg)
+        for i, sg in enumerate(self.plan):
+            if i in self._group_state:
+                self._step_batched(sg, *self._bind_group_state(sg, *self._group_state[i]))
+            else:
+                self._step_group(sg)
+
+    # -- batched path: a shape group whose shards are split alike -------------------------
+
+    def _batched(self, sg: ShapeGroup) -> bool:
+        return sg.uniform and not (self.selection == "local" and sg.world > 1)
+
+    @staticmethod
+    def _allocate_group_state(sg: ShapeGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """One (B, h, w) momentum and one (B, rows) variance buffer; each shard's state views a slice."""
+        n, m = sg.key[0]
+        first = sg.shards[0]
+        r0, r1 = first.sharding.row_span(sg.rank, n, m)
+        device = first.weight.device
+        momentum = torch.zeros((len(sg.shards), *first.weight.shape), dtype=torch.float32, device=device)
+        variance = torch.zeros(len(sg.shards), r1 - r0, dtype=torch.float32, device=device)
+        for j, shard in enumerate(sg.shards):
+            for key, buffer in (("momentum", momentum), ("variance", variance)):
+                if key in shard.state:  # state given by the caller (a resumed checkpoint)
+                    buffer[j].copy_(shard.state[key])
+                shard.state[key] = buffer[j]
+        return momentum, variance
+
+    @staticmethod
+    def _bind_group_state(sg: ShapeGroup, momentum: torch.Tensor, variance: torch.Tensor):
+        """Take back state tensors that a caller replaced (e.g. a checkpoint load) into the buffers."""
+        for j, shard in enumerate(sg.shards):
+            for key, buffer in (("momentum", momentum), ("variance", variance)):
+                if shard.state[key].data_ptr() != buffer[j].data_ptr():
+                    buffer[j].copy_(shard.state[key])
+                    shard.state[key] = buffer[j]
+        return momentum, variance
+
+    def _step_batched(self, sg: ShapeGroup, momentum: torch.Tensor, variance: torch.Tensor) -> None:
+        """The shape group's step with batched tensor ops; one host sync for the message sizes."""
+        n, m = sg.key[0]
+        world, me, hp = sg.world, sg.rank, sg.hp
+        shards = sg.shards
+        device = momentum.device
+        sharding = shards[0].sharding
+        rect = [sharding.rects(q, n, m)[0] for q in range(world)]
+        span0 = [sharding.row_span(q, n, m)[0] for q in range(world)]
+        # Column blocks all touch every row; rank 0 sends their variances. Row blocks send their own.
+        provides = [sharding.kind != "cols" or q == 0 for q in range(world)]
+        for shard, buffer in zip(shards, momentum):
+            buffer.add_(shard.grad)
+
+        scores = torch.zeros(len(shards), n, dtype=torch.float32, device=device)
+        scores[:, rect[me].r0 : rect[me].r1] = rule.row_scores(momentum)
+        if world > 1:
+            self.collectives.append("all_reduce")
+            dist.all_reduce(scores, group=sg.group)
+        chosen = rule.select_rows(scores, hp.fraction, hp.num_heads)  # (B, k)
+
+        owner_major = [j for d in range(world) for j in range(d, len(shards), world)]
+        owned = list(range(me, len(shards), world))
+        holds = torch.stack([(chosen >= r.r0) & (chosen < r.r1) for r in rect])  # (W, B, k)
+        counts = holds.sum(-1).tolist()  # [q][j]: the one host sync
+
+        # Forward: my pieces of the selected rows, owner-major, then the variances I provide.
+        order = torch.tensor(owner_major, device=device)
+        b_i, s_i = holds[me][order].nonzero(as_tuple=True)
+        jb = order[b_i]
+        rows = chosen[jb, s_i]
+        local_rows = rows - rect[me].r0
+        pieces = momentum[jb, local_rows]  # (count, w)
+        mus = torch.tensor([s.hp.mu for s in shards], device=device)[jb]
+        momentum[jb, local_rows] = pieces * mus[:, None]
+        variance_rows = rows - span0[me]
+        width = [r.c1 - r.c0 for r in rect]
+        per_dest = [sum(counts[me][j] for j in range(d, len(shards), world)) for d in range(world)]
+        send_parts = []
+        for d, (p, v) in enumerate(zip(pieces.split(per_dest), variance[jb, variance_rows].split(per_dest))):
+            send_parts += [p.reshape(-1)] + ([v] if provides[me] else [])
+        send_sizes = [c * (width[me] + provides[me]) for c in per_dest]
+        send = self._buffer(sum(send_sizes), momentum)
+        torch.cat(send_parts, out=send)
+        from_rank = [sum(counts[q][j] for j in owned) for q in range(world)]
+        recv = self._all_to_all(send, send_sizes, [c * (width[q] + provides[q]) for q, c in enumerate(from_rank)], sg)
+
+        # Owner: whole blocks, one batched orthogonalization, NorMuon normalization.
+        k = chosen.shape[1]
+        blocks = self._buffer(len(owned) * k * m, momentum).view(len(owned), k, m)
+        variances = torch.empty(len(owned), k, dtype=torch.float32, device=device)
+        owned_holds = holds[:, owned]  # (W, B_own, k)
+        for q, chunk in enumerate(recv.split([c * (width[q] + provides[q]) for q, c in enumerate(from_rank)])):
+            values = chunk[: from_rank[q] * width[q]].view(-1, width[q])
+            blocks[:, :, rect[q].c0 : rect[q].c1][owned_holds[q]] = values
+            if provides[q]:
+                variances[owned_holds[q]] = chunk[from_rank[q] * width[q] :]
+        back_sizes = [c * (width[q] + 1) for q, c in enumerate(from_rank)]
+        back = self._buffer(sum(back_sizes), momentum)
+        if owned:
+            ortho = rule.orthogonalize_rows(blocks, hp)
+            normalized, new_variance = rule.normalize_rows(ortho, variances, hp.beta2, hp.eps)
+            back_parts = []
+            for q in range(world):
+                back_parts += [normalized[:, :, rect[q].c0 : rect[q].c1][owned_holds[q]].reshape(-1), new_variance[owned_holds[q]]]
+            torch.cat(back_parts, out=back)
+        result = self._all_to_all(back, back_sizes, [c * (width[me] + 1) for c in per_dest], sg)
+
+        # Apply: the returned pieces come owner-major, in the order this rank sent them.
+        steps, new_variances = [], []
+        for chunk, c in zip(result.split([c * (width[me] + 1) for c in per_dest]), per_dest):
+            steps.append(chunk[: c * width[me]].view(c, width[me]))
+            new_variances.append(chunk[c * width[me] :])
+        steps = torch.cat(steps)
+        variance[jb, variance_rows] = torch.cat(new_variances)
+        offset = 0
+        for j in owner_major:
+            shard = shards[j]
+            count = counts[me][j]
+            scale = rule.update_scale(n, m, shard.hp.adjust_lr, shard.hp.fraction, shard.hp.scale_lr_by_fraction)
+            rule.apply_update(
+                shard.weight.view(1, *momentum.shape[1:]),
+                local_rows[offset : offset + count][None],
+                steps[offset : offset + count][None],
+                shard.hp.lr, shard.hp.weight_decay, scale,
+            )
+            offset += count
 
     # -- helpers --------------------------------------------------------------------------
 

@@ -133,6 +133,20 @@ def reference_local_selection(shapes, fraction, seed, world):
     return out
 
 
+def test_unsharded_matrices_step_locally_like_the_optimizer():
+    seed = torch.seed() % 2**31
+    weights, grads = matrices_and_grads(SHAPES, seed)
+    hp = rule.Dion3Hyperparameters(fraction=0.25, **HP)
+    shards = [MatrixShard(f"m{j}", w.clone(), None, w.shape, Sharding.full(), None, hp) for j, w in enumerate(weights)]
+    engine = Dion3Engine(shards)
+    for step in range(STEPS):
+        for shard, g in zip(shards, grads[step]):
+            shard.grad = g
+        engine.step()
+    assert engine.collectives == []
+    assert max_relative_error([s.weight for s in shards], single_process(SHAPES, 0.25, seed)) <= 1e-6
+
+
 def test_local_selection_scope_picks_rows_within_each_shard():
     seed = torch.seed() % 2**31
     pieces = run_distributed(sharded_worker, 2, "rows", SHAPES, 0.25, seed, "local")
