@@ -196,6 +196,34 @@ def _group_ranks(group: Optional[dist.ProcessGroup]) -> tuple[int, ...]:
     return () if group is None else tuple(dist.get_process_group_ranks(group))
 
 
+@dataclass(eq=False)
+class _SubBatch:
+    """The shards of a shape group that share one sharding, with their state in two buffers.
+
+    rect/span0/provides are per rank q: its block, first row it keeps a variance for, and
+    whether it sends those variances to owners. The rest is scratch of the current step.
+    """
+
+    index: list[int]
+    sharding: Sharding
+    momentum: torch.Tensor
+    variance: torch.Tensor
+    rect: list[Rect]
+    span0: list[int]
+    provides: list[bool]
+    # Scratch of the current step (selected rows, who holds them, where they travel).
+    chosen: Optional[torch.Tensor] = None
+    holds: Optional[torch.Tensor] = None
+    counts: list = field(default_factory=list)
+    owner_major: list = field(default_factory=list)
+    owned: list = field(default_factory=list)
+    bi: Optional[torch.Tensor] = None
+    local_rows: Optional[torch.Tensor] = None
+    variance_rows: Optional[torch.Tensor] = None
+    per_dest: list = field(default_factory=list)
+    owner_index: dict = field(default_factory=dict)
+
+
 @dataclass
 class ShapeGroup:
     """Matrices stepped together: same logical shape, batch settings and process group."""
@@ -214,12 +242,13 @@ class ShapeGroup:
         return j % self.world
 
     @property
-    def uniform(self) -> bool:
-        """All shards split alike into non-empty row or column blocks (or whole): the batched path."""
-        first = self.shards[0].sharding
-        if first.kind not in ("full", "rows", "cols") or any(s.sharding != first for s in self.shards):
-            return False
-        return first.kind == "full" or all(a < b for a, b in zip(first.bounds, first.bounds[1:]))
+    def blockwise(self) -> bool:
+        """Every shard is whole or split into non-empty row or column blocks: the batched path."""
+        return all(
+            s.sharding.kind == "full"
+            or s.sharding.kind in ("rows", "cols") and all(a < b for a, b in zip(s.sharding.bounds, s.sharding.bounds[1:]))
+            for s in self.shards
+        )
 
     def describe(self) -> list[str]:
         return [f"{s.name} {s.shape} {s.sharding.kind}{list(s.sharding.bounds)}" for s in self.shards]
@@ -324,7 +353,7 @@ class Dion3Engine:
         self.selection = selection
         self.plan = build_plan(shards, selection)
         check_plan_matches(self.plan)
-        self._group_state: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._group_state: dict[int, list[_SubBatch]] = {}
         for i, sg in enumerate(self.plan):
             if self._batched(sg):
                 self._group_state[i] = self._allocate_group_state(sg)
@@ -340,128 +369,173 @@ class Dion3Engine:
         self.buffer_numels = []
         for i, sg in enumerate(self.plan):
             if i in self._group_state:
-                self._step_batched(sg, *self._bind_group_state(sg, *self._group_state[i]))
+                self._step_batched(sg, self._bind_group_state(sg, self._group_state[i]))
             else:
                 self._step_group(sg)
 
-    # -- batched path: a shape group whose shards are split alike -------------------------
+    # -- batched path: shards in whole row or column blocks (Megatron tensor parallel) ----
 
     def _batched(self, sg: ShapeGroup) -> bool:
-        return sg.uniform and not (self.selection == "local" and sg.world > 1)
+        return sg.blockwise and not (self.selection == "local" and sg.world > 1)
 
     @staticmethod
-    def _allocate_group_state(sg: ShapeGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        """One (B, h, w) momentum and one (B, rows) variance buffer; each shard's state views a slice."""
+    def _allocate_group_state(sg: ShapeGroup) -> list["_SubBatch"]:
+        """Split the group by sharding; each part keeps its momentum and variance in one buffer."""
         n, m = sg.key[0]
-        first = sg.shards[0]
-        r0, r1 = first.sharding.row_span(sg.rank, n, m)
-        device = first.weight.device
-        momentum = torch.zeros((len(sg.shards), *first.weight.shape), dtype=torch.float32, device=device)
-        variance = torch.zeros(len(sg.shards), r1 - r0, dtype=torch.float32, device=device)
+        parts: dict[Sharding, list[int]] = {}
         for j, shard in enumerate(sg.shards):
-            for key, buffer in (("momentum", momentum), ("variance", variance)):
-                if key in shard.state:  # state given by the caller (a resumed checkpoint)
-                    buffer[j].copy_(shard.state[key])
-                shard.state[key] = buffer[j]
-        return momentum, variance
+            parts.setdefault(shard.sharding, []).append(j)
+        subs = []
+        for sharding, index in parts.items():
+            first = sg.shards[index[0]]
+            r0, r1 = sharding.row_span(sg.rank, n, m)
+            device = first.weight.device
+            sub = _SubBatch(
+                index,
+                sharding,
+                torch.zeros((len(index), *first.weight.shape), dtype=torch.float32, device=device),
+                torch.zeros(len(index), r1 - r0, dtype=torch.float32, device=device),
+                [sharding.rects(q, n, m)[0] for q in range(sg.world)],
+                [sharding.row_span(q, n, m)[0] for q in range(sg.world)],
+                # Column blocks all touch every row: rank 0 sends their variances. Row blocks their own.
+                [sharding.kind != "cols" or q == 0 for q in range(sg.world)],
+            )
+            for b, j in enumerate(index):
+                for key, buffer in (("momentum", sub.momentum), ("variance", sub.variance)):
+                    if key in sg.shards[j].state:  # state given by the caller (a resumed checkpoint)
+                        buffer[b].copy_(sg.shards[j].state[key])
+                    sg.shards[j].state[key] = buffer[b]
+            subs.append(sub)
+        return subs
 
     @staticmethod
-    def _bind_group_state(sg: ShapeGroup, momentum: torch.Tensor, variance: torch.Tensor):
+    def _bind_group_state(sg: ShapeGroup, subs: list["_SubBatch"]) -> list["_SubBatch"]:
         """Take back state tensors that a caller replaced (e.g. a checkpoint load) into the buffers."""
-        for j, shard in enumerate(sg.shards):
-            for key, buffer in (("momentum", momentum), ("variance", variance)):
-                if shard.state[key].data_ptr() != buffer[j].data_ptr():
-                    buffer[j].copy_(shard.state[key])
-                    shard.state[key] = buffer[j]
-        return momentum, variance
+        for sub in subs:
+            for b, j in enumerate(sub.index):
+                state = sg.shards[j].state
+                for key, buffer in (("momentum", sub.momentum), ("variance", sub.variance)):
+                    if state[key].data_ptr() != buffer[b].data_ptr():
+                        buffer[b].copy_(state[key])
+                        state[key] = buffer[b]
+        return subs
 
-    def _step_batched(self, sg: ShapeGroup, momentum: torch.Tensor, variance: torch.Tensor) -> None:
-        """The shape group's step with batched tensor ops; one host sync for the message sizes."""
+    def _step_batched(self, sg: ShapeGroup, subs: list["_SubBatch"]) -> None:
+        """One shape group with batched tensor ops: 3 collectives, one host sync for sizes."""
         n, m = sg.key[0]
-        world, me, hp = sg.world, sg.rank, sg.hp
-        shards = sg.shards
-        device = momentum.device
-        sharding = shards[0].sharding
-        rect = [sharding.rects(q, n, m)[0] for q in range(world)]
-        span0 = [sharding.row_span(q, n, m)[0] for q in range(world)]
-        # Column blocks all touch every row; rank 0 sends their variances. Row blocks send their own.
-        provides = [sharding.kind != "cols" or q == 0 for q in range(world)]
-        for shard, buffer in zip(shards, momentum):
-            buffer.add_(shard.grad)
+        world, me, hp, shards = sg.world, sg.rank, sg.hp, sg.shards
+        device = subs[0].momentum.device
+        for sub in subs:
+            for b, j in enumerate(sub.index):
+                sub.momentum[b].add_(shards[j].grad)
 
         scores = torch.zeros(len(shards), n, dtype=torch.float32, device=device)
-        scores[:, rect[me].r0 : rect[me].r1] = rule.row_scores(momentum)
+        for sub in subs:
+            mine = sub.rect[me]
+            scores[torch.tensor(sub.index, device=device), mine.r0 : mine.r1] = rule.row_scores(sub.momentum)
         if world > 1:
             self.collectives.append("all_reduce")
             dist.all_reduce(scores, group=sg.group)
-        chosen = rule.select_rows(scores, hp.fraction, hp.num_heads)  # (B, k)
-
-        owner_major = [j for d in range(world) for j in range(d, len(shards), world)]
-        owned = list(range(me, len(shards), world))
-        holds = torch.stack([(chosen >= r.r0) & (chosen < r.r1) for r in rect])  # (W, B, k)
-        counts = holds.sum(-1).tolist()  # [q][j]: the one host sync
-
-        # Forward: my pieces of the selected rows, owner-major, then the variances I provide.
-        order = torch.tensor(owner_major, device=device)
-        b_i, s_i = holds[me][order].nonzero(as_tuple=True)
-        jb = order[b_i]
-        rows = chosen[jb, s_i]
-        local_rows = rows - rect[me].r0
-        pieces = momentum[jb, local_rows]  # (count, w)
-        mus = torch.tensor([s.hp.mu for s in shards], device=device)[jb]
-        momentum[jb, local_rows] = pieces * mus[:, None]
-        variance_rows = rows - span0[me]
-        width = [r.c1 - r.c0 for r in rect]
-        per_dest = [sum(counts[me][j] for j in range(d, len(shards), world)) for d in range(world)]
-        send_parts = []
-        for d, (p, v) in enumerate(zip(pieces.split(per_dest), variance[jb, variance_rows].split(per_dest))):
-            send_parts += [p.reshape(-1)] + ([v] if provides[me] else [])
-        send_sizes = [c * (width[me] + provides[me]) for c in per_dest]
-        send = self._buffer(sum(send_sizes), momentum)
-        torch.cat(send_parts, out=send)
-        from_rank = [sum(counts[q][j] for j in owned) for q in range(world)]
-        recv = self._all_to_all(send, send_sizes, [c * (width[q] + provides[q]) for q, c in enumerate(from_rank)], sg)
-
-        # Owner: whole blocks, one batched orthogonalization, NorMuon normalization.
+        chosen = rule.select_rows(scores, hp.fraction, hp.num_heads)  # (B, k), alike on every rank
         k = chosen.shape[1]
-        blocks = self._buffer(len(owned) * k * m, momentum).view(len(owned), k, m)
-        variances = torch.empty(len(owned), k, dtype=torch.float32, device=device)
-        owned_holds = holds[:, owned]  # (W, B_own, k)
-        for q, chunk in enumerate(recv.split([c * (width[q] + provides[q]) for q, c in enumerate(from_rank)])):
-            values = chunk[: from_rank[q] * width[q]].view(-1, width[q])
-            blocks[:, :, rect[q].c0 : rect[q].c1][owned_holds[q]] = values
-            if provides[q]:
-                variances[owned_holds[q]] = chunk[from_rank[q] * width[q] :]
-        back_sizes = [c * (width[q] + 1) for q, c in enumerate(from_rank)]
-        back = self._buffer(sum(back_sizes), momentum)
+
+        # holds[q][b, i]: rank q holds selected row i of the part's matrix b. One sync for all counts.
+        for sub in subs:
+            rows = chosen[torch.tensor(sub.index, device=device)]
+            sub.chosen = rows
+            sub.holds = torch.stack([(rows >= r.r0) & (rows < r.r1) for r in sub.rect])  # (W, b, k)
+        all_counts = torch.cat([sub.holds.sum(-1) for sub in subs], dim=1).tolist()  # [q][position]
+        start = 0
+        for sub in subs:
+            sub.counts = [row[start : start + len(sub.index)] for row in all_counts]
+            start += len(sub.index)
+            sub.owner_major = [b for d in range(world) for b, j in enumerate(sub.index) if j % world == d]
+            sub.owned = [b for b, j in enumerate(sub.index) if j % world == me]
+
+        # Forward: to each owner, per part, my pieces of its matrices' selected rows, then variances.
+        send_parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        send_sizes = [0] * world
+        for sub in subs:
+            order = torch.tensor(sub.owner_major, device=device, dtype=torch.long)
+            bi, si = sub.holds[me][order].nonzero(as_tuple=True)
+            sub.bi = order[bi]
+            sub.local_rows = sub.chosen[sub.bi, si] - sub.rect[me].r0
+            sub.variance_rows = sub.chosen[sub.bi, si] - sub.span0[me]
+            pieces = sub.momentum[sub.bi, sub.local_rows]
+            mus = torch.tensor([shards[j].hp.mu for j in sub.index], device=device)[sub.bi]
+            sub.momentum[sub.bi, sub.local_rows] = pieces * mus[:, None]
+            sub.per_dest = [sum(sub.counts[me][b] for b, j in enumerate(sub.index) if j % world == d) for d in range(world)]
+            variances = sub.variance[sub.bi, sub.variance_rows]
+            width = sub.rect[me].c1 - sub.rect[me].c0
+            for d, (p, v) in enumerate(zip(pieces.split(sub.per_dest), variances.split(sub.per_dest))):
+                send_parts[d] += [p.reshape(-1)] + ([v] if sub.provides[me] else [])
+                send_sizes[d] += sub.per_dest[d] * (width + sub.provides[me])
+        recv_sizes = [
+            sum(sum(sub.counts[q][b] for b in sub.owned) * (sub.rect[q].c1 - sub.rect[q].c0 + sub.provides[q]) for sub in subs)
+            for q in range(world)
+        ]
+        send = self._buffer(sum(send_sizes), subs[0].momentum)
+        torch.cat([p for parts in send_parts for p in parts], out=send)
+        recv = self._all_to_all(send, send_sizes, recv_sizes, sg)
+
+        # Owner: whole blocks of all owned matrices, one batched orthogonalization, normalization.
+        owned = list(range(me, len(shards), world))  # block b holds matrix owned[b] = me + b * world
+        blocks = self._buffer(len(owned) * k * m, subs[0].momentum).view(len(owned), k, m)
+        block_variances = torch.empty(len(owned), k, dtype=torch.float32, device=device)
+        offset = 0
+        for q in range(world):
+            for sub in subs:
+                position = torch.tensor([sub.index[b] // world for b in sub.owned], device=device, dtype=torch.long)
+                bi, si = sub.holds[q][sub.owned].nonzero(as_tuple=True)
+                r = sub.rect[q]
+                count = bi.numel()
+                blocks[position[bi], si, r.c0 : r.c1] = recv[offset : offset + count * (r.c1 - r.c0)].view(count, r.c1 - r.c0)
+                offset += count * (r.c1 - r.c0)
+                if sub.provides[q]:
+                    block_variances[position[bi], si] = recv[offset : offset + count]
+                    offset += count
+                sub.owner_index[q] = (position[bi], si)
+        back_sizes = [sum(sum(sub.counts[q][b] for b in sub.owned) * (sub.rect[q].c1 - sub.rect[q].c0 + 1) for sub in subs)
+                      for q in range(world)]
+        back = self._buffer(sum(back_sizes), subs[0].momentum)
         if owned:
             ortho = rule.orthogonalize_rows(blocks, hp)
-            normalized, new_variance = rule.normalize_rows(ortho, variances, hp.beta2, hp.eps)
+            normalized, new_variance = rule.normalize_rows(ortho, block_variances, hp.beta2, hp.eps)
             back_parts = []
             for q in range(world):
-                back_parts += [normalized[:, :, rect[q].c0 : rect[q].c1][owned_holds[q]].reshape(-1), new_variance[owned_holds[q]]]
+                for sub in subs:
+                    pos, si = sub.owner_index[q]
+                    back_parts += [normalized[pos, si, sub.rect[q].c0 : sub.rect[q].c1].reshape(-1), new_variance[pos, si]]
             torch.cat(back_parts, out=back)
-        result = self._all_to_all(back, back_sizes, [c * (width[me] + 1) for c in per_dest], sg)
+        result_sizes = [sum(sub.per_dest[d] * (sub.rect[me].c1 - sub.rect[me].c0 + 1) for sub in subs) for d in range(world)]
+        result = self._all_to_all(back, back_sizes, result_sizes, sg)
 
-        # Apply: the returned pieces come owner-major, in the order this rank sent them.
-        steps, new_variances = [], []
-        for chunk, c in zip(result.split([c * (width[me] + 1) for c in per_dest]), per_dest):
-            steps.append(chunk[: c * width[me]].view(c, width[me]))
-            new_variances.append(chunk[c * width[me] :])
-        steps = torch.cat(steps)
-        variance[jb, variance_rows] = torch.cat(new_variances)
+        # Apply: results arrive per owner, per part, in the order this rank sent its pieces.
+        steps: dict[int, list] = {id(sub): [] for sub in subs}
+        new_variances: dict[int, list] = {id(sub): [] for sub in subs}
         offset = 0
-        for j in owner_major:
-            shard = shards[j]
-            count = counts[me][j]
-            scale = rule.update_scale(n, m, shard.hp.adjust_lr, shard.hp.fraction, shard.hp.scale_lr_by_fraction)
-            rule.apply_update(
-                shard.weight.view(1, *momentum.shape[1:]),
-                local_rows[offset : offset + count][None],
-                steps[offset : offset + count][None],
-                shard.hp.lr, shard.hp.weight_decay, scale,
-            )
-            offset += count
+        for d in range(world):
+            for sub in subs:
+                count, width = sub.per_dest[d], sub.rect[me].c1 - sub.rect[me].c0
+                steps[id(sub)].append(result[offset : offset + count * width].view(count, width))
+                offset += count * width
+                new_variances[id(sub)].append(result[offset : offset + count])
+                offset += count
+        for sub in subs:
+            sub.variance[sub.bi, sub.variance_rows] = torch.cat(new_variances[id(sub)])
+            sub_steps = torch.cat(steps[id(sub)])
+            start = 0
+            for b in sub.owner_major:
+                shard = shards[sub.index[b]]
+                count = sub.counts[me][b]
+                scale = rule.update_scale(n, m, shard.hp.adjust_lr, shard.hp.fraction, shard.hp.scale_lr_by_fraction)
+                rule.apply_update(
+                    shard.weight.view(1, *sub.momentum.shape[1:]),
+                    sub.local_rows[start : start + count][None],
+                    sub_steps[start : start + count][None],
+                    shard.hp.lr, shard.hp.weight_decay, scale,
+                )
+                start += count
 
     # -- helpers --------------------------------------------------------------------------
 
