@@ -18,12 +18,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results) -> None:
+def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
         results[rank] = ("ok", fn(rank, world, *args))
     except BaseException:  # noqa: BLE001 - the traceback goes back to the test
         results[rank] = ("error", traceback.format_exc())
@@ -36,8 +38,8 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 300) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; returns each rank's result.
+def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 300, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes (gloo, or nccl with a GPU each).
 
     ``fn`` must be importable (module level). Raises AssertionError with every failing rank's
     traceback.
@@ -46,7 +48,7 @@ def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 300) 
     with ctx.Manager() as manager:
         results = manager.dict()
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results)) for r in range(world)]
+        procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, results)) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
