@@ -3,7 +3,7 @@ from setuptools import find_packages, setup
 EXTRAS = {
     "megatron": ["megatron-core==0.19.*"],
     "deepspeed": ["deepspeed>=0.19,<0.20"],
-    "kernels": ["nvidia-cutlass-dsl>=4.8"],
+    "kernels": ["nvidia-cutlass-dsl[cu13]>=4.8"],
 }
 # The tests exercise both integrations on CPU, so they need both frameworks.
 EXTRAS["test"] = ["pytest>=8", "numpy"] + EXTRAS["megatron"] + EXTRAS["deepspeed"]

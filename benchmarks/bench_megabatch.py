@@ -112,7 +112,7 @@ def time_steps(step, device, warmup, iters) -> list[float]:
         synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     # Every rank waits for the slowest: report the max over ranks of each rank's median.
-    median = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    median = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
     return median.item()
 

@@ -190,10 +190,11 @@ class Dion3(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise ValueError(f"param group {gi}: Dion3 does not support sparse gradients")
-                flags.append(torch.isfinite(p.grad).all().to("cpu", non_blocking=True))
+                # min and max are NaN or inf exactly when some element is; no full-size temporary.
+                flags.append(torch.isfinite(torch.stack(torch.aminmax(p.grad))).all())
         if not flags:
             return True
-        return bool(torch.stack(flags).all())
+        return bool(torch.stack(flags).all())  # one host sync for the whole model
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:

@@ -119,8 +119,10 @@ def _load_kernels() -> None:
     _KERNELS_LOADED = True
     try:
         import dion3_megatron.kernels  # noqa: F401
-    except Exception:  # pragma: no cover - a broken optional install must not break the optimizer
-        pass
+    except Exception as err:  # pragma: no cover - a broken optional install must not break the optimizer
+        import warnings
+
+        warnings.warn(f"dion3_megatron.kernels failed to load ({err!r}); orthogonalizing with torch matmuls")
 
 
 def set_backend(name: str) -> None:

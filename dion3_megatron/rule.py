@@ -85,8 +85,11 @@ def selected_row_count(n_rows: int, fraction: float, num_heads: Optional[int] = 
 
 
 def row_scores(m: torch.Tensor) -> torch.Tensor:
-    """L1 norm of every row: (B, n, c) -> (B, n), fp32. Partial column blocks' scores add up."""
-    return m.abs().sum(dim=-1, dtype=torch.float32)
+    """L1 norm of every row: (B, n, c) -> (B, n), fp32. Partial column blocks' scores add up.
+
+    A norm reduction, not abs().sum(): no temporary the size of the matrix.
+    """
+    return torch.linalg.vector_norm(m, ord=1, dim=-1, dtype=torch.float32)
 
 
 def select_rows(scores: torch.Tensor, fraction: float, num_heads: Optional[int] = None) -> torch.Tensor:

@@ -1,0 +1,161 @@
+"""X @ X^T and symmetric products: CuTe DSL kernel vs torch.matmul (cuBLAS), side by side.
+
+    python benchmarks/bench_symm.py [--dtype bf16|fp16] [--sweep] [--iters N]
+
+Every row times cuBLAS and the kernel in the same process on the same inputs (rotating among
+several input sets so small problems are not served from L2). The FLOP floor counts the
+symmetric product at half cost (M^2 K per batch element, multiply-add = 2 FLOPs) at the cuBLAS
+peak measured in this run (8192^3 product). quack-kernels' gemm_symmetric is timed where it
+imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dion3_megatron.kernels.sm90_symm import symm_gemm  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# (batch, M, K): the issue's X @ X^T shapes
+GRAM_SHAPES = [(1, 1024, 5120), (1, 4096, 4096), (1, 4096, 16384), (1, 8192, 8192), (8, 4096, 16384)]
+# symmetric s x s products of Gram NS (K = s) for the 14B shapes and a sweep for routing
+SYMM_SHAPES = [(1, 1024, 1024), (1, 5120, 5120), (1, 4096, 4096), (8, 1024, 1024)]
+SWEEP = [(1, m, k) for m in (512, 1024, 2048, 3072, 4096) for k in (m, 4 * m)] + [
+    (b, 1024, 5120) for b in (2, 4, 8)
+]
+
+
+def timed(fn, n_sets: int, iters: int, reps: int = 7) -> float:
+    """Median ms per call over reps; each rep runs iters calls rotating over n_sets inputs."""
+    for i in range(3):
+        fn(i % n_sets)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(iters):
+            fn(i % n_sets)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return statistics.median(times)
+
+
+def cublas_peak(dtype) -> float:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    ms = timed(lambda i: torch.matmul(a, b), 1, 10)
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def quack_fn():
+    try:
+        from quack.gemm_interface import gemm_symmetric  # type: ignore
+
+        return gemm_symmetric
+    except Exception:
+        return None
+
+
+def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
+    quack = quack_fn() if gram else None
+    print(f"\n## {title} ({str(dtype).split('.')[-1]})")
+    hdr = "| shape | cuBLAS ms | kernel ms | kernel vs cuBLAS | floor ms | kernel / floor |"
+    if quack is not None:
+        hdr += " quack ms | quack vs cuBLAS |"
+    print(hdr)
+    print("|" + "---|" * (hdr.count("|") - 1))
+    rows = []
+    for b, m, k in shapes:
+        n_sets = max(1, min(8, int(4e8 // (b * m * k * 2 + 1))))
+        if gram:
+            xs = [torch.randn(b, m, k, device="cuda", dtype=dtype) for _ in range(n_sets)]
+            ys = xs
+        else:
+            xs, ys = [], []
+            for _ in range(n_sets):
+                s = torch.randn(b, m, m, device="cuda", dtype=torch.float32) / m**0.5
+                s = s + s.mT
+                xs.append(s.to(dtype))
+                ys.append((s @ s).to(dtype))
+        outs = [torch.empty(b, m, m, device="cuda", dtype=dtype) for _ in range(n_sets)]
+
+        def cub(i):
+            if gram:
+                torch.matmul(xs[i], ys[i].mT, out=outs[i])
+            else:  # the Gram NS form: alpha * P @ Q + beta * P
+                torch.baddbmm(xs[i], xs[i], ys[i], beta=-0.5, alpha=1.5, out=outs[i])
+
+        t_cub = timed(cub, n_sets, iters)
+        best = None
+        for tile in tiles:
+            def ker(i, tile=tile):
+                if gram:
+                    symm_gemm(xs[i], ys[i], 1.0, 0.0, None, out=outs[i], tile=tile)
+                else:
+                    symm_gemm(xs[i], ys[i], 1.5, -0.5, xs[i], out=outs[i], tile=tile)
+
+            t = timed(ker, n_sets, iters)
+            if best is None or t < best[0]:
+                best = (t, tile)
+        t_ker, tile = best
+        floor = b * m * m * k / peak * 1e3  # half of 2 M^2 K
+        name = f"{b}x{m}x{k}" if b > 1 else f"{m}x{k}"
+        line = (
+            f"| {name}{'' if tile is None else f' (tile {tile})'} | {t_cub:.3f} | {t_ker:.3f} | "
+            f"{t_cub / t_ker:.2f}x | {floor:.3f} | {t_ker / floor:.2f} |"
+        )
+        if quack is not None:
+            try:
+                t_q = timed(lambda i: quack(xs[i][0] if b == 1 else xs[i], None), n_sets, iters)
+                line += f" {t_q:.3f} | {t_cub / t_q:.2f}x |"
+            except Exception as exc:  # noqa: BLE001
+                line += f" failed ({type(exc).__name__}) | |"
+        print(line, flush=True)
+        rows.append((b, m, k, t_cub, t_ker))
+    return rows
+
+
+def overhead(dtype):
+    x = torch.randn(1, 128, 128, device="cuda", dtype=dtype)
+    out = torch.empty(1, 128, 128, device="cuda", dtype=dtype)
+    t_k = timed(lambda i: symm_gemm(x, x, 1.0, 0.0, None, out=out), 1, 200)
+    t_c = timed(lambda i: torch.matmul(x, x.mT, out=out), 1, 200)
+    print(f"\nper-call time on a 128x128x128 product (launch + host overhead): kernel {t_k * 1e3:.1f} us, cuBLAS {t_c * 1e3:.1f} us")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="also the routing sweep")
+    ap.add_argument("--tiles", default="", help="comma list of tiles to try (best reported); default: auto")
+    args = ap.parse_args()
+    dtype = DTYPES[args.dtype]
+    tiles = tuple(int(t) for t in args.tiles.split(",")) if args.tiles else (None,)
+    props = torch.cuda.get_device_properties(0)
+    import cutlass
+
+    print(f"GPU {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
+          f"nvidia-cutlass-dsl {getattr(cutlass, '__version__', '?')}")
+    peak = cublas_peak(dtype)
+    print(f"cuBLAS peak (8192^3, {args.dtype}): {peak / 1e12:.0f} TFLOP/s")
+    overhead(dtype)
+    run_rows("X @ X^T", GRAM_SHAPES, dtype, peak, args.iters, gram=True, tiles=tiles)
+    run_rows("1.5 P @ Q - 0.5 P, P and Q symmetric, commuting (cuBLAS: baddbmm)", SYMM_SHAPES, dtype, peak, args.iters, gram=False, tiles=tiles)
+    if args.sweep:
+        run_rows("routing sweep, X @ X^T", SWEEP, dtype, peak, args.iters, gram=True, tiles=tiles)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""CuTe DSL symmetric-GEMM kernels against float64 references (GPU only).
+
+Every test is marked ``gpu`` and skipped without CUDA, without a Hopper (sm_90) device, or
+without nvidia-cutlass-dsl. Inputs are fresh random draws each run; outputs are poisoned with
+NaN before the kernel runs so an element the kernel never wrote fails the check.
+"""
+
+import pytest
+import torch
+
+from dion3_megatron import ortho
+from dion3_megatron.kernels import backend
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
+
+
+def _skip_unless_kernels():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("kernels need a Hopper (sm_90) GPU")
+    if not backend.cutlass_available():
+        pytest.skip("needs nvidia-cutlass-dsl")
+
+
+@pytest.fixture(autouse=True)
+def _kernels_and_clean_state():
+    _skip_unless_kernels()
+    yield
+    ortho.set_backend("auto")
+    backend.set_routing("measured")
+
+
+def _rel(out, ref):
+    out = out.double()
+    assert torch.isfinite(out).all(), "non-finite output (an element left unwritten?)"
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def _poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def _rand(gen, *shape, dtype):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to("cuda", dtype)
+
+
+@pytest.fixture
+def cuda_gen():
+    seed = torch.seed() % (2**31)
+    print(f"seed={seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+# batch, m, k: tile multiples, non-multiples (M and K multiples of 8 only), batched, tiny
+SHAPES = [(1, 256, 512), (1, 1000, 3000), (3, 520, 1032), (2, 136, 72), (1, 72, 4096), (2, 1288, 640)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("tile", [64, 128])
+def test_gram_vs_fp64(cuda_gen, dtype, shape, tile):
+    from dion3_megatron.kernels.sm90_symm import symm_gemm
+
+    b, m, k = shape
+    x = _rand(cuda_gen, b, m, k, dtype=dtype) / k**0.25
+    out = _poisoned((b, m, m), dtype)
+    symm_gemm(x, x, 1.0, 0.0, None, out=out, tile=tile)
+    xd = x.double()
+    ref = xd @ xd.mT
+    assert _rel(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, None])
+@pytest.mark.parametrize("shape", [(1, 1000, 3000), (3, 520, 1032)])
+def test_gram_alpha_beta_c(cuda_gen, dtype, out_dtype, shape):
+    from dion3_megatron.kernels.sm90_symm import symm_gemm
+
+    b, m, k = shape
+    x = _rand(cuda_gen, b, m, k, dtype=dtype) / k**0.25
+    c0 = _rand(cuda_gen, b, m, m, dtype=torch.float64)
+    c = (c0 + c0.mT).to(dtype)  # symmetric
+    od = out_dtype or dtype
+    out = _poisoned((b, m, m), od)
+    alpha, beta = -0.75, 1.5
+    symm_gemm(x, x, alpha, beta, c, out=out)
+    xd = x.double()
+    ref = alpha * (xd @ xd.mT) + beta * c.double()
+    assert _rel(out, ref) <= TOL[dtype]
+    assert torch.equal(out, out.mT), "mirrored result must be exactly symmetric"
+
+
+def _commuting_pair(gen, b, m, dtype):
+    s = torch.randn(b, m, m, generator=gen, dtype=torch.float64)
+    s = (s + s.mT) / (2 * m) ** 0.5
+    p = 0.5 * s + 0.25 * s @ s
+    q = -0.3 * s + 0.2 * s @ s @ s
+    return p.to("cuda", dtype), q.to("cuda", dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 512), (1, 1000), (4, 264), (2, 1288)])
+@pytest.mark.parametrize("with_c", [False, True])
+def test_symmetric_product_vs_fp64(cuda_gen, dtype, shape, with_c):
+    from dion3_megatron.kernels.sm90_symm import symm_gemm
+
+    b, m = shape
+    p, q = _commuting_pair(cuda_gen, b, m, dtype)
+    out = _poisoned((b, m, m), dtype)
+    alpha, beta = 1.25, -0.5
+    symm_gemm(p, q, alpha, beta if with_c else 0.0, p if with_c else None, out=out)
+    full = p.double() @ q.double()
+    # The kernel computes the lower triangle of P Q and mirrors it (P, Q commute up to rounding).
+    lower = torch.tril(full)
+    ref = alpha * (lower + torch.tril(full, -1).mT)
+    if with_c:
+        ref = ref + beta * p.double()
+    assert _rel(out, ref) <= TOL[dtype]
+    # and against the exact product of the commuting pair (rounding of P and Q included)
+    exact = alpha * full + (beta * p.double() if with_c else 0.0)
+    assert _rel(out, exact) <= TOL[dtype]
+    assert torch.equal(out, out.mT), "mirrored result must be exactly symmetric"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backend_products_vs_fp64(cuda_gen, dtype):
+    """The registered backend's gram/symmetric (forced onto the kernels) against fp64."""
+    backend.set_routing("always")
+    be = backend.KERNEL_BACKEND
+    x = _rand(cuda_gen, 2, 384, 1536, dtype=dtype) / 1536**0.25
+    r = be.gram(x, 1.0, 0.0, None)
+    xd = x.double()
+    assert _rel(r, xd @ xd.mT) <= TOL[dtype]
+    z = be.symmetric(r, r, 0.5, -1.0, r)
+    rd = r.double()
+    assert _rel(z, 0.5 * rd @ rd - rd) <= TOL[dtype]
+    # a transposed (column-major) operand is made contiguous first
+    xt = _rand(cuda_gen, 1, 1536, 384, dtype=dtype).mT
+    g = be.gram(xt, 1.0, 0.0, None)
+    assert _rel(g, xt.double() @ xt.double().mT) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("shape", [(1024, 3072), (3072, 1024), (4, 520, 1560), (2048, 2048)])
+def test_gram_newton_schulz_kernels_vs_torch(cuda_gen, shape):
+    """Gram NS on the kernels vs Gram NS in torch: same function up to rounding."""
+    g = torch.randn(*shape, generator=cuda_gen).cuda()
+    ref = ortho.gram_newton_schulz(g.double(), dtype=torch.float64)
+    ortho.set_backend("torch")
+    torch_out = ortho.gram_newton_schulz(g)
+    ortho.set_backend(backend.BACKEND_NAME)
+    backend.set_routing("always")
+    kern_out = ortho.gram_newton_schulz(g)
+    assert torch.isfinite(kern_out).all()
+    err_torch = _rel(torch_out, ref)
+    err_kern = _rel(kern_out, ref)
+    diff = _rel(kern_out, torch_out.double())
+    print(f"err torch {err_torch:.3e} kernels {err_kern:.3e} diff {diff:.3e}")
+    assert err_kern <= 1.5 * err_torch + 2e-3
+    assert diff <= 2e-2
+
+
+def test_auto_dispatch_claims_cuda_operands():
+    ortho.set_backend("auto")
+    x = torch.empty(1, 4096, 8192, device="cuda", dtype=torch.float16)
+    assert ortho.get_backend(x).name == backend.BACKEND_NAME
+    assert ortho.get_backend(x[:, :1024]).name == "torch"  # too small to pay
+    assert ortho.get_backend(x.cpu()).name == "torch"
+    ortho.set_backend("torch")
+    assert ortho.get_backend(x).name == "torch"
