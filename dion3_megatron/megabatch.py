@@ -551,182 +551,229 @@ class Dion3Engine:
         dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=sg.group)
         return recv
 
-    def _select(self, sg: ShapeGroup, rects_of: list[list[Rect]]) -> torch.Tensor:
-        """Selected rows (B, k), identical on every rank of the group."""
-        n, m = sg.key[0]
-        hp = sg.hp
-        device = sg.shards[0].weight.device
+    # -- general path: any piece (flat ZeRO slices), and local selection -----------------
+    #
+    # Who holds which selected rows is worked out on the host from one copy of the chosen rows,
+    # and every index tensor of the step travels to the device in one copy: no per-matrix syncs.
+
+    def _selected_rows(self, sg: ShapeGroup, rects: list[list[list[Rect]]]) -> Optional[torch.Tensor]:
+        """Global scope: the chosen rows (B, k) on the host, alike on every rank. Local: None."""
         if self.selection == "local" and sg.world > 1:
-            # Each rank picks within its own rows; everyone derives all choices' sizes, not values,
-            # so the chosen rows travel with the data (see _pack). Here: this rank's rows only.
-            picks = []
-            for shard, rects in zip(sg.shards, rects_of):
-                if not rects:
-                    picks.append(torch.empty(0, dtype=torch.long, device=device))
-                    continue
-                rect = rects[0]
-                local = rule.select_rows(rule.row_scores(rect.view(shard.state["momentum"])[None]), hp.fraction)
-                picks.append(local[0] + rect.r0)
-            return picks  # type: ignore[return-value]
+            return None
+        n, _ = sg.key[0]
+        device = sg.shards[0].weight.device
         scores = torch.zeros(len(sg.shards), n, dtype=torch.float32, device=device)
-        for j, (shard, rects) in enumerate(zip(sg.shards, rects_of)):
-            for rect in rects:
+        for j, shard in enumerate(sg.shards):
+            for rect in rects[j][sg.rank]:
                 scores[j, rect.r0 : rect.r1] += rule.row_scores(rect.view(shard.state["momentum"])[None])[0]
-        if sg.world > 1 and not all(s.sharding.kind == "full" for s in sg.shards):
+        if sg.world > 1:
             self.collectives.append("all_reduce")
             dist.all_reduce(scores, group=sg.group)
-        return rule.select_rows(scores, hp.fraction, hp.num_heads)
-
-    def _local_counts(self, sg: ShapeGroup, rank: int) -> int:
-        """Rows that ``rank`` picks per matrix under local selection."""
-        n, m = sg.key[0]
-        r0, r1 = sg.shards[0].sharding.row_span(rank, n, m)
-        return rule.selected_row_count(r1 - r0, sg.hp.fraction) if r1 > r0 else 0
-
-    # -- one shape group ------------------------------------------------------------------
+        return rule.select_rows(scores, sg.hp.fraction, sg.hp.num_heads).cpu()  # the one sync
 
     def _step_group(self, sg: ShapeGroup) -> None:
         n, m = sg.key[0]
-        world, me = sg.world, sg.rank
-        shards = sg.shards
-        local_scope = self.selection == "local" and world > 1
+        world, me, hp, shards = sg.world, sg.rank, sg.hp, sg.shards
+        device = shards[0].weight.device
         rects = [[s.sharding.rects(q, n, m) for q in range(world)] for s in shards]  # [j][q]
         spans = [[s.sharding.row_span(q, n, m) for q in range(world)] for s in shards]
         for shard in shards:
-            shard.state["momentum"].add_(shard.grad.to(torch.float32))
-        chosen = self._select(sg, [r[me] for r in rects])
+            shard.state["momentum"].add_(shard.grad)
+        chosen = self._selected_rows(sg, rects)
+        layout = _GeneralLayout(sg, rects, spans, chosen, device)
+        if chosen is None:  # local scope: each rank picks within its own row block (local indices)
+            layout.local_picks = [
+                rule.select_rows(rule.row_scores(r[me][0].view(s.state["momentum"])[None]), hp.fraction)[0]
+                if r[me] else torch.empty(0, dtype=torch.long, device=device)
+                for s, r in zip(shards, rects)
+            ]
+        layout.finalize()
 
-        # ---- forward: pieces of the selected rows to each matrix's owner -------------------
+        # Forward: for each matrix, to its owner: the variances I provide, then my row pieces.
         send_parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
         for j, shard in enumerate(shards):
-            hp = shard.hp
             owner = sg.owner(j)
             momentum = shard.state["momentum"]
-            rows = chosen[j]
-            if local_scope:
-                send_parts[owner].append(rows.to(torch.float32))
-            provider = shard.sharding.variance_provider(rows, n, m) if not local_scope else None
-            mine = rows if local_scope else rows[provider == me]
-            r0 = spans[j][me][0]
-            send_parts[owner].append(shard.state["variance"][mine - r0])
-            for rect in rects[j][me]:
-                inside = rows[(rows >= rect.r0) & (rows < rect.r1)] - rect.r0
-                piece = rule.take_selected(rect.view(momentum)[None], inside[None], hp.mu)[0]
+            send_parts[owner].append(shard.state["variance"][layout.provided_rows(j)])
+            for t, rect in enumerate(rects[j][me]):
+                view, local = rect.view(momentum), layout.rect_rows(j, t)
+                piece = view[local]
+                view[local] = piece * shard.hp.mu
                 send_parts[owner].append(piece.reshape(-1))
         send_sizes = [sum(p.numel() for p in parts) for parts in send_parts]
-        send = self._buffer(sum(send_sizes), shards[0].weight)
-        if sum(send_sizes):
+        send = self._buffer(sum(send_sizes), momentum)
+        if send.numel():
             torch.cat([p for parts in send_parts for p in parts], out=send)
-
-        owned = [j for j in range(len(shards)) if sg.owner(j) == me]
-        recv_sizes = [self._forward_size(sg, q, owned, rects, spans, chosen) for q in range(world)]
+        recv_sizes = [layout.forward_size(q) for q in range(world)]
         recv = self._all_to_all(send, send_sizes, recv_sizes, sg)
 
-        # ---- owner: assemble blocks, orthogonalize as one batch, normalize ------------------
-        k_total = (sum(self._local_counts(sg, q) for q in range(world)) if local_scope
-                   else rule.selected_row_count(n, sg.hp.fraction, sg.hp.num_heads))
-        blocks = self._buffer(len(owned) * k_total * m, shards[0].weight).view(len(owned), k_total, m)
-        variances = torch.zeros(len(owned), k_total, dtype=torch.float32, device=blocks.device)
-        owned_rows: list[torch.Tensor] = []
+        # Owner: assemble whole blocks, orthogonalize them as one batch, normalize.
+        owned = list(range(me, len(shards), world))
+        k = layout.k
+        blocks = self._buffer(len(owned) * k * m, momentum).view(len(owned), k, m)
+        variances = torch.empty(len(owned), k, dtype=torch.float32, device=device)
         offset = 0
         for q in range(world):
             for b, j in enumerate(owned):
-                if local_scope:
-                    count = self._local_counts(sg, q)
-                    rows = recv[offset : offset + count].long()
-                    offset += count
-                    if q == 0:
-                        owned_rows.append(rows)
-                    else:
-                        owned_rows[b] = torch.cat([owned_rows[b], rows])
-                    start = sum(self._local_counts(sg, p) for p in range(q))
-                    variances[b, start : start + count] = recv[offset : offset + count]
-                    offset += count
-                    for rect in rects[j][q]:
-                        width = rect.c1 - rect.c0
-                        blocks[b, start : start + count, rect.c0 : rect.c1] = recv[offset : offset + count * width].view(count, width)
-                        offset += count * width
-                    continue
-                rows = chosen[j]
-                provided = shards[j].sharding.variance_provider(rows, n, m) == q
-                count = int(provided.sum())
-                variances[b, provided] = recv[offset : offset + count]
-                offset += count
-                for rect in rects[j][q]:
-                    inside = (rows >= rect.r0) & (rows < rect.r1)
-                    height, width = int(inside.sum()), rect.c1 - rect.c0
-                    blocks[b, inside, rect.c0 : rect.c1] = recv[offset : offset + height * width].view(height, width)
-                    offset += height * width
+                positions = layout.provider_positions(j, q)
+                variances[b, positions] = recv[offset : offset + positions.numel()]
+                offset += positions.numel()
+                for t, rect in enumerate(rects[j][q]):
+                    positions = layout.block_positions(j, q, t)
+                    count, width = positions.numel(), rect.c1 - rect.c0
+                    blocks[b, positions, rect.c0 : rect.c1] = recv[offset : offset + count * width].view(count, width)
+                    offset += count * width
+        back_sizes = [layout.backward_size(q, sender=me) for q in range(world)]
+        back = self._buffer(sum(back_sizes), momentum)
         if owned:
-            ortho = rule.orthogonalize_rows(blocks, sg.hp)
-            normalized, new_variance = rule.normalize_rows(ortho, variances, sg.hp.beta2, sg.hp.eps)
-        # ---- back: every rank's pieces of the result, and the new variances of its rows ----
-        back_parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        for q in range(world):
-            for b, j in enumerate(owned):
-                rows = owned_rows[b] if local_scope else chosen[j]
-                lo, hi = spans[j][q]
-                if local_scope:
-                    start = sum(self._local_counts(sg, p) for p in range(q))
-                    count = self._local_counts(sg, q)
-                    sl = slice(start, start + count)
-                    back_parts[q].append(new_variance[b, sl])
-                    for rect in rects[j][q]:
-                        back_parts[q].append(normalized[b, sl, rect.c0 : rect.c1].reshape(-1))
-                    continue
-                back_parts[q].append(new_variance[b, (rows >= lo) & (rows < hi)])
-                for rect in rects[j][q]:
-                    inside = (rows >= rect.r0) & (rows < rect.r1)
-                    back_parts[q].append(normalized[b, inside, rect.c0 : rect.c1].reshape(-1))
-        back_sizes = [sum(p.numel() for p in parts) for parts in back_parts]
-        back = self._buffer(sum(back_sizes), shards[0].weight)
-        if sum(back_sizes):
-            torch.cat([p for parts in back_parts for p in parts], out=back)
-        result_sizes = [self._backward_size(sg, q, me, rects, spans, chosen) for q in range(world)]
-        result = self._all_to_all(back, back_sizes, result_sizes, sg)
+            ortho = rule.orthogonalize_rows(blocks, hp)
+            normalized, new_variance = rule.normalize_rows(ortho, variances, hp.beta2, hp.eps)
+            parts = []
+            for q in range(world):
+                for b, j in enumerate(owned):
+                    parts.append(new_variance[b, layout.span_positions(j, q)])
+                    for t, rect in enumerate(rects[j][q]):
+                        parts.append(normalized[b, layout.block_positions(j, q, t), rect.c0 : rect.c1].reshape(-1))
+            if back.numel():
+                torch.cat(parts, out=back)
+        result = self._all_to_all(back, back_sizes, [layout.backward_size(me, sender=q) for q in range(world)], sg)
 
-        # ---- apply on every rank -----------------------------------------------------------
-        offsets = [sum(result_sizes[:q]) for q in range(world)]
+        # Apply: results come owner by owner, matrix by matrix, in the order sent.
+        offsets = [sum(layout.backward_size(me, sender=p) for p in range(q)) for q in range(world)]
         for j, shard in enumerate(shards):
-            hp = shard.hp
             q = sg.owner(j)
-            rows = chosen[j]
-            lo, hi = spans[j][me]
-            mine = rows[(rows >= lo) & (rows < hi)]
-            shard.state["variance"][mine - lo] = result[offsets[q] : offsets[q] + mine.numel()]
-            offsets[q] += mine.numel()
-            scale = rule.update_scale(n, m, hp.adjust_lr, hp.fraction, hp.scale_lr_by_fraction)
-            for rect in rects[j][me]:
-                inside = rows[(rows >= rect.r0) & (rows < rect.r1)] - rect.r0
-                height, width = inside.numel(), rect.c1 - rect.c0
-                step = result[offsets[q] : offsets[q] + height * width].view(1, height, width)
-                offsets[q] += height * width
-                rule.apply_update(rect.view(shard.weight)[None], inside[None], step, hp.lr, hp.weight_decay, scale)
+            rows = layout.span_rows(j)
+            shard.state["variance"][rows] = result[offsets[q] : offsets[q] + rows.numel()]
+            offsets[q] += rows.numel()
+            scale = rule.update_scale(n, m, shard.hp.adjust_lr, shard.hp.fraction, shard.hp.scale_lr_by_fraction)
+            for t, rect in enumerate(rects[j][me]):
+                local = layout.rect_rows(j, t)
+                count, width = local.numel(), rect.c1 - rect.c0
+                step = result[offsets[q] : offsets[q] + count * width].view(1, count, width)
+                offsets[q] += count * width
+                rule.apply_update(rect.view(shard.weight)[None], local[None], step, shard.hp.lr,
+                                  shard.hp.weight_decay, scale)
 
-    def _forward_size(self, sg, q, owned, rects, spans, chosen) -> int:
-        """Values rank q sends this rank (the owner of ``owned``)."""
-        n, m = sg.key[0]
+
+class _GeneralLayout:
+    """Host-side bookkeeping of one general-path step: which selected rows each rank holds.
+
+    Global scope: from the chosen rows (on the host). Local scope (row blocks only): rank q holds
+    a contiguous run of its own picks, so block positions are ranges and no row index travels.
+    Index tensors are built on the host and moved to the device together in :meth:`finalize`.
+    """
+
+    def __init__(self, sg: ShapeGroup, rects, spans, chosen: Optional[torch.Tensor], device) -> None:
+        self.sg, self.rects, self.spans, self.chosen, self.device = sg, rects, spans, chosen, device
+        self.local_picks: Optional[list[torch.Tensor]] = None
+        n, _ = sg.key[0]
+        if chosen is not None:
+            self.k = chosen.shape[1]
+        else:
+            self.counts = [self._local_count(q) for q in range(sg.world)]
+            self.starts = [sum(self.counts[:q]) for q in range(sg.world)]
+            self.k = sum(self.counts)
+        self._host: dict[tuple, torch.Tensor] = {}
+        self._device: dict[tuple, torch.Tensor] = {}
+
+    def _local_count(self, q: int) -> int:
+        r0, r1 = self.spans[0][q]
+        return rule.selected_row_count(r1 - r0, self.sg.hp.fraction) if r1 > r0 else 0
+
+    # Host-side index sets ------------------------------------------------------------------
+
+    def _in(self, j: int, lo: int, hi: int) -> torch.Tensor:
+        """Positions (into the k selected rows of matrix j) of rows in [lo, hi)."""
+        rows = self.chosen[j]
+        return torch.nonzero((rows >= lo) & (rows < hi)).view(-1)
+
+    def _provider_positions_host(self, j: int, q: int) -> torch.Tensor:
+        if self.chosen is None:
+            return torch.arange(self.starts[q], self.starts[q] + self.counts[q])
+        n, m = self.sg.key[0]
+        provider = self.sg.shards[j].sharding.variance_provider(self.chosen[j], n, m)
+        return torch.nonzero(provider == q).view(-1)
+
+    def _block_positions_host(self, j: int, q: int, t: int) -> torch.Tensor:
+        if self.chosen is None:
+            return torch.arange(self.starts[q], self.starts[q] + self.counts[q])
+        rect = self.rects[j][q][t]
+        return self._in(j, rect.r0, rect.r1)
+
+    def _span_positions_host(self, j: int, q: int) -> torch.Tensor:
+        if self.chosen is None:
+            return torch.arange(self.starts[q], self.starts[q] + self.counts[q])
+        return self._in(j, *self.spans[j][q])
+
+    def finalize(self) -> None:
+        """Build every index set of the step and move them to the device in one copy."""
+        sg, me = self.sg, self.sg.rank
+        wanted: dict[tuple, torch.Tensor] = {}
+        for j in range(len(sg.shards)):
+            r0 = self.spans[j][me][0]
+            if self.chosen is None:
+                picks = self.local_picks[j]  # already indices into this rank's row block
+                self._device[("provided", j)] = picks
+                self._device[("span_rows", j)] = picks
+                for t, _ in enumerate(self.rects[j][me]):
+                    self._device[("rect", j, t)] = picks
+            else:
+                rows = self.chosen[j]
+                wanted[("provided", j)] = rows[self._provider_positions_host(j, me)] - r0
+                wanted[("span_rows", j)] = rows[self._span_positions_host(j, me)] - r0
+                for t, rect in enumerate(self.rects[j][me]):
+                    wanted[("rect", j, t)] = rows[self._block_positions_host(j, me, t)] - rect.r0
+            if sg.owner(j) == me:
+                for q in range(sg.world):
+                    wanted[("provider_pos", j, q)] = self._provider_positions_host(j, q)
+                    wanted[("span_pos", j, q)] = self._span_positions_host(j, q)
+                    for t, _ in enumerate(self.rects[j][q]):
+                        wanted[("block_pos", j, q, t)] = self._block_positions_host(j, q, t)
+        self._host = wanted
+        if wanted:
+            keys = list(wanted)
+            flat = torch.cat([wanted[key].to(torch.long) for key in keys]).to(self.device, non_blocking=True)
+            for key, part in zip(keys, flat.split([wanted[key].numel() for key in keys])):
+                self._device[key] = part
+
+    # Device-side lookups and message sizes -------------------------------------------------
+
+    def provided_rows(self, j: int) -> torch.Tensor:
+        return self._device[("provided", j)]
+
+    def span_rows(self, j: int) -> torch.Tensor:
+        return self._device[("span_rows", j)]
+
+    def rect_rows(self, j: int, t: int) -> torch.Tensor:
+        return self._device[("rect", j, t)]
+
+    def provider_positions(self, j: int, q: int) -> torch.Tensor:
+        return self._device[("provider_pos", j, q)]
+
+    def span_positions(self, j: int, q: int) -> torch.Tensor:
+        return self._device[("span_pos", j, q)]
+
+    def block_positions(self, j: int, q: int, t: int) -> torch.Tensor:
+        return self._device[("block_pos", j, q, t)]
+
+    def _count(self, j: int, q: int, kind: str, t: int = 0) -> int:
+        if self.chosen is None:
+            return self.counts[q]
+        host = {"provider": self._provider_positions_host, "span": self._span_positions_host}
+        return (self._block_positions_host(j, q, t) if kind == "block" else host[kind](j, q)).numel()
+
+    def forward_size(self, q: int) -> int:
+        """Values rank q sends to this rank (as owner)."""
         total = 0
-        for j in owned:
-            if self.selection == "local" and sg.world > 1:
-                count = self._local_counts(sg, q)
-                total += 2 * count + sum(count * (r.c1 - r.c0) for r in rects[j][q])
-                continue
-            rows = chosen[j]
-            total += int((sg.shards[j].sharding.variance_provider(rows, n, m) == q).sum())
-            for rect in rects[j][q]:
-                total += int(((rows >= rect.r0) & (rows < rect.r1)).sum()) * (rect.c1 - rect.c0)
+        for j in range(self.sg.rank, len(self.sg.shards), self.sg.world):
+            total += self._count(j, q, "provider")
+            total += sum(self._count(j, q, "block", t) * (r.c1 - r.c0) for t, r in enumerate(self.rects[j][q]))
         return total
 
-    def _backward_size(self, sg, q, me, rects, spans, chosen) -> int:
-        """Values owner q sends back to this rank."""
+    def backward_size(self, q: int, sender: int) -> int:
+        """Values owner ``sender`` sends back to rank q."""
         total = 0
-        for j in range(len(sg.shards)):
-            if sg.owner(j) != q:
-                continue
-            rows = chosen[j]
-            lo, hi = spans[j][me]
-            total += int(((rows >= lo) & (rows < hi)).sum())
-            for rect in rects[j][me]:
-                total += int(((rows >= rect.r0) & (rows < rect.r1)).sum()) * (rect.c1 - rect.c0)
+        for j in range(sender, len(self.sg.shards), self.sg.world):
+            total += self._count(j, q, "span")
+            total += sum(self._count(j, q, "block", t) * (r.c1 - r.c0) for t, r in enumerate(self.rects[j][q]))
         return total
