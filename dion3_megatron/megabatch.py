@@ -167,6 +167,15 @@ def init_state(shard: MatrixShard, rank: int) -> None:
     shard.state["variance"] = torch.zeros(r1 - r0, dtype=torch.float32, device=shard.weight.device)
 
 
+def _to_device(host: dict, device: torch.device) -> dict:
+    """Move a dict of host index tensors to the device in one copy."""
+    if not host:
+        return {}
+    keys = list(host)
+    flat = torch.cat([host[key].to(torch.long) for key in keys]).to(device, non_blocking=True)
+    return dict(zip(keys, flat.split([host[key].numel() for key in keys])))
+
+
 # --------------------------------------------------------------------------------------------
 # ZeRO-1 ownership.
 
@@ -421,7 +430,7 @@ class Dion3Engine:
         return subs
 
     def _step_batched(self, sg: ShapeGroup, subs: list["_SubBatch"]) -> None:
-        """One shape group with batched tensor ops: 3 collectives, one host sync for sizes."""
+        """One shape group with batched tensor ops: 3 collectives, one host sync (the chosen rows)."""
         n, m = sg.key[0]
         world, me, hp, shards = sg.world, sg.rank, sg.hp, sg.shards
         device = subs[0].momentum.device
@@ -436,39 +445,41 @@ class Dion3Engine:
         if world > 1:
             self.collectives.append("all_reduce")
             dist.all_reduce(scores, group=sg.group)
-        chosen = rule.select_rows(scores, hp.fraction, hp.num_heads)  # (B, k), alike on every rank
+        chosen = rule.select_rows(scores, hp.fraction, hp.num_heads).cpu()  # (B, k): the one sync
         k = chosen.shape[1]
 
-        # holds[q][b, i]: rank q holds selected row i of the part's matrix b. One sync for all counts.
-        for sub in subs:
-            rows = chosen[torch.tensor(sub.index, device=device)]
-            sub.chosen = rows
-            sub.holds = torch.stack([(rows >= r.r0) & (rows < r.r1) for r in sub.rect])  # (W, b, k)
-        all_counts = torch.cat([sub.holds.sum(-1) for sub in subs], dim=1).tolist()  # [q][position]
-        start = 0
-        for sub in subs:
-            sub.counts = [row[start : start + len(sub.index)] for row in all_counts]
-            start += len(sub.index)
+        # Host bookkeeping: holds[q][b, i] says rank q holds selected row i of the part's matrix b.
+        host: dict[tuple, torch.Tensor] = {}
+        for p, sub in enumerate(subs):
+            sub.chosen = chosen[sub.index]
+            sub.holds = torch.stack([(sub.chosen >= r.r0) & (sub.chosen < r.r1) for r in sub.rect])  # (W, b, k)
+            sub.counts = sub.holds.sum(-1).tolist()  # [q][b]
             sub.owner_major = [b for d in range(world) for b, j in enumerate(sub.index) if j % world == d]
             sub.owned = [b for b, j in enumerate(sub.index) if j % world == me]
+            order = torch.tensor(sub.owner_major, dtype=torch.long)
+            bi, si = sub.holds[me][order].nonzero(as_tuple=True)
+            rows = sub.chosen[order[bi], si]
+            host[p, "bi"], host[p, "local"], host[p, "var"] = order[bi], rows - sub.rect[me].r0, rows - sub.span0[me]
+            position = torch.tensor([sub.index[b] // world for b in sub.owned], dtype=torch.long)
+            for q in range(world):
+                obi, osi = sub.holds[q][sub.owned].nonzero(as_tuple=True)
+                host[p, "pos", q], host[p, "si", q] = position[obi], osi
+        on_device = _to_device(host, device)
 
         # Forward: to each owner, per part, my pieces of its matrices' selected rows, then variances.
         send_parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
         send_sizes = [0] * world
-        for sub in subs:
-            order = torch.tensor(sub.owner_major, device=device, dtype=torch.long)
-            bi, si = sub.holds[me][order].nonzero(as_tuple=True)
-            sub.bi = order[bi]
-            sub.local_rows = sub.chosen[sub.bi, si] - sub.rect[me].r0
-            sub.variance_rows = sub.chosen[sub.bi, si] - sub.span0[me]
+        for p, sub in enumerate(subs):
+            sub.bi, sub.local_rows, sub.variance_rows = on_device[p, "bi"], on_device[p, "local"], on_device[p, "var"]
+            sub.owner_index = {q: (on_device[p, "pos", q], on_device[p, "si", q]) for q in range(world)}
             pieces = sub.momentum[sub.bi, sub.local_rows]
             mus = torch.tensor([shards[j].hp.mu for j in sub.index], device=device)[sub.bi]
             sub.momentum[sub.bi, sub.local_rows] = pieces * mus[:, None]
             sub.per_dest = [sum(sub.counts[me][b] for b, j in enumerate(sub.index) if j % world == d) for d in range(world)]
             variances = sub.variance[sub.bi, sub.variance_rows]
             width = sub.rect[me].c1 - sub.rect[me].c0
-            for d, (p, v) in enumerate(zip(pieces.split(sub.per_dest), variances.split(sub.per_dest))):
-                send_parts[d] += [p.reshape(-1)] + ([v] if sub.provides[me] else [])
+            for d, (piece, v) in enumerate(zip(pieces.split(sub.per_dest), variances.split(sub.per_dest))):
+                send_parts[d] += [piece.reshape(-1)] + ([v] if sub.provides[me] else [])
                 send_sizes[d] += sub.per_dest[d] * (width + sub.provides[me])
         recv_sizes = [
             sum(sum(sub.counts[q][b] for b in sub.owned) * (sub.rect[q].c1 - sub.rect[q].c0 + sub.provides[q]) for sub in subs)
@@ -485,16 +496,14 @@ class Dion3Engine:
         offset = 0
         for q in range(world):
             for sub in subs:
-                position = torch.tensor([sub.index[b] // world for b in sub.owned], device=device, dtype=torch.long)
-                bi, si = sub.holds[q][sub.owned].nonzero(as_tuple=True)
+                pos, si = sub.owner_index[q]
                 r = sub.rect[q]
-                count = bi.numel()
-                blocks[position[bi], si, r.c0 : r.c1] = recv[offset : offset + count * (r.c1 - r.c0)].view(count, r.c1 - r.c0)
+                count = pos.numel()
+                blocks[pos, si, r.c0 : r.c1] = recv[offset : offset + count * (r.c1 - r.c0)].view(count, r.c1 - r.c0)
                 offset += count * (r.c1 - r.c0)
                 if sub.provides[q]:
-                    block_variances[position[bi], si] = recv[offset : offset + count]
+                    block_variances[pos, si] = recv[offset : offset + count]
                     offset += count
-                sub.owner_index[q] = (position[bi], si)
         back_sizes = [sum(sum(sub.counts[q][b] for b in sub.owned) * (sub.rect[q].c1 - sub.rect[q].c0 + 1) for sub in subs)
                       for q in range(world)]
         back = self._buffer(sum(back_sizes), subs[0].momentum)
@@ -673,7 +682,6 @@ class _GeneralLayout:
             self.counts = [self._local_count(q) for q in range(sg.world)]
             self.starts = [sum(self.counts[:q]) for q in range(sg.world)]
             self.k = sum(self.counts)
-        self._host: dict[tuple, torch.Tensor] = {}
         self._device: dict[tuple, torch.Tensor] = {}
 
     def _local_count(self, q: int) -> int:
@@ -729,12 +737,7 @@ class _GeneralLayout:
                     wanted[("span_pos", j, q)] = self._span_positions_host(j, q)
                     for t, _ in enumerate(self.rects[j][q]):
                         wanted[("block_pos", j, q, t)] = self._block_positions_host(j, q, t)
-        self._host = wanted
-        if wanted:
-            keys = list(wanted)
-            flat = torch.cat([wanted[key].to(torch.long) for key in keys]).to(self.device, non_blocking=True)
-            for key, part in zip(keys, flat.split([wanted[key].numel() for key in keys])):
-                self._device[key] = part
+        self._device.update(_to_device(wanted, self.device))
 
     # Device-side lookups and message sizes -------------------------------------------------
 
