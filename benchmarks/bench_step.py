@@ -1,0 +1,81 @@
+"""Full optimizer step on one GPU: Dion3 (f = 1, 1/4, 1/8) vs a Muon step, 8 layers of 14B shapes.
+
+Per layer (14B with grouped-query attention): Q and O 5120x5120, K and V 1024x5120, SwiGLU gate
+and up 13824x5120, down 5120x13824. Muon: heavy-ball momentum and Keller-quintic NS5 in bf16 on
+each matrix, one at a time, as Muon ships. Dion3: the torch optimizer (same-shape blocks batched,
+Gram NS with the kernels where they pay). Median of CUDA-event timings; ratios from one run.
+
+  python benchmarks/bench_step.py [--layers 8] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from dion3_megatron import Dion3, ortho
+
+LAYER_14B = [(5120, 5120), (1024, 5120), (1024, 5120), (5120, 5120), (13824, 5120), (13824, 5120), (5120, 13824)]
+
+
+class Muon:
+    def __init__(self, params, lr=0.02, mu=0.95):
+        self.params, self.lr, self.mu = params, lr, mu
+        self.momenta = [torch.zeros_like(p) for p in params]
+
+    @torch.no_grad()
+    def step(self):
+        for p, m in zip(self.params, self.momenta):
+            m.mul_(self.mu).add_(p.grad)
+            update = ortho.newton_schulz(m, ortho.keller_coefficients(), dtype=torch.bfloat16, norm_factor=1.0)
+            p.add_(update.to(p.dtype), alpha=-self.lr * max(1.0, p.shape[0] / p.shape[1]) ** 0.5)
+
+
+def timed(step, iters=10, warmup=3):
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    params = []
+    for _ in range(args.layers):
+        for shape in LAYER_14B:
+            p = torch.nn.Parameter(torch.randn(shape, device="cuda", generator=gen) * 0.02)
+            p.grad = torch.randn(shape, device="cuda", generator=gen)
+            params.append(p)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers}
+    ortho.set_backend("torch")  # Muon as it ships: plain torch matmuls, not our kernels
+    results["muon_ms"] = timed(Muon(params).step)
+    ortho.set_backend("auto")
+    print(f"{results['device']}, torch {results['torch']}: {args.layers} layers of 14B shapes "
+          f"({sum(p.numel() for p in params) / 1e9:.2f}B params)")
+    print(f"{'optimizer':<16}{'step ms':>10}{'vs muon':>9}")
+    print(f"{'muon':<16}{results['muon_ms']:>10.2f}{1.0:>9.2f}")
+    for fraction in (1.0, 0.25, 0.125):
+        ms = timed(Dion3(params, fraction=fraction).step)
+        results[f"dion3_{fraction}"] = ms
+        print(f"{'dion3 f=' + str(fraction):<16}{ms:>10.2f}{results['muon_ms'] / ms:>9.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
