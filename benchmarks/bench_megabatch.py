@@ -146,7 +146,9 @@ def main() -> None:
     with CollectiveCounter() as counter:
         muon.step()
     results["muon_collectives"] = counter.count
+    ortho.set_backend("torch")  # Muon as it ships: plain torch matmuls, not our kernels
     results["muon_ms"] = time_steps(muon.step, device, args.warmup, args.iters)
+    ortho.set_backend("auto")
     del muon, muon_shards
 
     results["dion3"] = {}

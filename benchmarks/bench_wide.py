@@ -63,7 +63,9 @@ def main() -> None:
         weight = torch.randn(n, m, device=device, generator=gen) * 0.02
         grad = torch.randn(n, m, device=device, generator=gen)
         momentum = torch.zeros_like(weight)
+        ortho.set_backend("torch")  # Muon as it ships: plain torch matmuls, not our kernels
         muon_ms, muon_mib = measure(lambda: muon_step(weight, grad, momentum), args.iters)
+        ortho.set_backend("auto")
         del momentum
         rows = [("muon", muon_ms, muon_mib)]
         for fraction in (1.0, 0.25, 0.125):

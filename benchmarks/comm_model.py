@@ -30,6 +30,20 @@ from dion3_megatron.ortho import ns_flops
 ALPHA_S = 43e-6
 BETA_BYTES_PER_S = 512 * 2**20 / 0.94e-3
 NS_FLOPS_PER_S = 620e12
+# Element-wise passes over the rank's matrices (momentum, scores, gathers, weight update) run at
+# device-memory speed: 4.3 TB/s copy bandwidth measured on an H200 (device KINDS.md). Each eager
+# PyTorch op costs ~8 us of launch and Python (an assumption, not a measurement).
+HBM_BYTES_PER_S = 4.3e12
+LAUNCH_S = 8e-6
+# Bytes moved in device memory per matrix element and step: Dion3 reads/writes the momentum, the
+# gradient, the scores and the weight (~24 B) plus ~40 B per selected element (gather, normalize,
+# scatter); Muon ~24 B (momentum, weight) plus the all-gathered copy and NS operands (~16 B).
+DION3_BYTES_PER_ELEMENT = (24, 40)
+MUON_BYTES_PER_ELEMENT = 40
+# Eager ops per matrix: Dion3 ~6 (momentum, index math, update) plus ~60 per shape group;
+# Muon ~25 (5 NS steps of 3 products and 2 element-wise ops, momentum, update).
+DION3_OPS = (6, 60)
+MUON_OPS = 25
 
 
 @dataclass(frozen=True)
@@ -88,7 +102,7 @@ def _by_shape(matrices):
 
 def dion3_step(cfg: ModelConfig, layout: Layout, fraction: float) -> dict:
     w = layout.tp
-    rounds = nbytes = flops = 0.0
+    rounds = nbytes = flops = memory = ops = 0.0
     for (n, m), count in _by_shape(owned_matrices(cfg, layout)).items():
         k = max(1, math.ceil(fraction * n))
         if w > 1:
@@ -96,24 +110,29 @@ def dion3_step(cfg: ModelConfig, layout: Layout, fraction: float) -> dict:
             nbytes += 2 * (w - 1) / w * count * n * 4  # ring all-reduce of fp32 row scores
             nbytes += 2 * (w - 1) / w * count * k * m / w * 4  # selected rows out and back
         flops += math.ceil(count / w) * ns_flops(k, m, "gram")
-    return _timed(rounds, nbytes, flops)
+        per_element, per_selected = DION3_BYTES_PER_ELEMENT
+        memory += count * n * m / w * (per_element + per_selected * k / n)
+        ops += count * DION3_OPS[0] + DION3_OPS[1]
+    return _timed(rounds, nbytes, flops, memory, ops)
 
 
 def muon_step(cfg: ModelConfig, layout: Layout) -> dict:
     w = layout.tp
-    rounds = nbytes = flops = 0.0
+    rounds = nbytes = flops = memory = ops = 0.0
     for (n, m), count in _by_shape(owned_matrices(cfg, layout)).items():
         if w > 1:
             rounds += count
             nbytes += (w - 1) / w * count * n * m * 4  # all-gather of each fp32 momentum shard
         s, length = min(n, m), max(n, m)
         flops += count * 5 * (4 * s * s * length + 2 * s**3)  # dense NS5, every TP rank, every matrix
-    return _timed(rounds, nbytes, flops)
+        memory += count * n * m * MUON_BYTES_PER_ELEMENT
+        ops += count * MUON_OPS
+    return _timed(rounds, nbytes, flops, memory, ops)
 
 
-def _timed(rounds: float, nbytes: float, flops: float) -> dict:
+def _timed(rounds: float, nbytes: float, flops: float, memory: float, ops: float) -> dict:
     comm = rounds * ALPHA_S + nbytes / BETA_BYTES_PER_S
-    compute = flops / NS_FLOPS_PER_S
+    compute = flops / NS_FLOPS_PER_S + memory / HBM_BYTES_PER_S + ops * LAUNCH_S
     return {"rounds": int(rounds), "bytes": nbytes, "comm_s": comm, "compute_s": compute, "total_s": comm + compute}
 
 
