@@ -435,8 +435,7 @@ class Dion3Engine:
         world, me, hp, shards = sg.world, sg.rank, sg.hp, sg.shards
         device = subs[0].momentum.device
         for sub in subs:
-            for b, j in enumerate(sub.index):
-                sub.momentum[b].add_(shards[j].grad)
+            torch._foreach_add_(list(sub.momentum.unbind(0)), [shards[j].grad.view(sub.momentum.shape[1:]) for j in sub.index])
 
         scores = torch.zeros(len(shards), n, dtype=torch.float32, device=device)
         for sub in subs:
@@ -530,6 +529,7 @@ class Dion3Engine:
                 offset += count * width
                 new_variances[id(sub)].append(result[offset : offset + count])
                 offset += count
+        weights, rows, updates, lrs, decays, scales = [], [], [], [], [], []
         for sub in subs:
             sub.variance[sub.bi, sub.variance_rows] = torch.cat(new_variances[id(sub)])
             sub_steps = torch.cat(steps[id(sub)])
@@ -537,14 +537,14 @@ class Dion3Engine:
             for b in sub.owner_major:
                 shard = shards[sub.index[b]]
                 count = sub.counts[me][b]
-                scale = rule.update_scale(n, m, shard.hp.adjust_lr, shard.hp.fraction, shard.hp.scale_lr_by_fraction)
-                rule.apply_update(
-                    shard.weight.view(1, *sub.momentum.shape[1:]),
-                    sub.local_rows[start : start + count][None],
-                    sub_steps[start : start + count][None],
-                    shard.hp.lr, shard.hp.weight_decay, scale,
-                )
+                weights.append(shard.weight.view(sub.momentum.shape[1:]))
+                rows.append(sub.local_rows[start : start + count])
+                updates.append(sub_steps[start : start + count])
+                lrs.append(shard.hp.lr)
+                decays.append(shard.hp.weight_decay)
+                scales.append(rule.update_scale(n, m, shard.hp.adjust_lr, shard.hp.fraction, shard.hp.scale_lr_by_fraction))
                 start += count
+        rule.apply_updates(weights, rows, updates, lrs, decays, scales)
 
     # -- helpers --------------------------------------------------------------------------
 
