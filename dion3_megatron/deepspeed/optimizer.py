@@ -1,0 +1,100 @@
+"""``DeepSpeedDion3``: the class DeepSpeed builds for ``"optimizer": {"type": "Dion3"}``.
+
+DeepSpeed constructs it with the model's parameters and the config's ``params``; then
+* ZeRO stage 0 (fp32, or bf16/fp16 through DeepSpeed's unfused wrapper) steps it on whole
+  parameters: it is :class:`dion3_megatron.Dion3` unchanged;
+* ZeRO stage 1/2 (and BF16_Optimizer) replace each param group's parameters with one flat fp32
+  slice; the step then goes through :mod:`.zero`, which gives the straddling matrices to the
+  megabatch engine and keeps the state slice-shaped.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from ..optimizer import Dion3
+from . import zero
+from .config import normalize_params
+
+
+class DeepSpeedDion3(Dion3):
+    """Dion3 for DeepSpeed: validated config ``params``; ZeRO-1/2 flat slices through the engine.
+
+    Accepts every :class:`~dion3_megatron.Dion3` argument (JSON spellings: ``betas`` a list,
+    ``ns_dtype`` a string). Unknown keys and out-of-range values raise ValueError at
+    construction, i.e. at ``deepspeed.initialize``. Row selection is global (top-k over the whole
+    logical matrix) at every stage, so ZeRO-1/2 give the same parameters as ZeRO-0.
+    """
+
+    def __init__(self, params: Iterable[Any], **kwargs: Any) -> None:
+        super().__init__(params, **normalize_params(kwargs))
+        # ZeRO swaps each group's params for a flat slice but keeps the group dicts: remember the
+        # original parameters of every group (they carry ZeRO's slice mapping after initialize).
+        self._originals: dict[int, tuple[dict, list[torch.Tensor]]] = {
+            id(g): (g, list(g["params"])) for g in self.param_groups
+        }
+        self._zero_plans: dict[int, zero.ZeroGroupPlan] = {}
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_originals"):
+            g = self.param_groups[-1]
+            self._originals[id(g)] = (g, list(g["params"]))
+
+    # ----------------------------------------------------------------------------------------
+
+    def _zero_group(self, group: dict) -> Optional[list[torch.Tensor]]:
+        """The group's original parameters if ZeRO replaced them with a flat slice, else None."""
+        entry = self._originals.get(id(group))
+        if entry is None or entry[0] is not group:
+            return None
+        originals = entry[1]
+        params = group["params"]
+        if (
+            len(params) == 1
+            and params[0].dim() == 1
+            and not any(params[0] is p for p in originals)
+            and any(zero.is_zero_linked(p) for p in originals)
+        ):
+            return originals
+        return None
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        zero_groups = [(g, self._zero_group(g)) for g in self.param_groups]
+        if not any(orig is not None for _, orig in zero_groups):
+            return super().step(closure)
+        if not all(orig is not None for _, orig in zero_groups):
+            raise RuntimeError("Dion3: some param groups are ZeRO flat slices and some are not")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, originals in zero_groups:
+            flat = group["params"][0]
+            if flat.grad is None:
+                continue
+            plan = self._zero_plans.get(id(group))
+            if plan is None or plan.flat is not flat:
+                # The index in self.param_groups shifts while ZeRO steps one group at a time;
+                # the position among the remembered groups does not.
+                index = list(self._originals).index(id(group))
+                plan = zero.ZeroGroupPlan(self, group, originals, index)
+                self._zero_plans[id(group)] = plan
+            if not zero.all_finite([flat], plan.group_pg):
+                self.skipped_steps += 1
+                warnings.warn(
+                    f"Dion3: non-finite gradient, step skipped (no weight or state changed); "
+                    f"{self.skipped_steps} step(s) skipped so far",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                continue
+            state = self.state[flat]
+            zero.init_slice_state(state, flat)
+            state["step"] += 1
+            plan.step(self, group, state)
+        return loss

@@ -1,0 +1,276 @@
+"""ZeRO-1/2 adapter: run Dion3 on DeepSpeed's flat fp32 partitions through the megabatch engine.
+
+Under ZeRO stage 1 or 2 (and DeepSpeed's BF16_Optimizer) every param group of the optimizer holds
+ONE flat fp32 tensor per rank: this rank's slice of the group's parameters laid end to end, with
+its gradient already averaged, unscaled and clipped. A matrix can straddle two or more ranks'
+slices. Every original parameter carries ZeRO's own mapping into the slice (``_hp_mapping``: which
+elements of the parameter, at which offset of the slice; ``None`` when this rank holds none) and
+the process group its slices span (``_dp_group``: the expert-data-parallel group for MoE
+parameters). From these the adapter describes each matrix to the engine as a
+``Sharding.flat(bounds)`` piece (element ranges of the row-major matrix) and lets the engine do
+the Dion3 step; parameters that are not matrices take AdamW element by element on the slice.
+
+Optimizer state is slice-shaped, so DeepSpeed's elastic and universal checkpoints handle it like
+Adam's (``ds_to_universal`` reads exactly the keys ``exp_avg`` and ``exp_avg_sq``):
+
+* ``exp_avg``    (slice)  Dion3 momentum on matrix elements; AdamW first moment elsewhere.
+* ``exp_avg_sq`` (slice)  Dion3 per-row variance repeated over the row's elements; AdamW second
+                          moment elsewhere.
+* ``step``       (0-d)    steps taken (AdamW bias correction).
+
+The engine keeps one variance value per row a piece touches; before each step it is read from the
+first element of each touched row of ``exp_avg_sq``, after the step written back over the row.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import megabatch, rule
+from ..optimizer import Dion3
+
+def is_zero_linked(p: torch.Tensor) -> bool:
+    """True for a parameter ZeRO-1/2 (or BF16_Optimizer) has linked to a flat fp32 partition."""
+    return hasattr(p, "_hp_mapping") and hasattr(p, "_dp_group")
+
+
+def matrices_of(p: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(element offset, rows, cols) of every matrix in a >= 2-D parameter, as optimizer.matrix_view sees it."""
+    if p.dim() == 2:
+        return [(0, p.shape[0], p.shape[1])]
+    if p.dim() == 3:
+        n, m = p.shape[1], p.shape[2]
+        return [(e * n * m, n, m) for e in range(p.shape[0])]
+    n = p.shape[0]
+    m = p.numel() // n
+    return [(0, n, m)]
+
+
+@dataclass
+class _Piece:
+    """This rank's piece of one matrix and how its per-row variance maps onto the slice."""
+
+    shard: Any  # MatrixShard
+    offset: int  # first element of the piece in the flat partition
+    length: int
+    row_counts: torch.Tensor  # elements of each touched row that lie in the piece
+    row_firsts: torch.Tensor  # offset inside the piece of each touched row's first element here
+
+
+def _touched_rows(lo: int, hi: int, n_cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For matrix elements [lo, hi): per touched row, its element count and first offset in the piece."""
+    if hi <= lo:
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return empty, empty
+    rows = torch.arange(lo // n_cols, (hi - 1) // n_cols + 1, device=device)
+    starts = (rows * n_cols).clamp(min=lo)
+    ends = ((rows + 1) * n_cols).clamp(max=hi)
+    return ends - starts, starts - lo
+
+
+def _gather_ranges(linked: list[torch.Tensor], group, device) -> torch.Tensor:
+    """(world, params, 2) tensor of every rank's [start, end) element range of each parameter (-1: none)."""
+    mine = torch.full((len(linked), 2), -1, dtype=torch.long)
+    for j, p in enumerate(linked):
+        mapping = p._hp_mapping
+        if mapping is not None:
+            start = mapping.lp_fragment_address.start
+            mine[j, 0] = start
+            mine[j, 1] = start + mapping.lp_fragment_address.numel
+    world = dist.get_world_size(group)
+    mine = mine.to(device)
+    out = torch.empty((world * len(linked), 2), dtype=torch.long, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, mine, group=group)
+    return out.view(world, len(linked), 2).cpu()
+
+
+def _param_bounds(ranges: torch.Tensor, numel: int, where: str) -> list[int]:
+    """Monotone bounds (world + 1) of one parameter's element ranges over the ranks, in rank order."""
+    bounds = [0]
+    for start, end in ranges.tolist():
+        if start < 0:
+            bounds.append(bounds[-1])
+            continue
+        if start != bounds[-1]:
+            raise RuntimeError(f"{where}: ZeRO slices of a parameter are not contiguous in rank order "
+                               f"(a rank starts at element {start}, expected {bounds[-1]})")
+        bounds.append(end)
+    if bounds[-1] != numel:
+        raise RuntimeError(f"{where}: ZeRO slices cover {bounds[-1]} of the parameter's {numel} elements")
+    return bounds
+
+
+class ZeroGroupPlan:
+    """Everything one flat ZeRO param group needs per step, built once (one all_gather of int ranges)."""
+
+    def __init__(self, opt: Dion3, group: dict, originals: list[torch.Tensor], index: int) -> None:
+        self.flat = group["params"][0]
+        linked = [p for p in originals if is_zero_linked(p)]
+        if not linked:
+            raise RuntimeError(
+                f"Dion3 param group {index}: its parameters were replaced by a flat tensor but none carries "
+                "ZeRO's slice mapping (_hp_mapping). Dion3 supports DeepSpeed ZeRO stages 0, 1 and 2."
+            )
+        self.group_pg = linked[0]._dp_group
+        if any(p._dp_group is not self.group_pg for p in linked):
+            raise RuntimeError(f"Dion3 param group {index}: parameters span different data-parallel groups")
+        _warn_if_tensor_parallel(linked)
+        self.world = dist.get_world_size(self.group_pg)
+        self.rank = dist.get_rank(self.group_pg)
+        device = self.flat.device
+        ranges = _gather_ranges(linked, self.group_pg, device)
+        self.pieces: list[_Piece] = []
+        adamw_runs: list[tuple[int, int]] = []
+        for j, p in enumerate(linked):
+            where = f"Dion3 param group {index}, param {j} (shape {tuple(p.shape)})"
+            bounds = _param_bounds(ranges[:, j], p.numel(), where)
+            mapping = p._hp_mapping
+            lp_lo = bounds[self.rank]
+            lp_hi = bounds[self.rank + 1]
+            hp_start = mapping.hp_fragment_address.start if mapping is not None else 0
+            if Dion3.algorithm_of(group, p) == "adamw":
+                if lp_hi > lp_lo:
+                    adamw_runs.append((hp_start, lp_hi - lp_lo))
+                continue
+            for e, (a, n, m) in enumerate(matrices_of(p)):
+                mbounds = [min(max(b - a, 0), n * m) for b in bounds]
+                lo, hi = mbounds[self.rank], mbounds[self.rank + 1]
+                offset = hp_start + (a + lo - lp_lo) if hi > lo else 0
+                counts, firsts = _touched_rows(lo, hi, m, device)
+                name = f"group{index}.param{j}" + (f".matrix{e}" if p.dim() == 3 else "")
+                shard = megabatch.MatrixShard(
+                    name=name,
+                    weight=self.flat.narrow(0, offset, hi - lo),
+                    grad=self.flat.narrow(0, offset, hi - lo),  # replaced by the real gradient each step
+                    shape=(n, m),
+                    sharding=megabatch.Sharding.flat(mbounds),
+                    group=self.group_pg,
+                    hp=opt.hyperparameters(group),
+                    state={},
+                )
+                self.pieces.append(_Piece(shard, offset, hi - lo, counts, firsts))
+        self.adamw_runs = _merge_runs(adamw_runs)
+        self.engine = None
+        self._state_ids: tuple = ()
+
+    # ----------------------------------------------------------------------------------------
+
+    def _bind_state(self, state: dict) -> None:
+        """Point the engine's momentum at the slice's exp_avg (rebuilding the engine if it moved)."""
+        ids = (id(state["exp_avg"]), id(state["exp_avg_sq"]))
+        if not self.pieces or (self.engine is not None and ids == self._state_ids):
+            return
+        exp_avg = state["exp_avg"]
+        for piece in self.pieces:
+            piece.shard.state.clear()
+            piece.shard.state["momentum"] = exp_avg.narrow(0, piece.offset, piece.length)
+            piece.shard.state["variance"] = torch.zeros(
+                piece.row_counts.numel(), dtype=torch.float32, device=exp_avg.device
+            )
+        self.engine = megabatch.Dion3Engine([p.shard for p in self.pieces], selection="global")
+        self._state_ids = ids
+
+    def step(self, opt: Dion3, group: dict, state: dict) -> None:
+        flat, grad = self.flat, self.flat.grad
+        self._bind_state(state)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        hp = opt.hyperparameters(group)
+        for piece in self.pieces:
+            shard = piece.shard
+            shard.weight = flat.narrow(0, piece.offset, piece.length)
+            shard.grad = grad.narrow(0, piece.offset, piece.length)
+            if shard.hp != hp:
+                shard.hp = hp
+            momentum = shard.state["momentum"]
+            view = exp_avg.narrow(0, piece.offset, piece.length)
+            if momentum.data_ptr() != view.data_ptr() and piece.length:
+                momentum.copy_(view)
+            if piece.row_counts.numel():
+                shard.state["variance"].copy_(exp_avg_sq.narrow(0, piece.offset, piece.length)[piece.row_firsts])
+        if self.pieces:
+            self.engine.step()
+        for piece in self.pieces:
+            if not piece.length:
+                continue
+            shard = piece.shard
+            view = exp_avg.narrow(0, piece.offset, piece.length)
+            if shard.state["momentum"].data_ptr() != view.data_ptr():
+                view.copy_(shard.state["momentum"])
+            exp_avg_sq.narrow(0, piece.offset, piece.length).copy_(
+                shard.state["variance"].repeat_interleave(piece.row_counts, output_size=piece.length)
+            )
+        if self.adamw_runs:
+            step = int(state["step"].item())
+            for start, length in self.adamw_runs:
+                rule.adamw_step(
+                    flat.narrow(0, start, length), grad.narrow(0, start, length),
+                    exp_avg.narrow(0, start, length), exp_avg_sq.narrow(0, start, length),
+                    step, group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                )
+
+
+_WARNED_TP = False
+
+
+def _tensor_parallel_size() -> int:
+    try:
+        from deepspeed.utils import groups
+        from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+
+        return bwc_tensor_model_parallel_world_size(groups.mpu)
+    except Exception:  # noqa: BLE001 - only for a warning
+        return 1
+
+
+def _warn_if_tensor_parallel(params: list[torch.Tensor]) -> None:
+    """Tensor-parallel shards are stepped as matrices of their own: say so once."""
+    global _WARNED_TP
+    if _WARNED_TP or not any(getattr(p, "tensor_model_parallel", False) for p in params):
+        return
+    if _tensor_parallel_size() > 1:
+        _WARNED_TP = True
+        warnings.warn(
+            "Dion3 under DeepSpeed treats each tensor-parallel shard as a matrix of its own (rows are chosen and "
+            "orthogonalized per TP shard, like Megatron's block-wise Muon). For whole-matrix Dion3 with tensor "
+            "parallelism use the Megatron-Core integration (dion3_megatron.megatron).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _merge_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for start, length in sorted(runs):
+        if merged and merged[-1][0] + merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], merged[-1][1] + length)
+        else:
+            merged.append((start, length))
+    return merged
+
+
+def init_slice_state(state: dict, flat: torch.Tensor) -> None:
+    """Create the slice-shaped state of a flat partition if absent (fp32, on the slice's device)."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key not in state:
+            state[key] = torch.zeros_like(flat, dtype=torch.float32, memory_format=torch.contiguous_format)
+    if "step" not in state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+    elif not torch.is_tensor(state["step"]):
+        state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+
+
+def all_finite(flats: list[torch.Tensor], group) -> bool:
+    """True when every rank's gradient slices are finite (one tiny all-reduce)."""
+    device = flats[0].device
+    flag = torch.ones((), dtype=torch.float32, device=device)
+    for f in flats:
+        if f.grad is not None and not torch.isfinite(f.grad).all():
+            flag.zero_()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())

@@ -1,0 +1,190 @@
+"""Train a small byte-level GPT with DeepSpeed; the optimizer comes from the JSON config.
+
+    deepspeed --num_gpus 2 examples/deepspeed/train_gpt.py --config examples/deepspeed/ds_config_dion3.json
+    # CPU: DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 2 examples/deepspeed/train_gpt.py \
+    #        --config examples/deepspeed/ds_config_dion3.json --cpu --width 64 --layers 2 --seq 64 --steps 20
+
+The only Dion3-specific line is ``import dion3_megatron.deepspeed`` (it registers
+``"type": "Dion3"``); ``param_groups`` puts embeddings, the output head, norms and biases on
+AdamW, as DeepSpeed's Muon does. The corpus is the running Python's standard-library sources.
+Prints the loss, the iteration time and the time of ``engine.step()`` (at a gradient-accumulation
+boundary: gradient norm, clipping, the optimizer step, the ZeRO all-gather) and the time spent in
+the optimizer's own ``step()``; ``--json`` writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pathlib
+import statistics
+import sysconfig
+import time
+
+import torch
+import torch.nn.functional as F
+
+import deepspeed
+
+import dion3_megatron.deepspeed as dion3_deepspeed  # registers "type": "Dion3"
+
+
+def stdlib_corpus(max_bytes: int = 8_000_000) -> torch.Tensor:
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = torch.nn.LayerNorm(width)
+        self.q = torch.nn.Linear(width, width, bias=False)  # Q, K, V separate: each is its own matrix
+        self.k = torch.nn.Linear(width, width, bias=False)
+        self.v = torch.nn.Linear(width, width, bias=False)
+        self.proj = torch.nn.Linear(width, width, bias=False)
+        self.norm2 = torch.nn.LayerNorm(width)
+        self.fc1 = torch.nn.Linear(width, 4 * width, bias=False)
+        self.fc2 = torch.nn.Linear(4 * width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (f(h).view(b, t, self.heads, d // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, width: int, layers: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, width)
+        self.embed_position = torch.nn.Embedding(context, width)
+        self.blocks = torch.nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(width)
+        self.lm_head = torch.nn.Linear(width, 256, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens[:, :-1]) + self.embed_position.weight[: tokens.shape[1] - 1]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.norm(x)).float()
+        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu", action="store_true", help="gloo on CPU (set DS_ACCELERATOR=cpu too)")
+    parser.add_argument("--json", help="write losses and timings here (rank 0)")
+    parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher appends it
+    args = parser.parse_args()
+
+    if args.cpu:  # no C++ shared-memory op build on CPU
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo" if args.cpu else "nccl")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+    with open(args.config) as f:
+        config = json.load(f)
+    torch.manual_seed(args.seed)
+    model = GPT(args.width, args.layers, args.heads, args.seq)
+    name = config["optimizer"]["type"]
+    params = dion3_deepspeed.param_groups(model) if name == "Dion3" else model.parameters()
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+
+    # Time the inner optimizer's own step() (for ZeRO: on the flat slices; ZeRO calls it once per
+    # param group, so the calls of one engine step are summed).
+    basic = engine.basic_optimizer
+    inner_times: list[float] = []
+    inner_acc = [0.0]
+    inner_step = basic.step
+
+    def timed_step(*a, **k):
+        sync()
+        t = time.perf_counter()
+        out = inner_step(*a, **k)
+        sync()
+        inner_acc[0] += time.perf_counter() - t
+        return out
+
+    basic.step = timed_step
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    corpus = stdlib_corpus()
+    micro = engine.train_micro_batch_size_per_gpu()
+    ga = engine.gradient_accumulation_steps()
+    gen = torch.Generator().manual_seed(1234)
+    losses, iter_times, step_times = [], [], []
+    for step in range(args.steps):
+        sync()
+        t0 = time.perf_counter()
+        total = 0.0
+        for _ in range(ga):
+            starts = torch.randint(0, corpus.numel() - args.seq - 1, (world, micro), generator=gen)[rank]
+            tokens = torch.stack([corpus[s : s + args.seq] for s in starts.tolist()]).to(device)
+            loss = engine(tokens)
+            engine.backward(loss)
+            sync()
+            t1 = time.perf_counter()
+            engine.step()
+            total += float(loss.detach()) / ga
+        sync()
+        step_times.append(time.perf_counter() - t1)
+        inner_times.append(inner_acc[0])
+        inner_acc[0] = 0.0
+        iter_times.append(time.perf_counter() - t0)
+        loss_t = torch.tensor(total, device=device)
+        torch.distributed.all_reduce(loss_t)
+        losses.append(loss_t.item() / world)
+        if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
+            print(f"step {step:4d}  loss {losses[-1]:.4f}  iter {iter_times[-1] * 1e3:.1f} ms  "
+                  f"engine.step {step_times[-1] * 1e3:.1f} ms  optimizer.step {inner_times[-1] * 1e3:.1f} ms",
+                  flush=True)
+
+    warm = slice(min(5, args.steps - 1), None)
+    summary = {
+        "optimizer": name,
+        "world": world,
+        "config": config,
+        "model": {"width": args.width, "layers": args.layers, "heads": args.heads, "seq": args.seq,
+                  "params": sum(p.numel() for p in model.parameters())},
+        "losses": losses,
+        "final_loss_mean_last10": statistics.mean(losses[-10:]),
+        "median_iter_ms": statistics.median(iter_times[warm]) * 1e3,
+        "median_engine_step_ms": statistics.median(step_times[warm]) * 1e3,
+        "median_inner_optimizer_step_ms": statistics.median(inner_times[warm]) * 1e3,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
+    if rank == 0:
+        print(json.dumps({k: v for k, v in summary.items() if k not in ("losses", "config")}))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=1)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Dion3's DeepSpeed config block: validation, JSON spellings, registration, param groups (no processes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+import torch
+
+from deepspeed_helpers import import_keeping_environment
+
+if importlib.util.find_spec("deepspeed") is None:
+    pytest.skip("needs deepspeed", allow_module_level=True)
+
+dion3_ds = import_keeping_environment("dion3_megatron.deepspeed")
+DeepSpeedDion3, normalize_params = dion3_ds.DeepSpeedDion3, dion3_ds.normalize_params
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples" / "deepspeed"
+
+
+def test_registration_exposes_the_class_where_deepspeed_looks():
+    assert dion3_ds.register() is DeepSpeedDion3
+    assert torch.optim.Dion3 is DeepSpeedDion3  # DeepSpeed: getattr(torch.optim, config "type")
+    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+
+    assert ZERO_SUPPORTED_OPTIMIZERS.count(DeepSpeedDion3) == 1
+    dion3_ds.register()  # idempotent
+    assert ZERO_SUPPORTED_OPTIMIZERS.count(DeepSpeedDion3) == 1
+
+
+def test_json_spellings_are_converted():
+    out = normalize_params({"betas": [0.9, 0.99], "ns_dtype": "bfloat16", "fraction": 0.125, "num_heads": None})
+    assert out["betas"] == (0.9, 0.99) and out["ns_dtype"] is torch.bfloat16
+    opt = DeepSpeedDion3([torch.nn.Parameter(torch.zeros(4, 4))], **{"betas": [0.8, 0.9], "ns_dtype": "float64"})
+    assert opt.param_groups[0]["betas"] == (0.8, 0.9) and opt.param_groups[0]["ns_dtype"] is torch.float64
+
+
+@pytest.mark.parametrize(
+    "params, words",
+    [
+        ({"momentum": 0.9}, ["'momentum'", "'mu'"]),
+        ({"lr": 0.1, "fractoin": 0.5}, ["'fractoin'", "did you mean 'fraction'"]),
+        ({"max_grad_norm": 1.0}, ["gradient_clipping"]),
+        ({"torch_adam": True}, ["torch_adam"]),
+        ({"fraction": 0}, ["fraction must be in (0, 1]"]),
+        ({"fraction": 1.5}, ["fraction must be in (0, 1]"]),
+        ({"mu": 1.0}, ["mu must be in [0, 1)"]),
+        ({"beta2": -0.1}, ["beta2 must be in [0, 1)"]),
+        ({"lr": -1}, ["lr must be >= 0"]),
+        ({"lr": True}, ["lr must be a finite number"]),
+        ({"lr": float("nan")}, ["lr must be a finite number"]),
+        ({"weight_decay": "0.1"}, ["weight_decay must be a finite number"]),
+        ({"eps": 0}, ["eps must be > 0"]),
+        ({"betas": [0.9, 1.0]}, ["betas must be two numbers in [0, 1)"]),
+        ({"betas": 0.9}, ["betas must be two numbers"]),
+        ({"adjust_lr": "spectral"}, ["adjust_lr must be one of"]),
+        ({"ns_method": "svd"}, ["ns_method must be one of"]),
+        ({"ns_dtype": "fp16"}, ["ns_dtype must be null or one of"]),
+        ({"num_heads": 0}, ["num_heads must be None or a positive int"]),
+        ({"num_heads": True}, ["num_heads must be null or a positive int"]),
+        ({"scale_lr_by_fraction": "yes"}, ["scale_lr_by_fraction must be a bool"]),
+    ],
+)
+def test_bad_params_raise_clear_errors(params, words):
+    with pytest.raises(ValueError) as info:
+        DeepSpeedDion3([torch.nn.Parameter(torch.zeros(4, 4))], **params)
+    message = str(info.value)
+    assert '"type": "Dion3"' in message
+    for w in words:
+        assert w in message, (w, message)
+
+
+def test_stage0_single_process_equals_plain_dion3(generator):
+    from dion3_megatron import Dion3
+
+    data = [torch.randn(12, 20, generator=generator), torch.randn(20, generator=generator)]
+    grads = [[torch.randn_like(d) for d in data] for _ in range(3)]
+    results = []
+    for cls, kwargs in ((Dion3, {"betas": (0.9, 0.95)}), (DeepSpeedDion3, {"betas": [0.9, 0.95]})):
+        params = [torch.nn.Parameter(d.clone()) for d in data]
+        opt = cls(params, lr=0.05, fraction=0.5, ns_dtype=torch.float64 if cls is Dion3 else "float64", **kwargs)
+        for g in grads:
+            for p, gi in zip(params, g):
+                p.grad = gi.clone()
+            opt.step()
+        results.append(params)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_param_groups_put_embeddings_head_norms_and_vectors_on_adamw():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 8)
+            self.fc = torch.nn.Linear(8, 8)
+            self.norm = torch.nn.LayerNorm(8)
+            self.lm_head = torch.nn.Linear(8, 10, bias=False)
+            self.frozen = torch.nn.Linear(8, 8)
+            self.frozen.requires_grad_(False)
+
+    m = M()
+    groups = dion3_ds.param_groups(m, adamw={"weight_decay": 0.0})
+    assert [g["algorithm"] for g in groups] == ["dion3", "adamw"]
+    assert groups[0]["params"] == [m.fc.weight]
+    assert {id(p) for p in groups[1]["params"]} == {id(m.embed.weight), id(m.fc.bias), id(m.norm.weight),
+                                                    id(m.norm.bias), id(m.lm_head.weight)}
+    assert groups[1]["weight_decay"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["ds_config_dion3.json"])
+def test_example_config_is_valid(name):
+    config = json.loads((EXAMPLES / name).read_text())
+    assert config["optimizer"]["type"] == "Dion3"
+    normalize_params(config["optimizer"]["params"])
