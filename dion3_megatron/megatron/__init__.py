@@ -1,0 +1,43 @@
+"""Dion3 for Megatron-Core / Megatron-LM 0.19: ``--optimizer dion3``.
+
+Importing this package registers Dion3 (see :func:`register`). Then either
+
+* Megatron-LM: ``python -m dion3_megatron.megatron.launch pretrain_gpt.py --optimizer dion3 ...``
+  (or ``import dion3_megatron.megatron`` at the top of your training script), or
+* Megatron-Core: ``OptimizerConfig(optimizer="dion3", ...)`` and ``get_megatron_optimizer``; set
+  ``config.dion3_fraction`` etc. as attributes to change the Dion3 hyper-parameters.
+
+See docs/megatron.md.
+"""
+
+import sys as _sys
+
+from .arguments import DION3_DEFAULTS, OPTIMIZER_NAME, add_dion3_arguments
+from .optimizer import MegatronDion3, ParamLayout, config_to_kwargs, describe_model, describe_param, init_state_fn
+from .registry import is_registered, register
+
+
+def _megatron_optimizer_mid_import() -> bool:
+    """True while megatron.core.optimizer is still being imported: a tree patched with
+    patches/megatron-core-0.19-dion3.patch imports this package from inside it and registers
+    Dion3 itself; registering from here would touch the half-initialized module."""
+    module = _sys.modules.get("megatron.core.optimizer")
+    return module is not None and not hasattr(module, "get_megatron_optimizer")
+
+
+if not _megatron_optimizer_mid_import():
+    register()
+
+__all__ = [
+    "DION3_DEFAULTS",
+    "OPTIMIZER_NAME",
+    "MegatronDion3",
+    "ParamLayout",
+    "add_dion3_arguments",
+    "config_to_kwargs",
+    "describe_model",
+    "describe_param",
+    "init_state_fn",
+    "is_registered",
+    "register",
+]

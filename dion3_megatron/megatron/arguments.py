@@ -1,0 +1,89 @@
+"""Megatron-LM command-line flags for Dion3 (``--optimizer dion3`` and the ``--dion3-*`` group).
+
+The same flags are added by ``patches/megatron-core-0.19-dion3.patch`` for users who patch their
+Megatron-LM tree instead of importing :mod:`dion3_megatron.megatron`. Values are checked by
+argparse itself, so a bad value stops the launch with argparse's usual ``error: argument ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..rule import ADJUST_LR_CHOICES, NS_METHODS
+
+OPTIMIZER_NAME = "dion3"
+SELECTION_SCOPES = ("global", "local")
+
+# (flag, OptimizerConfig / args attribute, default) for every Dion3 option; the single source of
+# truth for the argparse group, the config fields and the optimizer kwargs.
+DION3_DEFAULTS = {
+    "dion3_fraction": 0.25,
+    "dion3_mu": 0.95,
+    "dion3_beta2": 0.95,
+    "dion3_eps": 1e-8,
+    "dion3_adjust_lr": "spectral_norm",
+    "dion3_selection_scope": "global",
+    "dion3_ns": "gram",
+    "dion3_scale_lr_by_fraction": False,
+    "dion3_split_qkv": True,
+    "dion3_split_glu": True,
+}
+
+
+def _ranged_float(name: str, low: float, high: float, low_open: bool, high_open: bool):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        ok_low = value > low if low_open else value >= low
+        ok_high = value < high if high_open else value <= high
+        if not (ok_low and ok_high):
+            lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
+            raise argparse.ArgumentTypeError(f"{name} must be in {lo}{low}, {high}{hi}, got {value}")
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+def add_dion3_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``dion3`` to ``--optimizer``'s choices (when the parser has that flag) and the Dion3 group.
+
+    Idempotent: a parser that already has ``--dion3-fraction`` is returned unchanged.
+    """
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public way to edit choices
+        if "--optimizer" in action.option_strings and action.choices is not None:
+            if OPTIMIZER_NAME not in action.choices:
+                action.choices = list(action.choices) + [OPTIMIZER_NAME]
+        if "--dion3-fraction" in action.option_strings:
+            return parser
+    group = parser.add_argument_group(title="Dion3 optimizer (--optimizer dion3)")
+    group.add_argument("--dion3-fraction", type=_ranged_float("fraction", 0.0, 1.0, True, False),
+                       default=DION3_DEFAULTS["dion3_fraction"],
+                       help="Share of each matrix's rows updated per step, in (0, 1]. Paper: 1/4 or 1/8.")
+    group.add_argument("--dion3-mu", type=_ranged_float("mu", 0.0, 1.0, False, True),
+                       default=DION3_DEFAULTS["dion3_mu"],
+                       help="Momentum decay of the applied rows (error feedback), in [0, 1).")
+    group.add_argument("--dion3-beta2", type=_ranged_float("beta2", 0.0, 1.0, False, True),
+                       default=DION3_DEFAULTS["dion3_beta2"],
+                       help="NorMuon per-row second-moment decay, in [0, 1).")
+    group.add_argument("--dion3-eps", type=_ranged_float("eps", 0.0, float("inf"), True, True),
+                       default=DION3_DEFAULTS["dion3_eps"], help="NorMuon epsilon (> 0).")
+    group.add_argument("--dion3-adjust-lr", choices=ADJUST_LR_CHOICES, default=DION3_DEFAULTS["dion3_adjust_lr"],
+                       help="lr multiplier of the orthogonalized step: spectral_norm = sqrt(rows/cols); "
+                            "rms_norm = 0.2 sqrt(max(rows, cols)) (AdamW lr/wd transfer).")
+    group.add_argument("--dion3-selection-scope", choices=SELECTION_SCOPES,
+                       default=DION3_DEFAULTS["dion3_selection_scope"],
+                       help="global: top rows of the whole logical matrix (identical at any parallel "
+                            "size); local: top rows per tensor-parallel shard (cheaper).")
+    group.add_argument("--dion3-ns", choices=NS_METHODS, default=DION3_DEFAULTS["dion3_ns"],
+                       help="Orthogonalization: Gram Newton-Schulz or standard Newton-Schulz.")
+    group.add_argument("--dion3-scale-lr-by-fraction", action="store_true",
+                       default=DION3_DEFAULTS["dion3_scale_lr_by_fraction"],
+                       help="Multiply the Dion3 step by 1/sqrt(fraction) (keeps the step norm as f shrinks).")
+    group.add_argument("--dion3-no-split-qkv", action="store_false", dest="dion3_split_qkv",
+                       help="Orthogonalize the fused QKV weight as one matrix instead of Q, K, V apart.")
+    group.add_argument("--dion3-no-split-glu", action="store_false", dest="dion3_split_glu",
+                       help="Orthogonalize a SwiGLU fc1 as one matrix instead of gate and up apart.")
+    return parser

@@ -1,0 +1,176 @@
+"""Train a small GPT with Megatron-Core and compare optimizers: loss curve and optimizer-step time.
+
+    torchrun --nproc-per-node 2 -m dion3_megatron.megatron.bench --tp 2 --optimizers dion3,muon,adam
+
+Megatron-Core's own pieces as ``pretrain()`` wires them: GPTModel (local spec), DDP with the
+layer-wise ZeRO-1 layout (``--use-distributed-optimizer``), ``get_megatron_optimizer``, the lr
+scheduler, ``forward_backward_func``; bf16 with fp32 main params. Data: a learnable synthetic
+language (each token mostly follows a fixed random successor), identical for every optimizer.
+Prints one JSON line per optimizer (rank 0): losses every ``--log-every`` steps and the median
+optimizer-step time (``optimizer.step()`` between two CUDA synchronizations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--optimizers", default="dion3,muon,adam")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--ffn", type=int, default=2816)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=0.01, help="Dion3 / Muon matrices (and Megatron's Adam on norms)")
+    p.add_argument("--adam-lr", type=float, default=1e-3, help="adam run; embeddings/output in every run")
+    p.add_argument("--fraction", type=float, default=0.25)
+    p.add_argument("--cpu", action="store_true", help="gloo + the test shim (smoke test only)")
+    return p.parse_args(argv)
+
+
+def synthetic_batch(gen, batch, seq, vocab, successor, device):
+    """Tokens whose successor is successor[token] with prob 0.75, else uniform: entropy ~1.4 nats + ..."""
+    tokens = torch.empty(batch, seq + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=gen)
+    noise = torch.randint(0, vocab, (batch, seq), generator=gen)
+    keep = torch.rand(batch, seq, generator=gen) < 0.75
+    for i in range(seq):
+        tokens[:, i + 1] = torch.where(keep[:, i], successor[tokens[:, i]], noise[:, i])
+    return tokens.to(device)
+
+
+def run(args, name, device):
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+    from megatron.training.training import wrap_model_chunks_with_ddp
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    model_parallel_cuda_manual_seed(1234)
+    torch.manual_seed(1234)
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        num_query_groups=args.heads // 4, ffn_hidden_size=args.ffn, kv_channels=args.hidden // args.heads,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        gradient_accumulation_fusion=False, tensor_model_parallel_size=args.tp, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16, normalization="RMSNorm", init_method_std=0.02,
+    )
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=args.vocab, max_sequence_length=args.seq,
+                     position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    model.to(device)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    layer_wise = name != "adam"
+    chunks = wrap_model_chunks_with_ddp([model], config, ddp_config, use_layer_wise_distributed_optimizer=layer_wise)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = chunks[0].no_sync
+    lr = args.adam_lr if name == "adam" else args.lr
+    ocfg = OptimizerConfig(
+        optimizer=name, lr=lr, min_lr=lr / 10, weight_decay=0.01, bf16=True, clip_grad=1.0,
+        adam_beta1=0.9, adam_beta2=0.95, use_distributed_optimizer=True,
+        use_layer_wise_distributed_optimizer=layer_wise,
+        decoupled_lr=None if name == "adam" else args.adam_lr, decoupled_min_lr=args.adam_lr / 10,
+    )
+    if name == "dion3":
+        ocfg.dion3_fraction = args.fraction
+    opt = get_megatron_optimizer(ocfg, chunks)
+    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=args.steps // 10,
+                                    lr_decay_steps=args.steps, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+                                    wd_incr_steps=args.steps, wd_incr_style="constant")
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    gen = torch.Generator().manual_seed(42)
+    successor = torch.randperm(args.vocab, generator=gen)
+    fwd_bwd = get_forward_backward_func()
+
+    def forward_step(data_iterator, m):
+        b = next(data_iterator)
+        tokens, labels = b[:, :-1], b[:, 1:]
+        pos = torch.arange(args.seq, device=device).unsqueeze(0).expand_as(tokens)
+        out = m(tokens, pos, None, labels=labels)
+        return out, lambda o: (o.float().mean(), {"loss": o.float().mean().detach()})
+
+    losses, step_times, total = [], [], []
+    for step in range(args.steps):
+        batch = synthetic_batch(gen, args.micro_batch * dp, args.seq, args.vocab, successor, device)
+        local = batch.chunk(dp)[dp_rank]
+        t0 = time.perf_counter()
+        for c in chunks:
+            c.zero_grad_buffer()
+        opt.zero_grad()
+        out = fwd_bwd(forward_step_func=forward_step, data_iterator=iter([local]), model=chunks, num_microbatches=1,
+                      seq_length=args.seq, micro_batch_size=args.micro_batch, forward_only=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        sched.step(1)
+        if step >= min(5, args.steps // 2):
+            step_times.append(t2 - t1)
+            total.append(t2 - t0)
+        if step % args.log_every == 0 or step == args.steps - 1:
+            loss = out[0]["loss"].clone() if out else torch.zeros((), device=device)
+            dist.all_reduce(loss)
+            losses.append((step, round(loss.item() / dist.get_world_size(), 4)))
+    return dict(optimizer=name, tp=args.tp, dp=dp, steps=args.steps, losses=losses,
+                opt_step_ms=round(1e3 * statistics.median(step_times), 2) if step_times else None,
+                train_step_ms=round(1e3 * statistics.median(total), 2) if total else None)
+
+
+def main(argv=None):
+    args = parse(argv)
+    if args.cpu:
+        import sys
+
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
+        import megatron_shim
+
+        megatron_shim.install()
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl")
+        device = torch.device("cuda", torch.cuda.current_device())
+    from . import register
+
+    register()
+    for name in args.optimizers.split(","):
+        try:
+            result = run(args, name, device)
+        except Exception as e:  # noqa: BLE001 - report and go on with the next optimizer
+            result = dict(optimizer=name, tp=args.tp, error=f"{type(e).__name__}: {e}"[:500])
+            import traceback
+
+            traceback.print_exc()
+        if dist.get_rank() == 0:
+            print("BENCH " + json.dumps(result), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,449 @@
+"""Dion3 as a Megatron-Core emerging optimizer: the torch optimizer Megatron wraps, and its glue.
+
+Megatron hands this optimizer the param groups of the 2-D hidden matrices only (its
+``default_param_overrides`` route embeddings, the output layer, norms and biases to Adam). Under
+``--use-distributed-optimizer`` the :class:`LayerWiseDistributedOptimizer` narrows those groups to
+the whole (tensor-parallel-local) matrices this data-parallel rank owns (ZeRO-1, state only on
+owners) and wraps this optimizer for bf16 (fp32 main params).
+
+Every parameter is described once (:class:`ParamLayout`): which logical matrices it holds and how
+they are split over tensor parallelism. A fused QKV weight holds Q, K and V (interleaved per query
+group); a SwiGLU ``linear_fc1`` holds gate and up; everything else holds one matrix. Each logical
+matrix becomes one :class:`~dion3_megatron.megabatch.MatrixShard`; the megabatch engine then does
+the whole Dion3 step (math from :mod:`dion3_megatron.rule`), orthogonalizing whole logical matrices
+across the tensor-parallel group, never per-shard blocks.
+
+State layout (documented choice). Per logical matrix the engine keeps ``momentum`` (fp32, the
+local piece's shape) and ``variance`` (fp32, one value per row the piece touches) in its per-shape
+buffers. A parameter's pieces are contiguous row ranges of its *working layout*: its local rows
+reordered so each logical matrix's rows are contiguous. That is the identity for every parameter
+but a fused QKV weight, whose Q, K and V rows are gathered out of the per-group interleaving
+([q.. k v] per group) into [Q; K; V]; the QKV weight and gradient are copied into that layout each
+step and the weight written back, the state never moves. ``state_dict()`` assembles each
+parameter's state in the parameter's own layout and stores ``variance`` broadcast over the columns
+(param-shaped), because Megatron's torch_dist checkpoint shards every state tensor exactly like
+its parameter; so checkpoints reshard across tensor- and data-parallel sizes like Adam's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import rule
+from ..megabatch import Dion3Engine, MatrixShard, Sharding
+from ..rule import Dion3Hyperparameters
+from .arguments import DION3_DEFAULTS, SELECTION_SCOPES
+
+
+# ------------------------------------------------------------------------------------------------
+# Which logical matrices a Megatron parameter holds.
+
+
+@dataclass
+class Piece:
+    """One logical matrix inside a parameter: working-layout rows [start, stop) of the local tensor."""
+
+    suffix: str
+    start: int
+    stop: int
+    full_shape: tuple[int, int]
+
+
+@dataclass
+class ParamLayout:
+    name: str
+    local_shape: tuple[int, int]
+    pieces: list[Piece]
+    partition: Optional[str] = None  # None (whole on this rank), "rows" or "cols"
+    group: Any = None  # the tensor-parallel group the partition spans
+    group_size: int = 1
+    perm: Optional[torch.Tensor] = None  # working row i is local row perm[i]; None = identity
+    inv_perm: Optional[torch.Tensor] = field(default=None, repr=False)
+
+
+def _group_size(group) -> int:
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def describe_param(
+    name: str,
+    param: torch.Tensor,
+    tp_group=None,
+    *,
+    split_qkv: bool = True,
+    split_glu: bool = True,
+    gated_linear_unit: bool = False,
+) -> ParamLayout:
+    """Describe a 2-D Megatron weight: its logical matrices and its tensor-parallel split.
+
+    Reads Megatron's marks: ``tensor_model_parallel`` / ``partition_dim`` (0 column-parallel,
+    1 row-parallel), ``is_qkv`` / ``qkv_split_shapes`` (per query group), and the name
+    ``linear_fc1.weight`` with ``gated_linear_unit`` (each TP rank holds [gate_local; up_local]).
+    """
+    if param.dim() != 2:
+        raise ValueError(f"{name}: Dion3 takes 2-D weights, got shape {tuple(param.shape)}")
+    n_loc, m_loc = (int(s) for s in param.shape)
+    tp = _group_size(tp_group) if getattr(param, "tensor_model_parallel", False) else 1
+    partition_dim = getattr(param, "partition_dim", -1) if tp > 1 else -1
+    partition = {0: "rows", 1: "cols"}.get(partition_dim)
+    row_mult = tp if partition == "rows" else 1
+    m_full = m_loc * (tp if partition == "cols" else 1)
+    layout = ParamLayout(name, (n_loc, m_loc), [], partition, tp_group if partition else None,
+                         tp if partition else 1)
+
+    split_shapes = getattr(param, "qkv_split_shapes", None)
+    if split_qkv and getattr(param, "is_qkv", False) and split_shapes and n_loc % sum(split_shapes) == 0:
+        per_group = sum(split_shapes)
+        groups = n_loc // per_group
+        rows = torch.arange(n_loc).view(groups, per_group)
+        perm, start, offset = [], 0, 0
+        suffixes = ["q", "k", "v"] if len(split_shapes) == 3 else [f"part{i}" for i in range(len(split_shapes))]
+        for suffix, size in zip(suffixes, split_shapes):
+            perm.append(rows[:, offset:offset + size].reshape(-1))
+            count = groups * size
+            layout.pieces.append(Piece(suffix, start, start + count, (count * row_mult, m_full)))
+            start += count
+            offset += size
+        layout.perm = torch.cat(perm)
+        layout.inv_perm = torch.argsort(layout.perm)
+        return layout
+    if split_glu and gated_linear_unit and name.endswith("linear_fc1.weight") and n_loc % 2 == 0:
+        half = n_loc // 2
+        layout.pieces = [Piece("gate", 0, half, (half * row_mult, m_full)),
+                         Piece("up", half, n_loc, (half * row_mult, m_full))]
+        return layout
+    layout.pieces = [Piece("", 0, n_loc, (n_loc * row_mult, m_full))]
+    return layout
+
+
+def _strip_wrappers(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def describe_model(
+    model_chunks: Iterable[torch.nn.Module],
+    pg_collection=None,
+    *,
+    split_qkv: bool = True,
+    split_glu: bool = True,
+) -> dict[torch.Tensor, ParamLayout]:
+    """A :class:`ParamLayout` for every 2-D parameter of the (possibly DDP-wrapped) model chunks."""
+    tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+    expt_tp_group = getattr(pg_collection, "expt_tp", None) if pg_collection is not None else None
+    if pg_collection is None and dist.is_initialized():
+        try:
+            from megatron.core import parallel_state as ps
+
+            tp_group = ps.get_tensor_model_parallel_group(check_initialized=False)
+            expt_tp_group = ps.get_expert_tensor_parallel_group(check_initialized=False)
+        except Exception:  # noqa: BLE001 - plain torch use without Megatron's parallel state
+            pass
+    layouts: dict[torch.Tensor, ParamLayout] = {}
+    for chunk_index, chunk in enumerate(model_chunks):
+        config = getattr(chunk, "config", None)
+        gated = bool(getattr(config, "gated_linear_unit", False))
+        for raw_name, param in chunk.named_parameters():
+            if param.dim() != 2 or param in layouts:
+                continue
+            name = _strip_wrappers(raw_name)
+            is_expert = getattr(param, "expert_tp", False) or ("experts" in name and "shared" not in name)
+            group = expt_tp_group if is_expert else tp_group
+            prefix = f"chunk{chunk_index}." if chunk_index else ""
+            layouts[param] = describe_param(prefix + name, param, group, split_qkv=split_qkv,
+                                            split_glu=split_glu, gated_linear_unit=gated)
+    return layouts
+
+
+# ------------------------------------------------------------------------------------------------
+# The optimizer.
+
+
+class MegatronDion3(torch.optim.Optimizer):
+    """Dion3 for the 2-D hidden matrices of a Megatron-Core model (any TP / PP / EP / DP).
+
+    Args:
+        params: Megatron's param groups (``lr`` and ``weight_decay`` set by its lr scheduler).
+        lr, weight_decay: defaults for groups that lack them.
+        fraction, mu, beta2, eps, adjust_lr, scale_lr_by_fraction, ns_method, ns_dtype: the Dion3
+            hyper-parameters (see :class:`dion3_megatron.Dion3`).
+        selection: "global" (top rows of the whole logical matrix; identical at any TP size) or
+            "local" (per tensor-parallel shard).
+        split_qkv, split_glu: orthogonalize Q, K, V and SwiGLU gate, up as separate matrices.
+        model_chunks: the model, to read parameter names and marks (main fp32 params of the bf16
+            wrapper are matched to their model params through Megatron's ``param.main_param``).
+        pg_collection: Megatron's process groups (``tp``, ``expt_tp``).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 0.01,
+        weight_decay: float = 0.01,
+        fraction: float = DION3_DEFAULTS["dion3_fraction"],
+        mu: float = DION3_DEFAULTS["dion3_mu"],
+        beta2: float = DION3_DEFAULTS["dion3_beta2"],
+        eps: float = DION3_DEFAULTS["dion3_eps"],
+        adjust_lr: str = DION3_DEFAULTS["dion3_adjust_lr"],
+        scale_lr_by_fraction: bool = DION3_DEFAULTS["dion3_scale_lr_by_fraction"],
+        selection: str = DION3_DEFAULTS["dion3_selection_scope"],
+        ns_method: str = DION3_DEFAULTS["dion3_ns"],
+        ns_dtype: Optional[torch.dtype] = None,
+        split_qkv: bool = True,
+        split_glu: bool = True,
+        model_chunks: Optional[list] = None,
+        pg_collection=None,
+        layouts: Optional[dict] = None,
+    ) -> None:
+        if selection not in SELECTION_SCOPES:
+            raise ValueError(f"selection must be one of {SELECTION_SCOPES}, got {selection!r}")
+        rule.check_hyperparameters(
+            "MegatronDion3", lr=lr, fraction=fraction, mu=mu, beta2=beta2, weight_decay=weight_decay, eps=eps,
+            adjust_lr=adjust_lr, scale_lr_by_fraction=scale_lr_by_fraction, ns_method=ns_method, ns_dtype=ns_dtype,
+        )
+        defaults = dict(lr=lr, weight_decay=weight_decay, fraction=fraction, mu=mu, beta2=beta2, eps=eps,
+                        adjust_lr=adjust_lr, scale_lr_by_fraction=scale_lr_by_fraction, ns_method=ns_method,
+                        ns_dtype=ns_dtype)
+        super().__init__(params, defaults)
+        self.selection = selection
+        self.split_qkv = split_qkv
+        self.split_glu = split_glu
+        self.pg_collection = pg_collection
+        self._model_chunks = list(model_chunks) if model_chunks is not None else []
+        self._layouts: dict[torch.Tensor, ParamLayout] = dict(layouts) if layouts else {}
+        if model_chunks is not None and not layouts:
+            self._layouts = describe_model(model_chunks, pg_collection, split_qkv=split_qkv, split_glu=split_glu)
+        self._engine = None
+        self._engine_key = None
+        self._pieces: dict[torch.Tensor, list] = {}
+        self._work: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -------------------------------------------------------------------------------------------
+    # Parameter descriptions (main params of the bf16 wrapper map back to model params).
+
+    def layout_of(self, p: torch.Tensor) -> ParamLayout:
+        layout = self._layouts.get(p)
+        if layout is not None:
+            return layout
+        for model_param, model_layout in list(self._layouts.items()):
+            main = getattr(model_param, "main_param", None)
+            if main is not None and main not in self._layouts:
+                self._layouts[main] = model_layout
+        layout = self._layouts.get(p)
+        if layout is None:  # no model given (plain use): one whole matrix
+            layout = describe_param(f"param{len(self._layouts)}", p)
+            self._layouts[p] = layout
+        return layout
+
+    def _hp(self, group: dict) -> Dion3Hyperparameters:
+        return Dion3Hyperparameters(
+            lr=group["lr"], fraction=group["fraction"], mu=group["mu"], beta2=group["beta2"],
+            weight_decay=group["weight_decay"], eps=group["eps"], adjust_lr=group["adjust_lr"],
+            scale_lr_by_fraction=group["scale_lr_by_fraction"], ns_method=group["ns_method"],
+            ns_dtype=group["ns_dtype"],
+        )
+
+    # -------------------------------------------------------------------------------------------
+    # Shards and engine.
+
+    def _working(self, p: torch.Tensor, layout: ParamLayout, with_grad: bool):
+        """Weight and grad in the working layout (the tensors themselves unless rows are permuted)."""
+        grad = p.grad if with_grad else None
+        if with_grad and grad is None:
+            grad = torch.zeros_like(p)
+        if layout.perm is None:
+            return p.data, grad
+        buffers = self._work.get(p)
+        if buffers is None:
+            layout.perm = layout.perm.to(p.device)
+            layout.inv_perm = layout.inv_perm.to(p.device)
+            buffers = (torch.empty(p.shape, dtype=p.dtype, device=p.device),
+                       torch.empty(p.shape, dtype=torch.float32, device=p.device))
+            self._work[p] = buffers
+        weight, grad_buffer = buffers
+        torch.index_select(p.data, 0, layout.perm, out=weight)
+        if grad is None:
+            return weight, None
+        torch.index_select(grad.to(torch.float32), 0, layout.perm, out=grad_buffer)
+        return weight, grad_buffer
+
+    def _params(self) -> list[tuple[torch.Tensor, dict]]:
+        return [(p, group) for group in self.param_groups for p in group["params"]]
+
+    def _ensure_engine(self, with_grads: bool) -> None:
+        """Build (once) the MatrixShards of every parameter and the engine; refresh per-step fields.
+
+        Building is collective (the engine checks its plan against the other ranks): every rank
+        builds at the same call, the first step or the first state access (checkpointing).
+        """
+        params = self._params()
+        key = tuple(id(p) for p, _ in params)
+        rebuild = self._engine is None or self._engine_key != key
+        fresh_pieces: dict[torch.Tensor, list] = {}
+        for p, group in params:
+            layout = self.layout_of(p)
+            weight, grad = self._working(p, layout, with_grads)
+            hp = self._hp(group)
+            if not rebuild:
+                for shard, piece in zip(self._pieces[p], layout.pieces):
+                    rows = slice(piece.start, piece.stop)
+                    shard.weight = weight[rows]
+                    shard.grad = grad[rows] if grad is not None else None
+                    shard.hp = hp
+                continue
+            shards = []
+            for piece in layout.pieces:
+                rows = slice(piece.start, piece.stop)
+                name = layout.name + (f".{piece.suffix}" if piece.suffix else "")
+                if layout.partition is None:
+                    sharding, group_arg = Sharding.full(), None
+                elif layout.partition == "rows":
+                    sharding, group_arg = Sharding.even_rows(piece.full_shape[0], layout.group_size), layout.group
+                else:
+                    sharding, group_arg = Sharding.even_cols(piece.full_shape[1], layout.group_size), layout.group
+                shards.append(MatrixShard(name=name, weight=weight[rows], grad=grad[rows] if grad is not None else None,
+                                          shape=piece.full_shape, sharding=sharding, group=group_arg, hp=hp, state={}))
+            fresh_pieces[p] = shards
+        if rebuild:
+            self._pieces = fresh_pieces
+            all_shards = [s for p, _ in params for s in fresh_pieces[p]]
+            self._engine = Dion3Engine(all_shards, selection=self.selection)
+            self._engine_key = key
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create the state of every parameter (Megatron needs it before loading a checkpoint)."""
+        self._ensure_engine(with_grads=False)
+
+    # -------------------------------------------------------------------------------------------
+    # Checkpoint state: each parameter's own layout, ``variance`` broadcast to the parameter's shape.
+
+    def _param_state(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        layout = self.layout_of(p)
+        shards = self._pieces[p]
+        momentum = torch.cat([s.state["momentum"] for s in shards]) if len(shards) > 1 else shards[0].state["momentum"]
+        variance = torch.cat([s.state["variance"] for s in shards]) if len(shards) > 1 else shards[0].state["variance"]
+        if layout.inv_perm is not None:
+            momentum = momentum.index_select(0, layout.inv_perm.to(momentum.device))
+            variance = variance.index_select(0, layout.inv_perm.to(variance.device))
+        return momentum.reshape(p.shape), variance
+
+    def state_dict(self) -> dict[str, Any]:
+        self._ensure_engine(with_grads=False)
+        sd = super().state_dict()  # param_groups packed with indices; self.state stays empty
+        state = {}
+        for index, (p, _) in enumerate(self._params()):
+            momentum, variance = self._param_state(p)
+            state[index] = {"momentum": momentum.clone(),
+                            "variance": variance.unsqueeze(1).expand(momentum.shape).contiguous()}
+        sd["state"] = state
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`; checks every shape before setting anything."""
+        self._ensure_engine(with_grads=False)
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"checkpoint has {len(groups)} param groups, the optimizer has {len(self.param_groups)}")
+        updates = []
+        for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
+            saved_ids = saved["params"]
+            if len(saved_ids) != len(mine["params"]):
+                raise ValueError(f"param group {gi}: checkpoint has {len(saved_ids)} params, "
+                                 f"the optimizer has {len(mine['params'])}")
+            for p, pid in zip(mine["params"], saved_ids):
+                entry = state_dict["state"].get(pid)
+                if entry is None:
+                    continue
+                got = {k: tuple(v.shape) for k, v in entry.items() if torch.is_tensor(v)}
+                if got != {"momentum": tuple(p.shape), "variance": tuple(p.shape)}:
+                    raise ValueError(f"param group {gi}, param {pid} (shape {tuple(p.shape)}): "
+                                     f"checkpoint state {got} is not Dion3 state of this parameter")
+                updates.append((p, entry))
+        for p, entry in updates:
+            layout = self.layout_of(p)
+            momentum = entry["momentum"].detach().to(device=p.device, dtype=torch.float32)
+            variance = entry["variance"].detach()[:, 0].to(device=p.device, dtype=torch.float32)
+            if layout.perm is not None:
+                momentum = momentum.index_select(0, layout.perm.to(p.device))
+                variance = variance.index_select(0, layout.perm.to(p.device))
+            for shard, piece in zip(self._pieces[p], layout.pieces):
+                rows = slice(piece.start, piece.stop)
+                shard.state["momentum"].copy_(momentum[rows])
+                shard.state["variance"].copy_(variance[rows])
+        for mine, saved in zip(self.param_groups, groups):
+            mine.update({k: v for k, v in saved.items() if k != "params" and k in mine})
+
+    # -------------------------------------------------------------------------------------------
+    # The step.
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._ensure_engine(with_grads=True)
+        self._engine.step()
+        for p, _ in self._params():
+            layout = self.layout_of(p)
+            if layout.perm is not None:
+                p.data.index_copy_(0, layout.perm, self._work[p][0])
+        return loss
+
+
+# ------------------------------------------------------------------------------------------------
+# Megatron registry hooks.
+
+
+def dion3_values(config=None) -> dict[str, Any]:
+    """The ``dion3_*`` options: from ``config`` attributes, else Megatron-LM's global args, else defaults."""
+    args = None
+    try:
+        from megatron.training.global_vars import get_args
+
+        args = get_args()
+    except Exception:  # noqa: BLE001 - megatron.training absent or args not parsed (core-only use)
+        args = None
+    values = {}
+    for key, default in DION3_DEFAULTS.items():
+        if config is not None and hasattr(config, key):
+            values[key] = getattr(config, key)
+        elif args is not None and hasattr(args, key):
+            values[key] = getattr(args, key)
+        else:
+            values[key] = default
+    return values
+
+
+def config_to_kwargs(config, model_chunks, pg_collection) -> dict[str, Any]:
+    """Megatron ``OptimizerConfig`` -> :class:`MegatronDion3` constructor kwargs."""
+    v = dion3_values(config)
+    return dict(
+        lr=config.lr if config.lr is not None else 0.01,
+        weight_decay=config.weight_decay,
+        fraction=v["dion3_fraction"],
+        mu=v["dion3_mu"],
+        beta2=v["dion3_beta2"],
+        eps=v["dion3_eps"],
+        adjust_lr=v["dion3_adjust_lr"],
+        scale_lr_by_fraction=bool(v["dion3_scale_lr_by_fraction"]),
+        selection=v["dion3_selection_scope"],
+        ns_method=v["dion3_ns"],
+        split_qkv=bool(v["dion3_split_qkv"]),
+        split_glu=bool(v["dion3_split_glu"]),
+        model_chunks=model_chunks,
+        pg_collection=pg_collection,
+    )
+
+
+def init_state_fn(opt, config=None) -> None:
+    """Megatron's ``init_state_fn``: create all state (checkpoint loading needs it first)."""
+    opt.init_state()

@@ -1,0 +1,104 @@
+"""A minimal Megatron-LM 0.19 ``pretrain_gpt.py`` on synthetic data, for trying ``--optimizer dion3``.
+
+    torchrun --nproc-per-node 2 -m dion3_megatron.megatron.launch \\
+        "$(python -c 'import dion3_megatron.megatron.pretrain_gpt as m; print(m.__file__)')" \\
+        --optimizer dion3 --use-distributed-optimizer --bf16 --tensor-model-parallel-size 2 \\
+        --num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \\
+        --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 8 \\
+        --train-iters 100 --lr 0.01 --tokenizer-type NullTokenizer --vocab-size 32768 ...
+
+``megatron.training.pretrain`` with Megatron's local (no Transformer Engine) GPT layer spec and a
+learnable synthetic language (each token follows a fixed random successor with probability 0.75,
+else uniform), generated per sample index so every rank agrees without a data pipeline.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.training import get_args, pretrain
+from megatron.training.argument_utils import core_transformer_config_from_args, pretrain_cfg_container_from_args
+from megatron.training.arguments import parse_and_validate_args
+
+
+class SyntheticLanguage(torch.utils.data.Dataset):
+    def __init__(self, samples: int, seq: int, vocab: int, seed: int) -> None:
+        self.samples, self.seq, self.vocab, self.seed = samples, seq, vocab, seed
+        self.successor = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, index: int) -> dict:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        tokens = torch.empty(self.seq + 1, dtype=torch.long)
+        tokens[0] = torch.randint(0, self.vocab, (1,), generator=g)
+        noise = torch.randint(0, self.vocab, (self.seq,), generator=g)
+        keep = torch.rand(self.seq, generator=g) < 0.75
+        for i in range(self.seq):
+            tokens[i + 1] = self.successor[tokens[i]] if keep[i] else noise[i]
+        return {"tokens": tokens[:-1], "labels": tokens[1:], "loss_mask": torch.ones(self.seq),
+                "position_ids": torch.arange(self.seq)}
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    args = get_args()
+    config = core_transformer_config_from_args(args)
+    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
+                    post_process=post_process, position_embedding_type=args.position_embedding_type,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    vp_stage=vp_stage)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    args = get_args()
+    return [SyntheticLanguage(max(int(n), 1), args.seq_length, args.padded_vocab_size, args.seed + i)
+            for i, n in enumerate(train_val_test_num_samples)]
+
+
+train_valid_test_datasets_provider.is_distributed = True
+
+
+def loss_func(loss_mask, output_tensor):
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    device = next(model.parameters()).device
+    tokens, labels, loss_mask, position_ids = (
+        batch[k].to(device, non_blocking=True) for k in ("tokens", "labels", "loss_mask", "position_ids"))
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, lambda out: loss_func(loss_mask, out)
+
+
+def _skip_helper_compile_when_prebuilt() -> None:
+    """The megatron-core wheel ships the compiled dataset helpers but not their Makefile, and
+    initialize_megatron runs `make` on them anyway (and exits when it fails)."""
+    from megatron.core.datasets import utils as dataset_utils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+    dataset_utils.compile_helpers = lambda: None
+
+
+def main() -> None:
+    _skip_helper_compile_when_prebuilt()
+    args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+    cfg = pretrain_cfg_container_from_args(args)
+    pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
+             model_provider=model_provider)
+
+
+if __name__ == "__main__":
+    main()

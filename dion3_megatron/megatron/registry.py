@@ -1,0 +1,169 @@
+"""Register Dion3 with an installed Megatron-Core / Megatron-LM 0.19 (no source patch needed).
+
+:func:`register` (also run on ``import dion3_megatron.megatron``) is idempotent and does:
+
+1. adds ``dion3`` to ``megatron.core.optimizer.emerging_optimizers._EMERGING_OPTIMIZERS`` (the
+   registry Megatron's optimizer factory reads), with AdamW for embeddings, the output layer and
+   every non-2-D parameter (Megatron's ``default_param_overrides``, as for Muon);
+2. lets the factory build ``dion3`` without the ``emerging-optimizers`` package (Megatron refuses
+   every emerging optimizer when it is missing; Dion3 needs nothing from it);
+3. when ``megatron.training`` is importable: adds ``dion3`` to ``--optimizer``'s choices and the
+   ``--dion3-*`` flags to Megatron-LM's parser, and copies their values onto the
+   ``OptimizerConfig`` that ``megatron.training`` builds from the args.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+import torch
+
+from .arguments import DION3_DEFAULTS, OPTIMIZER_NAME, add_dion3_arguments
+from .optimizer import MegatronDion3, config_to_kwargs, init_state_fn
+
+_MARK = "_dion3_wrapped"
+
+
+def _dion3_entry():
+    from megatron.core.optimizer import emerging_optimizers as eo
+
+    return eo.EmergingOptimizerEntry(
+        optimizer_cls=MegatronDion3,
+        init_state_fn=init_state_fn,
+        config_to_kwargs=config_to_kwargs,
+        default_param_overrides=eo._default_param_overrides_factory(),  # noqa: SLF001 - non-2-D/embedding -> adam
+    )
+
+
+def _is_dion3(name: Any) -> bool:
+    return isinstance(name, str) and name in (OPTIMIZER_NAME, "dist_" + OPTIMIZER_NAME)
+
+
+_FP32_LAYER_WISE = None
+
+
+def _fp32_layer_wise_class():
+    """LayerWiseDistributedOptimizer that also works without --bf16.
+
+    Megatron 0.19 wraps the layer-wise base optimizers in Float16OptimizerWithFloat16Params for
+    bf16 only; in fp32 it chains the raw torch optimizer, and ChainedOptimizer's config assertion
+    fails. This subclass wraps them in FP32Optimizer (Megatron's own fp32 wrapper) in that case,
+    with the state dict nested the way the layer-wise checkpoint code reads it.
+    """
+    global _FP32_LAYER_WISE
+    if _FP32_LAYER_WISE is None:
+        from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+        from megatron.core.optimizer.optimizer import FP32Optimizer
+
+        class NestedFP32Optimizer(FP32Optimizer):
+            """FP32Optimizer whose (sharded) state dict nests under 'optimizer', as the layer-wise
+            wrapper's checkpoint code expects from its bf16 children."""
+
+            def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, metadata=None):
+                return {"optimizer": super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)}
+
+            def load_state_dict(self, state_dict):
+                super().load_state_dict(state_dict.get("optimizer", state_dict))
+
+        class Dion3LayerWiseDistributedOptimizer(LayerWiseDistributedOptimizer):
+            def __init__(self, optimizers, config, pg_collection=None, init_state_fn_list=None, model_chunks=None):
+                if not config.bf16:
+                    fns = list(init_state_fn_list) if init_state_fn_list else [None] * len(optimizers)
+                    optimizers = [NestedFP32Optimizer(opt, config, fn) if isinstance(opt, torch.optim.Optimizer)
+                                  else opt for opt, fn in zip(optimizers, fns)]
+                super().__init__(optimizers, config, pg_collection, init_state_fn_list, model_chunks)
+
+        _FP32_LAYER_WISE = Dion3LayerWiseDistributedOptimizer
+    return _FP32_LAYER_WISE
+
+
+def layer_wise_class():
+    """The layer-wise ZeRO-1 wrapper class Dion3 uses (Megatron's, fixed for fp32); for the patch."""
+    return _fp32_layer_wise_class()
+
+
+def _register_core() -> None:
+    from megatron.core import optimizer as core_optimizer
+    from megatron.core.optimizer import emerging_optimizers as eo
+
+    if not isinstance(eo._EMERGING_OPTIMIZERS.get(OPTIMIZER_NAME), eo.EmergingOptimizerEntry):  # noqa: SLF001
+        eo._EMERGING_OPTIMIZERS[OPTIMIZER_NAME] = _dion3_entry()  # noqa: SLF001
+    factory = core_optimizer._get_megatron_emerging_optimizer  # noqa: SLF001
+    if getattr(factory, _MARK, False):
+        return
+
+    @functools.wraps(factory)
+    def build(config, *args, **kwargs):
+        if not _is_dion3(getattr(config, "optimizer", None)):
+            return factory(config, *args, **kwargs)
+        # Megatron checks HAVE_EMERGING_OPTIMIZERS (the emerging-optimizers package) for every
+        # emerging optimizer; Dion3 does not use that package, so lift the check for it alone.
+        # And give the layer-wise ZeRO-1 wrapper the FP32 fix (see _fp32_layer_wise_class).
+        saved = core_optimizer.HAVE_EMERGING_OPTIMIZERS, core_optimizer.LayerWiseDistributedOptimizer
+        core_optimizer.HAVE_EMERGING_OPTIMIZERS = True
+        core_optimizer.LayerWiseDistributedOptimizer = _fp32_layer_wise_class()
+        try:
+            return factory(config, *args, **kwargs)
+        finally:
+            core_optimizer.HAVE_EMERGING_OPTIMIZERS, core_optimizer.LayerWiseDistributedOptimizer = saved
+
+    setattr(build, _MARK, True)
+    core_optimizer._get_megatron_emerging_optimizer = build  # noqa: SLF001
+
+
+def _register_training() -> bool:
+    try:
+        arguments = importlib.import_module("megatron.training.arguments")
+    except Exception:  # noqa: BLE001 - megatron-core without megatron.training, or it fails to import
+        return False
+    add = arguments.add_megatron_arguments
+    if not getattr(add, _MARK, False):
+
+        @functools.wraps(add)
+        def add_megatron_arguments(parser):
+            return add_dion3_arguments(add(parser))
+
+        setattr(add_megatron_arguments, _MARK, True)
+        arguments.add_megatron_arguments = add_megatron_arguments
+
+    try:
+        training = importlib.import_module("megatron.training.training")
+    except Exception:  # noqa: BLE001
+        return True
+    get_config = training.get_megatron_optimizer_config
+    if not getattr(get_config, _MARK, False):
+
+        @functools.wraps(get_config)
+        def get_megatron_optimizer_config(args):
+            config, overrides = get_config(args)
+            for key, default in DION3_DEFAULTS.items():
+                setattr(config, key, getattr(args, key, getattr(config, key, default)))
+            return config, overrides
+
+        setattr(get_megatron_optimizer_config, _MARK, True)
+        training.get_megatron_optimizer_config = get_megatron_optimizer_config
+    return True
+
+
+_registered = False
+
+
+def register() -> bool:
+    """Make ``optimizer='dion3'`` / ``--optimizer dion3`` work; safe to call any number of times.
+
+    Returns True when Megatron-LM's argument parser was extended too (``megatron.training``
+    importable), False when only Megatron-Core's optimizer registry was.
+    """
+    global _registered
+    _register_core()
+    training = _register_training()
+    _registered = True
+    return training
+
+
+def is_registered() -> bool:
+    from megatron.core.optimizer import emerging_optimizers as eo
+
+    return OPTIMIZER_NAME in eo._EMERGING_OPTIMIZERS  # noqa: SLF001

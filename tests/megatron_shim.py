@@ -1,0 +1,439 @@
+"""Test-only shim: run Megatron-Core's DDP, optimizers and models on CPU (gloo).
+
+Megatron-Core hard-codes CUDA in places that have nothing to do with the math under test:
+``device='cuda'`` buffers, ``torch.cuda.current_device()``, streams and events, the CUDA RNG
+tracker, and ``param.type()`` strings such as ``'torch.cuda.FloatTensor'``. :func:`install`
+redirects all of that to the CPU inside the current process. Never import this outside tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import warnings
+
+import torch
+
+_installed = False
+_CPU = torch.device("cpu")
+
+
+def _fix_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return _CPU
+    if isinstance(device, str):
+        return _CPU if device.startswith("cuda") else device
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return _CPU
+    return device
+
+
+def _wrap_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _fix_device(kwargs["device"])
+        kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _Stream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+def install() -> None:
+    """Patch torch and Megatron-Core so their CUDA-only code paths run on the CPU. Idempotent."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex|absl|transformer-engine).*")
+
+    for name in ("empty", "zeros", "ones", "full", "arange", "tensor", "rand", "randn", "randint",
+                 "empty_strided", "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor",
+                 "linspace", "randperm"):
+        setattr(torch, name, _wrap_factory(getattr(torch, name)))
+
+    tensor_to = torch.Tensor.to
+
+    @functools.wraps(tensor_to)
+    def to(self, *args, **kwargs):
+        if args and isinstance(args[0], (str, int, torch.device)) and not isinstance(args[0], bool):
+            args = (_fix_device(args[0]),) + args[1:]
+        if "device" in kwargs:
+            kwargs["device"] = _fix_device(kwargs["device"])
+        return tensor_to(self, *args, **kwargs)
+
+    torch.Tensor.to = to
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+
+    tensor_type = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and self.device.type == "cpu" and self.dtype in _TYPE_NAMES:
+            return _TYPE_NAMES[self.dtype]
+        return tensor_type(self, dtype, non_blocking, **kwargs) if dtype is not None else tensor_type(self)
+
+    torch.Tensor.type = type_
+
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    cuda.set_device = lambda *args, **kwargs: None
+    cuda.device_count = lambda: 1
+    cuda.synchronize = lambda *args, **kwargs: None
+    cuda.empty_cache = lambda: None
+    cuda.Stream = _Stream
+    cuda.Event = _Event
+    cuda.current_stream = lambda *args, **kwargs: _Stream()
+    cuda.default_stream = lambda *args, **kwargs: _Stream()
+    cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls it: the CPU generator is seeded already
+    cuda.memory_allocated = lambda *args, **kwargs: 0
+    cuda.max_memory_allocated = lambda *args, **kwargs: 0
+    cuda.memory_reserved = lambda *args, **kwargs: 0
+    cuda.max_memory_reserved = lambda *args, **kwargs: 0
+    cuda.reset_peak_memory_stats = lambda *args, **kwargs: None
+    cuda.nvtx.range_push = lambda *args, **kwargs: None
+    cuda.nvtx.range_pop = lambda *args, **kwargs: None
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+
+    # Megatron's Adam without apex/TE is torch AdamW, whose per-param 'step' tensor the fully
+    # reshardable DistributedOptimizer loader tries to copy from the checkpoint's per-param
+    # tensors, which never hold it (it restores 'step' separately, just before): KeyError.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        kept = {k: state.pop(k) for k in list(state) if k not in tensors}
+        try:
+            set_states(self, model_param, tensors)
+        finally:
+            state.update(kept)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+
+# ------------------------------------------------------------------------------------------------
+# A tiny GPT on CPU for the Megatron tests (call install() first).
+
+VOCAB = 128
+SEQ = 16
+
+
+def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None) -> None:
+    """(Re)initialize Megatron's model-parallel state on the already-initialized gloo world."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    model_parallel_cuda_manual_seed(1234)
+
+
+def tiny_config(tp: int = 1, pp: int = 1, ep: int = 1, bf16: bool = False, num_experts: int | None = None, **kw):
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    base = dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+        kv_channels=16, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        gradient_accumulation_fusion=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32, normalization="RMSNorm",
+        sequence_parallel=False, init_method_std=0.05,
+    )
+    if num_experts:
+        base.update(num_moe_experts=num_experts, moe_router_topk=2, moe_ffn_hidden_size=64,
+                    moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
+                    moe_router_load_balancing_type="none")
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def build_gpt(config, seed: int = 7):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    torch.manual_seed(seed)
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                    position_embedding_type="rope", share_embeddings_and_output_weights=False)
+
+
+def batches(steps: int, global_batch: int, seed: int = 99):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (global_batch, SEQ + 1), generator=g) for _ in range(steps)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Training loop and the single-process reference (plain dion3_megatron.Dion3 on logical matrices).
+
+LR = 0.02
+WD = 0.1
+# adam_eps not 1e-8: on near-zero grads fp32 summation order would flip Adam's first step.
+ADAM = dict(adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-5)
+DION3 = dict(fraction=0.25, mu=0.95, beta2=0.95)
+
+
+def _is_embedding_or_output(name: str) -> bool:
+    return "word_embeddings" in name or "output_layer" in name
+
+
+def logical_split(name: str, full: torch.Tensor, config) -> list[torch.Tensor]:
+    """The logical matrices of a full (TP=1) weight, written independently of the code under test."""
+    if name.endswith("linear_qkv.weight"):
+        groups = config.num_query_groups
+        q = config.num_attention_heads // groups * config.kv_channels
+        sizes = [q, config.kv_channels, config.kv_channels]
+        parts = torch.split(full.view(groups, sum(sizes), -1), sizes, dim=1)
+        return [p.reshape(-1, full.shape[-1]).clone() for p in parts]
+    if name.endswith("linear_fc1.weight") and config.gated_linear_unit:
+        return [p.clone() for p in full.chunk(2, dim=0)]
+    return [full.clone()]
+
+
+def logical_join(name: str, parts: list[torch.Tensor], config, shape) -> torch.Tensor:
+    if name.endswith("linear_qkv.weight"):
+        groups = config.num_query_groups
+        return torch.cat([p.view(groups, -1, shape[-1]) for p in parts], dim=1).reshape(shape)
+    return torch.cat(parts, dim=0).reshape(shape)
+
+
+class Reference:
+    """The unsharded model trained by single-process dion3_megatron.Dion3 (fp32)."""
+
+    def __init__(self, config, seed: int = 7, **dion3):
+        from dion3_megatron import Dion3
+
+        self.config = config
+        self.model = build_gpt(config, seed=seed)
+        self.names = dict(self.model.named_parameters())
+        self.leaves: dict[str, list[torch.Tensor]] = {}
+        matrices, embeddings, vectors = [], [], []
+        for name, p in self.names.items():
+            if p.dim() == 2 and not _is_embedding_or_output(name):
+                self.leaves[name] = [t.requires_grad_(False) for t in logical_split(name, p.data, config)]
+                matrices += self.leaves[name]
+            elif p.dim() == 2:
+                embeddings.append(p)
+            else:
+                vectors.append(p)
+        hp = {**DION3, **dion3}
+        self.opt = Dion3(
+            [dict(params=matrices, algorithm="dion3", weight_decay=WD, eps=1e-8),
+             dict(params=embeddings, algorithm="adamw", weight_decay=WD, eps=ADAM["adam_eps"]),
+             dict(params=vectors, algorithm="adamw", weight_decay=0.0, eps=ADAM["adam_eps"])],
+            lr=LR, betas=(ADAM["adam_beta1"], ADAM["adam_beta2"]), **hp,
+        )
+
+    def step(self, batch: torch.Tensor, lr: float = LR, clip_grad: float = 0.0) -> float:
+        self.model.zero_grad(set_to_none=True)
+        tokens, labels = batch[:, :-1], batch[:, 1:]
+        pos = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
+        loss = self.model(tokens, pos, None, labels=labels).float().mean()
+        loss.backward()
+        if clip_grad:  # Megatron's rule: scale by max_norm / (norm + 1e-6) when that is < 1
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.names.values()]))
+            coeff = clip_grad / (norm + 1.0e-6)
+            if coeff < 1.0:
+                for p in self.names.values():
+                    p.grad.mul_(coeff)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        for name, leaves in self.leaves.items():
+            p = self.names[name]
+            for leaf, data, grad in zip(leaves, logical_split(name, p.data, self.config),
+                                        logical_split(name, p.grad, self.config)):
+                leaf.data.copy_(data)
+                leaf.grad = grad
+        self.opt.step()
+        with torch.no_grad():
+            for name, leaves in self.leaves.items():
+                p = self.names[name]
+                p.copy_(logical_join(name, [t.data for t in leaves], self.config, p.shape))
+        return loss.item()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.names.items()}
+
+
+def local_name_to_global(name: str, config) -> str:
+    """A pipeline/expert-parallel rank's local parameter name -> the unsharded model's name."""
+    import re
+
+    from megatron.core import parallel_state as ps
+
+    while name.startswith("module."):
+        name = name[len("module."):]
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    per_stage = config.num_layers // ps.get_pipeline_model_parallel_world_size()
+    name = re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + pp_rank * per_stage}.", name, count=1)
+    if config.num_moe_experts:
+        ep_rank = ps.get_expert_model_parallel_rank()
+        local = config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+        name = re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{int(m.group(1)) + ep_rank * local}.", name)
+    return name
+
+
+def local_slice(name: str, param: torch.Tensor, full: torch.Tensor, config) -> torch.Tensor:
+    """What a TP rank holds of the full tensor ``full`` for model parameter ``param``."""
+    from megatron.core import parallel_state as ps
+
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    expert = "experts" in name
+    tp = ps.get_expert_tensor_parallel_world_size() if expert else ps.get_tensor_model_parallel_world_size()
+    rank = ps.get_expert_tensor_parallel_rank() if expert else ps.get_tensor_model_parallel_rank()
+    if tp == 1:
+        return full
+    dim = param.partition_dim
+    if dim == 0 and name.endswith("linear_fc1.weight") and config.gated_linear_unit:
+        return torch.cat([h.chunk(tp, dim=0)[rank] for h in full.chunk(2, dim=0)], dim=0)
+    return full.chunk(tp, dim=dim)[rank]
+
+
+def load_reference_weights(model, ref_state: dict, config) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(local_slice(name, p, ref_state[local_name_to_global(name, config)], config))
+
+
+def max_diff_to_reference(model, ref_state: dict, config) -> tuple[float, int]:
+    worst, count = 0.0, 0
+    for name, p in model.named_parameters():
+        expected = local_slice(name, p, ref_state[local_name_to_global(name, config)], config)
+        worst = max(worst, (p.detach().float() - expected.float()).abs().max().item())
+        count += 1
+    return worst, count
+
+
+def make_parallel(config, ref_init: dict, *, layer_wise: bool = True, bf16: bool = False, clip_grad: float = 0.0,
+                  init_lr: float = LR, warmup: int = 0, **dion3):
+    """Model chunk (DDP) + Megatron optimizer (optimizer='dion3') + lr scheduler, like pretrain()."""
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.training.training import wrap_model_chunks_with_ddp
+
+    model = build_gpt(config)
+    load_reference_weights(model, ref_init, config)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=layer_wise, grad_reduce_in_fp32=True)
+    chunks = wrap_model_chunks_with_ddp([model], config, ddp_config, use_layer_wise_distributed_optimizer=layer_wise)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = chunks[0].no_sync
+    ocfg = OptimizerConfig(optimizer="dion3", lr=LR, min_lr=LR, weight_decay=WD, bf16=bf16, clip_grad=clip_grad,
+                           use_distributed_optimizer=layer_wise, use_layer_wise_distributed_optimizer=layer_wise,
+                           **ADAM)
+    for key, value in {**DION3, **dion3}.items():
+        setattr(ocfg, f"dion3_{key}", value)
+    opt = get_megatron_optimizer(ocfg, chunks)
+    sched = OptimizerParamScheduler(opt, init_lr=init_lr, max_lr=LR, min_lr=LR, lr_warmup_steps=warmup,
+                                    lr_decay_steps=100,
+                                    lr_decay_style="constant", start_wd=WD, end_wd=WD, wd_incr_steps=100,
+                                    wd_incr_style="constant")
+    return chunks, opt, sched
+
+
+def train_step(chunks, opt, sched, batch: torch.Tensor, num_microbatches: int = 1):
+    """One Megatron training step on this data-parallel rank's share of the global ``batch``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    local = batch.chunk(dp)[dp_rank]
+    micro = local.chunk(num_microbatches)
+
+    def forward_step(data_iterator, model):
+        b = next(data_iterator)
+        tokens, labels = b[:, :-1], b[:, 1:]
+        pos = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
+        out = model(tokens, pos, None, labels=labels)
+
+        def loss_func(output):
+            loss = output.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return out, loss_func
+
+    for c in chunks:
+        c.zero_grad_buffer()
+    opt.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro), model=chunks,
+        num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=micro[0].shape[0],
+        forward_only=False,
+    )
+    ok, grad_norm, _ = opt.step()
+    sched.step(1)
+    return losses, ok, grad_norm

@@ -1,0 +1,118 @@
+"""MegatronDion3 in one process (no torch.distributed): logical-matrix split, state layout, checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from dion3_megatron import Dion3  # noqa: E402
+from dion3_megatron.megatron import MegatronDion3, describe_param  # noqa: E402
+
+GROUPS, SPLIT, COLS = 2, [4, 2, 2], 6  # 2 query groups of [q q q q k k v v] rows
+
+
+def _params(generator):
+    qkv = torch.nn.Parameter(torch.randn(GROUPS * sum(SPLIT), COLS, generator=generator))
+    qkv.is_qkv, qkv.qkv_split_shapes = True, SPLIT
+    fc1 = torch.nn.Parameter(torch.randn(10, COLS, generator=generator))
+    proj = torch.nn.Parameter(torch.randn(COLS, 7, generator=generator))
+    names = {qkv: "layers.0.self_attention.linear_qkv.weight", fc1: "layers.0.mlp.linear_fc1.weight",
+             proj: "layers.0.self_attention.linear_proj.weight"}
+    return [qkv, fc1, proj], names
+
+
+def _split(name, t):
+    if "linear_qkv" in name:
+        return [p.reshape(-1, t.shape[1]) for p in torch.split(t.view(GROUPS, sum(SPLIT), -1), SPLIT, dim=1)]
+    if "linear_fc1" in name:
+        return list(t.chunk(2))
+    return [t]
+
+
+def _megatron(params, names, **kw):
+    layouts = {p: describe_param(names[p], p, gated_linear_unit=True) for p in params}
+    return MegatronDion3([{"params": params}], lr=0.05, weight_decay=0.1, fraction=0.5, layouts=layouts, **kw)
+
+
+def _grads(generator, params, steps):
+    return [[torch.randn(p.shape, generator=generator) for p in params] for _ in range(steps)]
+
+
+def test_describe_param_finds_q_k_v_and_gate_up(generator):
+    params, names = _params(generator)
+    qkv = describe_param(names[params[0]], params[0])
+    assert [(p.suffix, p.start, p.stop, p.full_shape) for p in qkv.pieces] == [
+        ("q", 0, 8, (8, COLS)), ("k", 8, 12, (4, COLS)), ("v", 12, 16, (4, COLS))]
+    # Working row i is local row perm[i]: Q of group 0, Q of group 1, K ..., V ...
+    assert qkv.perm.tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
+    fc1 = describe_param(names[params[1]], params[1], gated_linear_unit=True)
+    assert [p.suffix for p in fc1.pieces] == ["gate", "up"] and fc1.perm is None
+    assert [p.suffix for p in describe_param(names[params[1]], params[1]).pieces] == [""]  # not gated
+
+
+def test_steps_equal_single_process_dion3_on_logical_matrices(generator):
+    params, names = _params(generator)
+    initial = [p.data.clone() for p in params]
+    leaves = {p: [t.clone() for t in _split(names[p], p.data)] for p in params}
+    ref = Dion3([t for p in params for t in leaves[p]], lr=0.05, weight_decay=0.1, fraction=0.5)
+    opt = _megatron(params, names)
+    for grads in _grads(generator, params, 3):
+        for p, g in zip(params, grads):
+            p.grad = g
+            for leaf, piece in zip(leaves[p], _split(names[p], g)):
+                leaf.grad = piece.clone()
+        opt.step()
+        ref.step()
+    for p, start in zip(params, initial):
+        for leaf, got in zip(leaves[p], _split(names[p], p.data)):
+            torch.testing.assert_close(got, leaf, atol=1e-6, rtol=0)
+        assert (p.data - start).abs().max() > 1e-2  # every matrix moved
+
+
+def test_state_dict_is_param_shaped_and_resumes_identically(generator):
+    params, names = _params(generator)
+    grads = _grads(generator, params, 4)
+    opt = _megatron(params, names)
+    for step in range(2):
+        for p, g in zip(params, grads[step]):
+            p.grad = g
+        opt.step()
+    sd = opt.state_dict()
+    for index, p in enumerate(params):
+        assert {k: tuple(v.shape) for k, v in sd["state"][index].items()} == {
+            "momentum": tuple(p.shape), "variance": tuple(p.shape)}
+        variance = sd["state"][index]["variance"]
+        assert torch.equal(variance, variance[:, :1].expand_as(variance))  # one value per row
+        assert variance.abs().max() > 0
+    # QKV momentum comes back in the parameter's own (interleaved) row order.
+    (m_q, m_k, m_v) = _split(names[params[0]], sd["state"][0]["momentum"])
+    shards = opt._pieces[params[0]]
+    assert [s.name.rsplit(".", 1)[1] for s in shards] == ["q", "k", "v"]
+    for got, shard in zip((m_q, m_k, m_v), shards):
+        assert torch.equal(got, shard.state["momentum"])
+
+    clones = [torch.nn.Parameter(p.data.clone()) for p in params]
+    for c, p in zip(clones, params):
+        c.__dict__.update({k: v for k, v in p.__dict__.items()})
+    resumed = _megatron(clones, {c: names[p] for c, p in zip(clones, params)})
+    resumed.load_state_dict(sd)
+    for step in range(2, 4):
+        for p, c, g in zip(params, clones, grads[step]):
+            p.grad, c.grad = g, g.clone()
+        opt.step()
+        resumed.step()
+    for p, c in zip(params, clones):
+        assert torch.equal(p.data, c.data)
+
+
+def test_load_state_dict_rejects_foreign_state(generator):
+    params, names = _params(generator)
+    opt = _megatron(params, names)
+    sd = opt.state_dict()
+    sd["state"][1]["momentum"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="not Dion3 state of this parameter"):
+        opt.load_state_dict(sd)
+    with pytest.raises(ValueError, match="selection must be one of"):
+        _megatron(params, names, selection="nearby")

@@ -1,0 +1,438 @@
+"""Megatron-Core + Dion3 on 2 CPU ranks (gloo): DP (layer-wise ZeRO-1), TP, PP, MoE (EP and expert
+TP), bf16, clipping + lr warmup, torch_dist checkpoints, and the emerging-optimizers-free build.
+
+One spawned group of 2 processes runs every scenario (imports dominate: ~15 s); each scenario
+returns its measurements and the tests below assert on them. The reference is the unsharded model
+(TP=PP=EP=DP=1) trained by the single-process ``dion3_megatron.Dion3`` on the logical matrices
+(Q, K, V and SwiGLU gate, up apart) with AdamW for embeddings, output layer and 1-D params, from
+the same initial weights on the same global batches (fp32, dropout off).
+
+Tolerances after 3 steps at lr 0.02 (each step moves a weight by ~1e-2; a wrong row choice, a
+missed or per-shard orthogonalization moves it by >= 1e-3):
+  * Dion3 matrices: 5e-6 absolute (fp32 reduction order only; measured ~1e-6);
+  * AdamW params: 2e-4 (Megatron's own torch AdamW: its normalized first step turns fp32
+    summation-order noise on near-zero gradients into visible differences; measured ~4e-5).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from dist_utils import run_distributed  # noqa: E402
+
+LR = 0.02
+MATRIX_TOL = 5e-6
+ADAM_TOL = 2e-4
+STEPS = 3
+
+
+def _is_dion3_param(name: str, p: torch.Tensor) -> bool:
+    return p.dim() == 2 and "word_embeddings" not in name and "output_layer" not in name
+
+
+def _diffs(model, expected: dict, config) -> dict[str, float]:
+    import megatron_shim as ms
+
+    worst = {"dion3": 0.0, "adamw": 0.0, "moved": float("inf")}
+    for name, p in model.named_parameters():
+        full = expected[ms.local_name_to_global(name, config)]
+        diff = (p.detach().float() - ms.local_slice(name, p, full, config).float()).abs().max().item()
+        kind = "dion3" if _is_dion3_param(name, p) else "adamw"
+        worst[kind] = max(worst[kind], diff)
+    return worst
+
+
+def _find_dion3(opt):
+    from dion3_megatron.megatron import MegatronDion3
+
+    found = []
+    stack = [opt]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, MegatronDion3):
+            found.append(o)
+        if hasattr(o, "chained_optimizers"):
+            stack += list(o.chained_optimizers)
+        elif getattr(o, "optimizer", None) is not None:
+            stack.append(o.optimizer)
+    return found
+
+
+def _full_state(model, config) -> dict[str, torch.Tensor]:
+    """Unsharded params of a TP=PP=EP=1 model, keyed by the reference's names."""
+    import megatron_shim as ms
+
+    return {ms.local_name_to_global(n, config): p.detach().clone().float() for n, p in model.named_parameters()}
+
+
+def _metadata() -> dict:
+    """What megatron.training's save/load_checkpoint pass by default (dp_reshardable Adam DistOpt).
+
+    (The fully reshardable format of Megatron's Adam does not resume correctly with the torch-AdamW
+    fallback used without apex/TE: its param-group hyper-parameters come back mismatched.)"""
+    from megatron.core import parallel_state as ps
+
+    return {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True, "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+
+
+def _save(chunks, opt, path):
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(path, exist_ok=True)
+    sd = {"model": chunks[0].module.sharded_state_dict(metadata=_metadata())}
+    sd["optimizer"] = opt.sharded_state_dict(sd, metadata=_metadata())
+    dist_checkpointing.save(sd, path)
+
+
+def _adam_distopts(opt) -> list:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    found, stack = [], [opt]
+    while stack:
+        o = stack.pop()
+        stack += list(getattr(o, "chained_optimizers", []))
+        if isinstance(o, DistributedOptimizer):
+            found.append(o)
+    return found
+
+
+def _adam_init_state(opt) -> None:
+    """Megatron's Adam init_state_fn leaves out the per-param 'step' of the torch-AdamW fallback
+    used without apex/TE, and a fresh DistributedOptimizer then cannot build the sharded state
+    dict to load into (it reads one common step). Create it; the load sets the saved value."""
+    for o in _adam_distopts(opt):
+        o.init_state_fn(o.optimizer, o.config)
+        for group in o.optimizer.param_groups:
+            for p in group["params"]:
+                o.optimizer.state[p].setdefault("step", torch.tensor(0.0))
+
+
+def _load(chunks, opt, path, dion3_only: bool = False):
+    from megatron.core import dist_checkpointing
+
+    _adam_init_state(opt)
+    sd = {"model": chunks[0].module.sharded_state_dict(metadata=_metadata())}
+    sd["optimizer"] = opt.sharded_state_dict(sd, is_loading=True, metadata=_metadata())
+    if dion3_only:  # the layer-wise (Dion3) optimizer is chained first, Megatron's Adam second
+        del sd["optimizer"][1]
+        loaded = dist_checkpointing.load(sd, path)
+        opt.chained_optimizers[0].load_state_dict(loaded["optimizer"][0])
+        return
+    loaded = dist_checkpointing.load(sd, path)
+    chunks[0].module.load_state_dict(loaded["model"])
+    with torch.no_grad():  # Megatron's fp32 DistributedOptimizer copies into views of the params
+        opt.load_state_dict(loaded["optimizer"])
+    # Nor does its dp_reshardable loader restore that torch-AdamW 'step' (it stays 0): put back the
+    # count the checkpoint was taken at (every checkpoint here is taken after STEPS steps).
+    for o in _adam_distopts(opt):
+        for group in o.optimizer.param_groups:
+            for p in group["params"]:
+                o.optimizer.state[p]["step"] = torch.tensor(float(STEPS))
+
+
+def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
+    import megatron_shim as ms
+
+    ms.install()
+    import dion3_megatron.megatron  # noqa: F401 - registers optimizer='dion3'
+    import torch.distributed as dist
+
+    results: dict = {}
+    data = ms.batches(2 * STEPS, 4)
+
+    def reference(num_experts=None):
+        ms.init_parallel()
+        cfg = ms.tiny_config(num_experts=num_experts)
+        ref = ms.Reference(cfg)
+        init = ref.state()
+        for b in data[:STEPS]:
+            ref.step(b)
+        return init, ref.state()
+
+    def scenario(name, fn):
+        t = time.time()
+        try:
+            results[name] = fn()
+        except Exception:  # noqa: BLE001 - reported by the test that reads it
+            results[name] = {"error": traceback.format_exc()}
+        results[name]["seconds"] = time.time() - t
+
+    dense_init, dense_final = reference()
+    moe_init, moe_final = reference(num_experts=4)
+
+    def parallel(tp=1, pp=1, ep=1, etp=None, num_experts=None, init=dense_init, final=dense_final, microbatches=1,
+                 **kw):
+        ms.init_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
+        cfg = ms.tiny_config(tp=tp, pp=pp, ep=ep, num_experts=num_experts, expert_tensor_parallel_size=etp)
+        chunks, opt, sched = ms.make_parallel(cfg, init, **kw)
+        for b in data[:STEPS]:
+            ms.train_step(chunks, opt, sched, b, num_microbatches=microbatches)
+        out = _diffs(chunks[0].module, final, cfg)
+        out["moved"] = _diffs(chunks[0].module, init, cfg)["dion3"]
+        return out, chunks, opt, cfg
+
+    def clip_and_schedule():
+        # Gradient clipping (the grad norm is ~3: clipped to 0.5) and a linear lr warmup.
+        ms.init_parallel()
+        cfg = ms.tiny_config()
+        ref = ms.Reference(cfg)
+        init = ref.state()
+        lrs = [0.01 + 0.01 * i / STEPS for i in range(STEPS)]
+        for b, lr in zip(data[:STEPS], lrs):
+            ref.step(b, lr=lr, clip_grad=0.5)
+        chunks, opt, sched = ms.make_parallel(cfg, init, clip_grad=0.5, init_lr=0.01, warmup=STEPS)
+        norms = []
+        for b in data[:STEPS]:
+            _, ok, grad_norm = ms.train_step(chunks, opt, sched, b)
+            norms.append(grad_norm)
+        out = _diffs(chunks[0].module, ref.state(), cfg)
+        out["moved"] = _diffs(chunks[0].module, init, cfg)["dion3"]
+        out["grad_norms"] = norms
+        return out
+
+    def registry():
+        # Other emerging optimizers keep Megatron's check for the emerging-optimizers package;
+        # Dion3 builds whether that package is there (flag forced on) or not.
+        from megatron.core import optimizer as core_optimizer
+
+        ms.init_parallel()
+        cfg = ms.tiny_config()
+        out = {"have_package": core_optimizer.HAVE_EMERGING_OPTIMIZERS}
+        if not core_optimizer.HAVE_EMERGING_OPTIMIZERS:
+            try:
+                from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+                model = ms.build_gpt(cfg)
+                get_megatron_optimizer(OptimizerConfig(optimizer="muon", lr=LR), [model])
+                out["muon_error"] = ""
+            except ImportError as e:
+                out["muon_error"] = str(e)
+        saved = core_optimizer.HAVE_EMERGING_OPTIMIZERS
+        core_optimizer.HAVE_EMERGING_OPTIMIZERS = not saved
+        try:
+            chunks, opt, sched = ms.make_parallel(cfg, dense_init)
+            ms.train_step(chunks, opt, sched, data[0])
+            out["built_with_flag_flipped"] = True
+        finally:
+            core_optimizer.HAVE_EMERGING_OPTIMIZERS = saved
+        return out
+
+    def dp():
+        out, chunks, opt, _ = parallel()
+        (dion3,) = _find_dion3(opt)
+        names = sorted(dion3.layout_of(p).name for g in dion3.param_groups for p in g["params"])
+        gathered = [None] * world
+        dist.all_gather_object(gathered, names)
+        out["owned"] = gathered
+        out["state_rows"] = sum(s.state["momentum"].shape[0] for ps_ in dion3._pieces.values() for s in ps_)
+        flat = torch.cat([p.detach().reshape(-1) for p in chunks[0].module.parameters()])
+        replicas = [torch.zeros_like(flat) for _ in range(world)]
+        dist.all_gather(replicas, flat)
+        out["replicas_equal"] = all(torch.equal(replicas[0], r) for r in replicas)
+        return out
+
+    def tp():
+        out, chunks, opt, _ = parallel(tp=2)
+        (dion3,) = _find_dion3(opt)
+        out["pieces"] = sorted(s.name for shards in dion3._pieces.values() for s in shards)
+        out["partitioned"] = sorted(s.name for shards in dion3._pieces.values() for s in shards
+                                    if s.sharding.kind != "full")
+        return out
+
+    def pp():
+        return parallel(pp=2, microbatches=2)[0]
+
+    def moe():
+        out, chunks, opt, _ = parallel(ep=2, num_experts=4, init=moe_init, final=moe_final)
+        (dion3,) = _find_dion3(opt)
+        plan = dion3._engine.plan
+        expert_groups = [sg for sg in plan if any("experts" in s.name for s in sg.shards)]
+        out["expert_batches"] = [(sg.key[0], sum("experts" in s.name for s in sg.shards)) for sg in expert_groups]
+        return out
+
+    def moe_etp():
+        # Dense DP=2 (layer-wise), experts tensor-parallel over expt_tp (2) and not data-parallel.
+        out, chunks, opt, _ = parallel(etp=2, num_experts=4, init=moe_init, final=moe_final)
+        (dion3,) = _find_dion3(opt)
+        experts = [s for shards in dion3._pieces.values() for s in shards if "experts" in s.name]
+        out["expert_shards"] = len(experts)
+        out["expert_split"] = sorted({s.sharding.kind for s in experts})
+        return out
+
+    def bf16():
+        ms.init_parallel()
+        cfg = ms.tiny_config(bf16=True)
+        chunks, opt, sched = ms.make_parallel(cfg, dense_init, bf16=True)
+        losses = []
+        for b in data[:STEPS]:
+            out, ok, grad_norm = ms.train_step(chunks, opt, sched, b)
+            losses.append(float(out[0]["loss"]))
+        flat = torch.cat([p.detach().float().reshape(-1) for p in chunks[0].module.parameters()])
+        gathered = [torch.zeros_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        res = _diffs(chunks[0].module, dense_final, cfg)
+        res["replicas_equal"] = all(torch.equal(gathered[0], g) for g in gathered)
+        res["finite"] = bool(torch.isfinite(flat).all())
+        return res
+
+    def checkpoint():
+        # Train 3 steps at DP=2, save (torch_dist), train 3 more: the uninterrupted run.
+        ms.init_parallel()
+        cfg = ms.tiny_config()
+        chunks, opt, sched = ms.make_parallel(cfg, dense_init)
+        for b in data[:STEPS]:
+            ms.train_step(chunks, opt, sched, b)
+        _save(chunks, opt, ckpt_dir)
+        for b in data[STEPS:]:
+            ms.train_step(chunks, opt, sched, b)
+        straight = _full_state(chunks[0].module, cfg)
+        # Fresh model and optimizer, load, resume the same 3 steps: bit-identical.
+        ms.init_parallel()
+        cfg = ms.tiny_config()
+        chunks, opt, sched = ms.make_parallel(cfg, dense_init)
+        _load(chunks, opt, ckpt_dir)
+        for b in data[STEPS:]:
+            ms.train_step(chunks, opt, sched, b)
+        resumed = _full_state(chunks[0].module, cfg)
+        out = {"resume_max_diff": max((resumed[k] - straight[k]).abs().max().item() for k in straight)}
+        # Load the DP=2 checkpoint's Dion3 state at DP=1 x TP=2 (another data- and tensor-parallel
+        # size): every rank must get exactly its slice of every saved logical matrix's state.
+        # (Megatron's dp_reshardable Adam state cannot change TP size, so only Dion3's is loaded.)
+        ms.init_parallel()
+        cfg = ms.tiny_config()
+        chunks, opt, sched = ms.make_parallel(cfg, dense_init)
+        _load(chunks, opt, ckpt_dir)
+        (dion3,) = _find_dion3(opt)
+        mine = {dion3.layout_of(p).name: [t.clone() for t in dion3._param_state(p)]
+                for g in dion3.param_groups for p in g["params"]}
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+        saved = {k: v for d in gathered for k, v in d.items()}
+        ms.init_parallel(tp=2)
+        cfg = ms.tiny_config(tp=2)
+        chunks, opt, sched = ms.make_parallel(cfg, dense_init)
+        _load(chunks, opt, ckpt_dir, dion3_only=True)
+        (dion3,) = _find_dion3(opt)
+        worst = 0.0
+        for name, p in chunks[0].module.named_parameters():
+            if name not in [dion3.layout_of(q).name for g in dion3.param_groups for q in g["params"]]:
+                continue
+        model_params = dict(chunks[0].module.named_parameters())
+        checked = 0
+        for g in dion3.param_groups:
+            for p in g["params"]:
+                name = dion3.layout_of(p).name
+                momentum, variance = dion3._param_state(p)
+                full_m, full_v = saved[name]
+                model_p = model_params[name]
+                exp_m = ms.local_slice(name, model_p, full_m, cfg)
+                exp_v = ms.local_slice(name, model_p, full_v[:, None].expand_as(full_m), cfg)[:, 0]
+                worst = max(worst, (momentum - exp_m).abs().max().item(), (variance - exp_v).abs().max().item())
+                checked += 1
+        out["reshard_state_diff"], out["reshard_checked"] = worst, checked
+        out["state_nonzero"] = min(v[0].abs().max().item() for v in saved.values())
+        return out
+
+    for name, fn in (("dp", dp), ("tp", tp), ("pp", pp), ("moe", moe), ("moe_etp", moe_etp), ("bf16", bf16), ("checkpoint", checkpoint),
+                     ("clip", clip_and_schedule), ("registry", registry)):
+        scenario(name, fn)
+        dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_distributed(_scenarios, 2, os.path.join(tmp, "ckpt"), timeout=240)
+
+
+def _get(results, name):
+    for rank, res in enumerate(results):
+        assert "error" not in res[name], f"rank {rank}:\n{res[name]['error']}"
+    return [res[name] for res in results]
+
+
+def _check_against_reference(per_rank):
+    for rank, r in enumerate(per_rank):
+        assert r["dion3"] <= MATRIX_TOL, f"rank {rank}: Dion3 matrices differ by {r['dion3']:.3g}"
+        assert r["adamw"] <= ADAM_TOL, f"rank {rank}: AdamW params differ by {r['adamw']:.3g}"
+        assert r["moved"] > 1e-3, f"rank {rank}: the matrices barely moved ({r['moved']:.3g}): nothing was tested"
+
+
+def test_dp2_layer_wise_zero1_equals_single_process(results):
+    per_rank = _get(results, "dp")
+    _check_against_reference(per_rank)
+    owned = per_rank[0]["owned"]
+    # ZeRO-1: every matrix is stepped (and has state) on exactly one data-parallel rank.
+    assert all(owned), f"a rank owns no matrix: {owned}"
+    assert not set(owned[0]) & set(owned[1]), f"matrices stepped on both ranks: {set(owned[0]) & set(owned[1])}"
+    assert len(owned[0]) + len(owned[1]) == 8  # 2 layers x (qkv, proj, fc1, fc2)
+    assert all(r["state_rows"] > 0 for r in per_rank)
+    assert all(r["replicas_equal"] for r in per_rank), "data-parallel replicas drifted apart"
+
+
+def test_tp2_orthogonalizes_whole_logical_matrices(results):
+    per_rank = _get(results, "tp")
+    _check_against_reference(per_rank)
+    pieces = per_rank[0]["pieces"]
+    for suffix in ("linear_qkv.weight.q", "linear_qkv.weight.k", "linear_qkv.weight.v",
+                   "linear_fc1.weight.gate", "linear_fc1.weight.up"):
+        assert f"decoder.layers.0.self_attention.{suffix}" in pieces or f"decoder.layers.0.mlp.{suffix}" in pieces
+    assert len(per_rank[0]["partitioned"]) == 14  # 2 layers x (q, k, v, proj, gate, up, fc2): all TP-split
+
+
+def test_pp2_equals_single_process(results):
+    _check_against_reference(_get(results, "pp"))
+
+
+def test_moe_ep2_equals_single_process_and_batches_experts(results):
+    per_rank = _get(results, "moe")
+    _check_against_reference(per_rank)
+    # 2 local experts x 2 layers x (gate, up, fc2), all 64 x 64: one batched shape group.
+    assert [(tuple(k), n) for k, n in per_rank[0]["expert_batches"]] == [((64, 64), 12)], per_rank[0]["expert_batches"]
+
+
+def test_moe_expert_tensor_parallel_equals_single_process(results):
+    per_rank = _get(results, "moe_etp")
+    _check_against_reference(per_rank)
+    # 4 experts x 2 layers x (gate, up, fc2), every one split over the expert TP group.
+    assert [(r["expert_shards"], r["expert_split"]) for r in per_rank] == [(24, ["cols", "rows"])] * 2
+
+
+def test_bf16_layer_wise_keeps_replicas_identical(results):
+    per_rank = _get(results, "bf16")
+    for r in per_rank:
+        assert r["replicas_equal"], "data-parallel replicas drifted apart"
+        assert r["finite"]
+        assert r["dion3"] < 2e-2  # bf16 forward/backward: loose, but a missing update is ~6e-2
+
+
+def test_torch_dist_checkpoint_resume_and_reshard(results):
+    per_rank = _get(results, "checkpoint")
+    for rank, r in enumerate(per_rank):
+        assert r["resume_max_diff"] == 0.0, f"rank {rank}: resumed run differs by {r['resume_max_diff']:.3g}"
+        assert r["state_nonzero"] > 0, "the saved Dion3 state is empty: nothing was tested"
+        assert r["reshard_checked"] == 8, r["reshard_checked"]  # DP=1: this rank holds every matrix
+        assert r["reshard_state_diff"] == 0.0, f"rank {rank}: DP=2 -> TP=2 Dion3 state differs by {r['reshard_state_diff']:.3g}"
+
+
+def test_grad_clipping_and_lr_warmup_match_single_process(results):
+    per_rank = _get(results, "clip")
+    _check_against_reference(per_rank)
+    assert all(n > 0.5 for n in per_rank[0]["grad_norms"]), per_rank[0]["grad_norms"]  # clipping was active
+
+
+def test_dion3_does_not_need_the_emerging_optimizers_package(results):
+    for r in _get(results, "registry"):
+        assert r["built_with_flag_flipped"]
+        if not r["have_package"]:
+            assert "emerging-optimizers package is required for optimizer='muon'" in r["muon_error"]

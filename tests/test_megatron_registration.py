@@ -1,0 +1,184 @@
+"""Registration of ``--optimizer dion3``: registry entry, argparse flags, launcher, source patch."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PATCH = os.path.join(REPO, "patches", "megatron-core-0.19-dion3.patch")
+GOOD = ["--optimizer", "dion3", "--dion3-fraction", "0.125"]
+
+
+def _megatron_parser() -> argparse.ArgumentParser:
+    from megatron.training.arguments import add_megatron_arguments
+
+    return add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+
+
+def test_register_is_idempotent_and_fills_the_registry():
+    import dion3_megatron.megatron as dm
+    from megatron.core import optimizer as core_optimizer
+    from megatron.core.optimizer import emerging_optimizers as eo
+
+    entry = eo._EMERGING_OPTIMIZERS["dion3"]
+    factory = core_optimizer._get_megatron_emerging_optimizer
+    for _ in range(3):
+        assert dm.register() is True  # megatron.training is importable here
+    assert eo._EMERGING_OPTIMIZERS["dion3"] is entry
+    assert core_optimizer._get_megatron_emerging_optimizer is factory  # not wrapped twice
+    assert not getattr(factory.__wrapped__, "_dion3_wrapped", False)
+    assert entry.optimizer_cls is dm.MegatronDion3
+    assert entry.config_to_kwargs is dm.config_to_kwargs and entry.init_state_fn is dm.init_state_fn
+    # Embeddings / output layer / non-2-D params go to Megatron's Adam, as for Muon.
+    (override,) = entry.default_param_overrides.values()
+    assert override == {"optimizer": "adam"}
+    # Other optimizers keep Megatron's own emerging-optimizers check.
+    assert core_optimizer.HAVE_EMERGING_OPTIMIZERS in (True, False)
+
+
+def test_registered_parser_accepts_dion3_flags():
+    import dion3_megatron.megatron  # noqa: F401
+
+    args = _megatron_parser().parse_args(GOOD + ["--dion3-ns", "standard", "--dion3-selection-scope", "local",
+                                                 "--dion3-scale-lr-by-fraction", "--dion3-adjust-lr", "rms_norm"])
+    assert args.optimizer == "dion3"
+    assert args.dion3_fraction == 0.125
+    assert args.dion3_ns == "standard" and args.dion3_selection_scope == "local"
+    assert args.dion3_scale_lr_by_fraction is True and args.dion3_adjust_lr == "rms_norm"
+    defaults = _megatron_parser().parse_args([])
+    assert (defaults.dion3_fraction, defaults.dion3_mu, defaults.dion3_beta2) == (0.25, 0.95, 0.95)
+    assert defaults.dion3_split_qkv and defaults.dion3_split_glu
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--dion3-fraction", "1.5"], "argument --dion3-fraction: fraction must be in (0.0, 1.0], got 1.5"),
+        (["--dion3-fraction", "0"], "argument --dion3-fraction: fraction must be in (0.0, 1.0], got 0.0"),
+        (["--dion3-fraction", "quarter"], "argument --dion3-fraction: fraction must be a number, got 'quarter'"),
+        (["--dion3-mu", "1.0"], "argument --dion3-mu: mu must be in [0.0, 1.0), got 1.0"),
+        (["--dion3-ns", "cubic"], "argument --dion3-ns: invalid choice: 'cubic'"),
+        (["--optimizer", "dion4"], "argument --optimizer: invalid choice: 'dion4'"),
+    ],
+)
+def test_bad_flag_values_get_argparse_errors(flags, message, capsys):
+    import dion3_megatron.megatron  # noqa: F401
+
+    with pytest.raises(SystemExit) as exc:
+        _megatron_parser().parse_args(["--optimizer", "dion3"] + flags)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_flags_reach_the_optimizer_config_and_kwargs():
+    import torch
+
+    import dion3_megatron.megatron as dm
+    from megatron.training import training
+
+    args = _megatron_parser().parse_args(GOOD + ["--dion3-mu", "0.9", "--lr", "0.03"])
+    for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        setattr(args, name, torch.float32)  # what validate_args would convert them to
+    config, _ = training.get_megatron_optimizer_config(args)
+    assert config.optimizer == "dion3" and config.dion3_fraction == 0.125 and config.dion3_mu == 0.9
+    kwargs = dm.config_to_kwargs(config, [], None)
+    assert kwargs["fraction"] == 0.125 and kwargs["mu"] == 0.9 and kwargs["lr"] == 0.03
+    assert kwargs["selection"] == "global" and kwargs["ns_method"] == "gram"
+
+
+_LAUNCHED = textwrap.dedent(
+    """
+    import sys
+    from megatron.training.arguments import parse_args
+    args = parse_args()
+    print("LAUNCHED", __name__, sys.argv[1:], args.optimizer, args.dion3_fraction)
+    """
+)
+
+
+def test_launcher_runs_a_megatron_script_with_dion3_registered(tmp_path):
+    script = tmp_path / "pretrain_tiny.py"
+    script.write_text(_LAUNCHED)
+    out = subprocess.run(
+        [sys.executable, "-m", "dion3_megatron.megatron.launch", str(script), *GOOD],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"LAUNCHED __main__ {GOOD!r} dion3 0.125" in out.stdout
+
+
+_PATCHED_CHECK = textwrap.dedent(
+    """
+    import os, sys, tempfile
+    import torch
+    sys.path.insert(0, {tests!r})
+    import megatron.core
+    assert megatron.core.__file__.startswith({tree!r}), megatron.core.__file__
+    from megatron.training import arguments
+    sys.argv = ["pretrain_gpt.py"] + {good!r}
+    args = arguments.parse_args()
+    assert (args.optimizer, args.dion3_fraction) == ("dion3", 0.125), args
+    from megatron.core.optimizer import OptimizerConfig, emerging_optimizers
+    import megatron.core.optimizer as core_optimizer
+    import dataclasses
+    fields = {{f.name for f in dataclasses.fields(OptimizerConfig)}}
+    assert {{"dion3_fraction", "dion3_mu", "dion3_ns"}} <= fields, fields
+    # Registered by the patched tree itself, not by dion3_megatron's monkeypatching.
+    assert "dion3" in emerging_optimizers._EMERGING_OPTIMIZERS
+    assert not getattr(core_optimizer._get_megatron_emerging_optimizer, "_dion3_wrapped", False)
+    from megatron.training.training import get_megatron_optimizer_config
+    for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        setattr(args, name, torch.float32)  # what validate_args would convert them to
+    config, _ = get_megatron_optimizer_config(args)
+    assert config.dion3_fraction == 0.125
+
+    # Build and step the optimizer from the patched tree (1 process, gloo, fp32, layer-wise).
+    import torch.distributed as dist
+    import megatron_shim as ms
+    ms.install()
+    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+    ms.init_parallel()
+    cfg = ms.tiny_config()
+    ref = ms.Reference(cfg)
+    chunks, opt, sched = ms.make_parallel(cfg, ref.state())
+    before = {{n: p.detach().clone() for n, p in chunks[0].module.named_parameters()}}
+    ms.train_step(chunks, opt, sched, ms.batches(1, 2)[0])
+    moved = max((p.detach() - before[n]).abs().max().item() for n, p in chunks[0].module.named_parameters())
+    assert moved > 1e-3, moved
+    assert not getattr(core_optimizer._get_megatron_emerging_optimizer, "_dion3_wrapped", False)
+    dist.destroy_process_group()
+    print("PATCHED_OK")
+    """
+)
+
+
+@pytest.mark.skipif(shutil.which("patch") is None and shutil.which("git") is None, reason="needs patch or git")
+def test_patch_applies_to_installed_megatron_and_patched_parser_accepts_dion3(tmp_path):
+    import megatron.core
+
+    installed = os.path.dirname(os.path.dirname(os.path.dirname(megatron.core.__file__)))
+    tree = tmp_path / "tree"
+    shutil.copytree(os.path.join(installed, "megatron"), tree / "megatron",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    if shutil.which("patch"):
+        with open(PATCH) as patch_file:
+            applied = subprocess.run(["patch", "-p1", "--forward", "--batch"], stdin=patch_file, cwd=tree,
+                                     capture_output=True, text=True)
+    else:  # git apply works outside a repository too
+        applied = subprocess.run(["git", "apply", "-p1", PATCH], cwd=tree, capture_output=True, text=True)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert "FAILED" not in applied.stdout and "fuzz" not in applied.stdout, applied.stdout
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
+    check = _PATCHED_CHECK.format(tests=os.path.join(REPO, "tests"), tree=str(tree), good=GOOD)
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=240,
+                         cwd=tmp_path, env=env)
+    assert out.returncode == 0 and "PATCHED_OK" in out.stdout, (out.stdout[-2000:], out.stderr[-4000:])
