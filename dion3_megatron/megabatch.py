@@ -309,40 +309,39 @@ def build_plan(shards: list[MatrixShard], scope: str) -> list[ShapeGroup]:
 
 
 def check_plan_matches(plan: list[ShapeGroup]) -> None:
-    """Compare the plan across ranks with one all-gather of digests; name the first difference.
+    """Compare the plan across the ranks of each process group; name the first difference.
 
-    Runs at construction, so a mismatch raises on every rank instead of hanging a later step.
+    One all-gather of a digest per distinct group (in an order every rank shares), at
+    construction, so a mismatch raises on every member instead of hanging a later step. Ranks
+    that share no group are not synchronized, so pipeline stages and data-parallel ranks that
+    own no sharded matrix may build their engines whenever they like.
     """
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_available() or not dist.is_initialized():
         return
-    mine: dict[tuple, list[str]] = {}
+    mine: dict[tuple, tuple[dist.ProcessGroup, list[str]]] = {}
     for sg in plan:
         if sg.world > 1:
-            mine.setdefault(_group_ranks(sg.group), []).extend([repr(sg.key)] + sg.describe())
-    digests = {ranks: hashlib.sha1("\n".join(lines).encode()).hexdigest() for ranks, lines in mine.items()}
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, digests)
-    me = dist.get_rank()
-    bad = sorted(
-        ranks for ranks in {r for d in gathered for r in d}
-        if len({gathered[r].get(ranks) for r in ranks}) > 1
-    )
-    if not bad:
-        return
-    details: list = [None] * dist.get_world_size()
-    dist.all_gather_object(details, mine)  # only on the error path: every rank reaches it
-    ranks = bad[0]
-    listings = {r: details[r].get(ranks, []) for r in ranks}
-    first, second = ranks[0], next(r for r in ranks if listings[r] != listings[ranks[0]])
-    a, b = listings[first], listings[second]
-    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    left = a[i] if i < len(a) else "<nothing>"
-    right = b[i] if i < len(b) else "<nothing>"
-    where = "this rank's group" if me in ranks else f"the group of ranks {list(ranks)}"
-    raise RuntimeError(
-        f"Dion3 megabatch plans differ across ranks in {where}: entry {i} is {left!r} on rank {first} "
-        f"but {right!r} on rank {second}. Every rank must pass the same matrices in the same order."
-    )
+            ranks = _group_ranks(sg.group)
+            mine.setdefault(ranks, (sg.group, []))[1].extend([repr(sg.key)] + sg.describe())
+    for ranks in sorted(mine):
+        group, lines = mine[ranks]
+        digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()
+        digests: list = [None] * len(ranks)
+        dist.all_gather_object(digests, digest, group=group)
+        if len(set(digests)) == 1:
+            continue
+        listings: list = [None] * len(ranks)
+        dist.all_gather_object(listings, lines, group=group)  # only on the error path
+        first = next(i for i, listing in enumerate(listings) if listing != listings[0])
+        a, b = listings[0], listings[first]
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        left = a[i] if i < len(a) else "<nothing>"
+        right = b[i] if i < len(b) else "<nothing>"
+        raise RuntimeError(
+            f"Dion3 megabatch plans differ across the ranks {list(ranks)}: entry {i} is {left!r} on rank "
+            f"{ranks[0]} but {right!r} on rank {ranks[first]}. Every rank of a group must pass the same "
+            f"matrices in the same order."
+        )
 
 
 # --------------------------------------------------------------------------------------------

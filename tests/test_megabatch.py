@@ -229,7 +229,7 @@ def test_plan_mismatch_raises_a_clear_error_quickly():
     messages = run_distributed(mismatch_worker, 2, timeout=60)
     assert time.time() - start < 30
     for message in messages:
-        assert "plans differ across ranks" in message and "'b (8, 8)" in message and "'c (8, 8)" in message
+        assert "plans differ across the ranks [0, 1]" in message and "'b (8, 8)" in message and "'c (8, 8)" in message
 
 
 def test_local_scope_refuses_column_shards():
