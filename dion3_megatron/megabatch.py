@@ -682,6 +682,7 @@ class _GeneralLayout:
             self.starts = [sum(self.counts[:q]) for q in range(sg.world)]
             self.k = sum(self.counts)
         self._device: dict[tuple, torch.Tensor] = {}
+        self._cache: dict[tuple, torch.Tensor] = {}
 
     def _local_count(self, q: int) -> int:
         r0, r1 = self.spans[0][q]
@@ -690,16 +691,21 @@ class _GeneralLayout:
     # Host-side index sets ------------------------------------------------------------------
 
     def _in(self, j: int, lo: int, hi: int) -> torch.Tensor:
-        """Positions (into the k selected rows of matrix j) of rows in [lo, hi)."""
-        rows = self.chosen[j]
-        return torch.nonzero((rows >= lo) & (rows < hi)).view(-1)
+        """Positions (into the k selected rows of matrix j) of rows in [lo, hi); rows are sorted."""
+        key = ("in", j, lo, hi)
+        if key not in self._cache:
+            rows = self.chosen[j]
+            start, end = torch.searchsorted(rows, torch.tensor([lo, hi])).tolist()
+            self._cache[key] = torch.arange(start, end)
+        return self._cache[key]
 
     def _provider_positions_host(self, j: int, q: int) -> torch.Tensor:
         if self.chosen is None:
             return torch.arange(self.starts[q], self.starts[q] + self.counts[q])
-        n, m = self.sg.key[0]
-        provider = self.sg.shards[j].sharding.variance_provider(self.chosen[j], n, m)
-        return torch.nonzero(provider == q).view(-1)
+        # The provider of a row is the lowest rank touching it: rows of q's span not in lower spans.
+        lo, hi = self.spans[j][q]
+        lo = max([lo] + [self.spans[j][p][1] for p in range(q) if self.spans[j][p][1] > self.spans[j][p][0]])
+        return self._in(j, lo, max(lo, hi))
 
     def _block_positions_host(self, j: int, q: int, t: int) -> torch.Tensor:
         if self.chosen is None:
