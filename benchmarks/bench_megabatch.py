@@ -117,6 +117,25 @@ def time_steps(step, device, warmup, iters) -> list[float]:
     return median.item()
 
 
+def profile_step(args, world, rank, group, device) -> None:
+    """Where one engine step spends its time: host ops and device kernels, rank 0's view."""
+    hp = rule.Dion3Hyperparameters(fraction=args.profile)
+    engine = Dion3Engine(make_shards(args.layers, args.hidden, args.ffn, world, rank, group, device, hp))
+    for _ in range(3):
+        engine.step()
+    synchronize(device)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        engine.step()
+        synchronize(device)
+    if rank == 0:
+        events = prof.key_averages()
+        print(f"aten ops per step: {sum(e.count for e in events if e.key.startswith('aten::'))}")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=15))
+        if device.type == "cuda":
+            print(events.table(sort_by="self_device_time_total", row_limit=15))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=24)
@@ -127,6 +146,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json", default=None, help="write the results here (rank 0)")
+    parser.add_argument("--profile", type=float, default=None, metavar="F",
+                        help="only profile one Dion3 step at fraction F (torch.profiler tables on rank 0)")
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -140,6 +161,11 @@ def main() -> None:
                "device": torch.cuda.get_device_name(device) if use_cuda else "cpu", "torch": torch.__version__}
     params = args.layers * sum(n * m for _, (n, m), _ in layer_matrices(args.hidden, args.ffn))
     results["matrix_params"] = params
+
+    if args.profile is not None:
+        profile_step(args, world, rank, group, device)
+        dist.destroy_process_group()
+        return
 
     muon_shards = make_shards(args.layers, args.hidden, args.ffn, world, rank, group, device, rule.Dion3Hyperparameters())
     muon = DuplicatedMuon(muon_shards, world)

@@ -172,7 +172,10 @@ def _to_device(host: dict, device: torch.device) -> dict:
     if not host:
         return {}
     keys = list(host)
-    flat = torch.cat([host[key].to(torch.long) for key in keys]).to(device, non_blocking=True)
+    flat = torch.cat([host[key].to(torch.long) for key in keys])
+    if device.type == "cuda":  # from page-locked memory the copy is asynchronous
+        flat = flat.pin_memory()
+    flat = flat.to(device, non_blocking=True)
     return dict(zip(keys, flat.split([host[key].numel() for key in keys])))
 
 
@@ -220,6 +223,7 @@ class _SubBatch:
     rect: list[Rect]
     span0: list[int]
     provides: list[bool]
+    index_on_device: Optional[torch.Tensor] = None
     # Scratch of the current step (selected rows, who holds them, where they travel).
     chosen: Optional[torch.Tensor] = None
     holds: Optional[torch.Tensor] = None
@@ -373,13 +377,66 @@ class Dion3Engine:
 
     @torch.no_grad()
     def step(self) -> None:
+        """One Dion3 step for every shard.
+
+        All shape groups first accumulate momentum and score their rows; the scores of all groups
+        on one process group are summed in ONE all-reduce, and the chosen rows of every group come
+        to the host in ONE copy (the step's only device sync). Then each group makes its two
+        all-to-alls and applies its update.
+        """
         self.collectives = []
         self.buffer_numels = []
+        subs = {i: self._bind_group_state(sg, state) for i, state in self._group_state.items()
+                for sg in (self.plan[i],)}
+        scores = {i: self._accumulate_and_score(sg, subs.get(i)) for i, sg in enumerate(self.plan)}
+        by_group: dict[tuple, list[int]] = {}
         for i, sg in enumerate(self.plan):
-            if i in self._group_state:
-                self._step_batched(sg, self._bind_group_state(sg, self._group_state[i]))
+            if scores[i] is not None and sg.world > 1:
+                by_group.setdefault(_group_ranks(sg.group), []).append(i)
+        for ranks in sorted(by_group):
+            members = by_group[ranks]
+            flat = torch.cat([scores[i].view(-1) for i in members])
+            self.collectives.append("all_reduce")
+            dist.all_reduce(flat, group=self.plan[members[0]].group)
+            for i, part in zip(members, flat.split([scores[i].numel() for i in members])):
+                scores[i] = part.view(scores[i].shape)
+        chosen = {i: rule.select_rows(t, self.plan[i].hp.fraction, self.plan[i].hp.num_heads)
+                  for i, t in scores.items() if t is not None}
+        if chosen:
+            on_host = torch.cat([c.view(-1) for c in chosen.values()]).cpu()  # the one sync
+            chosen = {i: part.view(c.shape) for (i, c), part in zip(chosen.items(), on_host.split([c.numel() for c in chosen.values()]))}
+        for i, sg in enumerate(self.plan):
+            if i in subs:
+                self._step_batched(sg, subs[i], chosen[i])
             else:
-                self._step_group(sg)
+                self._step_group(sg, chosen.get(i))
+
+    def _accumulate_and_score(self, sg: ShapeGroup, subs: Optional[list["_SubBatch"]]) -> Optional[torch.Tensor]:
+        """Add the gradients to the momentum; this rank's partial row scores (B, n), or None
+        under local selection (each rank then scores its own rows in the general path)."""
+        n, m = sg.key[0]
+        me, shards = sg.rank, sg.shards
+        device = shards[0].weight.device
+        if subs is not None:
+            for sub in subs:
+                torch._foreach_add_(list(sub.momentum.unbind(0)), [shards[j].grad.view(sub.momentum.shape[1:]) for j in sub.index])
+        else:
+            for shard in shards:
+                shard.state["momentum"].add_(shard.grad)
+        if self.selection == "local" and sg.world > 1:
+            return None
+        scores = torch.zeros(len(shards), n, dtype=torch.float32, device=device)
+        if subs is not None:
+            for sub in subs:
+                mine = sub.rect[me]
+                if sub.index_on_device is None:
+                    sub.index_on_device = torch.tensor(sub.index, device=device)
+                scores[sub.index_on_device, mine.r0 : mine.r1] = rule.row_scores(sub.momentum)
+            return scores
+        for j, shard in enumerate(shards):
+            for rect in shard.sharding.rects(me, n, m):
+                scores[j, rect.r0 : rect.r1] += rule.row_scores(rect.view(shard.state["momentum"])[None])[0]
+        return scores
 
     # -- batched path: shards in whole row or column blocks (Megatron tensor parallel) ----
 
@@ -428,22 +485,11 @@ class Dion3Engine:
                         state[key] = buffer[b]
         return subs
 
-    def _step_batched(self, sg: ShapeGroup, subs: list["_SubBatch"]) -> None:
-        """One shape group with batched tensor ops: 3 collectives, one host sync (the chosen rows)."""
+    def _step_batched(self, sg: ShapeGroup, subs: list["_SubBatch"], chosen: torch.Tensor) -> None:
+        """Exchange and update for a group of row/column blocks; ``chosen`` (B, k) on the host."""
         n, m = sg.key[0]
         world, me, hp, shards = sg.world, sg.rank, sg.hp, sg.shards
         device = subs[0].momentum.device
-        for sub in subs:
-            torch._foreach_add_(list(sub.momentum.unbind(0)), [shards[j].grad.view(sub.momentum.shape[1:]) for j in sub.index])
-
-        scores = torch.zeros(len(shards), n, dtype=torch.float32, device=device)
-        for sub in subs:
-            mine = sub.rect[me]
-            scores[torch.tensor(sub.index, device=device), mine.r0 : mine.r1] = rule.row_scores(sub.momentum)
-        if world > 1:
-            self.collectives.append("all_reduce")
-            dist.all_reduce(scores, group=sg.group)
-        chosen = rule.select_rows(scores, hp.fraction, hp.num_heads).cpu()  # (B, k): the one sync
         k = chosen.shape[1]
 
         # Host bookkeeping: holds[q][b, i] says rank q holds selected row i of the part's matrix b.
@@ -564,30 +610,13 @@ class Dion3Engine:
     # Who holds which selected rows is worked out on the host from one copy of the chosen rows,
     # and every index tensor of the step travels to the device in one copy: no per-matrix syncs.
 
-    def _selected_rows(self, sg: ShapeGroup, rects: list[list[list[Rect]]]) -> Optional[torch.Tensor]:
-        """Global scope: the chosen rows (B, k) on the host, alike on every rank. Local: None."""
-        if self.selection == "local" and sg.world > 1:
-            return None
-        n, _ = sg.key[0]
-        device = sg.shards[0].weight.device
-        scores = torch.zeros(len(sg.shards), n, dtype=torch.float32, device=device)
-        for j, shard in enumerate(sg.shards):
-            for rect in rects[j][sg.rank]:
-                scores[j, rect.r0 : rect.r1] += rule.row_scores(rect.view(shard.state["momentum"])[None])[0]
-        if sg.world > 1:
-            self.collectives.append("all_reduce")
-            dist.all_reduce(scores, group=sg.group)
-        return rule.select_rows(scores, sg.hp.fraction, sg.hp.num_heads).cpu()  # the one sync
-
-    def _step_group(self, sg: ShapeGroup) -> None:
+    def _step_group(self, sg: ShapeGroup, chosen: Optional[torch.Tensor]) -> None:
+        """Exchange and update for any pieces; ``chosen`` (B, k) on the host, None for local scope."""
         n, m = sg.key[0]
         world, me, hp, shards = sg.world, sg.rank, sg.hp, sg.shards
         device = shards[0].weight.device
         rects = [[s.sharding.rects(q, n, m) for q in range(world)] for s in shards]  # [j][q]
         spans = [[s.sharding.row_span(q, n, m) for q in range(world)] for s in shards]
-        for shard in shards:
-            shard.state["momentum"].add_(shard.grad)
-        chosen = self._selected_rows(sg, rects)
         layout = _GeneralLayout(sg, rects, spans, chosen, device)
         if chosen is None:  # local scope: each rank picks within its own row block (local indices)
             layout.local_picks = [
