@@ -6,8 +6,9 @@ model (alpha: latency per collective, beta: bytes per second) plus orthogonaliza
 sustained rate. What both optimizers share (Megatron's all-gather of updated params across data
 parallel) is left out: the model compares what differs.
 
-  Dion3, per distinct (shape, TP group): all-reduce of row scores, one all-to-all of the selected
-    rows to owner ranks, one back; each rank orthogonalizes ceil(B/TP) blocks of k x cols.
+  Dion3: one all-reduce of every shape's row scores, then per distinct (shape, TP group) one
+    all-to-all of the selected rows to owner ranks and one back; each rank orthogonalizes
+    ceil(B/TP) blocks of k x cols.
   Muon "duplicated" (Megatron's default for TP): per matrix an all-gather of the momentum shard,
     then standard NS5 on the whole matrix on every TP rank.
 
@@ -106,13 +107,14 @@ def dion3_step(cfg: ModelConfig, layout: Layout, fraction: float) -> dict:
     for (n, m), count in _by_shape(owned_matrices(cfg, layout)).items():
         k = max(1, math.ceil(fraction * n))
         if w > 1:
-            rounds += 3
+            rounds += 2  # the all-to-alls; the scores of all shapes share one all-reduce (below)
             nbytes += 2 * (w - 1) / w * count * n * 4  # ring all-reduce of fp32 row scores
             nbytes += 2 * (w - 1) / w * count * k * m / w * 4  # selected rows out and back
         flops += math.ceil(count / w) * ns_flops(k, m, "gram")
         per_element, per_selected = DION3_BYTES_PER_ELEMENT
         memory += count * n * m / w * (per_element + per_selected * k / n)
         ops += count * DION3_OPS[0] + DION3_OPS[1]
+    rounds += 1 if rounds else 0
     return _timed(rounds, nbytes, flops, memory, ops)
 
 

@@ -1,9 +1,10 @@
 """Megabatching: one Dion3 step for sharded matrices, a constant number of collectives per shape.
 
 Every matrix the step touches is grouped by logical shape (and the settings that must agree for
-one batched orthogonalization). For one shape group over a process group of W ranks:
+one batched orthogonalization). Over a process group of W ranks:
 
-1. row scores where the rows live (partial L1 norms of column pieces add up): ONE all-reduce;
+1. row scores where the rows live (partial L1 norms of column pieces add up): ONE all-reduce for
+   all shape groups, then one copy of every group's chosen rows to the host; per shape group:
 2. the same top-k rows chosen on every rank; each rank packs its pieces of the selected rows
    (and the row variances it keeps) for the owner of each matrix (matrix j -> rank j mod W):
    ONE all-to-all assembles whole k x n_cols blocks on the owners;

@@ -205,6 +205,7 @@ def test_collectives_per_step_do_not_grow_with_depth_and_buffers_stay_small():
     assert c8["other"] == 0
     assert c8["all_reduce"] + c8["all_to_all_single"] <= 3 * shapes
     assert c8["all_to_all_single"] == 2 * shapes
+    assert c8["all_reduce"] == 1  # the row scores of every shape in one all-reduce
     # No buffer holds more than one owner batch plus per-row scalars: never the matrices themselves.
     assert biggest <= bound < group_share, (biggest, bound, group_share)
 
