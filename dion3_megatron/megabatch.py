@@ -136,14 +136,6 @@ class Sharding:
         rects = self.rects(rank, n, m)
         return (rects[0].r0, rects[-1].r1) if rects else (0, 0)
 
-    def variance_provider(self, rows: torch.Tensor, n: int, m: int) -> torch.Tensor:
-        """For each row, the lowest rank whose piece touches it (it sends that row's variance)."""
-        provider = torch.full_like(rows, -1)
-        for rank in reversed(range(self.world)):
-            r0, r1 = self.row_span(rank, n, m)
-            provider[(rows >= r0) & (rows < r1)] = rank
-        return provider
-
 
 @dataclass(eq=False)
 class MatrixShard:

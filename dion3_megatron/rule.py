@@ -217,21 +217,6 @@ def finish_update(
     apply_update(weight, idx, normalized, hp.lr, hp.weight_decay, scale)
 
 
-def dion3_step(
-    weight: torch.Tensor,
-    grad: torch.Tensor,
-    momentum: torch.Tensor,
-    variance: torch.Tensor,
-    hp: Dion3Hyperparameters,
-) -> None:
-    """One full Dion3 step on a (B, n, c) batch held whole in this process (the reference form)."""
-    momentum.add_(grad)
-    idx = select_rows(row_scores(momentum), hp.fraction, hp.num_heads)
-    selected = take_selected(momentum, idx, hp.mu)
-    ortho = orthogonalize_rows(selected, hp)
-    finish_update(weight, variance, idx, ortho, hp, weight.shape[-2], weight.shape[-1])
-
-
 def orthogonalize_rows(selected: torch.Tensor, hp: Dion3Hyperparameters) -> torch.Tensor:
     """Orthogonalize a (B, k, c) batch of selected rows; fp32 out."""
     return orthogonalize(selected, hp.ns_method, hp.ns_dtype, out_dtype=torch.float32)
