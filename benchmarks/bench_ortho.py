@@ -15,11 +15,11 @@ cost) at the cuBLAS peak measured in this run.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
+from timing import cuda_median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -45,21 +45,8 @@ def muon_ns5(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor
     return x
 
 
-def timed(fn, n_sets: int, iters: int, reps: int = 5) -> float:
-    for i in range(2):
-        fn(i % n_sets)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(iters):
-            fn(i % n_sets)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
-
+def timed(fn, n_sets: int, iters: int) -> float:
+    return cuda_median_ms(fn, n_sets, iters, reps=5, warmup=2)
 
 def main():
     ap = argparse.ArgumentParser()

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from timing import cuda_median_ms
 
 from dion3_megatron import Dion3, ortho
 
@@ -35,18 +35,7 @@ class Muon:
 
 
 def timed(step, iters=10, warmup=3):
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
+    return cuda_median_ms(lambda i: step(), reps=iters, warmup=warmup)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -12,11 +12,11 @@ imports.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
+from timing import cuda_median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -33,22 +33,9 @@ SWEEP = [(1, m, k) for m in (512, 1024, 2048, 3072, 4096) for k in (m, 4 * m)] +
 ]
 
 
-def timed(fn, n_sets: int, iters: int, reps: int = 7) -> float:
-    """Median ms per call over reps; each rep runs iters calls rotating over n_sets inputs."""
-    for i in range(3):
-        fn(i % n_sets)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(iters):
-            fn(i % n_sets)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
-
+def timed(fn, n_sets: int, iters: int) -> float:
+    """Median ms per call: 7 reps of ``iters`` calls rotating over ``n_sets`` inputs."""
+    return cuda_median_ms(fn, n_sets, iters, reps=7, warmup=3)
 
 def cublas_peak(dtype) -> float:
     n = 8192

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from timing import cuda_median_ms
 
 from dion3_megatron import Dion3, ortho
 
@@ -36,15 +36,7 @@ def measure(step, iters):
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), peak / 2**20
+    return cuda_median_ms(lambda i: step(), reps=iters, warmup=0), peak / 2**20
 
 
 def main() -> None:

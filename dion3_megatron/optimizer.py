@@ -196,6 +196,16 @@ class Dion3(torch.optim.Optimizer):
             return True
         return bool(torch.stack(flags).all())  # one host sync for the whole model
 
+    def skip_step(self) -> None:
+        """Count and announce a step skipped for a non-finite gradient (nothing else changes)."""
+        self.skipped_steps += 1
+        warnings.warn(
+            f"Dion3: non-finite gradient, step skipped (no weight or state changed); "
+            f"{self.skipped_steps} step(s) skipped so far",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         loss = None
@@ -203,13 +213,7 @@ class Dion3(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if not self._check_gradients():
-            self.skipped_steps += 1
-            warnings.warn(
-                f"Dion3: non-finite gradient, step skipped (no weight or state changed); "
-                f"{self.skipped_steps} step(s) skipped so far",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            self.skip_step()
             return loss
         # Selected row blocks of the same shape are orthogonalized together.
         batches: dict[tuple, list] = defaultdict(list)

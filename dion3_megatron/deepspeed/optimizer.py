@@ -10,7 +10,6 @@ DeepSpeed constructs it with the model's parameters and the config's ``params``;
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -85,13 +84,7 @@ class DeepSpeedDion3(Dion3):
                 plan = zero.ZeroGroupPlan(self, group, originals, index)
                 self._zero_plans[id(group)] = plan
             if not zero.all_finite([flat], plan.group_pg):
-                self.skipped_steps += 1
-                warnings.warn(
-                    f"Dion3: non-finite gradient, step skipped (no weight or state changed); "
-                    f"{self.skipped_steps} step(s) skipped so far",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                self.skip_step()
                 continue
             state = self.state[flat]
             zero.init_slice_state(state, flat)
