@@ -1,7 +1,8 @@
 from setuptools import find_packages, setup
 
 EXTRAS = {
-    "megatron": ["megatron-core==0.19.*"],
+    # examples/pretrain_gpt.py (the main job): progress bar, --compare's plot, Megatron's Muon for --compare.
+    "megatron": ["megatron-core==0.19.*", "tqdm", "matplotlib", "emerging-optimizers>=0.3"],
     "deepspeed": ["deepspeed>=0.19,<0.20"],
     "kernels": ["nvidia-cutlass-dsl[cu13]>=4.8"],
 }

@@ -38,7 +38,7 @@ def parse(argv=None):
     p.add_argument("--lr", type=float, default=0.01, help="Dion3 / Muon matrices (and Megatron's Adam on norms)")
     p.add_argument("--adam-lr", type=float, default=1e-3, help="adam run; embeddings/output in every run")
     p.add_argument("--fraction", type=float, default=0.25)
-    p.add_argument("--cpu", action="store_true", help="gloo + the test shim (smoke test only)")
+    p.add_argument("--cpu", action="store_true", help="gloo + dion3_megatron.megatron.cpu (smoke test only)")
     return p.parse_args(argv)
 
 
@@ -143,12 +143,9 @@ def run(args, name, device):
 def main(argv=None):
     args = parse(argv)
     if args.cpu:
-        import sys
+        from .cpu import install
 
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-        import megatron_shim
-
-        megatron_shim.install()
+        install()
         dist.init_process_group("gloo")
         device = torch.device("cpu")
     else:

@@ -1,0 +1,195 @@
+"""Run Megatron-Core on CPU (gloo) for demos and tests.
+
+Megatron-Core hard-codes CUDA in places that have nothing to do with the math: ``device='cuda'``
+buffers, ``torch.cuda.current_device()``, streams and events, the CUDA RNG tracker, and
+``param.type()`` strings such as ``'torch.cuda.FloatTensor'``. :func:`install` redirects all of that
+to the CPU inside the current process, so that GPTModel (local layer spec), DDP, the distributed
+and layer-wise distributed optimizers, tensor/pipeline/expert parallelism and torch_dist
+checkpoints run over gloo on CPU processes. ``examples/pretrain_gpt.py`` (the CPU main job) and the
+Megatron tests use it.
+
+It patches ``torch`` and ``torch.cuda`` process-wide and cannot be undone: call it only in a
+process that will never use a GPU, before building any Megatron object. fp32 is the CPU dtype
+(bf16 works but is slow on CPU); apex, Transformer Engine and sequence parallelism are not
+available. Megatron-LM's ``pretrain()`` asserts CUDA before anything else and is not covered: drive
+Megatron-Core directly (as ``examples/pretrain_gpt.py`` does).
+"""
+
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import warnings
+
+import torch
+
+_installed = False
+_CPU = torch.device("cpu")
+
+
+def _fix_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return _CPU
+    if isinstance(device, str):
+        return _CPU if device.startswith("cuda") else device
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return _CPU
+    return device
+
+
+def _wrap_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _fix_device(kwargs["device"])
+        kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _Stream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+def install() -> None:
+    """Patch torch and Megatron-Core so their CUDA-only code paths run on the CPU. Idempotent."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex|absl|transformer-engine).*")
+
+    for name in ("empty", "zeros", "ones", "full", "arange", "tensor", "rand", "randn", "randint",
+                 "empty_strided", "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor",
+                 "linspace", "randperm"):
+        setattr(torch, name, _wrap_factory(getattr(torch, name)))
+
+    tensor_to = torch.Tensor.to
+
+    @functools.wraps(tensor_to)
+    def to(self, *args, **kwargs):
+        if args and isinstance(args[0], (str, int, torch.device)) and not isinstance(args[0], bool):
+            args = (_fix_device(args[0]),) + args[1:]
+        if "device" in kwargs:
+            kwargs["device"] = _fix_device(kwargs["device"])
+        return tensor_to(self, *args, **kwargs)
+
+    torch.Tensor.to = to
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+
+    tensor_type = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and self.device.type == "cpu" and self.dtype in _TYPE_NAMES:
+            return _TYPE_NAMES[self.dtype]
+        return tensor_type(self, dtype, non_blocking, **kwargs) if dtype is not None else tensor_type(self)
+
+    torch.Tensor.type = type_
+
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    cuda.set_device = lambda *args, **kwargs: None
+    cuda.device_count = lambda: 1
+    cuda.synchronize = lambda *args, **kwargs: None
+    cuda.empty_cache = lambda: None
+    cuda.Stream = _Stream
+    cuda.Event = _Event
+    cuda.current_stream = lambda *args, **kwargs: _Stream()
+    cuda.default_stream = lambda *args, **kwargs: _Stream()
+    cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls it: the CPU generator is seeded already
+    cuda.memory_allocated = lambda *args, **kwargs: 0
+    cuda.max_memory_allocated = lambda *args, **kwargs: 0
+    cuda.memory_reserved = lambda *args, **kwargs: 0
+    cuda.max_memory_reserved = lambda *args, **kwargs: 0
+    cuda.reset_peak_memory_stats = lambda *args, **kwargs: None
+    cuda.nvtx.range_push = lambda *args, **kwargs: None
+    cuda.nvtx.range_pop = lambda *args, **kwargs: None
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+
+    # Megatron's Adam without apex/TE is torch AdamW, whose per-param 'step' tensor the fully
+    # reshardable DistributedOptimizer loader tries to copy from the checkpoint's per-param
+    # tensors, which never hold it (it restores 'step' separately, just before): KeyError.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        kept = {k: state.pop(k) for k in list(state) if k not in tensors}
+        try:
+            set_states(self, model_param, tensors)
+        finally:
+            state.update(kept)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+
+def is_installed() -> bool:
+    """True once :func:`install` has run in this process."""
+    return _installed

@@ -1,0 +1,548 @@
+#!/usr/bin/env python
+"""Train a small Megatron-Core GPT with Dion3: the dion3-megatron main job.
+
+    python examples/pretrain_gpt.py                  # CPU: starts 2 processes over gloo (DP=2); a few minutes
+    python examples/pretrain_gpt.py --tp 2           # CPU, tensor parallel instead
+    python examples/pretrain_gpt.py --compare        # Dion3, AdamW and Muon: table, PNG plot, JSON curves
+    python examples/pretrain_gpt.py --text-file my.txt          # byte-level, any text file
+    python examples/pretrain_gpt.py --data-path /data/my_text_document --vocab-size 50304  # Megatron indexed data
+    torchrun --nproc-per-node 8 examples/pretrain_gpt.py --tp 2 # GPUs: NCCL, one process per GPU
+
+Megatron-Core's own pieces, wired as ``megatron.training.pretrain()`` wires them: GPTModel (local
+layer spec), DDP with the layer-wise ZeRO-1 layout, ``get_megatron_optimizer`` with
+``optimizer="dion3"`` (the entry that ``import dion3_megatron.megatron`` registers, exactly what
+``--optimizer dion3 --use-distributed-optimizer`` selects), the lr scheduler and
+``forward_backward_func``. Without ``torchrun`` the script starts its own processes: one per GPU
+when CUDA is available, else ``--nproc`` (2) CPU processes over gloo with
+:mod:`dion3_megatron.megatron.cpu`.
+
+Data (byte-level unless --data-path): by default the running Python's standard-library sources
+(no download); random windows of ``--seq-length + 1`` tokens, the same for every optimizer; the
+last 5% of the tokens are held out for the validation loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+
+import torch
+
+CPU_DEFAULTS = dict(layers=4, hidden=128, heads=4, ffn=352, seq_length=128, global_batch=16, steps=400)
+GPU_DEFAULTS = dict(layers=8, hidden=512, heads=8, ffn=1408, seq_length=512, global_batch=64, steps=1000)
+OPTIMIZERS = ("dion3", "adam", "muon")
+LABELS = {"dion3": "Dion3", "adam": "AdamW", "muon": "Muon"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("run")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: CUDA (NCCL) when available, else CPU (gloo)")
+    g.add_argument("--nproc", type=int, default=None,
+                   help="processes to start when not under torchrun (default: one per GPU, or 2 on CPU)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size; data-parallel = world / tp")
+    g.add_argument("--compare", action="store_true", help="train Dion3, AdamW and Muon on the same data and steps")
+    g.add_argument("--optimizers", default=None,
+                   help=f"comma-separated subset of {','.join(OPTIMIZERS)} (default: dion3, or all with --compare)")
+    g.add_argument("--out-dir", default=os.path.join("runs", "pretrain_gpt"), help="where --compare writes compare.json / compare.png")
+    g.add_argument("--log-interval", type=int, default=None, help="log loss and tokens/s every N steps")
+    g.add_argument("--eval-interval", type=int, default=None, help="validation loss every N steps (and at the end)")
+    g.add_argument("--eval-batches", type=int, default=4, help="global batches in each validation pass")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--seed", type=int, default=1234)
+    m = p.add_argument_group("model and batch (defaults depend on the device: CPU tiny, GPU small)")
+    m.add_argument("--layers", type=int)
+    m.add_argument("--hidden", type=int)
+    m.add_argument("--heads", type=int)
+    m.add_argument("--ffn", type=int, help="SwiGLU hidden size")
+    m.add_argument("--seq-length", type=int)
+    m.add_argument("--global-batch", type=int, help="sequences per step, split over data-parallel ranks")
+    m.add_argument("--steps", type=int)
+    o = p.add_argument_group("optimizer")
+    o.add_argument("--lr", type=float, default=0.02, help="Dion3's matrices (and norms, as Megatron does)")
+    o.add_argument("--muon-lr", type=float, default=0.0025, help="the Muon run's matrices (and norms)")
+    o.add_argument("--adam-lr", type=float, default=3e-3,
+                   help="the AdamW run; embeddings and output layer in every run (Megatron's --decoupled-lr)")
+    o.add_argument("--weight-decay", type=float, default=0.01)
+    o.add_argument("--clip-grad", type=float, default=1.0)
+    o.add_argument("--dion3-fraction", type=float, default=0.25, help="Dion3's f")
+    d = p.add_argument_group("data (default: the Python standard library's sources, byte-level)")
+    d.add_argument("--text-file", help="train on this text file, byte-level (vocab 256)")
+    d.add_argument("--data-path", help="Megatron indexed dataset prefix (PREFIX.bin / PREFIX.idx)")
+    d.add_argument("--vocab-size", type=int, help="with --data-path (default: largest token id + 1)")
+    d.add_argument("--max-tokens", type=int, default=8_000_000, help="read at most this many tokens")
+    args = p.parse_args(argv)
+    if args.text_file and args.data_path:
+        p.error("--text-file and --data-path are exclusive")
+    if args.optimizers is None:
+        args.optimizers = ",".join(OPTIMIZERS) if args.compare else "dion3"
+    names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    bad = [n for n in names if n not in OPTIMIZERS]
+    if bad or not names:
+        p.error(f"--optimizers: unknown {bad}; choose from {','.join(OPTIMIZERS)}")
+    args.optimizers = names
+    if not 0.0 < args.dion3_fraction <= 1.0:
+        p.error("--dion3-fraction must be in (0, 1]")
+    return args
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch: under torchrun, or start the processes ourselves.
+
+def _use_cuda(args) -> bool:
+    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, argv) -> int:
+    """Start ``nproc`` copies of this script with torchrun's environment; rank 0 prints."""
+    cuda = _use_cuda(args)
+    nproc = args.nproc or (torch.cuda.device_count() if cuda else 2)
+    port = _free_port()
+    procs = []
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env))
+    rc = 0
+    try:
+        while procs:
+            for proc in list(procs):
+                code = proc.poll()
+                if code is None:
+                    continue
+                procs.remove(proc)
+                if code != 0 and rc == 0:
+                    rc = code
+                    for other in procs:  # one rank failed: the others would wait forever
+                        other.terminate()
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        for proc in procs:
+            proc.terminate()
+        rc = 130
+    return rc
+
+
+# ------------------------------------------------------------------------------------------------
+# Data
+
+def stdlib_corpus(max_bytes: int) -> bytes:
+    """The running Python's standard-library sources (sorted, so every rank reads the same bytes)."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = sorted(glob.glob(os.path.join(root, "*.py"))) + sorted(glob.glob(os.path.join(root, "*", "*.py")))
+    chunks, total = [], 0
+    for path in files:
+        if total >= max_bytes:
+            break
+        with open(path, "rb") as f:
+            data = f.read()
+        chunks.append(data)
+        total += len(data)
+    if not chunks:
+        raise SystemExit(f"no Python sources under {root}: use --text-file or --data-path")
+    return b"".join(chunks)[:max_bytes]
+
+
+def load_tokens(args) -> tuple[torch.Tensor, int, str]:
+    """(1-D int64 tokens, vocab size, description)."""
+    if args.data_path:
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        ds = IndexedDataset(args.data_path)
+        parts, total = [], 0
+        for i in range(len(ds)):
+            doc = torch.from_numpy(ds[i].astype("int64"))
+            parts.append(doc)
+            total += doc.numel()
+            if total >= args.max_tokens:
+                break
+        tokens = torch.cat(parts)[: args.max_tokens]
+        vocab = args.vocab_size or int(tokens.max()) + 1
+        if int(tokens.max()) >= vocab:
+            raise SystemExit(f"--vocab-size {vocab} but the data holds token id {int(tokens.max())}")
+        return tokens, vocab, f"Megatron indexed dataset {args.data_path} ({len(ds)} sequences)"
+    if args.text_file:
+        with open(args.text_file, "rb") as f:
+            data = f.read(args.max_tokens)
+        desc = f"text file {args.text_file}"
+    else:
+        data = stdlib_corpus(args.max_tokens)
+        desc = f"Python {sys.version.split()[0]} standard-library sources"
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long(), 256, desc + " (byte-level)"
+
+
+class Batches:
+    """Random training windows and fixed validation windows, identical on every rank and run."""
+
+    def __init__(self, tokens: torch.Tensor, seq: int, global_batch: int, seed: int):
+        n_val = max(len(tokens) // 20, (seq + 1) * 2)
+        if len(tokens) - n_val < (seq + 1) * 2:
+            raise SystemExit(f"only {len(tokens)} tokens: too few for --seq-length {seq}")
+        self.train, self.val = tokens[:-n_val], tokens[-n_val:]
+        self.seq, self.global_batch, self.seed = seq, global_batch, seed
+
+    def _windows(self, data: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        return torch.stack([data[s: s + self.seq + 1] for s in starts.tolist()])
+
+    def train_batches(self):
+        gen = torch.Generator().manual_seed(self.seed)
+        while True:
+            yield self._windows(self.train, torch.randint(0, len(self.train) - self.seq - 1, (self.global_batch,),
+                                                          generator=gen))
+
+    def val_batches(self, count: int) -> list[torch.Tensor]:
+        n = count * self.global_batch
+        starts = torch.linspace(0, len(self.val) - self.seq - 1, n).long()
+        return list(self._windows(self.val, starts).split(self.global_batch))
+
+
+# ------------------------------------------------------------------------------------------------
+# One training run
+
+def build(args, name: str, vocab: int, device: torch.device, cuda: bool):
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+    from megatron.training.training import wrap_model_chunks_with_ddp
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    dtype = torch.bfloat16 if cuda else torch.float32  # bf16 is slow on CPU
+    groups = args.heads // 4 if args.heads % 4 == 0 and (args.heads // 4) % args.tp == 0 else args.heads  # GQA
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, num_query_groups=groups,
+        ffn_hidden_size=args.ffn, kv_channels=args.hidden // args.heads, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=args.tp, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        add_bias_linear=False, bf16=cuda, params_dtype=dtype, pipeline_dtype=dtype, normalization="RMSNorm",
+        init_method_std=0.02,
+    )
+    padded_vocab = math.ceil(vocab / (128 * args.tp)) * 128 * args.tp
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=padded_vocab, max_sequence_length=args.seq_length,
+                     position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    model.to(device)
+    # Emerging optimizers (dion3, muon) get Megatron's layer-wise ZeRO-1, as --use-distributed-optimizer
+    # gives them in pretrain(); Megatron 0.19's layer-wise path needs bf16 for muon (dion3 handles fp32).
+    layer_wise = name == "dion3" or (name == "muon" and cuda)
+    distributed = name != "muon" or layer_wise
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True)
+    chunks = wrap_model_chunks_with_ddp([model], config, ddp_config, use_layer_wise_distributed_optimizer=layer_wise)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = chunks[0].no_sync
+    lr = {"adam": args.adam_lr, "muon": args.muon_lr}.get(name, args.lr)
+    ocfg = OptimizerConfig(
+        optimizer=name, lr=lr, min_lr=lr / 10, weight_decay=args.weight_decay, bf16=cuda, clip_grad=args.clip_grad,
+        adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, use_distributed_optimizer=distributed,
+        use_layer_wise_distributed_optimizer=layer_wise,
+        decoupled_lr=None if name == "adam" else args.adam_lr, decoupled_min_lr=args.adam_lr / 10,
+    )
+    if name == "dion3":
+        ocfg.dion3_fraction = args.dion3_fraction
+    opt = get_megatron_optimizer(ocfg, chunks)
+    warmup = max(1, args.steps // 20)
+    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=warmup,
+                                    lr_decay_steps=args.steps, lr_decay_style="cosine",
+                                    start_wd=args.weight_decay, end_wd=args.weight_decay,
+                                    wd_incr_steps=args.steps, wd_incr_style="constant")
+    n_params = sum(p.numel() * (args.tp if getattr(p, "tensor_model_parallel", False) else 1)
+                   for p in model.parameters())  # the whole model's, not this TP rank's
+    return chunks, opt, sched, n_params, ("layer-wise ZeRO-1" if layer_wise else
+                                          "ZeRO-1" if distributed else "DDP")
+
+
+def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda: bool) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    rank0 = dist.get_rank() == 0
+    chunks, opt, sched, n_params, mode = build(args, name, vocab, device, cuda)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    micro = args.global_batch // dp
+    fwd_bwd = get_forward_backward_func()
+    pos = torch.arange(args.seq_length, device=device).unsqueeze(0)
+
+    def forward_step(data_iterator, model):
+        b = next(data_iterator)
+        out = model(b[:, :-1], pos.expand(b.shape[0], -1), None, labels=b[:, 1:])
+
+        def loss_func(o):
+            loss = o.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return out, loss_func
+
+    def run(batch, forward_only):
+        local = batch.chunk(dp)[dp_rank].to(device)
+        out = fwd_bwd(forward_step_func=forward_step, data_iterator=iter([local]), model=chunks, num_microbatches=1,
+                      seq_length=args.seq_length, micro_batch_size=micro, forward_only=forward_only)
+        loss = out[0]["loss"].float().clone()
+        dist.all_reduce(loss)  # TP ranks hold the same loss; average over all ranks = over DP
+        return loss.item() / dist.get_world_size()
+
+    val_batches = data.val_batches(args.eval_batches)
+
+    def validate():
+        for c in chunks:
+            c.eval()
+        with torch.no_grad():
+            loss = sum(run(b, True) for b in val_batches) / len(val_batches)
+        for c in chunks:
+            c.train()
+        return loss
+
+    if rank0:
+        print(f"[{LABELS[name]}] {n_params / 1e6:.2f}M parameters, {mode}, "
+              f"TP={args.tp} DP={dp}, {args.steps} steps of {args.global_batch}x{args.seq_length} tokens",
+              flush=True)
+    bar = None
+    if rank0 and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, desc=LABELS[name], dynamic_ncols=True, leave=True)
+    log = bar.write if bar is not None else (lambda s: print(s, flush=True))
+    tokens_per_step = args.global_batch * args.seq_length
+    train_losses, val_losses, skipped = [], [], 0
+    batches = data.train_batches()
+    t_start = time.perf_counter()
+    t_window, steps_window = t_start, 0
+    for step in range(1, args.steps + 1):
+        batch = next(batches)
+        for c in chunks:
+            c.zero_grad_buffer()
+        opt.zero_grad()
+        loss = run(batch, False)
+        ok, _, _ = opt.step()
+        sched.step(1)
+        skipped += 0 if ok else 1
+        train_losses.append(round(loss, 5))
+        steps_window += 1
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+        if step % args.log_interval == 0 or step == args.steps:
+            if cuda:
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            tps = steps_window * tokens_per_step / (now - t_window)
+            t_window, steps_window = now, 0
+            if rank0:
+                recent = train_losses[-args.log_interval:]
+                log(f"[{LABELS[name]}] step {step:5d}/{args.steps} | loss {sum(recent) / len(recent):.4f} | "
+                    f"lr {opt.param_groups[0]['lr']:.2e} | {tps:,.0f} tokens/s")
+        if step % args.eval_interval == 0 and step != args.steps:
+            t_eval = time.perf_counter()
+            val_losses.append((step, round(validate(), 5)))
+            if rank0:
+                log(f"[{LABELS[name]}] step {step:5d}/{args.steps} | validation loss {val_losses[-1][1]:.4f}")
+            t_start += time.perf_counter() - t_eval  # tokens/s counts training only
+            t_window += time.perf_counter() - t_eval
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t_start
+    val_losses.append((args.steps, round(validate(), 5)))
+    if bar is not None:
+        bar.close()
+    tail = train_losses[-max(1, args.steps // 10):]
+    result = dict(optimizer=name, label=LABELS[name], mode=mode, parameters=n_params,
+                  train_loss=train_losses, val_loss=val_losses, final_train_loss=round(sum(tail) / len(tail), 5),
+                  final_val_loss=val_losses[-1][1], train_seconds=round(seconds, 2),
+                  tokens_per_s=round(args.steps * tokens_per_step / seconds, 1), skipped_steps=skipped)
+    if rank0:
+        print(f"[{LABELS[name]}] final validation loss {result['final_val_loss']:.4f} "
+              f"(train {result['final_train_loss']:.4f}), {result['tokens_per_s']:,.0f} tokens/s, "
+              f"{seconds:.1f} s", flush=True)
+    return result
+
+
+def muon_unavailable() -> str | None:
+    """Why Megatron's Muon cannot run here, or None."""
+    try:
+        import emerging_optimizers  # noqa: F401
+    except ImportError as e:
+        return (f"Megatron's Muon needs the 'emerging-optimizers' package ({e}); "
+                "pip install emerging-optimizers (it is in dion3-megatron's [megatron] extra)")
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Reporting (rank 0)
+
+def report(args, results: list[dict], skipped: dict, meta: dict) -> None:
+    rows = [("optimizer", "mode", "final train loss", "validation loss", "tokens/s", "seconds")]
+    for r in results:
+        if "error" in r:
+            rows.append((r["label"], "-", "failed", "-", "-", "-"))
+        else:
+            rows.append((r["label"], r["mode"], f"{r['final_train_loss']:.4f}", f"{r['final_val_loss']:.4f}",
+                         f"{r['tokens_per_s']:,.0f}", f"{r['train_seconds']:.1f}"))
+    for name, why in skipped.items():
+        rows.append((LABELS[name], "-", "skipped", "-", "-", "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    line = "+-" + "-+-".join("-" * w for w in widths) + "-+"
+    print("\n" + line)
+    for i, row in enumerate(rows):
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+        if i == 0:
+            print(line)
+    print(line)
+    for name, why in skipped.items():
+        print(f"{LABELS[name]} was skipped: {why}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['label']} failed: {r['error']}")
+    if not args.compare:
+        return
+    os.makedirs(args.out_dir, exist_ok=True)
+    json_path = os.path.join(args.out_dir, "compare.json")
+    with open(json_path, "w") as f:
+        json.dump(dict(meta, results=results, skipped=skipped), f, indent=1)
+    png_path = os.path.join(args.out_dir, "compare.png")
+    try:
+        plot(results, png_path, meta)
+    except ImportError as e:
+        png_path = f"(no plot: {e}; pip install matplotlib)"
+    print(f"\nwrote {json_path} and {png_path}", flush=True)
+
+
+def plot(results: list[dict], path: str, meta: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, r in enumerate(x for x in results if "error" not in x):
+        color = f"C{i}"
+        losses = torch.tensor(r["train_loss"])
+        k = max(1, len(losses) // 50)
+        smooth = torch.nn.functional.avg_pool1d(losses[None, None], k, 1, 0)[0, 0] if k > 1 else losses
+        ax.plot(range(k, len(losses) + 1), smooth.tolist(), color=color, label=f"{r['label']} train")
+        steps, vals = zip(*r["val_loss"])
+        ax.plot(steps, vals, "o--", color=color, label=f"{r['label']} validation ({r['final_val_loss']:.3f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(f"{meta['model']}, {meta['data']}\n{meta['device'].upper()}, TP={meta['tp']} DP={meta['dp']}, "
+                 f"{meta['steps']} steps of {meta['global_batch']} sequences", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------
+
+def quiet() -> None:
+    """Megatron without apex/TE (and torch's deprecations) warn at every import on every rank."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    warnings.filterwarnings("ignore", message=r".*\.grad attribute of a Tensor that is not a leaf")
+    for name in ("torch.utils.cpp_extension", "megatron.core.models.gpt.gpt_model"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    quiet()
+
+    cuda = _use_cuda(args)
+    world = int(os.environ["WORLD_SIZE"])
+    if cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl")
+    else:
+        from dion3_megatron.megatron.cpu import install
+
+        install()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // local_world))
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    import dion3_megatron.megatron  # noqa: F401 - registers optimizer="dion3" with Megatron-Core
+
+    defaults = GPU_DEFAULTS if cuda else CPU_DEFAULTS
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.log_interval = args.log_interval or max(1, args.steps // 10)
+    args.eval_interval = args.eval_interval or max(1, args.steps // 5)
+    rank0 = dist.get_rank() == 0
+    if world % args.tp or args.heads % args.tp or args.global_batch % (world // args.tp):
+        raise SystemExit(f"world size {world}: --tp {args.tp} must divide it and --heads; "
+                         f"--global-batch must divide by DP = {world // max(1, args.tp)}")
+    tokens, vocab, desc = load_tokens(args)
+    data = Batches(tokens, args.seq_length, args.global_batch, args.seed)
+    meta = dict(model=f"GPT {args.layers}x{args.hidden}, seq {args.seq_length}", data=desc,
+                tokens=len(tokens), vocab=vocab, world=world, tp=args.tp, dp=world // args.tp,
+                device="cuda" if cuda else "cpu", steps=args.steps, global_batch=args.global_batch,
+                lr=args.lr, muon_lr=args.muon_lr, adam_lr=args.adam_lr, dion3_fraction=args.dion3_fraction)
+    if rank0:
+        print(f"data: {desc}: {len(data.train):,} training / {len(data.val):,} validation tokens, vocab {vocab}; "
+              f"{'CUDA (NCCL)' if cuda else 'CPU (gloo)'}, {world} processes", flush=True)
+    results, skipped = [], {}
+    for name in args.optimizers:
+        why = muon_unavailable() if name == "muon" else None
+        if why:
+            skipped[name] = why
+            if rank0:
+                print(f"[Muon] skipped: {why}", flush=True)
+            continue
+        try:
+            results.append(train(args, name, data, vocab, device, cuda))
+        except Exception as e:  # noqa: BLE001 - with --compare, report and go on with the next optimizer
+            if not args.compare:
+                raise
+            import traceback
+
+            traceback.print_exc()
+            results.append(dict(optimizer=name, label=LABELS[name], error=f"{type(e).__name__}: {e}"[:500]))
+    if rank0:
+        report(args, results, skipped, meta)
+    dist.barrier()
+    dist.destroy_process_group()
+    if any("error" in r for r in results):
+        raise SystemExit(1)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return launch(args, argv)
+    worker(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The main job, examples/pretrain_gpt.py, on CPU: 2 gloo processes that the script starts itself,
+a tiny GPT for a few steps (Dion3 loss goes down; --compare writes its JSON and PNG), and the
+other data sources (Megatron indexed dataset with TP=2, a text file)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt.py")
+TINY = ["--device", "cpu", "--nproc", "2", "--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128",
+        "--seq-length", "32", "--global-batch", "8", "--steps", "12", "--eval-batches", "2",
+        "--max-tokens", "200000", "--no-progress"]
+
+
+def run_job(args, cwd, timeout=120):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, SCRIPT, *TINY, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+def test_compare_dp2_stdlib_corpus(tmp_path):
+    out = run_job(["--compare", "--out-dir", str(tmp_path / "out")], cwd=tmp_path)
+    assert "standard-library sources" in out and "TP=1 DP=2" in out
+    result = json.loads((tmp_path / "out" / "compare.json").read_text())
+    png = (tmp_path / "out" / "compare.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    runs = {r["optimizer"]: r for r in result["results"]}
+    assert set(runs) | set(result["skipped"]) == {"dion3", "adam", "muon"}
+    for name, why in result["skipped"].items():  # never silent: the reason is in the JSON and printed
+        assert why and f"was skipped: {why}" in out
+    for r in runs.values():
+        assert "error" not in r, r
+        assert len(r["train_loss"]) == 12
+        assert r["final_train_loss"] < r["train_loss"][0] - 0.5, r["train_loss"]
+        assert r["final_val_loss"] < math.log(256) - 0.5
+        assert r["tokens_per_s"] > 0
+    dion3 = runs["dion3"]
+    assert dion3["mode"] == "layer-wise ZeRO-1" and dion3["skipped_steps"] == 0
+    assert "| Dion3" in out and "validation loss" in out
+
+
+def test_tp2_indexed_dataset(tmp_path):
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "corpus_text_document")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    gen = torch.Generator().manual_seed(0)
+    successor = torch.randperm(300, generator=gen)
+    for _ in range(200):  # documents of a learnable language over 300 token ids (vocab > 256)
+        doc = torch.empty(100, dtype=torch.long)
+        doc[0] = torch.randint(0, 300, (1,), generator=gen)
+        for i in range(1, 100):
+            doc[i] = successor[doc[i - 1]] if torch.rand(1, generator=gen) < 0.8 else torch.randint(0, 300, (1,),
+                                                                                                   generator=gen)
+        builder.add_item(doc)
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    out = run_job(["--tp", "2", "--data-path", prefix, "--lr", "0.03"], cwd=tmp_path)
+    assert "Megatron indexed dataset" in out and "vocab 300" in out and "TP=2 DP=1" in out
+    assert "final validation loss" in out
+    first = float(out.split("| loss ")[1].split()[0])
+    final = float(out.split("final validation loss ")[1].split()[0])
+    assert final < first and final < math.log(300)
+
+
+def test_text_file_and_default_corpus(tmp_path):
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_example", SCRIPT)
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    text = tmp_path / "t.txt"
+    text.write_bytes("héllo wörld\n".encode() * 100)
+    tokens, vocab, desc = job.load_tokens(argparse.Namespace(data_path=None, text_file=str(text), max_tokens=10**6))
+    assert vocab == 256 and tokens.tolist()[:6] == list("héllo".encode()) and "text file" in desc
+    corpus = job.stdlib_corpus(100_000)
+    assert len(corpus) == 100_000 and corpus == job.stdlib_corpus(100_000)
+    batches = job.Batches(tokens, seq=16, global_batch=4, seed=1)
+    b1, b2 = next(batches.train_batches()), next(batches.train_batches())
+    assert b1.shape == (4, 17) and b1.equal(b2)  # the same data for every optimizer
+    assert job.parse_args(["--compare"]).optimizers == ["dion3", "adam", "muon"]
+    with pytest.raises(SystemExit):
+        job.parse_args(["--optimizers", "sgd"])
+
+
+def test_compare_reports_skipped_muon(tmp_path, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_example", SCRIPT)
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    monkeypatch.setitem(sys.modules, "emerging_optimizers", None)  # as if the package were not installed
+    why = job.muon_unavailable()
+    assert why and "emerging-optimizers" in why
+    losses = [5.5, 4.0, 3.0]
+    dion3 = dict(optimizer="dion3", label="Dion3", mode="layer-wise ZeRO-1", train_loss=losses,
+                 val_loss=[(3, 3.1)], final_train_loss=3.0, final_val_loss=3.1, train_seconds=1.0, tokens_per_s=10.0)
+    args = argparse.Namespace(compare=True, out_dir=str(tmp_path))
+    meta = dict(model="GPT", data="d", device="cpu", tp=1, dp=2, steps=3, global_batch=8)
+    job.report(args, [dion3], {"muon": why}, meta)
+    out = capsys.readouterr().out
+    assert "| Muon" in out and "skipped" in out and f"Muon was skipped: {why}" in out
+    saved = json.loads((tmp_path / "compare.json").read_text())
+    assert saved["skipped"] == {"muon": why} and (tmp_path / "compare.png").exists()
