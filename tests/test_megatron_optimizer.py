@@ -116,3 +116,23 @@ def test_load_state_dict_rejects_foreign_state(generator):
         opt.load_state_dict(sd)
     with pytest.raises(ValueError, match="selection must be one of"):
         _megatron(params, names, selection="nearby")
+
+
+def test_non_finite_gradient_skips_the_step(generator):
+    params, names = _params(generator)
+    opt = _megatron(params, names)
+    for p, g in zip(params, _grads(generator, params, 1)[0]):
+        p.grad = g
+    opt.step()
+    before_weights = [p.data.clone() for p in params]
+    before_state = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    for p, g in zip(params, _grads(generator, params, 1)[0]):
+        p.grad = g
+    params[1].grad[0, 0] = float("nan")
+    with pytest.warns(RuntimeWarning, match="non-finite gradient, step skipped"):
+        opt.step()
+    assert opt.skipped_steps == 1
+    for p, w in zip(params, before_weights):
+        assert torch.equal(p.data, w)
+    for key, value in opt.state_dict()["state"][0].items():
+        assert torch.equal(value, before_state[key]), key

@@ -27,6 +27,8 @@ its parameter; so checkpoints reshard across tensor- and data-parallel sizes lik
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
@@ -220,6 +222,7 @@ class MegatronDion3(torch.optim.Optimizer):
         self._layouts: dict[torch.Tensor, ParamLayout] = dict(layouts) if layouts else {}
         if model_chunks is not None and not layouts:
             self._layouts = describe_model(model_chunks, pg_collection, split_qkv=split_qkv, split_glu=split_glu)
+        self.skipped_steps = 0
         self._engine = None
         self._engine_key = None
         self._pieces: dict[torch.Tensor, list] = {}
@@ -384,12 +387,36 @@ class MegatronDion3(torch.optim.Optimizer):
     # -------------------------------------------------------------------------------------------
     # The step.
 
+    def _gradients_finite(self) -> bool:
+        """All gradients finite on every rank (Megatron checks only under loss scaling).
+
+        One all-reduce of a flag over the default group, so every rank skips or steps together
+        (a rank that skipped alone would leave the engine's collectives unmatched).
+        """
+        flags = [torch.isfinite(torch.stack(torch.aminmax(p.grad))).all() for p, _ in self._params()
+                 if p.grad is not None and p.grad.numel()]
+        if not flags:
+            return True
+        ok = torch.stack(flags).all().to(torch.int32)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._gradients_finite():
+            self.skipped_steps += 1
+            warnings.warn(
+                f"Dion3: non-finite gradient, step skipped (no weight or state changed); "
+                f"{self.skipped_steps} step(s) skipped so far",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return loss
         self._ensure_engine(with_grads=True)
         self._engine.step()
         for p, _ in self._params():
