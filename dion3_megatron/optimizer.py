@@ -30,6 +30,16 @@ def matrix_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(1, t.shape[0], -1)  # view, not reshape: updates must land in the tensor itself
 
 
+def announce_skipped_step(skipped_so_far: int) -> None:
+    """The warning every Dion3 front end gives when a non-finite gradient skips a step."""
+    warnings.warn(
+        f"Dion3: non-finite gradient, step skipped (no weight or state changed); "
+        f"{skipped_so_far} step(s) skipped so far",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
 class Dion3(torch.optim.Optimizer):
     """Dion3: top-fraction row selection, Gram Newton-Schulz, NorMuon normalization, error feedback.
 
@@ -199,12 +209,7 @@ class Dion3(torch.optim.Optimizer):
     def skip_step(self) -> None:
         """Count and announce a step skipped for a non-finite gradient (nothing else changes)."""
         self.skipped_steps += 1
-        warnings.warn(
-            f"Dion3: non-finite gradient, step skipped (no weight or state changed); "
-            f"{self.skipped_steps} step(s) skipped so far",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        announce_skipped_step(self.skipped_steps)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:

@@ -27,7 +27,6 @@ its parameter; so checkpoints reshard across tensor- and data-parallel sizes lik
 
 from __future__ import annotations
 
-import warnings
 
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .. import rule
+from ..optimizer import announce_skipped_step
 from ..megabatch import Dion3Engine, MatrixShard, Sharding
 from ..rule import Dion3Hyperparameters
 from .arguments import DION3_DEFAULTS, SELECTION_SCOPES
@@ -410,12 +410,7 @@ class MegatronDion3(torch.optim.Optimizer):
                 loss = closure()
         if not self._gradients_finite():
             self.skipped_steps += 1
-            warnings.warn(
-                f"Dion3: non-finite gradient, step skipped (no weight or state changed); "
-                f"{self.skipped_steps} step(s) skipped so far",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            announce_skipped_step(self.skipped_steps)
             return loss
         self._ensure_engine(with_grads=True)
         self._engine.step()
