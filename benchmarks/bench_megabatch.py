@@ -124,6 +124,7 @@ def profile_step(args, world, rank, group, device) -> None:
     for _ in range(3):
         engine.step()
     synchronize(device)
+    dist.barrier()  # profile from a common start: otherwise collectives time the other rank's lag
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:
         engine.step()
