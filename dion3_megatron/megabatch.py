@@ -19,6 +19,7 @@ handled as up to three rectangles of the logical matrix, each a 2-D view of loca
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 from dataclasses import dataclass, field
@@ -256,6 +257,18 @@ class ShapeGroup:
             for s in self.shards
         )
 
+    @functools.cached_property
+    def rects(self) -> list[list[list[Rect]]]:
+        """rects[j][q]: the rectangles of rank q's piece of matrix j (fixed for the plan's life)."""
+        n, m = self.key[0]
+        return [[s.sharding.rects(q, n, m) for q in range(self.world)] for s in self.shards]
+
+    @functools.cached_property
+    def spans(self) -> list[list[tuple[int, int]]]:
+        """spans[j][q]: the rows rank q's piece of matrix j touches."""
+        n, m = self.key[0]
+        return [[s.sharding.row_span(q, n, m) for q in range(self.world)] for s in self.shards]
+
     def describe(self) -> list[str]:
         return [f"{s.name} {s.shape} {s.sharding.kind}{list(s.sharding.bounds)}" for s in self.shards]
 
@@ -427,7 +440,7 @@ class Dion3Engine:
                 scores[sub.index_on_device, mine.r0 : mine.r1] = rule.row_scores(sub.momentum)
             return scores
         for j, shard in enumerate(shards):
-            for rect in shard.sharding.rects(me, n, m):
+            for rect in sg.rects[j][me]:
                 scores[j, rect.r0 : rect.r1] += rule.row_scores(rect.view(shard.state["momentum"])[None])[0]
         return scores
 
@@ -608,8 +621,7 @@ class Dion3Engine:
         n, m = sg.key[0]
         world, me, hp, shards = sg.world, sg.rank, sg.hp, sg.shards
         device = shards[0].weight.device
-        rects = [[s.sharding.rects(q, n, m) for q in range(world)] for s in shards]  # [j][q]
-        spans = [[s.sharding.row_span(q, n, m) for q in range(world)] for s in shards]
+        rects, spans = sg.rects, sg.spans
         layout = _GeneralLayout(sg, rects, spans, chosen, device)
         if chosen is None:  # local scope: each rank picks within its own row block (local indices)
             layout.local_picks = [
