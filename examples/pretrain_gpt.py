@@ -24,17 +24,17 @@ last 5% of the tokens are held out for the validation loss.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
 import socket
 import subprocess
 import sys
-import sysconfig
 import time
 
 import torch
+
+from dion3_megatron.corpus import stdlib_bytes
 
 CPU_DEFAULTS = dict(layers=4, hidden=128, heads=4, ffn=352, seq_length=128, global_batch=16, steps=400)
 GPU_DEFAULTS = dict(layers=8, hidden=512, heads=8, ffn=1408, seq_length=512, global_batch=64, steps=1000)
@@ -143,20 +143,10 @@ def launch(args, argv) -> int:
 # Data
 
 def stdlib_corpus(max_bytes: int) -> bytes:
-    """The running Python's standard-library sources (sorted, so every rank reads the same bytes)."""
-    root = sysconfig.get_paths()["stdlib"]
-    files = sorted(glob.glob(os.path.join(root, "*.py"))) + sorted(glob.glob(os.path.join(root, "*", "*.py")))
-    chunks, total = [], 0
-    for path in files:
-        if total >= max_bytes:
-            break
-        with open(path, "rb") as f:
-            data = f.read()
-        chunks.append(data)
-        total += len(data)
-    if not chunks:
-        raise SystemExit(f"no Python sources under {root}: use --text-file or --data-path")
-    return b"".join(chunks)[:max_bytes]
+    try:
+        return stdlib_bytes(max_bytes)
+    except FileNotFoundError as err:
+        raise SystemExit(f"{err}: use --text-file or --data-path") from None
 
 
 def load_tokens(args) -> tuple[torch.Tensor, int, str]:

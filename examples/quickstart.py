@@ -6,25 +6,16 @@ Usage: python examples/quickstart.py [--steps 200] [--fraction 0.25]
 
 import argparse
 import math
-import pathlib
-import sysconfig
 import time
 
 import torch
 
+from dion3_megatron.corpus import stdlib_bytes
 from dion3_megatron import Dion3
 
 
 def stdlib_corpus(max_bytes: int = 4_000_000) -> torch.Tensor:
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
+    return torch.frombuffer(bytearray(stdlib_bytes(max_bytes)), dtype=torch.uint8).long()
 
 
 class TinyGPT(torch.nn.Module):

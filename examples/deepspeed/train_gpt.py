@@ -18,9 +18,7 @@ import argparse
 import importlib
 import json
 import os
-import pathlib
 import statistics
-import sysconfig
 import time
 
 import torch
@@ -29,18 +27,11 @@ import torch.nn.functional as F
 import deepspeed
 
 import dion3_megatron.deepspeed as dion3_deepspeed  # registers "type": "Dion3"
+from dion3_megatron.corpus import stdlib_bytes
 
 
 def stdlib_corpus(max_bytes: int = 8_000_000) -> torch.Tensor:
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
+    return torch.frombuffer(bytearray(stdlib_bytes(max_bytes)), dtype=torch.uint8).long()
 
 
 class Block(torch.nn.Module):

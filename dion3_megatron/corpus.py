@@ -1,0 +1,23 @@
+"""A training corpus that needs no download: the running Python's standard-library sources."""
+
+from __future__ import annotations
+
+import pathlib
+import sysconfig
+
+
+def stdlib_bytes(max_bytes: int) -> bytes:
+    """Up to ``max_bytes`` of the standard library's ``.py`` sources, top level first, then one
+    level down, each level in sorted order (so every rank of a job reads the same bytes)."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(root.glob("*.py")) + sorted(root.glob("*/*.py"))
+    chunks, total = [], 0
+    for path in files:
+        if total >= max_bytes:
+            break
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+    if not chunks:
+        raise FileNotFoundError(f"no Python sources under {root}")
+    return b"".join(chunks)[:max_bytes]
