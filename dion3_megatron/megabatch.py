@@ -392,8 +392,7 @@ class Dion3Engine:
         """
         self.collectives = []
         self.buffer_numels = []
-        subs = {i: self._bind_group_state(sg, state) for i, state in self._group_state.items()
-                for sg in (self.plan[i],)}
+        subs = {i: self._bind_group_state(self.plan[i], state) for i, state in self._group_state.items()}
         scores = {i: self._accumulate_and_score(sg, subs.get(i)) for i, sg in enumerate(self.plan)}
         by_group: dict[tuple, list[int]] = {}
         for i, sg in enumerate(self.plan):

@@ -170,9 +170,9 @@ def apply_update(
     weight: torch.Tensor, idx: torch.Tensor, step: torch.Tensor, lr: float, weight_decay: float, scale: float
 ) -> None:
     """W *= 1 - lr wd (every row, base lr); W[idx] -= lr * scale * step. weight (B, n, c)."""
-    if weight_decay:
-        weight.mul_(1 - lr * weight_decay)
-    weight.scatter_add_(1, _row_index(idx, weight.shape[-1]), (step * (-lr * scale)).to(weight.dtype))
+    count = weight.shape[0]
+    apply_updates(list(weight.unbind(0)), list(idx.unbind(0)), list(step.unbind(0)),
+                  [lr] * count, [weight_decay] * count, [scale] * count)
 
 
 def apply_updates(
@@ -183,9 +183,10 @@ def apply_updates(
     weight_decays: list[float],
     scales: list[float],
 ) -> None:
-    """:func:`apply_update` for many 2-D weights at once (same arithmetic, fewer kernel launches).
+    """W *= 1 - lr wd; W[rows] -= lr * scale * step, for many 2-D weights (views are fine).
 
-    weights[i] (n_i, c); rows[i] (k_i,) distinct row indices; steps[i] (k_i, c).
+    weights[i] (n_i, c); rows[i] (k_i,) distinct row indices; steps[i] (k_i, c). The decay of
+    equal factors runs as one multi-tensor op.
     """
     decays = [1 - lr * wd for lr, wd in zip(lrs, weight_decays)]
     if len(set(decays)) == 1 and decays[0] != 1:
