@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import rule
+from . import device_speed, rule
+from .ortho import default_ns_dtype
 from .rule import Dion3Hyperparameters
 
 SELECTION_SCOPES = ("global", "local")
@@ -240,6 +241,7 @@ class ShapeGroup:
     world: int
     rank: int
     shards: list[MatrixShard]
+    fraction: float = 0.0  # hp.fraction, or what "auto" resolved to (Dion3Engine sets it)
 
     @property
     def hp(self) -> Dion3Hyperparameters:
@@ -354,6 +356,26 @@ def check_plan_matches(plan: list[ShapeGroup]) -> None:
         )
 
 
+def resolve_fractions(plan: list[ShapeGroup]) -> None:
+    """Set every group's f: its hp.fraction, or for "auto" rule.auto_fraction on the device's
+    measured speed, agreed over the group's process group (one collective per such group, in an
+    order every member shares) so that all members select the same number of rows."""
+    speeds: dict[tuple, rule.DeviceSpeed] = {}
+    auto = [sg for sg in plan if sg.hp.fraction == rule.AUTO]
+    for sg in sorted(auto, key=lambda sg: _group_ranks(sg.group) if sg.world > 1 else ()):
+        ranks = _group_ranks(sg.group) if sg.world > 1 else ()
+        if ranks not in speeds:
+            device = sg.shards[0].weight.device
+            dtype = sg.hp.ns_dtype or default_ns_dtype(device)
+            speeds[ranks] = device_speed.for_group(device, dtype, sg.group if sg.world > 1 else None)
+    for sg in plan:
+        if sg.hp.fraction != rule.AUTO:
+            sg.fraction = sg.hp.fraction
+            continue
+        (n, m), ranks = sg.key[0], _group_ranks(sg.group) if sg.world > 1 else ()
+        sg.fraction = rule.auto_fraction(n, m, speeds[ranks], sg.world, len(sg.shards), sg.hp.ns_method, sg.hp.num_heads)
+
+
 # --------------------------------------------------------------------------------------------
 # The step.
 
@@ -371,6 +393,7 @@ class Dion3Engine:
         self.selection = selection
         self.plan = build_plan(shards, selection)
         check_plan_matches(self.plan)
+        resolve_fractions(self.plan)
         self._group_state: dict[int, list[_SubBatch]] = {}
         for i, sg in enumerate(self.plan):
             if self._batched(sg):
@@ -380,6 +403,10 @@ class Dion3Engine:
                     init_state(shard, sg.rank)
         self.collectives: list[str] = []  # per step, for tests and benchmarks
         self.buffer_numels: list[int] = []
+
+    def auto_fractions(self) -> dict[tuple[int, int], float]:
+        """What fraction="auto" chose, per logical shape (empty when no matrix asked for it)."""
+        return {sg.key[0]: sg.fraction for sg in self.plan if sg.hp.fraction == rule.AUTO}
 
     @torch.no_grad()
     def step(self) -> None:
@@ -405,7 +432,7 @@ class Dion3Engine:
             dist.all_reduce(flat, group=self.plan[members[0]].group)
             for i, part in zip(members, flat.split([scores[i].numel() for i in members])):
                 scores[i] = part.view(scores[i].shape)
-        chosen = {i: rule.select_rows(t, self.plan[i].hp.fraction, self.plan[i].hp.num_heads)
+        chosen = {i: rule.select_rows(t, self.plan[i].fraction, self.plan[i].hp.num_heads)
                   for i, t in scores.items() if t is not None}
         if chosen:
             on_host = torch.cat([c.view(-1) for c in chosen.values()]).cpu()  # the one sync
@@ -592,7 +619,7 @@ class Dion3Engine:
                 updates.append(sub_steps[start : start + count])
                 lrs.append(shard.hp.lr)
                 decays.append(shard.hp.weight_decay)
-                scales.append(rule.update_scale(n, m, shard.hp.adjust_lr, shard.hp.fraction, shard.hp.scale_lr_by_fraction))
+                scales.append(rule.update_scale(n, m, shard.hp.adjust_lr, sg.fraction, shard.hp.scale_lr_by_fraction))
                 start += count
         rule.apply_updates(weights, rows, updates, lrs, decays, scales)
 
@@ -624,7 +651,7 @@ class Dion3Engine:
         layout = _GeneralLayout(sg, rects, spans, chosen, device)
         if chosen is None:  # local scope: each rank picks within its own row block (local indices)
             layout.local_picks = [
-                rule.select_rows(rule.row_scores(r[me][0].view(s.state["momentum"])[None]), hp.fraction)[0]
+                rule.select_rows(rule.row_scores(r[me][0].view(s.state["momentum"])[None]), sg.fraction)[0]
                 if r[me] else torch.empty(0, dtype=torch.long, device=device)
                 for s, r in zip(shards, rects)
             ]
@@ -686,7 +713,7 @@ class Dion3Engine:
             rows = layout.span_rows(j)
             shard.state["variance"][rows] = result[offsets[q] : offsets[q] + rows.numel()]
             offsets[q] += rows.numel()
-            scale = rule.update_scale(n, m, shard.hp.adjust_lr, shard.hp.fraction, shard.hp.scale_lr_by_fraction)
+            scale = rule.update_scale(n, m, shard.hp.adjust_lr, sg.fraction, shard.hp.scale_lr_by_fraction)
             for t, rect in enumerate(rects[j][me]):
                 local = layout.rect_rows(j, t)
                 count, width = local.numel(), rect.c1 - rect.c0
@@ -719,7 +746,7 @@ class _GeneralLayout:
 
     def _local_count(self, q: int) -> int:
         r0, r1 = self.spans[0][q]
-        return rule.selected_row_count(r1 - r0, self.sg.hp.fraction) if r1 > r0 else 0
+        return rule.selected_row_count(r1 - r0, self.sg.fraction) if r1 > r0 else 0
 
     # Host-side index sets ------------------------------------------------------------------
 

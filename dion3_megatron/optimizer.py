@@ -9,13 +9,16 @@ megabatching. The math itself lives in :mod:`dion3_megatron.rule`.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+import torch.distributed as dist
 
-from . import rule
+from . import device_speed, rule
+from .ortho import default_ns_dtype
 from .rule import Dion3Hyperparameters
 
 ALGORITHMS = ("dion3", "adamw")
@@ -47,7 +50,10 @@ class Dion3(torch.optim.Optimizer):
         params: parameters or param groups. A group may set ``algorithm`` ("dion3" | "adamw") and
             any hyper-parameter below; ``fraction`` and ``num_heads`` may differ per group.
         lr: learning rate (both algorithms).
-        fraction: share of each matrix's rows updated per step, in (0, 1].
+        fraction: share of each matrix's rows updated per step, in (0, 1], or "auto": chosen per
+            matrix at the first step by :func:`rule.auto_fraction` from its shape and this device's
+            measured speed (see :attr:`fractions`). Under torch.distributed every rank must step
+            that first step together (as DDP does): the speeds are averaged so all ranks agree.
         mu: momentum decay of the applied rows (error feedback keeps the rest).
         beta2: NorMuon per-row second-moment decay.
         weight_decay: decoupled weight decay (both algorithms).
@@ -68,7 +74,7 @@ class Dion3(torch.optim.Optimizer):
         self,
         params: Iterable[Any],
         lr: float = 0.01,
-        fraction: float = 0.25,
+        fraction: float | str = 0.25,
         mu: float = 0.95,
         beta2: float = 0.95,
         weight_decay: float = 0.01,
@@ -96,6 +102,7 @@ class Dion3(torch.optim.Optimizer):
             algorithm=None,
         )
         self.skipped_steps = 0
+        self._auto_fractions: dict[torch.Tensor, float] = {}
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------------------------------------
@@ -126,6 +133,32 @@ class Dion3(torch.optim.Optimizer):
     @staticmethod
     def hyperparameters(group: dict) -> Dion3Hyperparameters:
         return Dion3Hyperparameters(**{k: group[k] for k in Dion3Hyperparameters.__dataclass_fields__})
+
+    @property
+    def fractions(self) -> dict[torch.Tensor, float]:
+        """The f each matrix of a ``fraction="auto"`` group uses (filled at the first step)."""
+        return dict(self._auto_fractions)
+
+    def _resolve_auto_fractions(self) -> None:
+        """Choose f for every not yet resolved matrix of the "auto" groups (see rule.auto_fraction).
+
+        Same-shape matrices are orthogonalized as one batch here, which the cost model counts.
+        """
+        todo = [(group, p) for group in self.param_groups if group["fraction"] == rule.AUTO
+                for p in group["params"] if self.algorithm_of(group, p) == "dion3" and p not in self._auto_fractions]
+        if not todo:
+            return
+        shapes = Counter(tuple(matrix_view(p).shape[1:]) for _, p in todo for _ in range(matrix_view(p).shape[0]))
+        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        speeds: dict[tuple, rule.DeviceSpeed] = {}
+        for group, p in todo:
+            hp = self.hyperparameters(group)
+            where = (p.device, hp.ns_dtype or default_ns_dtype(p.device))
+            if where not in speeds:
+                speeds[where] = device_speed.for_group(*where, world)
+            speed = speeds[where]
+            rows, cols = matrix_view(p).shape[1:]
+            self._auto_fractions[p] = rule.auto_fraction(rows, cols, speed, 1, shapes[(rows, cols)], hp.ns_method, hp.num_heads)
 
     # ----------------------------------------------------------------------------------------
     # State.
@@ -222,12 +255,16 @@ class Dion3(torch.optim.Optimizer):
             return loss
         # Selected row blocks of the same shape are orthogonalized together.
         batches: dict[tuple, list] = defaultdict(list)
+        self._resolve_auto_fractions()
         for group in self.param_groups:
-            hp = self.hyperparameters(group)
+            group_hp = self.hyperparameters(group)
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self._init_state(group, p)
+                hp = group_hp
+                if p in self._auto_fractions:
+                    hp = dataclasses.replace(group_hp, fraction=self._auto_fractions[p])
                 if self.algorithm_of(group, p) == "adamw":
                     state["step"] += 1
                     rule.adamw_step(

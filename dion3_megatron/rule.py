@@ -23,10 +23,11 @@ from typing import Optional
 
 import torch
 
-from .ortho import orthogonalize
+from .ortho import ns_flops, orthogonalize
 
 ADJUST_LR_CHOICES = ("spectral_norm", "rms_norm")
 NS_METHODS = ("gram", "standard")
+AUTO = "auto"
 NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 
@@ -35,7 +36,7 @@ class Dion3Hyperparameters:
     """Everything the rule needs for one matrix besides its tensors."""
 
     lr: float = 0.01
-    fraction: float = 0.25
+    fraction: float | str = 0.25  # or "auto": resolved per matrix by auto_fraction()
     mu: float = 0.95
     beta2: float = 0.95
     weight_decay: float = 0.01
@@ -55,7 +56,7 @@ def check_hyperparameters(where: str, **values) -> None:
 
     checks = {
         "lr": (lambda v: isinstance(v, (int, float)) and v >= 0, ">= 0"),
-        "fraction": (lambda v: isinstance(v, (int, float)) and 0 < v <= 1, "in (0, 1]"),
+        "fraction": (lambda v: v == AUTO or (isinstance(v, (int, float)) and 0 < v <= 1), "in (0, 1] or 'auto'"),
         "mu": (lambda v: isinstance(v, (int, float)) and 0 <= v < 1, "in [0, 1)"),
         "beta2": (lambda v: isinstance(v, (int, float)) and 0 <= v < 1, "in [0, 1)"),
         "weight_decay": (lambda v: isinstance(v, (int, float)) and v >= 0, ">= 0"),
@@ -77,6 +78,8 @@ def check_hyperparameters(where: str, **values) -> None:
 
 def selected_row_count(n_rows: int, fraction: float, num_heads: Optional[int] = None) -> int:
     """Rows selected per matrix: max(1, ceil(f * rows)), taken per head when num_heads is given."""
+    if not isinstance(fraction, (int, float)):
+        raise ValueError(f"fraction must be a number here, got {fraction!r} ('auto' is resolved by auto_fraction)")
     if num_heads is None:
         return max(1, math.ceil(fraction * n_rows))
     if n_rows % num_heads:
@@ -125,6 +128,65 @@ def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float) -> torch
     selected = gather_rows(momentum, idx)
     momentum.scatter_(1, _row_index(idx, momentum.shape[-1]), selected * mu)
     return selected
+
+
+# --------------------------------------------------------------------------------------------
+# fraction="auto": f per matrix from its shape, the world size and the device's measured speed.
+
+AUTO_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
+AUTO_MIN_ROWS = 128  # quality floor: fewer selected rows than this lost to f = 1 in our runs
+AUTO_SLACK = 0.10  # a larger f is taken while it costs at most this much more than the cheapest
+NS_KERNELS = {"gram": 30, "standard": 20}  # kernels per orthogonalization call (launch-bound part)
+BYTES_PER_ENTRY = 24  # element-wise traffic of the step per matrix entry (momentum, grad, weight, scores)
+WIRE_BYTES_PER_ENTRY = 8  # fp32 there and back through the two all-to-alls
+
+
+@dataclass(frozen=True)
+class DeviceSpeed:
+    """What the cost model needs to know about the device (see :mod:`dion3_megatron.device_speed`)."""
+
+    matmul_flops: float  # FLOP/s of a large matmul in the orthogonalization dtype
+    launch_seconds: float  # time of one small kernel, host overhead included
+    memory_bytes_per_s: float
+    link_bytes_per_s: float  # per-rank all-to-all bandwidth of the process group's backend
+
+
+def estimated_step_seconds(
+    n_rows: int, n_cols: int, fraction: float, speed: DeviceSpeed,
+    world: int = 1, batch: int = 1, ns_method: str = "gram", num_heads: Optional[int] = None,
+) -> float:
+    """Modelled time of one Dion3 step of one matrix, per rank.
+
+    ``batch`` same-shape matrices share one orthogonalization call (megabatching), so its launch
+    cost is split between them; with ``world`` ranks each orthogonalizes 1/world of them and the
+    selected rows cross the link both ways. Every term is per matrix and divided by ``world``
+    alike, so only the link term's (world - 1) / world depends on the world size.
+    """
+    k = selected_row_count(n_rows, fraction, num_heads)
+    method = ns_method if k != n_cols else "standard"
+    per_call = math.ceil(batch / world)
+    ortho = ns_flops(k, n_cols, method) / speed.matmul_flops + NS_KERNELS[method] * speed.launch_seconds / per_call
+    elementwise = BYTES_PER_ENTRY * (n_rows + k) * n_cols / speed.memory_bytes_per_s
+    wire = WIRE_BYTES_PER_ENTRY * k * n_cols * (world - 1) / world / speed.link_bytes_per_s if world > 1 else 0.0
+    return (ortho + elementwise) / world + wire / world
+
+
+def auto_fraction(
+    n_rows: int, n_cols: int, speed: DeviceSpeed,
+    world: int = 1, batch: int = 1, ns_method: str = "gram", num_heads: Optional[int] = None,
+) -> float:
+    """The f that ``fraction="auto"`` uses for an n_rows x n_cols matrix.
+
+    Among AUTO_FRACTIONS that select at least AUTO_MIN_ROWS rows (all of them for smaller
+    matrices), the largest f whose modelled step costs at most (1 + AUTO_SLACK) times the cheapest
+    one's. Large matrices on a slow device or link land on 1/8; small ones, whose step is launch-
+    or memory-bound anyway, get a larger f for free.
+    """
+    floor = min(AUTO_MIN_ROWS, n_rows)
+    feasible = [f for f in AUTO_FRACTIONS if selected_row_count(n_rows, f, num_heads) >= floor] or [1.0]
+    cost = {f: estimated_step_seconds(n_rows, n_cols, f, speed, world, batch, ns_method, num_heads) for f in feasible}
+    cheapest = min(cost.values())
+    return max(f for f in feasible if cost[f] <= (1 + AUTO_SLACK) * cheapest)
 
 
 # --------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def parse_args(argv=None):
                    help="the AdamW run; embeddings and output layer in every run (Megatron's --decoupled-lr)")
     o.add_argument("--weight-decay", type=float, default=0.01)
     o.add_argument("--clip-grad", type=float, default=1.0)
-    o.add_argument("--dion3-fraction", type=float, default=0.25, help="Dion3's f")
+    o.add_argument("--dion3-fraction", default="0.25", help="Dion3's f: in (0, 1], or 'auto' (chosen per matrix)")
     d = p.add_argument_group("data (default: the Python standard library's sources, byte-level)")
     d.add_argument("--text-file", help="train on this text file, byte-level (vocab 256)")
     d.add_argument("--data-path", help="Megatron indexed dataset prefix (PREFIX.bin / PREFIX.idx)")
@@ -91,8 +91,12 @@ def parse_args(argv=None):
     if bad or not names:
         p.error(f"--optimizers: unknown {bad}; choose from {','.join(OPTIMIZERS)}")
     args.optimizers = names
-    if not 0.0 < args.dion3_fraction <= 1.0:
-        p.error("--dion3-fraction must be in (0, 1]")
+    try:
+        args.dion3_fraction = "auto" if args.dion3_fraction == "auto" else float(args.dion3_fraction)
+    except ValueError:
+        p.error(f"--dion3-fraction must be a number in (0, 1] or 'auto', got {args.dion3_fraction!r}")
+    if args.dion3_fraction != "auto" and not 0.0 < args.dion3_fraction <= 1.0:
+        p.error("--dion3-fraction must be in (0, 1] or 'auto'")
     return args
 
 
@@ -456,6 +460,10 @@ def quiet() -> None:
     warnings.filterwarnings("ignore", message=r".*\.grad attribute of a Tensor that is not a leaf")
     for name in ("torch.utils.cpp_extension", "megatron.core.models.gpt.gpt_model"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    chosen = logging.getLogger("dion3_megatron")  # e.g. what --dion3-fraction auto chose
+    chosen.setLevel(logging.INFO)
+    chosen.addHandler(logging.StreamHandler(sys.stdout))
+    chosen.propagate = False  # Megatron configures the root logger too: print once
 
 
 def worker(args) -> None:

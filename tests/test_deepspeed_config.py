@@ -35,6 +35,7 @@ def test_json_spellings_are_converted():
     assert out["betas"] == (0.9, 0.99) and out["ns_dtype"] is torch.bfloat16
     opt = DeepSpeedDion3([torch.nn.Parameter(torch.zeros(4, 4))], **{"betas": [0.8, 0.9], "ns_dtype": "float64"})
     assert opt.param_groups[0]["betas"] == (0.8, 0.9) and opt.param_groups[0]["ns_dtype"] is torch.float64
+    assert normalize_params({"fraction": "auto"})["fraction"] == "auto"
 
 
 @pytest.mark.parametrize(
@@ -46,6 +47,7 @@ def test_json_spellings_are_converted():
         ({"torch_adam": True}, ["torch_adam"]),
         ({"fraction": 0}, ["fraction must be in (0, 1]"]),
         ({"fraction": 1.5}, ["fraction must be in (0, 1]"]),
+        ({"fraction": "half"}, ["fraction must be a finite number"]),
         ({"mu": 1.0}, ["mu must be in [0, 1)"]),
         ({"beta2": -0.1}, ["beta2 must be in [0, 1)"]),
         ({"lr": -1}, ["lr must be >= 0"]),

@@ -70,8 +70,10 @@ def test_tp2_indexed_dataset(tmp_path):
         builder.add_item(doc)
         builder.end_document()
     builder.finalize(prefix + ".idx")
-    out = run_job(["--tp", "2", "--data-path", prefix, "--lr", "0.03"], cwd=tmp_path)
+    out = run_job(["--tp", "2", "--data-path", prefix, "--lr", "0.03", "--dion3-fraction", "auto"], cwd=tmp_path)
     assert "Megatron indexed dataset" in out and "vocab 300" in out and "TP=2 DP=1" in out
+    assert "Dion3 fraction=auto chose (rows x cols: f) " in out  # 64-row matrices: below the floor, f = 1
+    assert "64x64: 1" in out
     assert "final validation loss" in out
     first = float(out.split("| loss ")[1].split()[0])
     final = float(out.split("final validation loss ")[1].split()[0])

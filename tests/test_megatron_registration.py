@@ -54,6 +54,7 @@ def test_registered_parser_accepts_dion3_flags():
     assert args.dion3_fraction == 0.125
     assert args.dion3_ns == "standard" and args.dion3_selection_scope == "local"
     assert args.dion3_scale_lr_by_fraction is True and args.dion3_adjust_lr == "rms_norm"
+    assert _megatron_parser().parse_args(["--optimizer", "dion3", "--dion3-fraction", "auto"]).dion3_fraction == "auto"
     defaults = _megatron_parser().parse_args([])
     assert (defaults.dion3_fraction, defaults.dion3_mu, defaults.dion3_beta2) == (0.25, 0.95, 0.95)
     assert defaults.dion3_split_qkv and defaults.dion3_split_glu

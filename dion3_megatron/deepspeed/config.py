@@ -19,7 +19,7 @@ WHERE = 'DeepSpeed config "optimizer": {"type": "Dion3", "params": ...}'
 # key -> what it means (also the error message's list of allowed keys).
 ALLOWED = {
     "lr": "learning rate (Dion3 and AdamW)",
-    "fraction": "share of each matrix's rows updated per step, in (0, 1]",
+    "fraction": "share of each matrix's rows updated per step, in (0, 1], or \"auto\" (chosen per matrix)",
     "mu": "momentum decay of the applied rows, in [0, 1)",
     "beta2": "NorMuon per-row second-moment decay, in [0, 1)",
     "weight_decay": "decoupled weight decay, >= 0",
@@ -72,6 +72,8 @@ def normalize_params(params: dict[str, Any]) -> dict[str, Any]:
         )
     out = dict(params)
     for k in _NUMBERS:
+        if k == "fraction" and out.get(k) == rule.AUTO:
+            continue
         if k in out and not _is_number(out[k]):
             raise ValueError(f"{WHERE}: {k} must be a finite number ({ALLOWED[k]}), got {out[k]!r}")
     if "betas" in out:

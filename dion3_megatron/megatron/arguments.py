@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..rule import ADJUST_LR_CHOICES, NS_METHODS
+from ..rule import ADJUST_LR_CHOICES, AUTO, NS_METHODS
 
 OPTIMIZER_NAME = "dion3"
 SELECTION_SCOPES = ("global", "local")
@@ -47,6 +47,10 @@ def _ranged_float(name: str, low: float, high: float, low_open: bool, high_open:
     return parse
 
 
+def _fraction(text: str) -> float | str:
+    return AUTO if text == AUTO else _ranged_float("fraction", 0.0, 1.0, True, False)(text)
+
+
 def add_dion3_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``dion3`` to ``--optimizer``'s choices (when the parser has that flag) and the Dion3 group.
 
@@ -59,9 +63,9 @@ def add_dion3_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         if "--dion3-fraction" in action.option_strings:
             return parser
     group = parser.add_argument_group(title="Dion3 optimizer (--optimizer dion3)")
-    group.add_argument("--dion3-fraction", type=_ranged_float("fraction", 0.0, 1.0, True, False),
-                       default=DION3_DEFAULTS["dion3_fraction"],
-                       help="Share of each matrix's rows updated per step, in (0, 1]. Paper: 1/4 or 1/8.")
+    group.add_argument("--dion3-fraction", type=_fraction, default=DION3_DEFAULTS["dion3_fraction"],
+                       help="Share of each matrix's rows updated per step, in (0, 1] (paper: 1/4 or 1/8), "
+                            "or 'auto': chosen per matrix from its shape, the world size and the device's speed.")
     group.add_argument("--dion3-mu", type=_ranged_float("mu", 0.0, 1.0, False, True),
                        default=DION3_DEFAULTS["dion3_mu"],
                        help="Momentum decay of the applied rows (error feedback), in [0, 1).")

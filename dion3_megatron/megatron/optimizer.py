@@ -27,7 +27,7 @@ its parameter; so checkpoints reshard across tensor- and data-parallel sizes lik
 
 from __future__ import annotations
 
-
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
@@ -39,6 +39,8 @@ from ..optimizer import announce_skipped_step
 from ..megabatch import Dion3Engine, MatrixShard, Sharding
 from ..rule import Dion3Hyperparameters
 from .arguments import DION3_DEFAULTS, SELECTION_SCOPES
+
+logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -318,6 +320,10 @@ class MegatronDion3(torch.optim.Optimizer):
             self._pieces = fresh_pieces
             all_shards = [s for p, _ in params for s in fresh_pieces[p]]
             self._engine = Dion3Engine(all_shards, selection=self.selection)
+            chosen = self._engine.auto_fractions()
+            if chosen and (not dist.is_initialized() or dist.get_rank() == 0):
+                logger.info("Dion3 fraction=auto chose (rows x cols: f) %s",
+                            ", ".join(f"{n}x{m}: {f:g}" for (n, m), f in sorted(chosen.items())))
             self._engine_key = key
 
     @torch.no_grad()
