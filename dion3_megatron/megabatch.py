@@ -549,8 +549,12 @@ class Dion3Engine:
             sub.bi, sub.local_rows, sub.variance_rows = on_device[p, "bi"], on_device[p, "local"], on_device[p, "var"]
             sub.owner_index = {q: (on_device[p, "pos", q], on_device[p, "si", q]) for q in range(world)}
             pieces = sub.momentum[sub.bi, sub.local_rows]
-            mus = torch.tensor([shards[j].hp.mu for j in sub.index], device=device)[sub.bi]
-            sub.momentum[sub.bi, sub.local_rows] = pieces * mus[:, None]
+            mus = {shards[j].hp.mu for j in sub.index}
+            if len(mus) == 1:  # the usual case: no host-to-device copy
+                sub.momentum[sub.bi, sub.local_rows] = pieces * mus.pop()
+            else:
+                per_matrix = torch.tensor([shards[j].hp.mu for j in sub.index], device=device)
+                sub.momentum[sub.bi, sub.local_rows] = pieces * per_matrix[sub.bi][:, None]
             sub.per_dest = [sum(sub.counts[me][b] for b, j in enumerate(sub.index) if j % world == d) for d in range(world)]
             variances = sub.variance[sub.bi, sub.variance_rows]
             width = sub.rect[me].c1 - sub.rect[me].c0

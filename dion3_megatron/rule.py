@@ -258,7 +258,10 @@ def apply_updates(
             if decay != 1:
                 weight.mul_(decay)
     for weight, idx, step, lr, scale in zip(weights, rows, steps, lrs, scales):
-        weight.index_add_(0, idx, (step * (-lr * scale)).to(weight.dtype))
+        if step.dtype == weight.dtype:  # one kernel, no temporary
+            weight.index_add_(0, idx, step, alpha=-lr * scale)
+        else:  # scale in the step's precision, then round once
+            weight.index_add_(0, idx, (step * (-lr * scale)).to(weight.dtype))
 
 
 def finish_update(
