@@ -1,6 +1,6 @@
 """Train a small GPT with Megatron-Core and compare optimizers: loss curve and optimizer-step time.
 
-    torchrun --nproc-per-node 2 -m dion3_megatron.megatron.bench --tp 2 --optimizers dion3,muon,adam
+    torchrun --nproc-per-node 2 -m dion3_megatron.megatron.bench --tp 2,1 --optimizers dion3,dion3@0.125,muon,adam
 
 Megatron-Core's own pieces as ``pretrain()`` wires them: GPTModel (local spec), DDP with the
 layer-wise ZeRO-1 layout (``--use-distributed-optimizer``), ``get_megatron_optimizer``, the lr
@@ -24,8 +24,9 @@ import torch.distributed as dist
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--optimizers", default="dion3,muon,adam")
+    p.add_argument("--tp", default="1", help="tensor-parallel size, or a comma list run one after another (2,1)")
+    p.add_argument("--optimizers", default="dion3,muon,adam",
+                   help="comma list; dion3@F runs Dion3 at fraction F (dion3@0.125)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--layers", type=int, default=8)
@@ -38,6 +39,13 @@ def parse(argv=None):
     p.add_argument("--lr", type=float, default=0.01, help="Dion3 / Muon matrices (and Megatron's Adam on norms)")
     p.add_argument("--adam-lr", type=float, default=1e-3, help="adam run; embeddings/output in every run")
     p.add_argument("--fraction", type=float, default=0.25)
+    p.add_argument("--muon-lr", type=float, default=None, help="Megatron Muon's matrix lr (default: --lr)")
+    p.add_argument("--muon-scale-mode", default="unit_rms_norm",
+                   help="Megatron Muon's update scale: unit_rms_norm = sqrt(rows/cols), the scale Dion3's default "
+                        "adjust_lr (spectral_norm) applies, so one --lr fits both; Megatron's own default, "
+                        "spectral = sqrt(max(rows, cols)), expects an AdamW-sized lr (~1e-3)")
+    p.add_argument("--muon-tp-mode", default="blockwise", help="Megatron Muon's TP mode (Megatron's default)")
+    p.add_argument("--json", help="append one JSON line per run here (rank 0)")
     p.add_argument("--cpu", action="store_true", help="gloo + dion3_megatron.megatron.cpu (smoke test only)")
     return p.parse_args(argv)
 
@@ -53,7 +61,7 @@ def synthetic_batch(gen, batch, seq, vocab, successor, device):
     return tokens.to(device)
 
 
-def run(args, name, device):
+def run(args, name, device, tp, fraction):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -66,14 +74,14 @@ def run(args, name, device):
     from megatron.training.training import wrap_model_chunks_with_ddp
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         num_query_groups=args.heads // 4, ffn_hidden_size=args.ffn, kv_channels=args.hidden // args.heads,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-        gradient_accumulation_fusion=False, tensor_model_parallel_size=args.tp, gated_linear_unit=True,
+        gradient_accumulation_fusion=False, tensor_model_parallel_size=tp, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, normalization="RMSNorm", init_method_std=0.02,
     )
@@ -86,6 +94,8 @@ def run(args, name, device):
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = chunks[0].no_sync
     lr = args.adam_lr if name == "adam" else args.lr
+    if name == "muon" and args.muon_lr is not None:
+        lr = args.muon_lr
     ocfg = OptimizerConfig(
         optimizer=name, lr=lr, min_lr=lr / 10, weight_decay=0.01, bf16=True, clip_grad=1.0,
         adam_beta1=0.9, adam_beta2=0.95, use_distributed_optimizer=True,
@@ -93,7 +103,10 @@ def run(args, name, device):
         decoupled_lr=None if name == "adam" else args.adam_lr, decoupled_min_lr=args.adam_lr / 10,
     )
     if name == "dion3":
-        ocfg.dion3_fraction = args.fraction
+        ocfg.dion3_fraction = fraction
+    if name == "muon":
+        ocfg.muon_scale_mode = args.muon_scale_mode
+        ocfg.muon_tp_mode = args.muon_tp_mode
     opt = get_megatron_optimizer(ocfg, chunks)
     sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=args.steps // 10,
                                     lr_decay_steps=args.steps, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
@@ -135,9 +148,23 @@ def run(args, name, device):
             loss = out[0]["loss"].clone() if out else torch.zeros((), device=device)
             dist.all_reduce(loss)
             losses.append((step, round(loss.item() / dist.get_world_size(), 4)))
-    return dict(optimizer=name, tp=args.tp, dp=dp, steps=args.steps, losses=losses,
-                opt_step_ms=round(1e3 * statistics.median(step_times), 2) if step_times else None,
-                train_step_ms=round(1e3 * statistics.median(total), 2) if total else None)
+    params = sum(p.numel() for p in model.parameters())
+    dist.all_reduce(t := torch.tensor(float(params), device=device))  # sum of TP shards (norms counted tp times)
+    result = dict(optimizer=name, tp=tp, dp=dp, layers=args.layers, hidden=args.hidden, steps=args.steps, lr=lr,
+                  params=int(t.item()) // dp, losses=losses,
+                  opt_step_ms=round(1e3 * statistics.median(step_times), 2) if step_times else None,
+                  train_step_ms=round(1e3 * statistics.median(total), 2) if total else None)
+    if len(step_times) >= 4:
+        q = statistics.quantiles(step_times, n=4)
+        result["opt_step_ms_q1_q3"] = [round(1e3 * q[0], 2), round(1e3 * q[2], 2)]
+    if name == "dion3":
+        result["fraction"] = fraction
+    if name == "muon":
+        result.update(muon_scale_mode=args.muon_scale_mode, muon_tp_mode=args.muon_tp_mode)
+    del opt, chunks, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
 
 
 def main(argv=None):
@@ -155,16 +182,22 @@ def main(argv=None):
     from . import register
 
     register()
-    for name in args.optimizers.split(","):
-        try:
-            result = run(args, name, device)
-        except Exception as e:  # noqa: BLE001 - report and go on with the next optimizer
-            result = dict(optimizer=name, tp=args.tp, error=f"{type(e).__name__}: {e}"[:500])
-            import traceback
+    for tp in (int(t) for t in str(args.tp).split(",")):
+        for spec in args.optimizers.split(","):
+            name, _, frac = spec.partition("@")
+            fraction = float(frac) if frac else args.fraction
+            try:
+                result = run(args, name, device, tp, fraction)
+            except Exception as e:  # noqa: BLE001 - report and go on with the next optimizer
+                result = dict(optimizer=spec, tp=tp, error=f"{type(e).__name__}: {e}"[:500])
+                import traceback
 
-            traceback.print_exc()
-        if dist.get_rank() == 0:
-            print("BENCH " + json.dumps(result), flush=True)
+                traceback.print_exc()
+            if dist.get_rank() == 0:
+                print("BENCH " + json.dumps(result), flush=True)
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps(result) + "\n")
     dist.barrier()
     dist.destroy_process_group()
 

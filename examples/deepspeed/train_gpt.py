@@ -7,9 +7,10 @@
 The only Dion3-specific line is ``import dion3_megatron.deepspeed`` (it registers
 ``"type": "Dion3"``); ``param_groups`` puts embeddings, the output head, norms and biases on
 AdamW, as DeepSpeed's Muon does. The corpus is the running Python's standard-library sources.
-Prints the loss, the iteration time and the time of ``engine.step()`` (at a gradient-accumulation
-boundary: gradient norm, clipping, the optimizer step, the ZeRO all-gather) and the time spent in
-the optimizer's own ``step()``; ``--json`` writes them.
+Prints the loss, the iteration time, the forward and backward times (the backward holds ZeRO's
+gradient reduction, where DeepSpeed's Muon orthogonalizes), the time of ``engine.step()`` (at a
+gradient-accumulation boundary: gradient norm, clipping, the optimizer step, the ZeRO all-gather)
+and the time spent in the optimizer's own ``step()``; ``--json`` writes them.
 """
 
 from __future__ import annotations
@@ -128,22 +129,29 @@ def main() -> None:
     micro = engine.train_micro_batch_size_per_gpu()
     ga = engine.gradient_accumulation_steps()
     gen = torch.Generator().manual_seed(1234)
-    losses, iter_times, step_times = [], [], []
+    losses, iter_times, step_times, fwd_times, bwd_times = [], [], [], [], []
     for step in range(args.steps):
         sync()
         t0 = time.perf_counter()
-        total = 0.0
+        total, fwd, bwd = 0.0, 0.0, 0.0
         for _ in range(ga):
             starts = torch.randint(0, corpus.numel() - args.seq - 1, (world, micro), generator=gen)[rank]
             tokens = torch.stack([corpus[s : s + args.seq] for s in starts.tolist()]).to(device)
+            sync()
+            ta = time.perf_counter()
             loss = engine(tokens)
-            engine.backward(loss)
+            sync()
+            tb = time.perf_counter()
+            engine.backward(loss)  # ZeRO's gradient reduction (and DeepSpeed Muon's orthogonalization) runs here
             sync()
             t1 = time.perf_counter()
+            fwd, bwd = fwd + tb - ta, bwd + t1 - tb
             engine.step()
             total += float(loss.detach()) / ga
         sync()
         step_times.append(time.perf_counter() - t1)
+        fwd_times.append(fwd)
+        bwd_times.append(bwd)
         inner_times.append(inner_acc[0])
         inner_acc[0] = 0.0
         iter_times.append(time.perf_counter() - t0)
@@ -152,6 +160,7 @@ def main() -> None:
         losses.append(loss_t.item() / world)
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {losses[-1]:.4f}  iter {iter_times[-1] * 1e3:.1f} ms  "
+                  f"fwd {fwd_times[-1] * 1e3:.1f} ms  bwd {bwd_times[-1] * 1e3:.1f} ms  "
                   f"engine.step {step_times[-1] * 1e3:.1f} ms  optimizer.step {inner_times[-1] * 1e3:.1f} ms",
                   flush=True)
 
@@ -166,6 +175,8 @@ def main() -> None:
         "final_loss_mean_last10": statistics.mean(losses[-10:]),
         "median_iter_ms": statistics.median(iter_times[warm]) * 1e3,
         "median_engine_step_ms": statistics.median(step_times[warm]) * 1e3,
+        "median_forward_ms": statistics.median(fwd_times[warm]) * 1e3,
+        "median_backward_ms": statistics.median(bwd_times[warm]) * 1e3,
         "median_inner_optimizer_step_ms": statistics.median(inner_times[warm]) * 1e3,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
