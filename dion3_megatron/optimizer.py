@@ -253,18 +253,14 @@ class Dion3(torch.optim.Optimizer):
         if not self._check_gradients():
             self.skip_step()
             return loss
-        # Selected row blocks of the same shape are orthogonalized together.
-        batches: dict[tuple, list] = defaultdict(list)
         self._resolve_auto_fractions()
+        matrices = []
         for group in self.param_groups:
             group_hp = self.hyperparameters(group)
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self._init_state(group, p)
-                hp = group_hp
-                if p in self._auto_fractions:
-                    hp = dataclasses.replace(group_hp, fraction=self._auto_fractions[p])
                 if self.algorithm_of(group, p) == "adamw":
                     state["step"] += 1
                     rule.adamw_step(
@@ -272,16 +268,10 @@ class Dion3(torch.optim.Optimizer):
                         group["lr"], group["betas"], group["eps"], group["weight_decay"],
                     )
                     continue
-                momentum = matrix_view(state["momentum"])
-                momentum.add_(matrix_view(p.grad))
-                idx = rule.select_rows(rule.row_scores(momentum), hp.fraction, hp.num_heads)
-                selected = rule.take_selected(momentum, idx, hp.mu)
-                key = (tuple(selected.shape[1:]), selected.device, hp.ns_method, hp.ns_dtype)
-                batches[key].append((p, state, hp, idx, selected))
-        for entries in batches.values():
-            stacked = torch.cat([e[4] for e in entries]) if len(entries) > 1 else entries[0][4]
-            ortho = rule.orthogonalize_rows(stacked, entries[0][2]).split([e[4].shape[0] for e in entries])
-            for (p, state, hp, idx, _), block in zip(entries, ortho):
-                weight = matrix_view(p)
-                rule.finish_update(weight, state["variance"], idx, block, hp, weight.shape[-2], weight.shape[-1])
+                hp = group_hp
+                if p in self._auto_fractions:
+                    hp = dataclasses.replace(group_hp, fraction=self._auto_fractions[p])
+                matrices.append(rule.WholeMatrices(matrix_view(p), matrix_view(p.grad), matrix_view(state["momentum"]),
+                                                   state["variance"], hp))
+        rule.step_whole_matrices(matrices)
         return loss

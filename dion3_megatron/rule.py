@@ -288,6 +288,35 @@ def orthogonalize_rows(selected: torch.Tensor, hp: Dion3Hyperparameters) -> torc
     return orthogonalize(selected, hp.ns_method, hp.ns_dtype, out_dtype=torch.float32)
 
 
+@dataclass
+class WholeMatrices:
+    """A batch of whole matrices one process steps by itself: (B, n, c) views of the weight, the
+    gradient and the momentum, and the (B, n) per-row variance (any views, written in place)."""
+
+    weight: torch.Tensor
+    grad: torch.Tensor
+    momentum: torch.Tensor
+    variance: torch.Tensor
+    hp: Dion3Hyperparameters  # fraction already a number
+
+
+def step_whole_matrices(entries: list[WholeMatrices]) -> None:
+    """The Dion3 step of whole matrices on one process; selected blocks of one shape are
+    orthogonalized as one batch (the single-process form of megabatching)."""
+    batches: dict[tuple, list] = {}
+    for e in entries:
+        e.momentum.add_(e.grad)
+        idx = select_rows(row_scores(e.momentum), e.hp.fraction, e.hp.num_heads)
+        selected = take_selected(e.momentum, idx, e.hp.mu)
+        key = (tuple(selected.shape[1:]), selected.device, e.hp.ns_method, e.hp.ns_dtype)
+        batches.setdefault(key, []).append((e, idx, selected))
+    for batch in batches.values():
+        stacked = torch.cat([b[2] for b in batch]) if len(batch) > 1 else batch[0][2]
+        ortho = orthogonalize_rows(stacked, batch[0][0].hp).split([b[2].shape[0] for b in batch])
+        for (e, idx, _), block in zip(batch, ortho):
+            finish_update(e.weight, e.variance, idx, block, e.hp, e.weight.shape[-2], e.weight.shape[-1])
+
+
 # --------------------------------------------------------------------------------------------
 # AdamW for the parameters Dion3 does not take (biases, norms, embeddings, output head).
 

@@ -215,6 +215,18 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
     out["replicas_equal"] = _replicas_equal(runs["s2"][0])
     out["straddling"] = {k: _straddling(runs[k][0]) for k in ("s1", "s2", "s2_ga")}
     del runs
+    # fraction="auto": resolved on the slices (whole matrices here, straddling ones in the engine).
+    auto = {stage: make_engine(config(stage, world=world, fraction="auto")) for stage in (0, 1)}
+    for engine in auto.values():
+        train(engine, 3)
+    out["auto_diff"] = max_diff(params_of(auto[1]), params_of(auto[0]))
+    zero_plans = _basic(auto[1])._zero_plans.values()
+    out["auto_fractions"] = {
+        "s0": sorted(set(_basic(auto[0]).fractions.values())),
+        "s1_whole": sorted({f for plan in zero_plans for f in plan.whole_fractions}),
+        "s1_engine": sorted({f for plan in zero_plans if plan.engine for f in plan.engine.auto_fractions().values()}),
+    }
+    del auto
     out["seconds"]["equivalence"] = time.time() - t0
 
     # Checkpoint: save at step 3, resume == uninterrupted; ds_to_universal, then load at another stage.

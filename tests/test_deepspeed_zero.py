@@ -46,6 +46,13 @@ def test_zero1_and_zero2_equal_zero0_fp32(two_ranks):
         assert out["straddling"][run] >= 1, out["straddling"]  # the comparison covers straddling matrices
 
 
+def test_auto_fraction_under_zero1_equals_zero0(two_ranks):
+    out = two_ranks[0]
+    # The test model's matrices have fewer rows than the auto floor: every path must choose f = 1.
+    assert out["auto_fractions"] == {"s0": [1.0], "s1_whole": [1.0], "s1_engine": [1.0]}, out["auto_fractions"]
+    assert out["auto_diff"] <= TOL
+
+
 def test_gradient_accumulation_and_param_groups_equal_zero0(two_ranks):
     out = two_ranks[0]
     for run in ("s1_ga", "s2_ga"):

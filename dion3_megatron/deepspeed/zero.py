@@ -24,6 +24,8 @@ first element of each touched row of ``exp_avg_sq``, after the step written back
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import megabatch, rule
+from .. import device_speed, megabatch, rule
+from ..ortho import default_ns_dtype
 from ..optimizer import Dion3
 
 def is_zero_linked(p: torch.Tensor) -> bool:
@@ -125,7 +128,8 @@ class ZeroGroupPlan:
         self.rank = dist.get_rank(self.group_pg)
         device = self.flat.device
         ranges = _gather_ranges(linked, self.group_pg, device)
-        self.pieces: list[_Piece] = []
+        self.pieces: list[_Piece] = []  # matrices split over ranks: through the engine
+        self.whole: list[tuple[int, int, int]] = []  # (offset, rows, cols) of matrices only this rank holds
         adamw_runs: list[tuple[int, int]] = []
         for j, p in enumerate(linked):
             where = f"Dion3 param group {index}, param {j} (shape {tuple(p.shape)})"
@@ -142,6 +146,11 @@ class ZeroGroupPlan:
                 mbounds = [min(max(b - a, 0), n * m) for b in bounds]
                 lo, hi = mbounds[self.rank], mbounds[self.rank + 1]
                 offset = hp_start + (a + lo - lp_lo) if hi > lo else 0
+                holders = [q for q in range(self.world) if mbounds[q + 1] > mbounds[q]]
+                if len(holders) == 1:  # one rank holds it all: it steps it alone, no communication
+                    if holders[0] == self.rank:
+                        self.whole.append((offset, n, m))
+                    continue
                 counts, firsts = _touched_rows(lo, hi, m, device)
                 name = f"group{index}.param{j}" + (f".matrix{e}" if p.dim() == 3 else "")
                 shard = megabatch.MatrixShard(
@@ -156,6 +165,7 @@ class ZeroGroupPlan:
                 )
                 self.pieces.append(_Piece(shard, offset, hi - lo, counts, firsts))
         self.adamw_runs = _merge_runs(adamw_runs)
+        self.whole_fractions: list[float] = []  # what fraction="auto" chose for self.whole
         self.engine = None
         self._state_ids: tuple = ()
 
@@ -195,6 +205,7 @@ class ZeroGroupPlan:
                 shard.state["variance"].copy_(exp_avg_sq.narrow(0, piece.offset, piece.length)[piece.row_firsts])
         if self.pieces:
             self.engine.step()
+        self._step_whole(hp, flat, grad, exp_avg, exp_avg_sq)
         for piece in self.pieces:
             if not piece.length:
                 continue
@@ -213,6 +224,30 @@ class ZeroGroupPlan:
                     exp_avg.narrow(0, start, length), exp_avg_sq.narrow(0, start, length),
                     step, group["lr"], group["betas"], group["eps"], group["weight_decay"],
                 )
+
+
+    def _step_whole(self, hp: rule.Dion3Hyperparameters, flat, grad, exp_avg, exp_avg_sq) -> None:
+        """The matrices only this rank holds: the single-process step on views of the slice."""
+        if hp.fraction == rule.AUTO and len(self.whole_fractions) != len(self.whole):
+            self.whole_fractions = self._auto_fractions(hp)  # collective: every rank of the group calls it
+        if not self.whole:
+            return
+        entries = []
+        for i, (offset, n, m) in enumerate(self.whole):
+            view = [t.narrow(0, offset, n * m).view(1, n, m) for t in (flat, grad, exp_avg, exp_avg_sq)]
+            fraction = self.whole_fractions[i] if hp.fraction == rule.AUTO else hp.fraction
+            entries.append(rule.WholeMatrices(view[0], view[1], view[2], view[3][..., 0],
+                                              dataclasses.replace(hp, fraction=fraction)))
+        rule.step_whole_matrices(entries)
+        for offset, n, m in self.whole:  # each row's variance, repeated over the row (the slice's layout)
+            rows = exp_avg_sq.narrow(0, offset, n * m).view(n, m)
+            rows[:, 1:] = rows[:, :1]
+
+    def _auto_fractions(self, hp: rule.Dion3Hyperparameters) -> list[float]:
+        device = self.flat.device
+        speed = device_speed.for_group(device, hp.ns_dtype or default_ns_dtype(device), self.group_pg)
+        count = collections.Counter((n, m) for _, n, m in self.whole)
+        return [rule.auto_fraction(n, m, speed, 1, count[n, m], hp.ns_method, hp.num_heads) for _, n, m in self.whole]
 
 
 _WARNED_TP = False
