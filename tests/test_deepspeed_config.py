@@ -38,6 +38,18 @@ def test_json_spellings_are_converted():
     assert normalize_params({"fraction": "auto"})["fraction"] == "auto"
 
 
+def test_adamw_lr_sets_the_lr_of_the_adamw_parameters_only():
+    matrix, bias = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))
+    opt = DeepSpeedDion3([matrix, bias], lr=0.02, adamw_lr=0.002)
+    lrs = {id(p): (g["lr"], DeepSpeedDion3.algorithm_of(g, p)) for g in opt.param_groups for p in g["params"]}
+    assert lrs == {id(matrix): (0.02, "dion3"), id(bias): (0.002, "adamw")}
+    embed = torch.nn.Parameter(torch.randn(8, 4))
+    groups = [{"params": [matrix], "algorithm": "dion3"}, {"params": [embed], "algorithm": "adamw"},
+              {"params": [bias], "algorithm": "adamw", "lr": 0.001}]
+    opt = DeepSpeedDion3(groups, lr=0.02, adamw_lr=0.002)
+    assert [g["lr"] for g in opt.param_groups] == [0.02, 0.002, 0.001]
+
+
 @pytest.mark.parametrize(
     "params, words",
     [
@@ -48,6 +60,8 @@ def test_json_spellings_are_converted():
         ({"fraction": 0}, ["fraction must be in (0, 1]"]),
         ({"fraction": 1.5}, ["fraction must be in (0, 1]"]),
         ({"fraction": "half"}, ["fraction must be a finite number"]),
+        ({"adamw_lr": 0}, ["adamw_lr must be > 0"]),
+        ({"adam_lr": 0.002}, ["'adam_lr'", "Dion3 calls it 'adamw_lr'"]),
         ({"mu": 1.0}, ["mu must be in [0, 1)"]),
         ({"beta2": -0.1}, ["beta2 must be in [0, 1)"]),
         ({"lr": -1}, ["lr must be >= 0"]),

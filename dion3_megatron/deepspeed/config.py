@@ -18,7 +18,8 @@ WHERE = 'DeepSpeed config "optimizer": {"type": "Dion3", "params": ...}'
 
 # key -> what it means (also the error message's list of allowed keys).
 ALLOWED = {
-    "lr": "learning rate (Dion3 and AdamW)",
+    "lr": "learning rate (Dion3, and AdamW unless adamw_lr is given)",
+    "adamw_lr": "learning rate of the parameters on AdamW (embeddings, output head, norms, biases), > 0",
     "fraction": "share of each matrix's rows updated per step, in (0, 1], or \"auto\" (chosen per matrix)",
     "mu": "momentum decay of the applied rows, in [0, 1)",
     "beta2": "NorMuon per-row second-moment decay, in [0, 1)",
@@ -35,6 +36,7 @@ ALLOWED = {
 # Keys people carry over from other optimizers' configs, with what to use instead.
 HINTS = {
     "momentum": "Dion3 calls its momentum 'mu'",
+    "adam_lr": "Dion3 calls it 'adamw_lr'",
     "beta1": "Dion3 calls its momentum 'mu' (AdamW's are 'betas')",
     "nesterov": "Dion3 uses heavy-ball momentum with error feedback; there is no Nesterov option",
     "ns_steps": "Dion3 runs 5 Polar Express steps; choose the method with 'ns_method'",
@@ -45,7 +47,7 @@ HINTS = {
     "selection": "row selection is global (top-k over the whole matrix) under ZeRO, so every stage gives the same result",
 }
 
-_NUMBERS = ("lr", "fraction", "mu", "beta2", "weight_decay", "eps")
+_NUMBERS = ("lr", "adamw_lr", "fraction", "mu", "beta2", "weight_decay", "eps")
 
 
 def _is_number(v: Any) -> bool:
@@ -93,6 +95,8 @@ def normalize_params(params: dict[str, Any]) -> dict[str, Any]:
             out["ns_dtype"] = rule.NS_DTYPES[dt]
         elif dt is not None and dt not in rule.NS_DTYPES.values():
             raise ValueError(f"{WHERE}: ns_dtype must be null or one of {list(rule.NS_DTYPES)}, got {dt!r}")
+    if "adamw_lr" in out and not out["adamw_lr"] > 0:
+        raise ValueError(f"{WHERE}: adamw_lr must be > 0, got {out['adamw_lr']!r}")
     hp = {k: v for k, v in out.items() if k in rule.Dion3Hyperparameters.__dataclass_fields__}
     rule.check_hyperparameters(WHERE, **hp)
     return out
