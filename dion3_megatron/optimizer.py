@@ -33,6 +33,18 @@ def matrix_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(1, t.shape[0], -1)  # view, not reshape: updates must land in the tensor itself
 
 
+def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A 0-d bool tensor on the tensors' device: no element of any tensor is NaN or +-inf.
+
+    One multi-tensor max-abs reduction (NaN propagates through it, +-inf becomes inf) instead of
+    several kernels per tensor; the caller decides when to sync on the answer.
+    """
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return torch.ones((), dtype=torch.bool)
+    return torch.stack(torch._foreach_norm(tensors, float("inf"))).isfinite().all()
+
+
 def announce_skipped_step(skipped_so_far: int) -> None:
     """The warning every Dion3 front end gives when a non-finite gradient skips a step."""
     warnings.warn(
@@ -226,18 +238,18 @@ class Dion3(torch.optim.Optimizer):
 
     def _check_gradients(self) -> bool:
         """Validate gradients; True when all are finite (one host sync for the whole model)."""
-        flags = []
+        grads = []
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise ValueError(f"param group {gi}: Dion3 does not support sparse gradients")
-                # min and max are NaN or inf exactly when some element is; no full-size temporary.
-                flags.append(torch.isfinite(torch.stack(torch.aminmax(p.grad))).all())
-        if not flags:
-            return True
-        return bool(torch.stack(flags).all())  # one host sync for the whole model
+                grads.append(p.grad)
+        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for g in grads:
+            by_device[g.device].append(g)
+        return all(bool(all_finite(same)) for same in by_device.values())  # one host sync per device
 
     def skip_step(self) -> None:
         """Count and announce a step skipped for a non-finite gradient (nothing else changes)."""

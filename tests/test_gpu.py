@@ -11,6 +11,12 @@ from dist_utils import run_distributed
 pytestmark = pytest.mark.gpu
 
 
+def test_all_finite_on_cuda(generator):
+    from test_optimizer import check_all_finite
+
+    check_all_finite(torch.device("cuda"), generator)
+
+
 def one_step(device, ns_dtype, weight, grad, fraction):
     p = torch.nn.Parameter(weight.to(device).clone())
     p.grad = grad.to(device).clone()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dion3_megatron import Dion3, rule
+from dion3_megatron import optimizer as optimizer_module
 
 
 def step_with(params, grads, **kwargs):
@@ -207,6 +208,26 @@ def test_sparse_gradient_is_refused():
     embedding(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(ValueError, match="param group 0: Dion3 does not support sparse gradients"):
         opt.step()
+
+
+def check_all_finite(device, generator):
+    """all_finite flags exactly the tensors holding NaN, +inf or -inf, in any dtype, at any position."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        tensors = [torch.randn(n, generator=generator).to(device=device, dtype=dtype) for n in (3, 5000, 70001)]
+        tensors.append(torch.full((7,), torch.finfo(dtype).max, device=device, dtype=dtype))  # huge but finite
+        assert bool(optimizer_module.all_finite(tensors))
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for t in tensors:
+                where = int(torch.randint(t.numel(), (), generator=generator))
+                kept = t[where].clone()
+                t[where] = bad
+                assert not bool(optimizer_module.all_finite(tensors)), (dtype, bad, t.numel(), where)
+                t[where] = kept
+    assert bool(optimizer_module.all_finite([torch.empty(0, device=device)]))
+
+
+def test_all_finite(generator):
+    check_all_finite(torch.device("cpu"), generator)
 
 
 @pytest.mark.parametrize("bad_value", [float("inf"), float("nan")])
