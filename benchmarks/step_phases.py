@@ -1,0 +1,150 @@
+"""Where Dion3's optimizer step spends its time inside Megatron or DeepSpeed training.
+
+Wraps the phases of the step (finite check, shard refresh, the engine and its per-shape-group
+parts, the ZeRO plan, the whole-matrix path) with timers between two device synchronizations,
+runs a training harness unchanged, and prints each phase's median on rank 0; one step (the
+``--profile-call``-th engine step) also runs under torch.profiler, which prints its aten-op count
+and the top kernels. The synchronizations change what they measure a little (no overlap across
+phases): read the numbers as a breakdown, not as the step time.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/step_phases.py megatron --tp 2 --optimizers dion3 \\
+        --layers 12 --hidden 2048 --heads 16 --ffn 5632 --steps 30
+    torchrun --standalone --nproc-per-node 2 benchmarks/step_phases.py deepspeed \\
+        examples/deepspeed/train_gpt.py --config examples/deepspeed/ds_config_dion3.json --width 2048 --layers 12 --steps 16
+
+Everything after the harness name goes to the harness (``dion3_megatron.megatron.bench``, or the
+given DeepSpeed training script).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import runpy
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+
+from dion3_megatron import megabatch
+
+TIMES: dict[str, list[float]] = collections.defaultdict(list)
+PROFILE_CALL = int(os.environ.get("STEP_PHASES_PROFILE_CALL", "10"))
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def timed(owner: type, name: str, label: str) -> None:
+    """Replace ``owner.name`` by a version that records its synchronized wall time under ``label``."""
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        synchronize()
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            synchronize()
+            TIMES[label].append(time.perf_counter() - start)
+
+    setattr(owner, name, wrapper)
+
+
+def profile_one_call(owner: type, name: str) -> None:
+    """Run the PROFILE_CALL-th call of ``owner.name`` under torch.profiler (tables on rank 0)."""
+    original: Callable = getattr(owner, name)
+    calls = [0]
+
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] != PROFILE_CALL:
+            return original(*args, **kwargs)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            out = original(*args, **kwargs)
+            synchronize()
+        if rank0():
+            events = prof.key_averages()
+            print(f"PROFILE {owner.__name__}.{name} call {calls[0]}: "
+                  f"{sum(e.count for e in events if e.key.startswith('aten::'))} aten ops", flush=True)
+            sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            print(events.table(sort_by=sort, row_limit=20), flush=True)
+        return out
+
+    setattr(owner, name, wrapper)
+
+
+def report(title: str) -> None:
+    if rank0():
+        print(f"PHASES {title}", flush=True)
+        for label, values in TIMES.items():
+            values = values[len(values) // 4:]  # skip the first quarter (warm-up, engine build)
+            if values:
+                print(f"  {label:48s} median {1e3 * statistics.median(values):8.2f} ms  x{len(values)}", flush=True)
+    TIMES.clear()
+
+
+def engine_phases() -> None:
+    profile_one_call(megabatch.Dion3Engine, "step")
+    timed(megabatch.Dion3Engine, "step", "  engine.step")
+    timed(megabatch.Dion3Engine, "_accumulate_and_score", "    accumulate + score (per shape group)")
+    timed(megabatch.Dion3Engine, "_step_batched", "    exchange + update, row/col blocks (per group)")
+    timed(megabatch.Dion3Engine, "_step_group", "    exchange + update, general path (per group)")
+
+
+def megatron(argv: list[str]) -> None:
+    from megatron.core.optimizer import optimizer as core_optimizer
+
+    from dion3_megatron.megatron import bench
+    from dion3_megatron.megatron.optimizer import MegatronDion3
+
+    engine_phases()
+    timed(core_optimizer.ChainedOptimizer, "step", "Megatron optimizer.step (all of it)")
+    timed(MegatronDion3, "step", "Dion3 inner step")
+    timed(MegatronDion3, "_gradients_finite", "  finite check")
+    timed(MegatronDion3, "_ensure_engine", "  refresh shards")
+    run = bench.run
+
+    def run_and_report(args, name, device, tp, fraction):
+        TIMES.clear()
+        try:
+            return run(args, name, device, tp, fraction)
+        finally:
+            report(f"{name} tp={tp} f={fraction}")
+
+    bench.run = run_and_report
+    bench.main(argv)
+
+
+def deepspeed(argv: list[str]) -> None:
+    from dion3_megatron.deepspeed import zero
+
+    engine_phases()
+    timed(zero.ZeroGroupPlan, "step", "ZeRO plan step (per param group)")
+    timed(zero.ZeroGroupPlan, "_step_whole", "  matrices one rank holds whole")
+    sys.argv = argv
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    finally:
+        report(argv[0])
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in ("megatron", "deepspeed"):
+        raise SystemExit("usage: step_phases.py {megatron BENCH_ARGS | deepspeed SCRIPT ARGS}")
+    {"megatron": megatron, "deepspeed": deepspeed}[sys.argv[1]](sys.argv[2:])
+
+
+if __name__ == "__main__":
+    main()
