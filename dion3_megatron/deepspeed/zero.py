@@ -129,7 +129,9 @@ class ZeroGroupPlan:
         device = self.flat.device
         ranges = _gather_ranges(linked, self.group_pg, device)
         self.pieces: list[_Piece] = []  # matrices split over ranks: through the engine
-        self.whole: list[tuple[int, int, int]] = []  # (offset, rows, cols) of matrices only this rank holds
+        # (offset, count, rows, cols): runs of adjacent same-shape matrices only this rank holds,
+        # stepped as one (count, rows, cols) batch (e.g. one layer's Q, K, V and projection).
+        self.whole: list[tuple[int, int, int, int]] = []
         adamw_runs: list[tuple[int, int]] = []
         for j, p in enumerate(linked):
             where = f"Dion3 param group {index}, param {j} (shape {tuple(p.shape)})"
@@ -149,7 +151,7 @@ class ZeroGroupPlan:
                 holders = [q for q in range(self.world) if mbounds[q + 1] > mbounds[q]]
                 if len(holders) == 1:  # one rank holds it all: it steps it alone, no communication
                     if holders[0] == self.rank:
-                        self.whole.append((offset, n, m))
+                        self._add_whole(offset, n, m)
                     continue
                 counts, firsts = _touched_rows(lo, hi, m, device)
                 name = f"group{index}.param{j}" + (f".matrix{e}" if p.dim() == 3 else "")
@@ -233,21 +235,31 @@ class ZeroGroupPlan:
         if not self.whole:
             return
         entries = []
-        for i, (offset, n, m) in enumerate(self.whole):
-            view = [t.narrow(0, offset, n * m).view(1, n, m) for t in (flat, grad, exp_avg, exp_avg_sq)]
+        for i, (offset, count, n, m) in enumerate(self.whole):
+            view = [t.narrow(0, offset, count * n * m).view(count, n, m) for t in (flat, grad, exp_avg, exp_avg_sq)]
             fraction = self.whole_fractions[i] if hp.fraction == rule.AUTO else hp.fraction
             entries.append(rule.WholeMatrices(view[0], view[1], view[2], view[3][..., 0],
                                               dataclasses.replace(hp, fraction=fraction)))
         rule.step_whole_matrices(entries)
-        for offset, n, m in self.whole:  # each row's variance, repeated over the row (the slice's layout)
-            rows = exp_avg_sq.narrow(0, offset, n * m).view(n, m)
+        for offset, count, n, m in self.whole:  # each row's variance, repeated over the row (the slice's layout)
+            rows = exp_avg_sq.narrow(0, offset, count * n * m).view(count * n, m)
             rows[:, 1:] = rows[:, :1]
 
     def _auto_fractions(self, hp: rule.Dion3Hyperparameters) -> list[float]:
         device = self.flat.device
         speed = device_speed.for_group(device, hp.ns_dtype or default_ns_dtype(device), self.group_pg)
-        count = collections.Counter((n, m) for _, n, m in self.whole)
-        return [rule.auto_fraction(n, m, speed, 1, count[n, m], hp.ns_method, hp.num_heads) for _, n, m in self.whole]
+        matrices = collections.Counter()
+        for _, count, n, m in self.whole:
+            matrices[n, m] += count
+        return [rule.auto_fraction(n, m, speed, 1, matrices[n, m], hp.ns_method, hp.num_heads) for _, _, n, m in self.whole]
+
+    def _add_whole(self, offset: int, n: int, m: int) -> None:
+        if self.whole:
+            last_offset, count, last_n, last_m = self.whole[-1]
+            if (last_n, last_m) == (n, m) and last_offset + count * n * m == offset:
+                self.whole[-1] = (last_offset, count + 1, n, m)
+                return
+        self.whole.append((offset, 1, n, m))
 
 
 _WARNED_TP = False
