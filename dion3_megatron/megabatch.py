@@ -434,11 +434,17 @@ class Dion3Engine:
                 scores[i] = part.view(scores[i].shape)
         chosen = {i: rule.select_rows(t, self.plan[i].fraction, self.plan[i].hp.num_heads)
                   for i, t in scores.items() if t is not None}
-        if chosen:
-            on_host = torch.cat([c.view(-1) for c in chosen.values()]).cpu()  # the one sync
-            chosen = {i: part.view(c.shape) for (i, c), part in zip(chosen.items(), on_host.split([c.numel() for c in chosen.values()]))}
+        # Groups on one rank need no exchange plan: their rows stay on the device, unsynced.
+        local = {i for i in subs if self.plan[i].world == 1}
+        exchanged = {i: c for i, c in chosen.items() if i not in local}
+        if exchanged:
+            on_host = torch.cat([c.view(-1) for c in exchanged.values()]).cpu()  # the one sync
+            sizes = [c.numel() for c in exchanged.values()]
+            chosen.update({i: part.view(c.shape) for (i, c), part in zip(exchanged.items(), on_host.split(sizes))})
         for i, sg in enumerate(self.plan):
-            if i in subs:
+            if i in local:
+                self._step_local(sg, subs[i], chosen[i])
+            elif i in subs:
                 self._step_batched(sg, subs[i], chosen[i])
             else:
                 self._step_group(sg, chosen.get(i))
@@ -516,6 +522,27 @@ class Dion3Engine:
                         buffer[b].copy_(state[key])
                         state[key] = buffer[b]
         return subs
+
+    @staticmethod
+    def _step_local(sg: ShapeGroup, subs: list["_SubBatch"], chosen: torch.Tensor) -> None:
+        """A group whose matrices this rank holds whole: select, orthogonalize and update on the
+        device with no host round trip; ``chosen`` (B, k) stays on the device."""
+        n, m = sg.key[0]
+        hp, shards = sg.hp, sg.shards
+        for sub in subs:
+            idx = chosen[sub.index_on_device]
+            mus = [shards[j].hp.mu for j in sub.index]
+            mu = mus[0] if len(set(mus)) == 1 else torch.tensor(mus, device=idx.device)
+            selected = rule.take_selected(sub.momentum, idx, mu)
+            ortho = rule.orthogonalize_rows(selected, hp)
+            normalized, new_variance = rule.normalize_rows(ortho, torch.gather(sub.variance, 1, idx), hp.beta2, hp.eps)
+            sub.variance.scatter_(1, idx, new_variance)
+            members = [shards[j] for j in sub.index]
+            rule.apply_updates(
+                [s.weight.view(n, m) for s in members], list(idx.unbind(0)), list(normalized.unbind(0)),
+                [s.hp.lr for s in members], [s.hp.weight_decay for s in members],
+                [rule.update_scale(n, m, s.hp.adjust_lr, sg.fraction, s.hp.scale_lr_by_fraction) for s in members],
+            )
 
     def _step_batched(self, sg: ShapeGroup, subs: list["_SubBatch"], chosen: torch.Tensor) -> None:
         """Exchange and update for a group of row/column blocks; ``chosen`` (B, k) on the host."""

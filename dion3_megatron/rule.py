@@ -123,10 +123,14 @@ def gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.gather(t, 1, _row_index(idx, t.shape[-1]))
 
 
-def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float) -> torch.Tensor:
-    """Copy out the selected rows of the momentum, then decay them there by mu (error feedback)."""
+def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float | torch.Tensor) -> torch.Tensor:
+    """Copy out the selected rows of the momentum, then decay them there by mu (error feedback).
+
+    mu: a number, or one per matrix of the batch (B,).
+    """
     selected = gather_rows(momentum, idx)
-    momentum.scatter_(1, _row_index(idx, momentum.shape[-1]), selected * mu)
+    decay = mu if not torch.is_tensor(mu) else mu.view(-1, 1, 1)
+    momentum.scatter_(1, _row_index(idx, momentum.shape[-1]), selected * decay)
     return selected
 
 

@@ -149,6 +149,30 @@ def test_unsharded_matrices_step_locally_like_the_optimizer():
     assert max_relative_error([s.weight for s in shards], single_process(SHAPES, 0.25, seed)) <= 1e-6
 
 
+def test_unsharded_matrices_never_wait_for_the_host_and_keep_per_matrix_settings(monkeypatch):
+    seed = torch.seed() % 2**31
+    weights, grads = matrices_and_grads(SHAPES, seed)
+    settings = [dict(HP, mu=0.9 - 0.05 * (j % 3), lr=0.02 * (1 + j % 2)) for j in range(len(SHAPES))]
+    shards = [MatrixShard(f"m{j}", w.clone(), None, w.shape, Sharding.full(), None,
+                          rule.Dion3Hyperparameters(fraction=0.25, **settings[j])) for j, w in enumerate(weights)]
+    engine = Dion3Engine(shards)
+    copies_to_host = []
+    original_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copies_to_host.append(t.shape) or original_cpu(t, *a, **k))
+    for step in range(STEPS):
+        for shard, g in zip(shards, grads[step]):
+            shard.grad = g
+        engine.step()
+    assert copies_to_host == []
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    opt = Dion3([{"params": [p], **settings[j]} for j, p in enumerate(params)], fraction=0.25)
+    for step in range(STEPS):
+        for p, g in zip(params, grads[step]):
+            p.grad = g
+        opt.step()
+    assert max_relative_error([s.weight for s in shards], [p.detach() for p in params]) <= 1e-6
+
+
 def test_local_selection_scope_picks_rows_within_each_shard():
     seed = torch.seed() % 2**31
     pieces = run_distributed(sharded_worker, 2, "rows", SHAPES, 0.25, seed, "local")
