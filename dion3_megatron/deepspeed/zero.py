@@ -6,9 +6,11 @@ its gradient already averaged, unscaled and clipped. A matrix can straddle two o
 slices. Every original parameter carries ZeRO's own mapping into the slice (``_hp_mapping``: which
 elements of the parameter, at which offset of the slice; ``None`` when this rank holds none) and
 the process group its slices span (``_dp_group``: the expert-data-parallel group for MoE
-parameters). From these the adapter describes each matrix to the engine as a
-``Sharding.flat(bounds)`` piece (element ranges of the row-major matrix) and lets the engine do
-the Dion3 step; parameters that are not matrices take AdamW element by element on the slice.
+parameters). From these the adapter describes each matrix that straddles ranks to the engine as
+a ``Sharding.flat(bounds)`` piece (element ranges of the row-major matrix) and lets the engine do
+its Dion3 step; a matrix that lies whole in one rank's slice is stepped by that rank alone
+(``rule.step_whole_matrices`` on views of the slice, no communication); parameters that are not
+matrices take AdamW element by element on the slice.
 
 Optimizer state is slice-shaped, so DeepSpeed's elastic and universal checkpoints handle it like
 Adam's (``ds_to_universal`` reads exactly the keys ``exp_avg`` and ``exp_avg_sq``):
@@ -226,7 +228,6 @@ class ZeroGroupPlan:
                     exp_avg.narrow(0, start, length), exp_avg_sq.narrow(0, start, length),
                     step, group["lr"], group["betas"], group["eps"], group["weight_decay"],
                 )
-
 
     def _step_whole(self, hp: rule.Dion3Hyperparameters, flat, grad, exp_avg, exp_avg_sq) -> None:
         """The matrices only this rank holds: the single-process step on views of the slice."""
