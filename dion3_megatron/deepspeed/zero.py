@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from .. import device_speed, megabatch, rule
 from ..ortho import default_ns_dtype
+from .. import optimizer
 from ..optimizer import Dion3
 
 def is_zero_linked(p: torch.Tensor) -> bool:
@@ -314,11 +315,9 @@ def init_slice_state(state: dict, flat: torch.Tensor) -> None:
 
 
 def all_finite(flats: list[torch.Tensor], group) -> bool:
-    """True when every rank's gradient slices are finite (one tiny all-reduce)."""
-    device = flats[0].device
-    flag = torch.ones((), dtype=torch.float32, device=device)
-    for f in flats:
-        if f.grad is not None and not torch.isfinite(f.grad).all():
-            flag.zero_()
+    """True when every rank's gradient slices are finite (one reduction, one tiny all-reduce)."""
+    grads = [f.grad for f in flats if f.grad is not None]
+    local = optimizer.all_finite(grads) if grads else torch.ones((), dtype=torch.bool)
+    flag = local.to(device=flats[0].device, dtype=torch.float32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
