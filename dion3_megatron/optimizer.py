@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from dataclasses import dataclass
 from collections import Counter, defaultdict
 from typing import Any, Callable, Iterable, Optional
 
@@ -53,6 +54,26 @@ def announce_skipped_step(skipped_so_far: int) -> None:
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+@dataclass
+class _Bucket:
+    """Same-shape matrices of one param group whose Dion3 state lives in two buffers, so that
+    their step runs as batched ops (the single-process form of megabatching)."""
+
+    param_ids: list[int]
+    momentum: torch.Tensor  # (matrices, rows, cols) fp32
+    variance: torch.Tensor  # (matrices, rows) fp32
+
+    def holds(self, params: list[torch.Tensor], state: dict) -> bool:
+        if [id(p) for p in params] != self.param_ids:
+            return False
+        start = 0
+        for p in params:
+            if state[p]["momentum"].data_ptr() != self.momentum[start].data_ptr():
+                return False
+            start += matrix_view(p).shape[0]
+        return True
 
 
 class Dion3(torch.optim.Optimizer):
@@ -115,6 +136,7 @@ class Dion3(torch.optim.Optimizer):
         )
         self.skipped_steps = 0
         self._auto_fractions: dict[torch.Tensor, float] = {}
+        self._buckets: dict[tuple, _Bucket] = {}
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------------------------------------
@@ -229,9 +251,32 @@ class Dion3(torch.optim.Optimizer):
                     for k, v in saved_state.items()
                 }
         self.state = defaultdict(dict, new_state)
+        self._buckets.clear()  # their buffers held the old state; the next step rebuilds them
         for mine, saved in zip(self.param_groups, groups):
             mine.update({k: v for k, v in saved.items() if k != "params"})
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+    def _bucket(self, key: tuple, params: list[torch.Tensor]) -> "_Bucket":
+        """The state buffers of these same-shape matrices (one group), (re)built when the members
+        changed or a checkpoint load replaced their state; each param's state is a view of them."""
+        bucket = self._buckets.get(key)
+        if bucket is not None and bucket.holds(params, self.state):
+            return bucket
+        sizes = [matrix_view(p).shape[0] for p in params]
+        first = matrix_view(self.state[params[0]]["momentum"])
+        momentum = torch.empty((sum(sizes), *first.shape[1:]), dtype=torch.float32, device=first.device)
+        variance = torch.empty(momentum.shape[:-1], dtype=torch.float32, device=first.device)
+        start = 0
+        for p, size in zip(params, sizes):
+            state = self.state[p]
+            momentum[start:start + size].copy_(matrix_view(state["momentum"]))
+            variance[start:start + size].copy_(state["variance"])
+            state["momentum"] = momentum[start:start + size].view(p.shape)
+            state["variance"] = variance[start:start + size]
+            start += size
+        bucket = _Bucket([id(p) for p in params], momentum, variance)
+        self._buckets[key] = bucket
+        return bucket
 
     # ----------------------------------------------------------------------------------------
     # The step.
@@ -266,8 +311,9 @@ class Dion3(torch.optim.Optimizer):
             self.skip_step()
             return loss
         self._resolve_auto_fractions()
-        matrices = []
-        for group in self.param_groups:
+        members: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        settings: dict[tuple, Dion3Hyperparameters] = {}
+        for gi, group in enumerate(self.param_groups):
             group_hp = self.hyperparameters(group)
             for p in group["params"]:
                 if p.grad is None:
@@ -283,7 +329,15 @@ class Dion3(torch.optim.Optimizer):
                 hp = group_hp
                 if p in self._auto_fractions:
                     hp = dataclasses.replace(group_hp, fraction=self._auto_fractions[p])
-                matrices.append(rule.WholeMatrices(matrix_view(p), matrix_view(p.grad), matrix_view(state["momentum"]),
-                                                   state["variance"], hp))
+                key = (gi, tuple(matrix_view(p).shape[1:]), p.device, hp.fraction)
+                members[key].append(p)
+                settings[key] = hp
+        matrices = []
+        for key, params in members.items():
+            bucket = self._bucket(key, params)
+            torch._foreach_add_(list(bucket.momentum.unbind(0)),
+                                [g for p in params for g in matrix_view(p.grad).unbind(0)])
+            weights = [w for p in params for w in matrix_view(p).unbind(0)]
+            matrices.append(rule.WholeMatrices(weights, None, bucket.momentum, bucket.variance, settings[key]))
         rule.step_whole_matrices(matrices)
         return loss

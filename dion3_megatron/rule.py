@@ -238,12 +238,14 @@ def update_scale(
 
 
 def apply_update(
-    weight: torch.Tensor, idx: torch.Tensor, step: torch.Tensor, lr: float, weight_decay: float, scale: float
+    weight: torch.Tensor | list[torch.Tensor], idx: torch.Tensor, step: torch.Tensor, lr: float, weight_decay: float,
+    scale: float,
 ) -> None:
-    """W *= 1 - lr wd (every row, base lr); W[idx] -= lr * scale * step. weight (B, n, c)."""
-    count = weight.shape[0]
-    apply_updates(list(weight.unbind(0)), list(idx.unbind(0)), list(step.unbind(0)),
-                  [lr] * count, [weight_decay] * count, [scale] * count)
+    """W *= 1 - lr wd (every row, base lr); W[idx] -= lr * scale * step. weight (B, n, c) or B (n, c)."""
+    weights = list(weight.unbind(0)) if torch.is_tensor(weight) else list(weight)
+    count = len(weights)
+    apply_updates(weights, list(idx.unbind(0)), list(step.unbind(0)), [lr] * count, [weight_decay] * count,
+                  [scale] * count)
 
 
 def apply_updates(
@@ -274,7 +276,7 @@ def apply_updates(
 
 
 def finish_update(
-    weight: torch.Tensor,
+    weight: torch.Tensor | list[torch.Tensor],
     variance: torch.Tensor,
     idx: torch.Tensor,
     ortho: torch.Tensor,
@@ -282,7 +284,7 @@ def finish_update(
     n_rows: int,
     n_cols: int,
 ) -> None:
-    """Everything after the orthogonalization, for rows ``idx`` of (B, n, c) ``weight``.
+    """Everything after the orthogonalization, for rows ``idx`` of (B, n, c) ``weight`` (or B (n, c)).
 
     n_rows, n_cols: the logical matrix's shape (a shard's weight may hold only some columns).
     """
@@ -299,11 +301,12 @@ def orthogonalize_rows(selected: torch.Tensor, hp: Dion3Hyperparameters) -> torc
 
 @dataclass
 class WholeMatrices:
-    """A batch of whole matrices one process steps by itself: (B, n, c) views of the weight, the
-    gradient and the momentum, and the (B, n) per-row variance (any views, written in place)."""
+    """A batch of whole matrices one process steps by itself: the weights ((B, n, c), or B separate
+    (n, c) tensors), the (B, n, c) gradient (None: already added to the momentum), the (B, n, c)
+    momentum and the (B, n) per-row variance (any views, written in place)."""
 
-    weight: torch.Tensor
-    grad: torch.Tensor
+    weight: torch.Tensor | list[torch.Tensor]
+    grad: Optional[torch.Tensor]
     momentum: torch.Tensor
     variance: torch.Tensor
     hp: Dion3Hyperparameters  # fraction already a number
@@ -314,7 +317,8 @@ def step_whole_matrices(entries: list[WholeMatrices]) -> None:
     orthogonalized as one batch (the single-process form of megabatching)."""
     batches: dict[tuple, list] = {}
     for e in entries:
-        e.momentum.add_(e.grad)
+        if e.grad is not None:
+            e.momentum.add_(e.grad)
         idx = select_rows(row_scores(e.momentum), e.hp.fraction, e.hp.num_heads)
         selected = take_selected(e.momentum, idx, e.hp.mu)
         key = (tuple(selected.shape[1:]), selected.device, e.hp.ns_method, e.hp.ns_dtype)
@@ -323,7 +327,7 @@ def step_whole_matrices(entries: list[WholeMatrices]) -> None:
         stacked = torch.cat([b[2] for b in batch]) if len(batch) > 1 else batch[0][2]
         ortho = orthogonalize_rows(stacked, batch[0][0].hp).split([b[2].shape[0] for b in batch])
         for (e, idx, _), block in zip(batch, ortho):
-            finish_update(e.weight, e.variance, idx, block, e.hp, e.weight.shape[-2], e.weight.shape[-1])
+            finish_update(e.weight, e.variance, idx, block, e.hp, e.momentum.shape[-2], e.momentum.shape[-1])
 
 
 # --------------------------------------------------------------------------------------------
