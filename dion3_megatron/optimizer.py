@@ -332,6 +332,7 @@ class Dion3(torch.optim.Optimizer):
                 key = (gi, tuple(matrix_view(p).shape[1:]), p.device, hp.fraction)
                 members[key].append(p)
                 settings[key] = hp
+        self._buckets = {key: bucket for key, bucket in self._buckets.items() if key in members}
         matrices = []
         for key, params in members.items():
             bucket = self._bucket(key, params)

@@ -36,6 +36,29 @@ def test_same_shape_matrices_are_orthogonalized_as_one_batch(generator, monkeypa
         torch.testing.assert_close(p, alone, rtol=1e-6, atol=1e-7)
 
 
+def test_same_shape_state_shares_one_buffer_and_survives_changing_members(generator):
+    shapes = [(12, 20), (12, 20), (3, 12, 20), (20, 12)]
+    weights = [torch.randn(s, generator=generator) for s in shapes]
+    grads = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(4)]
+    has_grad = [[True] * 4, [True, False, True, True], [False, True, True, False], [True] * 4]
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    opt = Dion3(params, lr=0.02, fraction=0.5, ns_dtype=torch.float32)
+    alone = [torch.nn.Parameter(w.clone()) for w in weights]  # one optimizer each: no shared buffer
+    alone_opts = [Dion3([p], lr=0.02, fraction=0.5, ns_dtype=torch.float32) for p in alone]
+    for step in range(4):
+        for j in range(len(shapes)):
+            params[j].grad = grads[step][j].clone() if has_grad[step][j] else None
+            if has_grad[step][j]:
+                alone[j].grad = grads[step][j].clone()
+                alone_opts[j].step()
+        opt.step()
+    for p, q in zip(params, alone):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    momenta = [opt.state[p]["momentum"] for p in params[:3]]
+    assert len({m.untyped_storage().data_ptr() for m in momenta}) == 1  # one buffer for the 12x20 matrices
+    assert [tuple(m.shape) for m in momenta] == [(12, 20), (12, 20), (3, 12, 20)]
+
+
 def test_3d_tensor_is_a_batch_of_matrices(generator):
     experts = torch.randn(4, 12, 20, generator=generator)
     grad = torch.randn(4, 12, 20, generator=generator)
