@@ -232,6 +232,19 @@ class _SubBatch:
     owner_index: dict = field(default_factory=dict)
 
 
+@dataclass(eq=False)
+class _PendingStep:
+    """Between Dion3Engine.start_step and finish_step."""
+
+    subs: dict
+    chosen: dict  # group index -> (B, k) rows: on the device, on the host once finish_step has them
+    local: list[int]  # groups stepped in start_step
+    exchanged: list[int]  # groups whose rows travel to the host
+    host: Optional[torch.Tensor] = None
+    rows: Optional[torch.Tensor] = None
+    copied: Optional[torch.cuda.Event] = None
+
+
 @dataclass
 class ShapeGroup:
     """Matrices stepped together: same logical shape, batch settings and process group."""
@@ -410,12 +423,16 @@ class Dion3Engine:
 
     @torch.no_grad()
     def step(self) -> None:
-        """One Dion3 step for every shard.
+        """One Dion3 step for every shard: :meth:`start_step`, then :meth:`finish_step`."""
+        self.finish_step(self.start_step())
 
-        All shape groups first accumulate momentum and score their rows; the scores of all groups
-        on one process group are summed in ONE all-reduce, and the chosen rows of every group come
-        to the host in ONE copy (the step's only device sync). Then each group makes its two
-        all-to-alls and applies its update.
+    @torch.no_grad()
+    def start_step(self) -> "_PendingStep":
+        """Accumulate momentum and score rows in every shape group; the scores of all groups on
+        one process group are summed in ONE all-reduce and the rows chosen. The chosen rows of the
+        groups that exchange them start their ONE copy to the host, not waited for here; groups
+        this rank holds whole step right away on the device. Device work a caller queues before
+        :meth:`finish_step` also runs while the host waits for that copy.
         """
         self.collectives = []
         self.buffer_numels = []
@@ -435,17 +452,36 @@ class Dion3Engine:
         chosen = {i: rule.select_rows(t, self.plan[i].fraction, self.plan[i].hp.num_heads)
                   for i, t in scores.items() if t is not None}
         # Groups on one rank need no exchange plan: their rows stay on the device, unsynced.
-        local = {i for i in subs if self.plan[i].world == 1}
-        exchanged = {i: c for i, c in chosen.items() if i not in local}
-        if exchanged:
-            on_host = torch.cat([c.view(-1) for c in exchanged.values()]).cpu()  # the one sync
-            sizes = [c.numel() for c in exchanged.values()]
-            chosen.update({i: part.view(c.shape) for (i, c), part in zip(exchanged.items(), on_host.split(sizes))})
+        local = [i for i in subs if self.plan[i].world == 1]
+        pending = _PendingStep(subs, chosen, local, [i for i in chosen if i not in local])
+        if pending.exchanged:
+            rows = torch.cat([chosen[i].view(-1) for i in pending.exchanged])
+            pending.host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
+            pending.host.copy_(rows, non_blocking=rows.is_cuda)
+            if rows.is_cuda:
+                pending.copied = torch.cuda.Event()
+                pending.copied.record()
+            pending.rows = rows  # alive until the copy is done
+        for i in local:
+            self._step_local(self.plan[i], subs[i], chosen[i])
+        return pending
+
+    @torch.no_grad()
+    def finish_step(self, pending: "_PendingStep") -> None:
+        """Wait for the chosen rows on the host (the step's only wait on the device), then each
+        remaining group makes its two all-to-alls and applies its update."""
+        chosen = pending.chosen
+        if pending.exchanged:
+            if pending.copied is not None:
+                pending.copied.synchronize()
+            sizes = [chosen[i].numel() for i in pending.exchanged]
+            for i, part in zip(pending.exchanged, pending.host.split(sizes)):
+                chosen[i] = part.view(chosen[i].shape)
         for i, sg in enumerate(self.plan):
-            if i in local:
-                self._step_local(sg, subs[i], chosen[i])
-            elif i in subs:
-                self._step_batched(sg, subs[i], chosen[i])
+            if i in pending.local:
+                continue
+            if i in pending.subs:
+                self._step_batched(sg, pending.subs[i], chosen[i])
             else:
                 self._step_group(sg, chosen.get(i))
 

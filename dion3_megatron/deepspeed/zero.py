@@ -208,9 +208,11 @@ class ZeroGroupPlan:
                 momentum.copy_(view)
             if piece.row_counts.numel():
                 shard.state["variance"].copy_(exp_avg_sq.narrow(0, piece.offset, piece.length)[piece.row_firsts])
-        if self.pieces:
-            self.engine.step()
+        # The whole matrices' device work runs while the engine waits for its chosen rows.
+        pending = self.engine.start_step() if self.pieces else None
         self._step_whole(hp, flat, grad, exp_avg, exp_avg_sq)
+        if pending is not None:
+            self.engine.finish_step(pending)
         for piece in self.pieces:
             if not piece.length:
                 continue
