@@ -292,10 +292,11 @@ class MegatronDion3(torch.optim.Optimizer):
         key = tuple(id(p) for p, _ in params)
         rebuild = self._engine is None or self._engine_key != key
         fresh_pieces: dict[torch.Tensor, list] = {}
+        group_hp = {id(group): self._hp(group) for group in self.param_groups}
         for p, group in params:
             layout = self.layout_of(p)
             weight, grad = self._working(p, layout, with_grads)
-            hp = self._hp(group)
+            hp = group_hp[id(group)]
             if not rebuild:
                 for shard, piece in zip(self._pieces[p], layout.pieces):
                     rows = slice(piece.start, piece.stop)
