@@ -232,6 +232,12 @@ class _SubBatch:
     owner_index: dict = field(default_factory=dict)
 
 
+def _momentum_decay(sg: "ShapeGroup", sub: _SubBatch, device: torch.device) -> float | torch.Tensor:
+    """The sub-batch's mu: one number when its matrices share it (no host-to-device copy), else (B,)."""
+    mus = [sg.shards[j].hp.mu for j in sub.index]
+    return mus[0] if len(set(mus)) == 1 else torch.tensor(mus, device=device)
+
+
 @dataclass(eq=False)
 class _PendingStep:
     """Between Dion3Engine.start_step and finish_step."""
@@ -567,15 +573,11 @@ class Dion3Engine:
         hp, shards = sg.hp, sg.shards
         for sub in subs:
             idx = chosen[sub.index_on_device]
-            mus = [shards[j].hp.mu for j in sub.index]
-            mu = mus[0] if len(set(mus)) == 1 else torch.tensor(mus, device=idx.device)
-            selected = rule.take_selected(sub.momentum, idx, mu)
+            selected = rule.take_selected(sub.momentum, idx, _momentum_decay(sg, sub, idx.device))
             ortho = rule.orthogonalize_rows(selected, hp)
-            normalized, new_variance = rule.normalize_rows(ortho, torch.gather(sub.variance, 1, idx), hp.beta2, hp.eps)
-            sub.variance.scatter_(1, idx, new_variance)
             members = [shards[j] for j in sub.index]
-            rule.apply_updates(
-                [s.weight.view(n, m) for s in members], list(idx.unbind(0)), list(normalized.unbind(0)),
+            rule.normalize_and_apply(
+                [s.weight.view(n, m) for s in members], sub.variance, idx, ortho, hp.beta2, hp.eps,
                 [s.hp.lr for s in members], [s.hp.weight_decay for s in members],
                 [rule.update_scale(n, m, s.hp.adjust_lr, sg.fraction, s.hp.scale_lr_by_fraction) for s in members],
             )
@@ -612,12 +614,8 @@ class Dion3Engine:
             sub.bi, sub.local_rows, sub.variance_rows = on_device[p, "bi"], on_device[p, "local"], on_device[p, "var"]
             sub.owner_index = {q: (on_device[p, "pos", q], on_device[p, "si", q]) for q in range(world)}
             pieces = sub.momentum[sub.bi, sub.local_rows]
-            mus = {shards[j].hp.mu for j in sub.index}
-            if len(mus) == 1:  # the usual case: no host-to-device copy
-                sub.momentum[sub.bi, sub.local_rows] = pieces * mus.pop()
-            else:
-                per_matrix = torch.tensor([shards[j].hp.mu for j in sub.index], device=device)
-                sub.momentum[sub.bi, sub.local_rows] = pieces * per_matrix[sub.bi][:, None]
+            mu = _momentum_decay(sg, sub, device)
+            sub.momentum[sub.bi, sub.local_rows] = pieces * (mu if not torch.is_tensor(mu) else mu[sub.bi][:, None])
             sub.per_dest = [sum(sub.counts[me][b] for b, j in enumerate(sub.index) if j % world == d) for d in range(world)]
             variances = sub.variance[sub.bi, sub.variance_rows]
             width = sub.rect[me].c1 - sub.rect[me].c0

@@ -86,7 +86,7 @@ class Dion3(torch.optim.Optimizer):
         fraction: share of each matrix's rows updated per step, in (0, 1], or "auto": chosen per
             matrix at the first step by :func:`rule.auto_fraction` from its shape and this device's
             measured speed (see :attr:`fractions`). Under torch.distributed every rank must step
-            that first step together (as DDP does): the speeds are averaged so all ranks agree.
+            that first step together (as DDP does): all take the slowest rank's speed and agree.
         mu: momentum decay of the applied rows (error feedback keeps the rest).
         beta2: NorMuon per-row second-moment decay.
         weight_decay: decoupled weight decay (both algorithms).

@@ -288,10 +288,29 @@ def finish_update(
 
     n_rows, n_cols: the logical matrix's shape (a shard's weight may hold only some columns).
     """
-    normalized, new_variance = normalize_rows(ortho, torch.gather(variance, 1, idx), hp.beta2, hp.eps)
-    variance.scatter_(1, idx, new_variance)
+    weights = list(weight.unbind(0)) if torch.is_tensor(weight) else list(weight)
+    count = len(weights)
     scale = update_scale(n_rows, n_cols, hp.adjust_lr, hp.fraction, hp.scale_lr_by_fraction)
-    apply_update(weight, idx, normalized, hp.lr, hp.weight_decay, scale)
+    normalize_and_apply(weights, variance, idx, ortho, hp.beta2, hp.eps, [hp.lr] * count,
+                        [hp.weight_decay] * count, [scale] * count)
+
+
+def normalize_and_apply(
+    weights: list[torch.Tensor],
+    variance: torch.Tensor,
+    idx: torch.Tensor,
+    ortho: torch.Tensor,
+    beta2: float,
+    eps: float,
+    lrs: list[float],
+    weight_decays: list[float],
+    scales: list[float],
+) -> None:
+    """NorMuon on the (B, k, c) orthogonalized rows, their (B, n) variance updated in place, then
+    the weight update of each of the B matrices with its own lr, decay and scale."""
+    normalized, new_variance = normalize_rows(ortho, torch.gather(variance, 1, idx), beta2, eps)
+    variance.scatter_(1, idx, new_variance)
+    apply_updates(weights, list(idx.unbind(0)), list(normalized.unbind(0)), lrs, weight_decays, scales)
 
 
 def orthogonalize_rows(selected: torch.Tensor, hp: Dion3Hyperparameters) -> torch.Tensor:
