@@ -17,8 +17,9 @@ down); the embedding, the head and the norm gains take the same AdamW settings i
 
 A config is ``opt[:key=value]...``, keys f (a fraction or "auto"), lr (a number, or "best": the best
 lr among the finished runs of ``--best-ref``, by default dion3 at f = 0.25, in the same
-invocation), wd, and aux=torch (dion3/normuon: torch AdamW instead of Dion3's adamw group for the
-non-matrix parameters; a timing diagnostic). Examples:
+invocation), wd, mu (dion3/normuon momentum, default 0.95), mu_by_f=1 (dion3's
+scale_mu_by_fraction: the applied rows decay by mu ** (1/f)), and aux=torch (dion3/normuon: torch
+AdamW instead of Dion3's adamw group for the non-matrix parameters; a timing diagnostic). Examples:
 
   python benchmarks/bench_convergence.py --configs dion3:f=0.25:lr=0.02 muon:lr=0.025 adamw:lr=0.002
   python benchmarks/bench_convergence.py --sweep --gpus 2 --json out.json --png out.png
@@ -68,6 +69,7 @@ LABELS = {
     "adamw": "AdamW",
 }
 DEFAULT_WD = {"dion3": 0.01, "normuon": 0.01, "muon": 0.01, "adamw": 0.1}
+DEFAULT_MU = 0.95  # dion3 / normuon momentum (error-feedback decay of the applied rows)
 SWEEP_LRS = {
     "dion3": (0.01, 0.02, 0.04),
     "normuon": (0.01, 0.02, 0.04),
@@ -95,11 +97,11 @@ def parse_config(text: str) -> dict:
     opt = parts[0]
     if opt not in OPTIMIZERS:
         raise ValueError(f"config {text!r}: optimizer must be one of {OPTIMIZERS}")
-    cfg: dict = {"opt": opt, "f": None, "lr": None, "wd": DEFAULT_WD[opt], "aux": "dion3"}
+    cfg: dict = {"opt": opt, "f": None, "lr": None, "wd": DEFAULT_WD[opt], "aux": "dion3", "mu": DEFAULT_MU, "mu_by_f": False}
     for part in parts[1:]:
         key, sep, value = part.partition("=")
-        if not sep or key not in ("f", "lr", "wd", "aux"):
-            raise ValueError(f"config {text!r}: expected key=value with key f, lr, wd or aux, got {part!r}")
+        if not sep or key not in ("f", "lr", "wd", "aux", "mu", "mu_by_f"):
+            raise ValueError(f"config {text!r}: expected key=value with key f, lr, wd, mu, mu_by_f or aux, got {part!r}")
         if key == "aux":
             if opt not in ("dion3", "normuon") or value not in ("dion3", "torch"):
                 raise ValueError(f"config {text!r}: aux (dion3 or torch) is for dion3 and normuon only")
@@ -110,6 +112,14 @@ def parse_config(text: str) -> dict:
             cfg["f"] = "auto" if value == "auto" else float(value)
             if cfg["f"] != "auto" and not 0 < cfg["f"] <= 1:
                 raise ValueError(f"config {text!r}: f must be in (0, 1] or auto")
+        elif key == "mu_by_f":
+            if opt != "dion3" or value not in ("0", "1"):
+                raise ValueError(f"config {text!r}: mu_by_f (0 or 1) is for dion3 only")
+            cfg["mu_by_f"] = value == "1"
+        elif key == "mu":
+            if opt not in ("dion3", "normuon") or not 0 <= float(value) < 1:
+                raise ValueError(f"config {text!r}: mu (in [0, 1)) is for dion3 and normuon only")
+            cfg["mu"] = float(value)
         elif key == "lr" and value == "best":
             cfg["lr"] = "best"
         else:
@@ -128,6 +138,10 @@ def parse_config(text: str) -> dict:
 def family(cfg: dict) -> str:
     """The run's optimizer without its lr: what the lr sweep picks a best run for."""
     base = f"dion3:f={cfg['f']}" if cfg["opt"] == "dion3" else cfg["opt"]
+    if cfg.get("mu", DEFAULT_MU) != DEFAULT_MU:
+        base += f":mu={cfg['mu']:g}"
+    if cfg.get("mu_by_f"):
+        base += ":mu_by_f=1"
     return base + (":aux=torch" if cfg.get("aux") == "torch" else "")
 
 
@@ -135,6 +149,10 @@ def config_name(cfg: dict) -> str:
     parts = [cfg["opt"]]
     if cfg["opt"] == "dion3":
         parts.append(f"f={cfg['f']}")
+    if cfg.get("mu", DEFAULT_MU) != DEFAULT_MU:
+        parts.append(f"mu={cfg['mu']:g}")
+    if cfg.get("mu_by_f"):
+        parts.append("mu_by_f=1")
     parts.append(f"lr={cfg['lr']:g}" if cfg["lr"] != "best" else "lr=best")
     if cfg["wd"] != DEFAULT_WD[cfg["opt"]]:
         parts.append(f"wd={cfg['wd']:g}")
@@ -145,6 +163,10 @@ def config_name(cfg: dict) -> str:
 
 def label(cfg: dict) -> str:
     text = LABELS[cfg["opt"]].format(f=fraction_text(cfg["f"])) if cfg["opt"] == "dion3" else LABELS[cfg["opt"]]
+    if cfg.get("mu", DEFAULT_MU) != DEFAULT_MU:
+        text += f", mu {cfg['mu']:g}"
+    if cfg.get("mu_by_f"):
+        text += ", mu^(1/f)"
     return text + (", torch AdamW rest" if cfg.get("aux") == "torch" else "")
 
 
@@ -244,7 +266,7 @@ def build_optimizers(cfg: dict, model: GPT, args) -> list[torch.optim.Optimizer]
     aux = dict(lr=args.aux_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.aux_wd)
     opt, lr, wd = cfg["opt"], cfg["lr"], cfg["wd"]
     if opt in ("dion3", "normuon"):
-        dion = dict(lr=lr, fraction=cfg["f"], mu=0.95, beta2=0.95, weight_decay=wd,
+        dion = dict(lr=lr, fraction=cfg["f"], mu=cfg.get("mu", DEFAULT_MU), scale_mu_by_fraction=cfg.get("mu_by_f", False), beta2=0.95, weight_decay=wd,
                     scale_lr_by_fraction=True, ns_method="gram" if opt == "dion3" else "standard")
         if cfg.get("aux") == "torch":  # diagnostic: the same AdamW math in torch's foreach implementation
             return [Dion3([{"params": matrices}], **dion), torch.optim.AdamW(others, **aux)]

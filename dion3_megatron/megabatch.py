@@ -19,6 +19,7 @@ handled as up to three rectangles of the logical matrix, each a 2-D view of loca
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import heapq
@@ -28,7 +29,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import device_speed, rule
+from . import cuda_graph as cuda_graph_module, device_speed, rule
 from .ortho import default_ns_dtype
 from .rule import Dion3Hyperparameters
 
@@ -219,6 +220,8 @@ class _SubBatch:
     span0: list[int]
     provides: list[bool]
     index_on_device: Optional[torch.Tensor] = None
+    mus: list = field(default_factory=list)  # per-matrix mu when they differ, and its device copy
+    mu_on_device: Optional[torch.Tensor] = None
     # Scratch of the current step (selected rows, who holds them, where they travel).
     chosen: Optional[torch.Tensor] = None
     holds: Optional[torch.Tensor] = None
@@ -234,8 +237,20 @@ class _SubBatch:
 
 def _momentum_decay(sg: "ShapeGroup", sub: _SubBatch, device: torch.device) -> float | torch.Tensor:
     """The sub-batch's mu: one number when its matrices share it (no host-to-device copy), else (B,)."""
-    mus = [sg.shards[j].hp.mu for j in sub.index]
-    return mus[0] if len(set(mus)) == 1 else torch.tensor(mus, device=device)
+    mus = [rule.momentum_decay(sg.shards[j].hp, sg.fraction) for j in sub.index]
+    if len(set(mus)) == 1:
+        return mus[0]
+    if sub.mus != mus:  # uploaded once, not per step (nor inside a CUDA graph capture)
+        sub.mus, sub.mu_on_device = mus, torch.tensor(mus, device=device)
+    return sub.mu_on_device
+
+
+def _update_factors(sg: "ShapeGroup", index: list[int]) -> rule.UpdateFactors:
+    """The weight-update factors of matrices ``index`` of the group, each with its own lr and decay."""
+    n, m = sg.key[0]
+    hps = [sg.shards[j].hp for j in index]
+    return rule.UpdateFactors.of([hp.lr for hp in hps], [hp.weight_decay for hp in hps],
+                                 [rule.update_scale(n, m, hp.adjust_lr, sg.fraction, hp.scale_lr_by_fraction) for hp in hps])
 
 
 @dataclass(eq=False)
@@ -406,10 +421,14 @@ class Dion3Engine:
     optimizer at any world size) or "local" (top-k within each row shard; no score exchange).
     """
 
-    def __init__(self, shards: list[MatrixShard], selection: str = "global") -> None:
+    def __init__(self, shards: list[MatrixShard], selection: str = "global", cuda_graph: bool = True) -> None:
         if selection not in SELECTION_SCOPES:
             raise ValueError(f"selection_scope must be one of {SELECTION_SCOPES}, got {selection!r}")
+        if not isinstance(cuda_graph, bool):
+            raise ValueError(f"cuda_graph must be a bool, got {cuda_graph!r}")
         self.selection = selection
+        self.cuda_graph = cuda_graph
+        self._graph = cuda_graph_module.StepGraph()
         self.plan = build_plan(shards, selection)
         check_plan_matches(self.plan)
         resolve_fractions(self.plan)
@@ -443,10 +462,12 @@ class Dion3Engine:
         self.collectives = []
         self.buffer_numels = []
         subs = {i: self._bind_group_state(self.plan[i], state) for i, state in self._group_state.items()}
-        scores = {i: self._accumulate_and_score(sg, subs.get(i)) for i, sg in enumerate(self.plan)}
+        # Groups on one rank need no exchange: they step right away, on the device, unsynced.
+        local = [i for i in subs if self.plan[i].world == 1]
+        scores = {i: self._accumulate_and_score(sg, subs.get(i)) for i, sg in enumerate(self.plan) if i not in local}
         by_group: dict[tuple, list[int]] = {}
         for i, sg in enumerate(self.plan):
-            if scores[i] is not None and sg.world > 1:
+            if scores.get(i) is not None and sg.world > 1:
                 by_group.setdefault(_group_ranks(sg.group), []).append(i)
         for ranks in sorted(by_group):
             members = by_group[ranks]
@@ -457,9 +478,7 @@ class Dion3Engine:
                 scores[i] = part.view(scores[i].shape)
         chosen = {i: rule.select_rows(t, self.plan[i].fraction, self.plan[i].hp.num_heads)
                   for i, t in scores.items() if t is not None}
-        # Groups on one rank need no exchange plan: their rows stay on the device, unsynced.
-        local = [i for i in subs if self.plan[i].world == 1]
-        pending = _PendingStep(subs, chosen, local, [i for i in chosen if i not in local])
+        pending = _PendingStep(subs, chosen, local, list(chosen))
         if pending.exchanged:
             rows = torch.cat([chosen[i].view(-1) for i in pending.exchanged])
             pending.host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
@@ -468,8 +487,8 @@ class Dion3Engine:
                 pending.copied = torch.cuda.Event()
                 pending.copied.record()
             pending.rows = rows  # alive until the copy is done
-        for i in local:
-            self._step_local(self.plan[i], subs[i], chosen[i])
+        if local:
+            self._step_local_groups(local, subs)
         return pending
 
     @torch.no_grad()
@@ -565,22 +584,35 @@ class Dion3Engine:
                         state[key] = buffer[b]
         return subs
 
+    def _step_local_groups(self, local: list[int], subs: dict[int, list["_SubBatch"]]) -> None:
+        """The groups this rank holds whole: accumulate, score, select, orthogonalize and update,
+        all on the device with no host round trip (through one CUDA graph when possible)."""
+        parts = [(self.plan[i], sub) for i in local for sub in subs[i]]
+        factors = [_update_factors(sg, sub.index) for sg, sub in parts]
+        device = parts[0][1].momentum.device
+        if not (self.cuda_graph and cuda_graph_module.usable(device)):
+            self._step_whole(parts, factors)
+            return
+        key = tuple(
+            (sub.momentum.data_ptr(), sub.variance.data_ptr(), tuple(sub.momentum.shape), sg.key, sg.fraction,
+             tuple((sg.shards[j].weight.data_ptr(), sg.shards[j].grad.data_ptr(),
+                    dataclasses.replace(sg.shards[j].hp, lr=0.0, weight_decay=0.0)) for j in sub.index))
+            for sg, sub in parts
+        )
+        self._graph.run_with_factors(key, lambda graph_factors: self._step_whole(parts, graph_factors), factors, device)
+
     @staticmethod
-    def _step_local(sg: ShapeGroup, subs: list["_SubBatch"], chosen: torch.Tensor) -> None:
-        """A group whose matrices this rank holds whole: select, orthogonalize and update on the
-        device with no host round trip; ``chosen`` (B, k) stays on the device."""
-        n, m = sg.key[0]
-        hp, shards = sg.hp, sg.shards
-        for sub in subs:
-            idx = chosen[sub.index_on_device]
+    def _step_whole(parts: list[tuple[ShapeGroup, "_SubBatch"]], factors: list[rule.UpdateFactors]) -> None:
+        """The Dion3 step of whole matrices (the sub-batches ``parts``), each with its factors."""
+        for (sg, sub), part_factors in zip(parts, factors):
+            n, m = sg.key[0]
+            hp, shards = sg.hp, sg.shards
+            torch._foreach_add_(list(sub.momentum.unbind(0)), [shards[j].grad.view(n, m) for j in sub.index])
+            idx = rule.select_rows(rule.row_scores(sub.momentum), sg.fraction, hp.num_heads)
             selected = rule.take_selected(sub.momentum, idx, _momentum_decay(sg, sub, idx.device))
             ortho = rule.orthogonalize_rows(selected, hp)
-            members = [shards[j] for j in sub.index]
-            rule.normalize_and_apply(
-                [s.weight.view(n, m) for s in members], sub.variance, idx, ortho, hp.beta2, hp.eps,
-                [s.hp.lr for s in members], [s.hp.weight_decay for s in members],
-                [rule.update_scale(n, m, s.hp.adjust_lr, sg.fraction, s.hp.scale_lr_by_fraction) for s in members],
-            )
+            rule.normalize_and_apply([shards[j].weight.view(n, m) for j in sub.index], sub.variance, idx, ortho,
+                                     hp.beta2, hp.eps, part_factors)
 
     def _step_batched(self, sg: ShapeGroup, subs: list["_SubBatch"], chosen: torch.Tensor) -> None:
         """Exchange and update for a group of row/column blocks; ``chosen`` (B, k) on the host."""
@@ -671,7 +703,7 @@ class Dion3Engine:
                 offset += count * width
                 new_variances[id(sub)].append(result[offset : offset + count])
                 offset += count
-        weights, rows, updates, lrs, decays, scales = [], [], [], [], [], []
+        weights, rows, updates, order = [], [], [], []
         for sub in subs:
             sub.variance[sub.bi, sub.variance_rows] = torch.cat(new_variances[id(sub)])
             sub_steps = torch.cat(steps[id(sub)])
@@ -682,11 +714,9 @@ class Dion3Engine:
                 weights.append(shard.weight.view(sub.momentum.shape[1:]))
                 rows.append(sub.local_rows[start : start + count])
                 updates.append(sub_steps[start : start + count])
-                lrs.append(shard.hp.lr)
-                decays.append(shard.hp.weight_decay)
-                scales.append(rule.update_scale(n, m, shard.hp.adjust_lr, sg.fraction, shard.hp.scale_lr_by_fraction))
+                order.append(sub.index[b])
                 start += count
-        rule.apply_updates(weights, rows, updates, lrs, decays, scales)
+        rule.apply_updates(weights, rows, updates, _update_factors(sg, order))
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -731,7 +761,7 @@ class Dion3Engine:
             for t, rect in enumerate(rects[j][me]):
                 view, local = rect.view(momentum), layout.rect_rows(j, t)
                 piece = view[local]
-                view[local] = piece * shard.hp.mu
+                view[local] = piece * rule.momentum_decay(shard.hp, sg.fraction)
                 send_parts[owner].append(piece.reshape(-1))
         send_sizes = [sum(p.numel() for p in parts) for parts in send_parts]
         send = self._buffer(sum(send_sizes), momentum)

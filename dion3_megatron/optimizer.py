@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from . import device_speed, rule
+from . import cuda_graph as cuda_graph_module, device_speed, rule
 from .ortho import default_ns_dtype
 from .rule import Dion3Hyperparameters
 
@@ -93,11 +93,18 @@ class Dion3(torch.optim.Optimizer):
         eps: NorMuon / AdamW epsilon.
         adjust_lr: "spectral_norm" (sqrt(rows/cols)) or "rms_norm" (0.2 sqrt(max dim): AdamW lr transfer).
         scale_lr_by_fraction: multiply the Dion3 step by 1/sqrt(fraction).
+        scale_mu_by_fraction: the applied rows' momentum decays by mu ** (1/fraction) instead of mu,
+            the memory heavy-ball momentum with mu has at fraction 1 (see rule.momentum_decay).
         betas: AdamW betas.
         num_heads: select rows per head (rows viewed as heads x head_dim).
         ns_method: "gram" (Gram Newton-Schulz) or "standard".
         ns_dtype: compute dtype of the orthogonalization: None (default) is fp16 on GPUs and fp32 on
             CPU, where half-precision matmuls are slow; or torch.float16/bfloat16/float32/float64.
+        cuda_graph: on one CUDA device, capture the Dion3 part of the step (after the momentum
+            accumulation) as a CUDA graph once the same matrices have stepped twice, and replay it:
+            one launch instead of hundreds. Bit-identical to the eager step; it keeps the step's
+            temporaries allocated. Any change of members, settings other than lr and weight decay,
+            or tensor storage captures anew.
 
     A step with a non-finite gradient anywhere changes nothing, warns, and counts in
     :attr:`skipped_steps`.
@@ -114,11 +121,15 @@ class Dion3(torch.optim.Optimizer):
         eps: float = 1e-8,
         adjust_lr: str = "spectral_norm",
         scale_lr_by_fraction: bool = False,
+        scale_mu_by_fraction: bool = False,
         betas: tuple[float, float] = (0.9, 0.95),
         num_heads: Optional[int] = None,
         ns_method: str = "gram",
         ns_dtype: Optional[torch.dtype] = None,
+        cuda_graph: bool = True,
     ) -> None:
+        if not isinstance(cuda_graph, bool):
+            raise ValueError(f"cuda_graph must be a bool, got {cuda_graph!r}")
         defaults = dict(
             lr=lr,
             fraction=fraction,
@@ -128,6 +139,7 @@ class Dion3(torch.optim.Optimizer):
             eps=eps,
             adjust_lr=adjust_lr,
             scale_lr_by_fraction=scale_lr_by_fraction,
+            scale_mu_by_fraction=scale_mu_by_fraction,
             betas=betas,
             num_heads=num_heads,
             ns_method=ns_method,
@@ -137,6 +149,8 @@ class Dion3(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._auto_fractions: dict[torch.Tensor, float] = {}
         self._buckets: dict[tuple, _Bucket] = {}
+        self.cuda_graph = cuda_graph
+        self._graph = cuda_graph_module.StepGraph()
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------------------------------------
@@ -340,5 +354,23 @@ class Dion3(torch.optim.Optimizer):
                                 [g for p in params for g in matrix_view(p.grad).unbind(0)])
             weights = [w for p in params for w in matrix_view(p).unbind(0)]
             matrices.append(rule.WholeMatrices(weights, None, bucket.momentum, bucket.variance, settings[key]))
-        rule.step_whole_matrices(matrices)
+        devices = {e.momentum.device for e in matrices}
+        if self.cuda_graph and len(devices) == 1 and cuda_graph_module.usable(devices.pop()):
+            self._step_graphed(matrices)
+        else:
+            rule.step_whole_matrices(matrices)
         return loss
+
+    def _step_graphed(self, matrices: list[rule.WholeMatrices]) -> None:
+        """rule.step_whole_matrices through a CUDA graph; lr and weight decay enter as factors."""
+        factors = [rule.update_factors(e.hp, len(e.weight), *e.momentum.shape[1:]) for e in matrices]
+        key = tuple(
+            (e.momentum.data_ptr(), e.variance.data_ptr(), tuple(w.data_ptr() for w in e.weight),
+             tuple(e.momentum.shape), dataclasses.replace(e.hp, lr=0.0, weight_decay=0.0))
+            for e in matrices
+        )
+
+        def step(graph_factors: list[rule.UpdateFactors]) -> None:
+            rule.step_whole_matrices([dataclasses.replace(e, factors=f) for e, f in zip(matrices, graph_factors)])
+
+        self._graph.run_with_factors(key, step, factors, matrices[0].momentum.device)

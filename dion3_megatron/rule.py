@@ -43,6 +43,7 @@ class Dion3Hyperparameters:
     eps: float = 1e-8
     adjust_lr: str = "spectral_norm"
     scale_lr_by_fraction: bool = False
+    scale_mu_by_fraction: bool = False  # applied rows decay by mu ** (1 / f): see momentum_decay()
     num_heads: Optional[int] = None
     ns_method: str = "gram"
     ns_dtype: Optional[torch.dtype] = None  # None: fp16 on GPUs, fp32 on CPU (ortho.default_ns_dtype)
@@ -63,6 +64,7 @@ def check_hyperparameters(where: str, **values) -> None:
         "eps": (lambda v: isinstance(v, (int, float)) and v > 0, "> 0"),
         "adjust_lr": (lambda v: v in ADJUST_LR_CHOICES, f"one of {ADJUST_LR_CHOICES}"),
         "scale_lr_by_fraction": (lambda v: isinstance(v, bool), "a bool"),
+        "scale_mu_by_fraction": (lambda v: isinstance(v, bool), "a bool"),
         "num_heads": (lambda v: v is None or (isinstance(v, int) and v > 0), "None or a positive int"),
         "ns_method": (lambda v: v in NS_METHODS, f"one of {NS_METHODS}"),
         "ns_dtype": (lambda v: v is None or v in NS_DTYPES.values(), f"None or one of {list(NS_DTYPES)}"),
@@ -121,6 +123,13 @@ def _row_index(idx: torch.Tensor, n_cols: int) -> torch.Tensor:
 def gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """t[b, idx[b], :] for every b: (B, n, c), (B, k) -> (B, k, c)."""
     return torch.gather(t, 1, _row_index(idx, t.shape[-1]))
+
+
+def momentum_decay(hp: Dion3Hyperparameters, fraction: float) -> float:
+    """The factor the applied rows' momentum decays by: mu, or mu ** (1 / f) with
+    ``scale_mu_by_fraction``. A row is applied about once every 1 / f steps, so the scaled form
+    keeps the memory of heavy-ball momentum with mu (what f = 1 has) at any f."""
+    return hp.mu ** (1 / fraction) if hp.scale_mu_by_fraction else hp.mu
 
 
 def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float | torch.Tensor) -> torch.Tensor:
@@ -203,17 +212,22 @@ def auto_fraction(
 
 
 def normalize_rows(
-    ortho: torch.Tensor, variance_selected: torch.Tensor, beta2: float, eps: float
+    ortho: torch.Tensor, variance_selected: torch.Tensor, beta2: float, eps: float,
+    scale: Optional[float | torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NorMuon: divide each row by its running RMS, then restore the block's Frobenius norm.
 
     ortho (B, k, c) fp32, variance_selected (B, k). Returns (normalized block, new variance rows).
+    scale: a number or (B,) tensor the block is also multiplied by, folded into the same kernel.
     """
     variance = variance_selected * beta2 + ortho.square().mean(dim=-1) * (1 - beta2)
     normalized = ortho / (variance.sqrt() + eps).unsqueeze(-1)
     before = torch.linalg.matrix_norm(ortho, keepdim=True)
     after = torch.linalg.matrix_norm(normalized, keepdim=True).clamp_min(eps)
-    return normalized * (before / after), variance
+    factor = before / after
+    if scale is not None:
+        factor = factor * (scale.view(-1, 1, 1) if torch.is_tensor(scale) else scale)
+    return normalized * factor, variance
 
 
 def update_scale(
@@ -237,6 +251,25 @@ def update_scale(
     return scale / math.sqrt(fraction) if scale_lr_by_fraction else scale
 
 
+@dataclass
+class UpdateFactors:
+    """Per matrix of a batch: W *= decay, then W[rows] += coef * step.
+
+    Lists of numbers, or (B,) fp32 tensors on the weights' device: what a captured CUDA graph
+    reads, refreshed before every replay (see :mod:`dion3_megatron.cuda_graph`). Both forms give
+    bit-identical updates in :func:`normalize_and_apply`; :func:`apply_updates` takes numbers.
+    """
+
+    decay: list[float] | torch.Tensor
+    coef: list[float] | torch.Tensor
+
+    @staticmethod
+    def of(lrs: list[float], weight_decays: list[float], scales: list[float]) -> "UpdateFactors":
+        """decay = 1 - lr wd (base lr), coef = -lr * scale."""
+        return UpdateFactors([1 - lr * wd for lr, wd in zip(lrs, weight_decays)],
+                             [-lr * scale for lr, scale in zip(lrs, scales)])
+
+
 def apply_update(
     weight: torch.Tensor | list[torch.Tensor], idx: torch.Tensor, step: torch.Tensor, lr: float, weight_decay: float,
     scale: float,
@@ -244,35 +277,48 @@ def apply_update(
     """W *= 1 - lr wd (every row, base lr); W[idx] -= lr * scale * step. weight (B, n, c) or B (n, c)."""
     weights = list(weight.unbind(0)) if torch.is_tensor(weight) else list(weight)
     count = len(weights)
-    apply_updates(weights, list(idx.unbind(0)), list(step.unbind(0)), [lr] * count, [weight_decay] * count,
-                  [scale] * count)
+    apply_updates(weights, list(idx.unbind(0)), list(step.unbind(0)),
+                  UpdateFactors.of([lr] * count, [weight_decay] * count, [scale] * count))
 
 
 def apply_updates(
-    weights: list[torch.Tensor],
-    rows: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    lrs: list[float],
-    weight_decays: list[float],
-    scales: list[float],
+    weights: list[torch.Tensor], rows: list[torch.Tensor], steps: list[torch.Tensor], factors: UpdateFactors
 ) -> None:
-    """W *= 1 - lr wd; W[rows] -= lr * scale * step, for many 2-D weights (views are fine).
+    """W *= decay; W[rows] += coef * step, for many 2-D weights (views are fine); factors as numbers.
 
-    weights[i] (n_i, c); rows[i] (k_i,) distinct row indices; steps[i] (k_i, c). The decay of
-    equal factors runs as one multi-tensor op.
+    weights[i] (n_i, c); rows[i] (k_i,) distinct row indices; steps[i] (k_i, c).
     """
-    decays = [1 - lr * wd for lr, wd in zip(lrs, weight_decays)]
-    if len(set(decays)) == 1 and decays[0] != 1:
-        torch._foreach_mul_(weights, decays[0])
-    else:
-        for weight, decay in zip(weights, decays):
-            if decay != 1:
-                weight.mul_(decay)
-    for weight, idx, step, lr, scale in zip(weights, rows, steps, lrs, scales):
+    decay_weights(weights, factors.decay)
+    for weight, idx, step, coef in zip(weights, rows, steps, factors.coef):
         if step.dtype == weight.dtype:  # one kernel, no temporary
-            weight.index_add_(0, idx, step, alpha=-lr * scale)
+            weight.index_add_(0, idx, step, alpha=coef)
         else:  # scale in the step's precision, then round once
-            weight.index_add_(0, idx, (step * (-lr * scale)).to(weight.dtype))
+            weight.index_add_(0, idx, (step * coef).to(weight.dtype))
+
+
+def decay_weights(weights: list[torch.Tensor], decay: list[float] | torch.Tensor) -> None:
+    """W *= decay[i] for each weight, as one multi-tensor op when it can be."""
+    if torch.is_tensor(decay):
+        torch._foreach_mul_(weights, list(decay.unbind(0)))
+    elif len(set(decay)) == 1:
+        if decay[0] != 1:
+            torch._foreach_mul_(weights, decay[0])
+    else:
+        for weight, d in zip(weights, decay):
+            if d != 1:
+                weight.mul_(d)
+
+
+def add_rows(weights: list[torch.Tensor], rows: list[torch.Tensor], steps: list[torch.Tensor]) -> None:
+    """W[rows] += step (rounded once to the weight's dtype)."""
+    for weight, idx, step in zip(weights, rows, steps):
+        weight.index_add_(0, idx, step if step.dtype == weight.dtype else step.to(weight.dtype))
+
+
+def update_factors(hp: Dion3Hyperparameters, count: int, n_rows: int, n_cols: int) -> UpdateFactors:
+    """The factors of ``count`` matrices that share ``hp`` (fraction already a number)."""
+    scale = update_scale(n_rows, n_cols, hp.adjust_lr, hp.fraction, hp.scale_lr_by_fraction)
+    return UpdateFactors.of([hp.lr] * count, [hp.weight_decay] * count, [scale] * count)
 
 
 def finish_update(
@@ -283,16 +329,17 @@ def finish_update(
     hp: Dion3Hyperparameters,
     n_rows: int,
     n_cols: int,
+    factors: Optional[UpdateFactors] = None,
 ) -> None:
     """Everything after the orthogonalization, for rows ``idx`` of (B, n, c) ``weight`` (or B (n, c)).
 
     n_rows, n_cols: the logical matrix's shape (a shard's weight may hold only some columns).
+    factors: given, they replace hp's lr and weight decay (default: ``update_factors``).
     """
     weights = list(weight.unbind(0)) if torch.is_tensor(weight) else list(weight)
-    count = len(weights)
-    scale = update_scale(n_rows, n_cols, hp.adjust_lr, hp.fraction, hp.scale_lr_by_fraction)
-    normalize_and_apply(weights, variance, idx, ortho, hp.beta2, hp.eps, [hp.lr] * count,
-                        [hp.weight_decay] * count, [scale] * count)
+    if factors is None:
+        factors = update_factors(hp, len(weights), n_rows, n_cols)
+    normalize_and_apply(weights, variance, idx, ortho, hp.beta2, hp.eps, factors)
 
 
 def normalize_and_apply(
@@ -302,15 +349,21 @@ def normalize_and_apply(
     ortho: torch.Tensor,
     beta2: float,
     eps: float,
-    lrs: list[float],
-    weight_decays: list[float],
-    scales: list[float],
+    factors: UpdateFactors,
 ) -> None:
     """NorMuon on the (B, k, c) orthogonalized rows, their (B, n) variance updated in place, then
-    the weight update of each of the B matrices with its own lr, decay and scale."""
-    normalized, new_variance = normalize_rows(ortho, torch.gather(variance, 1, idx), beta2, eps)
+    the weight update of each of the B matrices with its own factors.
+
+    The coefficients ride in NorMuon's rescaling, so numbers and tensors (a CUDA graph's form)
+    take the same kernels and round alike.
+    """
+    coef = factors.coef
+    if not torch.is_tensor(coef):
+        coef = coef[0] if len(set(coef)) == 1 else torch.tensor(coef, dtype=torch.float32).to(ortho.device)
+    normalized, new_variance = normalize_rows(ortho, torch.gather(variance, 1, idx), beta2, eps, coef)
     variance.scatter_(1, idx, new_variance)
-    apply_updates(weights, list(idx.unbind(0)), list(normalized.unbind(0)), lrs, weight_decays, scales)
+    decay_weights(weights, factors.decay)
+    add_rows(weights, list(idx.unbind(0)), list(normalized.unbind(0)))
 
 
 def orthogonalize_rows(selected: torch.Tensor, hp: Dion3Hyperparameters) -> torch.Tensor:
@@ -329,6 +382,7 @@ class WholeMatrices:
     momentum: torch.Tensor
     variance: torch.Tensor
     hp: Dion3Hyperparameters  # fraction already a number
+    factors: Optional[UpdateFactors] = None  # default: from hp (see finish_update)
 
 
 def step_whole_matrices(entries: list[WholeMatrices]) -> None:
@@ -339,14 +393,14 @@ def step_whole_matrices(entries: list[WholeMatrices]) -> None:
         if e.grad is not None:
             e.momentum.add_(e.grad)
         idx = select_rows(row_scores(e.momentum), e.hp.fraction, e.hp.num_heads)
-        selected = take_selected(e.momentum, idx, e.hp.mu)
+        selected = take_selected(e.momentum, idx, momentum_decay(e.hp, e.hp.fraction))
         key = (tuple(selected.shape[1:]), selected.device, e.hp.ns_method, e.hp.ns_dtype)
         batches.setdefault(key, []).append((e, idx, selected))
     for batch in batches.values():
         stacked = torch.cat([b[2] for b in batch]) if len(batch) > 1 else batch[0][2]
         ortho = orthogonalize_rows(stacked, batch[0][0].hp).split([b[2].shape[0] for b in batch])
         for (e, idx, _), block in zip(batch, ortho):
-            finish_update(e.weight, e.variance, idx, block, e.hp, e.momentum.shape[-2], e.momentum.shape[-1])
+            finish_update(e.weight, e.variance, idx, block, e.hp, e.momentum.shape[-2], e.momentum.shape[-1], e.factors)
 
 
 # --------------------------------------------------------------------------------------------

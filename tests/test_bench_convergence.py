@@ -30,7 +30,9 @@ def test_config_parsing(bench):
     assert (cfg["opt"], cfg["f"], cfg["lr"], cfg["family"]) == ("dion3", 0.125, 0.03, "dion3:f=0.125")
     assert bench.parse_config("normuon:lr=0.02")["f"] == 1.0
     assert bench.parse_config("dion3:f=auto:lr=best")["name"] == "dion3:f=auto:lr=best"
-    for bad in ("sgd:lr=1", "muon:f=0.5", "dion3:f=2", "adamw:lr"):
+    mu = bench.parse_config("dion3:f=0.25:mu=0.8:lr=0.01")
+    assert (mu["mu"], mu["family"], mu["name"]) == (0.8, "dion3:f=0.25:mu=0.8", "dion3:f=0.25:mu=0.8:lr=0.01")
+    for bad in ("sgd:lr=1", "muon:f=0.5", "dion3:f=2", "adamw:lr", "muon:mu=0.9", "dion3:mu=1.5"):
         with pytest.raises(ValueError):
             bench.parse_config(bad)
     assert bench.parse_config("dion3:f=0.25:lr=best:aux=torch")["family"] == "dion3:f=0.25:aux=torch"

@@ -77,6 +77,8 @@ def test_adamw_lr_sets_the_lr_of_the_adamw_parameters_only():
         ({"num_heads": 0}, ["num_heads must be None or a positive int"]),
         ({"num_heads": True}, ["num_heads must be null or a positive int"]),
         ({"scale_lr_by_fraction": "yes"}, ["scale_lr_by_fraction must be a bool"]),
+        ({"scale_mu_by_fraction": 1}, ["scale_mu_by_fraction must be a bool"]),
+        ({"cuda_graph": "off"}, ["cuda_graph must be true or false"]),
     ],
 )
 def test_bad_params_raise_clear_errors(params, words):

@@ -75,6 +75,45 @@ def test_only_selected_rows_move_and_the_rest_accumulate(generator):
     assert torch.equal(momentum[untouched], (before + g2)[untouched])
 
 
+@pytest.mark.parametrize("f", [0.25, 0.125, 1.0])
+def test_scale_mu_by_fraction_decays_applied_rows_by_mu_to_the_one_over_f(f, generator):
+    n, m, mu = 32, 24, 0.9
+    hp = rule.Dion3Hyperparameters(mu=mu, scale_mu_by_fraction=True)
+    assert rule.momentum_decay(hp, f) == pytest.approx(mu ** (1 / f))
+    assert rule.momentum_decay(rule.Dion3Hyperparameters(mu=mu), f) == mu
+    p = torch.nn.Parameter(torch.randn(n, m, generator=generator))
+    opt = Dion3([p], fraction=f, mu=mu, scale_mu_by_fraction=True)
+    g = torch.randn(n, m, generator=generator)
+    p.grad = g.clone()
+    opt.step()
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[torch.topk(g.abs().sum(1), math.ceil(f * n)).indices] = True
+    momentum = opt.state[p]["momentum"]
+    assert torch.allclose(momentum[mask], mu ** (1 / f) * g[mask])
+    assert torch.equal(momentum[~mask], g[~mask])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lrs", [[0.02, 0.03, 0.02], [0.02, 0.02, 0.02]])
+def test_update_factors_as_tensors_equal_numbers(dtype, lrs, generator):
+    """The tensor form (what a CUDA graph reads) updates weights and variances bit-identically."""
+    batch, n, c, k = 3, 24, 16, 7
+    weights = torch.randn(batch, n, c, generator=generator).to(dtype)
+    variance = torch.rand(batch, n, generator=generator)
+    idx = torch.stack([torch.randperm(n, generator=generator)[:k] for _ in range(batch)])
+    ortho = torch.randn(batch, k, c, generator=generator)
+    numbers = rule.UpdateFactors.of(lrs, [0.1, 0.0, 0.1], [1.5, 1.5, 2.0])
+    tensors = rule.UpdateFactors(torch.tensor(numbers.decay), torch.tensor(numbers.coef))
+    results = []
+    for factors in (numbers, tensors):
+        w, v = weights.clone(), variance.clone()
+        rule.normalize_and_apply(list(w.unbind(0)), v, idx, ortho, 0.95, 1e-8, factors)
+        results.append((w, v))
+    (w_num, v_num), (w_ten, v_ten) = results
+    assert torch.equal(w_num, w_ten) and torch.equal(v_num, v_ten)
+    assert not torch.equal(w_num, weights)
+
+
 def test_per_head_selection_takes_k_rows_in_every_head(generator):
     heads, head_dim = 4, 8
     scores = torch.rand(2, heads * head_dim, generator=generator)

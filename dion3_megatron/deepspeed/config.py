@@ -27,6 +27,8 @@ ALLOWED = {
     "eps": "NorMuon / AdamW epsilon, > 0",
     "adjust_lr": f"one of {rule.ADJUST_LR_CHOICES}",
     "scale_lr_by_fraction": "bool: multiply the Dion3 step by 1/sqrt(fraction)",
+    "scale_mu_by_fraction": "bool: the applied rows' momentum decays by mu ** (1/fraction)",
+    "cuda_graph": "bool: replay the single-GPU part of the step as a CUDA graph (default true)",
     "betas": "AdamW betas, two values in [0, 1)",
     "num_heads": "select rows per head (positive int) or null",
     "ns_method": f"one of {rule.NS_METHODS}",
@@ -95,6 +97,8 @@ def normalize_params(params: dict[str, Any]) -> dict[str, Any]:
             out["ns_dtype"] = rule.NS_DTYPES[dt]
         elif dt is not None and dt not in rule.NS_DTYPES.values():
             raise ValueError(f"{WHERE}: ns_dtype must be null or one of {list(rule.NS_DTYPES)}, got {dt!r}")
+    if "cuda_graph" in out and not isinstance(out["cuda_graph"], bool):
+        raise ValueError(f"{WHERE}: cuda_graph must be true or false, got {out['cuda_graph']!r}")
     if "adamw_lr" in out and not out["adamw_lr"] > 0:
         raise ValueError(f"{WHERE}: adamw_lr must be > 0, got {out['adamw_lr']!r}")
     hp = {k: v for k, v in out.items() if k in rule.Dion3Hyperparameters.__dataclass_fields__}

@@ -117,6 +117,7 @@ class ZeroGroupPlan:
 
     def __init__(self, opt: Dion3, group: dict, originals: list[torch.Tensor], index: int) -> None:
         self.flat = group["params"][0]
+        self.cuda_graph = opt.cuda_graph
         linked = [p for p in originals if is_zero_linked(p)]
         if not linked:
             raise RuntimeError(
@@ -188,7 +189,7 @@ class ZeroGroupPlan:
             piece.shard.state["variance"] = torch.zeros(
                 piece.row_counts.numel(), dtype=torch.float32, device=exp_avg.device
             )
-        self.engine = megabatch.Dion3Engine([p.shard for p in self.pieces], selection="global")
+        self.engine = megabatch.Dion3Engine([p.shard for p in self.pieces], selection="global", cuda_graph=self.cuda_graph)
         self._state_ids = ids
 
     def step(self, opt: Dion3, group: dict, state: dict) -> None:

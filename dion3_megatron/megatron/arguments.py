@@ -25,6 +25,8 @@ DION3_DEFAULTS = {
     "dion3_selection_scope": "global",
     "dion3_ns": "gram",
     "dion3_scale_lr_by_fraction": False,
+    "dion3_scale_mu_by_fraction": False,
+    "dion3_cuda_graph": True,
     "dion3_split_qkv": True,
     "dion3_split_glu": True,
 }
@@ -86,6 +88,12 @@ def add_dion3_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--dion3-scale-lr-by-fraction", action="store_true",
                        default=DION3_DEFAULTS["dion3_scale_lr_by_fraction"],
                        help="Multiply the Dion3 step by 1/sqrt(fraction) (keeps the step norm as f shrinks).")
+    group.add_argument("--dion3-scale-mu-by-fraction", action="store_true",
+                       default=DION3_DEFAULTS["dion3_scale_mu_by_fraction"],
+                       help="Applied rows' momentum decays by mu**(1/fraction) (the memory of heavy-ball "
+                            "momentum with mu at every fraction).")
+    group.add_argument("--dion3-no-cuda-graph", action="store_false", dest="dion3_cuda_graph",
+                       help="Step matrices a rank holds whole eagerly instead of replaying a CUDA graph.")
     group.add_argument("--dion3-no-split-qkv", action="store_false", dest="dion3_split_qkv",
                        help="Orthogonalize the fused QKV weight as one matrix instead of Q, K, V apart.")
     group.add_argument("--dion3-no-split-glu", action="store_false", dest="dion3_split_glu",

@@ -176,8 +176,10 @@ class MegatronDion3(torch.optim.Optimizer):
     Args:
         params: Megatron's param groups (``lr`` and ``weight_decay`` set by its lr scheduler).
         lr, weight_decay: defaults for groups that lack them.
-        fraction, mu, beta2, eps, adjust_lr, scale_lr_by_fraction, ns_method, ns_dtype: the Dion3
-            hyper-parameters (see :class:`dion3_megatron.Dion3`).
+        fraction, mu, beta2, eps, adjust_lr, scale_lr_by_fraction, scale_mu_by_fraction, ns_method,
+            ns_dtype: the Dion3 hyper-parameters (see :class:`dion3_megatron.Dion3`).
+        cuda_graph: replay the step of the matrices this rank holds whole (data parallel) as a
+            CUDA graph (see :class:`dion3_megatron.megabatch.Dion3Engine`).
         selection: "global" (top rows of the whole logical matrix; identical at any TP size) or
             "local" (per tensor-parallel shard).
         split_qkv, split_glu: orthogonalize Q, K, V and SwiGLU gate, up as separate matrices.
@@ -197,6 +199,8 @@ class MegatronDion3(torch.optim.Optimizer):
         eps: float = DION3_DEFAULTS["dion3_eps"],
         adjust_lr: str = DION3_DEFAULTS["dion3_adjust_lr"],
         scale_lr_by_fraction: bool = DION3_DEFAULTS["dion3_scale_lr_by_fraction"],
+        scale_mu_by_fraction: bool = DION3_DEFAULTS["dion3_scale_mu_by_fraction"],
+        cuda_graph: bool = DION3_DEFAULTS["dion3_cuda_graph"],
         selection: str = DION3_DEFAULTS["dion3_selection_scope"],
         ns_method: str = DION3_DEFAULTS["dion3_ns"],
         ns_dtype: Optional[torch.dtype] = None,
@@ -210,13 +214,17 @@ class MegatronDion3(torch.optim.Optimizer):
             raise ValueError(f"selection must be one of {SELECTION_SCOPES}, got {selection!r}")
         rule.check_hyperparameters(
             "MegatronDion3", lr=lr, fraction=fraction, mu=mu, beta2=beta2, weight_decay=weight_decay, eps=eps,
-            adjust_lr=adjust_lr, scale_lr_by_fraction=scale_lr_by_fraction, ns_method=ns_method, ns_dtype=ns_dtype,
+            adjust_lr=adjust_lr, scale_lr_by_fraction=scale_lr_by_fraction,
+            scale_mu_by_fraction=scale_mu_by_fraction, ns_method=ns_method, ns_dtype=ns_dtype,
         )
+        if not isinstance(cuda_graph, bool):
+            raise ValueError(f"MegatronDion3: cuda_graph must be a bool, got {cuda_graph!r}")
         defaults = dict(lr=lr, weight_decay=weight_decay, fraction=fraction, mu=mu, beta2=beta2, eps=eps,
-                        adjust_lr=adjust_lr, scale_lr_by_fraction=scale_lr_by_fraction, ns_method=ns_method,
-                        ns_dtype=ns_dtype)
+                        adjust_lr=adjust_lr, scale_lr_by_fraction=scale_lr_by_fraction,
+                        scale_mu_by_fraction=scale_mu_by_fraction, ns_method=ns_method, ns_dtype=ns_dtype)
         super().__init__(params, defaults)
         self.selection = selection
+        self.cuda_graph = cuda_graph
         self.split_qkv = split_qkv
         self.split_glu = split_glu
         self.pg_collection = pg_collection
@@ -251,8 +259,8 @@ class MegatronDion3(torch.optim.Optimizer):
         return Dion3Hyperparameters(
             lr=group["lr"], fraction=group["fraction"], mu=group["mu"], beta2=group["beta2"],
             weight_decay=group["weight_decay"], eps=group["eps"], adjust_lr=group["adjust_lr"],
-            scale_lr_by_fraction=group["scale_lr_by_fraction"], ns_method=group["ns_method"],
-            ns_dtype=group["ns_dtype"],
+            scale_lr_by_fraction=group["scale_lr_by_fraction"], scale_mu_by_fraction=group["scale_mu_by_fraction"],
+            ns_method=group["ns_method"], ns_dtype=group["ns_dtype"],
         )
 
     # -------------------------------------------------------------------------------------------
@@ -320,7 +328,7 @@ class MegatronDion3(torch.optim.Optimizer):
         if rebuild:
             self._pieces = fresh_pieces
             all_shards = [s for p, _ in params for s in fresh_pieces[p]]
-            self._engine = Dion3Engine(all_shards, selection=self.selection)
+            self._engine = Dion3Engine(all_shards, selection=self.selection, cuda_graph=self.cuda_graph)
             chosen = self._engine.auto_fractions()
             if chosen and (not dist.is_initialized() or dist.get_rank() == 0):
                 logger.info("Dion3 fraction=auto chose (rows x cols: f) %s",
@@ -464,6 +472,8 @@ def config_to_kwargs(config, model_chunks, pg_collection) -> dict[str, Any]:
         eps=v["dion3_eps"],
         adjust_lr=v["dion3_adjust_lr"],
         scale_lr_by_fraction=bool(v["dion3_scale_lr_by_fraction"]),
+        scale_mu_by_fraction=bool(v["dion3_scale_mu_by_fraction"]),
+        cuda_graph=bool(v["dion3_cuda_graph"]),
         selection=v["dion3_selection_scope"],
         ns_method=v["dion3_ns"],
         split_qkv=bool(v["dion3_split_qkv"]),
