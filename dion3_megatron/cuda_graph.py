@@ -11,11 +11,13 @@ the same values computes.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Callable, Hashable, Optional
 
 import torch
 
+from . import rule
 from .rule import UpdateFactors
 
 WARMUP_CALLS = 2  # eager calls with a key before it is captured (lazy initialization happens there)
@@ -92,3 +94,27 @@ class StepGraph:
         with torch.cuda.stream(self._stream):
             fn()
         current.wait_stream(self._stream)
+
+
+def step_whole_matrices(graph: StepGraph, entries: list[rule.WholeMatrices],
+                        then: Optional[Callable[[], None]] = None) -> None:
+    """``rule.step_whole_matrices(entries)`` and then ``then()`` (more device work on the same
+    tensors), replayed from ``graph``. The entries' gradients must already be in their momentum
+    (``grad=None``): gradients are often new tensors every step, which a graph cannot follow."""
+    if any(e.grad is not None for e in entries):
+        raise ValueError("cuda_graph.step_whole_matrices: add the gradients to the momentum first (grad=None)")
+    counts = [len(e.weight) if isinstance(e.weight, (list, tuple)) else e.weight.shape[0] for e in entries]
+    factors = [rule.update_factors(e.hp, count, *e.momentum.shape[1:]) for e, count in zip(entries, counts)]
+    key = (then is not None, tuple(
+        (e.momentum.data_ptr(), e.variance.data_ptr(), tuple(e.momentum.shape), tuple(e.variance.stride()),
+         tuple(w.data_ptr() for w in e.weight) if isinstance(e.weight, (list, tuple)) else e.weight.data_ptr(),
+         dataclasses.replace(e.hp, lr=0.0, weight_decay=0.0))
+        for e in entries
+    ))
+
+    def step(graph_factors: list[UpdateFactors]) -> None:
+        rule.step_whole_matrices([dataclasses.replace(e, factors=f) for e, f in zip(entries, graph_factors)])
+        if then is not None:
+            then()
+
+    graph.run_with_factors(key, step, factors, entries[0].momentum.device)

@@ -327,6 +327,7 @@ class Dion3(torch.optim.Optimizer):
         self._resolve_auto_fractions()
         members: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         settings: dict[tuple, Dion3Hyperparameters] = {}
+        adamw: dict[tuple, list[torch.Tensor]] = defaultdict(list)  # (group, step count, device) -> params
         for gi, group in enumerate(self.param_groups):
             group_hp = self.hyperparameters(group)
             for p in group["params"]:
@@ -335,10 +336,7 @@ class Dion3(torch.optim.Optimizer):
                 state = self._init_state(group, p)
                 if self.algorithm_of(group, p) == "adamw":
                     state["step"] += 1
-                    rule.adamw_step(
-                        p, p.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()),
-                        group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                    )
+                    adamw[gi, int(state["step"].item()), p.device].append(p)
                     continue
                 hp = group_hp
                 if p in self._auto_fractions:
@@ -346,6 +344,11 @@ class Dion3(torch.optim.Optimizer):
                 key = (gi, tuple(matrix_view(p).shape[1:]), p.device, hp.fraction)
                 members[key].append(p)
                 settings[key] = hp
+        for (gi, count, _), params in adamw.items():
+            group = self.param_groups[gi]
+            rule.adamw_step(params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
+                            [self.state[p]["exp_avg_sq"] for p in params], count,
+                            group["lr"], group["betas"], group["eps"], group["weight_decay"])
         self._buckets = {key: bucket for key, bucket in self._buckets.items() if key in members}
         matrices = []
         for key, params in members.items():
@@ -356,21 +359,7 @@ class Dion3(torch.optim.Optimizer):
             matrices.append(rule.WholeMatrices(weights, None, bucket.momentum, bucket.variance, settings[key]))
         devices = {e.momentum.device for e in matrices}
         if self.cuda_graph and len(devices) == 1 and cuda_graph_module.usable(devices.pop()):
-            self._step_graphed(matrices)
+            cuda_graph_module.step_whole_matrices(self._graph, matrices)
         else:
             rule.step_whole_matrices(matrices)
         return loss
-
-    def _step_graphed(self, matrices: list[rule.WholeMatrices]) -> None:
-        """rule.step_whole_matrices through a CUDA graph; lr and weight decay enter as factors."""
-        factors = [rule.update_factors(e.hp, len(e.weight), *e.momentum.shape[1:]) for e in matrices]
-        key = tuple(
-            (e.momentum.data_ptr(), e.variance.data_ptr(), tuple(w.data_ptr() for w in e.weight),
-             tuple(e.momentum.shape), dataclasses.replace(e.hp, lr=0.0, weight_decay=0.0))
-            for e in matrices
-        )
-
-        def step(graph_factors: list[rule.UpdateFactors]) -> None:
-            rule.step_whole_matrices([dataclasses.replace(e, factors=f) for e, f in zip(matrices, graph_factors)])
-
-        self._graph.run_with_factors(key, step, factors, matrices[0].momentum.device)

@@ -408,25 +408,32 @@ def step_whole_matrices(entries: list[WholeMatrices]) -> None:
 
 
 def adamw_step(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
     step: int,
     lr: float,
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
 ) -> None:
-    """Decoupled-weight-decay Adam with bias correction; ``step`` counts from 1."""
+    """Decoupled-weight-decay Adam with bias correction for tensors that share ``step`` (from 1)
+    and the settings: multi-tensor ops, a handful of kernels for any number of tensors."""
+    if not params:
+        return
     beta1, beta2 = betas
-    g = grad.to(exp_avg.dtype)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    g = [grad.to(m.dtype) for grad, m in zip(grads, exp_avgs)]
+    torch._foreach_lerp_(exp_avgs, g, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, g, g, value=1 - beta2)
     bias1 = 1 - beta1**step
     bias2 = 1 - beta2**step
-    denom = (exp_avg_sq / bias2).sqrt_().add_(eps)
-    update = exp_avg / bias1 / denom
+    denom = torch._foreach_div(exp_avg_sqs, bias2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    update = torch._foreach_div(exp_avgs, bias1)
+    torch._foreach_div_(update, denom)
     if weight_decay:
-        param.mul_(1 - lr * weight_decay)
-    param.add_(update.to(param.dtype), alpha=-lr)
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_add_(params, [u.to(p.dtype) for u, p in zip(update, params)], alpha=-lr)

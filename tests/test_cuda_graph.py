@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from dion3_megatron import Dion3, rule
+from dion3_megatron import Dion3, cuda_graph, rule
 from dion3_megatron.megabatch import Dion3Engine, MatrixShard, Sharding
 
 pytestmark = pytest.mark.gpu
@@ -71,13 +71,49 @@ def test_engine_local_groups_graph_replay_equals_eager(generator):
     grads = [[torch.randn(s, generator=generator).cuda() for s in shapes] for _ in range(steps)]
     lrs = [0.01 * (i + 1) for i in range(steps)]
     runs = []
-    for cuda_graph in (False, True):
+    for use_graph in (False, True):
         copies = [w.clone() for w in weights]
         buffers = [[g.clone() for g in grads[0]]] + grads[1:]
-        runs.append(engine_run(copies, buffers, lrs, cuda_graph))
+        runs.append(engine_run(copies, buffers, lrs, use_graph))
     (eager, eager_shards), (graphed, graphed_shards) = runs
     assert graphed._graph.graph is not None and eager._graph.graph is None
     for a, b in zip(eager_shards, graphed_shards):
         assert torch.equal(a.weight, b.weight)
         assert torch.equal(a.state["momentum"], b.state["momentum"])
         assert torch.equal(a.state["variance"], b.state["variance"])
+
+
+def test_whole_matrices_on_flat_slices_graph_equals_eager(generator):
+    """The ZeRO layout: matrices as views of one flat slice, the variance a strided view (each
+    row's value repeated over the row), and device work after the step (``then``)."""
+    steps, runs = 5, [(0, 3, 64, 96), (3 * 64 * 96, 2, 96, 64)]
+    numel = sum(count * n * m for _, count, n, m in runs)
+    flat0 = torch.randn(numel, generator=generator).cuda()
+    grads = [torch.randn(numel, generator=generator).cuda() for _ in range(steps)]
+    results = []
+    for use_graph in (False, True):
+        flat, momentum, variance = flat0.clone(), torch.zeros_like(flat0), torch.zeros_like(flat0)
+        graph = cuda_graph.StepGraph()
+        for step in range(steps):
+            hp = rule.Dion3Hyperparameters(lr=0.01 / (step + 1), fraction=0.25, weight_decay=0.1)
+            entries = []
+            for offset, count, n, m in runs:
+                views = [t.narrow(0, offset, count * n * m).view(count, n, m) for t in (flat, grads[step], momentum, variance)]
+                views[2].add_(views[1])
+                entries.append(rule.WholeMatrices(views[0], None, views[2], views[3][..., 0], hp))
+
+            def spread() -> None:
+                for offset, count, n, m in runs:
+                    rows = variance.narrow(0, offset, count * n * m).view(count * n, m)
+                    rows[:, 1:] = rows[:, :1]
+
+            if use_graph:
+                cuda_graph.step_whole_matrices(graph, entries, then=spread)
+            else:
+                rule.step_whole_matrices(entries)
+                spread()
+        assert (graph.graph is not None) == use_graph
+        results.append((flat, momentum, variance))
+    for eager, graphed in zip(*results):
+        assert torch.equal(eager, graphed)
+    assert not torch.equal(results[0][0], flat0) and results[0][2].count_nonzero() > 0

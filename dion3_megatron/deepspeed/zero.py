@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import device_speed, megabatch, rule
+from .. import cuda_graph, device_speed, megabatch, rule
 from ..ortho import default_ns_dtype
 from .. import optimizer
 from ..optimizer import Dion3
@@ -117,7 +117,8 @@ class ZeroGroupPlan:
 
     def __init__(self, opt: Dion3, group: dict, originals: list[torch.Tensor], index: int) -> None:
         self.flat = group["params"][0]
-        self.cuda_graph = opt.cuda_graph
+        self.use_graph = opt.cuda_graph
+        self.graph = cuda_graph.StepGraph()  # the whole matrices' step
         linked = [p for p in originals if is_zero_linked(p)]
         if not linked:
             raise RuntimeError(
@@ -189,7 +190,7 @@ class ZeroGroupPlan:
             piece.shard.state["variance"] = torch.zeros(
                 piece.row_counts.numel(), dtype=torch.float32, device=exp_avg.device
             )
-        self.engine = megabatch.Dion3Engine([p.shard for p in self.pieces], selection="global", cuda_graph=self.cuda_graph)
+        self.engine = megabatch.Dion3Engine([p.shard for p in self.pieces], selection="global", cuda_graph=self.use_graph)
         self._state_ids = ids
 
     def step(self, opt: Dion3, group: dict, state: dict) -> None:
@@ -226,12 +227,9 @@ class ZeroGroupPlan:
             )
         if self.adamw_runs:
             step = int(state["step"].item())
-            for start, length in self.adamw_runs:
-                rule.adamw_step(
-                    flat.narrow(0, start, length), grad.narrow(0, start, length),
-                    exp_avg.narrow(0, start, length), exp_avg_sq.narrow(0, start, length),
-                    step, group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                )
+            runs = [[t.narrow(0, start, length) for start, length in self.adamw_runs]
+                    for t in (flat, grad, exp_avg, exp_avg_sq)]
+            rule.adamw_step(*runs, step, group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
     def _step_whole(self, hp: rule.Dion3Hyperparameters, flat, grad, exp_avg, exp_avg_sq) -> None:
         """The matrices only this rank holds: the single-process step on views of the slice."""
@@ -242,13 +240,21 @@ class ZeroGroupPlan:
         entries = []
         for i, (offset, count, n, m) in enumerate(self.whole):
             view = [t.narrow(0, offset, count * n * m).view(count, n, m) for t in (flat, grad, exp_avg, exp_avg_sq)]
+            view[2].add_(view[1])  # here, not in a graph: ZeRO's gradient partition is a new tensor every step
             fraction = self.whole_fractions[i] if hp.fraction == rule.AUTO else hp.fraction
-            entries.append(rule.WholeMatrices(view[0], view[1], view[2], view[3][..., 0],
+            entries.append(rule.WholeMatrices(view[0], None, view[2], view[3][..., 0],
                                               dataclasses.replace(hp, fraction=fraction)))
-        rule.step_whole_matrices(entries)
-        for offset, count, n, m in self.whole:  # each row's variance, repeated over the row (the slice's layout)
-            rows = exp_avg_sq.narrow(0, offset, count * n * m).view(count * n, m)
-            rows[:, 1:] = rows[:, :1]
+
+        def spread_variance() -> None:  # each row's variance, repeated over the row (the slice's layout)
+            for offset, count, n, m in self.whole:
+                rows = exp_avg_sq.narrow(0, offset, count * n * m).view(count * n, m)
+                rows[:, 1:] = rows[:, :1]
+
+        if self.use_graph and cuda_graph.usable(flat.device):
+            cuda_graph.step_whole_matrices(self.graph, entries, then=spread_variance)
+        else:
+            rule.step_whole_matrices(entries)
+            spread_variance()
 
     def _auto_fractions(self, hp: rule.Dion3Hyperparameters) -> list[float]:
         device = self.flat.device
