@@ -75,7 +75,9 @@ def parse_args(argv=None):
                    help="the AdamW run; embeddings and output layer in every run (Megatron's --decoupled-lr)")
     o.add_argument("--weight-decay", type=float, default=0.01)
     o.add_argument("--clip-grad", type=float, default=1.0)
-    o.add_argument("--dion3-fraction", default="0.25", help="Dion3's f: in (0, 1], or 'auto' (chosen per matrix)")
+    o.add_argument("--dion3-fraction", default="auto",
+                   help="Dion3's f: in (0, 1], or 'auto' (the default: chosen per matrix from its shape and this "
+                        "machine's speed; it beat every fixed f on loss at equal time in docs/benchmarks.md)")
     d = p.add_argument_group("data (default: the Python standard library's sources, byte-level)")
     d.add_argument("--text-file", help="train on this text file, byte-level (vocab 256)")
     d.add_argument("--data-path", help="Megatron indexed dataset prefix (PREFIX.bin / PREFIX.idx)")
