@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from dion3_megatron.ortho import ns_flops
+from dion3_megatron.megabatch import STATIC_ROW_BLOCKS_MAX_WORLD
 
 # Measured on 2 x H200 (NVLink) with NCCL, torch 2.11 (../shared/DESIGN.md 6): a 4 KB all-to-all
 # takes 43 us; 512 MB moves in 0.94 ms. Sustained NS rate: plain-torch Keller NS5 on 5120 x 13824
@@ -104,12 +105,18 @@ def _by_shape(matrices):
 def dion3_step(cfg: ModelConfig, layout: Layout, fraction: float) -> dict:
     w = layout.tp
     rounds = nbytes = flops = memory = ops = 0.0
-    for (n, m), count in _by_shape(owned_matrices(cfg, layout)).items():
+    owned = owned_matrices(cfg, layout)
+    for (n, m), count in _by_shape(owned).items():
         k = max(1, math.ceil(fraction * n))
         if w > 1:
             rounds += 2  # the all-to-alls; the scores of all shapes share one all-reduce (below)
             nbytes += 2 * (w - 1) / w * count * n * 4  # ring all-reduce of fp32 row scores
-            nbytes += 2 * (w - 1) / w * count * k * m / w * 4  # selected rows out and back
+            # Selected rows out and back: a column block sends its columns of all k rows; a row
+            # block sends k rows too (zeros for rows held elsewhere) on the static exchange (2
+            # ranks, k * w <= n: megabatch._static_exchange), else only the ~k / w rows it holds.
+            row_blocks = sum(1 for shape, split in owned if shape == (n, m) and split == "rows")
+            padded = row_blocks if w <= STATIC_ROW_BLOCKS_MAX_WORLD and k * w <= n else 0
+            nbytes += 2 * (w - 1) / w * ((count - padded) * k * m / w + padded * k * m) * 4
         flops += math.ceil(count / w) * ns_flops(k, m, "gram")
         per_element, per_selected = DION3_BYTES_PER_ELEMENT
         memory += count * n * m / w * (per_element + per_selected * k / n)

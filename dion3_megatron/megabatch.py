@@ -220,6 +220,11 @@ class _SubBatch:
     span0: list[int]
     provides: list[bool]
     index_on_device: Optional[torch.Tensor] = None
+    # Static exchange: row blocks keep one extra zero row (and variance) that rows held by other
+    # ranks point at, so every rank sends exactly k rows per matrix (see Dion3Engine._step_static).
+    momentum_padded: Optional[torch.Tensor] = None
+    variance_padded: Optional[torch.Tensor] = None
+    route: Optional["_Route"] = None
     mus: list = field(default_factory=list)  # per-matrix mu when they differ, and its device copy
     mu_on_device: Optional[torch.Tensor] = None
     # Scratch of the current step (selected rows, who holds them, where they travel).
@@ -243,6 +248,25 @@ def _momentum_decay(sg: "ShapeGroup", sub: _SubBatch, device: torch.device) -> f
     if sub.mus != mus:  # uploaded once, not per step (nor inside a CUDA graph capture)
         sub.mus, sub.mu_on_device = mus, torch.tensor(mus, device=device)
     return sub.mu_on_device
+
+
+@dataclass(eq=False)
+class _Route:
+    """Where a sub-batch's matrices go in the static exchange (fixed for the plan's life):
+    ``order`` lists its matrices by owner rank, ``per_dest[d]`` how many rank d owns, and
+    ``owned_pos`` the block position (j // world) of each matrix this rank owns, in that order."""
+
+    order: torch.Tensor
+    per_dest: list[int]
+    owned_pos: torch.Tensor
+
+    @staticmethod
+    def build(sg: "ShapeGroup", sub: "_SubBatch", device: torch.device) -> "_Route":
+        by_dest = [[b for b, j in enumerate(sub.index) if sg.owner(j) == d] for d in range(sg.world)]
+        order = [b for bs in by_dest for b in bs]
+        owned = [sub.index[b] // sg.world for b in by_dest[sg.rank]]
+        return _Route(torch.tensor(order, dtype=torch.long, device=device), [len(bs) for bs in by_dest],
+                      torch.tensor(owned, dtype=torch.long, device=device))
 
 
 def _update_factors(sg: "ShapeGroup", index: list[int]) -> rule.UpdateFactors:
@@ -340,6 +364,24 @@ def _check_shard(shard: MatrixShard, world: int, rank: int, scope: str) -> None:
         raise ValueError(f"{shard.name}: per-head selection needs selection_scope='global' for row-sharded matrices")
 
 
+STATIC_ROW_BLOCKS_MAX_WORLD = 2  # row blocks send world x the rows they hold on the static exchange
+
+
+def _static_exchange(sg: ShapeGroup) -> bool:
+    """Whether a batched group takes the static exchange. Column blocks always do (they hold
+    every row: nothing is padded). Row blocks send all k rows per matrix, zeros for the rows held
+    elsewhere: world times the traffic of the host-planned exchange, which sends only the rows
+    each rank holds. They take it on 2 ranks (twice the traffic of a few-MB exchange against a
+    host wait) while k * world <= rows (the padded rows stay within the group's own momentum)."""
+    n = sg.key[0][0]
+    if sg.world == 1:
+        return False
+    if all(s.sharding.kind == "cols" for s in sg.shards):
+        return True
+    k = rule.selected_row_count(n, sg.fraction, sg.hp.num_heads)
+    return sg.world <= STATIC_ROW_BLOCKS_MAX_WORLD and k * sg.world <= n
+
+
 def build_plan(shards: list[MatrixShard], scope: str) -> list[ShapeGroup]:
     """Group shards by batch key in an order every rank computes alike."""
     groups: dict[tuple, ShapeGroup] = {}
@@ -433,9 +475,10 @@ class Dion3Engine:
         check_plan_matches(self.plan)
         resolve_fractions(self.plan)
         self._group_state: dict[int, list[_SubBatch]] = {}
+        self._static = {i for i, sg in enumerate(self.plan) if self._batched(sg) and _static_exchange(sg)}
         for i, sg in enumerate(self.plan):
             if self._batched(sg):
-                self._group_state[i] = self._allocate_group_state(sg)
+                self._group_state[i] = self._allocate_group_state(sg, padded=i in self._static)
             else:
                 for shard in sg.shards:
                     init_state(shard, sg.rank)
@@ -478,7 +521,8 @@ class Dion3Engine:
                 scores[i] = part.view(scores[i].shape)
         chosen = {i: rule.select_rows(t, self.plan[i].fraction, self.plan[i].hp.num_heads)
                   for i, t in scores.items() if t is not None}
-        pending = _PendingStep(subs, chosen, local, list(chosen))
+        # Groups on the static exchange keep their rows on the device; the rest need them on the host.
+        pending = _PendingStep(subs, chosen, local, [i for i in chosen if i not in self._static])
         if pending.exchanged:
             rows = torch.cat([chosen[i].view(-1) for i in pending.exchanged])
             pending.host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
@@ -505,7 +549,9 @@ class Dion3Engine:
         for i, sg in enumerate(self.plan):
             if i in pending.local:
                 continue
-            if i in pending.subs:
+            if i in self._static:
+                self._step_static(sg, pending.subs[i], chosen[i])
+            elif i in pending.subs:
                 self._step_batched(sg, pending.subs[i], chosen[i])
             else:
                 self._step_group(sg, chosen.get(i))
@@ -543,8 +589,9 @@ class Dion3Engine:
         return sg.blockwise and not (self.selection == "local" and sg.world > 1)
 
     @staticmethod
-    def _allocate_group_state(sg: ShapeGroup) -> list["_SubBatch"]:
-        """Split the group by sharding; each part keeps its momentum and variance in one buffer."""
+    def _allocate_group_state(sg: ShapeGroup, padded: bool = False) -> list["_SubBatch"]:
+        """Split the group by sharding; each part keeps its momentum and variance in one buffer
+        (row blocks with one extra zero row when ``padded``, for the static exchange)."""
         n, m = sg.key[0]
         parts: dict[Sharding, list[int]] = {}
         for j, shard in enumerate(sg.shards):
@@ -554,15 +601,21 @@ class Dion3Engine:
             first = sg.shards[index[0]]
             r0, r1 = sharding.row_span(sg.rank, n, m)
             device = first.weight.device
+            extra = int(padded and sharding.kind == "rows")
+            rows, width = first.weight.shape
+            momentum = torch.zeros((len(index), rows + extra, width), dtype=torch.float32, device=device)
+            variance = torch.zeros(len(index), r1 - r0 + extra, dtype=torch.float32, device=device)
             sub = _SubBatch(
                 index,
                 sharding,
-                torch.zeros((len(index), *first.weight.shape), dtype=torch.float32, device=device),
-                torch.zeros(len(index), r1 - r0, dtype=torch.float32, device=device),
+                momentum[:, :rows],
+                variance[:, : r1 - r0],
                 [sharding.rects(q, n, m)[0] for q in range(sg.world)],
                 [sharding.row_span(q, n, m)[0] for q in range(sg.world)],
                 # Column blocks all touch every row: rank 0 sends their variances. Row blocks their own.
                 [sharding.kind != "cols" or q == 0 for q in range(sg.world)],
+                momentum_padded=momentum,
+                variance_padded=variance,
             )
             for b, j in enumerate(index):
                 for key, buffer in (("momentum", sub.momentum), ("variance", sub.variance)):
@@ -613,6 +666,87 @@ class Dion3Engine:
             ortho = rule.orthogonalize_rows(selected, hp)
             rule.normalize_and_apply([shards[j].weight.view(n, m) for j in sub.index], sub.variance, idx, ortho,
                                      hp.beta2, hp.eps, part_factors)
+
+    def _step_static(self, sg: ShapeGroup, subs: list["_SubBatch"], chosen: torch.Tensor) -> None:
+        """Exchange and update of row/column blocks with sizes known in advance: no host wait.
+
+        Every rank sends, for each matrix, its pieces of all k selected rows to the owner: a
+        column block holds every row; a row block sends zeros (its padded row) for rows another
+        rank holds. Owners add the pieces up (each element comes from exactly one rank, the rest
+        are zeros, so the sum is exact), orthogonalize, and return to every rank its columns of
+        all k rows; a row block applies only the rows it holds. ``chosen`` (B, k) on the device.
+        """
+        n, m = sg.key[0]
+        world, me, hp = sg.world, sg.rank, sg.hp
+        device = subs[0].momentum.device
+        k = chosen.shape[1]
+        held: dict[int, tuple] = {}
+        send_parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        for sub in subs:
+            if sub.route is None:
+                sub.route = _Route.build(sg, sub, device)
+            rect, rows = sub.rect[me], sub.momentum.shape[1]
+            local = chosen[sub.index_on_device] - rect.r0
+            mask = None
+            if sub.sharding.kind == "rows":  # rows another rank holds point at the zero row
+                mask = (local >= 0) & (local < rows)
+                local = torch.where(mask, local, rows)
+            pieces = rule.take_selected(sub.momentum_padded, local, _momentum_decay(sg, sub, device))
+            variances = torch.gather(sub.variance_padded, 1, local)
+            if mask is not None:
+                variances = variances * mask
+            held[id(sub)] = (local, mask)
+            pieces, variances = pieces[sub.route.order], variances[sub.route.order]
+            for d, (piece, v) in enumerate(zip(pieces.split(sub.route.per_dest), variances.split(sub.route.per_dest))):
+                send_parts[d] += [piece.reshape(-1)] + ([v.reshape(-1)] if sub.provides[me] else [])
+        width = {id(sub): [r.c1 - r.c0 for r in sub.rect] for sub in subs}
+        send_sizes = [sum(t.numel() for t in parts) for parts in send_parts]
+        recv_sizes = [sum(sub.route.per_dest[me] * k * (width[id(sub)][q] + sub.provides[q]) for sub in subs)
+                      for q in range(world)]
+        send = self._buffer(sum(send_sizes), subs[0].momentum)
+        torch.cat([t for parts in send_parts for t in parts], out=send)
+        recv = self._all_to_all(send, send_sizes, recv_sizes, sg)
+
+        # Owner: add up the pieces of each owned matrix's k rows, orthogonalize them as one batch.
+        owned = len(range(me, len(sg.shards), world))
+        blocks = torch.zeros(owned, k, m, dtype=torch.float32, device=device)
+        block_variances = torch.zeros(owned, k, dtype=torch.float32, device=device)
+        offset = 0
+        for q in range(world):
+            for sub in subs:
+                count, r, pos = sub.route.per_dest[me], sub.rect[q], sub.route.owned_pos
+                size = count * k * (r.c1 - r.c0)
+                blocks[:, :, r.c0 : r.c1].index_add_(0, pos, recv[offset : offset + size].view(count, k, r.c1 - r.c0))
+                offset += size
+                if sub.provides[q]:
+                    block_variances.index_add_(0, pos, recv[offset : offset + count * k].view(count, k))
+                    offset += count * k
+        back_sizes = [sum(sub.route.per_dest[me] * k * (width[id(sub)][q] + 1) for sub in subs) for q in range(world)]
+        back = self._buffer(sum(back_sizes), subs[0].momentum)
+        if owned:
+            self._orthogonalize_and_pack(blocks, block_variances, hp, subs, world, back,
+                                         lambda sub, q: (sub.route.owned_pos, slice(None)))
+        result_sizes = [sum(sub.route.per_dest[d] * k * (width[id(sub)][me] + 1) for sub in subs) for d in range(world)]
+        result = self._all_to_all(back, back_sizes, result_sizes, sg)
+
+        # Apply: each owner's results, per part, in route order; row blocks keep the rows they hold.
+        steps, new_variances = self._split_returned(result, subs, me, world, lambda sub, d: sub.route.per_dest[d] * k)
+        weights, rows, updates, order = [], [], [], []
+        for sub in subs:
+            local, mask = held[id(sub)]
+            in_order = torch.empty(len(sub.index), k, width[id(sub)][me], dtype=torch.float32, device=device)
+            in_order.index_copy_(0, sub.route.order, steps[id(sub)].view(-1, k, width[id(sub)][me]))
+            variance_in_order = torch.empty(len(sub.index), k, dtype=torch.float32, device=device)
+            variance_in_order.index_copy_(0, sub.route.order, new_variances[id(sub)].view(-1, k))
+            sub.variance_padded.scatter_(1, local, variance_in_order)  # rows held elsewhere land in the pad
+            if mask is not None:
+                in_order = in_order * mask.unsqueeze(-1)
+                local = local.clamp(max=sub.momentum.shape[1] - 1)  # adds zeros there
+            weights += [sg.shards[j].weight.view(sub.momentum.shape[1:]) for j in sub.index]
+            rows += list(local.unbind(0))
+            updates += list(in_order.unbind(0))
+            order += sub.index
+        rule.apply_updates(weights, rows, updates, _update_factors(sg, order))
 
     def _step_batched(self, sg: ShapeGroup, subs: list["_SubBatch"], chosen: torch.Tensor) -> None:
         """Exchange and update for a group of row/column blocks; ``chosen`` (B, k) on the host."""
@@ -681,32 +815,17 @@ class Dion3Engine:
                       for q in range(world)]
         back = self._buffer(sum(back_sizes), subs[0].momentum)
         if owned:
-            ortho = rule.orthogonalize_rows(blocks, hp)
-            normalized, new_variance = rule.normalize_rows(ortho, block_variances, hp.beta2, hp.eps)
-            back_parts = []
-            for q in range(world):
-                for sub in subs:
-                    pos, si = sub.owner_index[q]
-                    back_parts += [normalized[pos, si, sub.rect[q].c0 : sub.rect[q].c1].reshape(-1), new_variance[pos, si]]
-            torch.cat(back_parts, out=back)
+            self._orthogonalize_and_pack(blocks, block_variances, hp, subs, world, back,
+                                         lambda sub, q: sub.owner_index[q])
         result_sizes = [sum(sub.per_dest[d] * (sub.rect[me].c1 - sub.rect[me].c0 + 1) for sub in subs) for d in range(world)]
         result = self._all_to_all(back, back_sizes, result_sizes, sg)
 
         # Apply: results arrive per owner, per part, in the order this rank sent its pieces.
-        steps: dict[int, list] = {id(sub): [] for sub in subs}
-        new_variances: dict[int, list] = {id(sub): [] for sub in subs}
-        offset = 0
-        for d in range(world):
-            for sub in subs:
-                count, width = sub.per_dest[d], sub.rect[me].c1 - sub.rect[me].c0
-                steps[id(sub)].append(result[offset : offset + count * width].view(count, width))
-                offset += count * width
-                new_variances[id(sub)].append(result[offset : offset + count])
-                offset += count
+        steps, new_variances = self._split_returned(result, subs, me, world, lambda sub, d: sub.per_dest[d])
         weights, rows, updates, order = [], [], [], []
         for sub in subs:
-            sub.variance[sub.bi, sub.variance_rows] = torch.cat(new_variances[id(sub)])
-            sub_steps = torch.cat(steps[id(sub)])
+            sub.variance[sub.bi, sub.variance_rows] = new_variances[id(sub)]
+            sub_steps = steps[id(sub)]
             start = 0
             for b in sub.owner_major:
                 shard = shards[sub.index[b]]
@@ -719,6 +838,39 @@ class Dion3Engine:
         rule.apply_updates(weights, rows, updates, _update_factors(sg, order))
 
     # -- helpers --------------------------------------------------------------------------
+
+    @staticmethod
+    def _orthogonalize_and_pack(blocks: torch.Tensor, block_variances: torch.Tensor, hp: Dion3Hyperparameters,
+                                subs: list["_SubBatch"], world: int, back: torch.Tensor, rows_of) -> None:
+        """Owner side of a batched exchange: orthogonalize and normalize the (B, k, m) blocks and
+        pack, per rank q and part, its columns of the rows ``rows_of(sub, q)`` indexes (block
+        positions, rows within the blocks) and their new variances into ``back``."""
+        ortho = rule.orthogonalize_rows(blocks, hp)
+        normalized, new_variance = rule.normalize_rows(ortho, block_variances, hp.beta2, hp.eps)
+        parts = []
+        for q in range(world):
+            for sub in subs:
+                rows = rows_of(sub, q)
+                parts += [normalized[(*rows, slice(sub.rect[q].c0, sub.rect[q].c1))].reshape(-1),
+                          new_variance[rows].reshape(-1)]
+        torch.cat(parts, out=back)
+
+    @staticmethod
+    def _split_returned(result: torch.Tensor, subs: list["_SubBatch"], me: int, world: int, rows_from):
+        """Cut the buffer the owners returned into each part's steps ((rows, width), rows from
+        ``rows_from(sub, d)`` for owner d, in owner order) and new variances (rows,)."""
+        steps: dict[int, list] = {id(sub): [] for sub in subs}
+        variances: dict[int, list] = {id(sub): [] for sub in subs}
+        offset = 0
+        for d in range(world):
+            for sub in subs:
+                count, width = rows_from(sub, d), sub.rect[me].c1 - sub.rect[me].c0
+                steps[id(sub)].append(result[offset : offset + count * width].view(count, width))
+                offset += count * width
+                variances[id(sub)].append(result[offset : offset + count])
+                offset += count
+        return ({key: torch.cat(parts) for key, parts in steps.items()},
+                {key: torch.cat(parts) for key, parts in variances.items()})
 
     def _buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         self.buffer_numels.append(numel)

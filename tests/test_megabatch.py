@@ -102,7 +102,10 @@ SHAPES = [(24, 40)] * 5 + [(40, 24)] * 2
 
 @pytest.mark.parametrize(
     "world,kind,fraction",
-    [(2, "rows", 0.25), (2, "rowscols", 0.25), (2, "cols", 1.0), (2, "cols", 0.25), (2, "flat", 0.25), (4, "mixed", 0.25), (4, "flat", 1.0)],
+    # Column blocks take the static exchange; row blocks on 2 ranks while f * world <= 1, else the
+    # host-planned one (rows 1.0, world 4).
+    [(2, "rows", 0.25), (2, "rowscols", 0.25), (2, "cols", 1.0), (2, "cols", 0.25), (2, "flat", 0.25), (4, "mixed", 0.25),
+     (4, "flat", 1.0), (4, "rows", 0.25), (4, "cols", 0.25), (2, "rows", 1.0), (4, "rowscols", 0.5)],
 )
 def test_sharded_step_equals_single_process(world, kind, fraction):
     seed = torch.seed() % 2**31
@@ -173,6 +176,43 @@ def test_unsharded_matrices_never_wait_for_the_host_and_keep_per_matrix_settings
     assert max_relative_error([s.weight for s in shards], [p.detach() for p in params]) <= 1e-6
 
 
+def static_exchange_worker(rank, world, kind, fraction, seed):
+    weights, grads = matrices_and_grads(SHAPES, seed)
+    group = dist.new_group(list(range(world)))
+    shards = []
+    for j, (w, shape) in enumerate(zip(weights, SHAPES)):
+        sharding = make_sharding(kind, *shape, world, j)
+        hp = rule.Dion3Hyperparameters(fraction=fraction, **dict(HP, mu=0.9 - 0.05 * (j % 3), lr=0.02 * (1 + j % 2)))
+        shards.append(MatrixShard(f"m{j}", local_piece(w, sharding, rank), None, shape, sharding, group, hp))
+    engine = Dion3Engine(shards)
+    to_host = []
+    for step in range(STEPS):
+        for shard, g in zip(shards, grads[step]):
+            shard.grad = local_piece(g, shard.sharding, rank)
+        pending = engine.start_step()
+        to_host.append(list(pending.exchanged))
+        engine.finish_step(pending)
+    return [s.weight for s in shards], to_host
+
+
+@pytest.mark.parametrize("kind,fraction,static", [("rowscols", 0.25, True), ("rows", 1.0, False)])
+def test_tensor_parallel_blocks_exchange_without_the_host_while_f_times_world_fits(kind, fraction, static):
+    seed = torch.seed() % 2**31
+    results = run_distributed(static_exchange_worker, 2, kind, fraction, seed)
+    for _, to_host in results:
+        assert all((groups == []) == static for groups in to_host), to_host
+    got = reassemble([weights for weights, _ in results], kind, SHAPES, 2)
+    weights, grads = matrices_and_grads(SHAPES, seed)
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    opt = Dion3([{"params": [p], "mu": 0.9 - 0.05 * (j % 3), "lr": 0.02 * (1 + j % 2)} for j, p in enumerate(params)],
+                fraction=fraction, **{k: v for k, v in HP.items() if k not in ("mu", "lr")})
+    for step in range(STEPS):
+        for p, g in zip(params, grads[step]):
+            p.grad = g
+        opt.step()
+    assert max_relative_error(got, [p.detach() for p in params]) <= 1e-5, f"seed={seed}"
+
+
 def test_local_selection_scope_picks_rows_within_each_shard():
     seed = torch.seed() % 2**31
     pieces = run_distributed(sharded_worker, 2, "rows", SHAPES, 0.25, seed, "local")
@@ -217,7 +257,7 @@ def counting_worker(rank, world, layers, fraction):
     for shape in {s for s, _ in layer}:
         per_layer = sum(1 for s, _ in layer if s == shape)
         k = rule.selected_row_count(shape[0], fraction)
-        bound = max(bound, math.ceil(per_layer * layers / world) * k * shape[1] + 2 * per_layer * layers * k)
+        bound = max(bound, per_layer * layers * k * (shape[1] + 1))  # k rows (+ variance) of every matrix
     return dict(counts), len({s for s, _ in layer}), n_max, bound, max(math.prod(s) for s, _ in layer) * layers // world
 
 
@@ -230,7 +270,8 @@ def test_collectives_per_step_do_not_grow_with_depth_and_buffers_stay_small():
     assert c8["all_reduce"] + c8["all_to_all_single"] <= 3 * shapes
     assert c8["all_to_all_single"] == 2 * shapes
     assert c8["all_reduce"] == 1  # the row scores of every shape in one all-reduce
-    # No buffer holds more than one owner batch plus per-row scalars: never the matrices themselves.
+    # No buffer holds more than the k selected rows of each matrix of a group (the static exchange
+    # sends a row block's k rows, zeros where another rank holds them): never the matrices themselves.
     assert biggest <= bound < group_share, (biggest, bound, group_share)
 
 
