@@ -237,6 +237,7 @@ class MegatronDion3(torch.optim.Optimizer):
         self._engine_key = None
         self._pieces: dict[torch.Tensor, list] = {}
         self._work: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stamps: dict[torch.Tensor, tuple] = {}  # per param: what its shards' views were cut from
 
     # -------------------------------------------------------------------------------------------
     # Parameter descriptions (main params of the bf16 wrapper map back to model params).
@@ -306,6 +307,11 @@ class MegatronDion3(torch.optim.Optimizer):
             weight, grad = self._working(p, layout, with_grads)
             hp = group_hp[id(group)]
             if not rebuild:
+                # Same storage and settings as last step: the shards' views are still right.
+                stamp = (weight.data_ptr(), grad.data_ptr() if grad is not None else None, hp)
+                if self._stamps.get(p) == stamp:
+                    continue
+                self._stamps[p] = stamp
                 for shard, piece in zip(self._pieces[p], layout.pieces):
                     rows = slice(piece.start, piece.stop)
                     shard.weight = weight[rows]
@@ -327,6 +333,7 @@ class MegatronDion3(torch.optim.Optimizer):
             fresh_pieces[p] = shards
         if rebuild:
             self._pieces = fresh_pieces
+            self._stamps.clear()
             all_shards = [s for p, _ in params for s in fresh_pieces[p]]
             self._engine = Dion3Engine(all_shards, selection=self.selection, cuda_graph=self.cuda_graph)
             chosen = self._engine.auto_fractions()
