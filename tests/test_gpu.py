@@ -33,26 +33,34 @@ def test_cuda_step_in_fp16_matches_fp64(shape, generator):
     assert ((fast - exact).norm() / exact.norm()).item() < 2e-2
 
 
-def nccl_worker(rank, world, seed):
+def nccl_worker(rank, world, seed, fraction, steps=3):
+    """Row and column blocks over NCCL for a few steps: at f = 1/4 the static exchange, at f = 1
+    the host-planned one (row blocks)."""
     gen = torch.Generator().manual_seed(seed)
     shapes = [(512, 256)] * 3 + [(256, 512)] * 2
     weights = [torch.randn(s, generator=gen) for s in shapes]
-    grads = [torch.randn(s, generator=gen) for s in shapes]
-    hp = rule.Dion3Hyperparameters(fraction=0.25, ns_dtype=torch.float32)
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
+    hp = rule.Dion3Hyperparameters(fraction=fraction, ns_dtype=torch.float32)
     group = dist.new_group(list(range(world)))
     shards = []
+
+    def piece(t, j, sharding):
+        lo, hi = sharding.bounds[rank], sharding.bounds[rank + 1]
+        return (t[lo:hi] if j % 2 else t[:, lo:hi]).contiguous().cuda()
+
     for j, (w, s) in enumerate(zip(weights, shapes)):
         sharding = Sharding.even_rows(s[0], world) if j % 2 else Sharding.even_cols(s[1], world)
-        lo, hi = sharding.bounds[rank], sharding.bounds[rank + 1]
-        piece = w[lo:hi] if j % 2 else w[:, lo:hi]
-        g = grads[j][lo:hi] if j % 2 else grads[j][:, lo:hi]
-        shards.append(MatrixShard(f"m{j}", piece.contiguous().cuda(), g.contiguous().cuda(), s, sharding, group, hp))
+        shards.append(MatrixShard(f"m{j}", piece(w, j, sharding), None, s, sharding, group, hp))
     engine = Dion3Engine(shards)
-    engine.step()
     params = [torch.nn.Parameter(w.clone()) for w in weights]
-    for p, g in zip(params, grads):
-        p.grad = g
-    Dion3(params, fraction=0.25, ns_dtype=torch.float32).step()
+    opt = Dion3(params, fraction=fraction, ns_dtype=torch.float32)
+    for step in range(steps):
+        for j, shard in enumerate(shards):
+            shard.grad = piece(grads[step][j], j, shard.sharding)
+        engine.step()
+        for p, g in zip(params, grads[step]):
+            p.grad = g
+        opt.step()
     errors = []
     for j, (shard, p) in enumerate(zip(shards, params)):
         lo, hi = shard.sharding.bounds[rank], shard.sharding.bounds[rank + 1]
@@ -62,6 +70,7 @@ def nccl_worker(rank, world, seed):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_engine_over_nccl_equals_single_process():
-    errors = run_distributed(nccl_worker, 2, torch.seed() % 2**31, backend="nccl")
+@pytest.mark.parametrize("fraction", [0.25, 1.0])
+def test_engine_over_nccl_equals_single_process(fraction):
+    errors = run_distributed(nccl_worker, 2, torch.seed() % 2**31, fraction, backend="nccl")
     assert max(errors) <= 1e-4  # TF32-free fp32 on GPU vs CPU fp32: rounding only
