@@ -10,6 +10,7 @@ megabatching. The math itself lives in :mod:`dion3_megatron.rule`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
 from collections import Counter, defaultdict
@@ -32,6 +33,11 @@ def matrix_view(t: torch.Tensor) -> torch.Tensor:
     if t.dim() == 3:
         return t
     return t.view(1, t.shape[0], -1)  # view, not reshape: updates must land in the tensor itself
+
+
+def matrix_shape(t: torch.Tensor) -> tuple[int, int]:
+    """(rows, cols) of the matrices of ``matrix_view(t)``, without making the view."""
+    return (t.shape[-2], t.shape[-1]) if t.dim() <= 3 else (t.shape[0], math.prod(t.shape[1:]))
 
 
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -338,12 +344,11 @@ class Dion3(torch.optim.Optimizer):
                     state["step"] += 1
                     adamw[gi, int(state["step"].item()), p.device].append(p)
                     continue
-                hp = group_hp
-                if p in self._auto_fractions:
-                    hp = dataclasses.replace(group_hp, fraction=self._auto_fractions[p])
-                key = (gi, tuple(matrix_view(p).shape[1:]), p.device, hp.fraction)
+                fraction = self._auto_fractions.get(p, group_hp.fraction)
+                key = (gi, matrix_shape(p), p.device, fraction)
+                if key not in settings:
+                    settings[key] = group_hp if fraction == group_hp.fraction else dataclasses.replace(group_hp, fraction=fraction)
                 members[key].append(p)
-                settings[key] = hp
         for (gi, count, _), params in adamw.items():
             group = self.param_groups[gi]
             rule.adamw_step(params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
