@@ -12,6 +12,7 @@ the same values computes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Callable, Hashable, Optional
 
@@ -21,6 +22,13 @@ from . import rule
 from .rule import UpdateFactors
 
 WARMUP_CALLS = 2  # eager calls with a key before it is captured (lazy initialization happens there)
+
+
+@functools.lru_cache(maxsize=256)
+def baked_settings(hp: rule.Dion3Hyperparameters) -> rule.Dion3Hyperparameters:
+    """What of ``hp`` a captured step bakes in (part of a capture key): all but lr and weight
+    decay, which reach the graph as factors. Cached: callers build keys every step."""
+    return dataclasses.replace(hp, lr=0.0, weight_decay=0.0)
 
 
 def usable(device: torch.device) -> bool:
@@ -108,7 +116,7 @@ def step_whole_matrices(graph: StepGraph, entries: list[rule.WholeMatrices],
     key = (then is not None, tuple(
         (e.momentum.data_ptr(), e.variance.data_ptr(), tuple(e.momentum.shape), tuple(e.variance.stride()),
          tuple(w.data_ptr() for w in e.weight) if isinstance(e.weight, (list, tuple)) else e.weight.data_ptr(),
-         dataclasses.replace(e.hp, lr=0.0, weight_decay=0.0))
+         baked_settings(e.hp))
         for e in entries
     ))
 

@@ -649,23 +649,23 @@ class Dion3Engine:
         key = tuple(
             (sub.momentum.data_ptr(), sub.variance.data_ptr(), tuple(sub.momentum.shape), sg.key, sg.fraction,
              tuple((sg.shards[j].weight.data_ptr(), sg.shards[j].grad.data_ptr(),
-                    dataclasses.replace(sg.shards[j].hp, lr=0.0, weight_decay=0.0)) for j in sub.index))
+                    cuda_graph_module.baked_settings(sg.shards[j].hp)) for j in sub.index))
             for sg, sub in parts
         )
         self._graph.run_with_factors(key, lambda graph_factors: self._step_whole(parts, graph_factors), factors, device)
 
     @staticmethod
     def _step_whole(parts: list[tuple[ShapeGroup, "_SubBatch"]], factors: list[rule.UpdateFactors]) -> None:
-        """The Dion3 step of whole matrices (the sub-batches ``parts``), each with its factors."""
+        """The Dion3 step of whole matrices (the sub-batches ``parts``), each with its factors and mu."""
+        entries = []
         for (sg, sub), part_factors in zip(parts, factors):
             n, m = sg.key[0]
-            hp, shards = sg.hp, sg.shards
-            torch._foreach_add_(list(sub.momentum.unbind(0)), [shards[j].grad.view(n, m) for j in sub.index])
-            idx = rule.select_rows(rule.row_scores(sub.momentum), sg.fraction, hp.num_heads)
-            selected = rule.take_selected(sub.momentum, idx, _momentum_decay(sg, sub, idx.device))
-            ortho = rule.orthogonalize_rows(selected, hp)
-            rule.normalize_and_apply([shards[j].weight.view(n, m) for j in sub.index], sub.variance, idx, ortho,
-                                     hp.beta2, hp.eps, part_factors)
+            torch._foreach_add_(list(sub.momentum.unbind(0)), [sg.shards[j].grad.view(n, m) for j in sub.index])
+            hp = sg.hp if sg.hp.fraction == sg.fraction else dataclasses.replace(sg.hp, fraction=sg.fraction)
+            entries.append(rule.WholeMatrices([sg.shards[j].weight.view(n, m) for j in sub.index], None, sub.momentum,
+                                              sub.variance, hp, part_factors,
+                                              _momentum_decay(sg, sub, sub.momentum.device)))
+        rule.step_whole_matrices(entries)
 
     def _step_static(self, sg: ShapeGroup, subs: list["_SubBatch"], chosen: torch.Tensor) -> None:
         """Exchange and update of row/column blocks with sizes known in advance: no host wait.

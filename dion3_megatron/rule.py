@@ -383,6 +383,7 @@ class WholeMatrices:
     variance: torch.Tensor
     hp: Dion3Hyperparameters  # fraction already a number
     factors: Optional[UpdateFactors] = None  # default: from hp (see finish_update)
+    mu: Optional[float | torch.Tensor] = None  # the applied rows' decay, or (B,) of them; default: from hp
 
 
 def step_whole_matrices(entries: list[WholeMatrices]) -> None:
@@ -393,7 +394,7 @@ def step_whole_matrices(entries: list[WholeMatrices]) -> None:
         if e.grad is not None:
             e.momentum.add_(e.grad)
         idx = select_rows(row_scores(e.momentum), e.hp.fraction, e.hp.num_heads)
-        selected = take_selected(e.momentum, idx, momentum_decay(e.hp, e.hp.fraction))
+        selected = take_selected(e.momentum, idx, momentum_decay(e.hp, e.hp.fraction) if e.mu is None else e.mu)
         key = (tuple(selected.shape[1:]), selected.device, e.hp.ns_method, e.hp.ns_dtype)
         batches.setdefault(key, []).append((e, idx, selected))
     for batch in batches.values():
