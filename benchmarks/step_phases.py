@@ -48,6 +48,8 @@ def timed(owner: type, name: str, label: str) -> None:
     original = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return original(*args, **kwargs)  # inside a CUDA-graph capture: no synchronization there
         synchronize()
         start = time.perf_counter()
         try:
@@ -99,18 +101,29 @@ def engine_phases() -> None:
     profile_one_call(megabatch.Dion3Engine, "step")
     timed(megabatch.Dion3Engine, "step", "  engine.step")
     timed(megabatch.Dion3Engine, "_accumulate_and_score", "    accumulate + score (per shape group)")
+    timed(megabatch.Dion3Engine, "_step_static", "    exchange + update, static sizes (per group)")
     timed(megabatch.Dion3Engine, "_step_batched", "    exchange + update, row/col blocks (per group)")
     timed(megabatch.Dion3Engine, "_step_group", "    exchange + update, general path (per group)")
 
 
 def megatron(argv: list[str]) -> None:
-    from megatron.core.optimizer import optimizer as core_optimizer
+    from megatron.core.optimizer import layer_wise_optimizer, optimizer as core_optimizer
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
     from dion3_megatron.megatron import bench
     from dion3_megatron.megatron.optimizer import MegatronDion3
 
     engine_phases()
+    # Megatron's own parts of the step, which every optimizer it wraps pays.
     timed(core_optimizer.ChainedOptimizer, "step", "Megatron optimizer.step (all of it)")
+    timed(core_optimizer.ChainedOptimizer, "prepare_grads", "  grads to fp32 + inf check")
+    timed(core_optimizer.ChainedOptimizer, "get_grad_norm", "  grad norm")
+    timed(core_optimizer, "clip_grad_by_total_norm_fp32", "  clip (per chained optimizer)")
+    timed(core_optimizer.Float16OptimizerWithFloat16Params, "step_with_ready_grads",
+          "  inner step + main-to-model copy (per chained optimizer)")
+    timed(layer_wise_optimizer.LayerWiseDistributedOptimizer, "start_param_sync_for_bucket_group_subset",
+          "  parameter all-gather")
+    timed(TensorParallelMuon, "step", "Muon inner step")
     timed(MegatronDion3, "step", "Dion3 inner step")
     timed(MegatronDion3, "_gradients_finite", "  finite check")
     timed(MegatronDion3, "_ensure_engine", "  refresh shards")
@@ -128,9 +141,20 @@ def megatron(argv: list[str]) -> None:
 
 
 def deepspeed(argv: list[str]) -> None:
+    from deepspeed.runtime import bf16_optimizer, engine
+
     from dion3_megatron.deepspeed import zero
 
     engine_phases()
+    # DeepSpeed's own parts of engine.step() (BF16_Optimizer: bf16 with ZeRO-1), which every optimizer pays.
+    profile_one_call(engine.DeepSpeedEngine, "_take_model_step")
+    timed(engine.DeepSpeedEngine, "_take_model_step", "DeepSpeed engine model step (all of it)")
+    timed(bf16_optimizer.BF16_Optimizer, "step", "  BF16_Optimizer.step")
+    timed(bf16_optimizer, "get_global_norm_of_tensors", "    grad norm")
+    timed(bf16_optimizer, "clip_tensors_by_global_norm", "    clip")
+    timed(bf16_optimizer.BF16_Optimizer, "update_lp_params", "    fp32-to-bf16 copy + all-gather")
+    timed(bf16_optimizer.BF16_Optimizer, "clear_hp_grads", "    clear fp32 grads")
+    timed(bf16_optimizer.BF16_Optimizer, "zero_grad", "  zero_grad")
     timed(zero.ZeroGroupPlan, "step", "ZeRO plan step (per param group)")
     timed(zero.ZeroGroupPlan, "_step_whole", "  matrices one rank holds whole")
     sys.argv = argv

@@ -491,8 +491,73 @@ class Dion3Engine:
 
     @torch.no_grad()
     def step(self) -> None:
-        """One Dion3 step for every shard: :meth:`start_step`, then :meth:`finish_step`."""
-        self.finish_step(self.start_step())
+        """One Dion3 step for every shard. When every shape group steps on the device alone (held
+        whole, or on the static exchange), the whole step, collectives included, replays from one
+        CUDA graph; otherwise :meth:`start_step`, then :meth:`finish_step`."""
+        if self._whole_step_graphable():
+            self._step_graphed()
+        else:
+            self.finish_step(self.start_step())
+
+    def _whole_step_graphable(self) -> bool:
+        if not self.cuda_graph or len(self._group_state) != len(self.plan):
+            return False
+        return (cuda_graph_module.usable(self.plan[0].shards[0].weight.device)
+                and all(sg.world == 1 or i in self._static for i, sg in enumerate(self.plan)))
+
+    def _step_graphed(self) -> None:
+        """The whole step from one CUDA graph: the tensors it touches and all sizes are fixed, and
+        nothing waits for the host. ``collectives`` and ``buffer_numels`` fill on eager calls only."""
+        self.collectives, self.buffer_numels = [], []
+        subs = {i: self._bind_group_state(self.plan[i], state) for i, state in self._group_state.items()}
+        local = [(self.plan[i], sub) for i in subs if self.plan[i].world == 1 for sub in subs[i]]
+        exchanged = [i for i in subs if self.plan[i].world > 1]
+        factors = [_update_factors(sg, sub.index) for sg, sub in local]
+        factors += [_update_factors(self.plan[i], [j for sub in subs[i] for j in sub.index]) for i in exchanged]
+
+        def step(graph_factors: list[rule.UpdateFactors]) -> None:
+            self._step_on_device(subs, graph_factors[: len(local)], dict(zip(exchanged, graph_factors[len(local):])))
+
+        key = self._graph_key([(self.plan[i], sub) for i in subs for sub in subs[i]])
+        self._graph.run_with_factors(key, step, factors, self.plan[0].shards[0].weight.device)
+
+    def _step_on_device(self, subs: dict[int, list["_SubBatch"]], local_factors: list[rule.UpdateFactors],
+                        exchanged_factors: dict[int, rule.UpdateFactors]) -> None:
+        """The step of an engine whose groups are all held whole or on the static exchange."""
+        local = [i for i in subs if self.plan[i].world == 1]
+        chosen = self._select({i: self._accumulate_and_score(self.plan[i], subs[i]) for i in exchanged_factors})
+        if local:
+            self._step_whole([(self.plan[i], sub) for i in local for sub in subs[i]], local_factors)
+        for i, factors in exchanged_factors.items():
+            self._step_static(self.plan[i], subs[i], chosen[i], factors)
+
+    @staticmethod
+    def _graph_key(parts: list[tuple["ShapeGroup", "_SubBatch"]]) -> tuple:
+        """What a captured step of these sub-batches bakes in: buffers, weights, gradients, settings."""
+        return tuple(
+            (sub.momentum_padded.data_ptr(), sub.variance_padded.data_ptr(), tuple(sub.momentum_padded.shape),
+             sg.key, sg.fraction,
+             tuple((sg.shards[j].weight.data_ptr(), sg.shards[j].grad.data_ptr(),
+                    cuda_graph_module.baked_settings(sg.shards[j].hp)) for j in sub.index))
+            for sg, sub in parts
+        )
+
+    def _select(self, scores: dict[int, Optional[torch.Tensor]]) -> dict[int, torch.Tensor]:
+        """Sum the partial row scores of all groups on one process group in ONE all-reduce; the
+        chosen rows (B, k) of each group that has scores."""
+        by_group: dict[tuple, list[int]] = {}
+        for i, t in scores.items():
+            if t is not None and self.plan[i].world > 1:
+                by_group.setdefault(_group_ranks(self.plan[i].group), []).append(i)
+        for ranks in sorted(by_group):
+            members = by_group[ranks]
+            flat = torch.cat([scores[i].view(-1) for i in members])
+            self.collectives.append("all_reduce")
+            dist.all_reduce(flat, group=self.plan[members[0]].group)
+            for i, part in zip(members, flat.split([scores[i].numel() for i in members])):
+                scores[i] = part.view(scores[i].shape)
+        return {i: rule.select_rows(t, self.plan[i].fraction, self.plan[i].hp.num_heads)
+                for i, t in scores.items() if t is not None}
 
     @torch.no_grad()
     def start_step(self) -> "_PendingStep":
@@ -507,20 +572,8 @@ class Dion3Engine:
         subs = {i: self._bind_group_state(self.plan[i], state) for i, state in self._group_state.items()}
         # Groups on one rank need no exchange: they step right away, on the device, unsynced.
         local = [i for i in subs if self.plan[i].world == 1]
-        scores = {i: self._accumulate_and_score(sg, subs.get(i)) for i, sg in enumerate(self.plan) if i not in local}
-        by_group: dict[tuple, list[int]] = {}
-        for i, sg in enumerate(self.plan):
-            if scores.get(i) is not None and sg.world > 1:
-                by_group.setdefault(_group_ranks(sg.group), []).append(i)
-        for ranks in sorted(by_group):
-            members = by_group[ranks]
-            flat = torch.cat([scores[i].view(-1) for i in members])
-            self.collectives.append("all_reduce")
-            dist.all_reduce(flat, group=self.plan[members[0]].group)
-            for i, part in zip(members, flat.split([scores[i].numel() for i in members])):
-                scores[i] = part.view(scores[i].shape)
-        chosen = {i: rule.select_rows(t, self.plan[i].fraction, self.plan[i].hp.num_heads)
-                  for i, t in scores.items() if t is not None}
+        chosen = self._select({i: self._accumulate_and_score(sg, subs.get(i))
+                               for i, sg in enumerate(self.plan) if i not in local})
         # Groups on the static exchange keep their rows on the device; the rest need them on the host.
         pending = _PendingStep(subs, chosen, local, [i for i in chosen if i not in self._static])
         if pending.exchanged:
@@ -646,13 +699,8 @@ class Dion3Engine:
         if not (self.cuda_graph and cuda_graph_module.usable(device)):
             self._step_whole(parts, factors)
             return
-        key = tuple(
-            (sub.momentum.data_ptr(), sub.variance.data_ptr(), tuple(sub.momentum.shape), sg.key, sg.fraction,
-             tuple((sg.shards[j].weight.data_ptr(), sg.shards[j].grad.data_ptr(),
-                    cuda_graph_module.baked_settings(sg.shards[j].hp)) for j in sub.index))
-            for sg, sub in parts
-        )
-        self._graph.run_with_factors(key, lambda graph_factors: self._step_whole(parts, graph_factors), factors, device)
+        self._graph.run_with_factors(self._graph_key(parts), lambda graph_factors: self._step_whole(parts, graph_factors),
+                                     factors, device)
 
     @staticmethod
     def _step_whole(parts: list[tuple[ShapeGroup, "_SubBatch"]], factors: list[rule.UpdateFactors]) -> None:
@@ -667,14 +715,17 @@ class Dion3Engine:
                                               _momentum_decay(sg, sub, sub.momentum.device)))
         rule.step_whole_matrices(entries)
 
-    def _step_static(self, sg: ShapeGroup, subs: list["_SubBatch"], chosen: torch.Tensor) -> None:
+    def _step_static(self, sg: ShapeGroup, subs: list["_SubBatch"], chosen: torch.Tensor,
+                     factors: Optional[rule.UpdateFactors] = None) -> None:
         """Exchange and update of row/column blocks with sizes known in advance: no host wait.
 
         Every rank sends, for each matrix, its pieces of all k selected rows to the owner: a
         column block holds every row; a row block sends zeros (its padded row) for rows another
         rank holds. Owners add the pieces up (each element comes from exactly one rank, the rest
         are zeros, so the sum is exact), orthogonalize, and return to every rank its columns of
-        all k rows; a row block applies only the rows it holds. ``chosen`` (B, k) on the device.
+        all k rows; a row block applies only the rows it holds. ``chosen`` (B, k) on the device;
+        ``factors`` of the sub-batches' matrices in order, as device tensors (from the group's
+        settings when not given).
         """
         n, m = sg.key[0]
         world, me, hp = sg.world, sg.rank, sg.hp
@@ -731,7 +782,9 @@ class Dion3Engine:
 
         # Apply: each owner's results, per part, in route order; row blocks keep the rows they hold.
         steps, new_variances = self._split_returned(result, subs, me, world, lambda sub, d: sub.route.per_dest[d] * k)
-        weights, rows, updates, order = [], [], [], []
+        if factors is None:
+            factors = _update_factors(sg, [j for sub in subs for j in sub.index]).on_device(device)
+        start = 0
         for sub in subs:
             local, mask = held[id(sub)]
             in_order = torch.empty(len(sub.index), k, width[id(sub)][me], dtype=torch.float32, device=device)
@@ -742,11 +795,9 @@ class Dion3Engine:
             if mask is not None:
                 in_order = in_order * mask.unsqueeze(-1)
                 local = local.clamp(max=sub.momentum.shape[1] - 1)  # adds zeros there
-            weights += [sg.shards[j].weight.view(sub.momentum.shape[1:]) for j in sub.index]
-            rows += list(local.unbind(0))
-            updates += list(in_order.unbind(0))
-            order += sub.index
-        rule.apply_updates(weights, rows, updates, _update_factors(sg, order))
+            weights = [sg.shards[j].weight.view(sub.momentum.shape[1:]) for j in sub.index]
+            rule.apply_row_updates(weights, local, in_order, factors.part(start, start + len(sub.index)))
+            start += len(sub.index)
 
     def _step_batched(self, sg: ShapeGroup, subs: list["_SubBatch"], chosen: torch.Tensor) -> None:
         """Exchange and update for a group of row/column blocks; ``chosen`` (B, k) on the host."""

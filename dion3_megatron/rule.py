@@ -269,6 +269,18 @@ class UpdateFactors:
         return UpdateFactors([1 - lr * wd for lr, wd in zip(lrs, weight_decays)],
                              [-lr * scale for lr, scale in zip(lrs, scales)])
 
+    def on_device(self, device: torch.device) -> "UpdateFactors":
+        """The tensor form on ``device`` (from numbers): one queued copy, not waited for."""
+        values = torch.tensor([*self.decay, *self.coef], dtype=torch.float32)
+        if device.type == "cuda":
+            values = values.pin_memory()
+        on_device = torch.empty(values.shape, dtype=torch.float32, device=device).copy_(values, non_blocking=True)
+        return UpdateFactors(on_device[: len(self.decay)], on_device[len(self.decay):])
+
+    def part(self, start: int, stop: int) -> "UpdateFactors":
+        """The factors of matrices [start, stop) of the batch."""
+        return UpdateFactors(self.decay[start:stop], self.coef[start:stop])
+
 
 def apply_update(
     weight: torch.Tensor | list[torch.Tensor], idx: torch.Tensor, step: torch.Tensor, lr: float, weight_decay: float,
@@ -294,6 +306,14 @@ def apply_updates(
             weight.index_add_(0, idx, step, alpha=coef)
         else:  # scale in the step's precision, then round once
             weight.index_add_(0, idx, (step * coef).to(weight.dtype))
+
+
+def apply_row_updates(weights: list[torch.Tensor], rows: torch.Tensor, steps: torch.Tensor,
+                      factors: UpdateFactors) -> None:
+    """W *= decay; W[rows] += coef * step for a batch: rows (B, k), steps (B, k, c), factors as
+    (B,) device tensors (what a CUDA graph reads), the coefficients applied in one kernel."""
+    decay_weights(weights, factors.decay)
+    add_rows(weights, list(rows.unbind(0)), list((steps * factors.coef.view(-1, 1, 1)).unbind(0)))
 
 
 def decay_weights(weights: list[torch.Tensor], decay: list[float] | torch.Tensor) -> None:

@@ -1,5 +1,7 @@
 """The optimizer and the engine on GPUs: fp16 Gram NS by default, NCCL collectives."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -74,3 +76,48 @@ def nccl_worker(rank, world, seed, fraction, steps=3):
 def test_engine_over_nccl_equals_single_process(fraction):
     errors = run_distributed(nccl_worker, 2, torch.seed() % 2**31, fraction, backend="nccl")
     assert max(errors) <= 1e-4  # TF32-free fp32 on GPU vs CPU fp32: rounding only
+
+
+def nccl_graph_worker(rank, world, seed, steps=6):
+    """Row blocks, column blocks and a matrix held whole, each with its own lr schedule: the
+    engine's whole step replayed from one CUDA graph (collectives inside) against eager steps."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(512, 256)] * 3 + [(256, 512)] * 2 + [(128, 384)]
+    weights = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
+    group = dist.new_group(list(range(world)))
+
+    def sharding_of(j, shape):
+        return [Sharding.even_cols(shape[1], world), Sharding.even_rows(shape[0], world), Sharding.full()][j % 3]
+
+    def piece(t, sharding):
+        if sharding.kind == "full":
+            return t.clone().cuda()
+        lo, hi = sharding.bounds[rank], sharding.bounds[rank + 1]
+        return (t[lo:hi] if sharding.kind == "rows" else t[:, lo:hi]).contiguous().cuda()
+
+    runs = []
+    for use_graph in (False, True):
+        hp = rule.Dion3Hyperparameters(fraction=0.25, weight_decay=0.1, ns_dtype=torch.float32)
+        shards = []
+        for j, (w, s) in enumerate(zip(weights, shapes)):
+            sharding = sharding_of(j, s)
+            shards.append(MatrixShard(f"m{j}", piece(w, sharding), piece(grads[0][j], sharding), s, sharding,
+                                      None if sharding.kind == "full" else group, hp))
+        engine = Dion3Engine(shards, cuda_graph=use_graph)
+        for step in range(steps):
+            for j, shard in enumerate(shards):
+                shard.hp = dataclasses.replace(hp, lr=0.01 * (step + 1) * (1 + j % 2))
+                shard.grad.copy_(piece(grads[step][j], shard.sharding))  # stable buffers, as Megatron's
+            engine.step()
+        runs.append((engine, shards))
+    (eager, eager_shards), (graphed, graphed_shards) = runs
+    assert graphed._graph.graph is not None and eager._graph.graph is None
+    assert graphed._whole_step_graphable()
+    return all(torch.equal(a.weight, b.weight) and torch.equal(a.state["momentum"], b.state["momentum"])
+               and torch.equal(a.state["variance"], b.state["variance"]) for a, b in zip(eager_shards, graphed_shards))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_engine_whole_step_graph_over_nccl_equals_eager():
+    assert all(run_distributed(nccl_graph_worker, 2, torch.seed() % 2**31, backend="nccl"))

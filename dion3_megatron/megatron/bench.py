@@ -45,6 +45,9 @@ def parse(argv=None):
                         "adjust_lr (spectral_norm) applies, so one --lr fits both; Megatron's own default, "
                         "spectral = sqrt(max(rows, cols)), expects an AdamW-sized lr (~1e-3)")
     p.add_argument("--muon-tp-mode", default="blockwise", help="Megatron Muon's TP mode (Megatron's default)")
+    p.add_argument("--overlap-param-gather", action="store_true",
+                   help="Megatron's --overlap-grad-reduce --overlap-param-gather: the parameter all-gather "
+                        "leaves optimizer.step() for the next forward pass, as in production runs")
     p.add_argument("--json", help="append one JSON line per run here (rank 0)")
     p.add_argument("--cpu", action="store_true", help="gloo + dion3_megatron.megatron.cpu (smoke test only)")
     return p.parse_args(argv)
@@ -88,7 +91,9 @@ def run(args, name, device, tp, fraction):
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=args.vocab, max_sequence_length=args.seq,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False)
     model.to(device)
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+                                               overlap_grad_reduce=args.overlap_param_gather,
+                                               overlap_param_gather=args.overlap_param_gather)
     layer_wise = name != "adam"
     chunks = wrap_model_chunks_with_ddp([model], config, ddp_config, use_layer_wise_distributed_optimizer=layer_wise)
     config.finalize_model_grads_func = finalize_model_grads
@@ -99,7 +104,7 @@ def run(args, name, device, tp, fraction):
     ocfg = OptimizerConfig(
         optimizer=name, lr=lr, min_lr=lr / 10, weight_decay=0.01, bf16=True, clip_grad=1.0,
         adam_beta1=0.9, adam_beta2=0.95, use_distributed_optimizer=True,
-        use_layer_wise_distributed_optimizer=layer_wise,
+        use_layer_wise_distributed_optimizer=layer_wise, overlap_param_gather=args.overlap_param_gather,
         decoupled_lr=None if name == "adam" else args.adam_lr, decoupled_min_lr=args.adam_lr / 10,
     )
     if name == "dion3":
@@ -150,7 +155,7 @@ def run(args, name, device, tp, fraction):
             losses.append((step, round(loss.item() / dist.get_world_size(), 4)))
     params = sum(p.numel() for p in model.parameters())
     dist.all_reduce(t := torch.tensor(float(params), device=device))  # sum of TP shards (norms counted tp times)
-    result = dict(optimizer=name, tp=tp, dp=dp, layers=args.layers, hidden=args.hidden, steps=args.steps, lr=lr,
+    result = dict(optimizer=name, tp=tp, dp=dp, overlap_param_gather=args.overlap_param_gather, layers=args.layers, hidden=args.hidden, steps=args.steps, lr=lr,
                   params=int(t.item()) // dp, losses=losses,
                   opt_step_ms=round(1e3 * statistics.median(step_times), 2) if step_times else None,
                   train_step_ms=round(1e3 * statistics.median(total), 2) if total else None)

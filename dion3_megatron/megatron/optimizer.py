@@ -307,8 +307,10 @@ class MegatronDion3(torch.optim.Optimizer):
             weight, grad = self._working(p, layout, with_grads)
             hp = group_hp[id(group)]
             if not rebuild:
-                # Same storage and settings as last step: the shards' views are still right.
-                stamp = (weight.data_ptr(), grad.data_ptr() if grad is not None else None, hp)
+                for shard in self._pieces[p]:
+                    shard.hp = hp  # lr and weight decay follow the schedule
+                # Same storage as last step: the shards' views are still right.
+                stamp = (weight.data_ptr(), grad.data_ptr() if grad is not None else None)
                 if self._stamps.get(p) == stamp:
                     continue
                 self._stamps[p] = stamp
@@ -316,7 +318,6 @@ class MegatronDion3(torch.optim.Optimizer):
                     rows = slice(piece.start, piece.stop)
                     shard.weight = weight[rows]
                     shard.grad = grad[rows] if grad is not None else None
-                    shard.hp = hp
                 continue
             shards = []
             for piece in layout.pieces:
