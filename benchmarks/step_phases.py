@@ -40,11 +40,13 @@ def synchronize() -> None:
 
 
 def rank0() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
+    """The rank that prints (every rank with STEP_PHASES_ALL_RANKS=1: to find a straggler)."""
+    return int(os.environ.get("RANK", "0")) == 0 or os.environ.get("STEP_PHASES_ALL_RANKS") == "1"
 
 
-def timed(owner: type, name: str, label: str) -> None:
-    """Replace ``owner.name`` by a version that records its synchronized wall time under ``label``."""
+def timed(owner: type, name: str, label: str | Callable[[object], str]) -> None:
+    """Replace ``owner.name`` by a version that records its synchronized wall time under ``label``
+    (or ``label(first argument)``: one line per object)."""
     original = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
@@ -56,7 +58,7 @@ def timed(owner: type, name: str, label: str) -> None:
             return original(*args, **kwargs)
         finally:
             synchronize()
-            TIMES[label].append(time.perf_counter() - start)
+            TIMES[label if isinstance(label, str) else label(args[0])].append(time.perf_counter() - start)
 
     setattr(owner, name, wrapper)
 
@@ -78,7 +80,7 @@ def profile_one_call(owner: type, name: str) -> None:
             synchronize()
         if rank0():
             events = prof.key_averages()
-            print(f"PROFILE {owner.__name__}.{name} call {calls[0]}: "
+            print(f"PROFILE {owner.__name__}.{name} call {calls[0]} (rank {os.environ.get('RANK', '0')}): "
                   f"{sum(e.count for e in events if e.key.startswith('aten::'))} aten ops", flush=True)
             sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
             print(events.table(sort_by=sort, row_limit=20), flush=True)
@@ -89,7 +91,7 @@ def profile_one_call(owner: type, name: str) -> None:
 
 def report(title: str) -> None:
     if rank0():
-        print(f"PHASES {title}", flush=True)
+        print(f"PHASES {title} (rank {os.environ.get('RANK', '0')})", flush=True)
         for label, values in TIMES.items():
             values = values[len(values) // 4:]  # skip the first quarter (warm-up, engine build)
             if values:
@@ -155,7 +157,8 @@ def deepspeed(argv: list[str]) -> None:
     timed(bf16_optimizer.BF16_Optimizer, "update_lp_params", "    fp32-to-bf16 copy + all-gather")
     timed(bf16_optimizer.BF16_Optimizer, "clear_hp_grads", "    clear fp32 grads")
     timed(bf16_optimizer.BF16_Optimizer, "zero_grad", "  zero_grad")
-    timed(zero.ZeroGroupPlan, "step", "ZeRO plan step (per param group)")
+    timed(zero.ZeroGroupPlan, "step", lambda plan: f"ZeRO plan step ({sum(c for _, c, _, _ in plan.whole)} whole "
+                                                   f"matrices, {len(plan.pieces)} split, {len(plan.adamw_runs)} AdamW runs)")
     timed(zero.ZeroGroupPlan, "_step_whole", "  matrices one rank holds whole")
     sys.argv = argv
     try:

@@ -500,8 +500,8 @@ class Dion3Engine:
             self.finish_step(self.start_step())
 
     def _whole_step_graphable(self) -> bool:
-        if not self.cuda_graph or len(self._group_state) != len(self.plan):
-            return False
+        if not self.cuda_graph or not self.plan or len(self._group_state) != len(self.plan):
+            return False  # (an empty plan: a data-parallel rank that owns no matrix)
         return (cuda_graph_module.usable(self.plan[0].shards[0].weight.device)
                 and all(sg.world == 1 or i in self._static for i, sg in enumerate(self.plan)))
 

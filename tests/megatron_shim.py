@@ -206,7 +206,7 @@ def max_diff_to_reference(model, ref_state: dict, config) -> tuple[float, int]:
 
 
 def make_parallel(config, ref_init: dict, *, layer_wise: bool = True, bf16: bool = False, clip_grad: float = 0.0,
-                  init_lr: float = LR, warmup: int = 0, **dion3):
+                  init_lr: float = LR, warmup: int = 0, overlap: bool = False, **dion3):
     """Model chunk (DDP) + Megatron optimizer (optimizer='dion3') + lr scheduler, like pretrain()."""
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -215,13 +215,15 @@ def make_parallel(config, ref_init: dict, *, layer_wise: bool = True, bf16: bool
 
     model = build_gpt(config)
     load_reference_weights(model, ref_init, config)
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=layer_wise, grad_reduce_in_fp32=True)
+    # overlap: --overlap-grad-reduce --overlap-param-gather (the all-gather moves to the next forward)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=layer_wise, grad_reduce_in_fp32=True,
+                                               overlap_grad_reduce=overlap, overlap_param_gather=overlap)
     chunks = wrap_model_chunks_with_ddp([model], config, ddp_config, use_layer_wise_distributed_optimizer=layer_wise)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = chunks[0].no_sync
     ocfg = OptimizerConfig(optimizer="dion3", lr=LR, min_lr=LR, weight_decay=WD, bf16=bf16, clip_grad=clip_grad,
                            use_distributed_optimizer=layer_wise, use_layer_wise_distributed_optimizer=layer_wise,
-                           **ADAM)
+                           overlap_param_gather=overlap, **ADAM)
     for key, value in {**DION3, **dion3}.items():
         setattr(ocfg, f"dion3_{key}", value)
     opt = get_megatron_optimizer(ocfg, chunks)

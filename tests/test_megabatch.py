@@ -152,6 +152,14 @@ def test_unsharded_matrices_step_locally_like_the_optimizer():
     assert max_relative_error([s.weight for s in shards], single_process(SHAPES, 0.25, seed)) <= 1e-6
 
 
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_an_engine_without_matrices_steps_as_a_no_op(cuda_graph):
+    # Megatron builds one on a data-parallel rank that owns no matrix; it must step like the others.
+    engine = Dion3Engine([], cuda_graph=cuda_graph)
+    engine.step()
+    assert engine.collectives == [] and engine.auto_fractions() == {}
+
+
 def test_unsharded_matrices_never_wait_for_the_host_and_keep_per_matrix_settings(monkeypatch):
     seed = torch.seed() % 2**31
     weights, grads = matrices_and_grads(SHAPES, seed)
