@@ -144,6 +144,7 @@ def megatron(argv: list[str]) -> None:
 
 def deepspeed(argv: list[str]) -> None:
     from deepspeed.runtime import bf16_optimizer, engine
+    from deepspeed.runtime.zero import stage_1_and_2
 
     from dion3_megatron.deepspeed import zero
 
@@ -157,6 +158,14 @@ def deepspeed(argv: list[str]) -> None:
     timed(bf16_optimizer.BF16_Optimizer, "update_lp_params", "    fp32-to-bf16 copy + all-gather")
     timed(bf16_optimizer.BF16_Optimizer, "clear_hp_grads", "    clear fp32 grads")
     timed(bf16_optimizer.BF16_Optimizer, "zero_grad", "  zero_grad")
+    # DeepSpeedZeroOptimizer (ZeRO-1/2, and bf16 with bf16 gradient accumulation).
+    zero_opt = stage_1_and_2.DeepSpeedZeroOptimizer
+    timed(engine.DeepSpeedEngine, "backward", "DeepSpeed engine backward (ZeRO's gradient reduction inside)")
+    timed(zero_opt, "backward_epilogue", "  ZeRO backward epilogue")
+    timed(zero_opt, "check_overflow", "  ZeRO overflow check (first collective of its step)")
+    timed(zero_opt, "scaled_global_norm", "  ZeRO grad norm")
+    timed(zero_opt, "_optimizer_step", "  ZeRO inner step (per param group)")
+    timed(stage_1_and_2, "all_gather_dp_groups", "  ZeRO parameter all-gather")
     timed(zero.ZeroGroupPlan, "step", lambda plan: f"ZeRO plan step ({sum(c for _, c, _, _ in plan.whole)} whole "
                                                    f"matrices, {len(plan.pieces)} split, {len(plan.adamw_runs)} AdamW runs)")
     timed(zero.ZeroGroupPlan, "_step_whole", "  matrices one rank holds whole")
