@@ -13,8 +13,9 @@ one batched orthogonalization). Over a process group of W ranks:
 
 Only selected rows travel, so traffic also shrinks with the fraction f. All math is in rule.py;
 this module moves tensors. A rank's piece of a matrix is described by a :class:`Sharding`: whole,
-a block of rows, a block of columns, or a row-major element range (a ZeRO flat slice). Pieces are
-handled as up to three rectangles of the logical matrix, each a 2-D view of local storage.
+a block of rows, a block of columns, a row-major element range (a ZeRO flat slice), or such a
+range of one tensor-parallel block (ZeRO slices of TP shards). Pieces are handled as up to three
+rectangles of the logical matrix, each a 2-D view of local storage.
 """
 
 from __future__ import annotations
@@ -61,17 +62,24 @@ class Sharding:
 
     kind "full": every rank holds it whole (no communication); "rows": rank r holds rows
     [bounds[r], bounds[r+1]); "cols": columns [bounds[r], bounds[r+1]); "flat": elements
-    [bounds[r], bounds[r+1]) of the row-major flattened matrix (a ZeRO slice, possibly empty).
+    [bounds[r], bounds[r+1]) of the row-major flattened matrix (a ZeRO slice, possibly empty);
+    "block_flat": the matrix is cut into ``blocks`` equal row (``split`` "rows") or column
+    ("cols") blocks, one per tensor-parallel rank, and rank r holds elements [bounds[d],
+    bounds[d+1]) of block t's row-major storage, (t, d) = places[r] (ZeRO slices of TP shards).
     """
 
     kind: str
     bounds: tuple[int, ...] = ()
+    split: str = ""
+    places: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in ("full", "rows", "cols", "flat"):
-            raise ValueError(f"sharding kind must be full, rows, cols or flat, got {self.kind!r}")
+        if self.kind not in ("full", "rows", "cols", "flat", "block_flat"):
+            raise ValueError(f"sharding kind must be full, rows, cols, flat or block_flat, got {self.kind!r}")
         if self.kind != "full" and (len(self.bounds) < 2 or any(a > b for a, b in zip(self.bounds, self.bounds[1:]))):
             raise ValueError(f"{self.kind} sharding needs >= 2 non-decreasing bounds, got {self.bounds}")
+        if self.kind == "block_flat" and (self.split not in ("rows", "cols") or not self.places):
+            raise ValueError(f"block_flat sharding needs split 'rows' or 'cols' and places, got {self.split!r}")
 
     @staticmethod
     def full() -> "Sharding":
@@ -90,6 +98,19 @@ class Sharding:
         return Sharding("flat", tuple(int(b) for b in bounds))
 
     @staticmethod
+    def block_flat(split: str, bounds, places) -> "Sharding":
+        return Sharding("block_flat", tuple(int(b) for b in bounds), split, tuple((int(t), int(d)) for t, d in places))
+
+    @property
+    def blocks(self) -> int:
+        """block_flat: how many tensor-parallel blocks the matrix is cut into."""
+        return 1 + max(t for t, _ in self.places)
+
+    def block_shape(self, n: int, m: int) -> tuple[int, int]:
+        """block_flat: the shape of one block."""
+        return (n // self.blocks, m) if self.split == "rows" else (n, m // self.blocks)
+
+    @staticmethod
     def even_rows(n: int, world: int) -> "Sharding":
         if n % world:
             raise ValueError(f"{n} rows do not split evenly over {world} ranks")
@@ -103,11 +124,16 @@ class Sharding:
 
     @property
     def world(self) -> int:
+        if self.kind == "block_flat":
+            return len(self.places)
         return 1 if self.kind == "full" else len(self.bounds) - 1
 
     def local_shape(self, rank: int, n: int, m: int) -> tuple[int, ...]:
         if self.kind == "full":
             return (n, m)
+        if self.kind == "block_flat":
+            d = self.places[rank][1]
+            return (self.bounds[d + 1] - self.bounds[d],)
         lo, hi = self.bounds[rank], self.bounds[rank + 1]
         return {"rows": (hi - lo, m), "cols": (n, hi - lo), "flat": (hi - lo,)}[self.kind]
 
@@ -115,6 +141,12 @@ class Sharding:
         """The rectangles of rank's piece, in local storage order."""
         if self.kind == "full":
             return [Rect(0, n, 0, m, 0)]
+        if self.kind == "block_flat":  # the flat piece of its block, moved to the block's place
+            t, d = self.places[rank]
+            height, width = self.block_shape(n, m)
+            dr, dc = (t * height, 0) if self.split == "rows" else (0, t * width)
+            return [Rect(r.r0 + dr, r.r1 + dr, r.c0 + dc, r.c1 + dc, r.offset)
+                    for r in Sharding.flat(self.bounds).rects(d, height, width)]
         lo, hi = self.bounds[rank], self.bounds[rank + 1]
         if lo == hi:
             return []
@@ -350,6 +382,14 @@ def _check_shard(shard: MatrixShard, world: int, rank: int, scope: str) -> None:
         raise ValueError(f"{shard.name}: {s.kind} bounds {s.bounds} do not cover the {shard.shape} matrix")
     if s.kind == "flat" and s.bounds[-1] != n * m:
         raise ValueError(f"{shard.name}: flat bounds end at {s.bounds[-1]}, the matrix has {n * m} elements")
+    if s.kind == "block_flat":
+        blocks = s.blocks
+        if (n if s.split == "rows" else m) % blocks or sorted(set(s.places)) != sorted(s.places):
+            raise ValueError(f"{shard.name}: {blocks} {s.split} blocks do not split the {shard.shape} matrix evenly, "
+                             f"or places {s.places} repeat")
+        height, width = s.block_shape(n, m)
+        if s.bounds[-1] != height * width:
+            raise ValueError(f"{shard.name}: block_flat bounds end at {s.bounds[-1]}, a block has {height * width} elements")
     expected = s.local_shape(rank, n, m)
     if tuple(shard.weight.shape) != expected or not shard.weight.is_contiguous():
         raise ValueError(
@@ -1060,10 +1100,18 @@ class _GeneralLayout:
     def _provider_positions_host(self, j: int, q: int) -> torch.Tensor:
         if self.chosen is None:
             return torch.arange(self.starts[q], self.starts[q] + self.counts[q])
-        # The provider of a row is the lowest rank touching it: rows of q's span not in lower spans.
-        lo, hi = self.spans[j][q]
-        lo = max([lo] + [self.spans[j][p][1] for p in range(q) if self.spans[j][p][1] > self.spans[j][p][0]])
-        return self._in(j, lo, max(lo, hi))
+        # The provider of a row is the lowest rank touching it: rows of q's span in no lower rank's
+        # span (spans need not follow rank order: ZeRO slices of tensor-parallel blocks).
+        key = ("provider", j, q)
+        if key not in self._cache:
+            rows = self.chosen[j]
+            lo, hi = self.spans[j][q]
+            mine = (rows >= lo) & (rows < hi)
+            for p in range(q):
+                p_lo, p_hi = self.spans[j][p]
+                mine &= (rows < p_lo) | (rows >= p_hi)
+            self._cache[key] = mine.nonzero().view(-1)
+        return self._cache[key]
 
     def _block_positions_host(self, j: int, q: int, t: int) -> torch.Tensor:
         if self.chosen is None:

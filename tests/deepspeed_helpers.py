@@ -80,6 +80,150 @@ class MoENet(Net):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(1, 1).flatten()) + 0.01 * aux
 
 
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Megatron's f: identity forward, the gradient summed over the tensor-parallel group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Megatron's g: the partial outputs summed over the tensor-parallel group, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class TensorParallelNet(torch.nn.Module):
+    """A Megatron-style MLP over a tensor-parallel group: fc1 column-parallel (row blocks,
+    ``partition_dim`` 0), fc2 row-parallel (column blocks, ``partition_dim`` 1); embedding, norm
+    and head replicated. ``tp=1`` is the same model unsharded (the same weights for a seed)."""
+
+    def __init__(self, tp: int = 1, tp_rank: int = 0, group=None) -> None:
+        super().__init__()
+        self.group, self.tp = group, tp
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.mix = torch.nn.Linear(WIDTH, WIDTH, bias=False)  # replicated: ZeRO's cut then falls inside fc1
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+        fc1, fc2 = torch.randn(HIDDEN, WIDTH) * 0.3, torch.randn(WIDTH, HIDDEN) * 0.3
+        self.fc1 = torch.nn.Parameter(fc1.chunk(tp, 0)[tp_rank].clone())
+        self.fc2 = torch.nn.Parameter(fc2.chunk(tp, 1)[tp_rank].contiguous())
+        if tp > 1:
+            for p, dim in ((self.fc1, 0), (self.fc2, 1)):
+                p.tensor_model_parallel, p.partition_dim = True, dim
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h + torch.tanh(self.mix(h))
+        x = _CopyToTensorParallel.apply(h, self.group) if self.tp > 1 else h
+        y = torch.nn.functional.gelu(x @ self.fc1.T) @ self.fc2.T
+        y = _ReduceFromTensorParallel.apply(y, self.group) if self.tp > 1 else y
+        logits = self.head(self.norm(h + y)).float()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(1, 1).flatten())
+
+
+class TensorParallelMPU:
+    """The Megatron-style ``mpu`` DeepSpeed takes: TP groups of consecutive ranks, data parallel across."""
+
+    def __init__(self, tp: int) -> None:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.tp = tp
+        tp_groups = [dist.new_group(list(range(i, i + tp))) for i in range(0, world, tp)]
+        dp_groups = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
+        self.tp_group, self.dp_group = tp_groups[rank // tp], dp_groups[rank % tp]
+
+    def get_model_parallel_rank(self) -> int:
+        return dist.get_rank() % self.tp
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp
+
+    def get_model_parallel_group(self):
+        return self.tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank() // self.tp
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size() // self.tp
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+
+def tensor_parallel_vs_single_process(stage: int, tp: int = 2, steps: int = 3) -> dict:
+    """TensorParallelNet under ZeRO ``stage`` with TP=tp (mpu) against the unsharded model stepped by
+    the single-process optimizer on the same global batches: the worst difference, and the pieces."""
+    mpu = TensorParallelMPU(tp)
+    dp, dp_rank, tp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank(), mpu.get_model_parallel_rank()
+    cfg = config(stage, world=dp, clip=0.0)
+    torch.manual_seed(0)
+    model = TensorParallelNet(tp, tp_rank, mpu.tp_group)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=dion3_ds.param_groups(model), config=cfg, mpu=mpu)
+    torch.manual_seed(0)
+    reference = TensorParallelNet()
+    from dion3_megatron.deepspeed.optimizer import DeepSpeedDion3
+
+    reference_opt = DeepSpeedDion3(dion3_ds.param_groups(reference), **cfg["optimizer"]["params"])
+    per = GLOBAL_BATCH // dp
+    for step in range(steps):
+        tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(tokens[dp_rank * per : (dp_rank + 1) * per]))
+        engine.step()
+        reference_opt.zero_grad()
+        reference(tokens).backward()
+        reference_opt.step()
+    expected = {n: p.detach() for n, p in reference.named_parameters()}
+    expected["fc1"] = expected["fc1"].chunk(tp, 0)[tp_rank]
+    expected["fc2"] = expected["fc2"].chunk(tp, 1)[tp_rank]
+    got = params_of(engine)
+    pieces = [piece for plan in _basic(engine)._zero_plans.values() for piece in plan.pieces]
+    kinds = sorted({piece.shard.sharding.kind for piece in pieces})
+    # Slices cut inside a TP block (the rest of the block on the other data-parallel rank).
+    inside = sum(0 < piece.length < piece.shard.sharding.bounds[-1] for piece in pieces)
+    return {"diff": max_diff(got, expected), "piece_kinds": kinds, "cut_inside_a_block": inside,
+            "moved": min((got[n] - initial[n]).abs().max().item() for n in ("fc1", "fc2"))}
+
+
+def tensor_parallel_without_zero_warns(tp: int = 2) -> bool:
+    """Stage 0 steps each TP block as a matrix of its own: one step must say so."""
+    import warnings
+
+    mpu = TensorParallelMPU(tp)
+    torch.manual_seed(0)
+    model = TensorParallelNet(tp, mpu.get_model_parallel_rank(), mpu.tp_group)
+    cfg = config(0, world=mpu.get_data_parallel_world_size(), clip=0.0)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=dion3_ds.param_groups(model), config=cfg, mpu=mpu)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH // mpu.get_data_parallel_world_size(), SEQ),
+                           generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.backward(engine(tokens))
+        engine.step()
+    return any("matrix of its own" in str(w.message) for w in caught)
+
+
 def init() -> None:
     """In a worker: CPU accelerator, DeepSpeed and Dion3's registration, gloo comms."""
     global deepspeed, dion3_ds, dion3_ckpt
@@ -349,4 +493,7 @@ def session_four_ranks(rank: int, world: int, tmp: str) -> dict:
     engine.load_checkpoint(universal, tag="step3_universal")
     train(engine, 2, start=3)
     out["universal_diff"] = max_diff(params_of(engine), torch.load(os.path.join(tmp, "target.pt")))
+    # Last: deepspeed.initialize(mpu=...) leaves the mpu set for the rest of the process.
+    out["tensor_parallel"] = {stage: tensor_parallel_vs_single_process(stage) for stage in (1, 2)}
+    out["tensor_parallel_stage0_warns"] = tensor_parallel_without_zero_warns()
     return out

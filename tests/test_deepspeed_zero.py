@@ -137,3 +137,16 @@ def test_moe_experts_step_over_their_expert_data_parallel_group(four_ranks):
     assert out["moe_group_sizes"] == [2, 4], out  # experts: expert-DP group of 2; the rest: all 4 ranks
     assert out["moe_expert_params"] > 0
     assert out["moe_diff"] <= TOL, out
+
+
+def test_tensor_parallel_matrices_are_stepped_whole_under_zero(four_ranks):
+    # TP=2 (a Megatron-style mpu) x DP=2: column- and row-parallel blocks, ZeRO-sliced, against the
+    # unsharded model stepped by the single-process optimizer on the same global batches.
+    for rank, out in enumerate(four_ranks):
+        for stage, r in out["tensor_parallel"].items():
+            assert r["piece_kinds"] == ["block_flat"], (rank, stage, r)
+            assert r["moved"] > 1e-3, (rank, stage, r)  # the matrices did move: something was tested
+            assert r["diff"] <= TOL, (rank, stage, r)
+    assert any(r["cut_inside_a_block"] for out in four_ranks for r in out["tensor_parallel"].values())
+    # Without ZeRO each TP block is stepped as a matrix of its own, and a warning says so.
+    assert all(out["tensor_parallel_stage0_warns"] for out in four_ranks)

@@ -25,6 +25,10 @@ def make_sharding(kind: str, n: int, m: int, world: int, j: int) -> Sharding:
         if world == 4:
             cuts[2] = cuts[1]
         return Sharding.flat(cuts)
+    if kind == "block_flat":  # ZeRO slices (2, uneven) of tensor-parallel blocks (2), rank r = block r % 2
+        split = ["rows", "cols"][j % 2]
+        block = (n // 2) * m
+        return Sharding.block_flat(split, [0, block // 3 + j, block], [(r % 2, r // 2) for r in range(world)])
     if kind == "rowscols":  # one shape split both ways (QKV and the attention projection)
         return make_sharding(["rows", "cols"][j % 2], n, m, world, j)
     if kind == "mixed":
@@ -32,8 +36,15 @@ def make_sharding(kind: str, n: int, m: int, world: int, j: int) -> Sharding:
     raise ValueError(kind)
 
 
+def tensor_parallel_block(full: torch.Tensor, sharding: Sharding, t: int) -> torch.Tensor:
+    return full.chunk(sharding.blocks, 0 if sharding.split == "rows" else 1)[t].contiguous()
+
+
 def local_piece(full: torch.Tensor, sharding: Sharding, rank: int) -> torch.Tensor:
     b = sharding.bounds
+    if sharding.kind == "block_flat":
+        t, d = sharding.places[rank]
+        return tensor_parallel_block(full, sharding, t).reshape(-1)[b[d] : b[d + 1]].clone()
     if sharding.kind == "rows":
         return full[b[rank] : b[rank + 1]].clone()
     if sharding.kind == "cols":
@@ -72,7 +83,14 @@ def reassemble(pieces_per_rank, kind, shapes, world):
     for j, shape in enumerate(shapes):
         sharding = make_sharding(kind, *shape, world, j)
         pieces = [pieces_per_rank[r][j] for r in range(world)]
-        if sharding.kind == "rows":
+        if sharding.kind == "block_flat":
+            blocks = []
+            for t in range(sharding.blocks):
+                mine = sorted((d, r) for r, (tt, d) in enumerate(sharding.places) if tt == t)
+                block_shape = tensor_parallel_block(torch.empty(shape), sharding, t).shape
+                blocks.append(torch.cat([pieces[r].reshape(-1) for _, r in mine]).view(block_shape))
+            out.append(torch.cat(blocks, 0 if sharding.split == "rows" else 1))
+        elif sharding.kind == "rows":
             out.append(torch.cat(pieces, 0))
         elif sharding.kind == "cols":
             out.append(torch.cat(pieces, 1))
@@ -105,7 +123,8 @@ SHAPES = [(24, 40)] * 5 + [(40, 24)] * 2
     # Column blocks take the static exchange; row blocks on 2 ranks while f * world <= 1, else the
     # host-planned one (rows 1.0, world 4).
     [(2, "rows", 0.25), (2, "rowscols", 0.25), (2, "cols", 1.0), (2, "cols", 0.25), (2, "flat", 0.25), (4, "mixed", 0.25),
-     (4, "flat", 1.0), (4, "rows", 0.25), (4, "cols", 0.25), (2, "rows", 1.0), (4, "rowscols", 0.5)],
+     (4, "flat", 1.0), (4, "rows", 0.25), (4, "cols", 0.25), (2, "rows", 1.0), (4, "rowscols", 0.5),
+     (4, "block_flat", 0.25)],
 )
 def test_sharded_step_equals_single_process(world, kind, fraction):
     seed = torch.seed() % 2**31

@@ -10,7 +10,10 @@ parameters). From these the adapter describes each matrix that straddles ranks t
 a ``Sharding.flat(bounds)`` piece (element ranges of the row-major matrix) and lets the engine do
 its Dion3 step; a matrix that lies whole in one rank's slice is stepped by that rank alone
 (``rule.step_whole_matrices`` on views of the slice, no communication); parameters that are not
-matrices take AdamW element by element on the slice.
+matrices take AdamW element by element on the slice. With a Megatron-style ``mpu`` (tensor
+parallelism), a weight marked ``tensor_model_parallel`` is one row or column block of a logical
+matrix; every rank's slice of every block goes to the engine as a ``Sharding.block_flat`` piece
+over the TP x data-parallel group, so whole logical matrices are stepped.
 
 Optimizer state is slice-shaped, so DeepSpeed's elastic and universal checkpoints handle it like
 Adam's (``ds_to_universal`` reads exactly the keys ``exp_avg`` and ``exp_avg_sq``):
@@ -128,11 +131,13 @@ class ZeroGroupPlan:
         self.group_pg = linked[0]._dp_group
         if any(p._dp_group is not self.group_pg for p in linked):
             raise RuntimeError(f"Dion3 param group {index}: parameters span different data-parallel groups")
-        _warn_if_tensor_parallel(linked)
         self.world = dist.get_world_size(self.group_pg)
         self.rank = dist.get_rank(self.group_pg)
         device = self.flat.device
         ranges = _gather_ranges(linked, self.group_pg, device)
+        tensor_parallel = TensorParallel.of_mpu(self.group_pg, device)
+        if tensor_parallel is not None:
+            tensor_parallel.check_same_slices(ranges, f"Dion3 param group {index}", device)
         self.pieces: list[_Piece] = []  # matrices split over ranks: through the engine
         # (offset, count, rows, cols): runs of adjacent same-shape matrices only this rank holds,
         # stepped as one (count, rows, cols) batch (e.g. one layer's Q, K, V and projection).
@@ -148,6 +153,11 @@ class ZeroGroupPlan:
             if Dion3.algorithm_of(group, p) == "adamw":
                 if lp_hi > lp_lo:
                     adamw_runs.append((hp_start, lp_hi - lp_lo))
+                continue
+            split = tensor_parallel.split_of(p) if tensor_parallel is not None else None
+            if split is not None:  # one block of a tensor-parallel matrix: through the engine over TP x DP
+                self._add_tensor_parallel(p, split, bounds, hp_start, lp_lo, tensor_parallel, opt, group,
+                                          f"group{index}.param{j}")
                 continue
             for e, (a, n, m) in enumerate(matrices_of(p)):
                 mbounds = [min(max(b - a, 0), n * m) for b in bounds]
@@ -175,6 +185,28 @@ class ZeroGroupPlan:
         self.whole_fractions: list[float] = []  # what fraction="auto" chose for self.whole
         self.engine = None
         self._state_ids: tuple = ()
+
+    def _add_tensor_parallel(self, p: torch.Tensor, split: str, bounds: list[int], hp_start: int, lp_lo: int,
+                             tensor_parallel: "TensorParallel", opt: Dion3, group: dict, name: str) -> None:
+        """A TP block of a logical matrix, sliced by ZeRO: the engine steps the whole logical matrix
+        over the tensor x data-parallel group (every rank of it holds one slice of one block)."""
+        n, m = p.shape
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        blocks = tensor_parallel.size
+        shape = (n * blocks, m) if split == "rows" else (n, m * blocks)
+        counts, firsts = _touched_rows(lo, hi, m, self.flat.device)
+        offset = hp_start + (lo - lp_lo) if hi > lo else 0
+        shard = megabatch.MatrixShard(
+            name=name,
+            weight=self.flat.narrow(0, offset, hi - lo),
+            grad=self.flat.narrow(0, offset, hi - lo),  # replaced by the real gradient each step
+            shape=shape,
+            sharding=megabatch.Sharding.block_flat(split, bounds, tensor_parallel.places),
+            group=tensor_parallel.group,
+            hp=opt.hyperparameters(group),
+            state={},
+        )
+        self.pieces.append(_Piece(shard, offset, hi - lo, counts, firsts))
 
     # ----------------------------------------------------------------------------------------
 
@@ -274,32 +306,83 @@ class ZeroGroupPlan:
 
 
 _WARNED_TP = False
+_TENSOR_DATA_GROUPS: dict[tuple[int, ...], Any] = {}  # global ranks -> process group, made once per process
 
 
-def _tensor_parallel_size() -> int:
-    try:
-        from deepspeed.utils import groups
-        from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+def _mpu_tensor_parallel() -> tuple[int, Any]:
+    """(size, group) of the tensor-parallel group of the mpu given to DeepSpeed; (1, None) without one."""
+    from deepspeed.utils import groups
+    from deepspeed.utils.bwc import bwc_tensor_model_parallel_group, bwc_tensor_model_parallel_world_size
 
-        return bwc_tensor_model_parallel_world_size(groups.mpu)
-    except Exception:  # noqa: BLE001 - only for a warning
-        return 1
+    mpu = getattr(groups, "mpu", None)
+    if mpu is None:
+        return 1, None
+    size = bwc_tensor_model_parallel_world_size(mpu)
+    return size, (bwc_tensor_model_parallel_group(mpu) if size > 1 else None)
 
 
-def _warn_if_tensor_parallel(params: list[torch.Tensor]) -> None:
-    """Tensor-parallel shards are stepped as matrices of their own: say so once."""
+def warn_if_tensor_parallel_without_zero(params: list[torch.Tensor]) -> None:
+    """Without ZeRO (stage 0) tensor-parallel shards are stepped as matrices of their own: say so once."""
     global _WARNED_TP
     if _WARNED_TP or not any(getattr(p, "tensor_model_parallel", False) for p in params):
         return
-    if _tensor_parallel_size() > 1:
+    if _mpu_tensor_parallel()[0] > 1:
         _WARNED_TP = True
         warnings.warn(
-            "Dion3 under DeepSpeed treats each tensor-parallel shard as a matrix of its own (rows are chosen and "
-            "orthogonalized per TP shard, like Megatron's block-wise Muon). For whole-matrix Dion3 with tensor "
-            "parallelism use the Megatron-Core integration (dion3_megatron.megatron).",
+            "Dion3 under DeepSpeed without ZeRO treats each tensor-parallel shard as a matrix of its own (rows are "
+            "chosen and orthogonalized per TP shard, like Megatron's block-wise Muon). ZeRO stage 1 or 2 steps the "
+            "whole logical matrices, as does the Megatron-Core integration (dion3_megatron.megatron).",
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+@dataclass
+class TensorParallel:
+    """The mpu's tensor parallelism as the engine sees it: the group of every rank that holds a
+    slice of a TP-split matrix (its TP group x its data-parallel group) and, per rank of that
+    group, (TP rank, data-parallel rank): which block, which ZeRO slice of it."""
+
+    size: int
+    tp_group: Any
+    group: Any
+    places: tuple[tuple[int, int], ...]
+
+    @staticmethod
+    def of_mpu(dp_group, device: torch.device) -> "TensorParallel | None":
+        """From DeepSpeed's mpu (collective over the whole world the first time: every rank builds
+        its param groups' plans at the same step); None without tensor parallelism."""
+        size, tp_group = _mpu_tensor_parallel()
+        if size == 1:
+            return None
+        # Each TP rank's data-parallel group, in data-parallel order: rank (t, d) is lists[t][d].
+        lists: list = [None] * size
+        dist.all_gather_object(lists, dist.get_process_group_ranks(dp_group), group=tp_group)
+        ranks = tuple(sorted(r for ranks in lists for r in ranks))
+        if ranks not in _TENSOR_DATA_GROUPS:
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, ranks)
+            for key in sorted(set(everyone)):  # every rank creates every group, in one order
+                _TENSOR_DATA_GROUPS.setdefault(key, dist.new_group(list(key)))
+        group = _TENSOR_DATA_GROUPS[ranks]
+        place_of = {r: (t, d) for t, ranks_t in enumerate(lists) for d, r in enumerate(ranks_t)}
+        return TensorParallel(size, tp_group, group, tuple(place_of[r] for r in dist.get_process_group_ranks(group)))
+
+    @staticmethod
+    def split_of(p: torch.Tensor) -> "str | None":
+        """"rows" / "cols" for a 2-D TP-split weight (Megatron's ``partition_dim`` 0 / 1), else None."""
+        if p.dim() != 2 or not getattr(p, "tensor_model_parallel", False):
+            return None
+        return {0: "rows", 1: "cols"}.get(getattr(p, "partition_dim", -1))
+
+    def check_same_slices(self, ranges: torch.Tensor, where: str, device: torch.device) -> None:
+        """Every TP rank's ZeRO slices must cut its block at the same elements (the same model on each)."""
+        mine = ranges.to(device)
+        every = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(every, mine, group=self.tp_group)
+        if any(not torch.equal(every[0], other) for other in every[1:]):
+            raise RuntimeError(f"{where}: ZeRO slices its parameters differently on the tensor-parallel ranks; "
+                               "Dion3 needs the same parameter shapes and order on every TP rank")
 
 
 def _merge_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
