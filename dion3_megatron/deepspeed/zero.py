@@ -359,11 +359,13 @@ class TensorParallel:
         lists: list = [None] * size
         dist.all_gather_object(lists, dist.get_process_group_ranks(dp_group), group=tp_group)
         ranks = tuple(sorted(r for ranks in lists for r in ranks))
-        if ranks not in _TENSOR_DATA_GROUPS:
-            everyone: list = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, ranks)
-            for key in sorted(set(everyone)):  # every rank creates every group, in one order
-                _TENSOR_DATA_GROUPS.setdefault(key, dist.new_group(list(key)))
+        # Every rank makes the same calls (one per param group plan, in order), so every rank
+        # learns every group and creates the missing ones in one order: new_group is collective.
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, ranks)
+        for key in sorted(set(everyone)):
+            if key not in _TENSOR_DATA_GROUPS:
+                _TENSOR_DATA_GROUPS[key] = dist.new_group(list(key))
         group = _TENSOR_DATA_GROUPS[ranks]
         place_of = {r: (t, d) for t, ranks_t in enumerate(lists) for d, r in enumerate(ranks_t)}
         return TensorParallel(size, tp_group, group, tuple(place_of[r] for r in dist.get_process_group_ranks(group)))
