@@ -210,6 +210,9 @@ def tensor_parallel_without_zero_warns(tp: int = 2) -> bool:
     """Stage 0 steps each TP block as a matrix of its own: one step must say so."""
     import warnings
 
+    from dion3_megatron.deepspeed import zero
+
+    zero._WARNED_TP = False  # once per process: the single-process references above may have said it
     mpu = TensorParallelMPU(tp)
     torch.manual_seed(0)
     model = TensorParallelNet(tp, mpu.get_model_parallel_rank(), mpu.tp_group)

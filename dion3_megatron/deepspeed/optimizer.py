@@ -80,7 +80,7 @@ class DeepSpeedDion3(Dion3):
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         zero_groups = [(g, self._zero_group(g)) for g in self.param_groups]
         if not any(orig is not None for _, orig in zero_groups):
-            zero.warn_if_tensor_parallel_without_zero([p for g in self.param_groups for p in g["params"]])
+            zero.warn_if_tensor_parallel_without_zero()
             return super().step(closure)
         if not all(orig is not None for _, orig in zero_groups):
             raise RuntimeError("Dion3: some param groups are ZeRO flat slices and some are not")

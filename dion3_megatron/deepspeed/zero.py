@@ -321,10 +321,12 @@ def _mpu_tensor_parallel() -> tuple[int, Any]:
     return size, (bwc_tensor_model_parallel_group(mpu) if size > 1 else None)
 
 
-def warn_if_tensor_parallel_without_zero(params: list[torch.Tensor]) -> None:
-    """Without ZeRO (stage 0) tensor-parallel shards are stepped as matrices of their own: say so once."""
+def warn_if_tensor_parallel_without_zero() -> None:
+    """Without ZeRO (stage 0) tensor-parallel shards are stepped as matrices of their own: say so
+    once. Keyed on the mpu alone: under bf16/fp16 the optimizer holds fp32 copies that do not
+    carry the TP marks, so the parameters cannot tell."""
     global _WARNED_TP
-    if _WARNED_TP or not any(getattr(p, "tensor_model_parallel", False) for p in params):
+    if _WARNED_TP:
         return
     if _mpu_tensor_parallel()[0] > 1:
         _WARNED_TP = True
