@@ -171,15 +171,20 @@ class TensorParallelMPU:
         return self.dp_group
 
 
-def tensor_parallel_vs_single_process(stage: int, tp: int = 2, steps: int = 3) -> dict:
+def tensor_parallel_vs_single_process(stage: int, tp: int = 2, steps: int = 3, bf16: bool = False) -> dict:
     """TensorParallelNet under ZeRO ``stage`` with TP=tp (mpu) against the unsharded model stepped by
-    the single-process optimizer on the same global batches: the worst difference, and the pieces."""
+    the single-process optimizer (fp32) on the same global batches: the worst difference, and the
+    pieces. ``bf16``: the model in bf16 under DeepSpeed's BF16_Optimizer (fp32 accumulation)."""
     mpu = TensorParallelMPU(tp)
     dp, dp_rank, tp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank(), mpu.get_model_parallel_rank()
     cfg = config(stage, world=dp, clip=0.0)
+    if bf16:
+        cfg.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
     torch.manual_seed(0)
     model = TensorParallelNet(tp, tp_rank, mpu.tp_group)
-    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if bf16:
+        model = model.to(torch.bfloat16)
+    initial = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=dion3_ds.param_groups(model), config=cfg, mpu=mpu)
     torch.manual_seed(0)
     reference = TensorParallelNet()
@@ -498,5 +503,6 @@ def session_four_ranks(rank: int, world: int, tmp: str) -> dict:
     out["universal_diff"] = max_diff(params_of(engine), torch.load(os.path.join(tmp, "target.pt")))
     # Last: deepspeed.initialize(mpu=...) leaves the mpu set for the rest of the process.
     out["tensor_parallel"] = {stage: tensor_parallel_vs_single_process(stage) for stage in (1, 2)}
+    out["tensor_parallel_bf16"] = tensor_parallel_vs_single_process(1, bf16=True)
     out["tensor_parallel_stage0_warns"] = tensor_parallel_without_zero_warns()
     return out
