@@ -50,6 +50,11 @@ def test_describe_param_finds_q_k_v_and_gate_up(generator):
     fc1 = describe_param(names[params[1]], params[1], gated_linear_unit=True)
     assert [p.suffix for p in fc1.pieces] == ["gate", "up"] and fc1.perm is None
     assert [p.suffix for p in describe_param(names[params[1]], params[1]).pieces] == [""]  # not gated
+    # TEGroupedMLP keeps one fc1 weight per local expert: weight0, weight1, ...
+    expert_fc1 = describe_param("decoder.layers.0.mlp.experts.linear_fc1.weight3", params[1], gated_linear_unit=True)
+    assert [(p.suffix, p.start, p.stop) for p in expert_fc1.pieces] == [("gate", 0, 5), ("up", 5, 10)]
+    expert_fc2 = describe_param("decoder.layers.0.mlp.experts.linear_fc2.weight3", params[2], gated_linear_unit=True)
+    assert [p.suffix for p in expert_fc2.pieces] == [""]
 
 
 def test_steps_equal_single_process_dion3_on_logical_matrices(generator):

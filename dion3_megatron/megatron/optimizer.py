@@ -28,6 +28,7 @@ its parameter; so checkpoints reshard across tensor- and data-parallel sizes lik
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
@@ -75,6 +76,10 @@ def _group_size(group) -> int:
     return dist.get_world_size(group)
 
 
+# A SwiGLU fc1 weight: linear_fc1.weight, or one expert's linear_fc1.weight<i> in TEGroupedMLP.
+_GLU_FC1 = re.compile(r"linear_fc1\.weight\d*$")
+
+
 def describe_param(
     name: str,
     param: torch.Tensor,
@@ -88,7 +93,8 @@ def describe_param(
 
     Reads Megatron's marks: ``tensor_model_parallel`` / ``partition_dim`` (0 column-parallel,
     1 row-parallel), ``is_qkv`` / ``qkv_split_shapes`` (per query group), and the name
-    ``linear_fc1.weight`` with ``gated_linear_unit`` (each TP rank holds [gate_local; up_local]).
+    ``linear_fc1.weight`` (``weight0``, ``weight1``, ... per expert in TE's grouped MLP) with
+    ``gated_linear_unit`` (each TP rank holds [gate_local; up_local]).
     """
     if param.dim() != 2:
         raise ValueError(f"{name}: Dion3 takes 2-D weights, got shape {tuple(param.shape)}")
@@ -117,7 +123,7 @@ def describe_param(
         layout.perm = torch.cat(perm)
         layout.inv_perm = torch.argsort(layout.perm)
         return layout
-    if split_glu and gated_linear_unit and name.endswith("linear_fc1.weight") and n_loc % 2 == 0:
+    if split_glu and gated_linear_unit and _GLU_FC1.search(name) and n_loc % 2 == 0:
         half = n_loc // 2
         layout.pieces = [Piece("gate", 0, half, (half * row_mult, m_full)),
                          Piece("up", half, n_loc, (half * row_mult, m_full))]
