@@ -52,6 +52,16 @@ def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(tensors, float("inf"))).isfinite().all()
 
 
+def finite_on_every_rank(tensors: list[torch.Tensor], device: torch.device, group=None) -> bool:
+    """True when no rank of ``group`` (default: the world) holds a non-finite value in its
+    ``tensors``: one local reduction, one tiny all-reduce (a rank without tensors still joins it),
+    one host sync. Every rank gets the same answer, so all skip or all step."""
+    ok = all_finite(tensors).to(device=device, dtype=torch.float32)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return bool(ok)
+
+
 def announce_skipped_step(skipped_so_far: int) -> None:
     """The warning every Dion3 front end gives when a non-finite gradient skips a step."""
     warnings.warn(

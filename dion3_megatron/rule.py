@@ -257,7 +257,8 @@ class UpdateFactors:
 
     Lists of numbers, or (B,) fp32 tensors on the weights' device: what a captured CUDA graph
     reads, refreshed before every replay (see :mod:`dion3_megatron.cuda_graph`). Both forms give
-    bit-identical updates in :func:`normalize_and_apply`; :func:`apply_updates` takes numbers.
+    bit-identical updates in :func:`normalize_and_apply`; :func:`apply_updates` takes numbers,
+    :func:`apply_row_updates` tensors.
     """
 
     decay: list[float] | torch.Tensor

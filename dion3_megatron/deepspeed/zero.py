@@ -39,9 +39,8 @@ import torch
 import torch.distributed as dist
 
 from .. import cuda_graph, device_speed, megabatch, rule
-from ..ortho import default_ns_dtype
-from .. import optimizer
 from ..optimizer import Dion3
+from ..ortho import default_ns_dtype
 
 def is_zero_linked(p: torch.Tensor) -> bool:
     """True for a parameter ZeRO-1/2 (or BF16_Optimizer) has linked to a flat fp32 partition."""
@@ -135,7 +134,7 @@ class ZeroGroupPlan:
         self.rank = dist.get_rank(self.group_pg)
         device = self.flat.device
         ranges = _gather_ranges(linked, self.group_pg, device)
-        tensor_parallel = TensorParallel.of_mpu(self.group_pg, device)
+        tensor_parallel = TensorParallel.of_mpu(self.group_pg)
         if tensor_parallel is not None:
             tensor_parallel.check_same_slices(ranges, f"Dion3 param group {index}", device)
         self.pieces: list[_Piece] = []  # matrices split over ranks: through the engine
@@ -168,19 +167,9 @@ class ZeroGroupPlan:
                     if holders[0] == self.rank:
                         self._add_whole(offset, n, m)
                     continue
-                counts, firsts = _touched_rows(lo, hi, m, device)
                 name = f"group{index}.param{j}" + (f".matrix{e}" if p.dim() == 3 else "")
-                shard = megabatch.MatrixShard(
-                    name=name,
-                    weight=self.flat.narrow(0, offset, hi - lo),
-                    grad=self.flat.narrow(0, offset, hi - lo),  # replaced by the real gradient each step
-                    shape=(n, m),
-                    sharding=megabatch.Sharding.flat(mbounds),
-                    group=self.group_pg,
-                    hp=opt.hyperparameters(group),
-                    state={},
-                )
-                self.pieces.append(_Piece(shard, offset, hi - lo, counts, firsts))
+                self._add_piece(name, offset, hi - lo, lo, m, (n, m), megabatch.Sharding.flat(mbounds),
+                                self.group_pg, opt.hyperparameters(group))
         self.adamw_runs = _merge_runs(adamw_runs)
         self.whole_fractions: list[float] = []  # what fraction="auto" chose for self.whole
         self.engine = None
@@ -194,19 +183,24 @@ class ZeroGroupPlan:
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         blocks = tensor_parallel.size
         shape = (n * blocks, m) if split == "rows" else (n, m * blocks)
-        counts, firsts = _touched_rows(lo, hi, m, self.flat.device)
         offset = hp_start + (lo - lp_lo) if hi > lo else 0
+        self._add_piece(name, offset, hi - lo, lo, m, shape,
+                        megabatch.Sharding.block_flat(split, bounds, tensor_parallel.places),
+                        tensor_parallel.group, opt.hyperparameters(group))
+
+    def _add_piece(self, name: str, offset: int, length: int, first: int, row_width: int, shape: tuple[int, int],
+                   sharding: megabatch.Sharding, process_group, hp: rule.Dion3Hyperparameters) -> None:
+        """A piece for the engine: ``length`` elements of the slice from ``offset``, which are
+        elements [first, first + length) of a row-major matrix ``row_width`` wide (the logical
+        matrix, or its TP block)."""
+        counts, firsts = _touched_rows(first, first + length, row_width, self.flat.device)
         shard = megabatch.MatrixShard(
             name=name,
-            weight=self.flat.narrow(0, offset, hi - lo),
-            grad=self.flat.narrow(0, offset, hi - lo),  # replaced by the real gradient each step
-            shape=shape,
-            sharding=megabatch.Sharding.block_flat(split, bounds, tensor_parallel.places),
-            group=tensor_parallel.group,
-            hp=opt.hyperparameters(group),
-            state={},
+            weight=self.flat.narrow(0, offset, length),
+            grad=self.flat.narrow(0, offset, length),  # replaced by the real gradient each step
+            shape=shape, sharding=sharding, group=process_group, hp=hp, state={},
         )
-        self.pieces.append(_Piece(shard, offset, hi - lo, counts, firsts))
+        self.pieces.append(_Piece(shard, offset, length, counts, firsts))
 
     # ----------------------------------------------------------------------------------------
 
@@ -270,12 +264,14 @@ class ZeroGroupPlan:
         if not self.whole:
             return
         entries = []
+        with_fraction: dict[float, rule.Dion3Hyperparameters] = {}
         for i, (offset, count, n, m) in enumerate(self.whole):
             view = [t.narrow(0, offset, count * n * m).view(count, n, m) for t in (flat, grad, exp_avg, exp_avg_sq)]
             view[2].add_(view[1])  # here, not in a graph: ZeRO's gradient partition is a new tensor every step
             fraction = self.whole_fractions[i] if hp.fraction == rule.AUTO else hp.fraction
-            entries.append(rule.WholeMatrices(view[0], None, view[2], view[3][..., 0],
-                                              dataclasses.replace(hp, fraction=fraction)))
+            if fraction not in with_fraction:
+                with_fraction[fraction] = hp if fraction == hp.fraction else dataclasses.replace(hp, fraction=fraction)
+            entries.append(rule.WholeMatrices(view[0], None, view[2], view[3][..., 0], with_fraction[fraction]))
 
         def spread_variance() -> None:  # each row's variance, repeated over the row (the slice's layout)
             for offset, count, n, m in self.whole:
@@ -351,7 +347,7 @@ class TensorParallel:
     places: tuple[tuple[int, int], ...]
 
     @staticmethod
-    def of_mpu(dp_group, device: torch.device) -> "TensorParallel | None":
+    def of_mpu(dp_group) -> "TensorParallel | None":
         """From DeepSpeed's mpu (collective over the whole world the first time: every rank builds
         its param groups' plans at the same step); None without tensor parallelism."""
         size, tp_group = _mpu_tensor_parallel()
@@ -408,12 +404,3 @@ def init_slice_state(state: dict, flat: torch.Tensor) -> None:
         state["step"] = torch.zeros((), dtype=torch.float32)
     elif not torch.is_tensor(state["step"]):
         state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
-
-
-def all_finite(flats: list[torch.Tensor], group) -> bool:
-    """True when every rank's gradient slices are finite (one reduction, one tiny all-reduce)."""
-    grads = [f.grad for f in flats if f.grad is not None]
-    local = optimizer.all_finite(grads) if grads else torch.ones((), dtype=torch.bool)
-    flag = local.to(device=flats[0].device, dtype=torch.float32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .. import rule
-from ..optimizer import all_finite, announce_skipped_step
+from ..optimizer import announce_skipped_step, finite_on_every_rank
 from ..megabatch import Dion3Engine, MatrixShard, Sharding
 from ..rule import Dion3Hyperparameters
 from .arguments import DION3_DEFAULTS, SELECTION_SCOPES
@@ -423,13 +423,8 @@ class MegatronDion3(torch.optim.Optimizer):
         (a rank that skipped alone would leave the engine's collectives unmatched).
         """
         params = [p for p, _ in self._params()]
-        grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
-        device = params[0].device if params else torch.device("cpu")
-        # A rank without gradients still joins the all-reduce, or the others would wait for it.
-        ok = (all_finite(grads) if grads else torch.ones((), dtype=torch.bool)).to(device=device, dtype=torch.int32)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        return bool(ok)
+        grads = [p.grad for p in params if p.grad is not None]
+        return finite_on_every_rank(grads, params[0].device if params else torch.device("cpu"))
 
     @torch.no_grad()
     def step(self, closure=None):
