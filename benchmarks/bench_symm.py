@@ -20,7 +20,7 @@ from timing import cuda_median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dion3_megatron.kernels.sm90_symm import symm_gemm  # noqa: E402
+from dion3_megatron.kernels.sm90_symm import default_tile, symm_gemm  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -29,6 +29,7 @@ GRAM_SHAPES = [(1, 1024, 5120), (1, 4096, 4096), (1, 4096, 16384), (1, 8192, 819
 # symmetric s x s products of Gram NS (K = s) for the 14B shapes and a sweep for routing
 SYMM_SHAPES = [(1, 1024, 1024), (1, 5120, 5120), (1, 4096, 4096), (8, 1024, 1024)]
 SWEEP = [(1, m, k) for m in (512, 1024, 2048, 3072, 4096) for k in (m, 4 * m)] + [
+    (1, 3456, 5120), (1, 5120, 13824), (1, 6144, 6144), (1, 12288, 4096)] + [
     (b, 1024, 5120) for b in (2, 4, 8)
 ]
 
@@ -84,7 +85,7 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
                 torch.baddbmm(xs[i], xs[i], ys[i], beta=-0.5, alpha=1.5, out=outs[i])
 
         t_cub = timed(cub, n_sets, iters)
-        best = None
+        best, per_tile = None, []
         for tile in tiles:
             def ker(i, tile=tile):
                 if gram:
@@ -93,21 +94,26 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
                     symm_gemm(xs[i], ys[i], 1.5, -0.5, xs[i], out=outs[i], tile=tile)
 
             t = timed(ker, n_sets, iters)
+            per_tile.append(f"{tile}: {t:.3f}")
             if best is None or t < best[0]:
                 best = (t, tile)
         t_ker, tile = best
         floor = b * m * m * k / peak * 1e3  # half of 2 M^2 K
         name = f"{b}x{m}x{k}" if b > 1 else f"{m}x{k}"
+        chosen = "x".join(map(str, default_tile(m, k, b))) if tile is None else tile
         line = (
-            f"| {name}{'' if tile is None else f' (tile {tile})'} | {t_cub:.3f} | {t_ker:.3f} | "
+            f"| {name} (tile {chosen}) | {t_cub:.3f} | {t_ker:.3f} | "
             f"{t_cub / t_ker:.2f}x | {floor:.3f} | {t_ker / floor:.2f} |"
         )
         if quack is not None:
             try:
-                t_q = timed(lambda i: quack(xs[i][0] if b == 1 else xs[i], None), n_sets, iters)
+                t_q = timed(lambda i: quack(xs[i][0] if b == 1 else xs[i], xs[i][0].mT if b == 1 else xs[i].mT),
+                            n_sets, iters)
                 line += f" {t_q:.3f} | {t_cub / t_q:.2f}x |"
             except Exception as exc:  # noqa: BLE001
                 line += f" failed ({type(exc).__name__}) | |"
+        if len(per_tile) > 1:
+            line += f" ms per tile: {', '.join(per_tile)}"
         print(line, flush=True)
         rows.append((b, m, k, t_cub, t_ker))
     return rows
@@ -126,10 +132,11 @@ def main():
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="also the routing sweep")
-    ap.add_argument("--tiles", default="", help="comma list of tiles to try (best reported); default: auto")
+    ap.add_argument("--tiles", default="", help="comma list of tiles to try, e.g. 128,128x256 (each and the best "
+                    "reported); default: the automatic choice")
     args = ap.parse_args()
     dtype = DTYPES[args.dtype]
-    tiles = tuple(int(t) for t in args.tiles.split(",")) if args.tiles else (None,)
+    tiles = tuple(args.tiles.split(",")) if args.tiles else (None,)
     props = torch.cuda.get_device_properties(0)
     import cutlass
 

@@ -60,7 +60,7 @@ SHAPES = [(1, 256, 512), (1, 1000, 3000), (3, 520, 1032), (2, 136, 72), (1, 72, 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("tile", [64, 128])
+@pytest.mark.parametrize("tile", [64, 128, "128x256"])
 def test_gram_vs_fp64(cuda_gen, dtype, shape, tile):
     from dion3_megatron.kernels.sm90_symm import symm_gemm
 
@@ -104,14 +104,15 @@ def _commuting_pair(gen, b, m, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 512), (1, 1000), (4, 264), (2, 1288)])
 @pytest.mark.parametrize("with_c", [False, True])
-def test_symmetric_product_vs_fp64(cuda_gen, dtype, shape, with_c):
+@pytest.mark.parametrize("tile", [None, "128x256"])
+def test_symmetric_product_vs_fp64(cuda_gen, dtype, shape, with_c, tile):
     from dion3_megatron.kernels.sm90_symm import symm_gemm
 
     b, m = shape
     p, q = _commuting_pair(cuda_gen, b, m, dtype)
     out = _poisoned((b, m, m), dtype)
     alpha, beta = 1.25, -0.5
-    symm_gemm(p, q, alpha, beta if with_c else 0.0, p if with_c else None, out=out)
+    symm_gemm(p, q, alpha, beta if with_c else 0.0, p if with_c else None, out=out, tile=tile)
     full = p.double() @ q.double()
     # The kernel computes the lower triangle of P Q and mirrors it (P, Q commute up to rounding).
     lower = torch.tril(full)
@@ -143,7 +144,7 @@ def test_backend_products_vs_fp64(cuda_gen, dtype):
     assert _rel(g, xt.double() @ xt.double().mT) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("shape", [(1024, 3072), (3072, 1024), (4, 520, 1560), (2048, 2048)])
+@pytest.mark.parametrize("shape", [(1024, 3072), (3072, 1024), (4, 520, 1560), (2048, 2048), (6144, 12288)])
 def test_gram_newton_schulz_kernels_vs_torch(cuda_gen, shape):
     """Gram NS on the kernels vs Gram NS in torch: same function up to rounding."""
     g = torch.randn(*shape, generator=cuda_gen).cuda()

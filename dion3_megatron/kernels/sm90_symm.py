@@ -10,12 +10,18 @@ off-diagonal tile twice: as itself and, transposed, as tile (j, i). A diagonal t
 once and written from its lower triangle (mirrored), so every element is stored exactly once. beta * C is read from the lower-triangle tiles only (C must be symmetric, as every addend
 of Gram NS is) and mirrored with the product, so D is always exactly symmetric.
 
-Structure (one CTA per lower-triangle tile, batched over grid z):
+Structure (one CTA per output tile that meets the lower triangle, batched over grid z):
+  * output tiles are tile_m x tile_n with tile_n = tile_m (64 or 128) or 2 * tile_m (128 x 256:
+    fewer shared-memory reads per MMA, the shape fast GEMMs use); a wide tile that crosses the
+    diagonal also covers some of the upper triangle, which it computes and drops;
   * warpgroup 0, warp 0: TMA producer (bulk tensor copies of A and B k-slices into a multi-stage
     shared-memory ring, completion on mbarriers);
-  * warpgroups 1..n: wgmma consumers, fp32 accumulators in registers (64 rows per warpgroup);
-  * epilogue: alpha * accumulators + beta * C (in registers, fp32) -> padded fp32 shared tile
-    -> coalesced global stores of the tile and of its transpose.
+  * warpgroups 1..n: wgmma consumers, fp32 accumulators in registers (64 rows per warpgroup;
+    128 x 256 tiles move registers from the producer warpgroup to them with setmaxnreg);
+  * epilogue: alpha * accumulators + beta * C (in registers, fp32) -> padded fp32 shared tile,
+    which reuses the operand ring (free once the main loop is done) -> coalesced global stores
+    of the tile and of its transpose. Element (r, c) is stored at (r, c) when r >= c and at
+    (c, r) when r > c, so every element of D is written exactly once.
 
 This module imports cutlass at the top: import it only where nvidia-cutlass-dsl is installed
 (``dion3_megatron.kernels`` does that lazily).
@@ -35,35 +41,56 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 TILE_K = 64
-
-
+TILES = ((64, 64), (128, 128), (128, 256))  # (tile_m, tile_n) configurations
+PAD = 1  # odd fp32 pitch of the epilogue tile: conflict-free column reads
 SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per block on sm_90
+PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg split of the 128 x 256 configuration
 
 
-def max_stages(tile: int, ab_bytes: int = 2) -> int:
-    """Pipeline depth that fits next to the fp32 epilogue tile."""
-    stage = 2 * tile * TILE_K * ab_bytes
-    epi = tile * (tile + 1) * 4
-    return max(2, min(8, (SMEM_BYTES - epi - 2048) // stage))
+def tile_shape(tile) -> tuple[int, int]:
+    """(tile_m, tile_n) from 64, 128, (128, 256) or "128x256"."""
+    if isinstance(tile, str):
+        tile = tuple(int(v) for v in tile.split("x")) if "x" in tile else int(tile)
+    shape = (tile, tile) if isinstance(tile, int) else tuple(tile)
+    if shape not in TILES:
+        raise ValueError(f"tile must be one of {[f'{m}x{n}' for m, n in TILES]}, got {tile!r}")
+    return shape
+
+
+def tile_count(m, tile_m: int, tile_n: int):
+    """Output tiles that meet the lower triangle of an m x m result: row block i has
+    i // (tile_n / tile_m) + 1 of them (column block j covers columns [j tile_n, (j + 1) tile_n)).
+    Python ints on the host, Int32 inside kernels."""
+    rows = (m + tile_m - 1) // tile_m
+    if tile_n == tile_m:
+        return rows * (rows + 1) // 2
+    pairs = rows // 2
+    return pairs * (pairs + 1) + (rows % 2) * (pairs + 1)
+
+
+def max_stages(tile_m: int, tile_n: int, ab_bytes: int = 2) -> int:
+    """Pipeline depth that fits in shared memory (the epilogue tile reuses the ring)."""
+    stage = (tile_m + tile_n) * TILE_K * ab_bytes
+    return max(2, min(8, (SMEM_BYTES - 2048) // stage))
 
 
 class SymmGemmSm90:
-    """One compiled configuration: square output tile ``tile`` (64 or 128), pipeline ``stages``,
-    operand dtype ``ab``, output dtype ``d``, addend dtype ``c`` (None: no beta * C term)."""
+    """One compiled configuration: output tile ``tile`` (see :func:`tile_shape`), pipeline
+    ``stages``, operand dtype ``ab``, output dtype ``d``, addend dtype ``c`` (None: no beta * C)."""
 
-    def __init__(self, ab, d, c=None, tile: int = 128, stages: Optional[int] = None):
-        if tile not in (64, 128):
-            raise ValueError(f"tile must be 64 or 128, got {tile}")
+    def __init__(self, ab, d, c=None, tile=128, stages: Optional[int] = None):
+        self.tile_m, self.tile_n = tile_shape(tile)
         self.ab_dtype, self.d_dtype, self.c_dtype = ab, d, c
-        self.tile = tile
-        self.stages = stages or max_stages(tile)
-        if self.stages > max_stages(tile):
+        self.stages = stages or max_stages(self.tile_m, self.tile_n)
+        if self.stages > max_stages(self.tile_m, self.tile_n):
             raise ValueError(f"{self.stages} stages do not fit in shared memory at tile {tile}")
         self.has_c = c is not None
-        self.n_mma_wg = tile // 64
+        self.n_mma_wg = self.tile_m // 64
         self.mma_threads = 128 * self.n_mma_wg
         self.threads = 128 + self.mma_threads
-        self.pad = 1  # odd fp32 pitch: conflict-free column reads of the shared tile
+        self.split_registers = self.tile_n > 128  # 128 accumulator registers per consumer thread
+        ring = self.stages * (self.tile_m + self.tile_n) * TILE_K * 2
+        self.ring_elems = max(ring, self.tile_m * (self.tile_n + PAD) * 4) // 2  # in 16-bit elements
 
     # ---------------------------------------------------------------------------------------
     @cute.jit
@@ -81,7 +108,7 @@ class SymmGemmSm90:
         stream,
     ):
         ab_dtype = self.ab_dtype
-        tile = self.tile
+        tm, tn = self.tile_m, self.tile_n
         k8 = cute.assume(k, divby=8)
         ld = cutlass.Int64(k8)
         mA = cute.make_tensor(pA, cute.make_layout((m, k8, batch), stride=(ld, 1, ld * m)))
@@ -92,7 +119,7 @@ class SymmGemmSm90:
         if const_expr(self.has_c):
             mC = cute.make_tensor(pC, cute.make_layout((m, m, batch), stride=(ldd, 1, ldd * m)))
 
-        tile_mnk = (tile, tile, TILE_K)
+        tile_mnk = (tm, tn, TILE_K)
         tiled_mma = sm90.make_trivial_tiled_mma(
             ab_dtype,
             ab_dtype,
@@ -100,33 +127,53 @@ class SymmGemmSm90:
             OperandMajorMode.K,
             Float32,
             (self.n_mma_wg, 1, 1),
-            tiler_mn=(64, tile),
+            tiler_mn=(64, tn),
         )
         a_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, ab_dtype, self.stages)
         b_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, ab_dtype, self.stages)
         tma_a, tA = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_layout, (None, None, 0)), (tile, TILE_K)
+            cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_layout, (None, None, 0)), (tm, TILE_K)
         )
         tma_b, tB = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_layout, (None, None, 0)), (tile, TILE_K)
+            cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_layout, (None, None, 0)), (tn, TILE_K)
         )
-        d_pitch = tile + self.pad
+        # The epilogue tile reuses sA and sB (adjacent: sA's size is a multiple of 1 KiB); sB
+        # is lengthened where the ring alone would be smaller than the epilogue tile.
+        b_elems = self.ring_elems - cute.cosize(a_layout)
 
         @cute.struct
         class Storage:
             bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             sA: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(a_layout)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(b_layout)], 1024]
-            sD: cute.struct.Align[cute.struct.MemRange[Float32, tile * d_pitch], 128]
+            sB: cute.struct.Align[cute.struct.MemRange[ab_dtype, b_elems], 1024]
 
         self.storage = Storage
-        n_tiles = (m + tile - 1) // tile
-        grid = (n_tiles * (n_tiles + 1) // 2, 1, batch)
+        grid = (tile_count(m, tm, tn), 1, batch)
         self.kernel(tma_a, tA, tma_b, tB, mC, mD, alpha, beta, tiled_mma, a_layout, b_layout).launch(
             grid=grid, block=[self.threads, 1, 1], stream=stream
         )
 
     # ---------------------------------------------------------------------------------------
+    @cute.jit
+    def tile_coord(self, t: Int32):
+        """Linear block index -> output tile (row block i, column block j), row by row."""
+        if const_expr(self.tile_n == self.tile_m):
+            # row i holds i + 1 tiles and starts at i (i + 1) / 2
+            i = Int32((cute.math.sqrt(Float32(8 * t + 1)) - Float32(1.0)) * Float32(0.5))
+            if (i + 1) * (i + 2) // 2 <= t:
+                i = i + 1
+            if i * (i + 1) // 2 > t:
+                i = i - 1
+            return i, t - i * (i + 1) // 2
+        # rows 2p and 2p + 1 hold p + 1 tiles each; the pair starts at p (p + 1)
+        p = Int32((cute.math.sqrt(Float32(4 * t + 1)) - Float32(1.0)) * Float32(0.5))
+        if (p + 1) * (p + 2) <= t:
+            p = p + 1
+        if p * (p + 1) > t:
+            p = p - 1
+        rem = t - p * (p + 1)
+        return 2 * p + rem // (p + 1), rem % (p + 1)
+
     @cute.kernel
     def kernel(
         self,
@@ -142,7 +189,7 @@ class SymmGemmSm90:
         a_layout: cute.ComposedLayout,
         b_layout: cute.ComposedLayout,
     ):
-        tile = self.tile
+        tm, tn = self.tile_m, self.tile_n
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         bidx, _, bidz = cute.arch.block_idx()
@@ -151,20 +198,14 @@ class SymmGemmSm90:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
 
-        # Lower-triangle tile (ti, tj), ti >= tj, from the linear block index t = ti(ti+1)/2 + tj.
-        t = Int32(bidx)
-        ti = Int32((cute.math.sqrt(Float32(8 * t + 1)) - Float32(1.0)) * Float32(0.5))
-        if (ti + 1) * (ti + 2) // 2 <= t:
-            ti = ti + 1
-        if ti * (ti + 1) // 2 > t:
-            ti = ti - 1
-        tj = t - ti * (ti + 1) // 2
+        ti, tj = self.tile_coord(Int32(bidx))
 
         smem = SmemAllocator()
         st = smem.allocate(self.storage)
         sA = st.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sB = st.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
-        sD = st.sD.get_tensor(cute.make_layout((tile, tile), stride=(tile + self.pad, 1)))
+        pitch = tn + PAD
+        sD = st.sA.get_tensor(cute.make_layout((tm, tn), stride=(pitch, 1)), dtype=Float32)
 
         a_stage = cute.slice_(a_layout, (None, None, 0))
         b_stage = cute.slice_(b_layout, (None, None, 0))
@@ -178,29 +219,34 @@ class SymmGemmSm90:
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
 
-        tile_mnk = (tile, tile, TILE_K)
-        gA = cute.local_tile(mA, tile_mnk, (ti, tj, None, bidz), proj=(1, None, 1))  # (T, BK, kt)
-        gB = cute.local_tile(mB, tile_mnk, (ti, tj, None, bidz), proj=(None, 1, 1))  # (T, BK, kt)
+        tile_mnk = (tm, tn, TILE_K)
+        gA = cute.local_tile(mA, tile_mnk, (ti, tj, None, bidz), proj=(1, None, 1))  # (tm, BK, kt)
+        gB = cute.local_tile(mB, tile_mnk, (ti, tj, None, bidz), proj=(None, 1, 1))  # (tn, BK, kt)
         k_tiles = cute.size(gA, mode=[2])
 
-        if warp == 0:
-            # ---------------- producer: TMA ring ----------------
-            tAsA, tAgA = cpasync.tma_partition(
-                tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-            )
-            tBsB, tBgB = cpasync.tma_partition(
-                tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-            )
-            prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-            for k in cutlass.range(k_tiles, unroll=1):
-                pipe.producer_acquire(prod)
-                bar = pipe.producer_get_barrier(prod)
-                cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
-                cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
-                pipe.producer_commit(prod)
-                prod.advance()
+        if warp < 4:
+            if const_expr(self.split_registers):
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                # ---------------- producer: TMA ring ----------------
+                tAsA, tAgA = cpasync.tma_partition(
+                    tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+                )
+                tBsB, tBgB = cpasync.tma_partition(
+                    tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+                )
+                prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                for k in cutlass.range(k_tiles, unroll=1):
+                    pipe.producer_acquire(prod)
+                    bar = pipe.producer_get_barrier(prod)
+                    cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
+                    pipe.producer_commit(prod)
+                    prod.advance()
 
         if warp >= 4:
+            if const_expr(self.split_registers):
+                cute.arch.setmaxregister_increase(CONSUMER_REGS)
             # ---------------- consumers: wgmma ----------------
             ct = tidx - 128
             thr_mma = tiled_mma.get_slice(ct)
@@ -235,17 +281,19 @@ class SymmGemmSm90:
             warpgroup.wait_group(0)
             if k_tiles > 0:
                 pipe.consumer_release(rel)
+            # sD reuses the ring: every warpgroup's MMAs must be done reading it.
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
 
             # ---------------- epilogue ----------------
             m = mD.shape[0]
-            row0 = ti * tile
-            col0 = tj * tile
+            row0 = ti * tm
+            col0 = tj * tn
             d_dtype = mD.element_type
             if const_expr(self.has_c):
-                # alpha * acc + beta * C(ti, tj), C read in the accumulator's own layout, CHUNK
-                # independent loads at a time so their latencies overlap. Only lower-triangle
-                # tiles of C are read: the mirror below reuses them, so D is exactly symmetric.
-                tCcD = thr_mma.partition_C(cute.make_identity_tensor((tile, tile)))
+                # alpha * acc + beta * C, C read in the accumulator's own layout, CHUNK independent
+                # loads at a time so their latencies overlap. Only C's lower triangle is read:
+                # the stores below drop the rest, so D is exactly symmetric.
+                tCcD = thr_mma.partition_C(cute.make_identity_tensor((tm, tn)))
                 n_acc = cute.size(acc)
                 chunk = 16
                 rC = cute.make_rmem_tensor(chunk, Float32)
@@ -255,7 +303,7 @@ class SymmGemmSm90:
                         c_row = row0 + rr
                         c_col = col0 + cc
                         rC[e] = Float32(0.0)
-                        if c_row < m and c_col < m:
+                        if c_row < m and c_col <= c_row:
                             rC[e] = mC[c_row, c_col, bidz].to(Float32)
                     for e in cutlass.range_constexpr(chunk):
                         tCsD[c0 * chunk + e] = acc[c0 * chunk + e] * alpha + beta * rC[e]
@@ -264,29 +312,30 @@ class SymmGemmSm90:
                     tCsD[e] = acc[e] * alpha
             cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
 
-            # One column per thread, rows_per_step rows per step: consecutive threads touch
-            # consecutive global columns (coalesced) in both the tile and its transpose; the odd
-            # shared pitch makes the transposed (column) reads of sD conflict-free.
-            rows_per_step = self.mma_threads // tile
-            lr = ct // tile
-            lc = ct % tile
-            for step in cutlass.range(tile // rows_per_step, unroll=8):
+            # Element (r, c) of the tile is stored at (r, c) if on or below the diagonal and at
+            # (c, r) if below it: every element of D once, and D exactly symmetric even where
+            # rounding made the operands commute only approximately (later products rely on
+            # B^T == B bit for bit). Consecutive threads write consecutive global columns in
+            # both passes; the odd pitch of sD makes the column reads conflict-free.
+            rows_per_step = self.mma_threads // tn
+            lr, lc = ct // tn, ct % tn
+            for step in cutlass.range(tm // rows_per_step, unroll=8):
                 r = step * rows_per_step + lr
-                gr = row0 + r
-                gc = col0 + lc
-                # A diagonal tile keeps its lower triangle and mirrors it too, so D is exactly
-                # symmetric even where rounding made the operands commute only approximately
-                # (later products rely on B^T == B bit for bit).
-                if gr < m and gc < m and (ti != tj or r >= lc):
+                gr, gc = row0 + r, col0 + lc
+                if gr < m and gc <= gr:
                     mD[gr, gc, bidz] = sD[r, lc].to(d_dtype)
-                mr = col0 + r
-                mc = row0 + lc
-                if mr < m and mc < m and (ti != tj or lc > r):
-                    mD[mr, mc, bidz] = sD[lc, r].to(d_dtype)
-
+            cols_per_step = self.mma_threads // tm
+            tc, tr = ct // tm, ct % tm
+            for step in cutlass.range(tn // cols_per_step, unroll=8):
+                c = step * cols_per_step + tc
+                gr, gc = row0 + tr, col0 + c
+                if gr < m and gc < gr:
+                    mD[gc, gr, bidz] = sD[tr, c].to(d_dtype)
 
 # -------------------------------------------------------------------------------------------
 # Host side: compile once per (dtypes, tile, stages, has_c); launch on raw pointers (cheap).
+
+import functools  # noqa: E402
 
 import torch  # noqa: E402
 from cutlass.cute.runtime import make_ptr  # noqa: E402
@@ -322,20 +371,34 @@ def _sm_count() -> int:
     return _SMS[dev]
 
 
-def default_tile(m: int, k: int, batch: int) -> int:
-    """128-wide tiles unless they leave most SMs idle; then 64-wide ones."""
-    nt = -(-m // 128)
-    return 128 if batch * nt * (nt + 1) // 2 >= _sm_count() else 64
+# Relative throughput of one SM per tile shape (wider tiles read less shared memory per MMA),
+# fitted to bench_symm.py's side-by-side tile sweep on an H200 (docs/benchmarks.md, "Kernels"):
+# with 0.9 the model picks the faster tile on every shape of the sweep that is not a tie.
+TILE_THROUGHPUT = {(64, 64): 0.55, (128, 128): 0.9, (128, 256): 1.0}
 
 
-def compiled(ab: torch.dtype, d: torch.dtype, c: Optional[torch.dtype], tile: int, stages: Optional[int] = None):
+@functools.lru_cache(maxsize=None)
+def default_tile(m: int, k: int, batch: int) -> tuple[int, int]:
+    """The tile shape with the least modelled time: waves of tiles times a tile's time. Wide
+    tiles run faster per element, but fewer of them can leave SMs idle in the last wave."""
+    sms = _sm_count()
+
+    def cost(shape):
+        tiles = batch * tile_count(m, *shape)
+        return -(-tiles // sms) * shape[0] * shape[1] / TILE_THROUGHPUT[shape]
+
+    return min(TILES, key=cost)
+
+
+def compiled(ab: torch.dtype, d: torch.dtype, c: Optional[torch.dtype], tile, stages: Optional[int] = None):
     """The compiled kernel for one configuration (compiled on first use, then cached)."""
-    stages = stages or max_stages(tile)
-    key = (ab, d, c, tile, stages)
+    shape = tile_shape(tile)
+    stages = stages or max_stages(*shape)
+    key = (ab, d, c, shape, stages)
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = SymmGemmSm90(
-            _TORCH_TO_CUTLASS[ab], _TORCH_TO_CUTLASS[d], _TORCH_TO_CUTLASS[c] if c is not None else None, tile, stages
+            _TORCH_TO_CUTLASS[ab], _TORCH_TO_CUTLASS[d], _TORCH_TO_CUTLASS[c] if c is not None else None, shape, stages
         )
         dummy = lambda dt: make_ptr(_TORCH_TO_CUTLASS[dt], 0, cute.AddressSpace.gmem, assumed_align=16)  # noqa: E731
         from cutlass.runtime import make_fake_stream
@@ -365,7 +428,7 @@ def symm_gemm(
     beta: float = 0.0,
     c: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
-    tile: Optional[int] = None,
+    tile=None,
     stages: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
@@ -374,6 +437,7 @@ def symm_gemm(
     a is b for a Gram product; for a product P @ Q of commuting symmetric matrices pass b = Q
     (Q^T = Q). Only the lower triangle of tiles is computed; the upper is its mirror.
     c (L, M, M) must be symmetric. K must be a multiple of 8 (16-byte rows for TMA).
+    tile: 64, 128, (128, 256) or "128x256" (default: :func:`default_tile`).
     Returns (L, M, M) in out_dtype (default a's dtype), or writes ``out``.
     """
     squeeze = a.dim() == 2
