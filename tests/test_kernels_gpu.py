@@ -60,7 +60,7 @@ SHAPES = [(1, 256, 512), (1, 1000, 3000), (3, 520, 1032), (2, 136, 72), (1, 72, 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("tile", [64, 128, "128x256"])
+@pytest.mark.parametrize("tile", [64, 128, "128x256", "256x256"])
 def test_gram_vs_fp64(cuda_gen, dtype, shape, tile):
     from dion3_megatron.kernels.sm90_symm import symm_gemm
 
@@ -76,7 +76,8 @@ def test_gram_vs_fp64(cuda_gen, dtype, shape, tile):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("out_dtype", [torch.float32, None])
 @pytest.mark.parametrize("shape", [(1, 1000, 3000), (3, 520, 1032)])
-def test_gram_alpha_beta_c(cuda_gen, dtype, out_dtype, shape):
+@pytest.mark.parametrize("tile", [None, "128x256", "256x256"])
+def test_gram_alpha_beta_c(cuda_gen, dtype, out_dtype, shape, tile):
     from dion3_megatron.kernels.sm90_symm import symm_gemm
 
     b, m, k = shape
@@ -86,7 +87,7 @@ def test_gram_alpha_beta_c(cuda_gen, dtype, out_dtype, shape):
     od = out_dtype or dtype
     out = _poisoned((b, m, m), od)
     alpha, beta = -0.75, 1.5
-    symm_gemm(x, x, alpha, beta, c, out=out)
+    symm_gemm(x, x, alpha, beta, c, out=out, tile=tile)
     xd = x.double()
     ref = alpha * (xd @ xd.mT) + beta * c.double()
     assert _rel(out, ref) <= TOL[dtype]
@@ -104,7 +105,7 @@ def _commuting_pair(gen, b, m, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 512), (1, 1000), (4, 264), (2, 1288)])
 @pytest.mark.parametrize("with_c", [False, True])
-@pytest.mark.parametrize("tile", [None, "128x256"])
+@pytest.mark.parametrize("tile", [None, "128x256", "256x256"])
 def test_symmetric_product_vs_fp64(cuda_gen, dtype, shape, with_c, tile):
     from dion3_megatron.kernels.sm90_symm import symm_gemm
 

@@ -5,23 +5,24 @@ Both products of Gram Newton-Schulz have this form with K-major operands:
   * symmetric  D = alpha * P Q + beta * C        P, Q symmetric and commuting (s x s, row-major):
                                                  Q^T = Q, so Q's row-major storage is the K-major
                                                  "B" operand, and P Q is symmetric.
-The kernel computes only the tiles (i, j) with i >= j of the square output, and writes every
-off-diagonal tile twice: as itself and, transposed, as tile (j, i). A diagonal tile is computed
-once and written from its lower triangle (mirrored), so every element is stored exactly once. beta * C is read from the lower-triangle tiles only (C must be symmetric, as every addend
-of Gram NS is) and mirrored with the product, so D is always exactly symmetric.
+The kernel computes only the output tiles that meet the lower triangle and stores each element
+(r, c) with r >= c twice, at (r, c) and at (c, r) (a diagonal element once), so every element of
+D is written exactly once and D is exactly symmetric. beta * C is read from C's lower triangle only
+(C must be symmetric, as every addend of Gram NS is) and mirrored with the product.
 
-Structure (one CTA per output tile that meets the lower triangle, batched over grid z):
+Structure (one CTA, or a cluster of two, per output tile, batched over grid z):
   * output tiles are tile_m x tile_n with tile_n = tile_m (64 or 128) or 2 * tile_m (128 x 256:
     fewer shared-memory reads per MMA, the shape fast GEMMs use); a wide tile that crosses the
     diagonal also covers some of the upper triangle, which it computes and drops;
+  * 256 x 256 tiles are a cluster of two CTAs, each 128 x 256, that share the B operand: each
+    loads half of it and multicasts it to both (half the L2 traffic for B);
   * warpgroup 0, warp 0: TMA producer (bulk tensor copies of A and B k-slices into a multi-stage
     shared-memory ring, completion on mbarriers);
   * warpgroups 1..n: wgmma consumers, fp32 accumulators in registers (64 rows per warpgroup;
     128 x 256 tiles move registers from the producer warpgroup to them with setmaxnreg);
-  * epilogue: alpha * accumulators + beta * C (in registers, fp32) -> padded fp32 shared tile,
-    which reuses the operand ring (free once the main loop is done) -> coalesced global stores
-    of the tile and of its transpose. Element (r, c) is stored at (r, c) when r >= c and at
-    (c, r) when r > c, so every element of D is written exactly once.
+  * epilogue: alpha * accumulators -> fp32 shared tile, which reuses the operand ring (free once
+    the main loop is done) -> two passes of 16-byte global stores, the tile's rows (+ beta * C,
+    16-byte loads) and then its columns as rows of the transpose.
 
 This module imports cutlass at the top: import it only where nvidia-cutlass-dsl is installed
 (``dion3_megatron.kernels`` does that lazily).
@@ -41,14 +42,16 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 TILE_K = 64
-TILES = ((64, 64), (128, 128), (128, 256))  # (tile_m, tile_n) configurations
-PAD = 1  # odd fp32 pitch of the epilogue tile: conflict-free column reads
+TILES = ((64, 64), (128, 128), (128, 256), (256, 256))  # (tile_m, tile_n) configurations
+CLUSTER_M = {(256, 256): 2}  # CTAs per tile along M (one 128-row slice each); 1 for the others
+PAD = 4  # epilogue tile pitch tn + 4 floats: 16-byte rows, and no bank conflicts in either pass
+VEC = 8  # elements per vector store of D (16 bytes of a half-precision output)
 SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per block on sm_90
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg split of the 128 x 256 configuration
 
 
 def tile_shape(tile) -> tuple[int, int]:
-    """(tile_m, tile_n) from 64, 128, (128, 256) or "128x256"."""
+    """(tile_m, tile_n) from 64, 128, 256, (128, 256) or "128x256"."""
     if isinstance(tile, str):
         tile = tuple(int(v) for v in tile.split("x")) if "x" in tile else int(tile)
     shape = (tile, tile) if isinstance(tile, int) else tuple(tile)
@@ -70,7 +73,7 @@ def tile_count(m, tile_m: int, tile_n: int):
 
 def max_stages(tile_m: int, tile_n: int, ab_bytes: int = 2) -> int:
     """Pipeline depth that fits in shared memory (the epilogue tile reuses the ring)."""
-    stage = (tile_m + tile_n) * TILE_K * ab_bytes
+    stage = (tile_m // CLUSTER_M.get((tile_m, tile_n), 1) + tile_n) * TILE_K * ab_bytes
     return max(2, min(8, (SMEM_BYTES - 2048) // stage))
 
 
@@ -85,12 +88,14 @@ class SymmGemmSm90:
         if self.stages > max_stages(self.tile_m, self.tile_n):
             raise ValueError(f"{self.stages} stages do not fit in shared memory at tile {tile}")
         self.has_c = c is not None
-        self.n_mma_wg = self.tile_m // 64
+        self.cluster_m = CLUSTER_M.get((self.tile_m, self.tile_n), 1)
+        self.cta_m = self.tile_m // self.cluster_m  # rows of the tile one CTA computes
+        self.n_mma_wg = self.cta_m // 64
         self.mma_threads = 128 * self.n_mma_wg
         self.threads = 128 + self.mma_threads
         self.split_registers = self.tile_n > 128  # 128 accumulator registers per consumer thread
-        ring = self.stages * (self.tile_m + self.tile_n) * TILE_K * 2
-        self.ring_elems = max(ring, self.tile_m * (self.tile_n + PAD) * 4) // 2  # in 16-bit elements
+        ring = self.stages * (self.cta_m + self.tile_n) * TILE_K * 2
+        self.ring_elems = max(ring, self.cta_m * (self.tile_n + PAD) * 4) // 2  # in 16-bit elements
 
     # ---------------------------------------------------------------------------------------
     @cute.jit
@@ -108,12 +113,12 @@ class SymmGemmSm90:
         stream,
     ):
         ab_dtype = self.ab_dtype
-        tm, tn = self.tile_m, self.tile_n
+        tm, tn = self.cta_m, self.tile_n
         k8 = cute.assume(k, divby=8)
         ld = cutlass.Int64(k8)
         mA = cute.make_tensor(pA, cute.make_layout((m, k8, batch), stride=(ld, 1, ld * m)))
         mB = cute.make_tensor(pB, cute.make_layout((m, k8, batch), stride=(ld, 1, ld * m)))
-        ldd = cutlass.Int64(m)
+        ldd = cute.assume(cutlass.Int64(m), divby=8)  # rows of D and C start 16-byte aligned
         mD = cute.make_tensor(pD, cute.make_layout((m, m, batch), stride=(ldd, 1, ldd * m)))
         mC = mD
         if const_expr(self.has_c):
@@ -134,8 +139,9 @@ class SymmGemmSm90:
         tma_a, tA = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_layout, (None, None, 0)), (tm, TILE_K)
         )
+        b_op = cpasync.CopyBulkTensorTileG2SOp() if self.cluster_m == 1 else cpasync.CopyBulkTensorTileG2SMulticastOp()
         tma_b, tB = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_layout, (None, None, 0)), (tn, TILE_K)
+            b_op, mB, cute.slice_(b_layout, (None, None, 0)), (tn, TILE_K), num_multicast=self.cluster_m
         )
         # The epilogue tile reuses sA and sB (adjacent: sA's size is a multiple of 1 KiB); sB
         # is lengthened where the ring alone would be smaller than the epilogue tile.
@@ -148,9 +154,9 @@ class SymmGemmSm90:
             sB: cute.struct.Align[cute.struct.MemRange[ab_dtype, b_elems], 1024]
 
         self.storage = Storage
-        grid = (tile_count(m, tm, tn), 1, batch)
+        grid = (tile_count(m, self.tile_m, tn) * self.cluster_m, 1, batch)
         self.kernel(tma_a, tA, tma_b, tB, mC, mD, alpha, beta, tiled_mma, a_layout, b_layout).launch(
-            grid=grid, block=[self.threads, 1, 1], stream=stream
+            grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_m, 1, 1), stream=stream
         )
 
     # ---------------------------------------------------------------------------------------
@@ -189,7 +195,7 @@ class SymmGemmSm90:
         a_layout: cute.ComposedLayout,
         b_layout: cute.ComposedLayout,
     ):
-        tm, tn = self.tile_m, self.tile_n
+        tm, tn = self.cta_m, self.tile_n
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         bidx, _, bidz = cute.arch.block_idx()
@@ -198,7 +204,12 @@ class SymmGemmSm90:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
 
-        ti, tj = self.tile_coord(Int32(bidx))
+        # (ti, tj): this CTA's rows in units of tm, columns in units of tn
+        rank = Int32(0)  # CTA within the cluster: its 128-row slice of the tile
+        if const_expr(self.cluster_m > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        ti, tj = self.tile_coord(Int32(bidx) // self.cluster_m)
+        ti = ti * self.cluster_m + rank
 
         smem = SmemAllocator()
         st = smem.allocate(self.storage)
@@ -210,14 +221,28 @@ class SymmGemmSm90:
         a_stage = cute.slice_(a_layout, (None, None, 0))
         b_stage = cute.slice_(b_layout, (None, None, 0))
         tx_bytes = cute.size_in_bytes(self.ab_dtype, a_stage) + cute.size_in_bytes(self.ab_dtype, b_stage)
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=st.bars.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.n_mma_wg * 4),
-            tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        )
+        cluster = cute.make_layout((self.cluster_m, 1, 1))
+        if const_expr(self.cluster_m == 1):
+            pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=st.bars.data_ptr(),
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.n_mma_wg * 4),
+                tx_count=tx_bytes,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            )
+        else:
+            # a stage is free once the consumers of every CTA that B was multicast to released it
+            pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=st.bars.data_ptr(),
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads),
+                tx_count=tx_bytes,
+                cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
+                mcast_mode_mn=(0, 1),
+                enable_multicast_signaling=True,
+            )
 
         tile_mnk = (tm, tn, TILE_K)
         gA = cute.local_tile(mA, tile_mnk, (ti, tj, None, bidz), proj=(1, None, 1))  # (tm, BK, kt)
@@ -232,15 +257,21 @@ class SymmGemmSm90:
                 tAsA, tAgA = cpasync.tma_partition(
                     tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
                 )
+                # each CTA of a cluster loads 1 / cluster_m of B and multicasts it to all of them
                 tBsB, tBgB = cpasync.tma_partition(
-                    tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+                    tma_b, rank, cute.make_layout(self.cluster_m), cute.group_modes(sB, 0, 2),
+                    cute.group_modes(gB, 0, 2)
                 )
+                b_mask = cute.make_layout_image_mask(cluster, (rank, 0, 0), mode=0)
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 for k in cutlass.range(k_tiles, unroll=1):
                     pipe.producer_acquire(prod)
                     bar = pipe.producer_get_barrier(prod)
                     cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
-                    cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
+                    if const_expr(self.cluster_m == 1):
+                        cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
+                    else:
+                        cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, prod.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
                     pipe.producer_commit(prod)
                     prod.advance()
 
@@ -261,8 +292,12 @@ class SymmGemmSm90:
             n_kb = cute.size(tCrA, mode=[2])
             rd = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            # each stage's barrier is polled once ahead (try_wait) while the MMAs before it run
+            ready = cutlass.Boolean(True)
+            if k_tiles > 0:
+                ready = pipe.consumer_try_wait(rd)
             for k in cutlass.range(k_tiles, unroll=1):
-                pipe.consumer_wait(rd)
+                pipe.consumer_wait(rd, ready)
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(n_kb):
                     cute.gemm(
@@ -278,6 +313,9 @@ class SymmGemmSm90:
                     pipe.consumer_release(rel)
                     rel.advance()
                 rd.advance()
+                ready = cutlass.Boolean(True)
+                if k + 1 < k_tiles:
+                    ready = pipe.consumer_try_wait(rd)
             warpgroup.wait_group(0)
             if k_tiles > 0:
                 pipe.consumer_release(rel)
@@ -289,48 +327,64 @@ class SymmGemmSm90:
             row0 = ti * tm
             col0 = tj * tn
             d_dtype = mD.element_type
-            if const_expr(self.has_c):
-                # alpha * acc + beta * C, C read in the accumulator's own layout, CHUNK independent
-                # loads at a time so their latencies overlap. Only C's lower triangle is read:
-                # the stores below drop the rest, so D is exactly symmetric.
-                tCcD = thr_mma.partition_C(cute.make_identity_tensor((tm, tn)))
-                n_acc = cute.size(acc)
-                chunk = 16
-                rC = cute.make_rmem_tensor(chunk, Float32)
-                for c0 in cutlass.range_constexpr(n_acc // chunk):
-                    for e in cutlass.range_constexpr(chunk):
-                        rr, cc = tCcD[c0 * chunk + e]
-                        c_row = row0 + rr
-                        c_col = col0 + cc
-                        rC[e] = Float32(0.0)
-                        if c_row < m and c_col <= c_row:
-                            rC[e] = mC[c_row, c_col, bidz].to(Float32)
-                    for e in cutlass.range_constexpr(chunk):
-                        tCsD[c0 * chunk + e] = acc[c0 * chunk + e] * alpha + beta * rC[e]
-            else:
-                for e in cutlass.range(cute.size(acc), unroll_full=True):
-                    tCsD[e] = acc[e] * alpha
+            for e in cutlass.range(cute.size(acc), unroll_full=True):
+                tCsD[e] = acc[e] * alpha
             cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
 
             # Element (r, c) of the tile is stored at (r, c) if on or below the diagonal and at
             # (c, r) if below it: every element of D once, and D exactly symmetric even where
             # rounding made the operands commute only approximately (later products rely on
-            # B^T == B bit for bit). Consecutive threads write consecutive global columns in
-            # both passes; the odd pitch of sD makes the column reads conflict-free.
-            rows_per_step = self.mma_threads // tn
-            lr, lc = ct // tn, ct % tn
-            for step in cutlass.range(tm // rows_per_step, unroll=8):
-                r = step * rows_per_step + lr
-                gr, gc = row0 + r, col0 + lc
+            # B^T == B bit for bit). Both passes store VEC consecutive elements of a row of D
+            # per thread (one 16-byte store where the whole vector is on its side of the
+            # diagonal). beta * C is added in the first pass, from C's lower triangle only, and
+            # the sum kept in sD for the mirrored second pass.
+            rD = cute.make_rmem_tensor(VEC, d_dtype)
+            rC = cute.make_rmem_tensor(VEC, mC.element_type)
+            # pass 1: D[row0 + r, col0 + c : col0 + c + VEC] from sD[r, c : c + VEC]
+            per_row = tn // VEC
+            rows_per_step = self.mma_threads // per_row
+            pr, pv = ct // per_row, ct % per_row
+            for step in cutlass.range(tm // rows_per_step, unroll=4):
+                r = step * rows_per_step + pr
+                gr, gc = row0 + r, col0 + pv * VEC
                 if gr < m and gc <= gr:
-                    mD[gr, gc, bidz] = sD[r, lc].to(d_dtype)
-            cols_per_step = self.mma_threads // tm
-            tc, tr = ct // tm, ct % tm
-            for step in cutlass.range(tn // cols_per_step, unroll=8):
-                c = step * cols_per_step + tc
-                gr, gc = row0 + tr, col0 + c
-                if gr < m and gc < gr:
-                    mD[gc, gr, bidz] = sD[tr, c].to(d_dtype)
+                    sv = cute.local_tile(sD[r, None], (VEC,), (pv,))
+                    v = sv.load()
+                    if const_expr(self.has_c):
+                        cute.autovec_copy(cute.local_tile(mC[gr, None, bidz], (VEC,), (gc // VEC,)), rC)
+                        v = v + beta * rC.load().to(Float32)
+                        sv.store(v)
+                    rD.store(v.to(d_dtype))
+                    gD = cute.local_tile(mD[gr, None, bidz], (VEC,), (gc // VEC,))
+                    if gc + VEC - 1 <= gr:
+                        cute.autovec_copy(rD, gD)
+                    else:
+                        for e in cutlass.range_constexpr(VEC):
+                            if gc + e <= gr:
+                                gD[e] = rD[e]
+            if const_expr(self.has_c):
+                cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
+            # pass 2: D[col0 + c, row0 + r : row0 + r + VEC] from sD[r : r + VEC, c]; consecutive
+            # threads take consecutive c, so their shared-memory reads are conflict-free
+            for step in cutlass.range(tn * (tm // VEC) // self.mma_threads, unroll=4):
+                item = step * self.mma_threads + ct
+                c, r = item % tn, (item // tn) * VEC
+                gr, gc = row0 + r, col0 + c
+                if gr < m and gc < gr + VEC - 1:
+                    for e in cutlass.range_constexpr(VEC):
+                        rD[e] = sD[r + e, c].to(d_dtype)
+                    gD = cute.local_tile(mD[gc, None, bidz], (VEC,), (gr // VEC,))
+                    if gc < gr:
+                        cute.autovec_copy(rD, gD)
+                    else:
+                        for e in cutlass.range_constexpr(VEC):
+                            if gc < gr + e:
+                                gD[e] = rD[e]
+
+        if const_expr(self.cluster_m > 1):
+            # no CTA exits while a peer may still arrive on its barriers
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
 # -------------------------------------------------------------------------------------------
 # Host side: compile once per (dtypes, tile, stages, has_c); launch on raw pointers (cheap).
@@ -371,10 +425,11 @@ def _sm_count() -> int:
     return _SMS[dev]
 
 
-# Relative throughput of one SM per tile shape (wider tiles read less shared memory per MMA),
-# fitted to bench_symm.py's side-by-side tile sweep on an H200 (docs/benchmarks.md, "Kernels"):
-# with 0.9 the model picks the faster tile on every shape of the sweep that is not a tie.
-TILE_THROUGHPUT = {(64, 64): 0.55, (128, 128): 0.9, (128, 256): 1.0}
+# Relative throughput of one SM per tile shape (wider tiles read less shared memory per MMA,
+# clusters half the L2 traffic of B), fitted to a side-by-side sweep of every tile on an H200
+# (docs/benchmarks.md, "Kernels"): with these the model picks the fastest tile, or one within
+# 3% of it, on every shape of the sweep.
+TILE_THROUGHPUT = {(64, 64): 0.55, (128, 128): 0.9, (128, 256): 0.95, (256, 256): 1.0}
 
 
 @functools.lru_cache(maxsize=None)
@@ -384,8 +439,8 @@ def default_tile(m: int, k: int, batch: int) -> tuple[int, int]:
     sms = _sm_count()
 
     def cost(shape):
-        tiles = batch * tile_count(m, *shape)
-        return -(-tiles // sms) * shape[0] * shape[1] / TILE_THROUGHPUT[shape]
+        ctas = batch * tile_count(m, *shape) * CLUSTER_M.get(shape, 1)
+        return -(-ctas // sms) * shape[0] * shape[1] / CLUSTER_M.get(shape, 1) / TILE_THROUGHPUT[shape]
 
     return min(TILES, key=cost)
 
