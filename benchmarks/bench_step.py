@@ -6,6 +6,7 @@ each matrix, one at a time, as Muon ships. Dion3: the torch optimizer (same-shap
 Gram NS with the kernels where they pay). Median of CUDA-event timings; ratios from one run.
 
   python benchmarks/bench_step.py [--layers 8] [--json out.json]
+  python benchmarks/bench_step.py --profile 0.25     # where one eager Dion3 step's GPU time goes
 """
 
 from __future__ import annotations
@@ -37,10 +38,27 @@ class Muon:
 def timed(step, iters=10, warmup=3):
     return cuda_median_ms(lambda i: step(), reps=iters, warmup=warmup)
 
+def profile(params, fraction: float, rows: int = 25) -> None:
+    """GPU time of one eager Dion3 step (no CUDA graph, so every kernel is listed), by kernel."""
+    opt = Dion3(params, fraction=fraction, cuda_graph=False)
+    for _ in range(3):
+        opt.step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        opt.step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    total = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"one eager Dion3 step, f = {fraction}: {total:.1f} ms of GPU kernels")
+    print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", type=float, default=None, metavar="FRACTION",
+                        help="only profile one eager Dion3 step at this fraction")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     params = []
@@ -49,6 +67,9 @@ def main() -> None:
             p = torch.nn.Parameter(torch.randn(shape, device="cuda", generator=gen) * 0.02)
             p.grad = torch.randn(shape, device="cuda", generator=gen)
             params.append(p)
+    if args.profile is not None:
+        profile(params, args.profile)
+        return
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers}
     ortho.set_backend("torch")  # Muon as it ships: plain torch matmuls, not our kernels
     results["muon_ms"] = timed(Muon(params).step)

@@ -832,11 +832,9 @@ class Dion3Engine:
             variance_in_order = torch.empty(len(sub.index), k, dtype=torch.float32, device=device)
             variance_in_order.index_copy_(0, sub.route.order, new_variances[id(sub)].view(-1, k))
             sub.variance_padded.scatter_(1, local, variance_in_order)  # rows held elsewhere land in the pad
-            if mask is not None:
-                in_order = in_order * mask.unsqueeze(-1)
-                local = local.clamp(max=sub.momentum.shape[1] - 1)  # adds zeros there
             weights = [sg.shards[j].weight.view(sub.momentum.shape[1:]) for j in sub.index]
-            rule.apply_row_updates(weights, local, in_order, factors.part(start, start + len(sub.index)))
+            rule.apply_row_updates(weights, local, in_order, factors.part(start, start + len(sub.index)),
+                                   padded=mask is not None)  # rows held elsewhere are skipped
             start += len(sub.index)
 
     def _step_batched(self, sg: ShapeGroup, subs: list["_SubBatch"], chosen: torch.Tensor) -> None:

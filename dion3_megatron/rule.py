@@ -17,7 +17,10 @@ rows live and the orthogonalization on an owner rank. Every tensor here is a bat
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -135,8 +138,13 @@ def momentum_decay(hp: Dion3Hyperparameters, fraction: float) -> float:
 def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float | torch.Tensor) -> torch.Tensor:
     """Copy out the selected rows of the momentum, then decay them there by mu (error feedback).
 
-    mu: a number, or one per matrix of the batch (B,).
+    mu: a number, or one per matrix of the batch (B,). With the Triton row kernels
+    (:func:`_fused_rows`) one pass (:func:`dion3_megatron.kernels.rows.take_rows`).
     """
+    if momentum.shape[0] and momentum.dtype == torch.float32 and _fused_rows([momentum[0]]):
+        from .kernels import rows as fused
+
+        return fused.take_rows(momentum, idx, mu)
     selected = gather_rows(momentum, idx)
     decay = mu if not torch.is_tensor(mu) else mu.view(-1, 1, 1)
     momentum.scatter_(1, _row_index(idx, momentum.shape[-1]), selected * decay)
@@ -211,23 +219,35 @@ def auto_fraction(
 # NorMuon normalization and the weight update.
 
 
+def row_scales(
+    ortho: torch.Tensor, variance_selected: torch.Tensor, beta2: float, eps: float,
+    scale: Optional[float | torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NorMuon as one multiplier per row: divide each row by its running RMS, then restore the
+    block's Frobenius norm; the normalized block is ``ortho * row_scale[..., None]``.
+
+    ortho (B, k, c) fp32, variance_selected (B, k). Returns (row_scale (B, k), new variance rows).
+    Both norms follow from the rows' sums of squares, so the block is read once and no block-size
+    temporary is formed. scale: a number or (B,) tensor folded into every row's multiplier.
+    """
+    squares = torch.linalg.vector_norm(ortho, dim=-1).square()
+    variance = variance_selected * beta2 + squares / ortho.shape[-1] * (1 - beta2)
+    inverse_rms = 1 / (variance.sqrt() + eps)
+    before = squares.sum(dim=-1).sqrt()
+    after = (squares * inverse_rms.square()).sum(dim=-1).sqrt().clamp_min(eps)
+    factor = before / after
+    if scale is not None:
+        factor = factor * scale
+    return inverse_rms * factor.unsqueeze(-1), variance
+
+
 def normalize_rows(
     ortho: torch.Tensor, variance_selected: torch.Tensor, beta2: float, eps: float,
     scale: Optional[float | torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """NorMuon: divide each row by its running RMS, then restore the block's Frobenius norm.
-
-    ortho (B, k, c) fp32, variance_selected (B, k). Returns (normalized block, new variance rows).
-    scale: a number or (B,) tensor the block is also multiplied by, folded into the same kernel.
-    """
-    variance = variance_selected * beta2 + ortho.square().mean(dim=-1) * (1 - beta2)
-    normalized = ortho / (variance.sqrt() + eps).unsqueeze(-1)
-    before = torch.linalg.matrix_norm(ortho, keepdim=True)
-    after = torch.linalg.matrix_norm(normalized, keepdim=True).clamp_min(eps)
-    factor = before / after
-    if scale is not None:
-        factor = factor * (scale.view(-1, 1, 1) if torch.is_tensor(scale) else scale)
-    return normalized * factor, variance
+    """NorMuon (:func:`row_scales`) applied: (normalized block, new variance rows)."""
+    row_scale, variance = row_scales(ortho, variance_selected, beta2, eps, scale)
+    return ortho * row_scale.unsqueeze(-1), variance
 
 
 def update_scale(
@@ -310,11 +330,12 @@ def apply_updates(
 
 
 def apply_row_updates(weights: list[torch.Tensor], rows: torch.Tensor, steps: torch.Tensor,
-                      factors: UpdateFactors) -> None:
+                      factors: UpdateFactors, padded: bool = False) -> None:
     """W *= decay; W[rows] += coef * step for a batch: rows (B, k), steps (B, k, c), factors as
-    (B,) device tensors (what a CUDA graph reads), the coefficients applied in one kernel."""
-    decay_weights(weights, factors.decay)
-    add_rows(weights, list(rows.unbind(0)), list((steps * factors.coef.view(-1, 1, 1)).unbind(0)))
+    (B,) device tensors (what a CUDA graph reads). With ``padded``, a row index equal to the
+    weights' row count marks a row that is not here: its step is skipped."""
+    coef = factors.coef.view(-1, 1).expand(rows.shape).to(torch.float32)
+    apply_scaled_rows(weights, rows, steps, coef, factors.decay, padded)
 
 
 def decay_weights(weights: list[torch.Tensor], decay: list[float] | torch.Tensor) -> None:
@@ -334,6 +355,45 @@ def add_rows(weights: list[torch.Tensor], rows: list[torch.Tensor], steps: list[
     """W[rows] += step (rounded once to the weight's dtype)."""
     for weight, idx, step in zip(weights, rows, steps):
         weight.index_add_(0, idx, step if step.dtype == weight.dtype else step.to(weight.dtype))
+
+
+def apply_scaled_rows(weights: list[torch.Tensor], rows: torch.Tensor, steps: torch.Tensor, row_scale: torch.Tensor,
+                      decay: list[float] | torch.Tensor, padded: bool = False) -> None:
+    """W_b *= decay[b]; W_b[rows[b, i]] += row_scale[b, i] * steps[b, i] for a batch of same-shape
+    (n, c) weights; rows (B, k) distinct per matrix, steps (B, k, c) fp32, row_scale (B, k). With
+    ``padded``, rows equal to n (any number of them) are skipped.
+
+    With the Triton row kernels (:func:`_fused_rows`) one pass over each weight
+    (:mod:`dion3_megatron.kernels.rows`); else a multi-tensor decay, then ``index_add_``.
+    """
+    if _fused_rows(weights):
+        from .kernels import rows as fused
+
+        fused.decay_add_rows(weights, rows, steps, row_scale, decay)
+        return
+    decay_weights(weights, decay)
+    if padded:  # the skipped rows add zeros to the last row
+        n = weights[0].shape[0]
+        row_scale = row_scale * (rows < n)
+        rows = rows.clamp(max=n - 1)
+    add_rows(weights, list(rows.unbind(0)), list((steps * row_scale.unsqueeze(-1)).unbind(0)))
+
+
+def _fused_rows(weights: list[torch.Tensor]) -> bool:
+    """The Triton row kernels apply: CUDA weights, triton installed, DION3_FUSED_ROWS=1 (opt-in
+    until their GPU tests pass on the final code: docs/benchmarks.md), and kernels not disabled
+    (DION3_KERNELS=0 turns off every kernel of the package)."""
+    if not weights or not weights[0].is_cuda or not _triton_available():
+        return False
+    from .kernels import rows as fused
+
+    return fused.usable(weights)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_available() -> bool:
+    return (os.environ.get("DION3_FUSED_ROWS", "0") == "1" and os.environ.get("DION3_KERNELS", "1") != "0"
+            and importlib.util.find_spec("triton") is not None)
 
 
 def update_factors(hp: Dion3Hyperparameters, count: int, n_rows: int, n_cols: int) -> UpdateFactors:
@@ -381,10 +441,9 @@ def normalize_and_apply(
     coef = factors.coef
     if not torch.is_tensor(coef):
         coef = coef[0] if len(set(coef)) == 1 else torch.tensor(coef, dtype=torch.float32).to(ortho.device)
-    normalized, new_variance = normalize_rows(ortho, torch.gather(variance, 1, idx), beta2, eps, coef)
+    row_scale, new_variance = row_scales(ortho, torch.gather(variance, 1, idx), beta2, eps, coef)
     variance.scatter_(1, idx, new_variance)
-    decay_weights(weights, factors.decay)
-    add_rows(weights, list(idx.unbind(0)), list(normalized.unbind(0)))
+    apply_scaled_rows(weights, idx, ortho, row_scale, factors.decay)
 
 
 def orthogonalize_rows(selected: torch.Tensor, hp: Dion3Hyperparameters) -> torch.Tensor:

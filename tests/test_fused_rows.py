@@ -1,0 +1,137 @@
+"""The one-pass weight update (Triton) against the torch form of rule.apply_scaled_rows.
+
+On CPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the flag is
+read when triton is imported); on a GPU it runs compiled.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from dion3_megatron import rule
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Fresh random weights (row views of a wider buffer), distinct selected rows, steps and scales:
+# the kernel's result against a float64 reference of decay * W + scale * step, the unselected rows
+# against decay * W exactly as torch rounds it, and the columns outside the views untouched.
+CHECK = textwrap.dedent("""
+    import torch
+    from dion3_megatron.kernels.rows import decay_add_rows, take_rows
+
+    def check(device, seed):
+        # Triton's interpreter rounds fp32 -> bf16 toward zero (compiled kernels round to nearest
+        # even, as torch does): half-precision results are compared to within that rounding there.
+        compiled = device != "cpu"
+        gen = torch.Generator().manual_seed(seed)
+        for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2 ** -8 if compiled else 2 ** -7)):
+            batch, n, c, k = 3, 37, 150, 9
+            wide = torch.randn(batch, n, c + 10, generator=gen).to(dtype).to(device)
+            wide_before = wide.clone()
+            weights = [wide[b, :, 3:3 + c] for b in range(batch)]  # row stride c + 10
+            rows = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(batch)]).to(device)
+            steps = torch.randn(batch, k, c, generator=gen).to(device)
+            scale = torch.rand(batch, k, generator=gen).to(device) - 0.5
+            decay = torch.tensor([0.99, 0.9, 1.0]).to(device)
+            decay_add_rows(weights, rows, steps, scale, decay)
+            for b, w in enumerate(weights):
+                before = wide_before[b, :, 3:3 + c]
+                ref = before.double() * decay[b].double()
+                ref[rows[b]] += scale[b].double().unsqueeze(-1) * steps[b].double()
+                err = ((w.double() - ref).abs().max() / ref.abs().max()).item()
+                assert err <= tol, (dtype, b, err)
+                others = torch.ones(n, dtype=torch.bool, device=device)
+                others[rows[b]] = False
+                if dtype == torch.float32:  # the torch form, bit for bit (no contraction)
+                    torch_form = (before * decay[b]).index_add_(0, rows[b], steps[b] * scale[b].unsqueeze(-1))
+                    assert torch.equal(w, torch_form), b
+                if compiled or dtype == torch.float32:  # decay * W in fp32, rounded once to the dtype
+                    plain = (before.float() * decay[b]).to(dtype)
+                    assert torch.equal(w[others], plain[others]), (dtype, b)
+            assert torch.equal(wide[:, :, :3], wide_before[:, :, :3])
+            assert torch.equal(wide[:, :, 3 + c:], wide_before[:, :, 3 + c:])
+        # rows equal to n (held by another rank) are skipped, however many there are
+        n, c, k = 21, 40, 6
+        w = torch.randn(n, c, generator=gen).to(device)
+        before = w.clone()
+        rows = torch.tensor([[3, n, 7, n, n, 0]]).to(device)
+        steps = torch.randn(1, k, c, generator=gen).to(device)
+        decay_add_rows([w], rows, steps, torch.ones(1, k).to(device), [0.5])
+        ref = before * 0.5
+        for i, r in enumerate(rows[0].tolist()):
+            if r < n:
+                ref[r] += steps[0, i]
+        assert torch.allclose(w, ref, atol=1e-6)
+        # take_rows: rows copied out exactly, decayed in place by mu (a number or one per matrix);
+        # rows held elsewhere point at the padded zero row, more than once
+        batch, n, c, k = 3, 29, 140, 8
+        for mu in (0.9, torch.tensor([0.9, 0.5, 1.0]).to(device)):
+            padded = torch.randn(batch, n + 1, c, generator=gen).to(device)
+            padded[:, n] = 0
+            idx = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(batch)])
+            idx[:, :2] = n  # two rows held by another rank
+            idx = idx.to(device)
+            before = padded.clone()
+            out = take_rows(padded, idx, mu)
+            expected = torch.stack([before[b, idx[b]] for b in range(batch)])
+            assert torch.equal(out, expected)
+            factor = mu if isinstance(mu, float) else mu.view(-1, 1)
+            for b in range(batch):
+                f = factor if isinstance(factor, float) else factor[b]
+                want = before[b].clone()
+                want[idx[b]] = before[b, idx[b]] * f
+                assert torch.equal(padded[b], want), b
+            assert torch.equal(padded[:, n], torch.zeros_like(padded[:, n]))
+""")
+
+
+def test_kernel_under_the_triton_interpreter_on_cpu():
+    pytest.importorskip("triton")
+    seed = torch.seed() % 2**31
+    script = CHECK + f"check('cpu', {seed})\nprint('ok')\n"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, f"seed={seed}\n{out.stderr[-3000:]}"
+    assert out.stdout.strip().endswith("ok")
+
+
+@pytest.mark.gpu
+def test_kernel_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("triton")
+    namespace: dict = {}
+    exec(CHECK, namespace)
+    namespace["check"]("cuda", torch.seed() % 2**31)
+
+
+def test_row_scales_are_normuon(generator):
+    """normalize_rows from per-row multipliers equals NorMuon written out block by block."""
+    ortho = torch.randn(4, 12, 40, generator=generator, dtype=torch.float64)
+    variance = torch.rand(4, 12, generator=generator, dtype=torch.float64)
+    beta2, eps = 0.95, 1e-8
+    v = variance * beta2 + ortho.square().mean(dim=-1) * (1 - beta2)
+    normalized = ortho / (v.sqrt() + eps).unsqueeze(-1)
+    factor = torch.linalg.matrix_norm(ortho, keepdim=True) / torch.linalg.matrix_norm(normalized, keepdim=True)
+    expected = normalized * factor * 0.7
+    got, got_v = rule.normalize_rows(ortho, variance, beta2, eps, 0.7)
+    assert torch.allclose(got_v, v, rtol=1e-12, atol=0)
+    assert torch.allclose(got, expected, rtol=1e-10, atol=1e-14)
+
+
+def test_apply_scaled_rows_on_cpu_is_decay_then_index_add(generator):
+    weights = torch.randn(2, 10, 6, generator=generator)
+    rows = torch.tensor([[1, 4, 7], [0, 2, 9]])
+    steps = torch.randn(2, 3, 6, generator=generator)
+    scale = torch.rand(2, 3, generator=generator)
+    expected = weights.clone() * torch.tensor([0.9, 0.8]).view(2, 1, 1)
+    for b in range(2):
+        expected[b].index_add_(0, rows[b], steps[b] * scale[b].unsqueeze(-1))
+    w = weights.clone()
+    rule.apply_scaled_rows(list(w.unbind(0)), rows, steps, scale, [0.9, 0.8])
+    assert torch.allclose(w, expected, atol=1e-7)
