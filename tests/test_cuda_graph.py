@@ -13,6 +13,16 @@ pytestmark = pytest.mark.gpu
 SHAPES = [(192, 320)] * 3 + [(320, 192)] * 2 + [(256, 256)]
 
 
+@pytest.fixture(autouse=True, params=[False, True], ids=["torch-rows", "row-kernels"])
+def row_kernels(request, monkeypatch):
+    """Every test with the rule's torch forms and with the Triton row kernels."""
+    if request.param:
+        pytest.importorskip("triton")
+        from dion3_megatron.kernels import rows
+
+        monkeypatch.setattr(rule, "_fused_rows", lambda weights: bool(weights) and rows.usable(weights))
+
+
 def make_params(generator, dtype):
     params = [torch.nn.Parameter(torch.randn(s, generator=generator).to("cuda", dtype)) for s in SHAPES]
     params.append(torch.nn.Parameter(torch.randn(4, 96, 160, generator=generator).to("cuda", dtype)))  # experts

@@ -73,7 +73,9 @@ def nccl_worker(rank, world, seed, fraction, steps=3):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("fraction", [0.25, 1.0])
-def test_engine_over_nccl_equals_single_process(fraction):
+@pytest.mark.parametrize("row_kernels", ["0", "1"], ids=["torch-rows", "row-kernels"])
+def test_engine_over_nccl_equals_single_process(fraction, row_kernels, monkeypatch):
+    monkeypatch.setenv("DION3_FUSED_ROWS", row_kernels)  # read by the spawned ranks
     errors = run_distributed(nccl_worker, 2, torch.seed() % 2**31, fraction, backend="nccl")
     assert max(errors) <= 1e-4  # TF32-free fp32 on GPU vs CPU fp32: rounding only
 
@@ -119,5 +121,7 @@ def nccl_graph_worker(rank, world, seed, steps=6):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_engine_whole_step_graph_over_nccl_equals_eager():
+@pytest.mark.parametrize("row_kernels", ["0", "1"], ids=["torch-rows", "row-kernels"])
+def test_engine_whole_step_graph_over_nccl_equals_eager(row_kernels, monkeypatch):
+    monkeypatch.setenv("DION3_FUSED_ROWS", row_kernels)  # read by the spawned ranks
     assert all(run_distributed(nccl_graph_worker, 2, torch.seed() % 2**31, backend="nccl"))
