@@ -123,11 +123,6 @@ def _row_index(idx: torch.Tensor, n_cols: int) -> torch.Tensor:
     return idx.unsqueeze(-1).expand(-1, -1, n_cols)
 
 
-def gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """t[b, idx[b], :] for every b: (B, n, c), (B, k) -> (B, k, c)."""
-    return torch.gather(t, 1, _row_index(idx, t.shape[-1]))
-
-
 def momentum_decay(hp: Dion3Hyperparameters, fraction: float) -> float:
     """The factor the applied rows' momentum decays by: mu, or mu ** (1 / f) with
     ``scale_mu_by_fraction``. A row is applied about once every 1 / f steps, so the scaled form
@@ -145,9 +140,16 @@ def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float | torch.T
         from .kernels import rows as fused
 
         return fused.take_rows(momentum, idx, mu)
-    selected = gather_rows(momentum, idx)
+    batch, n, c = momentum.shape
     decay = mu if not torch.is_tensor(mu) else mu.view(-1, 1, 1)
-    momentum.scatter_(1, _row_index(idx, momentum.shape[-1]), selected * decay)
+    if momentum.is_contiguous():  # whole rows by row number: one index read per row, not per element
+        rows = (idx + torch.arange(batch, device=idx.device).unsqueeze(-1) * n).view(-1)
+        flat = momentum.view(batch * n, c)
+        selected = flat.index_select(0, rows).view(batch, -1, c)
+        flat.index_copy_(0, rows, (selected * decay).view(-1, c))  # a repeated (padded, zero) row: zeros
+        return selected
+    selected = torch.gather(momentum, 1, _row_index(idx, c))
+    momentum.scatter_(1, _row_index(idx, c), selected * decay)
     return selected
 
 
