@@ -166,12 +166,12 @@ def _as_wide_batch(g: torch.Tensor) -> tuple[torch.Tensor, bool, torch.Size]:
 
 def _normalized(x: torch.Tensor, dtype: torch.dtype, norm_factor: float, eps: float) -> torch.Tensor:
     """x / (norm_factor * ||x||_F + eps) per matrix, computed in fp32 (fp64 for fp64) and written in
-    ``dtype`` by the same kernel, contiguous (a transposed x comes out in the layout the products
-    want, with no copy of its own)."""
+    ``dtype`` by the same kernel, in x's layout (a transposed view stays one: both sides of the
+    pass coalesced)."""
     work = torch.float64 if x.dtype == torch.float64 or dtype == torch.float64 else torch.float32
     xw = x.to(work)
     norm = torch.linalg.matrix_norm(xw, ord="fro", keepdim=True)
-    return torch.div(xw, norm * norm_factor + eps, out=torch.empty(xw.shape, dtype=dtype, device=xw.device))
+    return torch.div(xw, norm * norm_factor + eps, out=torch.empty_like(xw, dtype=dtype))
 
 
 def _restore(out: torch.Tensor, transposed: bool, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
