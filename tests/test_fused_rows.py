@@ -141,17 +141,19 @@ def test_apply_scaled_rows_on_cpu_is_decay_then_index_add(generator):
 # for CPU tensors, run by Triton's interpreter) give the same bits: contraction is off, so the
 # kernels round exactly as the torch forms do.
 
-def _force_row_kernels() -> None:
+def force_row_kernels() -> None:
+    """Route the rule through the row kernels for any tensors, CPU ones included (the interpreter)."""
     rule._fused_rows = lambda weights: len(weights) > 0
 
 
 SINGLE_PROCESS = textwrap.dedent("""
     import torch
-    from dion3_megatron import Dion3, rule
+    from dion3_megatron import Dion3
+    from test_fused_rows import force_row_kernels
 
     def run(seed, fused):
         if fused:
-            rule._fused_rows = lambda weights: len(weights) > 0
+            force_row_kernels()
         gen = torch.Generator().manual_seed(seed)
         shapes = [(24, 40)] * 3 + [(40, 24)] * 2 + [(64, 96)]
         params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
@@ -176,7 +178,7 @@ def test_optimizer_steps_with_row_kernels_equal_the_torch_forms_bit_for_bit():
         assert not torch.equal(torch_form[0], torch.randn(1))  # (the run did something)
         print("ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, f"seed={seed}\n{out.stderr[-3000:]}"
 
@@ -184,7 +186,7 @@ def test_optimizer_steps_with_row_kernels_equal_the_torch_forms_bit_for_bit():
 def static_exchange_with_row_kernels(rank, world, fused, seed):
     """Row and column blocks on the static exchange (row blocks skip rows another rank holds)."""
     if fused:
-        _force_row_kernels()
+        force_row_kernels()
     from test_megabatch import static_exchange_worker
 
     return static_exchange_worker(rank, world, "rowscols", 0.25, seed)[0]

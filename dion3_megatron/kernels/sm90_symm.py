@@ -222,27 +222,21 @@ class SymmGemmSm90:
         b_stage = cute.slice_(b_layout, (None, None, 0))
         tx_bytes = cute.size_in_bytes(self.ab_dtype, a_stage) + cute.size_in_bytes(self.ab_dtype, b_stage)
         cluster = cute.make_layout((self.cluster_m, 1, 1))
-        if const_expr(self.cluster_m == 1):
-            pipe = pipeline.PipelineTmaAsync.create(
-                barrier_storage=st.bars.data_ptr(),
-                num_stages=self.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.n_mma_wg * 4),
-                tx_count=tx_bytes,
-                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            )
-        else:
-            # a stage is free once the consumers of every CTA that B was multicast to released it
-            pipe = pipeline.PipelineTmaAsync.create(
-                barrier_storage=st.bars.data_ptr(),
-                num_stages=self.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads),
-                tx_count=tx_bytes,
-                cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
-                mcast_mode_mn=(0, 1),
-                enable_multicast_signaling=True,
-            )
+        multicast = self.cluster_m > 1
+        # One release per consumer warp; with multicast, one per warp and per CTA that B went to (the
+        # pipeline counts it from the consumer threads): a stage is free once all of them released it.
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.bars.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.mma_threads if multicast else self.n_mma_wg * 4
+            ),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
+            mcast_mode_mn=(0, 1),
+            enable_multicast_signaling=multicast,
+        )
 
         tile_mnk = (tm, tn, TILE_K)
         gA = cute.local_tile(mA, tile_mnk, (ti, tj, None, bidz), proj=(1, None, 1))  # (tm, BK, kt)
@@ -492,7 +486,7 @@ def symm_gemm(
     a is b for a Gram product; for a product P @ Q of commuting symmetric matrices pass b = Q
     (Q^T = Q). Only the lower triangle of tiles is computed; the upper is its mirror.
     c (L, M, M) must be symmetric. K must be a multiple of 8 (16-byte rows for TMA).
-    tile: 64, 128, (128, 256) or "128x256" (default: :func:`default_tile`).
+    tile: one of :data:`TILES`, as 64, 128, 256, (128, 256) or "128x256" (default: :func:`default_tile`).
     Returns (L, M, M) in out_dtype (default a's dtype), or writes ``out``.
     """
     squeeze = a.dim() == 2
