@@ -382,9 +382,8 @@ def apply_scaled_rows(weights: list[torch.Tensor], rows: torch.Tensor, steps: to
 
 
 def _fused_rows(weights: list[torch.Tensor]) -> bool:
-    """The Triton row kernels apply: CUDA weights, triton installed, DION3_FUSED_ROWS=1 (opt-in
-    until their GPU tests pass on the final code: docs/benchmarks.md), and kernels not disabled
-    (DION3_KERNELS=0 turns off every kernel of the package)."""
+    """The Triton row kernels apply: CUDA weights, triton installed, and neither DION3_FUSED_ROWS=0
+    (the torch forms, e.g. to compare) nor DION3_KERNELS=0 (every kernel of the package off)."""
     if not weights or not weights[0].is_cuda or not _triton_available():
         return False
     from .kernels import rows as fused
@@ -394,7 +393,7 @@ def _fused_rows(weights: list[torch.Tensor]) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _triton_available() -> bool:
-    return (os.environ.get("DION3_FUSED_ROWS", "0") == "1" and os.environ.get("DION3_KERNELS", "1") != "0"
+    return (os.environ.get("DION3_FUSED_ROWS", "1") != "0" and os.environ.get("DION3_KERNELS", "1") != "0"
             and importlib.util.find_spec("triton") is not None)
 
 

@@ -18,7 +18,7 @@ def row_kernels(request, monkeypatch):
     """Every test with the rule's torch forms and with the Triton row kernels."""
     if request.param:
         pytest.importorskip("triton")
-        monkeypatch.setattr(rule, "_triton_available", lambda: True)  # as DION3_FUSED_ROWS=1 does
+    monkeypatch.setattr(rule, "_triton_available", lambda: request.param)  # as DION3_FUSED_ROWS does
 
 
 def make_params(generator, dtype):

@@ -1,7 +1,7 @@
 """Triton kernels for the row-wise steps of the Dion3 rule, one pass over memory each.
 
-Used on CUDA when DION3_FUSED_ROWS=1 (see ``dion3_megatron.rule._fused_rows``); the rule's torch
-forms run otherwise.
+Used on CUDA unless DION3_FUSED_ROWS=0 or DION3_KERNELS=0 (see ``dion3_megatron.rule._fused_rows``);
+the rule's torch forms run otherwise.
 
 * :func:`decay_add_rows`: W = decay * W, plus each selected row's step times its scale: every row
   decayed and the selected ones updated in one pass (the torch form in
