@@ -107,14 +107,14 @@ class StepGraph:
 def step_whole_matrices(graph: StepGraph, entries: list[rule.WholeMatrices],
                         then: Optional[Callable[[], None]] = None) -> None:
     """``rule.step_whole_matrices(entries)`` and then ``then()`` (more device work on the same
-    tensors), replayed from ``graph``. The entries' gradients must already be in their momentum
-    (``grad=None``): gradients are often new tensors every step, which a graph cannot follow."""
-    if any(e.grad is not None for e in entries):
-        raise ValueError("cuda_graph.step_whole_matrices: add the gradients to the momentum first (grad=None)")
+    tensors), replayed from ``graph``. The entries' gradients are already in their momentum (and
+    scored, when ``scores`` is given): gradients are often new tensors every step, which a graph
+    cannot follow."""
     counts = [len(e.weight) if isinstance(e.weight, (list, tuple)) else e.weight.shape[0] for e in entries]
     factors = [rule.update_factors(e.hp, count, *e.momentum.shape[1:]) for e, count in zip(entries, counts)]
     key = (then is not None, tuple(
         (e.momentum.data_ptr(), e.variance.data_ptr(), tuple(e.momentum.shape), tuple(e.variance.stride()),
+         e.scores.data_ptr() if e.scores is not None else None,
          tuple(w.data_ptr() for w in e.weight) if isinstance(e.weight, (list, tuple)) else e.weight.data_ptr(),
          baked_settings(e.hp))
         for e in entries

@@ -656,21 +656,19 @@ class Dion3Engine:
         me, shards = sg.rank, sg.shards
         device = shards[0].weight.device
         if subs is not None:
+            scores = torch.zeros(len(shards), n, dtype=torch.float32, device=device)
             for sub in subs:
-                torch._foreach_add_(list(sub.momentum.unbind(0)), [shards[j].grad.view(sub.momentum.shape[1:]) for j in sub.index])
-        else:
-            for shard in shards:
-                shard.state["momentum"].add_(shard.grad)
-        if self.selection == "local" and sg.world > 1:
-            return None
-        scores = torch.zeros(len(shards), n, dtype=torch.float32, device=device)
-        if subs is not None:
-            for sub in subs:
+                block = rule.accumulate_and_score(sub.momentum, [shards[j].grad.view(sub.momentum.shape[1:]) for j in sub.index])
                 mine = sub.rect[me]
                 if sub.index_on_device is None:
                     sub.index_on_device = torch.tensor(sub.index, device=device)
-                scores[sub.index_on_device, mine.r0 : mine.r1] = rule.row_scores(sub.momentum)
-            return scores
+                scores[sub.index_on_device, mine.r0 : mine.r1] = block
+            return None if self.selection == "local" and sg.world > 1 else scores
+        for shard in shards:
+            shard.state["momentum"].add_(shard.grad)
+        if self.selection == "local" and sg.world > 1:
+            return None
+        scores = torch.zeros(len(shards), n, dtype=torch.float32, device=device)
         for j, shard in enumerate(shards):
             for rect in sg.rects[j][me]:
                 scores[j, rect.r0 : rect.r1] += rule.row_scores(rect.view(shard.state["momentum"])[None])[0]
@@ -748,9 +746,9 @@ class Dion3Engine:
         entries = []
         for (sg, sub), part_factors in zip(parts, factors):
             n, m = sg.key[0]
-            torch._foreach_add_(list(sub.momentum.unbind(0)), [sg.shards[j].grad.view(n, m) for j in sub.index])
+            scores = rule.accumulate_and_score(sub.momentum, [sg.shards[j].grad.view(n, m) for j in sub.index])
             hp = sg.hp if sg.hp.fraction == sg.fraction else dataclasses.replace(sg.hp, fraction=sg.fraction)
-            entries.append(rule.WholeMatrices([sg.shards[j].weight.view(n, m) for j in sub.index], None, sub.momentum,
+            entries.append(rule.WholeMatrices([sg.shards[j].weight.view(n, m) for j in sub.index], scores, sub.momentum,
                                               sub.variance, hp, part_factors,
                                               _momentum_decay(sg, sub, sub.momentum.device)))
         rule.step_whole_matrices(entries)

@@ -80,6 +80,7 @@ class _Bucket:
     param_ids: list[int]
     momentum: torch.Tensor  # (matrices, rows, cols) fp32
     variance: torch.Tensor  # (matrices, rows) fp32
+    scores: torch.Tensor  # (matrices, rows) fp32: this step's row scores (a fixed buffer for the graph)
 
     def holds(self, params: list[torch.Tensor], state: dict) -> bool:
         if [id(p) for p in params] != self.param_ids:
@@ -304,7 +305,7 @@ class Dion3(torch.optim.Optimizer):
             state["momentum"] = momentum[start:start + size].view(p.shape)
             state["variance"] = variance[start:start + size]
             start += size
-        bucket = _Bucket([id(p) for p in params], momentum, variance)
+        bucket = _Bucket([id(p) for p in params], momentum, variance, torch.empty_like(variance))
         self._buckets[key] = bucket
         return bucket
 
@@ -368,10 +369,11 @@ class Dion3(torch.optim.Optimizer):
         matrices = []
         for key, params in members.items():
             bucket = self._bucket(key, params)
-            torch._foreach_add_(list(bucket.momentum.unbind(0)),
-                                [g for p in params for g in matrix_view(p.grad).unbind(0)])
+            # outside the graph: gradients are new tensors every step
+            rule.accumulate_and_score(bucket.momentum, [g for p in params for g in matrix_view(p.grad).unbind(0)],
+                                      out=bucket.scores)
             weights = [w for p in params for w in matrix_view(p).unbind(0)]
-            matrices.append(rule.WholeMatrices(weights, None, bucket.momentum, bucket.variance, settings[key]))
+            matrices.append(rule.WholeMatrices(weights, bucket.scores, bucket.momentum, bucket.variance, settings[key]))
         devices = {e.momentum.device for e in matrices}
         if self.cuda_graph and len(devices) == 1 and cuda_graph_module.usable(devices.pop()):
             cuda_graph_module.step_whole_matrices(self._graph, matrices)

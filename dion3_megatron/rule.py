@@ -92,12 +92,32 @@ def selected_row_count(n_rows: int, fraction: float, num_heads: Optional[int] = 
     return num_heads * max(1, math.ceil(fraction * (n_rows // num_heads)))
 
 
-def row_scores(m: torch.Tensor) -> torch.Tensor:
-    """L1 norm of every row: (B, n, c) -> (B, n), fp32. Partial column blocks' scores add up.
+def row_scores(m: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """L1 norm of every row: (B, n, c) -> (B, n), fp32 (into ``out`` when given). Partial column
+    blocks' scores add up.
 
     A norm reduction, not abs().sum(): no temporary the size of the matrix.
     """
-    return torch.linalg.vector_norm(m, ord=1, dim=-1, dtype=torch.float32)
+    return torch.linalg.vector_norm(m, ord=1, dim=-1, dtype=torch.float32, out=out)
+
+
+def accumulate_and_score(momentum: torch.Tensor, grads: list[torch.Tensor],
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """M += G for the (B, n, c) fp32 momentum and its B (n, c) gradients; the L1 row scores (B, n)
+    of the new momentum (into ``out`` when given).
+
+    With the Triton row kernels (:func:`_fused_rows`) one pass over both
+    (:func:`dion3_megatron.kernels.rows.add_and_score`); the scores then sum in another order, equal
+    to within fp32 rounding.
+    """
+    if out is None:
+        out = torch.empty(momentum.shape[:2], dtype=torch.float32, device=momentum.device)
+    if momentum.shape[0] and momentum.dtype == torch.float32 and _fused_rows([momentum[0], *grads]):
+        from .kernels import rows as fused
+
+        return fused.add_and_score(momentum, grads, out)
+    torch._foreach_add_(list(momentum.unbind(0)), grads)
+    return row_scores(momentum, out=out)
 
 
 def select_rows(scores: torch.Tensor, fraction: float, num_heads: Optional[int] = None) -> torch.Tensor:
@@ -455,11 +475,12 @@ def orthogonalize_rows(selected: torch.Tensor, hp: Dion3Hyperparameters) -> torc
 @dataclass
 class WholeMatrices:
     """A batch of whole matrices one process steps by itself: the weights ((B, n, c), or B separate
-    (n, c) tensors), the (B, n, c) gradient (None: already added to the momentum), the (B, n, c)
-    momentum and the (B, n) per-row variance (any views, written in place)."""
+    (n, c) tensors), the (B, n) row scores of the momentum (from :func:`accumulate_and_score`, or
+    None: scored here), the (B, n, c) momentum, gradients already added, and the (B, n) per-row
+    variance (any views, written in place)."""
 
     weight: torch.Tensor | list[torch.Tensor]
-    grad: Optional[torch.Tensor]
+    scores: Optional[torch.Tensor]
     momentum: torch.Tensor
     variance: torch.Tensor
     hp: Dion3Hyperparameters  # fraction already a number
@@ -472,9 +493,8 @@ def step_whole_matrices(entries: list[WholeMatrices]) -> None:
     orthogonalized as one batch (the single-process form of megabatching)."""
     batches: dict[tuple, list] = {}
     for e in entries:
-        if e.grad is not None:
-            e.momentum.add_(e.grad)
-        idx = select_rows(row_scores(e.momentum), e.hp.fraction, e.hp.num_heads)
+        scores = e.scores if e.scores is not None else row_scores(e.momentum)
+        idx = select_rows(scores, e.hp.fraction, e.hp.num_heads)
         selected = take_selected(e.momentum, idx, momentum_decay(e.hp, e.hp.fraction) if e.mu is None else e.mu)
         key = (tuple(selected.shape[1:]), selected.device, e.hp.ns_method, e.hp.ns_dtype)
         batches.setdefault(key, []).append((e, idx, selected))

@@ -1,4 +1,5 @@
-"""The one-pass weight update (Triton) against the torch form of rule.apply_scaled_rows.
+"""The Triton row kernels against the torch forms of rule.apply_scaled_rows, rule.take_selected and
+rule.accumulate_and_score.
 
 On CPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the flag is
 read when triton is imported); on a GPU it runs compiled.
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # against decay * W exactly as torch rounds it, and the columns outside the views untouched.
 CHECK = textwrap.dedent("""
     import torch
-    from dion3_megatron.kernels.rows import decay_add_rows, take_rows
+    from dion3_megatron.kernels.rows import add_and_score, decay_add_rows, take_rows
 
     def check(device, seed):
         # Triton's interpreter rounds fp32 -> bf16 toward zero (compiled kernels round to nearest
@@ -87,6 +88,22 @@ CHECK = textwrap.dedent("""
                 want[idx[b]] = before[b, idx[b]] * f
                 assert torch.equal(padded[b], want), b
             assert torch.equal(padded[:, n], torch.zeros_like(padded[:, n]))
+        # add_and_score: momentum += grad as torch adds it (a bf16 gradient upcast first), the L1 norm
+        # of every new row to within fp32 rounding (more than one column block); the columns outside
+        # the momentum's views untouched
+        batch, n, c = 2, 13, 1100
+        for grad_dtype in (torch.float32, torch.bfloat16):
+            wide = torch.randn(batch, n, c + 6, generator=gen).to(device)
+            wide_before = wide.clone()
+            momentum = wide[:, :, 2:2 + c]
+            grads = [torch.randn(n, c, generator=gen).to(grad_dtype).to(device) for _ in range(batch)]
+            out = torch.full((batch, n), float("nan")).to(device)
+            add_and_score(momentum, grads, out)
+            want = wide_before[:, :, 2:2 + c] + torch.stack(grads).float()
+            assert torch.equal(momentum, want), grad_dtype
+            assert torch.allclose(out, want.double().abs().sum(-1).float(), rtol=1e-5, atol=0), grad_dtype
+            assert torch.equal(wide[:, :, :2], wide_before[:, :, :2])
+            assert torch.equal(wide[:, :, 2 + c:], wide_before[:, :, 2 + c:])
 """)
 
 

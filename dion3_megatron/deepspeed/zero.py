@@ -172,6 +172,7 @@ class ZeroGroupPlan:
                                 self.group_pg, opt.hyperparameters(group))
         self.adamw_runs = _merge_runs(adamw_runs)
         self.whole_fractions: list[float] = []  # what fraction="auto" chose for self.whole
+        self.whole_scores: list[torch.Tensor] = []  # their row scores, in buffers a graph can replay
         self.engine = None
         self._state_ids: tuple = ()
 
@@ -265,13 +266,17 @@ class ZeroGroupPlan:
             return
         entries = []
         with_fraction: dict[float, rule.Dion3Hyperparameters] = {}
+        if not self.whole_scores:
+            self.whole_scores = [torch.empty(count, n, dtype=torch.float32, device=flat.device)
+                                 for _, count, n, _ in self.whole]
         for i, (offset, count, n, m) in enumerate(self.whole):
             view = [t.narrow(0, offset, count * n * m).view(count, n, m) for t in (flat, grad, exp_avg, exp_avg_sq)]
-            view[2].add_(view[1])  # here, not in a graph: ZeRO's gradient partition is a new tensor every step
+            # here, not in a graph: ZeRO's gradient partition is a new tensor every step
+            scores = rule.accumulate_and_score(view[2], list(view[1].unbind(0)), out=self.whole_scores[i])
             fraction = self.whole_fractions[i] if hp.fraction == rule.AUTO else hp.fraction
             if fraction not in with_fraction:
                 with_fraction[fraction] = hp if fraction == hp.fraction else dataclasses.replace(hp, fraction=fraction)
-            entries.append(rule.WholeMatrices(view[0], None, view[2], view[3][..., 0], with_fraction[fraction]))
+            entries.append(rule.WholeMatrices(view[0], scores, view[2], view[3][..., 0], with_fraction[fraction]))
 
         def spread_variance() -> None:  # each row's variance, repeated over the row (the slice's layout)
             for offset, count, n, m in self.whole:

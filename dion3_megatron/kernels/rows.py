@@ -7,6 +7,8 @@ the rule's torch forms run otherwise.
   decayed and the selected ones updated in one pass (the torch form in
   :func:`dion3_megatron.rule.apply_scaled_rows` takes a multi-tensor multiply, then ``index_add_``
   on the scaled steps). The step is added in fp32 and rounded to the weight's dtype once.
+* :func:`add_and_score`: M += G and the L1 norm of every row of the new M, one pass (the torch form
+  in :func:`dion3_megatron.rule.accumulate_and_score` adds, then reads M again for the norms).
 * :func:`take_rows`: copy out the selected rows of the momentum and decay them in place (the torch
   form in :func:`dion3_megatron.rule.take_selected` gathers and scatters through an index per
   element).
@@ -25,6 +27,25 @@ import triton
 import triton.language as tl
 
 BLOCK_ROWS, BLOCK_COLS = 16, 128
+SCORE_ROWS, SCORE_COLS = 4, 512  # whole rows per program: more programs, each loops over the columns
+
+
+@triton.jit
+def _add_and_score(m_ptr, m_stride, g_ptr, g_stride, score_ptr, n_rows, n_cols,
+                   COL_BLOCKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # COL_BLOCKS is a constant: older Triton interpreters cannot loop over a runtime bound
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_rows = rows < n_rows
+    total = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    for block in range(COL_BLOCKS):
+        cols = block * BLOCK_C + tl.arange(0, BLOCK_C)
+        inside = in_rows[:, None] & (cols < n_cols)[None, :]
+        m_ptrs = m_ptr + rows[:, None].to(tl.int64) * m_stride + cols[None, :]
+        g = tl.load(g_ptr + rows[:, None].to(tl.int64) * g_stride + cols[None, :], mask=inside, other=0.0)
+        m = tl.load(m_ptrs, mask=inside, other=0.0) + g.to(tl.float32)
+        tl.store(m_ptrs, m, mask=inside)
+        total += tl.abs(m)
+    tl.store(score_ptr + rows, tl.sum(total, axis=1), mask=in_rows)
 
 
 @triton.jit
@@ -70,6 +91,20 @@ def usable(weights: list[torch.Tensor]) -> bool:
         w.is_cuda and w.dim() == 2 and w.stride(1) == 1 and w.dtype in (torch.float32, torch.bfloat16, torch.float16)
         for w in weights
     )
+
+
+def add_and_score(momentum: torch.Tensor, grads: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """For each b: momentum[b] += grads[b]; out[b] = the L1 norm of every row of the new momentum[b].
+
+    momentum (B, n, c) fp32 and grads B (n, c) (see :func:`usable`); out (B, n) fp32, contiguous.
+    The scores sum in another order than torch's norm: equal to within fp32 rounding.
+    """
+    n, c = momentum.shape[1:]
+    grid = (triton.cdiv(n, SCORE_ROWS),)
+    for b, grad in enumerate(grads):
+        _add_and_score[grid](momentum[b], momentum.stride(1), grad, grad.stride(0), out[b], n, c,
+                             COL_BLOCKS=triton.cdiv(c, SCORE_COLS), BLOCK_R=SCORE_ROWS, BLOCK_C=SCORE_COLS)
+    return out
 
 
 def decay_add_rows(weights: list[torch.Tensor], rows: torch.Tensor, steps: torch.Tensor, row_scale: torch.Tensor,
