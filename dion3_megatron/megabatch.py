@@ -655,7 +655,7 @@ class Dion3Engine:
         n, m = sg.key[0]
         me, shards = sg.rank, sg.shards
         device = shards[0].weight.device
-        if subs is not None:
+        if subs is not None:  # a batched group: global selection, or one rank (see _batched)
             scores = torch.zeros(len(shards), n, dtype=torch.float32, device=device)
             for sub in subs:
                 block = rule.accumulate_and_score(sub.momentum, [shards[j].grad.view(sub.momentum.shape[1:]) for j in sub.index])
@@ -663,7 +663,7 @@ class Dion3Engine:
                 if sub.index_on_device is None:
                     sub.index_on_device = torch.tensor(sub.index, device=device)
                 scores[sub.index_on_device, mine.r0 : mine.r1] = block
-            return None if self.selection == "local" and sg.world > 1 else scores
+            return scores
         for shard in shards:
             shard.state["momentum"].add_(shard.grad)
         if self.selection == "local" and sg.world > 1:
