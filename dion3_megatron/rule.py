@@ -21,6 +21,7 @@ import functools
 import importlib.util
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -408,13 +409,33 @@ def _fused_rows(weights: list[torch.Tensor]) -> bool:
         return False
     from .kernels import rows as fused
 
-    return fused.usable(weights)
+    return fused.usable(weights) and _row_kernels_run(weights[0].device)
 
 
 @functools.lru_cache(maxsize=None)
 def _triton_available() -> bool:
     return (os.environ.get("DION3_FUSED_ROWS", "1") != "0" and os.environ.get("DION3_KERNELS", "1") != "0"
             and importlib.util.find_spec("triton") is not None)
+
+
+@functools.lru_cache(maxsize=None)
+def _row_kernels_run(device: torch.device) -> bool:
+    """Whether a row kernel compiles and runs on ``device``, tried once per process and device.
+
+    Triton builds each kernel's launcher with the host's C compiler on first use; where that fails
+    (a container without one), the step keeps the torch forms, which give the same results to
+    within rounding, and says so once.
+    """
+    from .kernels import rows as fused
+
+    try:
+        fused.probe(device)
+    except Exception as error:  # a compile or launch failure: nothing has been written yet
+        warnings.warn(f"dion3_megatron: the Triton row kernels do not run on {device} ({error!r}); using the "
+                      "torch forms (the same results to within rounding). DION3_FUSED_ROWS=0 skips this try.",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    return True
 
 
 def update_factors(hp: Dion3Hyperparameters, count: int, n_rows: int, n_cols: int) -> UpdateFactors:

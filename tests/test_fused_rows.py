@@ -127,6 +127,22 @@ def test_kernel_on_the_gpu():
     namespace["check"]("cuda", torch.seed() % 2**31)
 
 
+def test_row_kernels_that_cannot_be_built_leave_the_torch_forms_with_a_warning(monkeypatch):
+    """Triton needs a C compiler on first use: where the kernels cannot be built, the rule keeps
+    its torch forms (same results) and warns, instead of failing the step."""
+    pytest.importorskip("triton")
+    from dion3_megatron.kernels import rows
+
+    def no_compiler(device):
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(rows, "probe", no_compiler)
+    with pytest.warns(RuntimeWarning, match="torch forms"):
+        assert not rule._row_kernels_run.__wrapped__(torch.device("cpu"))
+    monkeypatch.setattr(rows, "probe", lambda device: None)
+    assert rule._row_kernels_run.__wrapped__(torch.device("cpu"))
+
+
 def test_row_scales_are_normuon(generator):
     """normalize_rows from per-row multipliers equals NorMuon written out block by block."""
     ortho = torch.randn(4, 12, 40, generator=generator, dtype=torch.float64)

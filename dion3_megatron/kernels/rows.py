@@ -93,6 +93,12 @@ def usable(weights: list[torch.Tensor]) -> bool:
     )
 
 
+def probe(device: torch.device) -> None:
+    """Compile and run a row kernel on ``device`` once (raises where Triton cannot build it)."""
+    momentum = torch.ones(1, 2, 3, device=device)
+    add_and_score(momentum, [torch.ones(2, 3, device=device)], torch.empty(1, 2, device=device))
+
+
 def add_and_score(momentum: torch.Tensor, grads: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """For each b: momentum[b] += grads[b]; out[b] = the L1 norm of every row of the new momentum[b].
 
