@@ -125,6 +125,7 @@ def test_kernel_on_the_gpu():
     namespace: dict = {}
     exec(CHECK, namespace)
     namespace["check"]("cuda", torch.seed() % 2**31)
+    assert rule._row_kernels_run(torch.device("cuda", torch.cuda.current_device()))  # the probe builds them here
 
 
 def test_row_kernels_that_cannot_be_built_leave_the_torch_forms_with_a_warning(monkeypatch):
