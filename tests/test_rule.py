@@ -131,6 +131,17 @@ def test_per_head_selection_takes_k_rows_in_every_head(generator):
     assert torch.all(global_idx < head_dim)
 
 
+def test_accumulate_and_score_adds_the_gradients_and_scores_rows_by_l1(generator):
+    momentum = torch.randn(3, 7, 11, generator=generator)
+    before = momentum.clone()
+    grads = [torch.randn(7, 11, generator=generator).to(dtype) for dtype in (torch.float32, torch.bfloat16, torch.float32)]
+    out = torch.full((3, 7), float("nan"))
+    scores = rule.accumulate_and_score(momentum, grads, out=out)
+    assert scores is out
+    assert torch.equal(momentum, before + torch.stack([g.float() for g in grads]))
+    assert torch.allclose(scores.double(), momentum.double().abs().sum(-1), rtol=1e-6, atol=0)
+
+
 def test_ties_break_by_index():
     scores = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, 3.0, 0.5, 3.0]])
     assert rule.select_rows(scores, 0.25).tolist() == [[1, 2]]
