@@ -38,6 +38,7 @@ class Muon:
 def timed(step, iters=10, warmup=3):
     return cuda_median_ms(lambda i: step(), reps=iters, warmup=warmup)
 
+
 def profile(params, fraction: float, rows: int = 25) -> None:
     """GPU time of one eager Dion3 step (no CUDA graph, so every kernel is listed), by kernel."""
     opt = Dion3(params, fraction=fraction, cuda_graph=False)

@@ -23,7 +23,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -113,7 +113,7 @@ def accumulate_and_score(momentum: torch.Tensor, grads: list[torch.Tensor],
     """
     if out is None:
         out = torch.empty(momentum.shape[:2], dtype=torch.float32, device=momentum.device)
-    if momentum.shape[0] and momentum.dtype == torch.float32 and _fused_rows([momentum[0], *grads]):
+    if _fused_momentum(momentum, grads):
         from .kernels import rows as fused
 
         return fused.add_and_score(momentum, grads, out)
@@ -157,7 +157,7 @@ def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float | torch.T
     mu: a number, or one per matrix of the batch (B,). With the Triton row kernels
     (:func:`_fused_rows`) one pass (:func:`dion3_megatron.kernels.rows.take_rows`).
     """
-    if momentum.shape[0] and momentum.dtype == torch.float32 and _fused_rows([momentum[0]]):
+    if _fused_momentum(momentum):
         from .kernels import rows as fused
 
         return fused.take_rows(momentum, idx, mu)
@@ -410,6 +410,11 @@ def _fused_rows(weights: list[torch.Tensor]) -> bool:
     from .kernels import rows as fused
 
     return fused.usable(weights) and _row_kernels_run(weights[0].device)
+
+
+def _fused_momentum(momentum: torch.Tensor, others: Sequence[torch.Tensor] = ()) -> bool:
+    """The row kernels take this (B, n, c) fp32 momentum (and these other (n, c) matrices)."""
+    return momentum.shape[0] > 0 and momentum.dtype == torch.float32 and _fused_rows([momentum[0], *others])
 
 
 @functools.lru_cache(maxsize=None)
