@@ -25,7 +25,7 @@ import functools
 import hashlib
 import heapq
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Hashable, Optional
 
 import torch
 import torch.distributed as dist
@@ -256,6 +256,7 @@ class _SubBatch:
     # ranks point at, so every rank sends exactly k rows per matrix (see Dion3Engine._step_static).
     momentum_padded: Optional[torch.Tensor] = None
     variance_padded: Optional[torch.Tensor] = None
+    state_views: dict = field(default_factory=dict)  # "momentum"/"variance" -> the views the shards hold
     route: Optional["_Route"] = None
     mus: list = field(default_factory=list)  # per-matrix mu when they differ, and its device copy
     mu_on_device: Optional[torch.Tensor] = None
@@ -530,14 +531,24 @@ class Dion3Engine:
         return {sg.key[0]: sg.fraction for sg in self.plan if sg.hp.fraction == rule.AUTO}
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, prologue: Optional[Callable[[], None]] = None, epilogue: Optional[Callable[[], None]] = None,
+             around_key: Hashable = ()) -> None:
         """One Dion3 step for every shard. When every shape group steps on the device alone (held
         whole, or on the static exchange), the whole step, collectives included, replays from one
-        CUDA graph; otherwise :meth:`start_step`, then :meth:`finish_step`."""
+        CUDA graph; otherwise :meth:`start_step`, then :meth:`finish_step`.
+
+        ``prologue`` and ``epilogue``: device work right before and after the step (a caller's
+        copies into and out of the shards' tensors), inside the graph when the step is graphed;
+        ``around_key`` names the tensors they touch, so a graph never replays into stale memory.
+        """
         if self._whole_step_graphable():
-            self._step_graphed()
-        else:
-            self.finish_step(self.start_step())
+            self._step_graphed(prologue, epilogue, around_key)
+            return
+        if prologue is not None:
+            prologue()
+        self.finish_step(self.start_step())
+        if epilogue is not None:
+            epilogue()
 
     def _whole_step_graphable(self) -> bool:
         if not self.cuda_graph or not self.plan or len(self._group_state) != len(self.plan):
@@ -545,7 +556,8 @@ class Dion3Engine:
         return (cuda_graph_module.usable(self.plan[0].shards[0].weight.device)
                 and all(sg.world == 1 or i in self._static for i, sg in enumerate(self.plan)))
 
-    def _step_graphed(self) -> None:
+    def _step_graphed(self, prologue: Optional[Callable[[], None]], epilogue: Optional[Callable[[], None]],
+                      around_key: Hashable) -> None:
         """The whole step from one CUDA graph: the tensors it touches and all sizes are fixed, and
         nothing waits for the host. ``collectives`` and ``buffer_numels`` fill on eager calls only."""
         self.collectives, self.buffer_numels = [], []
@@ -556,9 +568,14 @@ class Dion3Engine:
         factors += [_update_factors(self.plan[i], [j for sub in subs[i] for j in sub.index]) for i in exchanged]
 
         def step(graph_factors: list[rule.UpdateFactors]) -> None:
+            if prologue is not None:
+                prologue()
             self._step_on_device(subs, graph_factors[: len(local)], dict(zip(exchanged, graph_factors[len(local):])))
+            if epilogue is not None:
+                epilogue()
 
-        key = self._graph_key([(self.plan[i], sub) for i in subs for sub in subs[i]])
+        key = (prologue is not None, epilogue is not None, around_key,
+               self._graph_key([(self.plan[i], sub) for i in subs for sub in subs[i]]))
         self._graph.run_with_factors(key, step, factors, self.plan[0].shards[0].weight.device)
 
     def _step_on_device(self, subs: dict[int, list["_SubBatch"]], local_factors: list[rule.UpdateFactors],
@@ -708,24 +725,26 @@ class Dion3Engine:
                 momentum_padded=momentum,
                 variance_padded=variance,
             )
+            sub.state_views = {"momentum": list(sub.momentum), "variance": list(sub.variance)}
             for b, j in enumerate(index):
-                for key, buffer in (("momentum", sub.momentum), ("variance", sub.variance)):
+                for key, views in sub.state_views.items():
                     if key in sg.shards[j].state:  # state given by the caller (a resumed checkpoint)
-                        buffer[b].copy_(sg.shards[j].state[key])
-                    sg.shards[j].state[key] = buffer[b]
+                        views[b].copy_(sg.shards[j].state[key])
+                    sg.shards[j].state[key] = views[b]
             subs.append(sub)
         return subs
 
     @staticmethod
     def _bind_group_state(sg: ShapeGroup, subs: list["_SubBatch"]) -> list["_SubBatch"]:
-        """Take back state tensors that a caller replaced (e.g. a checkpoint load) into the buffers."""
+        """Take back state tensors that a caller replaced (e.g. a checkpoint load) into the buffers.
+        Every step, so by identity: the views handed out are the shards' state until replaced."""
         for sub in subs:
-            for b, j in enumerate(sub.index):
-                state = sg.shards[j].state
-                for key, buffer in (("momentum", sub.momentum), ("variance", sub.variance)):
-                    if state[key].data_ptr() != buffer[b].data_ptr():
-                        buffer[b].copy_(state[key])
-                        state[key] = buffer[b]
+            for key, views in sub.state_views.items():
+                for view, j in zip(views, sub.index):
+                    state = sg.shards[j].state
+                    if state[key] is not view:
+                        view.copy_(state[key])
+                        state[key] = view
         return subs
 
     def _step_local_groups(self, local: list[int], subs: dict[int, list["_SubBatch"]]) -> None:
