@@ -125,3 +125,43 @@ def test_whole_matrices_on_flat_slices_graph_equals_eager(generator):
     for eager, graphed in zip(*results):
         assert torch.equal(eager, graphed)
     assert not torch.equal(results[0][0], flat0) and results[0][2].count_nonzero() > 0
+
+
+@pytest.mark.parametrize("stable_grads", [True, False], ids=["grad-buffers", "new-grads"])
+def test_megatron_dion3_with_fused_qkv_graph_equals_eager(generator, stable_grads):
+    """MegatronDion3's step with a fused QKV weight: the row permutation into Q, K, V and back runs
+    inside the graph (its prologue and epilogue). Stable gradient buffers (Megatron's fp32 main
+    grads) replay the graph; a new gradient tensor every step changes the graph's key."""
+    pytest.importorskip("megatron.core")
+    from dion3_megatron.megatron import MegatronDion3, describe_param
+
+    groups, split, cols, steps = 4, [64, 32, 32], 192, 6
+    shapes = {"layers.0.self_attention.linear_qkv.weight": (groups * sum(split), cols),
+              "layers.0.mlp.linear_fc1.weight": (256, cols), "layers.0.self_attention.linear_proj.weight": (cols, 128)}
+    base = [torch.randn(s, generator=generator).cuda() for s in shapes.values()]
+    grads = [[torch.randn(s, generator=generator).cuda() for s in shapes.values()] for _ in range(steps)]
+    runs = []
+    for use_graph in (False, True):
+        params = [torch.nn.Parameter(b.clone()) for b in base]
+        params[0].is_qkv, params[0].qkv_split_shapes = True, split
+        layouts = {p: describe_param(name, p, gated_linear_unit=True) for p, name in zip(params, shapes)}
+        opt = MegatronDion3([{"params": params}], lr=0.02, weight_decay=0.1, fraction=0.25, layouts=layouts,
+                            cuda_graph=use_graph)
+        for step in range(steps):
+            opt.param_groups[0]["lr"] = 0.02 * 0.8 ** step
+            for p, g in zip(params, grads[step]):
+                if stable_grads and p.grad is not None:
+                    p.grad.copy_(g)
+                else:
+                    p.grad = g.clone()
+            opt.step()
+        runs.append((opt, params))
+    (eager, eager_params), (graphed, graphed_params) = runs
+    assert eager._engine._graph.graph is None
+    if stable_grads:
+        assert graphed._engine._graph.graph is not None
+    for a, b in zip(eager_params, graphed_params):
+        assert torch.equal(a, b)
+    for a, b in zip(eager_params, graphed_params):
+        assert all(torch.equal(x, y) for x, y in zip(eager._param_state(a), graphed._param_state(b)))
+    assert not torch.equal(eager_params[0], base[0])  # the QKV weight moved: the epilogue wrote it back

@@ -19,8 +19,10 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import math
 import time
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -325,9 +327,6 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         _load(chunks, opt, ckpt_dir, dion3_only=True)
         (dion3,) = _find_dion3(opt)
         worst = 0.0
-        for name, p in chunks[0].module.named_parameters():
-            if name not in [dion3.layout_of(q).name for g in dion3.param_groups for q in g["params"]]:
-                continue
         model_params = dict(chunks[0].module.named_parameters())
         checked = 0
         for g in dion3.param_groups:
@@ -347,8 +346,48 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
     def dp_overlap():
         return parallel(overlap=True)[0]
 
+    def finite_check(tp: int):
+        # Dion3's own finiteness check runs only when Megatron's global grad norm does not vouch
+        # for the step: never on finite steps; on a step with one NaN gradient (rank 1 only), on
+        # both ranks, which then skip it together.
+        from dion3_megatron.megatron import MegatronDion3
+
+        checks = []
+        original = MegatronDion3._gradients_finite
+        MegatronDion3._gradients_finite = lambda self: checks.append(1) or original(self)
+        try:
+            out, chunks, opt, _ = parallel(tp=tp)
+            out["finite_step_checks"] = len(checks)
+            (dion3,) = _find_dion3(opt)
+            params = [p for g in dion3.param_groups for p in g["params"]]
+            before = [p.detach().clone() for p in params]
+            state_before = [s.state["momentum"].clone() for shards in dion3._pieces.values() for s in shards]
+            prepare = opt.prepare_grads
+
+            def prepare_with_nan():
+                found_inf = prepare()
+                if rank == 1:
+                    params[0].grad.view(-1)[0] = float("nan")
+                return found_inf
+
+            opt.prepare_grads = prepare_with_nan
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                _, _, grad_norm = ms.train_step(chunks, opt, sched=_NoSchedule(), batch=data[STEPS])
+            out["nan_step_checks"] = len(checks) - out["finite_step_checks"]
+            out["nan_grad_norm_finite"] = math.isfinite(grad_norm)
+            out["skipped"] = dion3.skipped_steps
+            out["warned"] = any("non-finite gradient" in str(w.message) for w in caught)
+            out["weights_moved"] = max((p.detach() - b).abs().max().item() for p, b in zip(params, before))
+            state_after = [s.state["momentum"] for shards in dion3._pieces.values() for s in shards]
+            out["state_moved"] = max((a - b).abs().max().item() for a, b in zip(state_after, state_before))
+            return out
+        finally:
+            MegatronDion3._gradients_finite = original
+
     for name, fn in (("dp", dp), ("dp_overlap", dp_overlap), ("tp", tp), ("pp", pp), ("moe", moe), ("moe_etp", moe_etp), ("bf16", bf16), ("checkpoint", checkpoint),
-                     ("clip", clip_and_schedule), ("registry", registry)):
+                     ("clip", clip_and_schedule), ("registry", registry), ("finite_dp", lambda: finite_check(1)),
+                     ("finite_tp", lambda: finite_check(2))):
         scenario(name, fn)
         dist.barrier()
     return results
@@ -358,6 +397,13 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
 def results():
     with tempfile.TemporaryDirectory() as tmp:
         return run_distributed(_scenarios, 2, os.path.join(tmp, "ckpt"), timeout=240)
+
+
+class _NoSchedule:
+    """An lr scheduler that keeps the lr (for a step that must change nothing)."""
+
+    def step(self, increment):
+        pass
 
 
 def _get(results, name):
@@ -440,6 +486,17 @@ def test_grad_clipping_and_lr_warmup_match_single_process(results):
     per_rank = _get(results, "clip")
     _check_against_reference(per_rank)
     assert all(n > 0.5 for n in per_rank[0]["grad_norms"]), per_rank[0]["grad_norms"]  # clipping was active
+
+
+@pytest.mark.parametrize("layout", ["finite_dp", "finite_tp"])
+def test_finite_grad_norm_spares_the_own_check_and_a_nan_still_skips_the_step(results, layout):
+    for rank, r in enumerate(_get(results, layout)):
+        _check_against_reference([r])
+        assert r["finite_step_checks"] == 0, f"rank {rank}: Dion3 checked {r['finite_step_checks']} finite steps itself"
+        assert not r["nan_grad_norm_finite"], "the injected NaN did not reach Megatron's grad norm"
+        assert r["nan_step_checks"] == 1, f"rank {rank}: {r['nan_step_checks']} own checks on the NaN step"
+        assert r["skipped"] == 1 and r["warned"], (rank, r["skipped"], r["warned"])
+        assert r["weights_moved"] == 0.0 and r["state_moved"] == 0.0, (rank, r["weights_moved"], r["state_moved"])
 
 
 def test_dion3_does_not_need_the_emerging_optimizers_package(results):

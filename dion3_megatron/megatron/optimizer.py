@@ -239,11 +239,14 @@ class MegatronDion3(torch.optim.Optimizer):
         if model_chunks is not None and not layouts:
             self._layouts = describe_model(model_chunks, pg_collection, split_qkv=split_qkv, split_glu=split_glu)
         self.skipped_steps = 0
+        self._finite_vouched = False
         self._engine = None
         self._engine_key = None
         self._pieces: dict[torch.Tensor, list] = {}
         self._work: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stamps: dict[torch.Tensor, tuple] = {}  # per param: what its shards' views were cut from
+        self._refresh_plan: list = []  # per group: (group, params used in place, all its shards)
+        self._permuted: list = []  # (param, perm, weight buffer, grad buffer) of the row-permuted params
 
     # -------------------------------------------------------------------------------------------
     # Parameter descriptions (main params of the bf16 wrapper map back to model params).
@@ -274,25 +277,47 @@ class MegatronDion3(torch.optim.Optimizer):
     # Shards and engine.
 
     def _working(self, p: torch.Tensor, layout: ParamLayout, with_grad: bool):
-        """Weight and grad in the working layout (the tensors themselves unless rows are permuted)."""
+        """Weight and grad in the working layout: the tensors themselves, or for a row-permuted
+        parameter two fixed buffers that the step's prologue fills (:meth:`_permuted_copies`)."""
+        if layout.perm is not None:
+            buffers = self._work.get(p)
+            if buffers is None:
+                layout.perm = layout.perm.to(p.device)
+                layout.inv_perm = layout.inv_perm.to(p.device)
+                buffers = (torch.empty(p.shape, dtype=p.dtype, device=p.device),
+                           torch.empty(p.shape, dtype=torch.float32, device=p.device))
+                self._work[p] = buffers
+            return buffers
         grad = p.grad if with_grad else None
         if with_grad and grad is None:
             grad = torch.zeros_like(p)
-        if layout.perm is None:
-            return p.data, grad
-        buffers = self._work.get(p)
-        if buffers is None:
-            layout.perm = layout.perm.to(p.device)
-            layout.inv_perm = layout.inv_perm.to(p.device)
-            buffers = (torch.empty(p.shape, dtype=p.dtype, device=p.device),
-                       torch.empty(p.shape, dtype=torch.float32, device=p.device))
-            self._work[p] = buffers
-        weight, grad_buffer = buffers
-        torch.index_select(p.data, 0, layout.perm, out=weight)
-        if grad is None:
-            return weight, None
-        torch.index_select(grad.to(torch.float32), 0, layout.perm, out=grad_buffer)
-        return weight, grad_buffer
+        return p.data, grad
+
+    def _permuted_copies(self):
+        """(prologue, epilogue, key) of the step: gather each row-permuted parameter's weight and
+        gradient into its working buffers before the step, scatter the weight back after it. The
+        key names the parameters' and gradients' storage (part of a CUDA graph's key)."""
+        permuted = self._permuted
+        if not permuted:
+            return None, None, ()
+        grads = [p.grad for p, *_ in permuted]
+        key = tuple((p.data_ptr(), None if g is None else (g.data_ptr(), g.dtype)) for (p, *_), g in zip(permuted, grads))
+
+        def prologue() -> None:
+            for (p, perm, weight, grad_buffer), grad in zip(permuted, grads):
+                torch.index_select(p.data, 0, perm, out=weight)
+                if grad is None:
+                    grad_buffer.zero_()
+                elif grad.dtype == torch.float32:
+                    torch.index_select(grad, 0, perm, out=grad_buffer)
+                else:
+                    grad_buffer.copy_(grad.index_select(0, perm))
+
+        def epilogue() -> None:
+            for p, perm, weight, _ in permuted:
+                p.data.index_copy_(0, perm, weight)
+
+        return prologue, epilogue, key
 
     def _params(self) -> list[tuple[torch.Tensor, dict]]:
         return [(p, group) for group in self.param_groups for p in group["params"]]
@@ -305,26 +330,15 @@ class MegatronDion3(torch.optim.Optimizer):
         """
         params = self._params()
         key = tuple(id(p) for p, _ in params)
-        rebuild = self._engine is None or self._engine_key != key
-        fresh_pieces: dict[torch.Tensor, list] = {}
+        if self._engine is not None and self._engine_key == key:
+            self._refresh_shards(with_grads)
+            return
+        self._pieces = {}
+        self._stamps.clear()
         group_hp = {id(group): self._hp(group) for group in self.param_groups}
         for p, group in params:
             layout = self.layout_of(p)
             weight, grad = self._working(p, layout, with_grads)
-            hp = group_hp[id(group)]
-            if not rebuild:
-                for shard in self._pieces[p]:
-                    shard.hp = hp  # lr and weight decay follow the schedule
-                # Same storage as last step: the shards' views are still right.
-                stamp = (weight.data_ptr(), grad.data_ptr() if grad is not None else None)
-                if self._stamps.get(p) == stamp:
-                    continue
-                self._stamps[p] = stamp
-                for shard, piece in zip(self._pieces[p], layout.pieces):
-                    rows = slice(piece.start, piece.stop)
-                    shard.weight = weight[rows]
-                    shard.grad = grad[rows] if grad is not None else None
-                continue
             shards = []
             for piece in layout.pieces:
                 rows = slice(piece.start, piece.stop)
@@ -336,18 +350,42 @@ class MegatronDion3(torch.optim.Optimizer):
                 else:
                     sharding, group_arg = Sharding.even_cols(piece.full_shape[1], layout.group_size), layout.group
                 shards.append(MatrixShard(name=name, weight=weight[rows], grad=grad[rows] if grad is not None else None,
-                                          shape=piece.full_shape, sharding=sharding, group=group_arg, hp=hp, state={}))
-            fresh_pieces[p] = shards
-        if rebuild:
-            self._pieces = fresh_pieces
-            self._stamps.clear()
-            all_shards = [s for p, _ in params for s in fresh_pieces[p]]
-            self._engine = Dion3Engine(all_shards, selection=self.selection, cuda_graph=self.cuda_graph)
-            chosen = self._engine.auto_fractions()
-            if chosen and (not dist.is_initialized() or dist.get_rank() == 0):
-                logger.info("Dion3 fraction=auto chose (rows x cols: f) %s",
-                            ", ".join(f"{n}x{m}: {f:g}" for (n, m), f in sorted(chosen.items())))
-            self._engine_key = key
+                                          shape=piece.full_shape, sharding=sharding, group=group_arg,
+                                          hp=group_hp[id(group)], state={}))
+            self._pieces[p] = shards
+        all_shards = [s for p, _ in params for s in self._pieces[p]]
+        self._engine = Dion3Engine(all_shards, selection=self.selection, cuda_graph=self.cuda_graph)
+        chosen = self._engine.auto_fractions()
+        if chosen and (not dist.is_initialized() or dist.get_rank() == 0):
+            logger.info("Dion3 fraction=auto chose (rows x cols: f) %s",
+                        ", ".join(f"{n}x{m}: {f:g}" for (n, m), f in sorted(chosen.items())))
+        self._engine_key = key
+        # What changes from step to step: each group's lr and weight decay, and the gradient (and,
+        # rarely, weight) storage of the parameters used in place (the permuted ones use buffers).
+        self._refresh_plan = [
+            (group, [(p, self._pieces[p], self.layout_of(p).pieces) for p in group["params"] if p not in self._work],
+             [s for p in group["params"] for s in self._pieces[p]])
+            for group in self.param_groups
+        ]
+        self._permuted = [(p, self.layout_of(p).perm, *self._work[p]) for p, _ in params if p in self._work]
+
+    def _refresh_shards(self, with_grads: bool) -> None:
+        """Per step: the schedule's lr and weight decay into every shard, and new gradient (or
+        weight) storage into the shards' views. Runs on every step, hence the flat plan."""
+        for group, in_place, group_shards in self._refresh_plan:
+            hp = self._hp(group)
+            for shard in group_shards:
+                shard.hp = hp
+            for p, shards, pieces in in_place:
+                grad = p.grad if with_grads else None
+                stamp = (p.data_ptr(), None if grad is None else grad.data_ptr())
+                if self._stamps.get(p) == stamp:
+                    continue
+                weight, grad = self._working(p, self.layout_of(p), with_grads)
+                self._stamps[p] = (weight.data_ptr(), None if grad is None else grad.data_ptr())
+                for shard, piece in zip(shards, pieces):
+                    shard.weight = weight[piece.start:piece.stop]
+                    shard.grad = grad[piece.start:piece.stop] if grad is not None else None
 
     @torch.no_grad()
     def init_state(self) -> None:
@@ -417,7 +455,7 @@ class MegatronDion3(torch.optim.Optimizer):
     # The step.
 
     def _gradients_finite(self) -> bool:
-        """All gradients finite on every rank (Megatron checks only under loss scaling).
+        """All gradients finite on every rank (Megatron skips a step only under loss scaling).
 
         One all-reduce of a flag over the default group, so every rank skips or steps together
         (a rank that skipped alone would leave the engine's collectives unmatched).
@@ -426,22 +464,26 @@ class MegatronDion3(torch.optim.Optimizer):
         grads = [p.grad for p in params if p.grad is not None]
         return finite_on_every_rank(grads, params[0].device if params else torch.device("cpu"))
 
+    def vouch_finite(self, finite: bool) -> None:
+        """Set by a Megatron wrapper before each step (see :mod:`.wrappers`): True when it has found
+        every gradient of the coming step finite on every rank, so the step skips its own check.
+        The next step consumes it."""
+        self._finite_vouched = finite
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._gradients_finite():
+        vouched, self._finite_vouched = self._finite_vouched, False
+        if not vouched and not self._gradients_finite():
             self.skipped_steps += 1
             announce_skipped_step(self.skipped_steps)
             return loss
         self._ensure_engine(with_grads=True)
-        self._engine.step()
-        for p, _ in self._params():
-            layout = self.layout_of(p)
-            if layout.perm is not None:
-                p.data.index_copy_(0, layout.perm, self._work[p][0])
+        prologue, epilogue, key = self._permuted_copies()
+        self._engine.step(prologue, epilogue, key)
         return loss
 
 

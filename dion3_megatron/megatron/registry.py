@@ -6,7 +6,8 @@
    registry Megatron's optimizer factory reads), with AdamW for embeddings, the output layer and
    every non-2-D parameter (Megatron's ``default_param_overrides``, as for Muon);
 2. lets the factory build ``dion3`` without the ``emerging-optimizers`` package (Megatron refuses
-   every emerging optimizer when it is missing; Dion3 needs nothing from it);
+   every emerging optimizer when it is missing; Dion3 needs nothing from it), with the wrapper
+   classes of :mod:`.wrappers` (fp32 support; one finiteness check per step);
 3. when ``megatron.training`` is importable: adds ``dion3`` to ``--optimizer``'s choices and the
    ``--dion3-*`` flags to Megatron-LM's parser, and copies their values onto the
    ``OptimizerConfig`` that ``megatron.training`` builds from the args.
@@ -18,8 +19,7 @@ import functools
 import importlib
 from typing import Any
 
-import torch
-
+from . import wrappers
 from .arguments import DION3_DEFAULTS, OPTIMIZER_NAME, add_dion3_arguments
 from .optimizer import MegatronDion3, config_to_kwargs, init_state_fn
 
@@ -41,49 +41,6 @@ def _is_dion3(name: Any) -> bool:
     return isinstance(name, str) and name in (OPTIMIZER_NAME, "dist_" + OPTIMIZER_NAME)
 
 
-_FP32_LAYER_WISE = None
-
-
-def _fp32_layer_wise_class():
-    """LayerWiseDistributedOptimizer that also works without --bf16.
-
-    Megatron 0.19 wraps the layer-wise base optimizers in Float16OptimizerWithFloat16Params for
-    bf16 only; in fp32 it chains the raw torch optimizer, and ChainedOptimizer's config assertion
-    fails. This subclass wraps them in FP32Optimizer (Megatron's own fp32 wrapper) in that case,
-    with the state dict nested the way the layer-wise checkpoint code reads it.
-    """
-    global _FP32_LAYER_WISE
-    if _FP32_LAYER_WISE is None:
-        from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
-        from megatron.core.optimizer.optimizer import FP32Optimizer
-
-        class NestedFP32Optimizer(FP32Optimizer):
-            """FP32Optimizer whose (sharded) state dict nests under 'optimizer', as the layer-wise
-            wrapper's checkpoint code expects from its bf16 children."""
-
-            def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, metadata=None):
-                return {"optimizer": super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)}
-
-            def load_state_dict(self, state_dict):
-                super().load_state_dict(state_dict.get("optimizer", state_dict))
-
-        class Dion3LayerWiseDistributedOptimizer(LayerWiseDistributedOptimizer):
-            def __init__(self, optimizers, config, pg_collection=None, init_state_fn_list=None, model_chunks=None):
-                if not config.bf16:
-                    fns = list(init_state_fn_list) if init_state_fn_list else [None] * len(optimizers)
-                    optimizers = [NestedFP32Optimizer(opt, config, fn) if isinstance(opt, torch.optim.Optimizer)
-                                  else opt for opt, fn in zip(optimizers, fns)]
-                super().__init__(optimizers, config, pg_collection, init_state_fn_list, model_chunks)
-
-        _FP32_LAYER_WISE = Dion3LayerWiseDistributedOptimizer
-    return _FP32_LAYER_WISE
-
-
-def layer_wise_class():
-    """The layer-wise ZeRO-1 wrapper class Dion3 uses (Megatron's, fixed for fp32); for the patch."""
-    return _fp32_layer_wise_class()
-
-
 def _register_core() -> None:
     from megatron.core import optimizer as core_optimizer
     from megatron.core.optimizer import emerging_optimizers as eo
@@ -100,14 +57,17 @@ def _register_core() -> None:
             return factory(config, *args, **kwargs)
         # Megatron checks HAVE_EMERGING_OPTIMIZERS (the emerging-optimizers package) for every
         # emerging optimizer; Dion3 does not use that package, so lift the check for it alone.
-        # And give the layer-wise ZeRO-1 wrapper the FP32 fix (see _fp32_layer_wise_class).
-        saved = core_optimizer.HAVE_EMERGING_OPTIMIZERS, core_optimizer.LayerWiseDistributedOptimizer
-        core_optimizer.HAVE_EMERGING_OPTIMIZERS = True
-        core_optimizer.LayerWiseDistributedOptimizer = _fp32_layer_wise_class()
+        # And build the layer-wise ZeRO-1 wrapper and the outer chain from Dion3's subclasses
+        # (fp32 support, one finiteness check per step: see .wrappers).
+        names = ("HAVE_EMERGING_OPTIMIZERS", "LayerWiseDistributedOptimizer", "ChainedOptimizer")
+        saved = [getattr(core_optimizer, name) for name in names]
+        for name, value in zip(names, (True, wrappers.layer_wise_class(), wrappers.chained_class())):
+            setattr(core_optimizer, name, value)
         try:
             return factory(config, *args, **kwargs)
         finally:
-            core_optimizer.HAVE_EMERGING_OPTIMIZERS, core_optimizer.LayerWiseDistributedOptimizer = saved
+            for name, value in zip(names, saved):
+                setattr(core_optimizer, name, value)
 
     setattr(build, _MARK, True)
     core_optimizer._get_megatron_emerging_optimizer = build  # noqa: SLF001
