@@ -128,6 +128,20 @@ def test_kernel_on_the_gpu():
     assert rule._row_kernels_run(torch.device("cuda", torch.cuda.current_device()))  # the probe builds them here
 
 
+@pytest.mark.gpu
+def test_kernel_on_a_gpu_other_than_the_current_one():
+    """One process, matrices on its second GPU: the kernels launch there, not on the current one."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    pytest.importorskip("triton")
+    namespace: dict = {}
+    exec(CHECK, namespace)
+    with torch.cuda.device(0):
+        namespace["check"]("cuda:1", torch.seed() % 2**31)
+        assert rule._row_kernels_run(torch.device("cuda", 1))
+        assert torch.cuda.current_device() == 0
+
+
 def test_row_kernels_that_cannot_be_built_leave_the_torch_forms_with_a_warning(monkeypatch):
     """Triton needs a C compiler on first use: where the kernels cannot be built, the rule keeps
     its torch forms (same results) and warns, instead of failing the step."""

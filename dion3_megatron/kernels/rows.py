@@ -22,6 +22,8 @@ step and a CUDA graph's) give identical bits. Imports triton at the top: import 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -85,6 +87,12 @@ def _take_rows(m_ptr, m_batch_stride, m_row_stride, idx_ptr, out_ptr, mu_ptr, mu
     tl.store(m_ptrs, value * mu, mask=inside)
 
 
+def _device_of(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it ``t``'s for the launch (matrices of one
+    process may live on several GPUs). CPU tensors: Triton's interpreter, no device to set."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def usable(weights: list[torch.Tensor]) -> bool:
     """Every weight a CUDA matrix with unit column stride in a dtype the kernel writes."""
     return all(
@@ -107,9 +115,10 @@ def add_and_score(momentum: torch.Tensor, grads: list[torch.Tensor], out: torch.
     """
     n, c = momentum.shape[1:]
     grid = (triton.cdiv(n, SCORE_ROWS),)
-    for b, grad in enumerate(grads):
-        _add_and_score[grid](momentum[b], momentum.stride(1), grad, grad.stride(0), out[b], n, c,
-                             COL_BLOCKS=triton.cdiv(c, SCORE_COLS), BLOCK_R=SCORE_ROWS, BLOCK_C=SCORE_COLS)
+    with _device_of(momentum):
+        for b, grad in enumerate(grads):
+            _add_and_score[grid](momentum[b], momentum.stride(1), grad, grad.stride(0), out[b], n, c,
+                                 COL_BLOCKS=triton.cdiv(c, SCORE_COLS), BLOCK_R=SCORE_ROWS, BLOCK_C=SCORE_COLS)
     return out
 
 
@@ -130,11 +139,12 @@ def decay_add_rows(weights: list[torch.Tensor], rows: torch.Tensor, steps: torch
     pos.scatter_(1, rows, torch.arange(k, dtype=torch.int32, device=rows.device).expand(batch, k))
     on_device = torch.is_tensor(decay)
     grid = (triton.cdiv(n, BLOCK_ROWS), triton.cdiv(c, BLOCK_COLS))
-    for b, weight in enumerate(weights):
-        _decay_add_rows[grid](weight, weight.stride(0), pos[b], steps[b], row_scale[b],
-                              decay[b:b + 1] if on_device else row_scale, 1.0 if on_device else float(decay[b]),
-                              n, c, DECAY_ON_DEVICE=on_device, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
-                              enable_fp_fusion=False)
+    with _device_of(rows):
+        for b, weight in enumerate(weights):
+            _decay_add_rows[grid](weight, weight.stride(0), pos[b], steps[b], row_scale[b],
+                                  decay[b:b + 1] if on_device else row_scale, 1.0 if on_device else float(decay[b]),
+                                  n, c, DECAY_ON_DEVICE=on_device, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
+                                  enable_fp_fusion=False)
 
 
 def take_rows(momentum: torch.Tensor, idx: torch.Tensor, mu: float | torch.Tensor) -> torch.Tensor:
@@ -149,7 +159,8 @@ def take_rows(momentum: torch.Tensor, idx: torch.Tensor, mu: float | torch.Tenso
     out = torch.empty(batch, k, c, dtype=momentum.dtype, device=momentum.device)
     on_device = torch.is_tensor(mu)
     grid = (batch, triton.cdiv(k, BLOCK_ROWS), triton.cdiv(c, BLOCK_COLS))
-    _take_rows[grid](momentum, momentum.stride(0), momentum.stride(1), idx, out,
-                     mu.contiguous() if on_device else out, 1.0 if on_device else float(mu), k, c,
-                     MU_ON_DEVICE=on_device, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
+    with _device_of(momentum):
+        _take_rows[grid](momentum, momentum.stride(0), momentum.stride(1), idx, out,
+                         mu.contiguous() if on_device else out, 1.0 if on_device else float(mu), k, c,
+                         MU_ON_DEVICE=on_device, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
     return out
