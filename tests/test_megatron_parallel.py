@@ -346,19 +346,28 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
     def dp_overlap():
         return parallel(overlap=True)[0]
 
-    def finite_check(tp: int):
-        # Dion3's own finiteness check runs only when Megatron's global grad norm does not vouch
-        # for the step: never on finite steps; on a step with one NaN gradient (rank 1 only), on
-        # both ranks, which then skip it together.
+    def finite_check(tp: int, uncounted: bool = False):
+        # Dion3's own finiteness check runs only when Megatron's global grad norm vouches for the
+        # step: never on finite steps; on a step with one NaN gradient (rank 1 only), on both
+        # ranks, which then skip it together. ``uncounted``: rank 1 marks one Dion3 weight shared
+        # (as Megatron marks a tied embedding), so the norm leaves it out and Dion3 checks every step.
         from dion3_megatron.megatron import MegatronDion3
 
         checks = []
         original = MegatronDion3._gradients_finite
         MegatronDion3._gradients_finite = lambda self: checks.append(1) or original(self)
         try:
-            out, chunks, opt, _ = parallel(tp=tp)
-            out["finite_step_checks"] = len(checks)
+            ms.init_parallel(tp=tp)
+            cfg = ms.tiny_config(tp=tp)
+            chunks, opt, sched = ms.make_parallel(cfg, dense_init)
             (dion3,) = _find_dion3(opt)
+            if uncounted and rank == 1:
+                dion3.param_groups[0]["params"][-1].shared = True
+            for b in data[:STEPS]:
+                ms.train_step(chunks, opt, sched, b)
+            out = _diffs(chunks[0].module, dense_final, cfg)
+            out["moved"] = _diffs(chunks[0].module, dense_init, cfg)["dion3"]
+            out["finite_step_checks"] = len(checks)
             params = [p for g in dion3.param_groups for p in g["params"]]
             before = [p.detach().clone() for p in params]
             state_before = [s.state["momentum"].clone() for shards in dion3._pieces.values() for s in shards]
@@ -387,7 +396,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
 
     for name, fn in (("dp", dp), ("dp_overlap", dp_overlap), ("tp", tp), ("pp", pp), ("moe", moe), ("moe_etp", moe_etp), ("bf16", bf16), ("checkpoint", checkpoint),
                      ("clip", clip_and_schedule), ("registry", registry), ("finite_dp", lambda: finite_check(1)),
-                     ("finite_tp", lambda: finite_check(2))):
+                     ("finite_tp", lambda: finite_check(2)), ("finite_uncounted", lambda: finite_check(1, uncounted=True))):
         scenario(name, fn)
         dist.barrier()
     return results
@@ -488,11 +497,12 @@ def test_grad_clipping_and_lr_warmup_match_single_process(results):
     assert all(n > 0.5 for n in per_rank[0]["grad_norms"]), per_rank[0]["grad_norms"]  # clipping was active
 
 
-@pytest.mark.parametrize("layout", ["finite_dp", "finite_tp"])
+@pytest.mark.parametrize("layout", ["finite_dp", "finite_tp", "finite_uncounted"])
 def test_finite_grad_norm_spares_the_own_check_and_a_nan_still_skips_the_step(results, layout):
+    own_checks = STEPS if layout == "finite_uncounted" else 0  # a weight outside Megatron's norm
     for rank, r in enumerate(_get(results, layout)):
         _check_against_reference([r])
-        assert r["finite_step_checks"] == 0, f"rank {rank}: Dion3 checked {r['finite_step_checks']} finite steps itself"
+        assert r["finite_step_checks"] == own_checks, f"rank {rank}: Dion3 checked {r['finite_step_checks']} finite steps itself"
         assert not r["nan_grad_norm_finite"], "the injected NaN did not reach Megatron's grad norm"
         assert r["nan_step_checks"] == 1, f"rank {rank}: {r['nan_step_checks']} own checks on the NaN step"
         assert r["skipped"] == 1 and r["warned"], (rank, r["skipped"], r["warned"])

@@ -50,10 +50,11 @@ def _norm_covers_dion3(layer_wise) -> bool:
             counted = {id(g) for g in child.get_grads_for_grad_norm()}
             local = local and all(p.grad is not None and id(p.grad) in counted
                                   for group in dion3.param_groups for p in group["params"])
-        flag = torch.tensor([1.0 if local else 0.0], device=_flag_device())
         if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([1.0 if local else 0.0], device=_flag_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        covers = layer_wise._dion3_norm_covers = bool(flag.item() > 0)
+            local = bool(flag.item() > 0)
+        covers = layer_wise._dion3_norm_covers = local
     return covers
 
 
