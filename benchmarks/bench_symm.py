@@ -100,7 +100,7 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
         t_ker, tile = best
         floor = b * m * m * k / peak * 1e3  # half of 2 M^2 K
         name = f"{b}x{m}x{k}" if b > 1 else f"{m}x{k}"
-        chosen = "x".join(map(str, default_tile(m, k, b))) if tile is None else tile
+        chosen = "x".join(map(str, default_tile(m, b))) if tile is None else tile
         line = (
             f"| {name} (tile {chosen}) | {t_cub:.3f} | {t_ker:.3f} | "
             f"{t_cub / t_ker:.2f}x | {floor:.3f} | {t_ker / floor:.2f} |"

@@ -427,7 +427,7 @@ TILE_THROUGHPUT = {(64, 64): 0.55, (128, 128): 0.9, (128, 256): 0.95, (256, 256)
 
 
 @functools.lru_cache(maxsize=None)
-def default_tile(m: int, k: int, batch: int) -> tuple[int, int]:
+def default_tile(m: int, batch: int) -> tuple[int, int]:
     """The tile shape with the least modelled time: waves of tiles times a tile's time. Wide
     tiles run faster per element, but fewer of them can leave SMs idle in the last wave."""
     sms = _sm_count()
@@ -510,6 +510,6 @@ def symm_gemm(
     has_c = c is not None and beta != 0.0
     if has_c:
         c = c.expand(batch, m, m).contiguous()
-    fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, tile or default_tile(m, k, batch), stages)
+    fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, tile or default_tile(m, batch), stages)
     fn(_ptr(a), _ptr(b), _ptr(c if has_c else out), _ptr(out), m, k, batch, Float32(alpha), Float32(beta), _stream())
     return out.squeeze(0) if squeeze else out
