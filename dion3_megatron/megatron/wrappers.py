@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -27,43 +28,10 @@ from .optimizer import MegatronDion3
 _CLASSES: dict[str, type] = {}
 
 
-def _dion3_below(chained) -> list[tuple[object, MegatronDion3]]:
-    """(Megatron wrapper, Dion3 optimizer) pairs directly below a layer-wise optimizer."""
-    return [(child, child.optimizer) for child in chained.chained_optimizers
-            if isinstance(getattr(child, "optimizer", None), MegatronDion3)]
-
-
 def _flag_device() -> torch.device:
     if torch.cuda.is_available() and "nccl" in str(dist.get_backend()).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _norm_covers_dion3(layer_wise) -> bool:
-    """Whether Megatron's gradient norm counts every gradient of every Dion3 optimizer below
-    ``layer_wise`` on every rank (it leaves out tensor-parallel duplicates, shared weights and
-    separately clipped groups). Decided at the first call, by all ranks together; then cached."""
-    covers = getattr(layer_wise, "_dion3_norm_covers", None)
-    if covers is None:
-        local = True
-        for child, dion3 in _dion3_below(layer_wise):
-            counted = {id(g) for g in child.get_grads_for_grad_norm()}
-            local = local and all(p.grad is not None and id(p.grad) in counted
-                                  for group in dion3.param_groups for p in group["params"])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([1.0 if local else 0.0], device=_flag_device())
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            local = bool(flag.item() > 0)
-        covers = layer_wise._dion3_norm_covers = local
-    return covers
-
-
-def vouch_from_grad_norm(layer_wise, grad_norm: float, global_norm: bool = True) -> None:
-    """Tell the Dion3 optimizers below ``layer_wise`` whether this step's gradients are known
-    finite on every rank (``grad_norm``: Megatron's norm, ``global_norm``: reduced over all ranks)."""
-    finite = global_norm and math.isfinite(grad_norm) and _norm_covers_dion3(layer_wise)
-    for _, dion3 in _dion3_below(layer_wise):
-        dion3.vouch_finite(finite)
 
 
 def layer_wise_class() -> type:
@@ -89,12 +57,40 @@ def layer_wise_class() -> type:
                     optimizers = [NestedFP32Optimizer(opt, config, fn) if isinstance(opt, torch.optim.Optimizer)
                                   else opt for opt, fn in zip(optimizers, fns)]
                 super().__init__(optimizers, config, pg_collection, init_state_fn_list, model_chunks)
+                # (Megatron wrapper, Dion3 optimizer) pairs below this one
+                self._dion3 = [(child, child.optimizer) for child in self.chained_optimizers
+                               if isinstance(getattr(child, "optimizer", None), MegatronDion3)]
+                self._norm_covers_dion3: Optional[bool] = None
 
             @torch.no_grad()
             def get_grad_norm(self):
                 grad_norm = super().get_grad_norm()  # reduced over the whole world (group None)
-                vouch_from_grad_norm(self, grad_norm)
+                self.vouch_from_grad_norm(grad_norm)
                 return grad_norm
+
+            def vouch_from_grad_norm(self, grad_norm: float, global_norm: bool = True) -> None:
+                """Tell the Dion3 optimizers below whether this step's gradients are known finite on
+                every rank (``grad_norm``: Megatron's norm; ``global_norm``: reduced over all ranks)."""
+                finite = global_norm and math.isfinite(grad_norm) and self._norm_covers()
+                for _, dion3 in self._dion3:
+                    dion3.vouch_finite(finite)
+
+            def _norm_covers(self) -> bool:
+                """Whether Megatron's gradient norm counts every gradient of every Dion3 optimizer
+                below on every rank (it leaves out tensor-parallel duplicates, shared weights and
+                separately clipped groups). Decided at the first call, by all ranks together."""
+                if self._norm_covers_dion3 is None:
+                    local = True
+                    for child, dion3 in self._dion3:
+                        counted = {id(g) for g in child.get_grads_for_grad_norm()}
+                        local = local and all(p.grad is not None and id(p.grad) in counted
+                                              for group in dion3.param_groups for p in group["params"])
+                    if dist.is_initialized() and dist.get_world_size() > 1:
+                        flag = torch.tensor([1.0 if local else 0.0], device=_flag_device())
+                        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+                        local = bool(flag.item() > 0)
+                    self._norm_covers_dion3 = local
+                return self._norm_covers_dion3
 
         _CLASSES["layer_wise"] = Dion3LayerWiseDistributedOptimizer
     return _CLASSES["layer_wise"]
@@ -116,7 +112,7 @@ def chained_class() -> type:
                     whole_world = not dist.is_initialized() or dist.get_world_size(group) == dist.get_world_size()
                     for child in self.chained_optimizers:
                         if isinstance(child, layer_wise_class()):
-                            vouch_from_grad_norm(child, grad_norm, whole_world)
+                            child.vouch_from_grad_norm(grad_norm, whole_world)
                 return grad_norm
 
         _CLASSES["chained"] = Dion3ChainedOptimizer
