@@ -114,7 +114,7 @@ def step_whole_matrices(graph: StepGraph, entries: list[rule.WholeMatrices],
     factors = [rule.update_factors(e.hp, count, *e.momentum.shape[1:]) for e, count in zip(entries, counts)]
     key = (then is not None, tuple(
         (e.momentum.data_ptr(), e.variance.data_ptr(), tuple(e.momentum.shape), tuple(e.variance.stride()),
-         e.scores.data_ptr() if e.scores is not None else None,
+         e.scores.data_ptr() if e.scores is not None else None, e.age.data_ptr() if e.age is not None else None,
          tuple(w.data_ptr() for w in e.weight) if isinstance(e.weight, (list, tuple)) else e.weight.data_ptr(),
          baked_settings(e.hp))
         for e in entries

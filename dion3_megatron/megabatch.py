@@ -376,6 +376,9 @@ def _batch_key(shard: MatrixShard, world: int, scope: str) -> tuple:
 
 def _check_shard(shard: MatrixShard, world: int, rank: int, scope: str) -> None:
     n, m = shard.shape
+    if shard.hp.staleness:
+        raise ValueError(f"{shard.name}: staleness={shard.hp.staleness!r} is supported by the single-process Dion3 "
+                         "only so far; use staleness=0 here")
     s = shard.sharding
     if s.kind != "full" and s.world != world:
         raise ValueError(f"{shard.name}: sharding spans {s.world} ranks but its group has {world}")

@@ -81,6 +81,7 @@ class _Bucket:
     momentum: torch.Tensor  # (matrices, rows, cols) fp32
     variance: torch.Tensor  # (matrices, rows) fp32
     scores: torch.Tensor  # (matrices, rows) fp32: this step's row scores (a fixed buffer for the graph)
+    age: Optional[torch.Tensor]  # (matrices, rows) fp32 steps since each row was applied (with staleness)
 
     def holds(self, params: list[torch.Tensor], state: dict) -> bool:
         if [id(p) for p in params] != self.param_ids:
@@ -112,6 +113,9 @@ class Dion3(torch.optim.Optimizer):
         scale_lr_by_fraction: multiply the Dion3 step by 1/sqrt(fraction).
         scale_mu_by_fraction: the applied rows' momentum decays by mu ** (1/fraction) instead of mu,
             the memory heavy-ball momentum with mu has at fraction 1 (see rule.momentum_decay).
+        staleness: selection favours rows that waited: each row's L1 score times
+            1 + staleness * f * (steps since the row was last applied); see rule.staleness_boost.
+            0 (default): plain L1 norms. Single-process (and DDP) Dion3 only for now.
         betas: AdamW betas.
         num_heads: select rows per head (rows viewed as heads x head_dim).
         ns_method: "gram" (Gram Newton-Schulz) or "standard".
@@ -139,6 +143,7 @@ class Dion3(torch.optim.Optimizer):
         adjust_lr: str = "spectral_norm",
         scale_lr_by_fraction: bool = False,
         scale_mu_by_fraction: bool = False,
+        staleness: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
         num_heads: Optional[int] = None,
         ns_method: str = "gram",
@@ -157,6 +162,7 @@ class Dion3(torch.optim.Optimizer):
             adjust_lr=adjust_lr,
             scale_lr_by_fraction=scale_lr_by_fraction,
             scale_mu_by_fraction=scale_mu_by_fraction,
+            staleness=staleness,
             betas=betas,
             num_heads=num_heads,
             ns_method=ns_method,
@@ -242,10 +248,14 @@ class Dion3(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         return state
 
-    def _expected_state_shapes(self, group: dict, p: torch.Tensor) -> dict[str, tuple]:
+    def _expected_state_shapes(self, group: dict, p: torch.Tensor) -> list[dict[str, tuple]]:
+        """The state shapes a checkpoint may hold for ``p`` (a Dion3 matrix stepped with staleness
+        also keeps each row's age)."""
         if self.algorithm_of(group, p) == "dion3":
-            return {"momentum": tuple(p.shape), "variance": tuple(matrix_view(p).shape[:-1])}
-        return {"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}
+            rows = tuple(matrix_view(p).shape[:-1])
+            plain = {"momentum": tuple(p.shape), "variance": rows}
+            return [plain, {**plain, "row_age": rows}]
+        return [{"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}]
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
@@ -272,10 +282,10 @@ class Dion3(torch.optim.Optimizer):
                     continue
                 expected = self._expected_state_shapes(mine, p)
                 got = {k: tuple(v.shape) for k, v in saved_state.items() if torch.is_tensor(v)}
-                if got != expected:
+                if got not in expected:
                     raise ValueError(
                         f"param group {gi}, param {pid} (shape {tuple(p.shape)}): checkpoint state {got} "
-                        f"does not match the expected {expected}"
+                        f"does not match the expected {' or '.join(map(str, expected))}"
                     )
                 new_state[p] = {
                     k: v.detach().to(device=p.device if k != "step" else v.device, dtype=torch.float32).clone()
@@ -287,16 +297,18 @@ class Dion3(torch.optim.Optimizer):
             mine.update({k: v for k, v in saved.items() if k != "params"})
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
-    def _bucket(self, key: tuple, params: list[torch.Tensor]) -> "_Bucket":
+    def _bucket(self, key: tuple, params: list[torch.Tensor], with_age: bool) -> "_Bucket":
         """The state buffers of these same-shape matrices (one group), (re)built when the members
-        changed or a checkpoint load replaced their state; each param's state is a view of them."""
+        changed or a checkpoint load replaced their state; each param's state is a view of them.
+        ``with_age``: the rows' ages too (for staleness; zero where a matrix has none yet)."""
         bucket = self._buckets.get(key)
-        if bucket is not None and bucket.holds(params, self.state):
+        if bucket is not None and bucket.holds(params, self.state) and (bucket.age is not None) == with_age:
             return bucket
         sizes = [matrix_view(p).shape[0] for p in params]
         first = matrix_view(self.state[params[0]]["momentum"])
         momentum = torch.empty((sum(sizes), *first.shape[1:]), dtype=torch.float32, device=first.device)
         variance = torch.empty(momentum.shape[:-1], dtype=torch.float32, device=first.device)
+        age = torch.empty_like(variance) if with_age else None
         start = 0
         for p, size in zip(params, sizes):
             state = self.state[p]
@@ -304,8 +316,14 @@ class Dion3(torch.optim.Optimizer):
             variance[start:start + size].copy_(state["variance"])
             state["momentum"] = momentum[start:start + size].view(p.shape)
             state["variance"] = variance[start:start + size]
+            if age is not None:
+                if "row_age" in state:
+                    age[start:start + size].copy_(state["row_age"])
+                else:
+                    age[start:start + size].zero_()
+                state["row_age"] = age[start:start + size]
             start += size
-        bucket = _Bucket([id(p) for p in params], momentum, variance, torch.empty_like(variance))
+        bucket = _Bucket([id(p) for p in params], momentum, variance, torch.empty_like(variance), age)
         self._buckets[key] = bucket
         return bucket
 
@@ -368,12 +386,13 @@ class Dion3(torch.optim.Optimizer):
         self._buckets = {key: bucket for key, bucket in self._buckets.items() if key in members}
         matrices = []
         for key, params in members.items():
-            bucket = self._bucket(key, params)
+            bucket = self._bucket(key, params, with_age=settings[key].staleness > 0)
             # outside the graph: gradients are new tensors every step
             rule.accumulate_and_score(bucket.momentum, [g for p in params for g in matrix_view(p.grad).unbind(0)],
                                       out=bucket.scores)
             weights = [w for p in params for w in matrix_view(p).unbind(0)]
-            matrices.append(rule.WholeMatrices(weights, bucket.scores, bucket.momentum, bucket.variance, settings[key]))
+            matrices.append(rule.WholeMatrices(weights, bucket.scores, bucket.momentum, bucket.variance, settings[key],
+                                               age=bucket.age))
         devices = {e.momentum.device for e in matrices}
         if self.cuda_graph and len(devices) == 1 and cuda_graph_module.usable(devices.pop()):
             cuda_graph_module.step_whole_matrices(self._graph, matrices)

@@ -48,6 +48,7 @@ class Dion3Hyperparameters:
     adjust_lr: str = "spectral_norm"
     scale_lr_by_fraction: bool = False
     scale_mu_by_fraction: bool = False  # applied rows decay by mu ** (1 / f): see momentum_decay()
+    staleness: float = 0.0  # selection favours rows not applied for long: see staleness_boost()
     num_heads: Optional[int] = None
     ns_method: str = "gram"
     ns_dtype: Optional[torch.dtype] = None  # None: fp16 on GPUs, fp32 on CPU (ortho.default_ns_dtype)
@@ -69,6 +70,8 @@ def check_hyperparameters(where: str, **values) -> None:
         "adjust_lr": (lambda v: v in ADJUST_LR_CHOICES, f"one of {ADJUST_LR_CHOICES}"),
         "scale_lr_by_fraction": (lambda v: isinstance(v, bool), "a bool"),
         "scale_mu_by_fraction": (lambda v: isinstance(v, bool), "a bool"),
+        "staleness": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf,
+                      ">= 0 and finite"),
         "num_heads": (lambda v: v is None or (isinstance(v, int) and v > 0), "None or a positive int"),
         "ns_method": (lambda v: v in NS_METHODS, f"one of {NS_METHODS}"),
         "ns_dtype": (lambda v: v is None or v in NS_DTYPES.values(), f"None or one of {list(NS_DTYPES)}"),
@@ -149,6 +152,18 @@ def momentum_decay(hp: Dion3Hyperparameters, fraction: float) -> float:
     ``scale_mu_by_fraction``. A row is applied about once every 1 / f steps, so the scaled form
     keeps the memory of heavy-ball momentum with mu (what f = 1 has) at any f."""
     return hp.mu ** (1 / fraction) if hp.scale_mu_by_fraction else hp.mu
+
+
+def staleness_boost(scores: torch.Tensor, age: torch.Tensor, staleness: float, fraction: float) -> torch.Tensor:
+    """Selection scores of rows with ``age`` steps since they were last applied: the L1 score times
+    1 + staleness * f * age, so a row that waited one expected period (1 / f steps) counts
+    1 + staleness times its norm."""
+    return scores * (1 + (staleness * fraction) * age)
+
+
+def age_rows(age: torch.Tensor, idx: torch.Tensor) -> None:
+    """One step later: every row's age + 1, the applied rows' 0."""
+    age.add_(1).scatter_(1, idx, 0.0)
 
 
 def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float | torch.Tensor) -> torch.Tensor:
@@ -512,6 +527,7 @@ class WholeMatrices:
     hp: Dion3Hyperparameters  # fraction already a number
     factors: Optional[UpdateFactors] = None  # default: from hp (see finish_update)
     mu: Optional[float | torch.Tensor] = None  # the applied rows' decay, or (B,) of them; default: from hp
+    age: Optional[torch.Tensor] = None  # (B, n) steps since each row was applied: needed when hp.staleness
 
 
 def step_whole_matrices(entries: list[WholeMatrices]) -> None:
@@ -520,7 +536,11 @@ def step_whole_matrices(entries: list[WholeMatrices]) -> None:
     batches: dict[tuple, list] = {}
     for e in entries:
         scores = e.scores if e.scores is not None else row_scores(e.momentum)
+        if e.hp.staleness:
+            scores = staleness_boost(scores, e.age, e.hp.staleness, e.hp.fraction)
         idx = select_rows(scores, e.hp.fraction, e.hp.num_heads)
+        if e.hp.staleness:
+            age_rows(e.age, idx)
         selected = take_selected(e.momentum, idx, momentum_decay(e.hp, e.hp.fraction) if e.mu is None else e.mu)
         key = (tuple(selected.shape[1:]), selected.device, e.hp.ns_method, e.hp.ns_dtype)
         batches.setdefault(key, []).append((e, idx, selected))

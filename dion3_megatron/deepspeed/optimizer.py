@@ -53,6 +53,10 @@ class DeepSpeedDion3(Dion3):
         self._zero_plans: dict[int, zero.ZeroGroupPlan] = {}
 
     def add_param_group(self, param_group: dict) -> None:
+        staleness = param_group.get("staleness", self.defaults["staleness"])
+        if staleness:
+            raise ValueError(f"param group {len(self.param_groups)}: staleness={staleness!r} is supported by the "
+                             "single-process Dion3 only so far; use staleness=0 under DeepSpeed")
         super().add_param_group(param_group)
         if hasattr(self, "_originals"):
             g = self.param_groups[-1]
