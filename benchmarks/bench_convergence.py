@@ -1,83 +1,85 @@
-"""Convergence benchmark: a ~100M-parameter byte-level GPT, the same tokens and init for every optimizer.
+"""Convergence benchmark: Dion3 against Muon, NorMuon and AdamW on a byte-level GPT.
 
-Plain PyTorch (torch + numpy only): pre-norm RMSNorm, RoPE, SwiGLU MLP, causal
-``F.scaled_dot_product_attention``, untied embedding and head, bf16 autocast over fp32 weights.
-Data: the running Python's standard-library sources (``dion3_megatron.corpus.stdlib_bytes``) as
-bytes (vocab 256); the last 5% is held out. Every run sees the same batch sequence (windows drawn
-once from a fixed seed) and starts from the same weights (same seed).
+The protocol (docs/benchmarks.md, "Convergence"): a corpus of the installation's own source code
+that is never repeated within a run (benchmarks/convergence_corpus.py, its SHA-256 recorded), two
+model sizes (``--size small``: 10.6M block-matrix parameters; ``--size medium``: 50.8M), at least
+``--tokens-per-param`` (10) tokens per parameter, the same initial weights per seed, the same data
+per seed, the same schedule and the same AdamW for the embedding, head and norm gains in every run.
+The optimizers differ only on the block matrices (Q, K, V, O, gate, up, down):
 
-The optimizers differ only on the matrices of the transformer blocks (Q, K, V, O, gate, up,
-down); the embedding, the head and the norm gains take the same AdamW settings in every run:
-
-  dion3     dion3_megatron.Dion3 (Gram NS, scale_lr_by_fraction=True), f = fraction or "auto";
-            the other parameters in a Dion3 param group with algorithm="adamw"
+  dion3     dion3_megatron.Dion3 (Gram NS) at fraction f, the other parameters in an adamw group
   normuon   the Dion3 rule at f = 1 with standard NS: NorMuon with heavy-ball momentum
-  muon      torch.optim.Muon (Nesterov, EMA momentum 0.95, its default adjust_lr) + torch AdamW
-  adamw     torch.optim.AdamW: matrices at the swept lr, the rest at the common AdamW settings
+  muon      torch.optim.Muon (Nesterov, momentum 0.95) + torch AdamW
+  adamw     torch.optim.AdamW for everything (the matrices at the swept lr)
 
-A config is ``opt[:key=value]...``, keys f (a fraction or "auto"), lr (a number, or "best": the best
-lr among the finished runs of ``--best-ref``, by default dion3 at f = 0.25, in the same
-invocation), wd, mu (dion3/normuon momentum, default 0.95), mu_by_f=1 (dion3's
-scale_mu_by_fraction: the applied rows decay by mu ** (1/f)), and aux=torch (dion3/normuon: torch
-AdamW instead of Dion3's adamw group for the non-matrix parameters; a timing diagnostic). Examples:
+A config is ``opt[:key=value]...``. Keys: lr (a number, or "best": the best lr of ``--best-ref``'s
+finished runs), wd, seed, and for dion3/normuon the rule's options (OPTION_KEYS): f (a fraction or
+"auto"), mu, mu_by_f, lr_by_f (0/1), stale, and fwarm (the share of steps run at
+f = 1 before switching to f); a key left out takes the reference rule's value (mu 0.95, no
+scaling, no staleness), not the library's default. A config's family is the config without lr
+and seed.
 
-  python benchmarks/bench_convergence.py --configs dion3:f=0.25:lr=0.02 muon:lr=0.025 adamw:lr=0.002
-  python benchmarks/bench_convergence.py --sweep --gpus 2 --json out.json --png out.png
-  python benchmarks/bench_convergence.py --plot-only out.json [more.json ...] [--json merged.json] --png out.png
+  python benchmarks/bench_convergence.py --size small --configs muon:lr=0.025 dion3:f=0.25:lr=0.04 --extend --seeds 2
+  python benchmarks/bench_convergence.py --plot-only a.json b.json --json merged.json --png merged.png
 
-``--gpus N`` starts one worker process per GPU (CUDA_VISIBLE_DEVICES=i) that takes the next ready
-config from a shared queue; results are merged into one JSON, rewritten after every run (so a
-killed job keeps what finished). Timing: CUDA events around each step (data, forward, backward,
-clip, optimizer) and around the optimizer's ``step()`` calls; medians over the steps after
-``--timing-warmup``; no host synchronization is added inside a step.
+``--extend`` adds, per family, the next lr on the 2x grid beyond the best one while the best is at
+an edge of the lrs tried; ``--seeds N`` then repeats each family's best lr with seeds 1..N-1.
+``--merge`` (or --plot-only) takes earlier results of the same settings and corpus: what they
+hold is not run again, and the output holds everything.
+
+Runs train as packs (``--pack``): K members trained side by side as one batched computation
+(benchmarks/convergence_model.py), each with its own optimizer, stepped one after the other. Each
+member's optimizer time is measured alone with CUDA events around its step() calls; the
+single-run step time is the forward, backward and clipping time of one model alone (measured once
+per invocation, ``--timing-steps``) plus that optimizer time, and the loss-against-time panel uses
+it.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import math
 import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks import convergence_corpus as corpus_lib  # noqa: E402
+from benchmarks.convergence_model import GPT, pack_loss, split_params  # noqa: E402
 from dion3_megatron import Dion3  # noqa: E402
-from dion3_megatron.corpus import stdlib_bytes  # noqa: E402
 
 OPTIMIZERS = ("dion3", "normuon", "muon", "adamw")
-LABELS = {
-    "dion3": "Dion3 f={f}",
-    "normuon": "NorMuon (Dion3 f=1, std NS)",
-    "muon": "Muon (torch.optim.Muon)",
-    "adamw": "AdamW",
-}
+LABELS = {"dion3": "Dion3 f={f}", "normuon": "NorMuon (Dion3 f=1, std NS)", "muon": "Muon (torch.optim.Muon)",
+          "adamw": "AdamW"}
 DEFAULT_WD = {"dion3": 0.01, "normuon": 0.01, "muon": 0.01, "adamw": 0.1}
-DEFAULT_MU = 0.95  # dion3 / normuon momentum (error-feedback decay of the applied rows)
-SWEEP_LRS = {
-    "dion3": (0.01, 0.02, 0.04),
-    "normuon": (0.01, 0.02, 0.04),
-    "muon": (0.0125, 0.025, 0.05),
-    "adamw": (0.0015, 0.003, 0.006),
+DEFAULT_LR = {"dion3": 0.02, "normuon": 0.02, "muon": 0.025, "adamw": 0.003}
+# Dion3 rule options a config may set: key -> (Dion3 keyword, parser, value when the config does not
+# set it). The values are the reference rule's (microsoft/dion's NorDion2), passed explicitly, so a
+# config names the same rule whatever the library's defaults are.
+OPTION_KEYS = {
+    "mu": ("mu", float, 0.95),
+    "mu_by_f": ("scale_mu_by_fraction", lambda v: bool(int(v)), False),
+    "lr_by_f": ("scale_lr_by_fraction", lambda v: bool(int(v)), False),
+    "stale": ("staleness", float, 0.0),
+    "fwarm": (None, float, 0.0),  # the benchmark's f schedule, not a Dion3 keyword
 }
-SWEEP_FRACTIONS = (0.25, 0.5, 0.125)
-RESULT_TAG = "@@RESULT "
+SIZES = {
+    "small": dict(layers=6, hidden=384, heads=6, ffn=1024, seq=512, batch=128),
+    "medium": dict(layers=10, hidden=640, heads=10, ffn=1792, seq=512, batch=256),
+}
+TARGETS = {0.25: 0.01, 0.125: 0.02}  # Dion3 f: allowed final validation loss above Muon's (mean of seeds)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -92,184 +94,76 @@ def fraction_text(f) -> str:
 
 
 def parse_config(text: str) -> dict:
-    """``dion3:f=0.25:lr=0.02`` -> {"opt": "dion3", "f": 0.25, "lr": 0.02, "wd": 0.01, "name": ...}."""
+    """``dion3:f=0.25:mu=0.8:lr=0.02`` -> the config dict (opt, f, lr, wd, seed, options, family, name)."""
     parts = text.strip().split(":")
     opt = parts[0]
     if opt not in OPTIMIZERS:
-        raise ValueError(f"config {text!r}: optimizer must be one of {OPTIMIZERS}")
-    cfg: dict = {"opt": opt, "f": None, "lr": None, "wd": DEFAULT_WD[opt], "aux": "dion3", "mu": DEFAULT_MU, "mu_by_f": False}
+        raise ValueError(f"config {text!r}: the optimizer must be one of {OPTIMIZERS}")
+    cfg: dict = {"opt": opt, "f": 1.0 if opt == "normuon" else (0.25 if opt == "dion3" else None),
+                 "lr": DEFAULT_LR[opt], "wd": DEFAULT_WD[opt], "seed": 0, "options": {}}
     for part in parts[1:]:
         key, sep, value = part.partition("=")
-        if not sep or key not in ("f", "lr", "wd", "aux", "mu", "mu_by_f"):
-            raise ValueError(f"config {text!r}: expected key=value with key f, lr, wd, mu, mu_by_f or aux, got {part!r}")
-        if key == "aux":
-            if opt not in ("dion3", "normuon") or value not in ("dion3", "torch"):
-                raise ValueError(f"config {text!r}: aux (dion3 or torch) is for dion3 and normuon only")
-            cfg["aux"] = value
-        elif key == "f":
-            if opt != "dion3":
-                raise ValueError(f"config {text!r}: only dion3 takes f")
-            cfg["f"] = "auto" if value == "auto" else float(value)
-            if cfg["f"] != "auto" and not 0 < cfg["f"] <= 1:
-                raise ValueError(f"config {text!r}: f must be in (0, 1] or auto")
-        elif key == "mu_by_f":
-            if opt != "dion3" or value not in ("0", "1"):
-                raise ValueError(f"config {text!r}: mu_by_f (0 or 1) is for dion3 only")
-            cfg["mu_by_f"] = value == "1"
-        elif key == "mu":
-            if opt not in ("dion3", "normuon") or not 0 <= float(value) < 1:
-                raise ValueError(f"config {text!r}: mu (in [0, 1)) is for dion3 and normuon only")
-            cfg["mu"] = float(value)
-        elif key == "lr" and value == "best":
-            cfg["lr"] = "best"
-        else:
-            cfg[key] = float(value)
-    if opt == "dion3" and cfg["f"] is None:
-        cfg["f"] = 0.25
-    if opt == "normuon":
-        cfg["f"] = 1.0
-    if cfg["lr"] is None:
-        cfg["lr"] = SWEEP_LRS[opt][1]
-    cfg["family"] = family(cfg)
-    cfg["name"] = config_name(cfg)
-    return cfg
+        if not sep:
+            raise ValueError(f"config {text!r}: expected key=value, got {part!r}")
+        try:
+            if key == "f":
+                if opt != "dion3":
+                    raise ValueError("only dion3 takes f")
+                cfg["f"] = "auto" if value == "auto" else float(value)
+                if cfg["f"] != "auto" and not 0 < cfg["f"] <= 1:
+                    raise ValueError("f must be in (0, 1] or auto")
+            elif key == "lr":
+                cfg["lr"] = "best" if value == "best" else float(value)
+            elif key in ("wd", "seed"):
+                cfg[key] = float(value) if key == "wd" else int(value)
+            elif key in OPTION_KEYS:
+                if opt not in ("dion3", "normuon"):
+                    raise ValueError(f"{key} is for dion3 and normuon only")
+                cfg["options"][key] = OPTION_KEYS[key][1](value)
+            else:
+                raise ValueError(f"unknown key {key!r} (f, lr, wd, seed, {', '.join(OPTION_KEYS)})")
+        except ValueError as error:
+            raise ValueError(f"config {text!r}: {error}") from None
+    fwarm = cfg["options"].get("fwarm", 0.0)
+    if not 0 <= fwarm < 1:
+        raise ValueError(f"config {text!r}: fwarm must be in [0, 1)")
+    cfg["options"] = {k: v for k, v in cfg["options"].items() if v != OPTION_KEYS[k][2]}
+    return named(cfg)
 
 
-def family(cfg: dict) -> str:
-    """The run's optimizer without its lr: what the lr sweep picks a best run for."""
-    base = f"dion3:f={cfg['f']}" if cfg["opt"] == "dion3" else cfg["opt"]
-    if cfg.get("mu", DEFAULT_MU) != DEFAULT_MU:
-        base += f":mu={cfg['mu']:g}"
-    if cfg.get("mu_by_f"):
-        base += ":mu_by_f=1"
-    return base + (":aux=torch" if cfg.get("aux") == "torch" else "")
-
-
-def config_name(cfg: dict) -> str:
-    parts = [cfg["opt"]]
-    if cfg["opt"] == "dion3":
-        parts.append(f"f={cfg['f']}")
-    if cfg.get("mu", DEFAULT_MU) != DEFAULT_MU:
-        parts.append(f"mu={cfg['mu']:g}")
-    if cfg.get("mu_by_f"):
-        parts.append("mu_by_f=1")
-    parts.append(f"lr={cfg['lr']:g}" if cfg["lr"] != "best" else "lr=best")
+def named(cfg: dict) -> dict:
+    """cfg with its family (everything but lr and seed) and name filled in."""
+    parts = [cfg["opt"]] + ([f"f={cfg['f']}"] if cfg["opt"] == "dion3" else [])
+    parts += [f"{k}={v:g}" if not isinstance(v, bool) else f"{k}={int(v)}" for k, v in sorted(cfg["options"].items())]
     if cfg["wd"] != DEFAULT_WD[cfg["opt"]]:
         parts.append(f"wd={cfg['wd']:g}")
-    if cfg.get("aux") == "torch":
-        parts.append("aux=torch")
-    return ":".join(parts)
+    family = ":".join(parts)
+    lr = f"lr={cfg['lr']:g}" if cfg["lr"] != "best" else "lr=best"
+    return dict(cfg, family=family, name=f"{family}:{lr}" + (f":seed={cfg['seed']}" if cfg["seed"] else ""))
 
 
 def label(cfg: dict) -> str:
     text = LABELS[cfg["opt"]].format(f=fraction_text(cfg["f"])) if cfg["opt"] == "dion3" else LABELS[cfg["opt"]]
-    if cfg.get("mu", DEFAULT_MU) != DEFAULT_MU:
-        text += f", mu {cfg['mu']:g}"
-    if cfg.get("mu_by_f"):
-        text += ", mu^(1/f)"
-    return text + (", torch AdamW rest" if cfg.get("aux") == "torch" else "")
-
-
-def auto_available() -> bool:
-    try:
-        Dion3([nn.Parameter(torch.randn(8, 8))], fraction="auto")
-        return True
-    except Exception:
-        return False
-
-
-def sweep_configs(with_auto: bool, with_aux_variant: bool = True) -> list[str]:
-    """The sweep, f = 1/4 first (its best lr is what the auto run uses)."""
-    out = [f"dion3:f={SWEEP_FRACTIONS[0]}:lr={lr:g}" for lr in SWEEP_LRS["dion3"]]
-    if with_auto:
-        out.append("dion3:f=auto:lr=best")
-    if with_aux_variant:
-        out.append(f"dion3:f={SWEEP_FRACTIONS[0]}:lr=best:aux=torch")
-    for f in SWEEP_FRACTIONS[1:]:
-        out += [f"dion3:f={f}:lr={lr:g}" for lr in SWEEP_LRS["dion3"]]
-    for opt in ("normuon", "muon", "adamw"):
-        out += [f"{opt}:lr={lr:g}" for lr in SWEEP_LRS[opt]]
-    return out
+    extras = {"mu": "mu {:g}", "mu_by_f": "mu^(1/f)", "lr_by_f": "lr/sqrt(f)", "stale": "staleness {:g}",
+              "fwarm": "f=1 for {:.0%} of steps"}
+    words = [extras[k].format(v) for k, v in sorted(cfg["options"].items())]
+    if cfg["wd"] != DEFAULT_WD[cfg["opt"]]:
+        words.append(f"wd {cfg['wd']:g}")
+    return text + (", " + ", ".join(words) if words else "")
 
 
 # ------------------------------------------------------------------------------------------------
-# Model.
+# Optimizers and schedule.
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int, ffn: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.RMSNorm(d, eps=1e-6)
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
-        self.norm2 = nn.RMSNorm(d, eps=1e-6)
-        self.gate = nn.Linear(d, ffn, bias=False)
-        self.up = nn.Linear(d, ffn, bias=False)
-        self.down = nn.Linear(ffn, d, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        h = self.norm1(x)
-        q, k, v = (lin(h).view(b, t, self.heads, -1).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
-        h = self.norm2(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, ffn: int, seq: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d, heads, ffn) for _ in range(layers))
-        self.norm = nn.RMSNorm(d, eps=1e-6)
-        self.head = nn.Linear(d, vocab, bias=False)
-        head_dim = d // heads
-        inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("o.weight", "down.weight")) else 0.02
-                nn.init.normal_(p, std=std)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        x = self.embed(idx)
-        cos, sin = self.cos[:t], self.sin[:t]
-        for block in self.blocks:
-            x = block(x, cos, sin)
-        return self.head(self.norm(x))
-
-
-def split_params(model: GPT) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(the block matrices, everything else: embedding, head, norm gains)."""
-    matrices = [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
-    ids = {id(p) for p in matrices}
-    return matrices, [p for p in model.parameters() if id(p) not in ids]
-
-
-# ------------------------------------------------------------------------------------------------
-# Optimizers.
-
-
-def build_optimizers(cfg: dict, model: GPT, args) -> list[torch.optim.Optimizer]:
+def build_optimizer(cfg: dict, model: GPT, args) -> list[torch.optim.Optimizer]:
     matrices, others = split_params(model)
     aux = dict(lr=args.aux_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.aux_wd)
     opt, lr, wd = cfg["opt"], cfg["lr"], cfg["wd"]
     if opt in ("dion3", "normuon"):
-        dion = dict(lr=lr, fraction=cfg["f"], mu=cfg.get("mu", DEFAULT_MU), scale_mu_by_fraction=cfg.get("mu_by_f", False), beta2=0.95, weight_decay=wd,
-                    scale_lr_by_fraction=True, ns_method="gram" if opt == "dion3" else "standard")
-        if cfg.get("aux") == "torch":  # diagnostic: the same AdamW math in torch's foreach implementation
-            return [Dion3([{"params": matrices}], **dion), torch.optim.AdamW(others, **aux)]
+        rule = {keyword: cfg["options"].get(key, default) for key, (keyword, _, default) in OPTION_KEYS.items() if keyword}
+        dion = dict(lr=lr, fraction=cfg["f"], beta2=0.95, weight_decay=wd,
+                    ns_method="gram" if opt == "dion3" else "standard", **rule)
         return [Dion3([{"params": matrices}, {"params": others, "algorithm": "adamw", **aux}], **dion)]
     if opt == "muon":
         return [torch.optim.Muon(matrices, lr=lr, weight_decay=wd, momentum=0.95, nesterov=True),
@@ -286,167 +180,158 @@ def lr_multiplier(step: int, steps: int, warmup: int, final: float) -> float:
     return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-# ------------------------------------------------------------------------------------------------
-# Data.
-
-_DATA_CACHE: dict = {}
-
-
-def load_data(args) -> dict:
-    key = (args.max_bytes, args.val_frac)
-    if key not in _DATA_CACHE:
-        raw = stdlib_bytes(args.max_bytes)
-        tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        n_val = max(1, int(len(tokens) * args.val_frac))
-        _DATA_CACHE[key] = {
-            "train": tokens[:-n_val].clone(), "val": tokens[-n_val:].clone(),
-            "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()[:16],
-        }
-    return _DATA_CACHE[key]
-
-
-def batch_offsets(n_train: int, args) -> torch.Tensor:
-    """(steps, batch) window starts: the same for every run."""
-    gen = torch.Generator().manual_seed(args.data_seed)
-    return torch.randint(0, n_train - args.seq - 1, (args.steps, args.batch), generator=gen)
-
-
-def val_offsets(n_val: int, args) -> torch.Tensor:
-    """(eval_batches, batch) evenly spaced held-out window starts."""
-    count = args.eval_batches * args.batch
-    if n_val < args.seq + 2:
-        raise ValueError(f"held-out split of {n_val} bytes is shorter than one window")
-    return torch.linspace(0, n_val - args.seq - 1, count).long().view(args.eval_batches, args.batch)
-
-
-def windows(tokens: torch.Tensor, starts: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    w = tokens[starts.unsqueeze(-1) + torch.arange(seq + 1, device=tokens.device)].long()
-    return w[:, :-1], w[:, 1:]
+def fraction_at(cfg: dict, step: int, steps: int):
+    """The Dion3 fraction at ``step``: 1 during the config's fwarm share of the run, then f."""
+    return 1.0 if step < cfg["options"].get("fwarm", 0.0) * steps else cfg["f"]
 
 
 # ------------------------------------------------------------------------------------------------
-# One run.
-
-
-class StepTimer:
-    """CUDA events (no added synchronization) on a GPU; perf_counter on a CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks: list[tuple] = []
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def add(self, start, opt_start, end) -> None:
-        self.marks.append((start, opt_start, end))
-
-    def millis(self) -> tuple[list[float], list[float]]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            step = [a.elapsed_time(c) for a, b, c in self.marks]
-            opt = [b.elapsed_time(c) for a, b, c in self.marks]
-        else:
-            step = [(c - a) * 1e3 for a, b, c in self.marks]
-            opt = [(c - b) * 1e3 for a, b, c in self.marks]
-        return step, opt
-
-
-@torch.no_grad()
-def evaluate(model: GPT, val: torch.Tensor, offsets: torch.Tensor, args, device) -> float:
-    model.eval()
-    total = torch.zeros((), device=device)
-    for starts in offsets:
-        x, y = windows(val, starts.to(device), args.seq)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            logits = model(x)
-        total += F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
-    model.train()
-    return float(total / len(offsets))
+# Training a pack.
 
 
 def model_config(args) -> dict:
-    return dict(vocab=256, d=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, seq=args.seq)
+    return dict(d=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, seq=args.seq)
 
 
-def run_one(cfg: dict, args, log=print) -> dict:
-    """Train one config; returns the run's record (curves, final val loss, timings)."""
+def member(cfg: dict, args, device: torch.device) -> GPT:
+    torch.manual_seed(args.seed + cfg["seed"])
+    return GPT(**model_config(args)).to(device)
+
+
+def windows(tokens: torch.Tensor, starts: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """starts (...,) -> inputs and targets (..., seq) as int64."""
+    w = tokens[starts.unsqueeze(-1) + torch.arange(seq + 1, device=tokens.device)].long()
+    return w[..., :-1], w[..., 1:]
+
+
+@torch.no_grad()
+def evaluate(models: list[GPT], val: torch.Tensor, starts: torch.Tensor, args) -> list[float]:
+    """Mean validation loss of each member over the same held-out windows."""
+    total = torch.zeros(len(models), device=val.device)
+    for chunk in starts.split(args.batch):
+        x, y = windows(val, chunk.to(val.device), args.seq)
+        total += pack_loss(models, x.expand(len(models), -1, -1), y.expand(len(models), -1, -1), args.bf16)
+    return (total / math.ceil(len(starts) / args.batch)).tolist()
+
+
+def run_pack(cfgs: list[dict], args, corpus: corpus_lib.Corpus, log=print, on_eval=None) -> list[dict]:
+    """Train the configs side by side (one member each); one record per config. ``on_eval`` gets
+    the records so far (marked partial) after every evaluation, so a killed job keeps them."""
     device = torch.device(args.device)
-    data = load_data(args)
-    train, val = data["train"].to(device), data["val"].to(device)
-    offsets = batch_offsets(len(data["train"]), args).to(device)
-    voffsets = val_offsets(len(data["val"]), args)
-    torch.manual_seed(args.seed)
-    model = GPT(**model_config(args)).to(device)
-    optimizers = build_optimizers(cfg, model, args)
-    base_lrs = [[g["lr"] for g in o.param_groups] for o in optimizers]
-    params = list(model.parameters())
+    train, val = corpus.train.to(device), corpus.val.to(device)
+    starts = torch.stack([corpus_lib.lane_starts(len(corpus.train), args.batch, args.seq, args.steps, c["seed"])
+                          for c in cfgs], dim=1).to(device)  # (steps, K, batch)
+    val_starts = corpus_lib.val_starts(len(corpus.val), args.seq, args.eval_batches * args.batch)
+    models = [member(c, args, device) for c in cfgs]
+    optimizers = [build_optimizer(c, m, args) for c, m in zip(cfgs, models)]
+    base_lrs = [[[g["lr"] for g in o.param_groups] for o in opts] for opts in optimizers]
     warmup = max(1, round(args.warmup_frac * args.steps))
-    timer = StepTimer(device)
-    losses = torch.zeros(args.steps, device=device)
-    val_curve = [[0, evaluate(model, val, voffsets, args, device)]]
-    eval_every = args.eval_every or max(1, args.steps // 5)
-    diverged, steps_done = False, 0
+    eval_every = args.eval_every or max(1, args.steps // 10)
+    cuda = device.type == "cuda"
+    events: list[list] = [[] for _ in cfgs]
+    losses = torch.zeros(args.steps, len(cfgs), device=device)
+    curves = [[[0, v]] for v in evaluate(models, val, val_starts, args)]
+    live = [True] * len(cfgs)
     t0 = time.perf_counter()
-    log(f"{cfg['name']}: start (val {val_curve[0][1]:.4f})")
+    log(f"pack of {len(cfgs)}: {', '.join(c['name'] for c in cfgs)}")
     for step in range(args.steps):
         mult = lr_multiplier(step, args.steps, warmup, args.final_lr_frac)
-        for opt, lrs in zip(optimizers, base_lrs):
-            for group, lr in zip(opt.param_groups, lrs):
-                group["lr"] = lr * mult
-        start = timer.mark()
-        x, y = windows(train, offsets[step], args.seq)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, args.clip)
-        opt_start = timer.mark()
-        for opt in optimizers:
-            opt.step()
-        timer.add(start, opt_start, timer.mark())
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
+        x, y = windows(train, starts[step], args.seq)
+        loss = pack_loss(models, x, y, args.bf16)
+        loss.sum().backward()
         losses[step] = loss.detach()
-        steps_done = step + 1
-        if steps_done % eval_every == 0 or steps_done == args.steps:
-            if not bool(torch.isfinite(losses[:steps_done]).all()):
-                diverged = True
-                log(f"{cfg['name']}: non-finite loss by step {steps_done}, stopped")
-                break
-            val_curve.append([steps_done, evaluate(model, val, voffsets, args, device)])
-            log(f"{cfg['name']}: step {steps_done}/{args.steps} train {float(losses[step]):.4f} "
-                f"val {val_curve[-1][1]:.4f} ({time.perf_counter() - t0:.1f} s)")
-    wall = time.perf_counter() - t0
-    step_ms, opt_ms = timer.millis()
-    timed_step = step_ms[args.timing_warmup:] or step_ms
-    timed_opt = opt_ms[args.timing_warmup:] or opt_ms
-    final = val_curve[-1][1] if not diverged else float("nan")
-    record = {
-        **cfg, "label": label(cfg),
-        "steps": steps_done, "tokens": steps_done * args.batch * args.seq,
-        "train_loss": [round(v, 5) for v in losses[:steps_done].tolist()],
-        "val_loss": val_curve, "final_val_loss": final, "diverged": diverged or not math.isfinite(final),
-        "step_ms": statistics.median(timed_step), "opt_ms": statistics.median(timed_opt),
-        "step_ms_p90": sorted(timed_step)[int(0.9 * (len(timed_step) - 1))],
-        "wall_s": round(wall, 2), "device": device_name(device),
-    }
-    record["opt_share"] = record["opt_ms"] / record["step_ms"]
-    dion = [o for o in optimizers if isinstance(o, Dion3)]
-    if dion and cfg["f"] == "auto":
-        record["auto_fractions"] = resolved_fractions(dion[0], model)
-    log(f"{cfg['name']}: final val {final:.4f}, step {record['step_ms']:.2f} ms, "
-        f"opt {record['opt_ms']:.2f} ms ({100 * record['opt_share']:.1f}%), {wall:.1f} s")
-    return record
+        for i, (cfg, model, opts) in enumerate(zip(cfgs, models, optimizers)):
+            if not live[i]:
+                model.zero_grad(set_to_none=True)
+                continue
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            for opt, lrs in zip(opts, base_lrs[i]):
+                for group, lr in zip(opt.param_groups, lrs):
+                    group["lr"] = lr * mult
+                    if group.get("algorithm") != "adamw" and "fraction" in group:
+                        group["fraction"] = fraction_at(cfg, step, args.steps)
+            start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+            if cuda:
+                start.record()
+            for opt in opts:
+                opt.step()
+            end = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+            if cuda:
+                end.record()
+            events[i].append((start, end))
+            model.zero_grad(set_to_none=True)
+        done = step + 1
+        if done % eval_every == 0 or done == args.steps:
+            finite = torch.isfinite(losses[:done]).all(0).tolist()
+            vals = evaluate(models, val, val_starts, args)
+            for i in range(len(cfgs)):
+                if live[i] and not finite[i]:
+                    live[i] = False
+                    log(f"{cfgs[i]['name']}: non-finite loss by step {done}, stopped")
+                if live[i]:
+                    curves[i].append([done, vals[i]])
+            memory = f", {torch.cuda.max_memory_allocated(device) / 2**30:.0f} GiB" if cuda else ""
+            log(f"step {done}/{args.steps} ({time.perf_counter() - t0:.0f} s{memory}) val "
+                + " ".join(f"{v:.4f}" if live[i] else "diverged" for i, v in enumerate(vals)))
+            if on_eval is not None and done < args.steps:
+                on_eval(pack_records(cfgs, optimizers, models, events, losses[:done], curves, live, args,
+                                     time.perf_counter() - t0, partial=True))
+    records = pack_records(cfgs, optimizers, models, events, losses, curves, live, args, time.perf_counter() - t0)
+    for r in records:
+        log(f"{r['name']}: final val {r['final_val_loss']:.4f}, opt {r['opt_ms']:.2f} ms")
+    return records
+
+
+def pack_records(cfgs, optimizers, models, events, losses, curves, live, args, wall: float,
+                 partial: bool = False) -> list[dict]:
+    """One record per member: curves, final validation loss, optimizer time."""
+    if any(pairs and not isinstance(pairs[0][0], float) for pairs in events):
+        torch.cuda.synchronize()
+    records = []
+    for i, (cfg, opts) in enumerate(zip(cfgs, optimizers)):
+        ms = [(e - s) * 1e3 if isinstance(s, float) else s.elapsed_time(e) for s, e in events[i]][args.timing_warmup:]
+        final = curves[i][-1][1] if live[i] else float("nan")
+        record = {
+            **cfg, "label": label(cfg), "steps": len(events[i]), "tokens": len(events[i]) * args.batch * args.seq,
+            "train_loss": [round(v, 4) for v in losses[:, i].tolist()], "val_loss": curves[i],
+            "final_val_loss": final, "diverged": not live[i] or not math.isfinite(final),
+            "opt_ms": statistics.median(ms) if ms else float("nan"),
+            "opt_ms_p90": sorted(ms)[int(0.9 * (len(ms) - 1))] if ms else float("nan"),
+            "pack": len(cfgs), "pack_wall_s": round(wall, 1), "forward_backward_ms": args.forward_backward_ms,
+        }
+        if partial:
+            record["partial"] = True
+        dion = [o for o in opts if isinstance(o, Dion3)]
+        if dion and cfg["f"] == "auto":
+            record["auto_fractions"] = resolved_fractions(dion[0], models[i])
+        records.append(record)
+    return records
+
+
+def measure_forward_backward(args, corpus: corpus_lib.Corpus) -> float:
+    """Median ms of one model's forward, backward and clipping, alone (the single-run step time
+    is this plus the optimizer's)."""
+    device = torch.device(args.device)
+    cfg = parse_config("adamw")
+    model = member(cfg, args, device)
+    train = corpus.train.to(device)
+    starts = corpus_lib.lane_starts(len(corpus.train), args.batch, args.seq, args.timing_steps, 0).to(device)
+    times = []
+    for step in range(args.timing_steps):
+        x, y = windows(train, starts[step], args.seq)
+        t = time.perf_counter()
+        pack_loss([model], x[None], y[None], args.bf16).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times[args.timing_warmup:] or times)
 
 
 def resolved_fractions(opt: Dion3, model: GPT) -> dict:
     """What fraction="auto" chose, per block-matrix shape ("rows x cols": sorted set of f)."""
-    chosen = getattr(opt, "fractions", None) or {}
+    chosen = opt.fractions
     out: dict[str, set] = {}
     for name, p in model.named_parameters():
         if p in chosen:
@@ -459,300 +344,287 @@ def device_name(device: torch.device) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# Scheduling: one in-process worker, or one worker process per GPU.
+# Scheduling: packs of ready configs; the lr grid extended to an interior best; more seeds.
+
+
+def ok(run: dict) -> bool:
+    return not run.get("partial") and not run.get("diverged") and "error" not in run and math.isfinite(run.get("final_val_loss", math.nan))
+
+
+def lr_table(runs: list[dict], fam: str) -> dict[float, list[float]]:
+    """lr -> final validation losses (one per seed) of a family's finished runs; a diverged run
+    counts as +inf at its lr."""
+    table: dict[float, list[float]] = {}
+    for r in runs:
+        if r["family"] == fam and r["lr"] != "best" and "error" not in r and not r.get("partial"):
+            table.setdefault(r["lr"], []).append(r["final_val_loss"] if ok(r) else math.inf)
+    return table
+
+
+def best_lr(runs: list[dict], fam: str) -> tuple[float, bool] | None:
+    """(best lr by the mean over seeds, whether it is at an edge of the lrs tried)."""
+    table = lr_table(runs, fam)
+    if not table:
+        return None
+    best = min(table, key=lambda lr: statistics.fmean(table[lr]))
+    if not math.isfinite(statistics.fmean(table[best])):
+        return None
+    return best, len(table) == 1 or best in (min(table), max(table))
 
 
 class Scheduler:
-    """Hands out configs in list order, skipping those not ready yet (lr=best waits for its reference runs)."""
+    """Hands out packs of ready configs in list order. lr=best waits for its reference family; with
+    ``extend`` a family whose best lr is at an edge gets the next lr beyond it, and with ``seeds``
+    a family with an interior best gets that lr again with the other seeds."""
 
-    def __init__(self, configs: list[dict], args) -> None:
-        self.pending = list(configs)
-        self.running: dict[str, str] = {}
-        self.done: list[dict] = []
+    def __init__(self, configs: list[dict], args, earlier: list[dict]) -> None:
         self.args = args
-        self.cond = threading.Condition()
+        self.done = list(earlier)
+        self.pending = [c for c in configs if not self._known(c)]
+        self.families = list(dict.fromkeys(c["family"] for c in configs if c["lr"] != "best"))
         self.start = time.perf_counter()
+        self.pack_seconds: list[float] = []
 
-    def _ref_family(self, cfg: dict) -> str:
-        return parse_config(self.args.best_ref)["family"] if cfg["opt"] == "dion3" else cfg["family"]
+    def _known(self, cfg: dict) -> bool:
+        return any(r["name"] == cfg["name"] for r in self.done) or any(
+            c["name"] == cfg["name"] for c in getattr(self, "pending", []))
 
-    def _ready(self, cfg: dict) -> bool:
-        """lr=best waits until no run of its reference family is pending or running."""
-        if cfg["lr"] != "best":
-            return True
-        ref = self._ref_family(cfg)
-        return not any(c["family"] == ref and c["lr"] != "best" for c in self.pending) and ref not in self.running.values()
+    def _ref_family(self) -> str:
+        return parse_config(self.args.best_ref)["family"]
 
     def _resolve(self, cfg: dict) -> dict | None:
+        """lr=best -> the reference family's best lr (None: its lr grid is not settled yet; more
+        seeds of it do not hold this up)."""
         if cfg["lr"] != "best":
             return cfg
-        ref = self._ref_family(cfg)
-        finished = [r for r in self.done if r.get("family") == ref and not r.get("diverged") and "error" not in r]
-        if not finished:
-            print(f"skipping {cfg['name']}: no finished {ref} run to take the best lr from", file=sys.stderr)
+        ref = self._ref_family()
+        if any(c["family"] == ref and c["lr"] != "best" and c["seed"] == 0 for c in self.pending):
             return None
-        best = min(finished, key=lambda r: r["final_val_loss"])
-        resolved = dict(cfg, lr=best["lr"], lr_from=best["name"])
-        resolved["name"] = config_name(resolved)
-        return resolved
+        found = best_lr(self.done, ref)
+        if found is None:
+            return None
+        return named(dict(cfg, lr=found[0], lr_from=ref))
+
+    def _grow(self) -> None:
+        for fam in self.families:
+            if any(c["family"] == fam for c in self.pending):
+                continue
+            found = best_lr(self.done, fam)
+            if found is None:
+                continue
+            lr, at_edge = found
+            template = next(r for r in self.done if r["family"] == fam)
+            tried = sorted(lr_table(self.done, fam))
+            if at_edge and self.args.extend and len(tried) < self.args.max_lrs:
+                if len(tried) == 1 or lr == max(tried):
+                    self._add(template, lr * 2, 0)
+                if len(tried) == 1 or lr == min(tried):
+                    self._add(template, lr / 2, 0)
+            elif not at_edge:
+                for seed in range(1, self.args.seeds):
+                    self._add(template, lr, seed)
+
+    def _add(self, template: dict, lr: float, seed: int) -> None:
+        cfg = named({k: template[k] for k in ("opt", "f", "wd", "options")} | {"lr": float(f"{lr:.6g}"), "seed": seed})
+        if not self._known(cfg):
+            self.pending.append(cfg)
 
     def _out_of_time(self) -> bool:
         if not self.args.deadline_s:
             return False
-        walls = [r["wall_s"] for r in self.done if "wall_s" in r]
-        estimate = (statistics.median(walls) if walls else 0) + 15
+        estimate = (statistics.median(self.pack_seconds) if self.pack_seconds else 0) + 10
         return time.perf_counter() - self.start + estimate > self.args.deadline_s
 
-    def next(self) -> dict | None:
-        with self.cond:
-            while self.pending:
-                if self._out_of_time():
-                    print(f"deadline: {len(self.pending)} config(s) not run: "
-                          f"{[c['name'] for c in self.pending]}", file=sys.stderr)
-                    self.pending.clear()
-                    break
-                for cfg in self.pending:
-                    if self._ready(cfg):
-                        self.pending.remove(cfg)
-                        cfg = self._resolve(cfg)
-                        if cfg is None:
-                            break
-                        self.running[cfg["name"]] = cfg["family"]
-                        return cfg
-                else:
-                    self.cond.wait()
-            self.cond.notify_all()
-            return None
+    def next_pack(self) -> list[dict]:
+        self._grow()
+        if self._out_of_time():
+            if self.pending:
+                print(f"deadline: not run: {[c['name'] for c in self.pending]}", file=sys.stderr)
+            self.pending.clear()
+            return []
+        pack = []
+        for cfg in list(self.pending):
+            resolved = self._resolve(cfg)
+            if resolved is None:
+                continue
+            self.pending.remove(cfg)
+            if self._known(resolved) or any(p["name"] == resolved["name"] for p in pack):
+                continue
+            pack.append(resolved)
+            if len(pack) == self.args.pack:
+                break
+        if not pack and self.pending:
+            print(f"not runnable (no reference runs): {[c['name'] for c in self.pending]}", file=sys.stderr)
+            self.pending.clear()
+        return pack
 
-    def finish(self, cfg: dict, record: dict) -> None:
-        with self.cond:
-            self.running.pop(cfg["name"], None)
-            self.done.append(record)
-            self.cond.notify_all()
-
-
-def training_args(args) -> dict:
-    keys = ("device", "layers", "hidden", "heads", "ffn", "seq", "batch", "steps", "max_bytes", "val_frac",
-            "seed", "data_seed", "aux_lr", "aux_wd", "warmup_frac", "final_lr_frac", "clip", "bf16",
-            "eval_every", "eval_batches", "timing_warmup")
-    return {k: getattr(args, k) for k in keys}
-
-
-def run_all(configs: list[dict], args, on_record) -> list[dict]:
-    sched = Scheduler(configs, args)
-    workers = max(1, args.gpus)
-
-    def finish(cfg, record):
-        sched.finish(cfg, record)
-        on_record(sched.done)
-
-    if workers == 1:
-        while (cfg := sched.next()) is not None:
-            try:
-                record = run_one(cfg, args)
-            except Exception:
-                record = {**cfg, "label": label(cfg), "error": traceback.format_exc(), "diverged": True}
-                print(record["error"], file=sys.stderr)
-            finish(cfg, record)
-        return sched.done
-
-    def worker(index: int) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if torch.cuda.is_available():
-            env["CUDA_VISIBLE_DEVICES"] = str(index)
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", str(index),
-                                 "--gpus", str(workers)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
-        try:
-            while (cfg := sched.next()) is not None:
-                proc.stdin.write(json.dumps({"cfg": cfg, "args": training_args(args)}) + "\n")
-                proc.stdin.flush()
-                record = None
-                for line in proc.stdout:
-                    if line.startswith(RESULT_TAG):
-                        record = json.loads(line[len(RESULT_TAG):])
-                        break
-                    sys.stdout.write(line)
-                if record is None:
-                    record = {**cfg, "label": label(cfg), "error": f"worker {index} exited", "diverged": True}
-                    finish(cfg, record)
-                    return
-                record["worker"] = index
-                finish(cfg, record)
-        finally:
-            if proc.stdin and not proc.stdin.closed:
-                proc.stdin.close()
-            proc.wait()
-
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sched.done
-
-
-def worker_main(index: int, workers: int) -> None:
-    """Read one JSON job per stdin line, answer one RESULT line per job."""
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-    for line in sys.stdin:
-        job = json.loads(line)
-        args = argparse.Namespace(**job["args"])
-        cfg = job["cfg"]
-        try:
-            record = run_one(cfg, args, log=lambda msg: print(f"[worker {index}] {msg}", flush=True))
-        except Exception:
-            record = {**cfg, "label": label(cfg), "error": traceback.format_exc(), "diverged": True}
-            print(record["error"], flush=True)
-        print(RESULT_TAG + json.dumps(record), flush=True)
+    def finish(self, records: list[dict], seconds: float) -> None:
+        self.done.extend(records)
+        self.pack_seconds.append(seconds)
 
 
 # ------------------------------------------------------------------------------------------------
 # Reporting.
 
 
-def best_per_family(runs: list[dict]) -> dict[str, dict]:
-    best: dict[str, dict] = {}
-    for r in runs:
-        if r.get("diverged") or "error" in r or not math.isfinite(r.get("final_val_loss", float("nan"))):
+def family_summary(runs: list[dict]) -> dict[str, dict]:
+    """Per family: its best lr, the runs there (all seeds), their mean final loss and timings."""
+    out = {}
+    for fam in dict.fromkeys(r["family"] for r in runs):
+        found = best_lr(runs, fam)
+        if found is None:
             continue
-        if r["family"] not in best or r["final_val_loss"] < best[r["family"]]["final_val_loss"]:
-            best[r["family"]] = r
-    return best
-
-
-def family_order(fam: str) -> tuple:
-    order = {"dion3:f=0.5": 0, "dion3:f=0.25": 1, "dion3:f=0.125": 2, "dion3:f=auto": 3,
-             "dion3:f=0.25:aux=torch": 4, "normuon": 5, "muon": 6, "adamw": 7}
-    return (order.get(fam, 9), fam)
-
-
-def verdicts(runs: list[dict]) -> list[str]:
-    best = best_per_family(runs)
-    out = []
-    d, m, a = best.get("dion3:f=0.25"), best.get("muon"), best.get("adamw")
-    if d and m and a:
-        ok = d["final_val_loss"] <= m["final_val_loss"] and d["final_val_loss"] < a["final_val_loss"]
-        out.append(f"target (Dion3 f=1/4 val <= Muon's and < AdamW's): {'MET' if ok else 'MISSED'} "
-                   f"(Dion3 f=1/4 {d['final_val_loss']:.4f}, Muon {m['final_val_loss']:.4f} "
-                   f"[{d['final_val_loss'] - m['final_val_loss']:+.4f}], AdamW {a['final_val_loss']:.4f} "
-                   f"[{d['final_val_loss'] - a['final_val_loss']:+.4f}])")
-    auto = best.get("dion3:f=auto")
-    fixed = [best[k] for k in ("dion3:f=0.5", "dion3:f=0.25", "dion3:f=0.125") if k in best]
-    if auto and fixed:
-        def median_step(fam: str) -> float:  # one run's step time is noisy: the median over the family's runs
-            return statistics.median(r["step_ms"] for r in runs if r["family"] == fam and "error" not in r
-                                     and not r.get("diverged"))
-
-        auto_ms = median_step(auto["family"])
-        for what, ref in (("best-loss", min(fixed, key=lambda r: r["final_val_loss"])),
-                          ("fastest", min(fixed, key=lambda r: median_step(r["family"])))):
-            ref_ms = median_step(ref["family"])
-            out.append(f"auto vs the {what} fixed f ({ref['label']}): val {auto['final_val_loss']:.4f} vs "
-                       f"{ref['final_val_loss']:.4f} ({auto['final_val_loss'] - ref['final_val_loss']:+.4f}); step ms "
-                       f"(median over each one's runs) {auto_ms:.2f} vs {ref_ms:.2f} ({100 * (auto_ms / ref_ms - 1):+.1f}%)")
+        lr, edge = found
+        at_best = [r for r in runs if r["family"] == fam and r["lr"] == lr and ok(r)]
+        same = [r for r in runs if r["family"] == fam and ok(r)]
+        out[fam] = {
+            "label": at_best[0]["label"], "lr": lr, "edge": edge, "lrs": len(lr_table(runs, fam)),
+            "finals": [r["final_val_loss"] for r in sorted(at_best, key=lambda r: r["seed"])],
+            "final": statistics.fmean(r["final_val_loss"] for r in at_best),
+            "opt_ms": statistics.median(r["opt_ms"] for r in same), "runs": at_best,
+            "step_ms": statistics.median(r.get("forward_backward_ms", math.nan) + r["opt_ms"] for r in same),
+        }
     return out
 
 
+def sort_key(fam: str) -> tuple:
+    order = {"dion3": 0, "normuon": 1, "muon": 2, "adamw": 3}
+    opt = fam.split(":")[0]
+    f = fam.split(":")[1][2:] if opt == "dion3" else "1"
+    return (order[opt], -(float(f) if f != "auto" else 0), fam)
+
+
 def format_tables(result: dict) -> str:
-    runs = result["runs"]
-    lines = ["best lr per optimizer (* best lr at the edge of the lrs tried; 'all': median over the lrs' runs):",
-             f"{'optimizer':<42}{'best lr':>10}{'final val':>11}{'opt ms':>9}{'step ms':>9}{'opt share':>11}"
-             f"{'opt ms all':>12}{'step ms all':>13}{'runs':>6}"]
-    for fam, r in sorted(best_per_family(runs).items(), key=lambda kv: family_order(kv[0])):
-        same = [x for x in runs if x["family"] == fam and "error" not in x and not x.get("diverged")]
-        lrs = [x["lr"] for x in same]
-        edge = "*" if len(set(lrs)) > 1 and r["lr"] in (min(lrs), max(lrs)) else " "
-        lines.append(f"{r['label']:<42}{r['lr']:>9g}{edge}{r['final_val_loss']:>11.4f}{r['opt_ms']:>9.2f}"
-                     f"{r['step_ms']:>9.2f}{100 * r['opt_share']:>10.1f}%"
-                     f"{statistics.median(x['opt_ms'] for x in same):>12.2f}"
-                     f"{statistics.median(x['step_ms'] for x in same):>13.2f}{len(same):>6}")
-    lines += ["", "all runs:", f"{'config':<36}{'final val':>11}{'opt ms':>9}{'step ms':>9}{'tokens':>12}"]
-    for r in sorted(runs, key=lambda r: (family_order(r["family"]), r["lr"] if r["lr"] != "best" else 0)):
-        if "error" in r:
-            lines.append(f"{r['name']:<36}  error: {r['error'].strip().splitlines()[-1]}")
+    runs, meta = result["runs"], result["meta"]
+    summary = family_summary(runs)
+    muon = summary.get("muon")
+    lines = [f"{meta['params'] / 1e6:.2f}M params ({meta['matrix_params'] / 1e6:.2f}M in block matrices), "
+             f"{meta['tokens_per_run'] / 1e6:.1f}M tokens per run ({meta['tokens_per_run'] / meta['params']:.1f} per "
+             f"parameter), corpus {meta['corpus_bytes']:,} bytes sha256 {meta['corpus_sha256'][:16]}",
+             "best lr per family (* at an edge of the lrs tried); final = mean over the seeds at that lr; "
+             "opt ms: median over the family's runs; step ms: that of one model alone (its forward+backward+clip, "
+             "measured once per invocation, + opt ms)",
+             f"{'family':<58}{'lr':>9} {'final':>8}{'vs Muon':>9}  {'seeds':<17}{'opt ms':>8}{'step ms':>9}"
+             f"{'opt vs Muon':>12}{'lrs':>5}"]
+    for fam in sorted(summary, key=sort_key):
+        s = summary[fam]
+        vs = f"{s['final'] - muon['final']:+.4f}" if muon else ""
+        ratio = f"{muon['opt_ms'] / s['opt_ms']:.2f}x" if muon and s["opt_ms"] > 0 else ""
+        step = f"{s['step_ms']:.1f}" if math.isfinite(s["step_ms"]) else ""
+        seeds = "/".join(f"{v:.4f}" for v in s["finals"])
+        lines.append(f"{s['label'][:57]:<58}{s['lr']:>8g}{'*' if s['edge'] else ' '} {s['final']:>8.4f}{vs:>9}  "
+                     f"{seeds:<17}{s['opt_ms']:>8.2f}{step:>9}{ratio:>12}{s['lrs']:>5}")
+    lines += ["", "lr sweep (final validation loss, mean over seeds; x: diverged):"]
+    for fam in sorted(summary, key=sort_key):
+        table = lr_table(runs, fam)
+        cells = [f"{lr:g}: " + ("x" if not math.isfinite(statistics.fmean(v)) else f"{statistics.fmean(v):.4f}")
+                 + (f" ({len(v)} seeds)" if len(v) > 1 else "") for lr, v in sorted(table.items())]
+        lines.append(f"  {summary[fam]['label'][:60]:<62}" + ", ".join(cells))
+    lines += [""] + verdicts(summary)
+    return "\n".join(line for line in lines if line is not None)
+
+
+def verdicts(summary: dict[str, dict]) -> list[str]:
+    muon = summary.get("muon")
+    if not muon:
+        return ["no Muon run: no targets checked"]
+    out = []
+    for f, allowed in TARGETS.items():
+        fams = [s for fam, s in summary.items() if fam.startswith(f"dion3:f={f}")]
+        if not fams:
             continue
-        lines.append(f"{r['name']:<36}{r['final_val_loss']:>11.4f}{r['opt_ms']:>9.2f}{r['step_ms']:>9.2f}"
-                     f"{r['tokens']:>12d}" + ("  diverged" if r["diverged"] else ""))
-    lines += [""] + verdicts(runs)
-    return "\n".join(lines)
+        best = min(fams, key=lambda s: s["final"])
+        gap = best["final"] - muon["final"]
+        out.append(f"target f={fraction_text(f)} within {allowed} of Muon: {'MET' if gap <= allowed else 'MISSED'} "
+                   f"({best['label']}: {best['final']:.4f} vs {muon['final']:.4f}, {gap:+.4f}; seeds "
+                   f"{len(best['finals'])}/{len(muon['finals'])}; optimizer {muon['opt_ms'] / best['opt_ms']:.2f}x "
+                   "less time than Muon's)")
+    autos = [s for fam, s in summary.items() if fam.startswith("dion3:f=auto")]
+    if autos:
+        best = min(autos, key=lambda s: s["final"])
+        gap = best["final"] - muon["final"]
+        out.append(f"target auto at or below Muon: {'MET' if gap <= 0 else 'MISSED'} ({best['label']}: "
+                   f"{best['final']:.4f}, {gap:+.4f})")
+    return out
 
 
-def plot(result: dict, png: str) -> bool:
+def plot(result: dict, png: str, families: list[str] | None = None) -> bool:
     try:
         import matplotlib
-        import matplotlib.ticker
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print("matplotlib not importable: no plot (use --plot-only JSON later)", file=sys.stderr)
         return False
-    best = best_per_family(result["runs"])
-    fams = sorted(best, key=family_order)
-    tokens_per_step = result["meta"]["tokens_per_step"]
-    fig, axes = plt.subplots(1, 3, figsize=(18, 5.2))
-    all_fams = sorted({r["family"] for r in result["runs"]}, key=family_order)
-    color = {fam: f"C{i}" for i, fam in enumerate(all_fams)}
-    for fam in fams:
-        r = best[fam]
-        lab = f"{r['label']}, lr {r['lr']:g}"
-        steps, vals = zip(*r["val_loss"])
-        axes[0].plot([s * tokens_per_step / 1e6 for s in steps], vals, marker="o", ms=3, label=lab, color=color[fam])
-        train = torch.tensor(r["train_loss"])
-        k = max(1, len(train) // 50)
-        smooth = train.unfold(0, k, 1).mean(-1) if len(train) >= k else train
-        axes[1].plot([(i + k) * tokens_per_step / 1e6 for i in range(len(smooth))], smooth.tolist(), label=lab,
-                     color=color[fam])
-    lrs = set()
-    for fam in all_fams:
-        pts = sorted((r["lr"], r["final_val_loss"]) for r in result["runs"]
-                     if r["family"] == fam and "error" not in r and not r.get("diverged"))
-        if len(pts) > 1:
-            axes[2].plot(*zip(*pts), marker="o", label=best[fam]["label"] if fam in best else fam, color=color[fam])
-            lrs.update(lr for lr, _ in pts)
-    axes[0].set(title="validation loss (best lr each)", xlabel="tokens (M)", ylabel="loss (nats/byte)")
-    axes[1].set(title="train loss (moving mean)", xlabel="tokens (M)")
-    axes[2].set(title="lr sweep: final validation loss", xlabel="lr", xscale="log")
-    for ax in axes[:2]:
-        lo = min((min(line.get_ydata()) for line in ax.lines), default=0)
-        ax.set_ylim(lo - 0.1, lo + 1.3)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    axes[2].grid(alpha=0.3)
-    if lrs:
-        axes[2].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        axes[2].set_xticks(sorted(lrs), [f"{lr:g}" for lr in sorted(lrs)], rotation=45, fontsize=8)
-    if axes[2].lines:
-        axes[2].legend(fontsize=8)
-    else:
-        axes[2].text(0.5, 0.5, "no lr sweep", ha="center", transform=axes[2].transAxes)
     meta = result["meta"]
-    fig.suptitle(f"{meta['params'] / 1e6:.1f}M-param byte GPT, {meta['tokens_per_run'] / 1e6:.1f}M tokens per run, "
-                 f"{meta['device']}, torch {meta['torch']}")
+    summary = family_summary(result["runs"])
+    fams = [f for f in sorted(summary, key=sort_key) if not families or f in families]
+    tokens_per_step = meta["tokens_per_step"]
+    fig, axes = plt.subplots(1, 3, figsize=(19, 5.6))
+    colors = plt.get_cmap("tab20").colors
+    finals, lrs = [], set()
+    for n, fam in enumerate(fams):
+        s = summary[fam]
+        curves = [r["val_loss"] for r in s["runs"]]
+        steps = [p[0] for p in curves[0]]
+        mean = [statistics.fmean(c[j][1] for c in curves) for j in range(len(steps))]
+        style = dict(color=colors[n % 20], marker="o", ms=2.5, lw=1.4,
+                     ls="--" if fam.split(":")[0] in ("muon", "adamw", "normuon") else "-")
+        lab = f"{s['label']}, lr {s['lr']:g} ({len(curves)} seed{'s' if len(curves) > 1 else ''}): {s['final']:.3f}"
+        axes[0].plot([st * tokens_per_step / 1e6 for st in steps], mean, label=lab, **style)
+        if math.isfinite(s["step_ms"]):
+            axes[1].plot([st * s["step_ms"] / 1e3 for st in steps], mean, **style)
+        finals.append(s["final"])
+        table = lr_table(result["runs"], fam)
+        if len(table) > 1:
+            pts = [(lr, statistics.fmean(v)) for lr, v in sorted(table.items()) if math.isfinite(statistics.fmean(v))]
+            axes[2].plot(*zip(*pts), color=colors[n % 20], marker="o", ls=style["ls"])
+            lrs.update(lr for lr, _ in pts)
+    if finals:
+        lo, hi = min(finals), max(finals)
+        for ax in axes:
+            ax.set_ylim(lo - 0.03, max(hi + 0.15, lo + 0.3))
+            ax.grid(alpha=0.3)
+    axes[0].set(title="validation loss vs tokens (best lr each; mean over seeds)", xlabel="tokens (M)",
+                ylabel="validation loss (nats/byte)")
+    axes[1].set(title="validation loss vs time (one model alone: fwd+bwd+clip + its optimizer)",
+                xlabel="seconds")
+    axes[2].set(title="lr sweep: final validation loss", xlabel="lr", xscale="log")
+    axes[2].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    axes[2].set_xticks(sorted(lrs), [f"{lr:g}" for lr in sorted(lrs)], rotation=45, fontsize=8)
+    axes[0].legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"{meta['params'] / 1e6:.1f}M-parameter byte GPT, {meta['tokens_per_run'] / 1e6:.0f}M tokens per run "
+                 f"({meta['tokens_per_run'] / meta['params']:.1f} per parameter), {meta['device']}, torch {meta['torch']}")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return True
 
 
-def merge_results(paths: list[str]) -> dict:
-    """One result from several runs of this script with the same training settings and corpus."""
-    results = []
+MERGE_KEYS = ("training", "corpus_sha256", "params")
+
+
+def load_results(paths: list[str]) -> dict | None:
+    """Several results of the same training settings and corpus as one (runs deduplicated by name)."""
+    merged = None
     for path in paths:
         with open(path) as fh:
-            results.append(json.load(fh))
-    merged = results[0]
-    if len(results) == 1:
-        return merged
-    keys = ("training", "corpus_sha256_16", "params")
-    for path, other in zip(paths[1:], results[1:]):
-        diff = [k for k in keys if other["meta"].get(k) != merged["meta"].get(k)]
+            result = json.load(fh)
+        result["runs"] = [r for r in result["runs"] if not r.get("partial")]  # a killed pack's curves so far
+        for r in result["runs"]:  # records written before they carried their invocation's timing
+            r.setdefault("forward_backward_ms", result["meta"].get("forward_backward_ms", math.nan))
+        if merged is None:
+            merged = result
+            merged["meta"]["commands"] = list(result["meta"].get("commands", [result["meta"]["command"]]))
+            continue
+        diff = [k for k in MERGE_KEYS if result["meta"].get(k) != merged["meta"].get(k)]
         if diff:
             raise SystemExit(f"{path}: differs from {paths[0]} in {diff}: not merged")
-    merged["meta"]["commands"] = [r["meta"]["command"] for r in results]
-    merged["meta"]["configs"] = [c for r in results for c in r["meta"]["configs"]]
-    merged["runs"] = [run for r in results for run in r["runs"]]
+        merged["meta"]["commands"] += result["meta"].get("commands", [result["meta"]["command"]])
+        names = {r["name"] for r in merged["runs"]}
+        merged["runs"] += [r for r in result["runs"] if r["name"] not in names]
     return merged
 
 
@@ -768,101 +640,127 @@ def write_json(result: dict, path: str) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", nargs="*", default=[], help="opt[:f=..][:lr=..][:wd=..] (added to --sweep's)")
-    p.add_argument("--sweep", action="store_true", help="3 lrs per optimizer, Dion3 at f 1/2, 1/4, 1/8, and auto")
-    p.add_argument("--no-auto", action="store_true", help="leave Dion3 fraction='auto' out of the sweep")
-    p.add_argument("--no-aux-variant", action="store_true",
-                   help="leave out the sweep's Dion3 f=1/4 run with torch AdamW for the non-matrix parameters")
+    p.add_argument("--configs", nargs="*", default=[], help="opt[:key=value]... (see the module docstring)")
+    p.add_argument("--extend", action="store_true", help="extend each family's lr grid (2x) until its best is interior")
+    p.add_argument("--max-lrs", type=int, default=6, help="at most this many lrs per family with --extend")
+    p.add_argument("--seeds", type=int, default=1, help="run each family's interior best lr with this many seeds")
     p.add_argument("--best-ref", default="dion3:f=0.25", help="the family whose best lr lr=best takes")
-    p.add_argument("--gpus", type=int, default=1, help="worker processes, one per GPU (CPU processes without CUDA)")
+    p.add_argument("--pack", type=int, default=8, help="models trained side by side")
+    p.add_argument("--merge", nargs="*", default=[], metavar="JSON", help="earlier results of the same settings")
     p.add_argument("--json", default=None, help="results (default convergence.json; with --plot-only: the merge)")
     p.add_argument("--png", default=None)
-    p.add_argument("--plot-only", nargs="+", default=None, metavar="JSON",
-                   help="plot and print the tables of finished runs; several files (same training settings) merge")
-    p.add_argument("--deadline-s", type=float, default=0, help="start no run that would end after this many seconds")
-    p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--plot-only", nargs="+", default=None, metavar="JSON", help="tables and plot of finished runs")
+    p.add_argument("--plot-families", nargs="*", default=None, help="only these families in the plot")
+    p.add_argument("--deadline-s", type=float, default=0, help="start no pack that would end after this many seconds")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--ffn", type=int, default=2560)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--max-bytes", type=int, default=64 << 20)
-    p.add_argument("--val-frac", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data-seed", type=int, default=1234)
+    p.add_argument("--size", choices=sorted(SIZES), default="small")
+    for key in ("layers", "hidden", "heads", "ffn", "seq", "batch"):
+        p.add_argument(f"--{key}", type=int, default=None, help=f"overrides --size's {key}")
+    p.add_argument("--steps", type=int, default=None, help="default: --tokens-per-param tokens per parameter")
+    p.add_argument("--tokens-per-param", type=float, default=10.0)
+    p.add_argument("--max-corpus-bytes", type=int, default=None, help="read at most this much (tests)")
+    p.add_argument("--corpus-root", nargs="*", default=None, help="read these folders instead of the installation's")
+    p.add_argument("--seed", type=int, default=0, help="base seed of the initial weights")
     p.add_argument("--aux-lr", type=float, default=3e-3, help="AdamW lr of embedding, head and norms (every run)")
     p.add_argument("--aux-wd", type=float, default=0.0)
     p.add_argument("--warmup-frac", type=float, default=0.05)
     p.add_argument("--final-lr-frac", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--no-bf16", dest="bf16", action="store_false")
-    p.add_argument("--eval-every", type=int, default=0, help="0: steps / 5")
-    p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--eval-every", type=int, default=0, help="0: steps / 10")
+    p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--timing-warmup", type=int, default=10)
+    p.add_argument("--timing-steps", type=int, default=30, help="steps of the one-model forward/backward timing")
+    p.add_argument("--profile", action="store_true", help="print the kernels of the one-model timing steps")
     return p
+
+
+TRAINING_KEYS = ("layers", "hidden", "heads", "ffn", "seq", "batch", "steps", "seed", "aux_lr", "aux_wd",
+                 "warmup_frac", "final_lr_frac", "clip", "bf16", "eval_every", "eval_batches")
+
+
+def resolve_size(args) -> None:
+    for key, value in SIZES[args.size].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.steps is None:
+        params = sum(p.numel() for p in GPT(**model_config(args)).parameters())
+        args.steps = math.ceil(args.tokens_per_param * params / (args.batch * args.seq))
 
 
 def main(argv: list[str] | None = None) -> dict | None:
     args = parser().parse_args(argv)
-    if args.worker is not None:
-        worker_main(args.worker, args.gpus)
-        return None
     if args.plot_only:
-        result = merge_results(args.plot_only)
+        result = load_results(args.plot_only)
         if args.json:
             write_json(result, args.json)
         print(format_tables(result))
         if args.png:
-            plot(result, args.png)
+            plot(result, args.png, args.plot_families)
         return result
-    with_auto = args.sweep and not args.no_auto and auto_available()
-    if args.sweep and not args.no_auto and not with_auto:
-        print("Dion3(fraction='auto') is not available here: the sweep runs without it", file=sys.stderr)
-    texts = (sweep_configs(with_auto, not args.no_aux_variant) if args.sweep else []) + args.configs
-    if not texts:
-        raise SystemExit("nothing to run: give --sweep or --configs")
-    configs = [parse_config(t) for t in texts]
-    data = load_data(args)
+    configs = [parse_config(t) for t in args.configs]
+    if not configs:
+        raise SystemExit("nothing to run: give --configs")
+    resolve_size(args)
+    need = args.steps * args.batch * args.seq + args.batch
+    t = time.perf_counter()
+    roots = [Path(r) for r in args.corpus_root] if args.corpus_root else None
+    corpus = corpus_lib.build(min_bytes=need, roots=roots, max_bytes=args.max_corpus_bytes)
+    corpus_lib.val_starts(len(corpus.val), args.seq, args.eval_batches * args.batch)  # a usable held-out split
     model = GPT(**model_config(args))
     matrices, others = split_params(model)
     n_params = sum(p.numel() for p in model.parameters())
-    del model
     device = torch.device(args.device)
-    result = {
-        "meta": {
-            "date": datetime.date.today().isoformat(),
-            "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-            "device": device_name(device) if device.type == "cpu" or torch.cuda.is_available() else args.device,
-            "gpus": args.gpus, "params": n_params, "matrix_params": sum(p.numel() for p in matrices),
-            "other_params": sum(p.numel() for p in others), "model": model_config(args),
-            "tokens_per_step": args.batch * args.seq, "tokens_per_run": args.steps * args.batch * args.seq,
-            "corpus_bytes": data["bytes"], "corpus_sha256_16": data["sha256"],
-            "train_bytes": len(data["train"]), "val_bytes": len(data["val"]),
-            "val_tokens": args.eval_batches * args.batch * args.seq,
-            "training": training_args(args), "configs": texts, "auto_in_sweep": with_auto,
-            "lr_grid": {k: list(v) for k, v in SWEEP_LRS.items()},
-        },
-        "runs": [],
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "device": device_name(device), "params": n_params, "matrix_params": sum(p.numel() for p in matrices),
+        "other_params": sum(p.numel() for p in others), "size": args.size,
+        "tokens_per_step": args.batch * args.seq, "tokens_per_run": args.steps * args.batch * args.seq,
+        "corpus_bytes": corpus.bytes, "corpus_files": corpus.files, "corpus_sha256": corpus.sha256,
+        "train_bytes": len(corpus.train), "val_bytes": len(corpus.val),
+        "val_tokens": args.eval_batches * args.batch * args.seq, "training": {k: getattr(args, k) for k in TRAINING_KEYS},
     }
-    print(f"{n_params / 1e6:.2f}M params ({sum(p.numel() for p in matrices) / 1e6:.2f}M in block matrices), "
-          f"{result['meta']['tokens_per_run'] / 1e6:.2f}M tokens per run, corpus {data['bytes']} bytes, "
-          f"{len(configs)} runs on {args.gpus} worker(s)", flush=True)
+    print(f"corpus: {corpus.bytes:,} bytes in {corpus.files} files ({time.perf_counter() - t:.0f} s), sha256 "
+          f"{corpus.sha256[:16]}; {n_params / 1e6:.2f}M params, {meta['tokens_per_run'] / 1e6:.1f}M tokens per run "
+          f"({args.steps} steps)", flush=True)
+    earlier = load_results(args.merge) if args.merge else None
+    if earlier:
+        diff = [k for k in MERGE_KEYS if earlier["meta"].get(k) != meta.get(k)]
+        if diff:
+            raise SystemExit(f"--merge: the earlier results differ from this run in {diff}")
+    result = {"meta": meta, "runs": list(earlier["runs"]) if earlier else []}
+    meta["commands"] = (earlier["meta"]["commands"] if earlier else []) + [meta["command"]]
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
 
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            measure_forward_backward(args, corpus)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total",
+                                        row_limit=25, max_name_column_width=60))
+    meta["forward_backward_ms"] = args.forward_backward_ms = measure_forward_backward(args, corpus)
+    print(f"one model's forward+backward+clip: {args.forward_backward_ms:.2f} ms", flush=True)
     path = args.json or "convergence.json"
+    sched = Scheduler(configs, args, result["runs"])
+    while pack := sched.next_pack():
+        t = time.perf_counter()
+        def partial(records: list[dict]) -> None:
+            result["runs"] = sched.done + records
+            write_json(result, path)
 
-    def on_record(done):
-        result["runs"] = list(done)
+        try:
+            records = run_pack(pack, args, corpus, on_eval=partial)
+        except Exception:
+            error = traceback.format_exc()
+            print(error, file=sys.stderr)
+            records = [{**c, "label": label(c), "error": error, "diverged": True} for c in pack]
+        sched.finish(records, time.perf_counter() - t)
+        result["runs"] = sched.done
         write_json(result, path)
-
-    run_all(configs, args, on_record)
-    write_json(result, path)
     print(format_tables(result))
     if args.png:
-        plot(result, args.png)
+        plot(result, args.png, args.plot_families)
     return result
 
 
