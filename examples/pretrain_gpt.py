@@ -35,6 +35,7 @@ import time
 import torch
 
 from dion3_megatron.corpus import stdlib_bytes
+from dion3_megatron.rule import Dion3Hyperparameters
 
 CPU_DEFAULTS = dict(layers=4, hidden=128, heads=4, ffn=352, seq_length=128, global_batch=16, steps=400)
 GPU_DEFAULTS = dict(layers=8, hidden=512, heads=8, ffn=1408, seq_length=512, global_batch=64, steps=1000)
@@ -75,9 +76,9 @@ def parse_args(argv=None):
                    help="the AdamW run; embeddings and output layer in every run (Megatron's --decoupled-lr)")
     o.add_argument("--weight-decay", type=float, default=0.01)
     o.add_argument("--clip-grad", type=float, default=1.0)
-    o.add_argument("--dion3-fraction", default="auto",
-                   help="Dion3's f: in (0, 1], or 'auto' (the default: chosen per matrix from its shape and this "
-                        "machine's speed; it beat every fixed f on loss at equal time in docs/benchmarks.md)")
+    o.add_argument("--dion3-fraction", default=str(Dion3Hyperparameters.fraction),
+                   help="Dion3's f: in (0, 1] (default: the library's, %(default)s), or 'auto' (chosen per matrix "
+                        "from its shape and this machine's speed)")
     d = p.add_argument_group("data (default: the Python standard library's sources, byte-level)")
     d.add_argument("--text-file", help="train on this text file, byte-level (vocab 256)")
     d.add_argument("--data-path", help="Megatron indexed dataset prefix (PREFIX.bin / PREFIX.idx)")

@@ -58,7 +58,7 @@ def test_registered_parser_accepts_dion3_flags():
     assert args.dion3_scale_mu_by_fraction is True and args.dion3_cuda_graph is False
     assert _megatron_parser().parse_args(["--optimizer", "dion3", "--dion3-fraction", "auto"]).dion3_fraction == "auto"
     defaults = _megatron_parser().parse_args([])
-    assert (defaults.dion3_fraction, defaults.dion3_mu, defaults.dion3_beta2) == (0.25, 0.95, 0.95)
+    assert (defaults.dion3_fraction, defaults.dion3_mu, defaults.dion3_beta2) == (0.25, 0.6, 0.95)
     assert defaults.dion3_split_qkv and defaults.dion3_split_glu and defaults.dion3_cuda_graph
     assert defaults.dion3_scale_mu_by_fraction is False
 

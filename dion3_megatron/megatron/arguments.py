@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..rule import ADJUST_LR_CHOICES, AUTO, NS_METHODS
+from ..rule import ADJUST_LR_CHOICES, AUTO, NS_METHODS, Dion3Hyperparameters
 
 OPTIMIZER_NAME = "dion3"
 SELECTION_SCOPES = ("global", "local")
@@ -17,15 +17,15 @@ SELECTION_SCOPES = ("global", "local")
 # (flag, OptimizerConfig / args attribute, default) for every Dion3 option; the single source of
 # truth for the argparse group, the config fields and the optimizer kwargs.
 DION3_DEFAULTS = {
-    "dion3_fraction": 0.25,
-    "dion3_mu": 0.95,
-    "dion3_beta2": 0.95,
-    "dion3_eps": 1e-8,
-    "dion3_adjust_lr": "spectral_norm",
+    "dion3_fraction": Dion3Hyperparameters.fraction,
+    "dion3_mu": Dion3Hyperparameters.mu,
+    "dion3_beta2": Dion3Hyperparameters.beta2,
+    "dion3_eps": Dion3Hyperparameters.eps,
+    "dion3_adjust_lr": Dion3Hyperparameters.adjust_lr,
     "dion3_selection_scope": "global",
     "dion3_ns": "gram",
-    "dion3_scale_lr_by_fraction": False,
-    "dion3_scale_mu_by_fraction": False,
+    "dion3_scale_lr_by_fraction": Dion3Hyperparameters.scale_lr_by_fraction,
+    "dion3_scale_mu_by_fraction": Dion3Hyperparameters.scale_mu_by_fraction,
     "dion3_cuda_graph": True,
     "dion3_split_qkv": True,
     "dion3_split_glu": True,
