@@ -89,8 +89,10 @@ def pack_logits(members: list[GPT], idx: torch.Tensor) -> torch.Tensor:
     k_count, batch, t = idx.shape
     heads = first.heads
     stack = lambda get: torch.stack([get(m) for m in members])  # noqa: E731
-    embed = stack(lambda m: m.embed)
-    x = embed[torch.arange(k_count, device=idx.device).view(-1, 1, 1), idx].view(k_count, batch * t, -1)
+    # One lookup in the members' stacked tables through F.embedding, whose backward is a sorted
+    # segment sum: advanced indexing's backward (index_put) took 17% of a step's GPU time on an H200.
+    offsets = torch.arange(k_count, device=idx.device).view(-1, 1, 1) * VOCAB
+    x = F.embedding(idx + offsets, stack(lambda m: m.embed).view(k_count * VOCAB, -1)).view(k_count, batch * t, -1)
     d = x.shape[-1]
     cos, sin = first.cos[:t], first.sin[:t]
     for layer in range(len(first.blocks)):
