@@ -176,20 +176,23 @@ class Dion3(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         index = len(self.param_groups)
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        where = f"param group {index}"
+        self._check_group(f"param group {index}", self.param_groups[-1])
+
+    @classmethod
+    def _check_group(cls, where: str, group: dict) -> None:
+        """Raise ValueError naming the setting and its value when a group's settings are invalid
+        for its parameters (at construction, and on a checkpoint's groups before loading them)."""
         if group["algorithm"] not in (None, *ALGORITHMS):
             raise ValueError(f"{where}: algorithm must be one of {ALGORITHMS} or absent, got {group['algorithm']!r}")
         betas = group["betas"]
-        if not (len(betas) == 2 and all(0 <= b < 1 for b in betas)):
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(rule.is_real(b) and 0 <= b < 1 for b in betas)):
             raise ValueError(f"{where}: betas must be two values in [0, 1), got {betas!r}")
         rule.check_hyperparameters(where, **{k: group[k] for k in Dion3Hyperparameters.__dataclass_fields__})
-        if group["algorithm"] == "dion3":
-            for p in group["params"]:
-                if p.dim() < 2:
-                    raise ValueError(
-                        f"{where}: algorithm 'dion3' needs tensors with >= 2 dims, got shape {tuple(p.shape)}"
-                    )
+        for i, p in enumerate(group["params"]):
+            if group["algorithm"] == "dion3" and p.dim() < 2:
+                raise ValueError(f"{where}: algorithm 'dion3' needs tensors with >= 2 dims, got shape {tuple(p.shape)}")
+            if cls.algorithm_of(group, p) == "dion3":
+                rule.check_num_heads(where, group["num_heads"], matrix_shape(p)[0], f"param {i} (shape {tuple(p.shape)})")
 
     @staticmethod
     def algorithm_of(group: dict, p: torch.Tensor) -> str:
@@ -260,6 +263,8 @@ class Dion3(torch.optim.Optimizer):
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"checkpoint has {len(groups)} param groups, the optimizer has {len(self.param_groups)}")
+        for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
+            self._check_group(f"param group {gi}", {**mine, **{k: v for k, v in saved.items() if k != "params"}})
         new_state: dict[torch.Tensor, dict] = {}
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
             if len(mine["params"]) != len(saved["params"]):

@@ -123,6 +123,25 @@ def test_load_state_dict_rejects_foreign_state(generator):
         _megatron(params, names, selection="nearby")
 
 
+@pytest.mark.parametrize("key, value", [("fraction", 5), ("lr", float("inf")), ("scale_lr_by_fraction", "false")])
+def test_load_state_dict_rejects_bad_group_settings_before_anything_changes(key, value, generator):
+    params, names = _params(generator)
+    opt = _megatron(params, names)
+    for p, g in zip(params, _grads(generator, params, 1)[0]):
+        p.grad = g
+    opt.step()
+    sd = opt.state_dict()
+    before = {i: {k: v.clone() for k, v in state.items()} for i, state in sd["state"].items()}
+    sd["param_groups"][0][key] = value
+    sd["state"][0]["momentum"] = torch.zeros_like(sd["state"][0]["momentum"])
+    with pytest.raises(ValueError, match=f"param group 0: {key} must be .*, got {value!r}"):
+        opt.load_state_dict(sd)
+    assert opt.param_groups[0][key] != value
+    for i, state in opt.state_dict()["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, before[i][k]), (i, k)
+
+
 def test_non_finite_gradient_skips_the_step(generator):
     params, names = _params(generator)
     opt = _megatron(params, names)

@@ -207,6 +207,14 @@ def test_dion3_lowers_the_loss_of_a_small_model(generator):
         (dict(ns_method="svd"), "ns_method"),
         (dict(betas=(0.9, 1.2)), "betas"),
         (dict(weight_decay=-1.0), "weight_decay"),
+        (dict(lr=float("inf")), "lr must be a finite number >= 0, got inf"),
+        (dict(lr=float("nan")), "lr must be a finite number >= 0, got nan"),
+        (dict(weight_decay=float("inf")), "weight_decay must be a finite number >= 0, got inf"),
+        (dict(eps=float("inf")), "eps must be a finite number > 0, got inf"),
+        (dict(fraction=True), "fraction must be in \\(0, 1\\] or 'auto', got True"),
+        (dict(mu=False), "mu must be in \\[0, 1\\), got False"),
+        (dict(num_heads=True), "num_heads must be None or a positive int, got True"),
+        (dict(num_heads=3), "num_heads=3 does not divide the 4 rows of param 0 \\(shape \\(4, 4\\)\\)"),
     ],
 )
 def test_bad_hyperparameters_are_refused(kwargs, match):
@@ -223,6 +231,28 @@ def test_bad_groups_are_refused():
         Dion3([{"params": [b], "algorithm": "dion3"}])
     with pytest.raises(ValueError, match="param group 1: fraction"):
         Dion3([{"params": [w]}, {"params": [b], "fraction": 2}])
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("fraction", 5, "param group 0: fraction must be in \\(0, 1\\] or 'auto', got 5"),
+    ("algorithm", "bogus", "param group 1: algorithm must be one of \\('dion3', 'adamw'\\) or absent, got 'bogus'"),
+    ("lr", float("inf"), "param group 1: lr must be a finite number >= 0, got inf"),
+    ("betas", (0.9, 1.5), "param group 1: betas must be two values in \\[0, 1\\), got \\(0.9, 1.5\\)"),
+    ("num_heads", 5, "param group 0: num_heads=5 does not divide the 48 rows of param 0"),
+])
+def test_checkpoint_with_bad_group_settings_is_refused_before_anything_changes(key, value, match, generator):
+    model, opt = make_model_and_optimizer()
+    train(model, opt, random_batches(generator, 1))
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0 if key in ("fraction", "num_heads") else 1][key] = value
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for pid, state in before["state"].items():
+        for name, tensor in state.items():
+            assert torch.equal(tensor, after["state"][pid][name]), (pid, name)
 
 
 def test_sparse_gradient_is_refused():

@@ -39,7 +39,7 @@ from .. import rule
 from ..optimizer import announce_skipped_step, finite_on_every_rank
 from ..megabatch import Dion3Engine, MatrixShard, Sharding
 from ..rule import Dion3Hyperparameters
-from .arguments import DION3_DEFAULTS, SELECTION_SCOPES
+from .arguments import DION3_DEFAULTS, SELECTION_SCOPES, check_dion3_values
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +176,11 @@ def describe_model(
 # The optimizer.
 
 
+# The Dion3 settings a param group carries (Megatron's groups add their own keys beside them).
+_GROUP_SETTINGS = ("lr", "fraction", "mu", "beta2", "weight_decay", "eps", "adjust_lr", "scale_lr_by_fraction",
+                   "scale_mu_by_fraction", "ns_method", "ns_dtype")
+
+
 class MegatronDion3(torch.optim.Optimizer):
     """Dion3 for the 2-D hidden matrices of a Megatron-Core model (any TP / PP / EP / DP).
 
@@ -218,16 +223,13 @@ class MegatronDion3(torch.optim.Optimizer):
     ) -> None:
         if selection not in SELECTION_SCOPES:
             raise ValueError(f"selection must be one of {SELECTION_SCOPES}, got {selection!r}")
-        rule.check_hyperparameters(
-            "MegatronDion3", lr=lr, fraction=fraction, mu=mu, beta2=beta2, weight_decay=weight_decay, eps=eps,
-            adjust_lr=adjust_lr, scale_lr_by_fraction=scale_lr_by_fraction,
-            scale_mu_by_fraction=scale_mu_by_fraction, ns_method=ns_method, ns_dtype=ns_dtype,
-        )
-        if not isinstance(cuda_graph, bool):
-            raise ValueError(f"MegatronDion3: cuda_graph must be a bool, got {cuda_graph!r}")
         defaults = dict(lr=lr, weight_decay=weight_decay, fraction=fraction, mu=mu, beta2=beta2, eps=eps,
                         adjust_lr=adjust_lr, scale_lr_by_fraction=scale_lr_by_fraction,
                         scale_mu_by_fraction=scale_mu_by_fraction, ns_method=ns_method, ns_dtype=ns_dtype)
+        rule.check_hyperparameters("MegatronDion3", **defaults)
+        for name, value in (("cuda_graph", cuda_graph), ("split_qkv", split_qkv), ("split_glu", split_glu)):
+            if not isinstance(value, bool):
+                raise ValueError(f"MegatronDion3: {name} must be a bool, got {value!r}")
         super().__init__(params, defaults)
         self.selection = selection
         self.cuda_graph = cuda_graph
@@ -266,12 +268,7 @@ class MegatronDion3(torch.optim.Optimizer):
         return layout
 
     def _hp(self, group: dict) -> Dion3Hyperparameters:
-        return Dion3Hyperparameters(
-            lr=group["lr"], fraction=group["fraction"], mu=group["mu"], beta2=group["beta2"],
-            weight_decay=group["weight_decay"], eps=group["eps"], adjust_lr=group["adjust_lr"],
-            scale_lr_by_fraction=group["scale_lr_by_fraction"], scale_mu_by_fraction=group["scale_mu_by_fraction"],
-            ns_method=group["ns_method"], ns_dtype=group["ns_dtype"],
-        )
+        return Dion3Hyperparameters(**{k: group[k] for k in _GROUP_SETTINGS})
 
     # -------------------------------------------------------------------------------------------
     # Shards and engine.
@@ -422,6 +419,9 @@ class MegatronDion3(torch.optim.Optimizer):
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"checkpoint has {len(groups)} param groups, the optimizer has {len(self.param_groups)}")
+        for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
+            merged = {**mine, **saved}
+            rule.check_hyperparameters(f"param group {gi}", **{k: merged[k] for k in _GROUP_SETTINGS})
         updates = []
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
             saved_ids = saved["params"]
@@ -514,6 +514,7 @@ def dion3_values(config=None) -> dict[str, Any]:
 def config_to_kwargs(config, model_chunks, pg_collection) -> dict[str, Any]:
     """Megatron ``OptimizerConfig`` -> :class:`MegatronDion3` constructor kwargs."""
     v = dion3_values(config)
+    check_dion3_values(v, "Megatron optimizer config")
     return dict(
         lr=config.lr if config.lr is not None else 0.01,
         weight_decay=config.weight_decay,
@@ -522,13 +523,13 @@ def config_to_kwargs(config, model_chunks, pg_collection) -> dict[str, Any]:
         beta2=v["dion3_beta2"],
         eps=v["dion3_eps"],
         adjust_lr=v["dion3_adjust_lr"],
-        scale_lr_by_fraction=bool(v["dion3_scale_lr_by_fraction"]),
-        scale_mu_by_fraction=bool(v["dion3_scale_mu_by_fraction"]),
-        cuda_graph=bool(v["dion3_cuda_graph"]),
+        scale_lr_by_fraction=v["dion3_scale_lr_by_fraction"],
+        scale_mu_by_fraction=v["dion3_scale_mu_by_fraction"],
+        cuda_graph=v["dion3_cuda_graph"],
         selection=v["dion3_selection_scope"],
         ns_method=v["dion3_ns"],
-        split_qkv=bool(v["dion3_split_qkv"]),
-        split_glu=bool(v["dion3_split_glu"]),
+        split_qkv=v["dion3_split_qkv"],
+        split_glu=v["dion3_split_glu"],
         model_chunks=model_chunks,
         pg_collection=pg_collection,
     )
