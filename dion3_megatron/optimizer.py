@@ -27,17 +27,28 @@ ALGORITHMS = ("dion3", "adamw")
 
 
 def matrix_view(t: torch.Tensor) -> torch.Tensor:
-    """View a >= 2-D tensor as a (B, rows, cols) batch: 2-D -> (1, r, c); 3-D as is; 4-D+ flattened."""
+    """View a >= 2-D tensor as a (B, rows, cols) batch: 2-D -> (1, r, c); 3-D as is; 4-D+ flattened
+    (a view, so updates land in the tensor itself: 4-D+ needs a contiguous tensor)."""
     if t.dim() == 2:
         return t.unsqueeze(0)
     if t.dim() == 3:
         return t
-    return t.view(1, t.shape[0], -1)  # view, not reshape: updates must land in the tensor itself
+    return t.view(1, t.shape[0], -1)
+
+
+def matrix_values(t: torch.Tensor) -> torch.Tensor:
+    """:func:`matrix_view` for reading: a copy where no view exists (a channels_last gradient)."""
+    return matrix_view(t) if t.dim() <= 3 else t.reshape(1, t.shape[0], -1)
 
 
 def matrix_shape(t: torch.Tensor) -> tuple[int, int]:
     """(rows, cols) of the matrices of ``matrix_view(t)``, without making the view."""
     return (t.shape[-2], t.shape[-1]) if t.dim() <= 3 else (t.shape[0], math.prod(t.shape[1:]))
+
+
+def matrix_count(t: torch.Tensor) -> int:
+    """How many matrices ``matrix_view(t)`` holds."""
+    return t.shape[0] if t.dim() == 3 else 1
 
 
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -89,7 +100,7 @@ class _Bucket:
         for p in params:
             if state[p]["momentum"].data_ptr() != self.momentum[start].data_ptr():
                 return False
-            start += matrix_view(p).shape[0]
+            start += matrix_count(p)
         return True
 
 
@@ -124,7 +135,8 @@ class Dion3(torch.optim.Optimizer):
             or tensor storage captures anew.
 
     A step with a non-finite gradient anywhere changes nothing, warns, and counts in
-    :attr:`skipped_steps`.
+    :attr:`skipped_steps`. A step that raises (a setting changed to an invalid value since
+    construction, a sparse gradient) raises before any weight, state or counter changes.
     """
 
     def __init__(
@@ -166,6 +178,7 @@ class Dion3(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._auto_fractions: dict[torch.Tensor, float] = {}
         self._buckets: dict[tuple, _Bucket] = {}
+        self._copies: dict[torch.Tensor, torch.Tensor] = {}  # non-contiguous Dion3 weight -> its working copy
         self.cuda_graph = cuda_graph
         self._graph = cuda_graph_module.StepGraph()
         super().__init__(params, defaults)
@@ -188,6 +201,8 @@ class Dion3(torch.optim.Optimizer):
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(rule.is_real(b) and 0 <= b < 1 for b in betas)):
             raise ValueError(f"{where}: betas must be two values in [0, 1), got {betas!r}")
         rule.check_hyperparameters(where, **{k: group[k] for k in Dion3Hyperparameters.__dataclass_fields__})
+        if group["algorithm"] != "dion3" and group["num_heads"] is None:
+            return  # nothing per parameter to check (this runs at every step)
         for i, p in enumerate(group["params"]):
             if group["algorithm"] == "dion3" and p.dim() < 2:
                 raise ValueError(f"{where}: algorithm 'dion3' needs tensors with >= 2 dims, got shape {tuple(p.shape)}")
@@ -216,7 +231,7 @@ class Dion3(torch.optim.Optimizer):
                 for p in group["params"] if self.algorithm_of(group, p) == "dion3" and p not in self._auto_fractions]
         if not todo:
             return
-        shapes = Counter(tuple(matrix_view(p).shape[1:]) for _, p in todo for _ in range(matrix_view(p).shape[0]))
+        shapes = Counter(matrix_shape(p) for _, p in todo for _ in range(matrix_count(p)))
         world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         speeds: dict[tuple, rule.DeviceSpeed] = {}
         for group, p in todo:
@@ -225,7 +240,7 @@ class Dion3(torch.optim.Optimizer):
             if where not in speeds:
                 speeds[where] = device_speed.for_group(*where, world)
             speed = speeds[where]
-            rows, cols = matrix_view(p).shape[1:]
+            rows, cols = matrix_shape(p)
             self._auto_fractions[p] = rule.auto_fraction(rows, cols, speed, 1, shapes[(rows, cols)], hp.ns_method, hp.num_heads)
 
     # ----------------------------------------------------------------------------------------
@@ -236,9 +251,8 @@ class Dion3(torch.optim.Optimizer):
         if state:
             return state
         if self.algorithm_of(group, p) == "dion3":
-            view = matrix_view(p)
             state["momentum"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            state["variance"] = torch.zeros(view.shape[:-1], dtype=torch.float32, device=p.device)
+            state["variance"] = torch.zeros(matrix_count(p), matrix_shape(p)[0], dtype=torch.float32, device=p.device)
         else:
             state["step"] = torch.zeros((), dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
@@ -247,7 +261,7 @@ class Dion3(torch.optim.Optimizer):
 
     def _expected_state_shapes(self, group: dict, p: torch.Tensor) -> dict[str, tuple]:
         if self.algorithm_of(group, p) == "dion3":
-            return {"momentum": tuple(p.shape), "variance": tuple(matrix_view(p).shape[:-1])}
+            return {"momentum": tuple(p.shape), "variance": (matrix_count(p), matrix_shape(p)[0])}
         return {"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}
 
     def state_dict(self) -> dict[str, Any]:
@@ -283,7 +297,8 @@ class Dion3(torch.optim.Optimizer):
                         f"does not match the expected {expected}"
                     )
                 new_state[p] = {
-                    k: v.detach().to(device=p.device if k != "step" else v.device, dtype=torch.float32).clone()
+                    k: v.detach().to(device=p.device if k != "step" else v.device, dtype=torch.float32)
+                    .clone(memory_format=torch.contiguous_format)
                     for k, v in saved_state.items()
                 }
         self.state = defaultdict(dict, new_state)
@@ -298,7 +313,7 @@ class Dion3(torch.optim.Optimizer):
         bucket = self._buckets.get(key)
         if bucket is not None and bucket.holds(params, self.state):
             return bucket
-        sizes = [matrix_view(p).shape[0] for p in params]
+        sizes = [matrix_count(p) for p in params]
         first = matrix_view(self.state[params[0]]["momentum"])
         momentum = torch.empty((sum(sizes), *first.shape[1:]), dtype=torch.float32, device=first.device)
         variance = torch.empty(momentum.shape[:-1], dtype=torch.float32, device=first.device)
@@ -339,10 +354,14 @@ class Dion3(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """One step of every parameter with a gradient. Everything that can be refused (sparse
+        gradients, settings changed since construction) is checked before anything changes."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(f"param group {gi}", group)
         if not self._check_gradients():
             self.skip_step()
             return loss
@@ -355,33 +374,51 @@ class Dion3(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self._init_state(group, p)
                 if self.algorithm_of(group, p) == "adamw":
-                    state["step"] += 1
-                    adamw[gi, int(state["step"].item()), p.device].append(p)
+                    state = self.state.get(p)
+                    adamw[gi, int(state["step"].item()) + 1 if state else 1, p.device].append(p)
                     continue
                 fraction = self._auto_fractions.get(p, group_hp.fraction)
                 key = (gi, matrix_shape(p), p.device, fraction)
                 if key not in settings:
                     settings[key] = group_hp if fraction == group_hp.fraction else dataclasses.replace(group_hp, fraction=fraction)
                 members[key].append(p)
+        # From here on the step changes state; nothing below refuses anything.
         for (gi, count, _), params in adamw.items():
             group = self.param_groups[gi]
+            for p in params:
+                self._init_state(group, p)["step"] += 1
             rule.adamw_step(params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
                             [self.state[p]["exp_avg_sq"] for p in params], count,
                             group["lr"], group["betas"], group["eps"], group["weight_decay"])
         self._buckets = {key: bucket for key, bucket in self._buckets.items() if key in members}
-        matrices = []
+        matrices, copied = [], []
         for key, params in members.items():
+            for p in params:
+                self._init_state(self.param_groups[key[0]], p)
             bucket = self._bucket(key, params)
             # outside the graph: gradients are new tensors every step
-            rule.accumulate_and_score(bucket.momentum, [g for p in params for g in matrix_view(p.grad).unbind(0)],
+            rule.accumulate_and_score(bucket.momentum, [g for p in params for g in matrix_values(p.grad).unbind(0)],
                                       out=bucket.scores)
-            weights = [w for p in params for w in matrix_view(p).unbind(0)]
+            copied += [p for p in params if not p.is_contiguous()]
+            weights = [w for p in params for w in matrix_view(self._contiguous_weight(p)).unbind(0)]
             matrices.append(rule.WholeMatrices(weights, bucket.scores, bucket.momentum, bucket.variance, settings[key]))
         devices = {e.momentum.device for e in matrices}
         if self.cuda_graph and len(devices) == 1 and cuda_graph_module.usable(devices.pop()):
             cuda_graph_module.step_whole_matrices(self._graph, matrices)
         else:
             rule.step_whole_matrices(matrices)
+        for p in copied:
+            p.copy_(self._copies[p])
         return loss
+
+    def _contiguous_weight(self, p: torch.Tensor) -> torch.Tensor:
+        """The weight itself, or for a non-contiguous one (a channels_last conv weight, a transposed
+        view) a contiguous copy that the step updates and :meth:`step` writes back; the copy's
+        buffer is kept, so a CUDA graph of the step finds it at the same address."""
+        if p.is_contiguous():
+            return p
+        buffer = self._copies.get(p)
+        if buffer is None:
+            buffer = self._copies[p] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        return buffer.copy_(p)

@@ -81,6 +81,48 @@ def test_conv_weight_flattens_to_a_matrix(generator):
     torch.testing.assert_close(p.reshape(8, 27), flat, rtol=1e-6, atol=1e-7)
 
 
+def test_any_memory_format_or_strided_gradient_steps_like_contiguous_tensors(generator):
+    # A channels_last conv weight (and gradient), a transposed weight, a strided gradient of a
+    # contiguous weight, and a bias on AdamW: the same steps as contiguous copies, bit for bit.
+    conv = torch.randn(8, 3, 3, 3, generator=generator)
+    transposed = torch.randn(16, 12, generator=generator)
+    plain = torch.randn(12, 16, generator=generator)
+    bias = torch.randn(8, generator=generator)
+    grads = [[torch.randn(8, 3, 3, 3, generator=generator), torch.randn(16, 12, generator=generator),
+              torch.randn(16, 12, generator=generator), torch.randn(8, generator=generator)] for _ in range(3)]
+    strided = [torch.nn.Parameter(conv.clone().to(memory_format=torch.channels_last)),
+               torch.nn.Parameter(transposed.clone().t()), torch.nn.Parameter(plain.clone()),
+               torch.nn.Parameter(bias.clone())]
+    dense = [torch.nn.Parameter(t.clone().contiguous()) for t in (conv, transposed.t(), plain, bias)]
+    assert not strided[0].is_contiguous() and not strided[1].is_contiguous()
+    runs = [(strided, Dion3(strided, lr=0.02, fraction=0.5, ns_dtype=torch.float32)),
+            (dense, Dion3(dense, lr=0.02, fraction=0.5, ns_dtype=torch.float32))]
+    for step_grads in grads:
+        (c, t, p, b) = step_grads
+        strided_grads = [c.to(memory_format=torch.channels_last), t.t(), t.t(), b]
+        for (params, opt), grads_now in zip(runs, (strided_grads, [g.contiguous() for g in strided_grads])):
+            for param, g in zip(params, grads_now):
+                param.grad = g.clone(memory_format=torch.preserve_format)
+            opt.step()
+    assert strided[0].is_contiguous(memory_format=torch.channels_last)  # updated in place, layout kept
+    for a, b in zip(strided, dense):
+        assert torch.equal(a, b)
+    assert all((a - t0).abs().max() > 1e-3 for a, t0 in zip(strided, (conv, transposed.t(), plain, bias)))
+
+
+def test_a_step_that_raises_changes_no_weight_counter_or_state(generator):
+    model, opt = make_model_and_optimizer()
+    train(model, opt, random_batches(generator, 1))
+    opt.param_groups.reverse()  # AdamW's group first: it used to step before the Dion3 group raised
+    opt.param_groups[1]["num_heads"] = 5  # set after construction; 5 divides no matrix's rows here
+    before = snapshot(model, opt)
+    tokens, targets = random_batches(generator, 1)[0]
+    torch.nn.functional.cross_entropy(model(tokens), targets).backward()
+    with pytest.raises(ValueError, match="param group 1: num_heads=5 does not divide the 48 rows of param 0"):
+        opt.step()
+    assert_unchanged(model, opt, before)
+
+
 def test_fraction_and_algorithm_per_group(generator):
     a = torch.nn.Parameter(torch.randn(16, 8, generator=generator))
     b = torch.nn.Parameter(torch.randn(16, 8, generator=generator))
@@ -121,6 +163,22 @@ def make_model_and_optimizer(seed=0):
         [{"params": matrices}, {"params": others, "algorithm": "adamw", "lr": 3e-3}], lr=0.02, fraction=0.25
     )
     return model, opt
+
+
+def snapshot(model, opt) -> tuple[dict, dict]:
+    return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+
+
+def assert_unchanged(model, opt, before: tuple[dict, dict]) -> None:
+    """No weight, no optimizer state tensor (counters included) and no group setting differs from ``before``."""
+    weights, state = before
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    after = opt.state_dict()
+    assert after["param_groups"] == state["param_groups"]
+    for pid, s in state["state"].items():
+        for key, value in s.items():
+            assert torch.equal(value, after["state"][pid][key]), (pid, key)
 
 
 def train(model, opt, batches):
@@ -245,14 +303,10 @@ def test_checkpoint_with_bad_group_settings_is_refused_before_anything_changes(k
     train(model, opt, random_batches(generator, 1))
     sd = copy.deepcopy(opt.state_dict())
     sd["param_groups"][0 if key in ("fraction", "num_heads") else 1][key] = value
-    before = copy.deepcopy(opt.state_dict())
+    before = snapshot(model, opt)
     with pytest.raises(ValueError, match=match):
         opt.load_state_dict(sd)
-    after = opt.state_dict()
-    assert after["param_groups"] == before["param_groups"]
-    for pid, state in before["state"].items():
-        for name, tensor in state.items():
-            assert torch.equal(tensor, after["state"][pid][name]), (pid, name)
+    assert_unchanged(model, opt, before)
 
 
 def test_sparse_gradient_is_refused():
@@ -288,18 +342,12 @@ def test_all_finite(generator):
 def test_non_finite_gradient_skips_the_whole_step(bad_value, where, generator):
     model, opt = make_model_and_optimizer()
     train(model, opt, random_batches(generator, 2))
-    weights = copy.deepcopy(model.state_dict())
-    state = copy.deepcopy(opt.state_dict())
+    before = snapshot(model, opt)
     tokens, targets = random_batches(generator, 1)[0]
     torch.nn.functional.cross_entropy(model(tokens), targets).backward()
     (model.up.weight if where == "matrix" else model.down.bias).grad.view(-1)[3] = bad_value
     with pytest.warns(RuntimeWarning, match="non-finite gradient, step skipped"):
         opt.step()
     assert opt.skipped_steps == 1
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, weights[name]), name
-    after = opt.state_dict()
-    for pid, s in state["state"].items():
-        for key, value in s.items():
-            assert torch.equal(value, after["state"][pid][key]), (pid, key)
-    assert after["skipped_steps"] == 1
+    assert_unchanged(model, opt, before)
+    assert opt.state_dict()["skipped_steps"] == 1
