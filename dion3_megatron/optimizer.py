@@ -51,8 +51,9 @@ def matrix_count(t: torch.Tensor) -> int:
     return t.shape[0] if t.dim() == 3 else 1
 
 
-def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """A 0-d bool tensor on the tensors' device: no element of any tensor is NaN or +-inf.
+def gradients_usable(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A 0-d bool tensor on the tensors' device: every element of every tensor is finite and of
+    magnitude below :data:`rule.GRADIENT_LIMIT` (2**64), so the step stays finite throughout.
 
     One multi-tensor max-abs reduction (NaN propagates through it, +-inf becomes inf) instead of
     several kernels per tensor; the caller decides when to sync on the answer.
@@ -60,24 +61,25 @@ def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.ones((), dtype=torch.bool)
-    return torch.stack(torch._foreach_norm(tensors, float("inf"))).isfinite().all()
+    return torch.stack([n.float() for n in torch._foreach_norm(tensors, float("inf"))]).max() < rule.GRADIENT_LIMIT
 
 
-def finite_on_every_rank(tensors: list[torch.Tensor], device: torch.device, group=None) -> bool:
-    """True when no rank of ``group`` (default: the world) holds a non-finite value in its
-    ``tensors``: one local reduction, one tiny all-reduce (a rank without tensors still joins it),
-    one host sync. Every rank gets the same answer, so all skip or all step."""
-    ok = all_finite(tensors).to(device=device, dtype=torch.float32)
+def usable_on_every_rank(tensors: list[torch.Tensor], device: torch.device, group=None) -> bool:
+    """True when every rank of ``group`` (default: the world) finds its ``tensors`` usable
+    (:func:`gradients_usable`): one local reduction, one tiny all-reduce (a rank without tensors
+    still joins it), one host sync. Every rank gets the same answer, so all skip or all step."""
+    ok = gradients_usable(tensors).to(device=device, dtype=torch.float32)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     return bool(ok)
 
 
-def announce_skipped_step(skipped_so_far: int) -> None:
+def announce_skipped_step(skipped_so_far: int, where: str = "") -> None:
     """The warning every Dion3 front end gives when a non-finite gradient skips a step."""
     warnings.warn(
-        f"Dion3: non-finite gradient, step skipped (no weight or state changed); "
-        f"{skipped_so_far} step(s) skipped so far",
+        f"Dion3: non-finite gradient, step skipped (no weight or state changed{where}; a gradient of "
+        f"magnitude >= 2**64 counts as non-finite: its square overflows fp32); {skipped_so_far} step(s) "
+        f"skipped so far",
         RuntimeWarning,
         stacklevel=4,
     )
@@ -333,7 +335,7 @@ class Dion3(torch.optim.Optimizer):
     # The step.
 
     def _check_gradients(self) -> bool:
-        """Validate gradients; True when all are finite (one host sync for the whole model)."""
+        """Validate gradients; True when all are usable (:func:`gradients_usable`; one host sync per device)."""
         grads = []
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -345,7 +347,7 @@ class Dion3(torch.optim.Optimizer):
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for g in grads:
             by_device[g.device].append(g)
-        return all(bool(all_finite(same)) for same in by_device.values())  # one host sync per device
+        return all(bool(gradients_usable(same)) for same in by_device.values())
 
     def skip_step(self) -> None:
         """Count and announce a step skipped for a non-finite gradient (nothing else changes)."""

@@ -30,6 +30,11 @@ import torch
 from .ortho import ns_flops, orthogonalize
 
 ADJUST_LR_CHOICES = ("spectral_norm", "rms_norm")
+# The largest gradient magnitude a step takes: its square is about the largest fp32 value, so
+# AdamW's second moment and a global gradient norm stay finite, and Dion3's momentum, a sum of such
+# gradients, stays finite for 2**64 steps; with the overflow-safe norms of the orthogonalization
+# every update is then finite too. A larger (or a non-finite) gradient skips the whole step.
+GRADIENT_LIMIT = 2.0**64
 NS_METHODS = ("gram", "standard")
 AUTO = "auto"
 NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}

@@ -317,24 +317,71 @@ def test_sparse_gradient_is_refused():
         opt.step()
 
 
-def check_all_finite(device, generator):
-    """all_finite flags exactly the tensors holding NaN, +inf or -inf, in any dtype, at any position."""
+def check_gradients_usable(device, generator):
+    """gradients_usable flags exactly the tensors holding NaN, +-inf or a magnitude >= 2**64 (whose
+    square overflows fp32), in any dtype, at any position."""
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         tensors = [torch.randn(n, generator=generator).to(device=device, dtype=dtype) for n in (3, 5000, 70001)]
-        tensors.append(torch.full((7,), torch.finfo(dtype).max, device=device, dtype=dtype))  # huge but finite
-        assert bool(optimizer_module.all_finite(tensors))
-        for bad in (float("nan"), float("inf"), float("-inf")):
+        largest = min(torch.finfo(dtype).max, 2.0**63)  # the largest magnitude tried that a step takes
+        tensors.append(torch.full((7,), -largest, device=device, dtype=dtype))
+        assert bool(optimizer_module.gradients_usable(tensors))
+        bad_values = [float("nan"), float("inf"), float("-inf")]
+        if torch.finfo(dtype).max >= 2.0**64:
+            bad_values += [2.0**64, -torch.finfo(dtype).max]
+        for bad in bad_values:
             for t in tensors:
                 where = int(torch.randint(t.numel(), (), generator=generator))
                 kept = t[where].clone()
                 t[where] = bad
-                assert not bool(optimizer_module.all_finite(tensors)), (dtype, bad, t.numel(), where)
+                assert not bool(optimizer_module.gradients_usable(tensors)), (dtype, bad, t.numel(), where)
                 t[where] = kept
-    assert bool(optimizer_module.all_finite([torch.empty(0, device=device)]))
+    assert bool(optimizer_module.gradients_usable([torch.empty(0, device=device)]))
 
 
-def test_all_finite(generator):
-    check_all_finite(torch.device("cpu"), generator)
+def test_gradients_usable(generator):
+    check_gradients_usable(torch.device("cpu"), generator)
+
+
+def test_huge_finite_gradients_step_like_unit_ones(generator):
+    # Dion3's step is scale-invariant in the gradient: 1e18 x G must move the matrices as G does
+    # (the selected block's Frobenius norm, ~1e20, overflowed fp32 and the update was silently zero).
+    shapes = [(64, 96), (2, 48, 64)]
+    weights = [torch.randn(s, generator=generator) for s in shapes]
+    grads = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(3)]
+    runs = []
+    for scale in (1.0, 1e18):
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        opt = Dion3(params, lr=0.02, fraction=0.25, ns_dtype=torch.float32)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g * scale
+            opt.step()
+        assert opt.skipped_steps == 0
+        runs.append(params)
+    for unit, huge, w in zip(*runs, weights):
+        torch.testing.assert_close(huge, unit, rtol=0, atol=1e-5)
+        assert (unit - w).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("huge", [2.0**64, 2e38, -3.4e38])
+def test_a_gradient_whose_square_overflows_skips_the_step(huge, generator):
+    # From 2**64 a gradient's square overflows fp32 (AdamW's second moment, Megatron's grad norm);
+    # at 2e38 the momentum overflowed and every weight became NaN.
+    model, opt = make_model_and_optimizer()
+    batches = random_batches(generator, 3)
+    train(model, opt, batches[:1])
+    for _ in range(2):  # twice: a second huge gradient would push the momentum past fp32's range
+        before = snapshot(model, opt)
+        tokens, targets = batches[1]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(tokens), targets).backward()
+        model.up.weight.grad.view(-1)[5] = huge
+        with pytest.warns(RuntimeWarning, match="non-finite gradient, step skipped"):
+            opt.step()
+        assert_unchanged(model, opt, before)
+    assert opt.skipped_steps == 2
+    train(model, opt, batches[2:])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 @pytest.mark.parametrize("bad_value", [float("inf"), float("nan")])

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from ..optimizer import Dion3, finite_on_every_rank
+from ..optimizer import Dion3, usable_on_every_rank
 from . import zero
 from .config import normalize_params
 
@@ -99,7 +99,7 @@ class DeepSpeedDion3(Dion3):
                 index = list(self._originals).index(id(group))
                 plan = zero.ZeroGroupPlan(self, group, originals, index)
                 self._zero_plans[id(group)] = plan
-            if not finite_on_every_rank([flat.grad], flat.device, plan.group_pg):
+            if not usable_on_every_rank([flat.grad], flat.device, plan.group_pg):
                 self.skip_step()
                 continue
             state = self.state[flat]

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .. import rule
-from ..optimizer import announce_skipped_step, finite_on_every_rank
+from ..optimizer import announce_skipped_step, usable_on_every_rank
 from ..megabatch import Dion3Engine, MatrixShard, Sharding
 from ..rule import Dion3Hyperparameters
 from .arguments import DION3_DEFAULTS, SELECTION_SCOPES, check_dion3_values
@@ -462,7 +462,7 @@ class MegatronDion3(torch.optim.Optimizer):
         """
         params = [p for p, _ in self._params()]
         grads = [p.grad for p in params if p.grad is not None]
-        return finite_on_every_rank(grads, params[0].device if params else torch.device("cpu"))
+        return usable_on_every_rank(grads, params[0].device if params else torch.device("cpu"))
 
     def vouch_finite(self, finite: bool) -> None:
         """Set by a Megatron wrapper before each step (see :mod:`.wrappers`): True when it has found
