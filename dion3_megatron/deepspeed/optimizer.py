@@ -99,7 +99,7 @@ class DeepSpeedDion3(Dion3):
                 index = list(self._originals).index(id(group))
                 plan = zero.ZeroGroupPlan(self, group, originals, index)
                 self._zero_plans[id(group)] = plan
-            if not usable_on_every_rank([flat.grad], flat.device, plan.group_pg):
+            if not usable_on_every_rank([flat.grad], flat.device, plan.check_group):
                 self.skip_step()
                 continue
             state = self.state[flat]

@@ -137,6 +137,9 @@ class ZeroGroupPlan:
         tensor_parallel = TensorParallel.of_mpu(self.group_pg)
         if tensor_parallel is not None:
             tensor_parallel.check_same_slices(ranges, f"Dion3 param group {index}", device)
+        # Every rank whose pieces one step's collectives join: the tensor x data-parallel group with
+        # tensor parallelism, else the data-parallel group. They check the plan, and skip a step, together.
+        self.check_group = tensor_parallel.group if tensor_parallel is not None else self.group_pg
         self.pieces: list[_Piece] = []  # matrices split over ranks: through the engine
         # (offset, count, rows, cols): runs of adjacent same-shape matrices only this rank holds,
         # stepped as one (count, rows, cols) batch (e.g. one layer's Q, K, V and projection).
@@ -217,7 +220,8 @@ class ZeroGroupPlan:
             piece.shard.state["variance"] = torch.zeros(
                 piece.row_counts.numel(), dtype=torch.float32, device=exp_avg.device
             )
-        self.engine = megabatch.Dion3Engine([p.shard for p in self.pieces], selection="global", cuda_graph=self.use_graph)
+        self.engine = megabatch.Dion3Engine([p.shard for p in self.pieces], selection="global", cuda_graph=self.use_graph,
+                                            check_group=self.check_group)
         self._state_ids = ids
 
     def step(self, opt: Dion3, group: dict, state: dict) -> None:
