@@ -342,6 +342,7 @@ def one_sided_worker(rank, world, case):
     return "no error"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, words", [
     ("missing", ["plans differ across the ranks [0, 1]", "rank 1 passes no matrix split over them, rank 0 does",
                  "'a (8, 8) rows[0, 4, 8]"]),

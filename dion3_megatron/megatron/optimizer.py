@@ -411,6 +411,7 @@ class MegatronDion3(torch.optim.Optimizer):
             state[index] = {"momentum": momentum.clone(),
                             "variance": variance.unsqueeze(1).expand(momentum.shape).contiguous()}
         sd["state"] = state
+        sd["skipped_steps"] = self.skipped_steps  # the same on every rank: all skip together
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -450,12 +451,14 @@ class MegatronDion3(torch.optim.Optimizer):
                 shard.state["variance"].copy_(variance[rows])
         for mine, saved in zip(self.param_groups, groups):
             mine.update({k: v for k, v in saved.items() if k != "params" and k in mine})
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
     # -------------------------------------------------------------------------------------------
     # The step.
 
     def _gradients_finite(self) -> bool:
-        """All gradients finite on every rank (Megatron skips a step only under loss scaling).
+        """All gradients usable on every rank, when no Dion3 wrapper of Megatron's has vouched
+        (:mod:`.wrappers` skips a bad step whole, every chained optimizer, before this one steps).
 
         One all-reduce of a flag over the default group, so every rank skips or steps together
         (a rank that skipped alone would leave the engine's collectives unmatched).
@@ -466,7 +469,7 @@ class MegatronDion3(torch.optim.Optimizer):
 
     def vouch_finite(self, finite: bool) -> None:
         """Set by a Megatron wrapper before each step (see :mod:`.wrappers`): True when it has found
-        every gradient of the coming step finite on every rank, so the step skips its own check.
+        every gradient of the coming step usable on every rank, so the step skips its own check.
         The next step consumes it."""
         self._finite_vouched = finite
 
