@@ -266,9 +266,16 @@ class Dion3(torch.optim.Optimizer):
             return {"momentum": tuple(p.shape), "variance": (matrix_count(p), matrix_shape(p)[0])}
         return {"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}
 
+    def _param_indices(self) -> dict[torch.Tensor, int]:
+        """Each parameter's index in a state dict (the base class packs them in group order)."""
+        return {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["skipped_steps"] = self.skipped_steps
+        # What fraction="auto" chose: a resume keeps it, whatever the device measures then.
+        index = self._param_indices()
+        sd["auto_fractions"] = {index[p]: f for p, f in self._auto_fractions.items()}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -281,6 +288,13 @@ class Dion3(torch.optim.Optimizer):
             raise ValueError(f"checkpoint has {len(groups)} param groups, the optimizer has {len(self.param_groups)}")
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
             self._check_group(f"param group {gi}", {**mine, **{k: v for k, v in saved.items() if k != "params"}})
+        params = list(self._param_indices())
+        auto_fractions = {}
+        for pid, f in state_dict.get("auto_fractions", {}).items():
+            if not (isinstance(pid, int) and 0 <= pid < len(params) and f in rule.AUTO_FRACTIONS):
+                raise ValueError(f"checkpoint auto_fractions: param {pid!r} with fraction {f!r} is not a parameter "
+                                 f"index below {len(params)} with one of {rule.AUTO_FRACTIONS}")
+            auto_fractions[params[pid]] = f
         new_state: dict[torch.Tensor, dict] = {}
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
             if len(mine["params"]) != len(saved["params"]):
@@ -308,6 +322,7 @@ class Dion3(torch.optim.Optimizer):
         for mine, saved in zip(self.param_groups, groups):
             mine.update({k: v for k, v in saved.items() if k != "params"})
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self._auto_fractions = auto_fractions
 
     def _bucket(self, key: tuple, params: list[torch.Tensor]) -> "_Bucket":
         """The state buffers of these same-shape matrices (one group), (re)built when the members
@@ -380,7 +395,7 @@ class Dion3(torch.optim.Optimizer):
                     state = self.state.get(p)
                     adamw[gi, int(state["step"].item()) + 1 if state else 1, p.device].append(p)
                     continue
-                fraction = self._auto_fractions.get(p, group_hp.fraction)
+                fraction = self._auto_fractions[p] if group_hp.fraction == rule.AUTO else group_hp.fraction
                 key = (gi, matrix_shape(p), p.device, fraction)
                 if key not in settings:
                     settings[key] = group_hp if fraction == group_hp.fraction else dataclasses.replace(group_hp, fraction=fraction)
