@@ -363,6 +363,39 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         out["state_nonzero"] = min(v[0].abs().max().item() for v in saved.values())
         return out
 
+    def auto_resume():
+        # fraction="auto" at DP=2, each rank measuring another speed (rank 0 slow matmuls: few rows;
+        # rank 1 slow launches: all rows); resumed from torch_dist with the speeds swapped, the
+        # saved choices (of both ranks) must be kept: bit-identical to the uninterrupted run.
+        from dion3_megatron import device_speed, rule
+
+        speeds = [rule.DeviceSpeed(1e6, 0.0, 1e30, 1e30), rule.DeviceSpeed(1e30, 1.0, 1e30, 1e30)]
+        measure, min_rows = device_speed.measure, rule.AUTO_MIN_ROWS
+        rule.AUTO_MIN_ROWS = 8  # the tiny model's matrices have <= 128 rows: let the speed decide
+        try:
+            device_speed.measure = lambda device, dtype: speeds[rank]
+            ms.init_parallel()
+            cfg = ms.tiny_config()
+            chunks, opt, sched = ms.make_parallel(cfg, dense_init, fraction="auto")
+            for b in data[:STEPS]:
+                ms.train_step(chunks, opt, sched, b)
+            _save(chunks, opt, ckpt_dir + "_auto")
+            for b in data[STEPS:]:
+                ms.train_step(chunks, opt, sched, b)
+            straight = _full_state(chunks[0].module, cfg)
+            chosen = _find_dion3(opt)[0].state_dict().get("auto_fractions")
+            device_speed.measure = lambda device, dtype: speeds[1 - rank]
+            ms.init_parallel()
+            cfg = ms.tiny_config()
+            chunks, opt, sched = ms.make_parallel(cfg, dense_init, fraction="auto")
+            _load(chunks, opt, ckpt_dir + "_auto")
+            for b in data[STEPS:]:
+                ms.train_step(chunks, opt, sched, b)
+            resumed = _full_state(chunks[0].module, cfg)
+            return {"chosen": chosen, "resume_max_diff": max((resumed[k] - straight[k]).abs().max().item() for k in straight)}
+        finally:
+            device_speed.measure, rule.AUTO_MIN_ROWS = measure, min_rows
+
     def dp_overlap():
         return parallel(overlap=True)[0]
 
@@ -430,7 +463,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         finally:
             wrappers.usable_on_every_rank = original
 
-    for name, fn in (("dp", dp), ("dp_overlap", dp_overlap), ("tp", tp), ("pp", pp), ("moe", moe), ("moe_etp", moe_etp), ("bf16", bf16), ("checkpoint", checkpoint),
+    for name, fn in (("dp", dp), ("dp_overlap", dp_overlap), ("tp", tp), ("pp", pp), ("moe", moe), ("moe_etp", moe_etp), ("bf16", bf16), ("checkpoint", checkpoint), ("auto_resume", auto_resume),
                      ("clip", clip_and_schedule), ("registry", registry),
                      ("nan_loss_dp", lambda: bad_step(checkpoint_to=ckpt_dir + "_skipped")),
                      ("nan_loss_dp_bf16", lambda: bad_step(bf16=True)), ("nan_loss_tp", lambda: bad_step(tp=2)),
@@ -522,6 +555,13 @@ def test_torch_dist_checkpoint_resume_and_reshard(results):
         assert r["state_nonzero"] > 0, "the saved Dion3 state is empty: nothing was tested"
         assert r["reshard_checked"] == 8, r["reshard_checked"]  # DP=1: this rank holds every matrix
         assert r["reshard_state_diff"] == 0.0, f"rank {rank}: DP=2 -> TP=2 Dion3 state differs by {r['reshard_state_diff']:.3g}"
+
+
+def test_auto_fraction_choices_of_every_rank_survive_a_torch_dist_resume(results):
+    for rank, r in enumerate(_get(results, "auto_resume")):
+        assert r["resume_max_diff"] == 0.0, f"rank {rank}: resumed run differs by {r['resume_max_diff']:.3g}"
+        choices = [set(r["chosen"][q].values()) for q in (0, 1)]
+        assert choices[0] and choices[1] and choices[0] != choices[1], r["chosen"]  # the ranks chose differently
 
 
 def test_grad_clipping_and_lr_warmup_match_single_process(results):

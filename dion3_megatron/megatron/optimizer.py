@@ -27,6 +27,7 @@ its parameter; so checkpoints reshard across tensor- and data-parallel sizes lik
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass, field
@@ -241,6 +242,8 @@ class MegatronDion3(torch.optim.Optimizer):
         if model_chunks is not None and not layouts:
             self._layouts = describe_model(model_chunks, pg_collection, split_qkv=split_qkv, split_glu=split_glu)
         self.skipped_steps = 0
+        self._auto_fractions: dict[int, dict[str, float]] = {}  # rank -> matrix name -> f, what "auto" chose
+        self._saved_fractions: dict[str, float] = {}  # matrix name -> f, from a checkpoint
         self._finite_vouched = False
         self._engine = None
         self._engine_key = None
@@ -333,6 +336,7 @@ class MegatronDion3(torch.optim.Optimizer):
         self._pieces = {}
         self._stamps.clear()
         group_hp = {id(group): self._hp(group) for group in self.param_groups}
+        auto_names = set()
         for p, group in params:
             layout = self.layout_of(p)
             weight, grad = self._working(p, layout, with_grads)
@@ -346,16 +350,18 @@ class MegatronDion3(torch.optim.Optimizer):
                     sharding, group_arg = Sharding.even_rows(piece.full_shape[0], layout.group_size), layout.group
                 else:
                     sharding, group_arg = Sharding.even_cols(piece.full_shape[1], layout.group_size), layout.group
+                hp = group_hp[id(group)]
+                if hp.fraction == rule.AUTO:
+                    auto_names.add(name)
+                    if name in self._saved_fractions:  # chosen before a checkpoint: not measured again
+                        hp = dataclasses.replace(hp, fraction=self._saved_fractions[name])
                 shards.append(MatrixShard(name=name, weight=weight[rows], grad=grad[rows] if grad is not None else None,
-                                          shape=piece.full_shape, sharding=sharding, group=group_arg,
-                                          hp=group_hp[id(group)], state={}))
+                                          shape=piece.full_shape, sharding=sharding, group=group_arg, hp=hp, state={}))
             self._pieces[p] = shards
         all_shards = [s for p, _ in params for s in self._pieces[p]]
         self._engine = Dion3Engine(all_shards, selection=self.selection, cuda_graph=self.cuda_graph)
-        chosen = self._engine.auto_fractions()
-        if chosen and (not dist.is_initialized() or dist.get_rank() == 0):
-            logger.info("Dion3 fraction=auto chose (rows x cols: f) %s",
-                        ", ".join(f"{n}x{m}: {f:g}" for (n, m), f in sorted(chosen.items())))
+        self._share_auto_fractions({s.name: sg.fraction for sg in self._engine.plan for s in sg.shards
+                                    if s.name in auto_names})
         self._engine_key = key
         # What changes from step to step: each group's lr and weight decay, and the gradient (and,
         # rarely, weight) storage of the parameters used in place (the permuted ones use buffers).
@@ -365,6 +371,19 @@ class MegatronDion3(torch.optim.Optimizer):
             for group in self.param_groups
         ]
         self._permuted = [(p, self.layout_of(p).perm, *self._work[p]) for p, _ in params if p in self._work]
+
+    def _share_auto_fractions(self, mine: dict[str, float]) -> None:
+        """Every rank's fraction="auto" choices ({rank: {matrix: f}}), gathered over the world at
+        engine construction (collective like it), so that any rank's state dict (the one Megatron's
+        torch_dist checkpoint keeps) holds them all."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            self._auto_fractions = dict(enumerate(everyone))
+        else:
+            self._auto_fractions = {0: mine}
+        if any(self._auto_fractions.values()) and (not dist.is_initialized() or dist.get_rank() == 0):
+            logger.info("Dion3 fraction=auto chose (rank: matrix: f) %s", self._auto_fractions)
 
     def _refresh_shards(self, with_grads: bool) -> None:
         """Per step: the schedule's lr and weight decay into every shard, and new gradient (or
@@ -412,10 +431,18 @@ class MegatronDion3(torch.optim.Optimizer):
                             "variance": variance.unsqueeze(1).expand(momentum.shape).contiguous()}
         sd["state"] = state
         sd["skipped_steps"] = self.skipped_steps  # the same on every rank: all skip together
+        sd["auto_fractions"] = self._auto_fractions  # the same on every rank: gathered
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict`; checks every shape before setting anything."""
+        """Inverse of :meth:`state_dict`; checks every shape before setting anything. The
+        fraction="auto" choices saved are used again, each matrix's own (this rank's, else the
+        first rank's that has it: after a change of the data-parallel size), so a resume does not
+        measure the device again; the engine is rebuilt with them (collectively: every rank loads
+        the same checkpoint)."""
+        saved = state_dict.get("auto_fractions", {})
+        if any(saved.values()):  # decided alike on every rank: the checkpoint is the same
+            self._saved_fractions, self._engine = self._checked_saved_fractions(saved), None
         self._ensure_engine(with_grads=False)
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
@@ -452,6 +479,19 @@ class MegatronDion3(torch.optim.Optimizer):
         for mine, saved in zip(self.param_groups, groups):
             mine.update({k: v for k, v in saved.items() if k != "params" and k in mine})
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+    @staticmethod
+    def _checked_saved_fractions(saved: dict) -> dict[str, float]:
+        """{matrix: f} from a checkpoint's {rank: {matrix: f}}: this rank's choice first."""
+        me = dist.get_rank() if dist.is_initialized() else 0
+        out: dict[str, float] = {}
+        for rank in sorted(saved, key=lambda r: (r != me, r)):
+            for name, f in saved[rank].items():
+                if f not in rule.AUTO_FRACTIONS:
+                    raise ValueError(f"checkpoint auto_fractions: {name} on rank {rank} has fraction {f!r}, "
+                                     f"not one of {rule.AUTO_FRACTIONS}")
+                out.setdefault(name, f)
+        return out
 
     # -------------------------------------------------------------------------------------------
     # The step.
