@@ -360,8 +360,11 @@ class MegatronDion3(torch.optim.Optimizer):
             self._pieces[p] = shards
         all_shards = [s for p, _ in params for s in self._pieces[p]]
         self._engine = Dion3Engine(all_shards, selection=self.selection, cuda_graph=self.cuda_graph)
-        self._share_auto_fractions({s.name: sg.fraction for sg in self._engine.plan for s in sg.shards
-                                    if s.name in auto_names})
+        auto = [(s, sg.fraction) for sg in self._engine.plan for s in sg.shards if s.name in auto_names]
+        if auto and (not dist.is_initialized() or dist.get_rank() == 0):
+            logger.info("Dion3 fraction=auto chose (rows x cols: f) %s",
+                        ", ".join(f"{n}x{m}: {f:g}" for (n, m), f in sorted({s.shape: f for s, f in auto}.items())))
+        self._share_auto_fractions({s.name: f for s, f in auto})
         self._engine_key = key
         # What changes from step to step: each group's lr and weight decay, and the gradient (and,
         # rarely, weight) storage of the parameters used in place (the permuted ones use buffers).
@@ -382,8 +385,6 @@ class MegatronDion3(torch.optim.Optimizer):
             self._auto_fractions = dict(enumerate(everyone))
         else:
             self._auto_fractions = {0: mine}
-        if any(self._auto_fractions.values()) and (not dist.is_initialized() or dist.get_rank() == 0):
-            logger.info("Dion3 fraction=auto chose (rank: matrix: f) %s", self._auto_fractions)
 
     def _refresh_shards(self, with_grads: bool) -> None:
         """Per step: the schedule's lr and weight decay into every shard, and new gradient (or
