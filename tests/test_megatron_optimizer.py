@@ -134,6 +134,7 @@ def test_load_state_dict_rejects_bad_group_settings_before_anything_changes(key,
     before = {i: {k: v.clone() for k, v in state.items()} for i, state in sd["state"].items()}
     sd["param_groups"][0][key] = value
     sd["state"][0]["momentum"] = torch.zeros_like(sd["state"][0]["momentum"])
+    sd["auto_fractions"] = {0: {s.name: 0.25 for shards in opt._pieces.values() for s in shards}}  # (rebuilds)
     with pytest.raises(ValueError, match=f"param group 0: {key} must be .*, got {value!r}"):
         opt.load_state_dict(sd)
     assert opt.param_groups[0][key] != value

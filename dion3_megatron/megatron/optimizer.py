@@ -422,15 +422,15 @@ class MegatronDion3(torch.optim.Optimizer):
             variance = variance.index_select(0, layout.inv_perm.to(variance.device))
         return momentum.reshape(p.shape), variance
 
+    def _saved_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A parameter's entry of the state dict: its momentum and its row variances, param-shaped (copies)."""
+        momentum, variance = self._param_state(p)
+        return {"momentum": momentum.clone(), "variance": variance.unsqueeze(1).expand(momentum.shape).contiguous()}
+
     def state_dict(self) -> dict[str, Any]:
         self._ensure_engine(with_grads=False)
         sd = super().state_dict()  # param_groups packed with indices; self.state stays empty
-        state = {}
-        for index, (p, _) in enumerate(self._params()):
-            momentum, variance = self._param_state(p)
-            state[index] = {"momentum": momentum.clone(),
-                            "variance": variance.unsqueeze(1).expand(momentum.shape).contiguous()}
-        sd["state"] = state
+        sd["state"] = {index: self._saved_state(p) for index, (p, _) in enumerate(self._params())}
         sd["skipped_steps"] = self.skipped_steps  # the same on every rank: all skip together
         sd["auto_fractions"] = self._auto_fractions  # the same on every rank: gathered
         return sd
@@ -441,16 +441,14 @@ class MegatronDion3(torch.optim.Optimizer):
         first rank's that has it: after a change of the data-parallel size), so a resume does not
         measure the device again; the engine is rebuilt with them (collectively: every rank loads
         the same checkpoint)."""
-        saved = state_dict.get("auto_fractions", {})
-        if any(saved.values()):  # decided alike on every rank: the checkpoint is the same
-            self._saved_fractions, self._engine = self._checked_saved_fractions(saved), None
-        self._ensure_engine(with_grads=False)
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"checkpoint has {len(groups)} param groups, the optimizer has {len(self.param_groups)}")
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
             merged = {**mine, **saved}
             rule.check_hyperparameters(f"param group {gi}", **{k: merged[k] for k in _GROUP_SETTINGS})
+        saved_fractions = state_dict.get("auto_fractions", {})
+        saved_fractions = self._checked_saved_fractions(saved_fractions) if any(saved_fractions.values()) else None
         updates = []
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
             saved_ids = saved["params"]
@@ -466,6 +464,9 @@ class MegatronDion3(torch.optim.Optimizer):
                     raise ValueError(f"param group {gi}, param {pid} (shape {tuple(p.shape)}): "
                                      f"checkpoint state {got} is not Dion3 state of this parameter")
                 updates.append((p, entry))
+        if saved_fractions is not None:  # decided alike on every rank: they load the same checkpoint
+            updates = self._rebuild_with_fractions(saved_fractions, updates)
+        self._ensure_engine(with_grads=False)
         for p, entry in updates:
             layout = self.layout_of(p)
             momentum = entry["momentum"].detach().to(device=p.device, dtype=torch.float32)
@@ -480,6 +481,16 @@ class MegatronDion3(torch.optim.Optimizer):
         for mine, saved in zip(self.param_groups, groups):
             mine.update({k: v for k, v in saved.items() if k != "params" and k in mine})
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+    def _rebuild_with_fractions(self, fractions: dict[str, float], updates: list) -> list:
+        """Drop the engine so that the next one takes ``fractions``; the state of the parameters
+        that ``updates`` leaves out is carried over (returned as updates of their own)."""
+        carried = []
+        if self._engine is not None:
+            loaded = {id(p) for p, _ in updates}
+            carried = [(p, self._saved_state(p)) for p, _ in self._params() if id(p) not in loaded]
+        self._saved_fractions, self._engine = fractions, None
+        return carried + updates
 
     @staticmethod
     def _checked_saved_fractions(saved: dict) -> dict[str, float]:
