@@ -1,5 +1,6 @@
 """Megatron-Core + Dion3 on 2 CPU ranks (gloo): DP (layer-wise ZeRO-1), TP, PP, MoE (EP and expert
-TP), bf16, clipping + lr warmup, torch_dist checkpoints, and the emerging-optimizers-free build.
+TP), bf16, clipping + lr warmup, torch_dist checkpoints (fraction="auto" choices included), bad
+steps skipped whole, and the emerging-optimizers-free build.
 
 One spawned group of 2 processes runs every scenario (imports dominate: ~15 s); each scenario
 returns its measurements and the tests below assert on them. The reference is the unsharded model
