@@ -363,7 +363,14 @@ class ShapeGroup:
         return [[s.sharding.row_span(q, n, m) for q in range(self.world)] for s in self.shards]
 
     def describe(self) -> list[str]:
-        return [f"{s.name} {s.shape} {s.sharding.kind}{list(s.sharding.bounds)}" for s in self.shards]
+        """One line per matrix: what the ranks holding its pieces must agree on (the settings
+        that its rows' update depends on, beside those in the group's key)."""
+        return [f"{s.name} {s.shape} {s.sharding.kind}{list(s.sharding.bounds)} "
+                + " ".join(f"{k}={getattr(s.hp, k)}" for k in _MATRIX_SETTINGS) for s in self.shards]
+
+
+# Per-matrix settings (not in the batch key) that every rank holding a piece must share.
+_MATRIX_SETTINGS = ("lr", "weight_decay", "mu", "adjust_lr", "scale_lr_by_fraction", "scale_mu_by_fraction")
 
 
 def _batch_key(shard: MatrixShard, world: int, scope: str) -> tuple:
@@ -440,40 +447,55 @@ def build_plan(shards: list[MatrixShard], scope: str) -> list[ShapeGroup]:
     return [groups[k] for k in sorted(groups, key=repr)]
 
 
-def check_plan_matches(plan: list[ShapeGroup]) -> None:
-    """Compare the plan across the ranks of each process group; name the first difference.
+def check_plan_matches(plan: list[ShapeGroup], group: Optional[dist.ProcessGroup] = None) -> None:
+    """Compare the plan across the ranks of each process group its matrices span; name the first
+    difference, on every rank.
 
-    One all-gather of a digest per distinct group (in an order every rank shares), at
-    construction, so a mismatch raises on every member instead of hanging a later step. Ranks
-    that share no group are not synchronized, so pipeline stages and data-parallel ranks that
-    own no sharded matrix may build their engines whenever they like.
+    ONE all-gather over ``group`` (default: the world), which must contain every such process
+    group, of each rank's digest per process group: every rank of ``group`` takes part, also one
+    that passes no matrix split over some process group its peers use (it reports none for it), so
+    a mismatch raises on every rank at construction instead of hanging a later collective. A
+    digest covers each matrix's name, shape, sharding and the settings its ranks must share.
     """
     if not dist.is_available() or not dist.is_initialized():
         return
-    mine: dict[tuple, tuple[dist.ProcessGroup, list[str]]] = {}
+    mine: dict[tuple, list[str]] = {}
     for sg in plan:
         if sg.world > 1:
-            ranks = _group_ranks(sg.group)
-            mine.setdefault(ranks, (sg.group, []))[1].extend([repr(sg.key)] + sg.describe())
-    for ranks in sorted(mine):
-        group, lines = mine[ranks]
-        digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()
-        digests: list = [None] * len(ranks)
-        dist.all_gather_object(digests, digest, group=group)
-        if len(set(digests)) == 1:
-            continue
-        listings: list = [None] * len(ranks)
-        dist.all_gather_object(listings, lines, group=group)  # only on the error path
-        first = next(i for i, listing in enumerate(listings) if listing != listings[0])
-        a, b = listings[0], listings[first]
+            mine.setdefault(_group_ranks(sg.group), []).extend([repr(sg.key)] + sg.describe())
+    members = list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+    digests: list = [None] * len(members)
+    dist.all_gather_object(digests, {ranks: hashlib.sha1("\n".join(lines).encode()).hexdigest()
+                                     for ranks, lines in mine.items()}, group=group)
+    reported = dict(zip(members, digests))
+    bad = []
+    for ranks in sorted({ranks for d in digests for ranks in d}):
+        outside = [r for r in ranks if r not in reported]
+        if outside:
+            raise RuntimeError(f"Dion3 megabatch: matrices are split over the ranks {list(ranks)}, but the ranks "
+                               f"{outside} are outside the group the plan is checked on ({members})")
+        if len({reported[r].get(ranks) for r in ranks}) > 1:
+            bad.append(ranks)
+    if not bad:
+        return
+    listings: list = [None] * len(members)
+    dist.all_gather_object(listings, mine, group=group)  # only on the error path, by every rank alike
+    ranks = bad[0]
+    lists = [dict(zip(members, listings))[r].get(ranks, []) for r in ranks]
+    first = next(q for q, listing in enumerate(lists) if listing != lists[0])
+    a, b = lists[0], lists[first]
+    if not a or not b:  # lines: the group key, then one per matrix
+        (empty, holder), listing = ((ranks[0], ranks[first]), b) if b else ((ranks[first], ranks[0]), a)
+        detail = f"rank {empty} passes no matrix split over them, rank {holder} does (the first: {listing[1]!r})"
+    else:
         i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         left = a[i] if i < len(a) else "<nothing>"
         right = b[i] if i < len(b) else "<nothing>"
-        raise RuntimeError(
-            f"Dion3 megabatch plans differ across the ranks {list(ranks)}: entry {i} is {left!r} on rank "
-            f"{ranks[0]} but {right!r} on rank {ranks[first]}. Every rank of a group must pass the same "
-            f"matrices in the same order."
-        )
+        detail = f"entry {i} is {left!r} on rank {ranks[0]} but {right!r} on rank {ranks[first]}"
+    raise RuntimeError(
+        f"Dion3 megabatch plans differ across the ranks {list(ranks)}: {detail}. Every rank of a group "
+        f"must pass the same matrices in the same order, with the same settings."
+    )
 
 
 def resolve_fractions(plan: list[ShapeGroup]) -> None:
@@ -505,9 +527,13 @@ class Dion3Engine:
 
     selection: "global" (top-k over the whole logical matrix: identical to the single-process
     optimizer at any world size) or "local" (top-k within each row shard; no score exchange).
+    check_group: ranks that construct their engines together (default: the world), containing
+    every process group the shards span; construction is collective over it, as the plan is
+    checked on it (:func:`check_plan_matches`).
     """
 
-    def __init__(self, shards: list[MatrixShard], selection: str = "global", cuda_graph: bool = True) -> None:
+    def __init__(self, shards: list[MatrixShard], selection: str = "global", cuda_graph: bool = True,
+                 check_group: Optional[dist.ProcessGroup] = None) -> None:
         if selection not in SELECTION_SCOPES:
             raise ValueError(f"selection_scope must be one of {SELECTION_SCOPES}, got {selection!r}")
         if not isinstance(cuda_graph, bool):
@@ -516,7 +542,7 @@ class Dion3Engine:
         self.cuda_graph = cuda_graph
         self._graph = cuda_graph_module.StepGraph()
         self.plan = build_plan(shards, selection)
-        check_plan_matches(self.plan)
+        check_plan_matches(self.plan, check_group)
         resolve_fractions(self.plan)
         self._group_state: dict[int, list[_SubBatch]] = {}
         self._static = {i for i, sg in enumerate(self.plan) if self._batched(sg) and _static_exchange(sg)}

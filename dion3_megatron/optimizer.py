@@ -27,12 +27,18 @@ ALGORITHMS = ("dion3", "adamw")
 
 
 def matrix_view(t: torch.Tensor) -> torch.Tensor:
-    """View a >= 2-D tensor as a (B, rows, cols) batch: 2-D -> (1, r, c); 3-D as is; 4-D+ flattened."""
+    """View a >= 2-D tensor as a (B, rows, cols) batch: 2-D -> (1, r, c); 3-D as is; 4-D+ flattened
+    (a view, so updates land in the tensor itself: 4-D+ needs a contiguous tensor)."""
     if t.dim() == 2:
         return t.unsqueeze(0)
     if t.dim() == 3:
         return t
-    return t.view(1, t.shape[0], -1)  # view, not reshape: updates must land in the tensor itself
+    return t.view(1, t.shape[0], -1)
+
+
+def matrix_values(t: torch.Tensor) -> torch.Tensor:
+    """:func:`matrix_view` for reading: a copy where no view exists (a channels_last gradient)."""
+    return matrix_view(t) if t.dim() <= 3 else t.reshape(1, t.shape[0], -1)
 
 
 def matrix_shape(t: torch.Tensor) -> tuple[int, int]:
@@ -40,8 +46,14 @@ def matrix_shape(t: torch.Tensor) -> tuple[int, int]:
     return (t.shape[-2], t.shape[-1]) if t.dim() <= 3 else (t.shape[0], math.prod(t.shape[1:]))
 
 
-def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """A 0-d bool tensor on the tensors' device: no element of any tensor is NaN or +-inf.
+def matrix_count(t: torch.Tensor) -> int:
+    """How many matrices ``matrix_view(t)`` holds."""
+    return t.shape[0] if t.dim() == 3 else 1
+
+
+def gradients_usable(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A 0-d bool tensor on the tensors' device: every element of every tensor is finite and of
+    magnitude below :data:`rule.GRADIENT_LIMIT` (2**64), so the step stays finite throughout.
 
     One multi-tensor max-abs reduction (NaN propagates through it, +-inf becomes inf) instead of
     several kernels per tensor; the caller decides when to sync on the answer.
@@ -49,24 +61,25 @@ def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.ones((), dtype=torch.bool)
-    return torch.stack(torch._foreach_norm(tensors, float("inf"))).isfinite().all()
+    return torch.stack([n.float() for n in torch._foreach_norm(tensors, float("inf"))]).max() < rule.GRADIENT_LIMIT
 
 
-def finite_on_every_rank(tensors: list[torch.Tensor], device: torch.device, group=None) -> bool:
-    """True when no rank of ``group`` (default: the world) holds a non-finite value in its
-    ``tensors``: one local reduction, one tiny all-reduce (a rank without tensors still joins it),
-    one host sync. Every rank gets the same answer, so all skip or all step."""
-    ok = all_finite(tensors).to(device=device, dtype=torch.float32)
+def usable_on_every_rank(tensors: list[torch.Tensor], device: torch.device, group=None) -> bool:
+    """True when every rank of ``group`` (default: the world) finds its ``tensors`` usable
+    (:func:`gradients_usable`): one local reduction, one tiny all-reduce (a rank without tensors
+    still joins it), one host sync. Every rank gets the same answer, so all skip or all step."""
+    ok = gradients_usable(tensors).to(device=device, dtype=torch.float32)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     return bool(ok)
 
 
-def announce_skipped_step(skipped_so_far: int) -> None:
+def announce_skipped_step(skipped_so_far: int, where: str = "") -> None:
     """The warning every Dion3 front end gives when a non-finite gradient skips a step."""
     warnings.warn(
-        f"Dion3: non-finite gradient, step skipped (no weight or state changed); "
-        f"{skipped_so_far} step(s) skipped so far",
+        f"Dion3: non-finite gradient, step skipped (no weight or state changed{where}; a gradient of "
+        f"magnitude >= 2**64 counts as non-finite: its square overflows fp32); {skipped_so_far} step(s) "
+        f"skipped so far",
         RuntimeWarning,
         stacklevel=4,
     )
@@ -90,7 +103,7 @@ class _Bucket:
         for p in params:
             if state[p]["momentum"].data_ptr() != self.momentum[start].data_ptr():
                 return False
-            start += matrix_view(p).shape[0]
+            start += matrix_count(p)
         return True
 
 
@@ -128,7 +141,8 @@ class Dion3(torch.optim.Optimizer):
             or tensor storage captures anew.
 
     A step with a non-finite gradient anywhere changes nothing, warns, and counts in
-    :attr:`skipped_steps`.
+    :attr:`skipped_steps`. A step that raises (a setting changed to an invalid value since
+    construction, a sparse gradient) raises before any weight, state or counter changes.
     """
 
     def __init__(
@@ -172,6 +186,7 @@ class Dion3(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._auto_fractions: dict[torch.Tensor, float] = {}
         self._buckets: dict[tuple, _Bucket] = {}
+        self._copies: dict[torch.Tensor, torch.Tensor] = {}  # non-contiguous Dion3 weight -> its working copy
         self.cuda_graph = cuda_graph
         self._graph = cuda_graph_module.StepGraph()
         super().__init__(params, defaults)
@@ -182,20 +197,25 @@ class Dion3(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         index = len(self.param_groups)
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        where = f"param group {index}"
+        self._check_group(f"param group {index}", self.param_groups[-1])
+
+    @classmethod
+    def _check_group(cls, where: str, group: dict) -> None:
+        """Raise ValueError naming the setting and its value when a group's settings are invalid
+        for its parameters (at construction, and on a checkpoint's groups before loading them)."""
         if group["algorithm"] not in (None, *ALGORITHMS):
             raise ValueError(f"{where}: algorithm must be one of {ALGORITHMS} or absent, got {group['algorithm']!r}")
         betas = group["betas"]
-        if not (len(betas) == 2 and all(0 <= b < 1 for b in betas)):
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(rule.is_real(b) and 0 <= b < 1 for b in betas)):
             raise ValueError(f"{where}: betas must be two values in [0, 1), got {betas!r}")
         rule.check_hyperparameters(where, **{k: group[k] for k in Dion3Hyperparameters.__dataclass_fields__})
-        if group["algorithm"] == "dion3":
-            for p in group["params"]:
-                if p.dim() < 2:
-                    raise ValueError(
-                        f"{where}: algorithm 'dion3' needs tensors with >= 2 dims, got shape {tuple(p.shape)}"
-                    )
+        if group["algorithm"] != "dion3" and group["num_heads"] is None:
+            return  # nothing per parameter to check (this runs at every step)
+        for i, p in enumerate(group["params"]):
+            if group["algorithm"] == "dion3" and p.dim() < 2:
+                raise ValueError(f"{where}: algorithm 'dion3' needs tensors with >= 2 dims, got shape {tuple(p.shape)}")
+            if cls.algorithm_of(group, p) == "dion3":
+                rule.check_num_heads(where, group["num_heads"], matrix_shape(p)[0], f"param {i} (shape {tuple(p.shape)})")
 
     @staticmethod
     def algorithm_of(group: dict, p: torch.Tensor) -> str:
@@ -219,7 +239,7 @@ class Dion3(torch.optim.Optimizer):
                 for p in group["params"] if self.algorithm_of(group, p) == "dion3" and p not in self._auto_fractions]
         if not todo:
             return
-        shapes = Counter(tuple(matrix_view(p).shape[1:]) for _, p in todo for _ in range(matrix_view(p).shape[0]))
+        shapes = Counter(matrix_shape(p) for _, p in todo for _ in range(matrix_count(p)))
         world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         speeds: dict[tuple, rule.DeviceSpeed] = {}
         for group, p in todo:
@@ -228,7 +248,7 @@ class Dion3(torch.optim.Optimizer):
             if where not in speeds:
                 speeds[where] = device_speed.for_group(*where, world)
             speed = speeds[where]
-            rows, cols = matrix_view(p).shape[1:]
+            rows, cols = matrix_shape(p)
             self._auto_fractions[p] = rule.auto_fraction(rows, cols, speed, 1, shapes[(rows, cols)], hp.ns_method, hp.num_heads)
 
     # ----------------------------------------------------------------------------------------
@@ -239,9 +259,8 @@ class Dion3(torch.optim.Optimizer):
         if state:
             return state
         if self.algorithm_of(group, p) == "dion3":
-            view = matrix_view(p)
             state["momentum"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            state["variance"] = torch.zeros(view.shape[:-1], dtype=torch.float32, device=p.device)
+            state["variance"] = torch.zeros(matrix_count(p), matrix_shape(p)[0], dtype=torch.float32, device=p.device)
         else:
             state["step"] = torch.zeros((), dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
@@ -252,14 +271,21 @@ class Dion3(torch.optim.Optimizer):
         """The state shapes a checkpoint may hold for ``p`` (a Dion3 matrix stepped with staleness
         also keeps each row's age)."""
         if self.algorithm_of(group, p) == "dion3":
-            rows = tuple(matrix_view(p).shape[:-1])
+            rows = (matrix_count(p), matrix_shape(p)[0])
             plain = {"momentum": tuple(p.shape), "variance": rows}
             return [plain, {**plain, "row_age": rows}]
         return [{"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}]
 
+    def _param_indices(self) -> dict[torch.Tensor, int]:
+        """Each parameter's index in a state dict (the base class packs them in group order)."""
+        return {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["skipped_steps"] = self.skipped_steps
+        # What fraction="auto" chose: a resume keeps it, whatever the device measures then.
+        index = self._param_indices()
+        sd["auto_fractions"] = {index[p]: f for p, f in self._auto_fractions.items()}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -270,6 +296,15 @@ class Dion3(torch.optim.Optimizer):
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"checkpoint has {len(groups)} param groups, the optimizer has {len(self.param_groups)}")
+        for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
+            self._check_group(f"param group {gi}", {**mine, **{k: v for k, v in saved.items() if k != "params"}})
+        params = list(self._param_indices())
+        auto_fractions = {}
+        for pid, f in state_dict.get("auto_fractions", {}).items():
+            if not (isinstance(pid, int) and 0 <= pid < len(params) and f in rule.AUTO_FRACTIONS):
+                raise ValueError(f"checkpoint auto_fractions: param {pid!r} with fraction {f!r} is not a parameter "
+                                 f"index below {len(params)} with one of {rule.AUTO_FRACTIONS}")
+            auto_fractions[params[pid]] = f
         new_state: dict[torch.Tensor, dict] = {}
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
             if len(mine["params"]) != len(saved["params"]):
@@ -288,7 +323,8 @@ class Dion3(torch.optim.Optimizer):
                         f"does not match the expected {' or '.join(map(str, expected))}"
                     )
                 new_state[p] = {
-                    k: v.detach().to(device=p.device if k != "step" else v.device, dtype=torch.float32).clone()
+                    k: v.detach().to(device=p.device if k != "step" else v.device, dtype=torch.float32)
+                    .clone(memory_format=torch.contiguous_format)
                     for k, v in saved_state.items()
                 }
         self.state = defaultdict(dict, new_state)
@@ -296,6 +332,7 @@ class Dion3(torch.optim.Optimizer):
         for mine, saved in zip(self.param_groups, groups):
             mine.update({k: v for k, v in saved.items() if k != "params"})
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self._auto_fractions = auto_fractions
 
     def _bucket(self, key: tuple, params: list[torch.Tensor], with_age: bool) -> "_Bucket":
         """The state buffers of these same-shape matrices (one group), (re)built when the members
@@ -304,7 +341,7 @@ class Dion3(torch.optim.Optimizer):
         bucket = self._buckets.get(key)
         if bucket is not None and bucket.holds(params, self.state) and (bucket.age is not None) == with_age:
             return bucket
-        sizes = [matrix_view(p).shape[0] for p in params]
+        sizes = [matrix_count(p) for p in params]
         first = matrix_view(self.state[params[0]]["momentum"])
         momentum = torch.empty((sum(sizes), *first.shape[1:]), dtype=torch.float32, device=first.device)
         variance = torch.empty(momentum.shape[:-1], dtype=torch.float32, device=first.device)
@@ -331,7 +368,7 @@ class Dion3(torch.optim.Optimizer):
     # The step.
 
     def _check_gradients(self) -> bool:
-        """Validate gradients; True when all are finite (one host sync for the whole model)."""
+        """Validate gradients; True when all are usable (:func:`gradients_usable`; one host sync per device)."""
         grads = []
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -343,7 +380,7 @@ class Dion3(torch.optim.Optimizer):
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for g in grads:
             by_device[g.device].append(g)
-        return all(bool(all_finite(same)) for same in by_device.values())  # one host sync per device
+        return all(bool(gradients_usable(same)) for same in by_device.values())
 
     def skip_step(self) -> None:
         """Count and announce a step skipped for a non-finite gradient (nothing else changes)."""
@@ -352,10 +389,14 @@ class Dion3(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """One step of every parameter with a gradient. Everything that can be refused (sparse
+        gradients, settings changed since construction) is checked before anything changes."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(f"param group {gi}", group)
         if not self._check_gradients():
             self.skip_step()
             return loss
@@ -368,29 +409,34 @@ class Dion3(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self._init_state(group, p)
                 if self.algorithm_of(group, p) == "adamw":
-                    state["step"] += 1
-                    adamw[gi, int(state["step"].item()), p.device].append(p)
+                    state = self.state.get(p)
+                    adamw[gi, int(state["step"].item()) + 1 if state else 1, p.device].append(p)
                     continue
-                fraction = self._auto_fractions.get(p, group_hp.fraction)
+                fraction = self._auto_fractions[p] if group_hp.fraction == rule.AUTO else group_hp.fraction
                 key = (gi, matrix_shape(p), p.device, fraction)
                 if key not in settings:
                     settings[key] = group_hp if fraction == group_hp.fraction else dataclasses.replace(group_hp, fraction=fraction)
                 members[key].append(p)
+        # From here on the step changes state; nothing below refuses anything.
         for (gi, count, _), params in adamw.items():
             group = self.param_groups[gi]
+            for p in params:
+                self._init_state(group, p)["step"] += 1
             rule.adamw_step(params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
                             [self.state[p]["exp_avg_sq"] for p in params], count,
                             group["lr"], group["betas"], group["eps"], group["weight_decay"])
         self._buckets = {key: bucket for key, bucket in self._buckets.items() if key in members}
-        matrices = []
+        matrices, copied = [], []
         for key, params in members.items():
+            for p in params:
+                self._init_state(self.param_groups[key[0]], p)
             bucket = self._bucket(key, params, with_age=settings[key].staleness > 0)
             # outside the graph: gradients are new tensors every step
-            rule.accumulate_and_score(bucket.momentum, [g for p in params for g in matrix_view(p.grad).unbind(0)],
+            rule.accumulate_and_score(bucket.momentum, [g for p in params for g in matrix_values(p.grad).unbind(0)],
                                       out=bucket.scores)
-            weights = [w for p in params for w in matrix_view(p).unbind(0)]
+            copied += [p for p in params if not p.is_contiguous()]
+            weights = [w for p in params for w in matrix_view(self._contiguous_weight(p)).unbind(0)]
             matrices.append(rule.WholeMatrices(weights, bucket.scores, bucket.momentum, bucket.variance, settings[key],
                                                age=bucket.age))
         devices = {e.momentum.device for e in matrices}
@@ -398,4 +444,17 @@ class Dion3(torch.optim.Optimizer):
             cuda_graph_module.step_whole_matrices(self._graph, matrices)
         else:
             rule.step_whole_matrices(matrices)
+        for p in copied:
+            p.copy_(self._copies[p])
         return loss
+
+    def _contiguous_weight(self, p: torch.Tensor) -> torch.Tensor:
+        """The weight itself, or for a non-contiguous one (a channels_last conv weight, a transposed
+        view) a contiguous copy that the step updates and :meth:`step` writes back; the copy's
+        buffer is kept, so a CUDA graph of the step finds it at the same address."""
+        if p.is_contiguous():
+            return p
+        buffer = self._copies.get(p)
+        if buffer is None:
+            buffer = self._copies[p] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        return buffer.copy_(p)

@@ -166,12 +166,18 @@ def _as_wide_batch(g: torch.Tensor) -> tuple[torch.Tensor, bool, torch.Size]:
 
 def _normalized(x: torch.Tensor, dtype: torch.dtype, norm_factor: float, eps: float) -> torch.Tensor:
     """x / (norm_factor * ||x||_F + eps) per matrix, computed in fp32 (fp64 for fp64) and written in
-    ``dtype`` by the same kernel, in x's layout (a transposed view stays one: both sides of the
-    pass coalesced)."""
+    ``dtype`` by the last kernel, in x's layout (a transposed view stays one: both sides of the
+    pass coalesced).
+
+    Without overflow for every finite x: ||x||_F overflows fp32 from about 1.8e19 although each
+    entry is finite (the step would silently be zero), so the norm is taken of x / max|x|, whose
+    entries are at most 1, and eps is scaled alike."""
     work = torch.float64 if x.dtype == torch.float64 or dtype == torch.float64 else torch.float32
     xw = x.to(work)
-    norm = torch.linalg.matrix_norm(xw, ord="fro", keepdim=True)
-    return torch.div(xw, norm * norm_factor + eps, out=torch.empty_like(xw, dtype=dtype))
+    peak = torch.linalg.vector_norm(xw, ord=float("inf"), dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(work).tiny)
+    unit = xw / peak
+    norm = torch.linalg.matrix_norm(unit, ord="fro", keepdim=True)
+    return torch.div(unit, norm * norm_factor + eps / peak, out=torch.empty_like(xw, dtype=dtype))
 
 
 def _restore(out: torch.Tensor, transposed: bool, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:

@@ -30,6 +30,11 @@ import torch
 from .ortho import ns_flops, orthogonalize
 
 ADJUST_LR_CHOICES = ("spectral_norm", "rms_norm")
+# The largest gradient magnitude a step takes: its square is about the largest fp32 value, so
+# AdamW's second moment and a global gradient norm stay finite, and Dion3's momentum, a sum of such
+# gradients, stays finite for 2**64 steps; with the overflow-safe norms of the orthogonalization
+# every update is then finite too. A larger (or a non-finite) gradient skips the whole step.
+GRADIENT_LIMIT = 2.0**64
 NS_METHODS = ("gram", "standard")
 AUTO = "auto"
 NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
@@ -54,31 +59,41 @@ class Dion3Hyperparameters:
     ns_dtype: Optional[torch.dtype] = None  # None: fp16 on GPUs, fp32 on CPU (ortho.default_ns_dtype)
 
 
-def check_hyperparameters(where: str, **values) -> None:
-    """Raise ValueError naming ``where`` and the parameter when a Dion3 value is out of range."""
+def is_real(value) -> bool:
+    """A finite int or float, not a bool (True would pass for 1 and reach the math as one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
-    def bad(name: str, expected: str) -> ValueError:
-        return ValueError(f"{where}: {name} must be {expected}, got {values[name]!r}")
 
-    checks = {
-        "lr": (lambda v: isinstance(v, (int, float)) and v >= 0, ">= 0"),
-        "fraction": (lambda v: v == AUTO or (isinstance(v, (int, float)) and 0 < v <= 1), "in (0, 1] or 'auto'"),
-        "mu": (lambda v: isinstance(v, (int, float)) and 0 <= v < 1, "in [0, 1)"),
-        "beta2": (lambda v: isinstance(v, (int, float)) and 0 <= v < 1, "in [0, 1)"),
-        "weight_decay": (lambda v: isinstance(v, (int, float)) and v >= 0, ">= 0"),
-        "eps": (lambda v: isinstance(v, (int, float)) and v > 0, "> 0"),
-        "adjust_lr": (lambda v: v in ADJUST_LR_CHOICES, f"one of {ADJUST_LR_CHOICES}"),
-        "scale_lr_by_fraction": (lambda v: isinstance(v, bool), "a bool"),
-        "scale_mu_by_fraction": (lambda v: isinstance(v, bool), "a bool"),
-        "staleness": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf,
-                      ">= 0 and finite"),
-        "num_heads": (lambda v: v is None or (isinstance(v, int) and v > 0), "None or a positive int"),
-        "ns_method": (lambda v: v in NS_METHODS, f"one of {NS_METHODS}"),
-        "ns_dtype": (lambda v: v is None or v in NS_DTYPES.values(), f"None or one of {list(NS_DTYPES)}"),
-    }
+_CHECKS = {
+    "lr": (lambda v: is_real(v) and v >= 0, "a finite number >= 0"),
+    "fraction": (lambda v: v == AUTO if isinstance(v, str) else is_real(v) and 0 < v <= 1, "in (0, 1] or 'auto'"),
+    "mu": (lambda v: is_real(v) and 0 <= v < 1, "in [0, 1)"),
+    "beta2": (lambda v: is_real(v) and 0 <= v < 1, "in [0, 1)"),
+    "weight_decay": (lambda v: is_real(v) and v >= 0, "a finite number >= 0"),
+    "eps": (lambda v: is_real(v) and v > 0, "a finite number > 0"),
+    "adjust_lr": (lambda v: v in ADJUST_LR_CHOICES, f"one of {ADJUST_LR_CHOICES}"),
+    "scale_lr_by_fraction": (lambda v: isinstance(v, bool), "a bool"),
+    "scale_mu_by_fraction": (lambda v: isinstance(v, bool), "a bool"),
+    "staleness": (lambda v: is_real(v) and v >= 0, "a finite number >= 0"),
+    "num_heads": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0),
+                  "None or a positive int"),
+    "ns_method": (lambda v: v in NS_METHODS, f"one of {NS_METHODS}"),
+    "ns_dtype": (lambda v: v is None or v in NS_DTYPES.values(), f"None or one of {list(NS_DTYPES)}"),
+}
+
+
+def check_hyperparameters(where: str, prefix: str = "", **values) -> None:
+    """Raise ValueError naming ``where``, the parameter (as ``prefix + name``) and its value when a
+    Dion3 value is out of range or of the wrong type; names without a check are ignored."""
     for name, value in values.items():
-        if name in checks and not checks[name][0](value):
-            raise bad(name, checks[name][1])
+        if name in _CHECKS and not _CHECKS[name][0](value):
+            raise ValueError(f"{where}: {prefix}{name} must be {_CHECKS[name][1]}, got {value!r}")
+
+
+def check_num_heads(where: str, num_heads: Optional[int], n_rows: int, what: str) -> None:
+    """Per-head selection views a matrix's rows as heads x head_dim: num_heads must divide them."""
+    if num_heads is not None and n_rows % num_heads:
+        raise ValueError(f"{where}: num_heads={num_heads} does not divide the {n_rows} rows of {what}")
 
 
 # --------------------------------------------------------------------------------------------

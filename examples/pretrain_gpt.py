@@ -333,7 +333,8 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
         opt.zero_grad()
         loss = run(batch, False)
         ok, _, _ = opt.step()
-        sched.step(1)
+        if ok:  # as Megatron-LM's train_step: a skipped step does not advance the schedule
+            sched.step(1)
         skipped += 0 if ok else 1
         train_losses.append(round(loss, 5))
         steps_window += 1

@@ -234,8 +234,10 @@ def make_parallel(config, ref_init: dict, *, layer_wise: bool = True, bf16: bool
     return chunks, opt, sched
 
 
-def train_step(chunks, opt, sched, batch: torch.Tensor, num_microbatches: int = 1):
-    """One Megatron training step on this data-parallel rank's share of the global ``batch``."""
+def train_step(chunks, opt, sched, batch: torch.Tensor, num_microbatches: int = 1, loss_scale: float = 1.0):
+    """One Megatron training step on this data-parallel rank's share of the global ``batch``; as
+    Megatron-LM's train_step, the lr scheduler steps only when the update was made. ``loss_scale``
+    multiplies this rank's loss (NaN: a bad batch on one rank)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -250,7 +252,7 @@ def train_step(chunks, opt, sched, batch: torch.Tensor, num_microbatches: int = 
         out = model(tokens, pos, None, labels=labels)
 
         def loss_func(output):
-            loss = output.float().mean()
+            loss = output.float().mean() * loss_scale
             return loss, {"loss": loss.detach()}
 
         return out, loss_func
@@ -264,5 +266,6 @@ def train_step(chunks, opt, sched, batch: torch.Tensor, num_microbatches: int = 
         forward_only=False,
     )
     ok, grad_norm, _ = opt.step()
-    sched.step(1)
+    if ok:
+        sched.step(1)
     return losses, ok, grad_norm

@@ -1,6 +1,8 @@
 """fraction="auto": the cost-model rule, its use by the optimizer and the engine, and agreement
 across ranks whose measured speeds differ."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -81,6 +83,35 @@ def test_optimizer_auto_equals_the_resolved_fixed_fractions(monkeypatch, generat
         fixed.step()
     for a, b in zip(auto_params, fixed_params):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_resume_keeps_the_saved_choices_on_a_machine_of_another_speed(monkeypatch, generator):
+    # Resumed where the device measures differently, fraction="auto" must not choose again.
+    shapes = [(512, 96), (1024, 64), (64, 48)]
+    weights = [torch.randn(s, generator=generator) for s in shapes]
+    grads = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(4)]
+
+    def run(params, opt, steps):
+        for step_grads in steps:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+
+    monkeypatch.setattr(device_speed, "measure", lambda device, dtype: FLOP_BOUND)
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    opt = Dion3(params, lr=0.02, fraction="auto", ns_dtype=torch.float32)
+    run(params, opt, grads[:2])
+    saved = copy.deepcopy(opt.state_dict())
+    saved_weights = [p.detach().clone() for p in params]
+    run(params, opt, grads[2:])
+    monkeypatch.setattr(device_speed, "measure", lambda device, dtype: LAUNCH_BOUND)  # would choose f = 1
+    resumed = [torch.nn.Parameter(w) for w in saved_weights]
+    other = Dion3(resumed, lr=0.02, fraction="auto", ns_dtype=torch.float32)
+    other.load_state_dict(saved)
+    run(resumed, other, grads[2:])
+    assert [other.fractions[p] for p in resumed] == [opt.fractions[p] for p in params] == [0.25, 0.125, 1.0]
+    for a, b in zip(params, resumed):
+        assert torch.equal(a, b)
 
 
 def _engine_worker(rank, world, shapes, seed):

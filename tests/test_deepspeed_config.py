@@ -64,11 +64,11 @@ def test_adamw_lr_sets_the_lr_of_the_adamw_parameters_only():
         ({"adam_lr": 0.002}, ["'adam_lr'", "Dion3 calls it 'adamw_lr'"]),
         ({"mu": 1.0}, ["mu must be in [0, 1)"]),
         ({"beta2": -0.1}, ["beta2 must be in [0, 1)"]),
-        ({"lr": -1}, ["lr must be >= 0"]),
+        ({"lr": -1}, ["lr must be a finite number >= 0"]),
         ({"lr": True}, ["lr must be a finite number"]),
         ({"lr": float("nan")}, ["lr must be a finite number"]),
         ({"weight_decay": "0.1"}, ["weight_decay must be a finite number"]),
-        ({"eps": 0}, ["eps must be > 0"]),
+        ({"eps": 0}, ["eps must be a finite number > 0"]),
         ({"betas": [0.9, 1.0]}, ["betas must be two numbers in [0, 1)"]),
         ({"betas": 0.9}, ["betas must be two numbers"]),
         ({"adjust_lr": "spectral"}, ["adjust_lr must be one of"]),
@@ -88,6 +88,13 @@ def test_bad_params_raise_clear_errors(params, words):
     assert '"type": "Dion3"' in message
     for w in words:
         assert w in message, (w, message)
+
+
+def test_num_heads_that_do_not_divide_a_matrix_are_refused_at_construction():
+    matrix, bias = torch.nn.Parameter(torch.zeros(10, 4)), torch.nn.Parameter(torch.zeros(10))
+    with pytest.raises(ValueError, match=r"num_heads=4 does not divide the 10 rows of param 0 \(shape \(10, 4\)\)"):
+        DeepSpeedDion3([matrix, bias], num_heads=4)
+    DeepSpeedDion3([matrix, bias], num_heads=5)  # divides; the bias takes AdamW
 
 
 def test_stage0_single_process_equals_plain_dion3(generator):

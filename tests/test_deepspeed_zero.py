@@ -53,6 +53,14 @@ def test_auto_fraction_under_zero1_equals_zero0(two_ranks):
     assert out["auto_diff"] <= TOL
 
 
+def test_auto_fraction_choices_survive_a_resume_on_a_machine_of_another_speed(two_ranks):
+    for rank, out in enumerate(two_ranks):
+        assert out["auto_resume_diff"] == 0.0, (rank, out["auto_resume_diff"])
+        chosen = out["auto_resume_chosen"]
+        fractions = {f for c in chosen.values() for f in list(c["whole"] or []) + list(c["pieces"].values())}
+        assert fractions == {0.125} and any(c["pieces"] for c in chosen.values()), chosen  # straddling ones too
+
+
 def test_gradient_accumulation_and_param_groups_equal_zero0(two_ranks):
     out = two_ranks[0]
     for run in ("s1_ga", "s2_ga"):

@@ -325,6 +325,42 @@ def test_plan_mismatch_raises_a_clear_error_quickly():
         assert "plans differ across the ranks [0, 1]" in message and "'b (8, 8)" in message and "'c (8, 8)" in message
 
 
+def one_sided_worker(rank, world, case):
+    """A plan that differs across the ranks of one group, as ``case`` says; returns each rank's error."""
+    group = dist.new_group(list(range(world)))
+    hp = rule.Dion3Hyperparameters()
+    if case == "lr":  # the two TP shards of one logical matrix, stepped with different lr
+        hp = rule.Dion3Hyperparameters(lr=0.01 * (rank + 1))
+    split = MatrixShard("a", torch.randn(4, 8), torch.randn(4, 8), (8, 8), Sharding.even_rows(8, 2), group, hp)
+    whole = MatrixShard("a", torch.randn(8, 8), torch.randn(8, 8), (8, 8), Sharding.full(), None, hp)
+    # "missing": rank 1 holds the matrix whole, so it has no matrix split over the group at all.
+    shards = [whole] if case == "missing" and rank == 1 else [split]
+    try:
+        Dion3Engine(shards)
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, words", [
+    ("missing", ["plans differ across the ranks [0, 1]", "rank 1 passes no matrix split over them, rank 0 does",
+                 "'a (8, 8) rows[0, 4, 8]"]),
+    ("lr", ["plans differ across the ranks [0, 1]", "lr=0.01", "lr=0.02"]),
+])
+def test_a_plan_that_differs_across_a_group_raises_on_every_rank_quickly(case, words):
+    # A rank without a matrix split over the group used to skip the check and hang the others; a
+    # matrix stepped with different settings on its shards' ranks went unnoticed.
+    import time
+
+    start = time.time()
+    messages = run_distributed(one_sided_worker, 2, case, timeout=60)
+    assert time.time() - start < 40
+    for message in messages:
+        for w in words:
+            assert w in message, (w, message)
+
+
 def test_local_scope_refuses_column_shards():
     shard = MatrixShard("proj", torch.randn(8, 8), None, (8, 8), Sharding.cols((0, 8)), None, rule.Dion3Hyperparameters())
     with pytest.raises(ValueError, match="proj: selection_scope='local' picks rows within each row shard"):

@@ -123,6 +123,26 @@ def test_load_state_dict_rejects_foreign_state(generator):
         _megatron(params, names, selection="nearby")
 
 
+@pytest.mark.parametrize("key, value", [("fraction", 5), ("lr", float("inf")), ("scale_lr_by_fraction", "false")])
+def test_load_state_dict_rejects_bad_group_settings_before_anything_changes(key, value, generator):
+    params, names = _params(generator)
+    opt = _megatron(params, names)
+    for p, g in zip(params, _grads(generator, params, 1)[0]):
+        p.grad = g
+    opt.step()
+    sd = opt.state_dict()
+    before = {i: {k: v.clone() for k, v in state.items()} for i, state in sd["state"].items()}
+    sd["param_groups"][0][key] = value
+    sd["state"][0]["momentum"] = torch.zeros_like(sd["state"][0]["momentum"])
+    sd["auto_fractions"] = {0: {s.name: 0.25 for shards in opt._pieces.values() for s in shards}}  # (rebuilds)
+    with pytest.raises(ValueError, match=f"param group 0: {key} must be .*, got {value!r}"):
+        opt.load_state_dict(sd)
+    assert opt.param_groups[0][key] != value
+    for i, state in opt.state_dict()["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, before[i][k]), (i, k)
+
+
 def test_non_finite_gradient_skips_the_step(generator):
     params, names = _params(generator)
     opt = _megatron(params, names)
@@ -141,3 +161,41 @@ def test_non_finite_gradient_skips_the_step(generator):
         assert torch.equal(p.data, w)
     for key, value in opt.state_dict()["state"][0].items():
         assert torch.equal(value, before_state[key]), key
+
+
+def test_auto_fraction_choices_survive_a_resume_on_a_machine_of_another_speed(monkeypatch, generator):
+    from dion3_megatron import device_speed, rule
+
+    flop_bound, launch_bound = rule.DeviceSpeed(1e6, 0.0, 1e30, 1e30), rule.DeviceSpeed(1e30, 1.0, 1e30, 1e30)
+    shapes = {"layers.0.mlp.linear_fc2.weight": (512, 64), "layers.0.self_attention.linear_proj.weight": (1024, 32)}
+    weights = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+    grads = [{name: torch.randn(shape, generator=generator) for name, shape in shapes.items()} for _ in range(4)]
+
+    def build(initial):
+        params = {name: torch.nn.Parameter(w.clone()) for name, w in initial.items()}
+        layouts = {p: describe_param(name, p) for name, p in params.items()}
+        return params, MegatronDion3([{"params": list(params.values())}], lr=0.05, fraction="auto", layouts=layouts)
+
+    def run(params, opt, steps):
+        for step_grads in steps:
+            for name, p in params.items():
+                p.grad = step_grads[name].clone()
+            opt.step()
+
+    monkeypatch.setattr(device_speed, "measure", lambda device, dtype: flop_bound)
+    params, opt = build(weights)
+    run(params, opt, grads[:2])
+    saved, saved_weights = opt.state_dict(), {name: p.detach().clone() for name, p in params.items()}
+    run(params, opt, grads[2:])
+    monkeypatch.setattr(device_speed, "measure", lambda device, dtype: launch_bound)  # would choose f = 1
+    resumed, other = build(saved_weights)
+    other.load_state_dict(saved)
+    run(resumed, other, grads[2:])
+    for name, p in params.items():
+        assert torch.equal(p, resumed[name]), name
+    assert saved["auto_fractions"] == {0: {"layers.0.mlp.linear_fc2.weight": 0.25,
+                                           "layers.0.self_attention.linear_proj.weight": 0.125}}
+    assert other.state_dict()["auto_fractions"] == saved["auto_fractions"]
+    bad = dict(saved, auto_fractions={0: {"layers.0.mlp.linear_fc2.weight": 0.3}})
+    with pytest.raises(ValueError, match="auto_fractions: layers.0.mlp.linear_fc2.weight on rank 0 has fraction 0.3"):
+        other.load_state_dict(bad)

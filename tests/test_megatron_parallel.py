@@ -1,5 +1,6 @@
 """Megatron-Core + Dion3 on 2 CPU ranks (gloo): DP (layer-wise ZeRO-1), TP, PP, MoE (EP and expert
-TP), bf16, clipping + lr warmup, torch_dist checkpoints, and the emerging-optimizers-free build.
+TP), bf16, clipping + lr warmup, torch_dist checkpoints (fraction="auto" choices included), bad
+steps skipped whole, and the emerging-optimizers-free build.
 
 One spawned group of 2 processes runs every scenario (imports dominate: ~15 s); each scenario
 returns its measurements and the tests below assert on them. The reference is the unsharded model
@@ -19,7 +20,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import math
 import time
 import traceback
 import warnings
@@ -66,6 +66,26 @@ def _find_dion3(opt):
         elif getattr(o, "optimizer", None) is not None:
             stack.append(o.optimizer)
     return found
+
+
+def _snapshot(model, opt) -> dict[str, torch.Tensor]:
+    """Every model parameter, every optimizer parameter (fp32 main copies) and every state tensor
+    (counters included) of every optimizer in Megatron's chain, Dion3's engine state too."""
+    from dion3_megatron.megatron import MegatronDion3, wrappers
+
+    out = {f"model {n}": p.detach().clone() for n, p in model.named_parameters()}
+    inner = [o for o in wrappers._below(opt) if isinstance(o, torch.optim.Optimizer)]
+    for j, o in enumerate(inner):
+        for g, group in enumerate(o.param_groups):
+            for k, p in enumerate(group["params"]):
+                out[f"optimizer {j} group {g} param {k}"] = p.detach().clone()
+                for key, value in o.state.get(p, {}).items():
+                    out[f"optimizer {j} group {g} param {k} {key}"] = torch.as_tensor(value).clone()
+        if isinstance(o, MegatronDion3):
+            for shards in o._pieces.values():
+                for s in shards:
+                    out.update({f"dion3 {s.name} {key}": v.clone() for key, v in s.state.items()})
+    return out
 
 
 def _full_state(model, config) -> dict[str, torch.Tensor]:
@@ -151,12 +171,12 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
     results: dict = {}
     data = ms.batches(2 * STEPS, 4)
 
-    def reference(num_experts=None):
+    def reference(num_experts=None, batches=data[:STEPS]):
         ms.init_parallel()
         cfg = ms.tiny_config(num_experts=num_experts)
         ref = ms.Reference(cfg)
         init = ref.state()
-        for b in data[:STEPS]:
+        for b in batches:
             ref.step(b)
         return init, ref.state()
 
@@ -170,6 +190,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
 
     dense_init, dense_final = reference()
     moe_init, moe_final = reference(num_experts=4)
+    _, bad_batch_skipped = reference(batches=data[:STEPS] + data[STEPS + 1:STEPS + 2])  # data[STEPS] is bad
 
     def parallel(tp=1, pp=1, ep=1, etp=None, num_experts=None, init=dense_init, final=dense_final, microbatches=1,
                  **kw):
@@ -343,60 +364,113 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         out["state_nonzero"] = min(v[0].abs().max().item() for v in saved.values())
         return out
 
+    def auto_resume():
+        # fraction="auto" at DP=2, each rank measuring another speed (rank 0 slow matmuls: few rows;
+        # rank 1 slow launches: all rows); resumed from torch_dist with the speeds swapped, the
+        # saved choices (of both ranks) must be kept: bit-identical to the uninterrupted run.
+        from dion3_megatron import device_speed, rule
+
+        speeds = [rule.DeviceSpeed(1e6, 0.0, 1e30, 1e30), rule.DeviceSpeed(1e30, 1.0, 1e30, 1e30)]
+        measure, min_rows = device_speed.measure, rule.AUTO_MIN_ROWS
+        rule.AUTO_MIN_ROWS = 8  # the tiny model's matrices have <= 128 rows: let the speed decide
+        try:
+            device_speed.measure = lambda device, dtype: speeds[rank]
+            ms.init_parallel()
+            cfg = ms.tiny_config()
+            chunks, opt, sched = ms.make_parallel(cfg, dense_init, fraction="auto")
+            for b in data[:STEPS]:
+                ms.train_step(chunks, opt, sched, b)
+            _save(chunks, opt, ckpt_dir + "_auto")
+            for b in data[STEPS:]:
+                ms.train_step(chunks, opt, sched, b)
+            straight = _full_state(chunks[0].module, cfg)
+            chosen = _find_dion3(opt)[0].state_dict().get("auto_fractions")
+            device_speed.measure = lambda device, dtype: speeds[1 - rank]
+            ms.init_parallel()
+            cfg = ms.tiny_config()
+            chunks, opt, sched = ms.make_parallel(cfg, dense_init, fraction="auto")
+            _load(chunks, opt, ckpt_dir + "_auto")
+            for b in data[STEPS:]:
+                ms.train_step(chunks, opt, sched, b)
+            resumed = _full_state(chunks[0].module, cfg)
+            return {"chosen": chosen, "resume_max_diff": max((resumed[k] - straight[k]).abs().max().item() for k in straight)}
+        finally:
+            device_speed.measure, rule.AUTO_MIN_ROWS = measure, min_rows
+
     def dp_overlap():
         return parallel(overlap=True)[0]
 
-    def finite_check(tp: int, uncounted: bool = False):
-        # Dion3's own finiteness check runs only when Megatron's global grad norm vouches for the
-        # step: never on finite steps; on a step with one NaN gradient (rank 1 only), on both
-        # ranks, which then skip it together. ``uncounted``: rank 1 marks one Dion3 weight shared
-        # (as Megatron marks a tied embedding), so the norm leaves it out and Dion3 checks every step.
-        from dion3_megatron.megatron import MegatronDion3
+    def bad_step(tp=1, bf16=False, poison="nan_loss", uncounted=False, checkpoint_to=None):
+        # A bad step on rank 1 alone after STEPS clean ones: "nan_loss" (its loss times NaN), "adam_huge"
+        # (one of its Adam gradients 1e30: finite, past 2**64) or "dion3_nan" (one of its Dion3
+        # gradients NaN). Then one clean step, which must continue like the reference that never saw
+        # the bad batch. ``uncounted``: rank 1 marks a Dion3 weight shared, so Megatron's norm leaves
+        # it out and the wrapper checks the gradients outside the norm itself every step.
+        from dion3_megatron.megatron import wrappers
 
-        checks = []
-        original = MegatronDion3._gradients_finite
-        MegatronDion3._gradients_finite = lambda self: checks.append(1) or original(self)
+        own_checks = []
+        original = wrappers.usable_on_every_rank
+        wrappers.usable_on_every_rank = lambda *a, **k: own_checks.append(1) or original(*a, **k)
         try:
             ms.init_parallel(tp=tp)
-            cfg = ms.tiny_config(tp=tp)
-            chunks, opt, sched = ms.make_parallel(cfg, dense_init)
+            cfg = ms.tiny_config(tp=tp, bf16=bf16)
+            chunks, opt, sched = ms.make_parallel(cfg, dense_init, bf16=bf16)
             (dion3,) = _find_dion3(opt)
             if uncounted and rank == 1:
                 dion3.param_groups[0]["params"][-1].shared = True
             for b in data[:STEPS]:
                 ms.train_step(chunks, opt, sched, b)
-            out = _diffs(chunks[0].module, dense_final, cfg)
-            out["moved"] = _diffs(chunks[0].module, dense_init, cfg)["dion3"]
-            out["finite_step_checks"] = len(checks)
-            params = [p for g in dion3.param_groups for p in g["params"]]
-            before = [p.detach().clone() for p in params]
-            state_before = [s.state["momentum"].clone() for shards in dion3._pieces.values() for s in shards]
-            prepare = opt.prepare_grads
+            out = {"clean_own_checks": len(own_checks)}
+            model = chunks[0].module
+            if poison != "nan_loss" and rank == 1:  # poison one gradient right after its optimizer prepared it
+                leaf = (_adam_distopts(opt)[0] if poison == "adam_huge"
+                        else next(o for o in wrappers._below(opt)
+                                  if not hasattr(o, "chained_optimizers") and getattr(o, "optimizer", None) is dion3))
+                prepare = leaf.prepare_grads
 
-            def prepare_with_nan():
-                found_inf = prepare()
-                if rank == 1:
-                    params[0].grad.view(-1)[0] = float("nan")
-                return found_inf
+                def poisoned():
+                    found_inf = prepare()
+                    grad = next(p.grad for p in leaf.get_parameters() if p.grad is not None and p.grad.numel())
+                    grad.view(-1)[0] = 1e30 if poison == "adam_huge" else float("nan")
+                    return found_inf
 
-            opt.prepare_grads = prepare_with_nan
+                leaf.prepare_grads = poisoned
+            before, lr_steps = _snapshot(model, opt), sched.num_steps
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                _, _, grad_norm = ms.train_step(chunks, opt, sched, data[STEPS])
-            out["nan_step_checks"] = len(checks) - out["finite_step_checks"]
-            out["nan_grad_norm_finite"] = math.isfinite(grad_norm)
+                scale = float("nan") if poison == "nan_loss" and rank == 1 else 1.0
+                _, ok, grad_norm = ms.train_step(chunks, opt, sched, data[STEPS], loss_scale=scale)
+            if poison != "nan_loss" and rank == 1:
+                del leaf.prepare_grads
+            after = _snapshot(model, opt)
+            out["returned"] = [ok, grad_norm]
+            out["changed"] = sorted(k for k in before if not torch.equal(before[k], after[k]))
+            out["snapshot_covers"] = [any(k.endswith(kind) for k in before) for kind in (" step", " exp_avg_sq", " momentum")]
+            out["scheduler_stepped"] = sched.num_steps != lr_steps
             out["skipped"] = dion3.skipped_steps
-            out["warned"] = any("non-finite gradient" in str(w.message) for w in caught)
-            out["weights_moved"] = max((p.detach() - b).abs().max().item() for p, b in zip(params, before))
-            state_after = [s.state["momentum"] for shards in dion3._pieces.values() for s in shards]
-            out["state_moved"] = max((a - b).abs().max().item() for a, b in zip(state_after, state_before))
+            out["warnings"] = sum("non-finite gradient" in str(w.message) for w in caught)
+            out["bad_own_checks"] = len(own_checks) - out["clean_own_checks"]
+            if checkpoint_to is not None:  # skipped_steps survives a torch_dist checkpoint
+                _save(chunks, opt, checkpoint_to)
+                fresh_chunks, fresh, _ = ms.make_parallel(cfg, dense_init, bf16=bf16)
+                _load(fresh_chunks, fresh, checkpoint_to)
+                out["skipped_after_load"] = _find_dion3(fresh)[0].skipped_steps
+            _, ok, _ = ms.train_step(chunks, opt, sched, data[STEPS + 1])
+            out["next_ok"] = ok
+            out.update(_diffs(model, bad_batch_skipped, cfg))
+            out["moved"] = _diffs(model, dense_init, cfg)["dion3"]
+            out["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
             return out
         finally:
-            MegatronDion3._gradients_finite = original
+            wrappers.usable_on_every_rank = original
 
-    for name, fn in (("dp", dp), ("dp_overlap", dp_overlap), ("tp", tp), ("pp", pp), ("moe", moe), ("moe_etp", moe_etp), ("bf16", bf16), ("checkpoint", checkpoint),
-                     ("clip", clip_and_schedule), ("registry", registry), ("finite_dp", lambda: finite_check(1)),
-                     ("finite_tp", lambda: finite_check(2)), ("finite_uncounted", lambda: finite_check(1, uncounted=True))):
+    for name, fn in (("dp", dp), ("dp_overlap", dp_overlap), ("tp", tp), ("pp", pp), ("moe", moe), ("moe_etp", moe_etp), ("bf16", bf16), ("checkpoint", checkpoint), ("auto_resume", auto_resume),
+                     ("clip", clip_and_schedule), ("registry", registry),
+                     ("nan_loss_dp", lambda: bad_step(checkpoint_to=ckpt_dir + "_skipped")),
+                     ("nan_loss_dp_bf16", lambda: bad_step(bf16=True)), ("nan_loss_tp", lambda: bad_step(tp=2)),
+                     ("nan_loss_tp_bf16", lambda: bad_step(tp=2, bf16=True)),
+                     ("adam_huge_dp", lambda: bad_step(poison="adam_huge")),
+                     ("dion3_nan_uncounted", lambda: bad_step(poison="dion3_nan", uncounted=True))):
         scenario(name, fn)
         dist.barrier()
     return results
@@ -484,22 +558,41 @@ def test_torch_dist_checkpoint_resume_and_reshard(results):
         assert r["reshard_state_diff"] == 0.0, f"rank {rank}: DP=2 -> TP=2 Dion3 state differs by {r['reshard_state_diff']:.3g}"
 
 
+def test_auto_fraction_choices_of_every_rank_survive_a_torch_dist_resume(results):
+    for rank, r in enumerate(_get(results, "auto_resume")):
+        assert r["resume_max_diff"] == 0.0, f"rank {rank}: resumed run differs by {r['resume_max_diff']:.3g}"
+        choices = [set(r["chosen"][q].values()) for q in (0, 1)]
+        assert choices[0] and choices[1] and choices[0] != choices[1], r["chosen"]  # the ranks chose differently
+
+
 def test_grad_clipping_and_lr_warmup_match_single_process(results):
     per_rank = _get(results, "clip")
     _check_against_reference(per_rank)
     assert all(n > 0.5 for n in per_rank[0]["grad_norms"]), per_rank[0]["grad_norms"]  # clipping was active
 
 
-@pytest.mark.parametrize("layout", ["finite_dp", "finite_tp", "finite_uncounted"])
-def test_finite_grad_norm_spares_the_own_check_and_a_nan_still_skips_the_step(results, layout):
-    own_checks = STEPS if layout == "finite_uncounted" else 0  # a weight outside Megatron's norm
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["nan_loss_dp", "nan_loss_dp_bf16", "nan_loss_tp", "nan_loss_tp_bf16",
+                                    "adam_huge_dp", "dion3_nan_uncounted"])
+def test_a_bad_step_on_one_rank_is_skipped_whole_on_every_rank(results, layout):
+    # As under loss scaling: step() returns (False, None, None), no optimizer of the chain (Dion3,
+    # Megatron's Adam) changes a weight, a state tensor or a counter, the scheduler does not step,
+    # Dion3 counts the step and warns once; the next clean step continues like a run without the
+    # bad batch. Gradients outside Megatron's norm (TP duplicates, a shared weight) get one own check
+    # per step; otherwise the norm decides alone.
+    own_checks = STEPS if layout in ("nan_loss_tp", "nan_loss_tp_bf16", "dion3_nan_uncounted") else 0
     for rank, r in enumerate(_get(results, layout)):
-        _check_against_reference([r])
-        assert r["finite_step_checks"] == own_checks, f"rank {rank}: Dion3 checked {r['finite_step_checks']} finite steps itself"
-        assert not r["nan_grad_norm_finite"], "the injected NaN did not reach Megatron's grad norm"
-        assert r["nan_step_checks"] == 1, f"rank {rank}: {r['nan_step_checks']} own checks on the NaN step"
-        assert r["skipped"] == 1 and r["warned"], (rank, r["skipped"], r["warned"])
-        assert r["weights_moved"] == 0.0 and r["state_moved"] == 0.0, (rank, r["weights_moved"], r["state_moved"])
+        assert r["returned"] == [False, None], (rank, r["returned"])
+        assert r["changed"] == [] and all(r["snapshot_covers"]), (rank, r["changed"][:5], r["snapshot_covers"])
+        assert not r["scheduler_stepped"] and r["skipped"] == 1 and r["warnings"] == 1, (rank, r)
+        assert (r["clean_own_checks"], r["bad_own_checks"]) == (own_checks, own_checks // STEPS), (rank, r)
+        assert r["next_ok"] and r["finite"]
+        if "bf16" in layout:
+            assert r["dion3"] < 2e-2  # bf16 forward/backward, as in the bf16 test
+        else:
+            _check_against_reference([r])
+    if layout == "nan_loss_dp":
+        assert [r["skipped_after_load"] for r in _get(results, layout)] == [1, 1]
 
 
 def test_dion3_does_not_need_the_emerging_optimizers_package(results):

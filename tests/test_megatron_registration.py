@@ -99,6 +99,29 @@ def test_flags_reach_the_optimizer_config_and_kwargs():
     assert kwargs["selection"] == "global" and kwargs["ns_method"] == "gram"
 
 
+@pytest.mark.parametrize("key, value, expected", [
+    ("dion3_cuda_graph", "false", "a bool"),
+    ("dion3_split_qkv", "false", "a bool"),
+    ("dion3_split_glu", 0, "a bool"),
+    ("dion3_scale_lr_by_fraction", "true", "a bool"),
+    ("dion3_scale_mu_by_fraction", "False", "a bool"),
+    ("dion3_mu", "0.9", "in [0, 1)"),
+    ("dion3_fraction", 5, "in (0, 1] or 'auto'"),
+    ("dion3_eps", float("inf"), "a finite number > 0"),
+    ("dion3_selection_scope", "nearby", "one of ('global', 'local')"),
+    ("dion3_ns", "svd", "one of ('gram', 'standard')"),
+])
+def test_config_values_of_the_wrong_type_are_refused_by_name(key, value, expected):
+    from types import SimpleNamespace
+
+    import dion3_megatron.megatron as dm
+
+    config = SimpleNamespace(lr=0.01, weight_decay=0.1, **{key: value})
+    with pytest.raises(ValueError) as info:
+        dm.config_to_kwargs(config, [], None)
+    assert f"{key} must be {expected}, got {value!r}" in str(info.value)
+
+
 _LAUNCHED = textwrap.dedent(
     """
     import sys

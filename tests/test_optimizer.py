@@ -81,6 +81,48 @@ def test_conv_weight_flattens_to_a_matrix(generator):
     torch.testing.assert_close(p.reshape(8, 27), flat, rtol=1e-6, atol=1e-7)
 
 
+def test_any_memory_format_or_strided_gradient_steps_like_contiguous_tensors(generator):
+    # A channels_last conv weight (and gradient), a transposed weight, a strided gradient of a
+    # contiguous weight, and a bias on AdamW: the same steps as contiguous copies, bit for bit.
+    conv = torch.randn(8, 3, 3, 3, generator=generator)
+    transposed = torch.randn(16, 12, generator=generator)
+    plain = torch.randn(12, 16, generator=generator)
+    bias = torch.randn(8, generator=generator)
+    grads = [[torch.randn(8, 3, 3, 3, generator=generator), torch.randn(16, 12, generator=generator),
+              torch.randn(16, 12, generator=generator), torch.randn(8, generator=generator)] for _ in range(3)]
+    strided = [torch.nn.Parameter(conv.clone().to(memory_format=torch.channels_last)),
+               torch.nn.Parameter(transposed.clone().t()), torch.nn.Parameter(plain.clone()),
+               torch.nn.Parameter(bias.clone())]
+    dense = [torch.nn.Parameter(t.clone().contiguous()) for t in (conv, transposed.t(), plain, bias)]
+    assert not strided[0].is_contiguous() and not strided[1].is_contiguous()
+    runs = [(strided, Dion3(strided, lr=0.02, fraction=0.5, ns_dtype=torch.float32)),
+            (dense, Dion3(dense, lr=0.02, fraction=0.5, ns_dtype=torch.float32))]
+    for step_grads in grads:
+        (c, t, p, b) = step_grads
+        strided_grads = [c.to(memory_format=torch.channels_last), t.t(), t.t(), b]
+        for (params, opt), grads_now in zip(runs, (strided_grads, [g.contiguous() for g in strided_grads])):
+            for param, g in zip(params, grads_now):
+                param.grad = g.clone(memory_format=torch.preserve_format)
+            opt.step()
+    assert strided[0].is_contiguous(memory_format=torch.channels_last)  # updated in place, layout kept
+    for a, b in zip(strided, dense):
+        assert torch.equal(a, b)
+    assert all((a - t0).abs().max() > 1e-3 for a, t0 in zip(strided, (conv, transposed.t(), plain, bias)))
+
+
+def test_a_step_that_raises_changes_no_weight_counter_or_state(generator):
+    model, opt = make_model_and_optimizer()
+    train(model, opt, random_batches(generator, 1))
+    opt.param_groups.reverse()  # AdamW's group first: it used to step before the Dion3 group raised
+    opt.param_groups[1]["num_heads"] = 5  # set after construction; 5 divides no matrix's rows here
+    before = snapshot(model, opt)
+    tokens, targets = random_batches(generator, 1)[0]
+    torch.nn.functional.cross_entropy(model(tokens), targets).backward()
+    with pytest.raises(ValueError, match="param group 1: num_heads=5 does not divide the 48 rows of param 0"):
+        opt.step()
+    assert_unchanged(model, opt, before)
+
+
 def test_fraction_and_algorithm_per_group(generator):
     a = torch.nn.Parameter(torch.randn(16, 8, generator=generator))
     b = torch.nn.Parameter(torch.randn(16, 8, generator=generator))
@@ -121,6 +163,22 @@ def make_model_and_optimizer(seed=0):
         [{"params": matrices}, {"params": others, "algorithm": "adamw", "lr": 3e-3}], lr=0.02, fraction=0.25
     )
     return model, opt
+
+
+def snapshot(model, opt) -> tuple[dict, dict]:
+    return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+
+
+def assert_unchanged(model, opt, before: tuple[dict, dict]) -> None:
+    """No weight, no optimizer state tensor (counters included) and no group setting differs from ``before``."""
+    weights, state = before
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    after = opt.state_dict()
+    assert after["param_groups"] == state["param_groups"]
+    for pid, s in state["state"].items():
+        for key, value in s.items():
+            assert torch.equal(value, after["state"][pid][key]), (pid, key)
 
 
 def train(model, opt, batches):
@@ -207,6 +265,14 @@ def test_dion3_lowers_the_loss_of_a_small_model(generator):
         (dict(ns_method="svd"), "ns_method"),
         (dict(betas=(0.9, 1.2)), "betas"),
         (dict(weight_decay=-1.0), "weight_decay"),
+        (dict(lr=float("inf")), "lr must be a finite number >= 0, got inf"),
+        (dict(lr=float("nan")), "lr must be a finite number >= 0, got nan"),
+        (dict(weight_decay=float("inf")), "weight_decay must be a finite number >= 0, got inf"),
+        (dict(eps=float("inf")), "eps must be a finite number > 0, got inf"),
+        (dict(fraction=True), "fraction must be in \\(0, 1\\] or 'auto', got True"),
+        (dict(mu=False), "mu must be in \\[0, 1\\), got False"),
+        (dict(num_heads=True), "num_heads must be None or a positive int, got True"),
+        (dict(num_heads=3), "num_heads=3 does not divide the 4 rows of param 0 \\(shape \\(4, 4\\)\\)"),
     ],
 )
 def test_bad_hyperparameters_are_refused(kwargs, match):
@@ -225,6 +291,24 @@ def test_bad_groups_are_refused():
         Dion3([{"params": [w]}, {"params": [b], "fraction": 2}])
 
 
+@pytest.mark.parametrize("key,value,match", [
+    ("fraction", 5, "param group 0: fraction must be in \\(0, 1\\] or 'auto', got 5"),
+    ("algorithm", "bogus", "param group 1: algorithm must be one of \\('dion3', 'adamw'\\) or absent, got 'bogus'"),
+    ("lr", float("inf"), "param group 1: lr must be a finite number >= 0, got inf"),
+    ("betas", (0.9, 1.5), "param group 1: betas must be two values in \\[0, 1\\), got \\(0.9, 1.5\\)"),
+    ("num_heads", 5, "param group 0: num_heads=5 does not divide the 48 rows of param 0"),
+])
+def test_checkpoint_with_bad_group_settings_is_refused_before_anything_changes(key, value, match, generator):
+    model, opt = make_model_and_optimizer()
+    train(model, opt, random_batches(generator, 1))
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0 if key in ("fraction", "num_heads") else 1][key] = value
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    assert_unchanged(model, opt, before)
+
+
 def test_sparse_gradient_is_refused():
     embedding = torch.nn.Embedding(10, 4, sparse=True)
     opt = Dion3(embedding.parameters())
@@ -233,24 +317,71 @@ def test_sparse_gradient_is_refused():
         opt.step()
 
 
-def check_all_finite(device, generator):
-    """all_finite flags exactly the tensors holding NaN, +inf or -inf, in any dtype, at any position."""
+def check_gradients_usable(device, generator):
+    """gradients_usable flags exactly the tensors holding NaN, +-inf or a magnitude >= 2**64 (whose
+    square overflows fp32), in any dtype, at any position."""
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         tensors = [torch.randn(n, generator=generator).to(device=device, dtype=dtype) for n in (3, 5000, 70001)]
-        tensors.append(torch.full((7,), torch.finfo(dtype).max, device=device, dtype=dtype))  # huge but finite
-        assert bool(optimizer_module.all_finite(tensors))
-        for bad in (float("nan"), float("inf"), float("-inf")):
+        largest = min(torch.finfo(dtype).max, 2.0**63)  # the largest magnitude tried that a step takes
+        tensors.append(torch.full((7,), -largest, device=device, dtype=dtype))
+        assert bool(optimizer_module.gradients_usable(tensors))
+        bad_values = [float("nan"), float("inf"), float("-inf")]
+        if torch.finfo(dtype).max >= 2.0**64:
+            bad_values += [2.0**64, -torch.finfo(dtype).max]
+        for bad in bad_values:
             for t in tensors:
                 where = int(torch.randint(t.numel(), (), generator=generator))
                 kept = t[where].clone()
                 t[where] = bad
-                assert not bool(optimizer_module.all_finite(tensors)), (dtype, bad, t.numel(), where)
+                assert not bool(optimizer_module.gradients_usable(tensors)), (dtype, bad, t.numel(), where)
                 t[where] = kept
-    assert bool(optimizer_module.all_finite([torch.empty(0, device=device)]))
+    assert bool(optimizer_module.gradients_usable([torch.empty(0, device=device)]))
 
 
-def test_all_finite(generator):
-    check_all_finite(torch.device("cpu"), generator)
+def test_gradients_usable(generator):
+    check_gradients_usable(torch.device("cpu"), generator)
+
+
+def test_huge_finite_gradients_step_like_unit_ones(generator):
+    # Dion3's step is scale-invariant in the gradient: 1e18 x G must move the matrices as G does
+    # (the selected block's Frobenius norm, ~1e20, overflowed fp32 and the update was silently zero).
+    shapes = [(64, 96), (2, 48, 64)]
+    weights = [torch.randn(s, generator=generator) for s in shapes]
+    grads = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(3)]
+    runs = []
+    for scale in (1.0, 1e18):
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        opt = Dion3(params, lr=0.02, fraction=0.25, ns_dtype=torch.float32)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g * scale
+            opt.step()
+        assert opt.skipped_steps == 0
+        runs.append(params)
+    for unit, huge, w in zip(*runs, weights):
+        torch.testing.assert_close(huge, unit, rtol=0, atol=1e-5)
+        assert (unit - w).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("huge", [2.0**64, 2e38, -3.4e38])
+def test_a_gradient_whose_square_overflows_skips_the_step(huge, generator):
+    # From 2**64 a gradient's square overflows fp32 (AdamW's second moment, Megatron's grad norm);
+    # at 2e38 the momentum overflowed and every weight became NaN.
+    model, opt = make_model_and_optimizer()
+    batches = random_batches(generator, 3)
+    train(model, opt, batches[:1])
+    for _ in range(2):  # twice: a second huge gradient would push the momentum past fp32's range
+        before = snapshot(model, opt)
+        tokens, targets = batches[1]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(tokens), targets).backward()
+        model.up.weight.grad.view(-1)[5] = huge
+        with pytest.warns(RuntimeWarning, match="non-finite gradient, step skipped"):
+            opt.step()
+        assert_unchanged(model, opt, before)
+    assert opt.skipped_steps == 2
+    train(model, opt, batches[2:])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 @pytest.mark.parametrize("bad_value", [float("inf"), float("nan")])
@@ -258,18 +389,12 @@ def test_all_finite(generator):
 def test_non_finite_gradient_skips_the_whole_step(bad_value, where, generator):
     model, opt = make_model_and_optimizer()
     train(model, opt, random_batches(generator, 2))
-    weights = copy.deepcopy(model.state_dict())
-    state = copy.deepcopy(opt.state_dict())
+    before = snapshot(model, opt)
     tokens, targets = random_batches(generator, 1)[0]
     torch.nn.functional.cross_entropy(model(tokens), targets).backward()
     (model.up.weight if where == "matrix" else model.down.bias).grad.view(-1)[3] = bad_value
     with pytest.warns(RuntimeWarning, match="non-finite gradient, step skipped"):
         opt.step()
     assert opt.skipped_steps == 1
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, weights[name]), name
-    after = opt.state_dict()
-    for pid, s in state["state"].items():
-        for key, value in s.items():
-            assert torch.equal(value, after["state"][pid][key]), (pid, key)
-    assert after["skipped_steps"] == 1
+    assert_unchanged(model, opt, before)
+    assert opt.state_dict()["skipped_steps"] == 1

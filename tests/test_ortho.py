@@ -122,3 +122,17 @@ def test_flop_counts():
     s, L = 1024, 4096
     assert ortho.ns_flops(s, L, "standard") == 5 * (3 * s * s * L + s**3)
     assert ortho.ns_flops(L, s, "gram") == 6 * s * s * L + 14 * s**3
+
+
+@pytest.mark.parametrize("method", ["gram", "standard"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_huge_finite_inputs_are_normalized_without_overflow(method, dtype, generator):
+    # ||g||_F overflows fp32 from about 1.8e19; the orthogonalization is scale-invariant, so every
+    # finite scale must give the unit-scale result (to rounding), and zero must stay zero.
+    g = torch.randn(2, 24, 80, generator=generator)
+    unit = ortho.orthogonalize(g, method, dtype, out_dtype=torch.float32)
+    for scale in (1e18, 1e30, 3e38 / g.abs().max().item()):
+        huge = ortho.orthogonalize(g * scale, method, dtype, out_dtype=torch.float32)
+        assert torch.isfinite(huge).all(), scale
+        assert rel(huge, unit) <= (1e-4 if dtype == torch.float32 else 1e-2), scale  # (1.0 when zero)
+    assert torch.equal(ortho.orthogonalize(torch.zeros(2, 24, 80), method, dtype), torch.zeros(2, 24, 80))

@@ -101,7 +101,7 @@ def test_staleness_switched_on_later_starts_every_row_at_age_zero(generator):
 
 @pytest.mark.parametrize("value", [-1.0, float("inf"), True, "1"])
 def test_bad_staleness_is_refused_naming_it(value):
-    with pytest.raises(ValueError, match=r"staleness must be >= 0 and finite, got"):
+    with pytest.raises(ValueError, match=r"staleness must be a finite number >= 0, got"):
         Dion3([torch.nn.Parameter(torch.randn(4, 4))], staleness=value)
 
 

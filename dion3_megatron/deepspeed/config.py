@@ -9,7 +9,6 @@ silently ignores unknown keys). JSON spellings are converted: ``betas`` as a lis
 from __future__ import annotations
 
 import difflib
-import math
 from typing import Any
 
 from .. import rule
@@ -52,10 +51,6 @@ HINTS = {
 _NUMBERS = ("lr", "adamw_lr", "fraction", "mu", "beta2", "weight_decay", "eps")
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def normalize_params(params: dict[str, Any]) -> dict[str, Any]:
     """Check a config's Dion3 ``params`` and return constructor keyword arguments.
 
@@ -78,12 +73,12 @@ def normalize_params(params: dict[str, Any]) -> dict[str, Any]:
     for k in _NUMBERS:
         if k == "fraction" and out.get(k) == rule.AUTO:
             continue
-        if k in out and not _is_number(out[k]):
+        if k in out and not rule.is_real(out[k]):
             raise ValueError(f"{WHERE}: {k} must be a finite number ({ALLOWED[k]}), got {out[k]!r}")
     if "betas" in out:
         betas = out["betas"]
         if not (
-            isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_is_number(b) and 0 <= b < 1 for b in betas)
+            isinstance(betas, (list, tuple)) and len(betas) == 2 and all(rule.is_real(b) and 0 <= b < 1 for b in betas)
         ):
             raise ValueError(f"{WHERE}: betas must be two numbers in [0, 1), got {betas!r}")
         out["betas"] = tuple(float(b) for b in betas)

@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from ..optimizer import Dion3, finite_on_every_rank
+from .. import rule
+from ..optimizer import Dion3, usable_on_every_rank
 from . import zero
 from .config import normalize_params
 
@@ -51,6 +52,7 @@ class DeepSpeedDion3(Dion3):
             id(g): (g, list(g["params"])) for g in self.param_groups
         }
         self._zero_plans: dict[int, zero.ZeroGroupPlan] = {}
+        self._saved_zero_fractions: dict[int, dict] = {}  # param group index -> fraction="auto" choices loaded
 
     def add_param_group(self, param_group: dict) -> None:
         staleness = param_group.get("staleness", self.defaults["staleness"])
@@ -80,6 +82,27 @@ class DeepSpeedDion3(Dion3):
             return originals
         return None
 
+    def state_dict(self) -> dict[str, Any]:
+        """Dion3's state dict and, under ZeRO-1/2, what fraction="auto" chose on this rank's slices
+        (DeepSpeed's default, rigid, checkpoints keep it per rank; elastic and universal ones keep
+        only the slice-shaped tensors, and a resume from them chooses again)."""
+        sd = super().state_dict()
+        index = list(self._originals)
+        sd["zero_auto_fractions"] = {**self._saved_zero_fractions, **{
+            index.index(key): plan.auto_fractions() for key, plan in self._zero_plans.items() if plan.auto}}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("zero_auto_fractions", {})
+        for gi, choices in saved.items():
+            values = list(choices["whole"] or []) + list(choices["pieces"].values())
+            if any(f not in rule.AUTO_FRACTIONS for f in values):
+                raise ValueError(f"checkpoint zero_auto_fractions: param group {gi} has fractions {values}, "
+                                 f"not all in {rule.AUTO_FRACTIONS}")
+        super().load_state_dict(state_dict)
+        self._saved_zero_fractions = dict(saved)
+        self._zero_plans.clear()  # rebuilt at the next step (by every rank), with these choices
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         zero_groups = [(g, self._zero_group(g)) for g in self.param_groups]
@@ -102,8 +125,10 @@ class DeepSpeedDion3(Dion3):
                 # the position among the remembered groups does not.
                 index = list(self._originals).index(id(group))
                 plan = zero.ZeroGroupPlan(self, group, originals, index)
+                if plan.auto and index in self._saved_zero_fractions:
+                    plan.restore_auto_fractions(self._saved_zero_fractions[index], f"Dion3 param group {index}")
                 self._zero_plans[id(group)] = plan
-            if not finite_on_every_rank([flat.grad], flat.device, plan.group_pg):
+            if not usable_on_every_rank([flat.grad], flat.device, plan.check_group):
                 self.skip_step()
                 continue
             state = self.state[flat]

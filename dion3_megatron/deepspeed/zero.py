@@ -33,7 +33,7 @@ import collections
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -137,6 +137,9 @@ class ZeroGroupPlan:
         tensor_parallel = TensorParallel.of_mpu(self.group_pg)
         if tensor_parallel is not None:
             tensor_parallel.check_same_slices(ranges, f"Dion3 param group {index}", device)
+        # Every rank whose pieces one step's collectives join: the tensor x data-parallel group with
+        # tensor parallelism, else the data-parallel group. They check the plan, and skip a step, together.
+        self.check_group = tensor_parallel.group if tensor_parallel is not None else self.group_pg
         self.pieces: list[_Piece] = []  # matrices split over ranks: through the engine
         # (offset, count, rows, cols): runs of adjacent same-shape matrices only this rank holds,
         # stepped as one (count, rows, cols) batch (e.g. one layer's Q, K, V and projection).
@@ -171,10 +174,28 @@ class ZeroGroupPlan:
                 self._add_piece(name, offset, hi - lo, lo, m, (n, m), megabatch.Sharding.flat(mbounds),
                                 self.group_pg, opt.hyperparameters(group))
         self.adamw_runs = _merge_runs(adamw_runs)
-        self.whole_fractions: list[float] = []  # what fraction="auto" chose for self.whole
+        # What fraction="auto" chose (saved in checkpoints, so a resume does not measure again):
+        # per run of self.whole (None: not chosen yet), and per piece of the engine, by name.
+        self.auto = opt.hyperparameters(group).fraction == rule.AUTO
+        self.whole_fractions: Optional[list[float]] = None
+        self.piece_fractions: dict[str, float] = {}
         self.whole_scores: list[torch.Tensor] = []  # their row scores, in buffers a graph can replay
         self.engine = None
         self._state_ids: tuple = ()
+
+    def auto_fractions(self) -> dict[str, Any]:
+        """What fraction="auto" chose so far, for a checkpoint (see :meth:`restore_auto_fractions`)."""
+        return {"whole": self.whole_fractions, "pieces": dict(self.piece_fractions)}
+
+    def restore_auto_fractions(self, saved: dict[str, Any], where: str) -> None:
+        """Take the choices a checkpoint saved instead of measuring the device again."""
+        whole, pieces = saved["whole"], saved["pieces"]
+        names = {piece.shard.name for piece in self.pieces}
+        if whole is not None and len(whole) != len(self.whole) or not set(pieces) <= names:
+            raise ValueError(f"{where}: the checkpoint's fraction='auto' choices ({len(whole or ())} whole-matrix "
+                             f"runs, pieces {sorted(pieces)}) do not fit this rank's ZeRO slice ({len(self.whole)} "
+                             f"runs, pieces {sorted(names)}): it was saved with another layout")
+        self.whole_fractions, self.piece_fractions = whole, dict(pieces)
 
     def _add_tensor_parallel(self, p: torch.Tensor, split: str, bounds: list[int], hp_start: int, lp_lo: int,
                              tensor_parallel: "TensorParallel", opt: Dion3, group: dict, name: str) -> None:
@@ -212,12 +233,17 @@ class ZeroGroupPlan:
             return
         exp_avg = state["exp_avg"]
         for piece in self.pieces:
+            if self.auto and piece.shard.name in self.piece_fractions:  # chosen before: not measured again
+                piece.shard.hp = dataclasses.replace(piece.shard.hp, fraction=self.piece_fractions[piece.shard.name])
             piece.shard.state.clear()
             piece.shard.state["momentum"] = exp_avg.narrow(0, piece.offset, piece.length)
             piece.shard.state["variance"] = torch.zeros(
                 piece.row_counts.numel(), dtype=torch.float32, device=exp_avg.device
             )
-        self.engine = megabatch.Dion3Engine([p.shard for p in self.pieces], selection="global", cuda_graph=self.use_graph)
+        self.engine = megabatch.Dion3Engine([p.shard for p in self.pieces], selection="global", cuda_graph=self.use_graph,
+                                            check_group=self.check_group)
+        if self.auto:
+            self.piece_fractions = {s.name: sg.fraction for sg in self.engine.plan for s in sg.shards}
         self._state_ids = ids
 
     def step(self, opt: Dion3, group: dict, state: dict) -> None:
@@ -260,7 +286,7 @@ class ZeroGroupPlan:
 
     def _step_whole(self, hp: rule.Dion3Hyperparameters, flat, grad, exp_avg, exp_avg_sq) -> None:
         """The matrices only this rank holds: the single-process step on views of the slice."""
-        if hp.fraction == rule.AUTO and len(self.whole_fractions) != len(self.whole):
+        if hp.fraction == rule.AUTO and self.whole_fractions is None:
             self.whole_fractions = self._auto_fractions(hp)  # collective: every rank of the group calls it
         if not self.whole:
             return

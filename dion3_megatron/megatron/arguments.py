@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..rule import ADJUST_LR_CHOICES, AUTO, NS_METHODS, Dion3Hyperparameters
+from ..rule import ADJUST_LR_CHOICES, AUTO, NS_METHODS, Dion3Hyperparameters, check_hyperparameters
 
 OPTIMIZER_NAME = "dion3"
 SELECTION_SCOPES = ("global", "local")
@@ -30,6 +30,23 @@ DION3_DEFAULTS = {
     "dion3_split_qkv": True,
     "dion3_split_glu": True,
 }
+
+
+# The options that name a Dion3 hyper-parameter (dion3_<name>), checked by rule.check_hyperparameters.
+_HYPERPARAMETERS = ("fraction", "mu", "beta2", "eps", "adjust_lr")
+_CHOICES = {"dion3_selection_scope": SELECTION_SCOPES, "dion3_ns": NS_METHODS}
+
+
+def check_dion3_values(values: dict, where: str) -> None:
+    """Raise ValueError naming the option and its value when a ``dion3_*`` value (from an
+    ``OptimizerConfig`` attribute or Megatron-LM's args) has the wrong type or range: a bool
+    option given as the string "false" must not turn into True."""
+    for key, default in DION3_DEFAULTS.items():
+        if isinstance(default, bool) and not isinstance(values[key], bool):
+            raise ValueError(f"{where}: {key} must be a bool, got {values[key]!r}")
+        if key in _CHOICES and values[key] not in _CHOICES[key]:
+            raise ValueError(f"{where}: {key} must be one of {_CHOICES[key]}, got {values[key]!r}")
+    check_hyperparameters(where, prefix="dion3_", **{name: values[f"dion3_{name}"] for name in _HYPERPARAMETERS})
 
 
 def _ranged_float(name: str, low: float, high: float, low_open: bool, high_open: bool):

@@ -27,6 +27,7 @@ its parameter; so checkpoints reshard across tensor- and data-parallel sizes lik
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass, field
@@ -36,10 +37,10 @@ import torch
 import torch.distributed as dist
 
 from .. import rule
-from ..optimizer import announce_skipped_step, finite_on_every_rank
+from ..optimizer import announce_skipped_step, usable_on_every_rank
 from ..megabatch import Dion3Engine, MatrixShard, Sharding
 from ..rule import Dion3Hyperparameters
-from .arguments import DION3_DEFAULTS, SELECTION_SCOPES
+from .arguments import DION3_DEFAULTS, SELECTION_SCOPES, check_dion3_values
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +177,11 @@ def describe_model(
 # The optimizer.
 
 
+# The Dion3 settings a param group carries (Megatron's groups add their own keys beside them).
+_GROUP_SETTINGS = ("lr", "fraction", "mu", "beta2", "weight_decay", "eps", "adjust_lr", "scale_lr_by_fraction",
+                   "scale_mu_by_fraction", "ns_method", "ns_dtype")
+
+
 class MegatronDion3(torch.optim.Optimizer):
     """Dion3 for the 2-D hidden matrices of a Megatron-Core model (any TP / PP / EP / DP).
 
@@ -218,16 +224,13 @@ class MegatronDion3(torch.optim.Optimizer):
     ) -> None:
         if selection not in SELECTION_SCOPES:
             raise ValueError(f"selection must be one of {SELECTION_SCOPES}, got {selection!r}")
-        rule.check_hyperparameters(
-            "MegatronDion3", lr=lr, fraction=fraction, mu=mu, beta2=beta2, weight_decay=weight_decay, eps=eps,
-            adjust_lr=adjust_lr, scale_lr_by_fraction=scale_lr_by_fraction,
-            scale_mu_by_fraction=scale_mu_by_fraction, ns_method=ns_method, ns_dtype=ns_dtype,
-        )
-        if not isinstance(cuda_graph, bool):
-            raise ValueError(f"MegatronDion3: cuda_graph must be a bool, got {cuda_graph!r}")
         defaults = dict(lr=lr, weight_decay=weight_decay, fraction=fraction, mu=mu, beta2=beta2, eps=eps,
                         adjust_lr=adjust_lr, scale_lr_by_fraction=scale_lr_by_fraction,
                         scale_mu_by_fraction=scale_mu_by_fraction, ns_method=ns_method, ns_dtype=ns_dtype)
+        rule.check_hyperparameters("MegatronDion3", **defaults)
+        for name, value in (("cuda_graph", cuda_graph), ("split_qkv", split_qkv), ("split_glu", split_glu)):
+            if not isinstance(value, bool):
+                raise ValueError(f"MegatronDion3: {name} must be a bool, got {value!r}")
         super().__init__(params, defaults)
         self.selection = selection
         self.cuda_graph = cuda_graph
@@ -239,6 +242,8 @@ class MegatronDion3(torch.optim.Optimizer):
         if model_chunks is not None and not layouts:
             self._layouts = describe_model(model_chunks, pg_collection, split_qkv=split_qkv, split_glu=split_glu)
         self.skipped_steps = 0
+        self._auto_fractions: dict[int, dict[str, float]] = {}  # rank -> matrix name -> f, what "auto" chose
+        self._saved_fractions: dict[str, float] = {}  # matrix name -> f, from a checkpoint
         self._finite_vouched = False
         self._engine = None
         self._engine_key = None
@@ -266,12 +271,7 @@ class MegatronDion3(torch.optim.Optimizer):
         return layout
 
     def _hp(self, group: dict) -> Dion3Hyperparameters:
-        return Dion3Hyperparameters(
-            lr=group["lr"], fraction=group["fraction"], mu=group["mu"], beta2=group["beta2"],
-            weight_decay=group["weight_decay"], eps=group["eps"], adjust_lr=group["adjust_lr"],
-            scale_lr_by_fraction=group["scale_lr_by_fraction"], scale_mu_by_fraction=group["scale_mu_by_fraction"],
-            ns_method=group["ns_method"], ns_dtype=group["ns_dtype"],
-        )
+        return Dion3Hyperparameters(**{k: group[k] for k in _GROUP_SETTINGS})
 
     # -------------------------------------------------------------------------------------------
     # Shards and engine.
@@ -336,6 +336,7 @@ class MegatronDion3(torch.optim.Optimizer):
         self._pieces = {}
         self._stamps.clear()
         group_hp = {id(group): self._hp(group) for group in self.param_groups}
+        auto_names = set()
         for p, group in params:
             layout = self.layout_of(p)
             weight, grad = self._working(p, layout, with_grads)
@@ -349,16 +350,21 @@ class MegatronDion3(torch.optim.Optimizer):
                     sharding, group_arg = Sharding.even_rows(piece.full_shape[0], layout.group_size), layout.group
                 else:
                     sharding, group_arg = Sharding.even_cols(piece.full_shape[1], layout.group_size), layout.group
+                hp = group_hp[id(group)]
+                if hp.fraction == rule.AUTO:
+                    auto_names.add(name)
+                    if name in self._saved_fractions:  # chosen before a checkpoint: not measured again
+                        hp = dataclasses.replace(hp, fraction=self._saved_fractions[name])
                 shards.append(MatrixShard(name=name, weight=weight[rows], grad=grad[rows] if grad is not None else None,
-                                          shape=piece.full_shape, sharding=sharding, group=group_arg,
-                                          hp=group_hp[id(group)], state={}))
+                                          shape=piece.full_shape, sharding=sharding, group=group_arg, hp=hp, state={}))
             self._pieces[p] = shards
         all_shards = [s for p, _ in params for s in self._pieces[p]]
         self._engine = Dion3Engine(all_shards, selection=self.selection, cuda_graph=self.cuda_graph)
-        chosen = self._engine.auto_fractions()
-        if chosen and (not dist.is_initialized() or dist.get_rank() == 0):
+        auto = [(s, sg.fraction) for sg in self._engine.plan for s in sg.shards if s.name in auto_names]
+        if auto and (not dist.is_initialized() or dist.get_rank() == 0):
             logger.info("Dion3 fraction=auto chose (rows x cols: f) %s",
-                        ", ".join(f"{n}x{m}: {f:g}" for (n, m), f in sorted(chosen.items())))
+                        ", ".join(f"{n}x{m}: {f:g}" for (n, m), f in sorted({s.shape: f for s, f in auto}.items())))
+        self._share_auto_fractions({s.name: f for s, f in auto})
         self._engine_key = key
         # What changes from step to step: each group's lr and weight decay, and the gradient (and,
         # rarely, weight) storage of the parameters used in place (the permuted ones use buffers).
@@ -368,6 +374,17 @@ class MegatronDion3(torch.optim.Optimizer):
             for group in self.param_groups
         ]
         self._permuted = [(p, self.layout_of(p).perm, *self._work[p]) for p, _ in params if p in self._work]
+
+    def _share_auto_fractions(self, mine: dict[str, float]) -> None:
+        """Every rank's fraction="auto" choices ({rank: {matrix: f}}), gathered over the world at
+        engine construction (collective like it), so that any rank's state dict (the one Megatron's
+        torch_dist checkpoint keeps) holds them all."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            self._auto_fractions = dict(enumerate(everyone))
+        else:
+            self._auto_fractions = {0: mine}
 
     def _refresh_shards(self, with_grads: bool) -> None:
         """Per step: the schedule's lr and weight decay into every shard, and new gradient (or
@@ -405,23 +422,33 @@ class MegatronDion3(torch.optim.Optimizer):
             variance = variance.index_select(0, layout.inv_perm.to(variance.device))
         return momentum.reshape(p.shape), variance
 
+    def _saved_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A parameter's entry of the state dict: its momentum and its row variances, param-shaped (copies)."""
+        momentum, variance = self._param_state(p)
+        return {"momentum": momentum.clone(), "variance": variance.unsqueeze(1).expand(momentum.shape).contiguous()}
+
     def state_dict(self) -> dict[str, Any]:
         self._ensure_engine(with_grads=False)
         sd = super().state_dict()  # param_groups packed with indices; self.state stays empty
-        state = {}
-        for index, (p, _) in enumerate(self._params()):
-            momentum, variance = self._param_state(p)
-            state[index] = {"momentum": momentum.clone(),
-                            "variance": variance.unsqueeze(1).expand(momentum.shape).contiguous()}
-        sd["state"] = state
+        sd["state"] = {index: self._saved_state(p) for index, (p, _) in enumerate(self._params())}
+        sd["skipped_steps"] = self.skipped_steps  # the same on every rank: all skip together
+        sd["auto_fractions"] = self._auto_fractions  # the same on every rank: gathered
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict`; checks every shape before setting anything."""
-        self._ensure_engine(with_grads=False)
+        """Inverse of :meth:`state_dict`; checks every shape before setting anything. The
+        fraction="auto" choices saved are used again, each matrix's own (this rank's, else the
+        first rank's that has it: after a change of the data-parallel size), so a resume does not
+        measure the device again; the engine is rebuilt with them (collectively: every rank loads
+        the same checkpoint)."""
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"checkpoint has {len(groups)} param groups, the optimizer has {len(self.param_groups)}")
+        for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
+            merged = {**mine, **saved}
+            rule.check_hyperparameters(f"param group {gi}", **{k: merged[k] for k in _GROUP_SETTINGS})
+        saved_fractions = state_dict.get("auto_fractions", {})
+        saved_fractions = self._checked_saved_fractions(saved_fractions) if any(saved_fractions.values()) else None
         updates = []
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
             saved_ids = saved["params"]
@@ -437,6 +464,9 @@ class MegatronDion3(torch.optim.Optimizer):
                     raise ValueError(f"param group {gi}, param {pid} (shape {tuple(p.shape)}): "
                                      f"checkpoint state {got} is not Dion3 state of this parameter")
                 updates.append((p, entry))
+        if saved_fractions is not None:  # decided alike on every rank: they load the same checkpoint
+            updates = self._rebuild_with_fractions(saved_fractions, updates)
+        self._ensure_engine(with_grads=False)
         for p, entry in updates:
             layout = self.layout_of(p)
             momentum = entry["momentum"].detach().to(device=p.device, dtype=torch.float32)
@@ -450,23 +480,48 @@ class MegatronDion3(torch.optim.Optimizer):
                 shard.state["variance"].copy_(variance[rows])
         for mine, saved in zip(self.param_groups, groups):
             mine.update({k: v for k, v in saved.items() if k != "params" and k in mine})
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+    def _rebuild_with_fractions(self, fractions: dict[str, float], updates: list) -> list:
+        """Drop the engine so that the next one takes ``fractions``; the state of the parameters
+        that ``updates`` leaves out is carried over (returned as updates of their own)."""
+        carried = []
+        if self._engine is not None:
+            loaded = {id(p) for p, _ in updates}
+            carried = [(p, self._saved_state(p)) for p, _ in self._params() if id(p) not in loaded]
+        self._saved_fractions, self._engine = fractions, None
+        return carried + updates
+
+    @staticmethod
+    def _checked_saved_fractions(saved: dict) -> dict[str, float]:
+        """{matrix: f} from a checkpoint's {rank: {matrix: f}}: this rank's choice first."""
+        me = dist.get_rank() if dist.is_initialized() else 0
+        out: dict[str, float] = {}
+        for rank in sorted(saved, key=lambda r: (r != me, r)):
+            for name, f in saved[rank].items():
+                if f not in rule.AUTO_FRACTIONS:
+                    raise ValueError(f"checkpoint auto_fractions: {name} on rank {rank} has fraction {f!r}, "
+                                     f"not one of {rule.AUTO_FRACTIONS}")
+                out.setdefault(name, f)
+        return out
 
     # -------------------------------------------------------------------------------------------
     # The step.
 
     def _gradients_finite(self) -> bool:
-        """All gradients finite on every rank (Megatron skips a step only under loss scaling).
+        """All gradients usable on every rank, when no Dion3 wrapper of Megatron's has vouched
+        (:mod:`.wrappers` skips a bad step whole, every chained optimizer, before this one steps).
 
         One all-reduce of a flag over the default group, so every rank skips or steps together
         (a rank that skipped alone would leave the engine's collectives unmatched).
         """
         params = [p for p, _ in self._params()]
         grads = [p.grad for p in params if p.grad is not None]
-        return finite_on_every_rank(grads, params[0].device if params else torch.device("cpu"))
+        return usable_on_every_rank(grads, params[0].device if params else torch.device("cpu"))
 
     def vouch_finite(self, finite: bool) -> None:
         """Set by a Megatron wrapper before each step (see :mod:`.wrappers`): True when it has found
-        every gradient of the coming step finite on every rank, so the step skips its own check.
+        every gradient of the coming step usable on every rank, so the step skips its own check.
         The next step consumes it."""
         self._finite_vouched = finite
 
@@ -514,6 +569,7 @@ def dion3_values(config=None) -> dict[str, Any]:
 def config_to_kwargs(config, model_chunks, pg_collection) -> dict[str, Any]:
     """Megatron ``OptimizerConfig`` -> :class:`MegatronDion3` constructor kwargs."""
     v = dion3_values(config)
+    check_dion3_values(v, "Megatron optimizer config")
     return dict(
         lr=config.lr if config.lr is not None else 0.01,
         weight_decay=config.weight_decay,
@@ -522,13 +578,13 @@ def config_to_kwargs(config, model_chunks, pg_collection) -> dict[str, Any]:
         beta2=v["dion3_beta2"],
         eps=v["dion3_eps"],
         adjust_lr=v["dion3_adjust_lr"],
-        scale_lr_by_fraction=bool(v["dion3_scale_lr_by_fraction"]),
-        scale_mu_by_fraction=bool(v["dion3_scale_mu_by_fraction"]),
-        cuda_graph=bool(v["dion3_cuda_graph"]),
+        scale_lr_by_fraction=v["dion3_scale_lr_by_fraction"],
+        scale_mu_by_fraction=v["dion3_scale_mu_by_fraction"],
+        cuda_graph=v["dion3_cuda_graph"],
         selection=v["dion3_selection_scope"],
         ns_method=v["dion3_ns"],
-        split_qkv=bool(v["dion3_split_qkv"]),
-        split_glu=bool(v["dion3_split_glu"]),
+        split_qkv=v["dion3_split_qkv"],
+        split_glu=v["dion3_split_glu"],
         model_chunks=model_chunks,
         pg_collection=pg_collection,
     )

@@ -7,7 +7,7 @@
    every non-2-D parameter (Megatron's ``default_param_overrides``, as for Muon);
 2. lets the factory build ``dion3`` without the ``emerging-optimizers`` package (Megatron refuses
    every emerging optimizer when it is missing; Dion3 needs nothing from it), with the wrapper
-   classes of :mod:`.wrappers` (fp32 support; one finiteness check per step);
+   classes of :mod:`.wrappers` (fp32 support; a bad step skipped whole, every chained optimizer);
 3. when ``megatron.training`` is importable: adds ``dion3`` to ``--optimizer``'s choices and the
    ``--dion3-*`` flags to Megatron-LM's parser, and copies their values onto the
    ``OptimizerConfig`` that ``megatron.training`` builds from the args.
@@ -58,7 +58,7 @@ def _register_core() -> None:
         # Megatron checks HAVE_EMERGING_OPTIMIZERS (the emerging-optimizers package) for every
         # emerging optimizer; Dion3 does not use that package, so lift the check for it alone.
         # And build the layer-wise ZeRO-1 wrapper and the outer chain from Dion3's subclasses
-        # (fp32 support, one finiteness check per step: see .wrappers).
+        # (fp32 support, a bad step skipped whole: see .wrappers).
         names = ("HAVE_EMERGING_OPTIMIZERS", "LayerWiseDistributedOptimizer", "ChainedOptimizer")
         saved = [getattr(core_optimizer, name) for name in names]
         for name, value in zip(names, (True, wrappers.layer_wise_class(), wrappers.chained_class())):

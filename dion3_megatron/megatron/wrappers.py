@@ -5,24 +5,31 @@
    and ``ChainedOptimizer``'s config assertion fails. Here they are wrapped in ``FP32Optimizer``
    (Megatron's own fp32 wrapper), with the state dict nested the way the layer-wise checkpoint code
    reads it.
-2. **One finiteness check per step, not two.** Every Megatron step starts with the global gradient
-   norm (a host float, one all-reduce over every rank). When it is finite, every gradient it covers
-   is finite on every rank, so Dion3's own check (another all-reduce and a host wait) is redundant:
-   these wrappers then tell the Dion3 optimizers below them (:meth:`MegatronDion3.vouch_finite`),
-   which skip their check for that step. Only when the norm covers every Dion3 gradient on every
-   rank (checked once, collectively) and was reduced over the whole world; otherwise, and whenever
-   the norm is inf or NaN, Dion3 checks itself, so a non-finite gradient still never reaches the
-   weights or the state.
+2. **A bad step changes nothing, anywhere.** Without loss scaling Megatron steps on non-finite
+   gradients. The outermost wrapper (the chain [layer-wise Dion3, Adam, ...], or the layer-wise
+   wrapper alone) decides once per step, after the gradients are prepared, whether every gradient
+   of every optimizer below it is usable on every rank (finite and below 2**64:
+   :func:`dion3_megatron.optimizer.gradients_usable`). If not, its ``prepare_grads`` reports it
+   the way loss scaling reports an overflow: Megatron's ``step()`` returns ``(False, None, None)``
+   and steps no optimizer, the training loop does not step the lr scheduler, each Dion3 optimizer
+   below counts the step in ``skipped_steps`` and a warning says so. The decision costs nothing
+   extra where it can: Megatron's global gradient norm (a host float reduced over every rank,
+   computed here and handed to the step) is usable exactly when every gradient it counts is. Only
+   the gradients it leaves out (tensor-parallel duplicates, shared weights, separately clipped
+   groups; all of them when the norm is not reduced over every rank) get a check of their own:
+   one all-reduce. A usable step then vouches for the Dion3 optimizers below, which skip their own
+   check (:meth:`MegatronDion3.vouch_finite`).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from .. import rule
+from ..optimizer import announce_skipped_step, usable_on_every_rank
 from .optimizer import MegatronDion3
 
 _CLASSES: dict[str, type] = {}
@@ -32,6 +39,101 @@ def _flag_device() -> torch.device:
     if torch.cuda.is_available() and "nccl" in str(dist.get_backend()).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _below(optimizer) -> list:
+    """Every optimizer under ``optimizer`` (itself included): chains' members, wrappers' insides."""
+    found, stack = [], [optimizer]
+    while stack:
+        o = stack.pop()
+        found.append(o)
+        if hasattr(o, "chained_optimizers"):
+            stack += list(o.chained_optimizers)
+        elif getattr(o, "optimizer", None) is not None:  # (a chain's "optimizer" property asserts)
+            stack.append(o.optimizer)
+    return found
+
+
+def _world_size(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+class StepGate:
+    """Mixed into the outermost Megatron wrapper: skip the whole step, every chained optimizer,
+    on every rank, when any gradient below is unusable (see the module docstring)."""
+
+    def _init_gate(self) -> None:
+        self._gates_step = True  # False for a layer-wise wrapper inside Dion3's chain
+        self._step_norm: Optional[float] = None  # the norm prepare_grads took, for this step's get_grad_norm
+        self._norm_global: Optional[bool] = None  # whether Megatron's norm is reduced over every rank
+        self._own_check: Optional[bool] = None  # whether some rank has gradients outside the norm
+
+    def _dion3(self) -> list[MegatronDion3]:
+        return [o for o in _below(self) if isinstance(o, MegatronDion3)]
+
+    def _leaves(self) -> list:
+        """The Megatron optimizers below that hold parameters themselves (not chains)."""
+        return [o for o in _below(self) if hasattr(o, "get_grads_for_grad_norm") and not hasattr(o, "chained_optimizers")]
+
+    def _norm_is_global(self, optimizer=None) -> bool:
+        """Whether this object's ``get_grad_norm`` is reduced over every rank."""
+        o = self if optimizer is None else optimizer
+        if isinstance(o, layer_wise_class()):
+            return True  # LayerWiseDistributedOptimizer reduces over the whole world
+        children = getattr(o, "chained_optimizers", None)
+        if children is None:
+            return _world_size(o.get_grad_stats_parallel_group()) == _world_size(None)
+        if len(children) == 1:
+            return self._norm_is_global(children[0])
+        if o.grads_states_parallel_group_is_shared():
+            return _world_size(o.get_grad_stats_parallel_group()) == _world_size(None)
+        return all(self._norm_is_global(child) for child in children)
+
+    def _grads_outside_norm(self) -> list[torch.Tensor]:
+        """This rank's gradients that Megatron's norm does not count (all of them if it is not global)."""
+        grads = []
+        for leaf in self._leaves():
+            counted = {id(g) for g in leaf.get_grads_for_grad_norm()} if self._norm_global else set()
+            grads += [p.grad for p in leaf.get_parameters() if p.grad is not None and id(p.grad) not in counted]
+        return grads
+
+    def _step_usable(self, grad_norm: float) -> bool:
+        """Every gradient below usable on every rank: the same answer on every rank."""
+        if self._own_check is None:  # at the first step, by all ranks together
+            self._norm_global = self._norm_is_global()
+            flag = torch.tensor([float(bool(self._grads_outside_norm()) or not self._norm_global)], device=_flag_device())
+            if _world_size(None) > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            self._own_check = bool(flag.item() > 0)
+        usable = not self._norm_global or grad_norm < rule.GRADIENT_LIMIT  # a NaN norm compares False
+        if self._own_check:  # (the collective runs whatever the norm said)
+            usable = usable_on_every_rank(self._grads_outside_norm(), _flag_device()) and usable
+        return usable
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        found_inf = super().prepare_grads()
+        if found_inf or not self._gates_step:
+            return found_inf
+        grad_norm = super().get_grad_norm()
+        usable = self._step_usable(grad_norm)
+        dion3 = self._dion3()
+        if not usable:
+            for opt in dion3:
+                opt.skipped_steps += 1
+            announce_skipped_step(max((opt.skipped_steps for opt in dion3), default=1), ", in any chained optimizer")
+            return True
+        for opt in dion3:
+            opt.vouch_finite(True)
+        self._step_norm = grad_norm
+        return False
+
+    @torch.no_grad()
+    def get_grad_norm(self):
+        if self._step_norm is not None:  # taken by prepare_grads for this step
+            grad_norm, self._step_norm = self._step_norm, None
+            return grad_norm
+        return super().get_grad_norm()
 
 
 def layer_wise_class() -> type:
@@ -50,47 +152,14 @@ def layer_wise_class() -> type:
             def load_state_dict(self, state_dict):
                 super().load_state_dict(state_dict.get("optimizer", state_dict))
 
-        class Dion3LayerWiseDistributedOptimizer(LayerWiseDistributedOptimizer):
+        class Dion3LayerWiseDistributedOptimizer(StepGate, LayerWiseDistributedOptimizer):
             def __init__(self, optimizers, config, pg_collection=None, init_state_fn_list=None, model_chunks=None):
                 if not config.bf16:
                     fns = list(init_state_fn_list) if init_state_fn_list else [None] * len(optimizers)
                     optimizers = [NestedFP32Optimizer(opt, config, fn) if isinstance(opt, torch.optim.Optimizer)
                                   else opt for opt, fn in zip(optimizers, fns)]
                 super().__init__(optimizers, config, pg_collection, init_state_fn_list, model_chunks)
-                # (Megatron wrapper, Dion3 optimizer) pairs below this one
-                self._dion3 = [(child, child.optimizer) for child in self.chained_optimizers
-                               if isinstance(getattr(child, "optimizer", None), MegatronDion3)]
-                self._norm_covers_dion3: Optional[bool] = None
-
-            @torch.no_grad()
-            def get_grad_norm(self):
-                grad_norm = super().get_grad_norm()  # reduced over the whole world (group None)
-                self.vouch_from_grad_norm(grad_norm)
-                return grad_norm
-
-            def vouch_from_grad_norm(self, grad_norm: float, global_norm: bool = True) -> None:
-                """Tell the Dion3 optimizers below whether this step's gradients are known finite on
-                every rank (``grad_norm``: Megatron's norm; ``global_norm``: reduced over all ranks)."""
-                finite = global_norm and math.isfinite(grad_norm) and self._norm_covers()
-                for _, dion3 in self._dion3:
-                    dion3.vouch_finite(finite)
-
-            def _norm_covers(self) -> bool:
-                """Whether Megatron's gradient norm counts every gradient of every Dion3 optimizer
-                below on every rank (it leaves out tensor-parallel duplicates, shared weights and
-                separately clipped groups). Decided at the first call, by all ranks together."""
-                if self._norm_covers_dion3 is None:
-                    local = True
-                    for child, dion3 in self._dion3:
-                        counted = {id(g) for g in child.get_grads_for_grad_norm()}
-                        local = local and all(p.grad is not None and id(p.grad) in counted
-                                              for group in dion3.param_groups for p in group["params"])
-                    if dist.is_initialized() and dist.get_world_size() > 1:
-                        flag = torch.tensor([1.0 if local else 0.0], device=_flag_device())
-                        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-                        local = bool(flag.item() > 0)
-                    self._norm_covers_dion3 = local
-                return self._norm_covers_dion3
+                self._init_gate()
 
         _CLASSES["layer_wise"] = Dion3LayerWiseDistributedOptimizer
     return _CLASSES["layer_wise"]
@@ -98,22 +167,17 @@ def layer_wise_class() -> type:
 
 def chained_class() -> type:
     """Megatron's ``ChainedOptimizer`` for the chain [layer-wise Dion3, Adam, ...] Megatron builds
-    around Dion3: with change 2 where the chain computes the norm itself (its optimizers share one
-    grad-stats group); otherwise the layer-wise child's own norm has done it."""
+    around Dion3, with change 2 (the layer-wise member then leaves the decision to the chain)."""
     if "chained" not in _CLASSES:
         from megatron.core.optimizer.optimizer import ChainedOptimizer
 
-        class Dion3ChainedOptimizer(ChainedOptimizer):
-            @torch.no_grad()
-            def get_grad_norm(self):
-                grad_norm = super().get_grad_norm()
-                if len(self.chained_optimizers) > 1 and self.grads_states_parallel_group_is_shared():
-                    group = self.get_grad_stats_parallel_group()
-                    whole_world = not dist.is_initialized() or dist.get_world_size(group) == dist.get_world_size()
-                    for child in self.chained_optimizers:
-                        if isinstance(child, layer_wise_class()):
-                            child.vouch_from_grad_norm(grad_norm, whole_world)
-                return grad_norm
+        class Dion3ChainedOptimizer(StepGate, ChainedOptimizer):
+            def __init__(self, chained_optimizers):
+                super().__init__(chained_optimizers)
+                self._init_gate()
+                for child in chained_optimizers:
+                    if isinstance(child, StepGate):
+                        child._gates_step = False
 
         _CLASSES["chained"] = Dion3ChainedOptimizer
     return _CLASSES["chained"]
