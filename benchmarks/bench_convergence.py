@@ -2,7 +2,7 @@
 
 The protocol (docs/benchmarks.md, "Convergence"): a corpus of the installation's own source code
 that is never repeated within a run (benchmarks/convergence_corpus.py, its SHA-256 recorded), two
-model sizes (``--size small``: 10.6M block-matrix parameters; ``--size medium``: 50.8M), at least
+model sizes (``--size small``: 10.6M block-matrix parameters; ``--size medium``: 48.3M), at least
 ``--tokens-per-param`` (10) tokens per parameter, the same initial weights per seed, the same data
 per seed, the same schedule and the same AdamW for the embedding, head and norm gains in every run.
 The optimizers differ only on the block matrices (Q, K, V, O, gate, up, down):
@@ -77,7 +77,7 @@ OPTION_KEYS = {
 }
 SIZES = {
     "small": dict(layers=6, hidden=384, heads=6, ffn=1024, seq=512, batch=128),
-    "medium": dict(layers=10, hidden=640, heads=10, ffn=1792, seq=512, batch=256),
+    "medium": dict(layers=10, hidden=640, heads=10, ffn=1664, seq=512, batch=256),
 }
 TARGETS = {0.25: 0.01, 0.125: 0.02}  # Dion3 f: allowed final validation loss above Muon's (mean of seeds)
 
