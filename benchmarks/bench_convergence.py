@@ -380,14 +380,16 @@ class Scheduler:
     def __init__(self, configs: list[dict], args, earlier: list[dict]) -> None:
         self.args = args
         self.done = list(earlier)
-        self.pending = [c for c in configs if not self._known(c)]
+        self.pending: list[dict] = []
+        for cfg in configs:  # what an earlier result holds, or the list names twice, runs once
+            if not self._known(cfg):
+                self.pending.append(cfg)
         self.families = list(dict.fromkeys(c["family"] for c in configs if c["lr"] != "best"))
         self.start = time.perf_counter()
         self.pack_seconds: list[float] = []
 
     def _known(self, cfg: dict) -> bool:
-        return any(r["name"] == cfg["name"] for r in self.done) or any(
-            c["name"] == cfg["name"] for c in getattr(self, "pending", []))
+        return any(r["name"] == cfg["name"] for r in self.done) or any(c["name"] == cfg["name"] for c in self.pending)
 
     def _ref_family(self) -> str:
         return parse_config(self.args.best_ref)["family"]

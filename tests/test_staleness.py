@@ -111,3 +111,18 @@ def test_the_sharded_engine_refuses_staleness_instead_of_ignoring_it():
     shard = MatrixShard("w", weight, weight.clone(), (8, 8), Sharding.full(), None, hp)
     with pytest.raises(ValueError, match="staleness=1.0 is supported by the single-process Dion3 only"):
         Dion3Engine([shard])
+
+
+def test_deepspeed_refuses_staleness_at_construction_and_when_set_later(generator):
+    from dion3_megatron.deepspeed.optimizer import DeepSpeedDion3
+
+    weight = torch.nn.Parameter(torch.randn(8, 12, generator=generator))
+    with pytest.raises(ValueError, match="param group 0: staleness=1.0 is supported by the single-process Dion3 only"):
+        DeepSpeedDion3([{"params": [weight], "staleness": 1.0}])
+    opt = DeepSpeedDion3([weight], fraction=0.25)
+    opt.param_groups[0]["staleness"] = 0.5
+    before = weight.detach().clone()
+    weight.grad = torch.randn(8, 12, generator=generator)
+    with pytest.raises(ValueError, match="staleness=0.5"):
+        opt.step()
+    assert torch.equal(weight, before) and not opt.state

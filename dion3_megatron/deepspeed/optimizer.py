@@ -31,6 +31,12 @@ def _with_adamw_lr(params: Iterable[Any], lr: float) -> list[dict]:
     return [{"lr": lr, **g} if g.get("algorithm") == "adamw" else g for g in params]
 
 
+def _refuse_staleness(where: str, group: dict) -> None:
+    if group["staleness"]:
+        raise ValueError(f"{where}: staleness={group['staleness']!r} is supported by the single-process Dion3 only "
+                         "so far; use staleness=0 under DeepSpeed")
+
+
 class DeepSpeedDion3(Dion3):
     """Dion3 for DeepSpeed: validated config ``params``; ZeRO-1/2 flat slices through the engine.
 
@@ -54,11 +60,13 @@ class DeepSpeedDion3(Dion3):
         self._zero_plans: dict[int, zero.ZeroGroupPlan] = {}
         self._saved_zero_fractions: dict[int, dict] = {}  # param group index -> fraction="auto" choices loaded
 
+    @classmethod
+    def _check_group(cls, where: str, group: dict) -> None:
+        """Dion3's checks, and no staleness: its per-row ages are not carried through ZeRO's slices."""
+        super()._check_group(where, group)
+        _refuse_staleness(where, group)
+
     def add_param_group(self, param_group: dict) -> None:
-        staleness = param_group.get("staleness", self.defaults["staleness"])
-        if staleness:
-            raise ValueError(f"param group {len(self.param_groups)}: staleness={staleness!r} is supported by the "
-                             "single-process Dion3 only so far; use staleness=0 under DeepSpeed")
         super().add_param_group(param_group)
         if hasattr(self, "_originals"):
             g = self.param_groups[-1]
@@ -111,6 +119,8 @@ class DeepSpeedDion3(Dion3):
             return super().step(closure)
         if not all(orig is not None for _, orig in zero_groups):
             raise RuntimeError("Dion3: some param groups are ZeRO flat slices and some are not")
+        for gi, (group, _) in enumerate(zero_groups):  # a setting changed since construction, before any step
+            _refuse_staleness(f"param group {gi}", group)
         loss = None
         if closure is not None:
             with torch.enable_grad():
