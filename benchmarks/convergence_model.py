@@ -37,7 +37,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """One member's parameters (the computation is in :func:`pack_logits`)."""
+    """One member's parameters (the computation is in :func:`pack_loss`)."""
 
     def __init__(self, d: int, layers: int, heads: int, ffn: int, seq: int) -> None:
         super().__init__()
@@ -83,34 +83,58 @@ def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x, weight.transpose(1, 2))
 
 
-def pack_logits(members: list[GPT], idx: torch.Tensor) -> torch.Tensor:
-    """idx (K, B, T) byte ids, member k reading idx[k] -> logits (K, B, T, 256)."""
+def stacked_weights(members: list[GPT]) -> dict[str, torch.Tensor]:
+    """The members' weights stacked along a leading member dimension (a view when there is one)."""
+    stack = (lambda ts: ts[0].unsqueeze(0)) if len(members) == 1 else torch.stack  # noqa: E731
     first = members[0]
+    weights = {"embed": stack([m.embed for m in members]), "norm": stack([m.norm for m in members]),
+               "head": stack([m.head for m in members])}
+    for layer in range(len(first.blocks)):
+        for name in (*BLOCK_MATRICES, "norm1", "norm2"):
+            weights[f"{layer}.{name}"] = stack([getattr(m.blocks[layer], name) for m in members])
+    return weights
+
+
+def _logits(idx: torch.Tensor, weights: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+            heads: int, layers: int) -> torch.Tensor:
+    """idx (K, B, T) byte ids, member k reading idx[k] -> logits (K, B, T, 256)."""
     k_count, batch, t = idx.shape
-    heads = first.heads
-    stack = lambda get: torch.stack([get(m) for m in members])  # noqa: E731
     # One lookup in the members' stacked tables through F.embedding, whose backward is a sorted
     # segment sum: advanced indexing's backward (index_put) took 17% of a step's GPU time on an H200.
     offsets = torch.arange(k_count, device=idx.device).view(-1, 1, 1) * VOCAB
-    x = F.embedding(idx + offsets, stack(lambda m: m.embed).view(k_count * VOCAB, -1)).view(k_count, batch * t, -1)
+    x = F.embedding(idx + offsets, weights["embed"].reshape(k_count * VOCAB, -1)).view(k_count, batch * t, -1)
     d = x.shape[-1]
-    cos, sin = first.cos[:t], first.sin[:t]
-    for layer in range(len(first.blocks)):
-        w = {name: stack(lambda m: getattr(m.blocks[layer], name)) for name in (*BLOCK_MATRICES, "norm1", "norm2")}
-        h = _rms_norm(x, w["norm1"])
-        q, k, v = (_linear(h, w[n]).view(k_count * batch, t, heads, -1).transpose(1, 2) for n in ("q", "k", "v"))
+    cos, sin = cos[:t], sin[:t]
+    for layer in range(layers):
+        w = lambda name: weights[f"{layer}.{name}"]  # noqa: E731
+        h = _rms_norm(x, w("norm1"))
+        q, k, v = (_linear(h, w(n)).view(k_count * batch, t, heads, -1).transpose(1, 2) for n in ("q", "k", "v"))
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + _linear(a.transpose(1, 2).reshape(k_count, batch * t, d), w["o"])
-        h = _rms_norm(x, w["norm2"])
-        x = x + _linear(F.silu(_linear(h, w["gate"])) * _linear(h, w["up"]), w["down"])
-    x = _rms_norm(x, stack(lambda m: m.norm))
-    return _linear(x, stack(lambda m: m.head)).view(k_count, batch, t, -1)
+        x = x + _linear(a.transpose(1, 2).reshape(k_count, batch * t, d), w("o"))
+        h = _rms_norm(x, w("norm2"))
+        x = x + _linear(F.silu(_linear(h, w("gate"))) * _linear(h, w("up")), w("down"))
+    x = _rms_norm(x, weights["norm"])
+    return _linear(x, weights["head"]).view(k_count, batch, t, -1)
 
 
-def pack_loss(members: list[GPT], idx: torch.Tensor, targets: torch.Tensor, bf16: bool) -> torch.Tensor:
-    """Each member's mean cross-entropy (nats per byte) on its own batch: (K,) fp32."""
+def _losses(idx: torch.Tensor, targets: torch.Tensor, weights: dict[str, torch.Tensor], cos: torch.Tensor,
+            sin: torch.Tensor, heads: int, layers: int, bf16: bool) -> torch.Tensor:
     with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=bf16):
-        logits = pack_logits(members, idx)
+        logits = _logits(idx, weights, cos, sin, heads, layers)
     losses = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1), reduction="none")
-    return losses.view(len(members), -1).mean(-1)
+    return losses.view(idx.shape[0], -1).mean(-1)
+
+
+# torch.compile of the whole loss: the norms, RoPE, SwiGLU and the loss fuse into a few kernels
+# (compiled once per input shape; ``compiled=True`` in pack_loss).
+_compiled_losses = torch.compile(_losses, dynamic=False)
+
+
+def pack_loss(members: list[GPT], idx: torch.Tensor, targets: torch.Tensor, bf16: bool,
+              compiled: bool = False) -> torch.Tensor:
+    """Each member's mean cross-entropy (nats per byte) on its own batch: (K,) fp32. Member k reads
+    idx[k]; the members' forward passes run as one batched computation."""
+    first = members[0]
+    fn = _compiled_losses if compiled else _losses
+    return fn(idx, targets, stacked_weights(members), first.cos, first.sin, first.heads, len(first.blocks), bf16)
