@@ -5,6 +5,10 @@
 set -uo pipefail
 RESULTS=${RESULTS:-results}
 GPUS=${GPUS:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
+if ! [ "$GPUS" -ge 1 ] 2>/dev/null; then
+  echo "compare_on_gpus.sh: needs CUDA GPUs (found GPUS=$GPUS); on CPU, run train_gpt.py --cpu over gloo as examples/deepspeed/README.md shows" >&2
+  exit 2
+fi
 mkdir -p "$RESULTS"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}   # DeepSpeed's op builder chokes on "9.0a"
 here=$(dirname "$0")
