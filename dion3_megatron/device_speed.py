@@ -1,4 +1,5 @@
-"""Measured device speed for ``fraction="auto"`` (the cost model itself is in rule.py).
+"""``fraction="auto"``: the measured device speed, and :func:`resolve_fractions`, which every
+front end asks for its matrices' f (the cost model itself is :func:`rule.auto_fraction`).
 
 Three short timings per (device, dtype), once per process: a large matmul (FLOP/s), a tiny one
 (the fixed cost of a kernel, host overhead included) and a copy (memory bandwidth). The link
@@ -9,12 +10,14 @@ the same f, so :func:`for_group` gives them all the slowest member's numbers.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .rule import DeviceSpeed
+from .ortho import default_ns_dtype
+from .rule import DeviceSpeed, Dion3Hyperparameters, auto_fraction
 
 # Per-rank all-to-all bandwidth assumed for a backend (bytes/s): NVLink-class for NCCL, a
 # loopback/ethernet-class figure for gloo.
@@ -69,3 +72,37 @@ def for_group(device: torch.device, dtype: torch.dtype, group: Optional[dist.Pro
     dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
     flops, neg_launch, memory, link = values.tolist()
     return DeviceSpeed(flops, -neg_launch, memory, link)
+
+
+@dataclass(frozen=True)
+class FractionRequest:
+    """A batch of same-shape matrices whose f ``fraction="auto"`` chooses."""
+
+    shape: tuple[int, int]
+    batch: int  # matrices orthogonalized together (megabatching shares the launch cost)
+    world: int  # ranks the batch's exchange spans (1: stepped where it lies)
+    hp: Dion3Hyperparameters  # its ns_method, ns_dtype and num_heads
+    device: torch.device
+    group: Optional[dist.ProcessGroup] = None  # whose members agree on the speed (None: this rank alone)
+
+
+def _speed_key(device: torch.device, hp: Dion3Hyperparameters, group: Optional[dist.ProcessGroup]) -> tuple:
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None and dist.is_initialized() else ()
+    return ranks, str(device), hp.ns_dtype or default_ns_dtype(device)
+
+
+def resolve_fractions(requests: Sequence[FractionRequest],
+                      joined: Sequence[tuple[torch.device, Dion3Hyperparameters, dist.ProcessGroup]] = ()) -> list[float]:
+    """The f of each request: :func:`rule.auto_fraction` on the speed its group agrees on.
+
+    One collective per (group, device, dtype), in the order of the groups' ranks, so that every
+    member makes the same calls: a rank must call with the same groups as its peers, and names in
+    ``joined`` (device, settings, group) those it agrees on without a request of its own.
+    """
+    wanted = {_speed_key(r.device, r.hp, r.group): (r.device, r.hp, r.group) for r in requests}
+    for device, hp, group in joined:
+        wanted.setdefault(_speed_key(device, hp, group), (device, hp, group))
+    speeds = {key: for_group(device, key[2], group)
+              for key, (device, hp, group) in sorted(wanted.items(), key=lambda item: item[0][0])}
+    return [auto_fraction(*r.shape, speeds[_speed_key(r.device, r.hp, r.group)], r.world, r.batch,
+                          r.hp.ns_method, r.hp.num_heads) for r in requests]

@@ -19,8 +19,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from . import cuda_graph as cuda_graph_module, device_speed, rule
-from .ortho import default_ns_dtype
+from . import cuda_graph as cuda_graph_module, device_speed, megabatch, rule
 from .rule import Dion3Hyperparameters
 
 ALGORITHMS = ("dion3", "adamw")
@@ -241,15 +240,10 @@ class Dion3(torch.optim.Optimizer):
             return
         shapes = Counter(matrix_shape(p) for _, p in todo for _ in range(matrix_count(p)))
         world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        speeds: dict[tuple, rule.DeviceSpeed] = {}
-        for group, p in todo:
-            hp = self.hyperparameters(group)
-            where = (p.device, hp.ns_dtype or default_ns_dtype(p.device))
-            if where not in speeds:
-                speeds[where] = device_speed.for_group(*where, world)
-            speed = speeds[where]
-            rows, cols = matrix_shape(p)
-            self._auto_fractions[p] = rule.auto_fraction(rows, cols, speed, 1, shapes[(rows, cols)], hp.ns_method, hp.num_heads)
+        requests = [device_speed.FractionRequest(matrix_shape(p), shapes[matrix_shape(p)], 1, self.hyperparameters(group),
+                                                 p.device, world) for group, p in todo]
+        for (_, p), fraction in zip(todo, device_speed.resolve_fractions(requests)):
+            self._auto_fractions[p] = fraction
 
     # ----------------------------------------------------------------------------------------
     # State.
@@ -437,13 +431,9 @@ class Dion3(torch.optim.Optimizer):
                                       out=bucket.scores)
             copied += [p for p in params if not p.is_contiguous()]
             weights = [w for p in params for w in matrix_view(self._contiguous_weight(p)).unbind(0)]
-            matrices.append(rule.WholeMatrices(weights, bucket.scores, bucket.momentum, bucket.variance, settings[key],
-                                               age=bucket.age))
-        devices = {e.momentum.device for e in matrices}
-        if self.cuda_graph and len(devices) == 1 and cuda_graph_module.usable(devices.pop()):
-            cuda_graph_module.step_whole_matrices(self._graph, matrices)
-        else:
-            rule.step_whole_matrices(matrices)
+            matrices.append(megabatch.WholeMatrices(weights, bucket.momentum, bucket.variance, settings[key],
+                                                    scores=bucket.scores, age=bucket.age))
+        megabatch.step_whole_matrices(matrices, self._graph if self.cuda_graph else None)
         for p in copied:
             p.copy_(self._copies[p])
         return loss
