@@ -91,8 +91,10 @@ def _speed_key(device: torch.device, hp: Dion3Hyperparameters, group: Optional[d
     return ranks, str(device), hp.ns_dtype or default_ns_dtype(device)
 
 
-def resolve_fractions(requests: Sequence[FractionRequest],
-                      joined: Sequence[tuple[torch.device, Dion3Hyperparameters, dist.ProcessGroup]] = ()) -> list[float]:
+def resolve_fractions(
+    requests: Sequence[FractionRequest],
+    joined: Sequence[tuple[torch.device, Dion3Hyperparameters, dist.ProcessGroup]] = (),
+) -> list[float]:
     """The f of each request: :func:`rule.auto_fraction` on the speed its group agrees on.
 
     One collective per (group, device, dtype), in the order of the groups' ranks, so that every

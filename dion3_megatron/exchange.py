@@ -47,9 +47,13 @@ class WholeMatrices:
     grads: Optional[list[torch.Tensor]] = None  # B (n, c), added to the momentum by the step
     scores: Optional[torch.Tensor] = None  # else the momentum's (B, n) row scores (accumulate_and_score) or None
     hps: Optional[list[Dion3Hyperparameters]] = None  # each matrix's own lr, weight decay, mu (default: hp)
-    mu: Optional[float | torch.Tensor] = None  # the applied rows' decay (B,) on the device; default: from hps
+    mu: Optional[float | torch.Tensor] = None  # the applied rows' decay, or (B,) on the device; default: hp's
     factors: Optional[rule.UpdateFactors] = None  # default: from hps
     age: Optional[torch.Tensor] = None  # (B, n) steps since each row was applied: needed when hp.staleness
+
+    def __post_init__(self) -> None:
+        if self.hps is not None and self.mu is None:  # their mus may differ: the caller keeps the device copy
+            raise ValueError("WholeMatrices with per-matrix settings (hps) needs their mu")
 
     @property
     def count(self) -> int:
@@ -115,11 +119,7 @@ def _step_whole_eager(entries: list[WholeMatrices]) -> None:
         idx = rule.select_rows(scores, hp.fraction, hp.num_heads)
         if hp.staleness:
             rule.age_rows(e.age, idx)
-        mu = e.mu
-        if mu is None:
-            mu = rule.momentum_decays(e.settings(), hp.fraction)
-            if isinstance(mu, list):
-                mu = torch.tensor(mu, dtype=torch.float32).to(e.momentum.device)
+        mu = e.mu if e.mu is not None else rule.momentum_decay(hp, hp.fraction)
         selected = rule.take_selected(e.momentum, idx, mu)
         key = (tuple(selected.shape[1:]), selected.device, hp.ns_method, hp.ns_dtype)
         batches.setdefault(key, []).append((e, idx, selected))
@@ -142,7 +142,6 @@ def _to_device(host: dict, device: torch.device) -> dict:
         flat = flat.pin_memory()
     flat = flat.to(device, non_blocking=True)
     return dict(zip(keys, flat.split([host[key].numel() for key in keys])))
-
 
 
 @dataclass(eq=False)
@@ -182,7 +181,7 @@ class _SubBatch:
     owner_index: dict = field(default_factory=dict)
 
 
-def _sub_batch_mu(sg: "ShapeGroup", sub: _SubBatch, device: torch.device) -> float | torch.Tensor:
+def _sub_batch_mu(sg: ShapeGroup, sub: _SubBatch, device: torch.device) -> float | torch.Tensor:
     """The sub-batch's mu (:func:`rule.momentum_decays`): one number when its matrices share it
     (no host-to-device copy), else (B,) on the device."""
     mus = rule.momentum_decays([sg.shards[j].hp for j in sub.index], sg.fraction)
@@ -204,7 +203,7 @@ class _Route:
     owned_pos: torch.Tensor
 
     @staticmethod
-    def build(sg: "ShapeGroup", sub: "_SubBatch", device: torch.device) -> "_Route":
+    def build(sg: ShapeGroup, sub: "_SubBatch", device: torch.device) -> "_Route":
         by_dest = [[b for b, j in enumerate(sub.index) if sg.owner(j) == d] for d in range(sg.world)]
         order = [b for bs in by_dest for b in bs]
         owned = [sub.index[b] // sg.world for b in by_dest[sg.rank]]
@@ -212,7 +211,7 @@ class _Route:
                       torch.tensor(owned, dtype=torch.long, device=device))
 
 
-def _update_factors(sg: "ShapeGroup", index: list[int]) -> rule.UpdateFactors:
+def _update_factors(sg: ShapeGroup, index: list[int]) -> rule.UpdateFactors:
     """The weight-update factors of matrices ``index`` of the group (each its own lr, weight decay)."""
     return rule.update_factors([sg.shards[j].hp for j in index], sg.fraction, *sg.key[0])
 
@@ -221,19 +220,17 @@ STATIC_ROW_BLOCKS_MAX_WORLD = 2  # row blocks send world x the rows they hold on
 
 
 def _static_exchange(sg: ShapeGroup) -> bool:
-    """Whether a group of row or column blocks takes the static exchange. Column blocks always do (they hold
-    every row: nothing is padded). Row blocks send all k rows per matrix, zeros for the rows held
-    elsewhere: world times the traffic of the host-planned exchange, which sends only the rows
-    each rank holds. They take it on 2 ranks (twice the traffic of a few-MB exchange against a
-    host wait) while k * world <= rows (the padded rows stay within the group's own momentum)."""
+    """Whether a group of row or column blocks over several ranks takes the static exchange.
+    Column blocks always do (they hold every row: nothing is padded). Row blocks send all k rows
+    per matrix, zeros for the rows held elsewhere: world times the traffic of the host-planned
+    exchange, which sends only the rows each rank holds. They take it on 2 ranks (twice the
+    traffic of a few-MB exchange against a host wait) while k * world <= rows (the padded rows
+    stay within the group's own momentum)."""
     n = sg.key[0][0]
-    if sg.world == 1:
-        return False
     if all(s.sharding.kind == "cols" for s in sg.shards):
         return True
     k = rule.selected_row_count(n, sg.fraction, sg.hp.num_heads)
     return sg.world <= STATIC_ROW_BLOCKS_MAX_WORLD and k * sg.world <= n
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -655,7 +652,8 @@ class GeneralExchange(Exchange):
             momentum = shard.state["momentum"]
             send_parts[owner].append(shard.state["variance"][layout.provided_rows(j)])
             for t, rect in enumerate(rects[j][me]):
-                piece = rule.take_rows(rect.view(momentum), layout.rect_rows(j, t), rule.momentum_decay(shard.hp, sg.fraction))
+                piece = rule.take_rows(rect.view(momentum), layout.rect_rows(j, t),
+                                       rule.momentum_decay(shard.hp, sg.fraction))
                 send_parts[owner].append(piece.reshape(-1))
         recv_sizes = [layout.forward_size(q) for q in range(world)]
         owned = self.owned()

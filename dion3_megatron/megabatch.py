@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 
 from . import cuda_graph as cuda_graph_module, rule
-from .exchange import Exchange, Traffic, WholeExchange, WholeMatrices, exchange_for, step_whole_matrices
-from .plan import MatrixShard, Rect, ShapeGroup, Sharding, build_plan, check_plan_matches, group_ranks, resolve_fractions
+from .exchange import Exchange, Traffic, WholeExchange, exchange_for
+from .plan import (MatrixShard, Rect, ShapeGroup, Sharding, build_plan, check_plan_matches, group_ranks,
+                   resolve_fractions)
 
-__all__ = ["Dion3Engine", "MatrixShard", "Rect", "ShapeGroup", "Sharding", "WholeMatrices", "step_whole_matrices"]
+__all__ = ["Dion3Engine", "MatrixShard", "Rect", "ShapeGroup", "Sharding"]  # the engine and what it takes
 
 
 @dataclass(eq=False)

@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from . import cuda_graph as cuda_graph_module, device_speed, megabatch, rule
+from . import cuda_graph as cuda_graph_module, device_speed, rule
+from .exchange import WholeMatrices, step_whole_matrices
 from .rule import Dion3Hyperparameters
 
 ALGORITHMS = ("dion3", "adamw")
@@ -431,9 +432,9 @@ class Dion3(torch.optim.Optimizer):
                                       out=bucket.scores)
             copied += [p for p in params if not p.is_contiguous()]
             weights = [w for p in params for w in matrix_view(self._contiguous_weight(p)).unbind(0)]
-            matrices.append(megabatch.WholeMatrices(weights, bucket.momentum, bucket.variance, settings[key],
-                                                    scores=bucket.scores, age=bucket.age))
-        megabatch.step_whole_matrices(matrices, self._graph if self.cuda_graph else None)
+            matrices.append(WholeMatrices(weights, bucket.momentum, bucket.variance, settings[key],
+                                          scores=bucket.scores, age=bucket.age))
+        step_whole_matrices(matrices, self._graph if self.cuda_graph else None)
         for p in copied:
             p.copy_(self._copies[p])
         return loss

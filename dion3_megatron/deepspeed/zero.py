@@ -9,7 +9,7 @@ the process group its slices span (``_dp_group``: the expert-data-parallel group
 parameters). From these the adapter describes each matrix that straddles ranks to the engine as
 a ``Sharding.flat(bounds)`` piece (element ranges of the row-major matrix) and lets the engine do
 its Dion3 step; a matrix that lies whole in one rank's slice is stepped by that rank alone
-(``rule.step_whole_matrices`` on views of the slice, no communication); parameters that are not
+(``exchange.step_whole_matrices`` on views of the slice, no communication); parameters that are not
 matrices take AdamW element by element on the slice. With a Megatron-style ``mpu`` (tensor
 parallelism), a weight marked ``tensor_model_parallel`` is one row or column block of a logical
 matrix; every rank's slice of every block goes to the engine as a ``Sharding.block_flat`` piece
@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .. import cuda_graph, device_speed, megabatch, rule
+from ..exchange import WholeMatrices, step_whole_matrices
 from ..optimizer import Dion3
 
 def is_zero_linked(p: torch.Tensor) -> bool:
@@ -302,14 +303,14 @@ class ZeroGroupPlan:
             fraction = self.whole_fractions[i] if hp.fraction == rule.AUTO else hp.fraction
             if fraction not in with_fraction:
                 with_fraction[fraction] = hp if fraction == hp.fraction else dataclasses.replace(hp, fraction=fraction)
-            entries.append(megabatch.WholeMatrices(view[0], view[2], view[3][..., 0], with_fraction[fraction], scores=scores))
+            entries.append(WholeMatrices(view[0], view[2], view[3][..., 0], with_fraction[fraction], scores=scores))
 
         def spread_variance() -> None:  # each row's variance, repeated over the row (the slice's layout)
             for offset, count, n, m in self.whole:
                 rows = exp_avg_sq.narrow(0, offset, count * n * m).view(count * n, m)
                 rows[:, 1:] = rows[:, :1]
 
-        megabatch.step_whole_matrices(entries, self.graph if self.use_graph else None, then=spread_variance)
+        step_whole_matrices(entries, self.graph if self.use_graph else None, then=spread_variance)
 
     def _auto_fractions(self, hp: rule.Dion3Hyperparameters) -> list[float]:
         """f per run of whole matrices; collective over the data-parallel group (joined also by a
