@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import device_speed, rule
+from . import auto_fraction, rule
 from .rule import Dion3Hyperparameters
 
 
@@ -199,7 +199,7 @@ class ShapeGroup:
     world: int
     rank: int
     shards: list[MatrixShard]
-    fraction: float = 0.0  # hp.fraction, or what "auto" resolved to (Dion3Engine sets it)
+    fraction: float = 0.0  # hp.fraction, or what "auto" resolved to (resolve_fractions sets it)
 
     @property
     def hp(self) -> Dion3Hyperparameters:
@@ -341,12 +341,12 @@ def check_plan_matches(plan: list[ShapeGroup], group: Optional[dist.ProcessGroup
 
 
 def resolve_fractions(plan: list[ShapeGroup]) -> None:
-    """Set every group's f: its hp.fraction, or for "auto" rule.auto_fraction on the device's
-    measured speed, agreed over the group's process group (one collective per such group, in an
-    order every member shares) so that all members select the same number of rows."""
-    auto = [sg for sg in plan if sg.hp.fraction == rule.AUTO]
-    requests = [device_speed.FractionRequest(sg.key[0], len(sg.shards), sg.world, sg.hp, sg.shards[0].weight.device,
-                                             sg.group if sg.world > 1 else None) for sg in auto]
-    chosen = dict(zip(map(id, auto), device_speed.resolve_fractions(requests)))
+    """Set every group's f: its hp.fraction, or for "auto" the f chosen on the device's measured
+    speed, agreed over the group's process group (:func:`auto_fraction.resolve_fractions`) so that
+    all members select the same number of rows."""
+    wanted = [sg for sg in plan if sg.hp.fraction == rule.AUTO]
+    requests = [auto_fraction.FractionRequest(sg.key[0], len(sg.shards), sg.world, sg.hp, sg.shards[0].weight.device,
+                                              sg.group if sg.world > 1 else None) for sg in wanted]
+    chosen = dict(zip(map(id, wanted), auto_fraction.resolve_fractions(requests)))
     for sg in plan:
         sg.fraction = chosen.get(id(sg), sg.hp.fraction)

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .ortho import ns_flops, orthogonalize
+from .ortho import orthogonalize
 
 ADJUST_LR_CHOICES = ("spectral_norm", "rms_norm")
 # The largest gradient magnitude a step takes: its square is about the largest fp32 value, so
@@ -224,70 +224,6 @@ def take_rows(momentum: torch.Tensor, rows: torch.Tensor, mu: float | torch.Tens
     picked = momentum[at]
     momentum[at] = picked * (mu if not torch.is_tensor(mu) else mu[batch][:, None])
     return picked
-
-
-# --------------------------------------------------------------------------------------------
-# fraction="auto": f per matrix from its shape, the world size and the device's measured speed.
-
-AUTO_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
-AUTO_MIN_ROWS = 128  # quality floor: fewer selected rows than this lost to f = 1 in our runs
-AUTO_SLACK = 0.10  # a larger f is taken while it costs at most this much more than the cheapest
-NS_KERNELS = {"gram": 30, "standard": 20}  # kernels per orthogonalization call, shared by its batch
-PER_MATRIX_KERNELS = 20  # kernels per matrix whatever f is: scores, top-k, gathers, NorMuon, update
-BYTES_PER_ENTRY = 24  # element-wise traffic of the step per matrix entry (momentum, grad, weight, scores)
-WIRE_BYTES_PER_ENTRY = 8  # fp32 there and back through the two all-to-alls
-
-
-@dataclass(frozen=True)
-class DeviceSpeed:
-    """What the cost model needs to know about the device (see :mod:`dion3_megatron.device_speed`)."""
-
-    matmul_flops: float  # FLOP/s of a large matmul in the orthogonalization dtype
-    launch_seconds: float  # time of one small kernel, host overhead included
-    memory_bytes_per_s: float
-    link_bytes_per_s: float  # per-rank all-to-all bandwidth of the process group's backend
-
-
-def estimated_step_seconds(
-    n_rows: int, n_cols: int, fraction: float, speed: DeviceSpeed,
-    world: int = 1, batch: int = 1, ns_method: str = "gram", num_heads: Optional[int] = None,
-) -> float:
-    """Modelled time of one Dion3 step of one matrix, per rank.
-
-    ``batch`` same-shape matrices share one orthogonalization call (megabatching), so its launch
-    cost is split between them; each matrix also launches PER_MATRIX_KERNELS small kernels that
-    do not shrink with f (on GPUs this fixed part dominates small matrices: measured, the step of
-    a 100M model took the same time at f = 1/2, 1/4 and 1/8). With ``world`` ranks each
-    orthogonalizes 1/world of the matrices and the selected rows cross the link both ways. Every
-    term is per matrix and divided by ``world`` alike, so only the link term's (world - 1) / world
-    depends on the world size.
-    """
-    k = selected_row_count(n_rows, fraction, num_heads)
-    method = ns_method if k != n_cols else "standard"
-    per_call = math.ceil(batch / world)
-    ortho = ns_flops(k, n_cols, method) / speed.matmul_flops + NS_KERNELS[method] * speed.launch_seconds / per_call
-    fixed = PER_MATRIX_KERNELS * speed.launch_seconds
-    elementwise = BYTES_PER_ENTRY * (n_rows + k) * n_cols / speed.memory_bytes_per_s
-    wire = WIRE_BYTES_PER_ENTRY * k * n_cols * (world - 1) / world / speed.link_bytes_per_s if world > 1 else 0.0
-    return (ortho + fixed + elementwise) / world + wire / world
-
-
-def auto_fraction(
-    n_rows: int, n_cols: int, speed: DeviceSpeed,
-    world: int = 1, batch: int = 1, ns_method: str = "gram", num_heads: Optional[int] = None,
-) -> float:
-    """The f that ``fraction="auto"`` uses for an n_rows x n_cols matrix.
-
-    Among AUTO_FRACTIONS that select at least AUTO_MIN_ROWS rows (all of them for smaller
-    matrices), the largest f whose modelled step costs at most (1 + AUTO_SLACK) times the cheapest
-    one's. Large matrices on a slow device or link land on 1/8; small ones, whose step is launch-
-    or memory-bound anyway, get a larger f for free.
-    """
-    floor = min(AUTO_MIN_ROWS, n_rows)
-    feasible = [f for f in AUTO_FRACTIONS if selected_row_count(n_rows, f, num_heads) >= floor] or [1.0]
-    cost = {f: estimated_step_seconds(n_rows, n_cols, f, speed, world, batch, ns_method, num_heads) for f in feasible}
-    cheapest = min(cost.values())
-    return max(f for f in feasible if cost[f] <= (1 + AUTO_SLACK) * cheapest)
 
 
 # --------------------------------------------------------------------------------------------

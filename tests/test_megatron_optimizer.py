@@ -164,9 +164,9 @@ def test_non_finite_gradient_skips_the_step(generator):
 
 
 def test_auto_fraction_choices_survive_a_resume_on_a_machine_of_another_speed(monkeypatch, generator):
-    from dion3_megatron import device_speed, rule
+    from dion3_megatron import auto_fraction
 
-    flop_bound, launch_bound = rule.DeviceSpeed(1e6, 0.0, 1e30, 1e30), rule.DeviceSpeed(1e30, 1.0, 1e30, 1e30)
+    flop_bound, launch_bound = auto_fraction.DeviceSpeed(1e6, 0.0, 1e30, 1e30), auto_fraction.DeviceSpeed(1e30, 1.0, 1e30, 1e30)
     shapes = {"layers.0.mlp.linear_fc2.weight": (512, 64), "layers.0.self_attention.linear_proj.weight": (1024, 32)}
     weights = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
     grads = [{name: torch.randn(shape, generator=generator) for name, shape in shapes.items()} for _ in range(4)]
@@ -182,12 +182,12 @@ def test_auto_fraction_choices_survive_a_resume_on_a_machine_of_another_speed(mo
                 p.grad = step_grads[name].clone()
             opt.step()
 
-    monkeypatch.setattr(device_speed, "measure", lambda device, dtype: flop_bound)
+    monkeypatch.setattr(auto_fraction, "measure", lambda device, dtype: flop_bound)
     params, opt = build(weights)
     run(params, opt, grads[:2])
     saved, saved_weights = opt.state_dict(), {name: p.detach().clone() for name, p in params.items()}
     run(params, opt, grads[2:])
-    monkeypatch.setattr(device_speed, "measure", lambda device, dtype: launch_bound)  # would choose f = 1
+    monkeypatch.setattr(auto_fraction, "measure", lambda device, dtype: launch_bound)  # would choose f = 1
     resumed, other = build(saved_weights)
     other.load_state_dict(saved)
     run(resumed, other, grads[2:])

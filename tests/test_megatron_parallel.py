@@ -368,13 +368,13 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         # fraction="auto" at DP=2, each rank measuring another speed (rank 0 slow matmuls: few rows;
         # rank 1 slow launches: all rows); resumed from torch_dist with the speeds swapped, the
         # saved choices (of both ranks) must be kept: bit-identical to the uninterrupted run.
-        from dion3_megatron import device_speed, rule
+        from dion3_megatron import auto_fraction
 
-        speeds = [rule.DeviceSpeed(1e6, 0.0, 1e30, 1e30), rule.DeviceSpeed(1e30, 1.0, 1e30, 1e30)]
-        measure, min_rows = device_speed.measure, rule.AUTO_MIN_ROWS
-        rule.AUTO_MIN_ROWS = 8  # the tiny model's matrices have <= 128 rows: let the speed decide
+        speeds = [auto_fraction.DeviceSpeed(1e6, 0.0, 1e30, 1e30), auto_fraction.DeviceSpeed(1e30, 1.0, 1e30, 1e30)]
+        measure, min_rows = auto_fraction.measure, auto_fraction.AUTO_MIN_ROWS
+        auto_fraction.AUTO_MIN_ROWS = 8  # the tiny model's matrices have <= 128 rows: let the speed decide
         try:
-            device_speed.measure = lambda device, dtype: speeds[rank]
+            auto_fraction.measure = lambda device, dtype: speeds[rank]
             ms.init_parallel()
             cfg = ms.tiny_config()
             chunks, opt, sched = ms.make_parallel(cfg, dense_init, fraction="auto")
@@ -385,7 +385,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
                 ms.train_step(chunks, opt, sched, b)
             straight = _full_state(chunks[0].module, cfg)
             chosen = _find_dion3(opt)[0].state_dict().get("auto_fractions")
-            device_speed.measure = lambda device, dtype: speeds[1 - rank]
+            auto_fraction.measure = lambda device, dtype: speeds[1 - rank]
             ms.init_parallel()
             cfg = ms.tiny_config()
             chunks, opt, sched = ms.make_parallel(cfg, dense_init, fraction="auto")
@@ -395,7 +395,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
             resumed = _full_state(chunks[0].module, cfg)
             return {"chosen": chosen, "resume_max_diff": max((resumed[k] - straight[k]).abs().max().item() for k in straight)}
         finally:
-            device_speed.measure, rule.AUTO_MIN_ROWS = measure, min_rows
+            auto_fraction.measure, auto_fraction.AUTO_MIN_ROWS = measure, min_rows
 
     def dp_overlap():
         return parallel(overlap=True)[0]

@@ -38,7 +38,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .. import cuda_graph, device_speed, megabatch, rule
+from .. import auto_fraction, cuda_graph, megabatch, rule
 from ..exchange import WholeMatrices, step_whole_matrices
 from ..optimizer import Dion3
 
@@ -319,9 +319,9 @@ class ZeroGroupPlan:
         for _, count, n, m in self.whole:
             matrices[n, m] += count
         device = self.flat.device
-        requests = [device_speed.FractionRequest((n, m), matrices[n, m], 1, hp, device, self.group_pg)
+        requests = [auto_fraction.FractionRequest((n, m), matrices[n, m], 1, hp, device, self.group_pg)
                     for _, _, n, m in self.whole]
-        return device_speed.resolve_fractions(requests, joined=[(device, hp, self.group_pg)])
+        return auto_fraction.resolve_fractions(requests, joined=[(device, hp, self.group_pg)])
 
     def _add_whole(self, offset: int, n: int, m: int) -> None:
         if self.whole:

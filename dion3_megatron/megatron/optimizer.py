@@ -36,7 +36,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import rule
+from .. import auto_fraction, rule
 from ..optimizer import announce_skipped_step, usable_on_every_rank
 from ..megabatch import Dion3Engine, MatrixShard, Sharding
 from ..rule import Dion3Hyperparameters
@@ -499,9 +499,9 @@ class MegatronDion3(torch.optim.Optimizer):
         out: dict[str, float] = {}
         for rank in sorted(saved, key=lambda r: (r != me, r)):
             for name, f in saved[rank].items():
-                if f not in rule.AUTO_FRACTIONS:
+                if f not in auto_fraction.AUTO_FRACTIONS:
                     raise ValueError(f"checkpoint auto_fractions: {name} on rank {rank} has fraction {f!r}, "
-                                     f"not one of {rule.AUTO_FRACTIONS}")
+                                     f"not one of {auto_fraction.AUTO_FRACTIONS}")
                 out.setdefault(name, f)
         return out
 
