@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from dion3_megatron.ortho import ns_flops
-from dion3_megatron.megabatch import STATIC_ROW_BLOCKS_MAX_WORLD
+from dion3_megatron.exchange import STATIC_ROW_BLOCKS_MAX_WORLD
 
 # Measured on 2 x H200 (NVLink) with NCCL, torch 2.11 (../shared/DESIGN.md 6): a 4 KB all-to-all
 # takes 43 us; 512 MB moves in 0.94 ms. Sustained NS rate: plain-torch Keller NS5 on 5120 x 13824
@@ -113,7 +113,7 @@ def dion3_step(cfg: ModelConfig, layout: Layout, fraction: float) -> dict:
             nbytes += 2 * (w - 1) / w * count * n * 4  # ring all-reduce of fp32 row scores
             # Selected rows out and back: a column block sends its columns of all k rows; a row
             # block sends k rows too (zeros for rows held elsewhere) on the static exchange (2
-            # ranks, k * w <= n: megabatch._static_exchange), else only the ~k / w rows it holds.
+            # ranks, k * w <= n: exchange._static_exchange), else only the ~k / w rows it holds.
             row_blocks = sum(1 for shape, split in owned if shape == (n, m) and split == "rows")
             padded = row_blocks if w <= STATIC_ROW_BLOCKS_MAX_WORLD and k * w <= n else 0
             nbytes += 2 * (w - 1) / w * ((count - padded) * k * m / w + padded * k * m) * 4

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from dion3_megatron import megabatch
+from dion3_megatron import exchange, megabatch
 
 TIMES: dict[str, list[float]] = collections.defaultdict(list)
 PROFILE_CALL = int(os.environ.get("STEP_PHASES_PROFILE_CALL", "10"))
@@ -102,10 +102,11 @@ def report(title: str) -> None:
 def engine_phases() -> None:
     profile_one_call(megabatch.Dion3Engine, "step")
     timed(megabatch.Dion3Engine, "step", "  engine.step")
-    timed(megabatch.Dion3Engine, "_accumulate_and_score", "    accumulate + score (per shape group)")
-    timed(megabatch.Dion3Engine, "_step_static", "    exchange + update, static sizes (per group)")
-    timed(megabatch.Dion3Engine, "_step_batched", "    exchange + update, row/col blocks (per group)")
-    timed(megabatch.Dion3Engine, "_step_group", "    exchange + update, general path (per group)")
+    timed(exchange._BlockExchange, "score", "    accumulate + score (per shape group)")
+    timed(exchange.GeneralExchange, "score", "    accumulate + score, general path (per shape group)")
+    timed(exchange.StaticExchange, "step", "    exchange + update, static sizes (per group)")
+    timed(exchange.PlannedExchange, "step", "    exchange + update, row/col blocks (per group)")
+    timed(exchange.GeneralExchange, "step", "    exchange + update, general path (per group)")
 
 
 def megatron(argv: list[str]) -> None:

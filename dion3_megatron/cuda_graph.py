@@ -84,10 +84,10 @@ class StepGraph:
                          factors: list[UpdateFactors], device: torch.device) -> None:
         """:meth:`run` for a step that takes one :class:`UpdateFactors` per batch of matrices: given
         as numbers here, the step receives them as views of the graph's device tensor."""
-        sizes = [len(f.decay) for f in factors]
+        sizes = [len(f.shrink) for f in factors]
         total = sum(sizes)
         starts = list(itertools.accumulate(sizes, initial=0))
-        values = [v for f in factors for v in f.decay] + [v for f in factors for v in f.coef]
+        values = [v for f in factors for v in f.shrink] + [v for f in factors for v in f.coef]
 
         def unpacked(t: torch.Tensor) -> None:
             step([UpdateFactors(t[a:b], t[total + a:total + b]) for a, b in zip(starts, starts[1:])])
@@ -103,26 +103,3 @@ class StepGraph:
             fn()
         current.wait_stream(self._stream)
 
-
-def step_whole_matrices(graph: StepGraph, entries: list[rule.WholeMatrices],
-                        then: Optional[Callable[[], None]] = None) -> None:
-    """``rule.step_whole_matrices(entries)`` and then ``then()`` (more device work on the same
-    tensors), replayed from ``graph``. The entries' gradients are already in their momentum (and
-    scored, when ``scores`` is given): gradients are often new tensors every step, which a graph
-    cannot follow."""
-    counts = [len(e.weight) if isinstance(e.weight, (list, tuple)) else e.weight.shape[0] for e in entries]
-    factors = [rule.update_factors(e.hp, count, *e.momentum.shape[1:]) for e, count in zip(entries, counts)]
-    key = (then is not None, tuple(
-        (e.momentum.data_ptr(), e.variance.data_ptr(), tuple(e.momentum.shape), tuple(e.variance.stride()),
-         e.scores.data_ptr() if e.scores is not None else None, e.age.data_ptr() if e.age is not None else None,
-         tuple(w.data_ptr() for w in e.weight) if isinstance(e.weight, (list, tuple)) else e.weight.data_ptr(),
-         baked_settings(e.hp))
-        for e in entries
-    ))
-
-    def step(graph_factors: list[UpdateFactors]) -> None:
-        rule.step_whole_matrices([dataclasses.replace(e, factors=f) for e, f in zip(entries, graph_factors)])
-        if then is not None:
-            then()
-
-    graph.run_with_factors(key, step, factors, entries[0].momentum.device)

@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from . import cuda_graph as cuda_graph_module, device_speed, rule
-from .ortho import default_ns_dtype
+from . import auto_fraction, cuda_graph as cuda_graph_module, rule
+from .exchange import WholeMatrices, step_whole_matrices
 from .rule import Dion3Hyperparameters
 
 ALGORITHMS = ("dion3", "adamw")
@@ -115,8 +115,8 @@ class Dion3(torch.optim.Optimizer):
             any hyper-parameter below; ``fraction`` and ``num_heads`` may differ per group.
         lr: learning rate (both algorithms).
         fraction: share of each matrix's rows updated per step, in (0, 1], or "auto": chosen per
-            matrix at the first step by :func:`rule.auto_fraction` from its shape and this device's
-            measured speed (see :attr:`fractions`). Under torch.distributed every rank must step
+            matrix at the first step (:mod:`dion3_megatron.auto_fraction`) from its shape and this
+            device's measured speed (see :attr:`fractions`). Under torch.distributed every rank must step
             that first step together (as DDP does): all take the slowest rank's speed and agree.
         mu: momentum decay of the applied rows (error feedback keeps the rest).
         beta2: NorMuon per-row second-moment decay.
@@ -231,7 +231,7 @@ class Dion3(torch.optim.Optimizer):
         return dict(self._auto_fractions)
 
     def _resolve_auto_fractions(self) -> None:
-        """Choose f for every not yet resolved matrix of the "auto" groups (see rule.auto_fraction).
+        """Choose f for every not yet resolved matrix of the "auto" groups (:mod:`.auto_fraction`).
 
         Same-shape matrices are orthogonalized as one batch here, which the cost model counts.
         """
@@ -241,15 +241,10 @@ class Dion3(torch.optim.Optimizer):
             return
         shapes = Counter(matrix_shape(p) for _, p in todo for _ in range(matrix_count(p)))
         world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        speeds: dict[tuple, rule.DeviceSpeed] = {}
-        for group, p in todo:
-            hp = self.hyperparameters(group)
-            where = (p.device, hp.ns_dtype or default_ns_dtype(p.device))
-            if where not in speeds:
-                speeds[where] = device_speed.for_group(*where, world)
-            speed = speeds[where]
-            rows, cols = matrix_shape(p)
-            self._auto_fractions[p] = rule.auto_fraction(rows, cols, speed, 1, shapes[(rows, cols)], hp.ns_method, hp.num_heads)
+        requests = [auto_fraction.FractionRequest(matrix_shape(p), shapes[matrix_shape(p)], 1,
+                                                  self.hyperparameters(group), p.device, world) for group, p in todo]
+        for (_, p), fraction in zip(todo, auto_fraction.resolve_fractions(requests)):
+            self._auto_fractions[p] = fraction
 
     # ----------------------------------------------------------------------------------------
     # State.
@@ -301,9 +296,9 @@ class Dion3(torch.optim.Optimizer):
         params = list(self._param_indices())
         auto_fractions = {}
         for pid, f in state_dict.get("auto_fractions", {}).items():
-            if not (isinstance(pid, int) and 0 <= pid < len(params) and f in rule.AUTO_FRACTIONS):
+            if not (isinstance(pid, int) and 0 <= pid < len(params) and f in auto_fraction.AUTO_FRACTIONS):
                 raise ValueError(f"checkpoint auto_fractions: param {pid!r} with fraction {f!r} is not a parameter "
-                                 f"index below {len(params)} with one of {rule.AUTO_FRACTIONS}")
+                                 f"index below {len(params)} with one of {auto_fraction.AUTO_FRACTIONS}")
             auto_fractions[params[pid]] = f
         new_state: dict[torch.Tensor, dict] = {}
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
@@ -437,13 +432,9 @@ class Dion3(torch.optim.Optimizer):
                                       out=bucket.scores)
             copied += [p for p in params if not p.is_contiguous()]
             weights = [w for p in params for w in matrix_view(self._contiguous_weight(p)).unbind(0)]
-            matrices.append(rule.WholeMatrices(weights, bucket.scores, bucket.momentum, bucket.variance, settings[key],
-                                               age=bucket.age))
-        devices = {e.momentum.device for e in matrices}
-        if self.cuda_graph and len(devices) == 1 and cuda_graph_module.usable(devices.pop()):
-            cuda_graph_module.step_whole_matrices(self._graph, matrices)
-        else:
-            rule.step_whole_matrices(matrices)
+            matrices.append(WholeMatrices(weights, bucket.momentum, bucket.variance, settings[key],
+                                          scores=bucket.scores, age=bucket.age))
+        step_whole_matrices(matrices, self._graph if self.cuda_graph else None)
         for p in copied:
             p.copy_(self._copies[p])
         return loss

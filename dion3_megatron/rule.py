@@ -17,17 +17,13 @@ rows live and the orthogonalization on an owner rank. Every tensor here is a bat
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
-import os
-import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from .ortho import ns_flops, orthogonalize
+from .ortho import orthogonalize
 
 ADJUST_LR_CHOICES = ("spectral_norm", "rms_norm")
 # The largest gradient magnitude a step takes: its square is about the largest fp32 value, so
@@ -125,18 +121,23 @@ def accumulate_and_score(momentum: torch.Tensor, grads: list[torch.Tensor],
     """M += G for the (B, n, c) fp32 momentum and its B (n, c) gradients; the L1 row scores (B, n)
     of the new momentum (into ``out`` when given).
 
-    With the Triton row kernels (:func:`_fused_rows`) one pass over both
-    (:func:`dion3_megatron.kernels.rows.add_and_score`); the scores then sum in another order, equal
-    to within fp32 rounding.
+    Where the Triton row kernels run (:mod:`dion3_megatron.kernels.rows`) one pass over both; the
+    scores then sum in another order, equal to within fp32 rounding.
     """
     if out is None:
         out = torch.empty(momentum.shape[:2], dtype=torch.float32, device=momentum.device)
-    if _fused_momentum(momentum, grads):
-        from .kernels import rows as fused
+    if _row_kernels().takes_momentum(momentum, grads):
+        from .kernels import triton_rows
 
-        return fused.add_and_score(momentum, grads, out)
+        return triton_rows.accumulate_and_score(momentum, grads, out)
     torch._foreach_add_(list(momentum.unbind(0)), grads)
     return row_scores(momentum, out=out)
+
+
+def accumulate(momenta: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """M += G for momenta of any shapes (pieces of matrices), each with its gradient."""
+    for momentum, grad in zip(momenta, grads):
+        momentum.add_(grad)
 
 
 def select_rows(scores: torch.Tensor, fraction: float, num_heads: Optional[int] = None) -> torch.Tensor:
@@ -162,13 +163,6 @@ def _row_index(idx: torch.Tensor, n_cols: int) -> torch.Tensor:
     return idx.unsqueeze(-1).expand(-1, -1, n_cols)
 
 
-def momentum_decay(hp: Dion3Hyperparameters, fraction: float) -> float:
-    """The factor the applied rows' momentum decays by: mu, or mu ** (1 / f) with
-    ``scale_mu_by_fraction``. A row is applied about once every 1 / f steps, so the scaled form
-    keeps the memory of heavy-ball momentum with mu (what f = 1 has) at any f."""
-    return hp.mu ** (1 / fraction) if hp.scale_mu_by_fraction else hp.mu
-
-
 def staleness_boost(scores: torch.Tensor, age: torch.Tensor, staleness: float, fraction: float) -> torch.Tensor:
     """Selection scores of rows with ``age`` steps since they were last applied: the L1 score times
     1 + staleness * f * age, so a row that waited one expected period (1 / f steps) counts
@@ -181,16 +175,33 @@ def age_rows(age: torch.Tensor, idx: torch.Tensor) -> None:
     age.add_(1).scatter_(1, idx, 0.0)
 
 
+# --------------------------------------------------------------------------------------------
+# Error feedback: the applied rows leave the momentum, decayed by mu; the rest stay whole.
+
+
+def momentum_decay(hp: Dion3Hyperparameters, fraction: float) -> float:
+    """The factor the applied rows' momentum decays by: mu, or mu ** (1 / f) with
+    ``scale_mu_by_fraction``. A row is applied about once every 1 / f steps, so the scaled form
+    keeps the memory of heavy-ball momentum with mu (what f = 1 has) at any f."""
+    return hp.mu ** (1 / fraction) if hp.scale_mu_by_fraction else hp.mu
+
+
+def momentum_decays(hps: Sequence[Dion3Hyperparameters], fraction: float) -> float | list[float]:
+    """:func:`momentum_decay` of matrices with these settings: one number when they agree, else one each."""
+    mus = [momentum_decay(hp, fraction) for hp in hps]
+    return mus[0] if len(set(mus)) == 1 else mus
+
+
 def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float | torch.Tensor) -> torch.Tensor:
-    """Copy out the selected rows of the momentum, then decay them there by mu (error feedback).
+    """Copy out the selected rows (B, k) of the (B, n, c) momentum, then decay them there by mu.
 
-    mu: a number, or one per matrix of the batch (B,). With the Triton row kernels
-    (:func:`_fused_rows`) one pass (:func:`dion3_megatron.kernels.rows.take_rows`).
+    mu: a number, or one per matrix of the batch (B,). Where the Triton row kernels run
+    (:mod:`dion3_megatron.kernels.rows`) one pass.
     """
-    if _fused_momentum(momentum):
-        from .kernels import rows as fused
+    if _row_kernels().takes_momentum(momentum):
+        from .kernels import triton_rows
 
-        return fused.take_rows(momentum, idx, mu)
+        return triton_rows.take_selected(momentum, idx, mu)
     batch, n, c = momentum.shape
     decay = mu if not torch.is_tensor(mu) else mu.view(-1, 1, 1)
     if momentum.is_contiguous():  # whole rows by row number: one index read per row, not per element
@@ -204,68 +215,15 @@ def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float | torch.T
     return selected
 
 
-# --------------------------------------------------------------------------------------------
-# fraction="auto": f per matrix from its shape, the world size and the device's measured speed.
-
-AUTO_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
-AUTO_MIN_ROWS = 128  # quality floor: fewer selected rows than this lost to f = 1 in our runs
-AUTO_SLACK = 0.10  # a larger f is taken while it costs at most this much more than the cheapest
-NS_KERNELS = {"gram": 30, "standard": 20}  # kernels per orthogonalization call, shared by its batch
-PER_MATRIX_KERNELS = 20  # kernels per matrix whatever f is: scores, top-k, gathers, NorMuon, update
-BYTES_PER_ENTRY = 24  # element-wise traffic of the step per matrix entry (momentum, grad, weight, scores)
-WIRE_BYTES_PER_ENTRY = 8  # fp32 there and back through the two all-to-alls
-
-
-@dataclass(frozen=True)
-class DeviceSpeed:
-    """What the cost model needs to know about the device (see :mod:`dion3_megatron.device_speed`)."""
-
-    matmul_flops: float  # FLOP/s of a large matmul in the orthogonalization dtype
-    launch_seconds: float  # time of one small kernel, host overhead included
-    memory_bytes_per_s: float
-    link_bytes_per_s: float  # per-rank all-to-all bandwidth of the process group's backend
-
-
-def estimated_step_seconds(
-    n_rows: int, n_cols: int, fraction: float, speed: DeviceSpeed,
-    world: int = 1, batch: int = 1, ns_method: str = "gram", num_heads: Optional[int] = None,
-) -> float:
-    """Modelled time of one Dion3 step of one matrix, per rank.
-
-    ``batch`` same-shape matrices share one orthogonalization call (megabatching), so its launch
-    cost is split between them; each matrix also launches PER_MATRIX_KERNELS small kernels that
-    do not shrink with f (on GPUs this fixed part dominates small matrices: measured, the step of
-    a 100M model took the same time at f = 1/2, 1/4 and 1/8). With ``world`` ranks each
-    orthogonalizes 1/world of the matrices and the selected rows cross the link both ways. Every
-    term is per matrix and divided by ``world`` alike, so only the link term's (world - 1) / world
-    depends on the world size.
-    """
-    k = selected_row_count(n_rows, fraction, num_heads)
-    method = ns_method if k != n_cols else "standard"
-    per_call = math.ceil(batch / world)
-    ortho = ns_flops(k, n_cols, method) / speed.matmul_flops + NS_KERNELS[method] * speed.launch_seconds / per_call
-    fixed = PER_MATRIX_KERNELS * speed.launch_seconds
-    elementwise = BYTES_PER_ENTRY * (n_rows + k) * n_cols / speed.memory_bytes_per_s
-    wire = WIRE_BYTES_PER_ENTRY * k * n_cols * (world - 1) / world / speed.link_bytes_per_s if world > 1 else 0.0
-    return (ortho + fixed + elementwise) / world + wire / world
-
-
-def auto_fraction(
-    n_rows: int, n_cols: int, speed: DeviceSpeed,
-    world: int = 1, batch: int = 1, ns_method: str = "gram", num_heads: Optional[int] = None,
-) -> float:
-    """The f that ``fraction="auto"`` uses for an n_rows x n_cols matrix.
-
-    Among AUTO_FRACTIONS that select at least AUTO_MIN_ROWS rows (all of them for smaller
-    matrices), the largest f whose modelled step costs at most (1 + AUTO_SLACK) times the cheapest
-    one's. Large matrices on a slow device or link land on 1/8; small ones, whose step is launch-
-    or memory-bound anyway, get a larger f for free.
-    """
-    floor = min(AUTO_MIN_ROWS, n_rows)
-    feasible = [f for f in AUTO_FRACTIONS if selected_row_count(n_rows, f, num_heads) >= floor] or [1.0]
-    cost = {f: estimated_step_seconds(n_rows, n_cols, f, speed, world, batch, ns_method, num_heads) for f in feasible}
-    cheapest = min(cost.values())
-    return max(f for f in feasible if cost[f] <= (1 + AUTO_SLACK) * cheapest)
+def take_rows(momentum: torch.Tensor, rows: torch.Tensor, mu: float | torch.Tensor,
+              batch: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`take_selected` for rows scattered over a batch: momentum[batch, rows] copied out as
+    (P, c) and decayed there by mu (a number, or (B,): one per matrix). Without ``batch`` the
+    momentum is one (n, c) matrix and mu a number."""
+    at = (rows,) if batch is None else (batch, rows)
+    picked = momentum[at]
+    momentum[at] = picked * (mu if not torch.is_tensor(mu) else mu[batch][:, None])
+    return picked
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,178 +284,95 @@ def update_scale(
 
 @dataclass
 class UpdateFactors:
-    """Per matrix of a batch: W *= decay, then W[rows] += coef * step.
+    """Per matrix of a batch: W *= shrink (1 - lr wd), then W[rows] += coef * step (coef = -lr scale).
 
     Lists of numbers, or (B,) fp32 tensors on the weights' device: what a captured CUDA graph
     reads, refreshed before every replay (see :mod:`dion3_megatron.cuda_graph`). Both forms give
-    bit-identical updates in :func:`normalize_and_apply`; :func:`apply_updates` takes numbers,
-    :func:`apply_row_updates` tensors.
+    bit-identical updates in :func:`normalize_and_apply`.
     """
 
-    decay: list[float] | torch.Tensor
+    shrink: list[float] | torch.Tensor
     coef: list[float] | torch.Tensor
 
     @staticmethod
     def of(lrs: list[float], weight_decays: list[float], scales: list[float]) -> "UpdateFactors":
-        """decay = 1 - lr wd (base lr), coef = -lr * scale."""
+        """shrink = 1 - lr wd (base lr), coef = -lr * scale."""
         return UpdateFactors([1 - lr * wd for lr, wd in zip(lrs, weight_decays)],
                              [-lr * scale for lr, scale in zip(lrs, scales)])
 
     def on_device(self, device: torch.device) -> "UpdateFactors":
         """The tensor form on ``device`` (from numbers): one queued copy, not waited for."""
-        values = torch.tensor([*self.decay, *self.coef], dtype=torch.float32)
+        values = torch.tensor([*self.shrink, *self.coef], dtype=torch.float32)
         if device.type == "cuda":
             values = values.pin_memory()
         on_device = torch.empty(values.shape, dtype=torch.float32, device=device).copy_(values, non_blocking=True)
-        return UpdateFactors(on_device[: len(self.decay)], on_device[len(self.decay):])
+        return UpdateFactors(on_device[: len(self.shrink)], on_device[len(self.shrink):])
 
     def part(self, start: int, stop: int) -> "UpdateFactors":
         """The factors of matrices [start, stop) of the batch."""
-        return UpdateFactors(self.decay[start:stop], self.coef[start:stop])
+        return UpdateFactors(self.shrink[start:stop], self.coef[start:stop])
 
 
-def apply_update(
-    weight: torch.Tensor | list[torch.Tensor], idx: torch.Tensor, step: torch.Tensor, lr: float, weight_decay: float,
-    scale: float,
-) -> None:
-    """W *= 1 - lr wd (every row, base lr); W[idx] -= lr * scale * step. weight (B, n, c) or B (n, c)."""
-    weights = list(weight.unbind(0)) if torch.is_tensor(weight) else list(weight)
-    count = len(weights)
-    apply_updates(weights, list(idx.unbind(0)), list(step.unbind(0)),
-                  UpdateFactors.of([lr] * count, [weight_decay] * count, [scale] * count))
+def update_factors(hps: Sequence[Dion3Hyperparameters], fraction: float, n_rows: int, n_cols: int) -> UpdateFactors:
+    """The factors of n_rows x n_cols matrices with these settings (one each: lr, weight decay and
+    the lr adjustment may differ between them), at ``fraction``."""
+    scales = [update_scale(n_rows, n_cols, hp.adjust_lr, fraction, hp.scale_lr_by_fraction) for hp in hps]
+    return UpdateFactors.of([hp.lr for hp in hps], [hp.weight_decay for hp in hps], scales)
 
 
-def apply_updates(
-    weights: list[torch.Tensor], rows: list[torch.Tensor], steps: list[torch.Tensor], factors: UpdateFactors
-) -> None:
-    """W *= decay; W[rows] += coef * step, for many 2-D weights (views are fine); factors as numbers.
+def apply_rows(weights: list[torch.Tensor], rows: torch.Tensor | list[torch.Tensor],
+               steps: torch.Tensor | list[torch.Tensor], row_scale: torch.Tensor | list[float],
+               shrink: list[float] | torch.Tensor, padded: bool = False) -> None:
+    """The weight update: W_b *= shrink[b]; W_b[rows_b] += row_scale_b * steps_b, for 2-D weights
+    (views are fine), each step rounded once to its weight's dtype.
 
-    weights[i] (n_i, c); rows[i] (k_i,) distinct row indices; steps[i] (k_i, c).
+    Batched (same-shape (n, c) weights): rows (B, k), distinct per matrix; steps (B, k, c) fp32;
+    row_scale (B, k). Where the Triton row kernels run (:mod:`dion3_megatron.kernels.rows`) one
+    pass over each weight; else a multi-tensor shrink, then ``index_add_``. With ``padded``, rows
+    equal to n (any number of them) are skipped.
+    Ragged (weights of any shapes, a row count each): rows[b] (k_b,), steps[b] (k_b, c_b), and
+    row_scale one number per matrix.
     """
-    decay_weights(weights, factors.decay)
-    for weight, idx, step, coef in zip(weights, rows, steps, factors.coef):
-        if step.dtype == weight.dtype:  # one kernel, no temporary
-            weight.index_add_(0, idx, step, alpha=coef)
-        else:  # scale in the step's precision, then round once
-            weight.index_add_(0, idx, (step * coef).to(weight.dtype))
-
-
-def apply_row_updates(weights: list[torch.Tensor], rows: torch.Tensor, steps: torch.Tensor,
-                      factors: UpdateFactors, padded: bool = False) -> None:
-    """W *= decay; W[rows] += coef * step for a batch: rows (B, k), steps (B, k, c), factors as
-    (B,) device tensors (what a CUDA graph reads). With ``padded``, a row index equal to the
-    weights' row count marks a row that is not here: its step is skipped."""
-    coef = factors.coef.view(-1, 1).expand(rows.shape).to(torch.float32)
-    apply_scaled_rows(weights, rows, steps, coef, factors.decay, padded)
-
-
-def decay_weights(weights: list[torch.Tensor], decay: list[float] | torch.Tensor) -> None:
-    """W *= decay[i] for each weight, as one multi-tensor op when it can be."""
-    if torch.is_tensor(decay):
-        torch._foreach_mul_(weights, list(decay.unbind(0)))
-    elif len(set(decay)) == 1:
-        if decay[0] != 1:
-            torch._foreach_mul_(weights, decay[0])
-    else:
-        for weight, d in zip(weights, decay):
-            if d != 1:
-                weight.mul_(d)
-
-
-def add_rows(weights: list[torch.Tensor], rows: list[torch.Tensor], steps: list[torch.Tensor]) -> None:
-    """W[rows] += step (rounded once to the weight's dtype)."""
-    for weight, idx, step in zip(weights, rows, steps):
-        weight.index_add_(0, idx, step if step.dtype == weight.dtype else step.to(weight.dtype))
-
-
-def apply_scaled_rows(weights: list[torch.Tensor], rows: torch.Tensor, steps: torch.Tensor, row_scale: torch.Tensor,
-                      decay: list[float] | torch.Tensor, padded: bool = False) -> None:
-    """W_b *= decay[b]; W_b[rows[b, i]] += row_scale[b, i] * steps[b, i] for a batch of same-shape
-    (n, c) weights; rows (B, k) distinct per matrix, steps (B, k, c) fp32, row_scale (B, k). With
-    ``padded``, rows equal to n (any number of them) are skipped.
-
-    With the Triton row kernels (:func:`_fused_rows`) one pass over each weight
-    (:mod:`dion3_megatron.kernels.rows`); else a multi-tensor decay, then ``index_add_``.
-    """
-    if _fused_rows(weights):
-        from .kernels import rows as fused
-
-        fused.decay_add_rows(weights, rows, steps, row_scale, decay)
+    if not torch.is_tensor(rows):
+        shrink_weights(weights, shrink)
+        for weight, idx, step, coef in zip(weights, rows, steps, row_scale):
+            if step.dtype == weight.dtype:  # one kernel, no temporary
+                weight.index_add_(0, idx, step, alpha=coef)
+            else:  # scale in the step's precision, then round once
+                weight.index_add_(0, idx, (step * coef).to(weight.dtype))
         return
-    decay_weights(weights, decay)
+    if _row_kernels().takes(weights):
+        from .kernels import triton_rows
+
+        triton_rows.apply_rows(weights, rows, steps, row_scale, shrink)
+        return
+    shrink_weights(weights, shrink)
     if padded:  # the skipped rows add zeros to the last row
         n = weights[0].shape[0]
         row_scale = row_scale * (rows < n)
         rows = rows.clamp(max=n - 1)
-    add_rows(weights, list(rows.unbind(0)), list((steps * row_scale.unsqueeze(-1)).unbind(0)))
+    for weight, idx, step in zip(weights, rows.unbind(0), (steps * row_scale.unsqueeze(-1)).unbind(0)):
+        weight.index_add_(0, idx, step if step.dtype == weight.dtype else step.to(weight.dtype))
 
 
-def _fused_rows(weights: list[torch.Tensor]) -> bool:
-    """The Triton row kernels apply: CUDA weights, triton installed, and neither DION3_FUSED_ROWS=0
-    (the torch forms, e.g. to compare) nor DION3_KERNELS=0 (every kernel of the package off)."""
-    if not weights or not weights[0].is_cuda or not _triton_available():
-        return False
-    from .kernels import rows as fused
-
-    return fused.usable(weights) and _row_kernels_run(weights[0].device)
-
-
-def _fused_momentum(momentum: torch.Tensor, others: Sequence[torch.Tensor] = ()) -> bool:
-    """The row kernels take this (B, n, c) fp32 momentum (and these other (n, c) matrices)."""
-    return momentum.shape[0] > 0 and momentum.dtype == torch.float32 and _fused_rows([momentum[0], *others])
+def shrink_weights(weights: list[torch.Tensor], shrink: list[float] | torch.Tensor) -> None:
+    """W *= shrink[i] (decoupled weight decay) for each weight, as one multi-tensor op when it can be."""
+    if torch.is_tensor(shrink):
+        torch._foreach_mul_(weights, list(shrink.unbind(0)))
+    elif len(set(shrink)) == 1:
+        if shrink[0] != 1:
+            torch._foreach_mul_(weights, shrink[0])
+    else:
+        for weight, s in zip(weights, shrink):
+            if s != 1:
+                weight.mul_(s)
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_available() -> bool:
-    return (os.environ.get("DION3_FUSED_ROWS", "1") != "0" and os.environ.get("DION3_KERNELS", "1") != "0"
-            and importlib.util.find_spec("triton") is not None)
+def _row_kernels():
+    """The row kernels' dispatch, imported on first use (it imports the kernels package)."""
+    from .kernels import rows
 
-
-@functools.lru_cache(maxsize=None)
-def _row_kernels_run(device: torch.device) -> bool:
-    """Whether a row kernel compiles and runs on ``device``, tried once per process and device.
-
-    Triton builds each kernel's launcher with the host's C compiler on first use; where that fails
-    (a container without one), the step keeps the torch forms, which give the same results to
-    within rounding, and says so once.
-    """
-    from .kernels import rows as fused
-
-    try:
-        fused.probe(device)
-    except Exception as error:  # a compile or launch failure: nothing has been written yet
-        warnings.warn(f"dion3_megatron: the Triton row kernels do not run on {device} ({error!r}); using the "
-                      "torch forms (the same results to within rounding). DION3_FUSED_ROWS=0 skips this try.",
-                      RuntimeWarning, stacklevel=2)
-        return False
-    return True
-
-
-def update_factors(hp: Dion3Hyperparameters, count: int, n_rows: int, n_cols: int) -> UpdateFactors:
-    """The factors of ``count`` matrices that share ``hp`` (fraction already a number)."""
-    scale = update_scale(n_rows, n_cols, hp.adjust_lr, hp.fraction, hp.scale_lr_by_fraction)
-    return UpdateFactors.of([hp.lr] * count, [hp.weight_decay] * count, [scale] * count)
-
-
-def finish_update(
-    weight: torch.Tensor | list[torch.Tensor],
-    variance: torch.Tensor,
-    idx: torch.Tensor,
-    ortho: torch.Tensor,
-    hp: Dion3Hyperparameters,
-    n_rows: int,
-    n_cols: int,
-    factors: Optional[UpdateFactors] = None,
-) -> None:
-    """Everything after the orthogonalization, for rows ``idx`` of (B, n, c) ``weight`` (or B (n, c)).
-
-    n_rows, n_cols: the logical matrix's shape (a shard's weight may hold only some columns).
-    factors: given, they replace hp's lr and weight decay (default: ``update_factors``).
-    """
-    weights = list(weight.unbind(0)) if torch.is_tensor(weight) else list(weight)
-    if factors is None:
-        factors = update_factors(hp, len(weights), n_rows, n_cols)
-    normalize_and_apply(weights, variance, idx, ortho, hp.beta2, hp.eps, factors)
+    return rows
 
 
 def normalize_and_apply(
@@ -509,8 +384,8 @@ def normalize_and_apply(
     eps: float,
     factors: UpdateFactors,
 ) -> None:
-    """NorMuon on the (B, k, c) orthogonalized rows, their (B, n) variance updated in place, then
-    the weight update of each of the B matrices with its own factors.
+    """NorMuon on the (B, k, c) orthogonalized rows ``idx`` (B, k), their (B, n) variance updated in
+    place, then :func:`apply_rows` on each of the B matrices with its own factors.
 
     The coefficients ride in NorMuon's rescaling, so numbers and tensors (a CUDA graph's form)
     take the same kernels and round alike.
@@ -520,50 +395,12 @@ def normalize_and_apply(
         coef = coef[0] if len(set(coef)) == 1 else torch.tensor(coef, dtype=torch.float32).to(ortho.device)
     row_scale, new_variance = row_scales(ortho, torch.gather(variance, 1, idx), beta2, eps, coef)
     variance.scatter_(1, idx, new_variance)
-    apply_scaled_rows(weights, idx, ortho, row_scale, factors.decay)
+    apply_rows(weights, idx, ortho, row_scale, factors.shrink)
 
 
 def orthogonalize_rows(selected: torch.Tensor, hp: Dion3Hyperparameters) -> torch.Tensor:
     """Orthogonalize a (B, k, c) batch of selected rows; fp32 out."""
     return orthogonalize(selected, hp.ns_method, hp.ns_dtype, out_dtype=torch.float32)
-
-
-@dataclass
-class WholeMatrices:
-    """A batch of whole matrices one process steps by itself: the weights ((B, n, c), or B separate
-    (n, c) tensors), the (B, n) row scores of the momentum (from :func:`accumulate_and_score`, or
-    None: scored here), the (B, n, c) momentum, gradients already added, and the (B, n) per-row
-    variance (any views, written in place)."""
-
-    weight: torch.Tensor | list[torch.Tensor]
-    scores: Optional[torch.Tensor]
-    momentum: torch.Tensor
-    variance: torch.Tensor
-    hp: Dion3Hyperparameters  # fraction already a number
-    factors: Optional[UpdateFactors] = None  # default: from hp (see finish_update)
-    mu: Optional[float | torch.Tensor] = None  # the applied rows' decay, or (B,) of them; default: from hp
-    age: Optional[torch.Tensor] = None  # (B, n) steps since each row was applied: needed when hp.staleness
-
-
-def step_whole_matrices(entries: list[WholeMatrices]) -> None:
-    """The Dion3 step of whole matrices on one process; selected blocks of one shape are
-    orthogonalized as one batch (the single-process form of megabatching)."""
-    batches: dict[tuple, list] = {}
-    for e in entries:
-        scores = e.scores if e.scores is not None else row_scores(e.momentum)
-        if e.hp.staleness:
-            scores = staleness_boost(scores, e.age, e.hp.staleness, e.hp.fraction)
-        idx = select_rows(scores, e.hp.fraction, e.hp.num_heads)
-        if e.hp.staleness:
-            age_rows(e.age, idx)
-        selected = take_selected(e.momentum, idx, momentum_decay(e.hp, e.hp.fraction) if e.mu is None else e.mu)
-        key = (tuple(selected.shape[1:]), selected.device, e.hp.ns_method, e.hp.ns_dtype)
-        batches.setdefault(key, []).append((e, idx, selected))
-    for batch in batches.values():
-        stacked = torch.cat([b[2] for b in batch]) if len(batch) > 1 else batch[0][2]
-        ortho = orthogonalize_rows(stacked, batch[0][0].hp).split([b[2].shape[0] for b in batch])
-        for (e, idx, _), block in zip(batch, ortho):
-            finish_update(e.weight, e.variance, idx, block, e.hp, e.momentum.shape[-2], e.momentum.shape[-1], e.factors)
 
 
 # --------------------------------------------------------------------------------------------

@@ -406,24 +406,24 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
 
     # fraction="auto" resumed where the device measures another speed: the saved choices, bit-identical.
     t0 = time.time()
-    from dion3_megatron import device_speed, rule
+    from dion3_megatron import auto_fraction
 
-    min_rows, measure = rule.AUTO_MIN_ROWS, device_speed.measure
-    rule.AUTO_MIN_ROWS = 1  # the test model's matrices have <= 20 rows: let the speed decide
+    min_rows, measure = auto_fraction.AUTO_MIN_ROWS, auto_fraction.measure
+    auto_fraction.AUTO_MIN_ROWS = 1  # the test model's matrices have <= 20 rows: let the speed decide
     try:
-        device_speed.measure = lambda device, dtype: rule.DeviceSpeed(1e6, 0.0, 1e30, 1e30)  # slow matmuls: f = 1/8
+        auto_fraction.measure = lambda device, dtype: auto_fraction.DeviceSpeed(1e6, 0.0, 1e30, 1e30)  # slow matmuls: f = 1/8
         engine = make_engine(config(2, world=world, fraction="auto"))
         train(engine, 3)
         engine.save_checkpoint(os.path.join(tmp, "auto_ckpt"), tag="step3")
         train(engine, 2, start=3)
         out["auto_resume_chosen"] = _basic(engine).state_dict().get("zero_auto_fractions")
-        device_speed.measure = lambda device, dtype: rule.DeviceSpeed(1e30, 1.0, 1e30, 1e30)  # slow launches: f = 1
+        auto_fraction.measure = lambda device, dtype: auto_fraction.DeviceSpeed(1e30, 1.0, 1e30, 1e30)  # slow launches: f = 1
         resumed_engine = make_engine(config(2, world=world, fraction="auto"), seed=1)
         resumed_engine.load_checkpoint(os.path.join(tmp, "auto_ckpt"), tag="step3")
         train(resumed_engine, 2, start=3)
         out["auto_resume_diff"] = max_diff(params_of(resumed_engine), params_of(engine))
     finally:
-        rule.AUTO_MIN_ROWS, device_speed.measure = min_rows, measure
+        auto_fraction.AUTO_MIN_ROWS, auto_fraction.measure = min_rows, measure
     out["seconds"]["auto_resume"] = time.time() - t0
 
     # bf16: ZeRO-1 trains and stays close to ZeRO-0 bf16.

@@ -7,53 +7,53 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dion3_megatron import Dion3, device_speed, rule
+from dion3_megatron import Dion3, auto_fraction, rule
 from dion3_megatron.megabatch import Dion3Engine, MatrixShard, Sharding
 from dist_utils import run_distributed
 
-FAST = rule.DeviceSpeed(matmul_flops=5e14, launch_seconds=1e-5, memory_bytes_per_s=4e12, link_bytes_per_s=1e11)
-LAUNCH_BOUND = rule.DeviceSpeed(1e30, 1.0, 1e30, 1e30)  # only the fixed cost per call counts
-FLOP_BOUND = rule.DeviceSpeed(1e6, 0.0, 1e30, 1e30)  # only the matmul FLOPs count
+FAST = auto_fraction.DeviceSpeed(matmul_flops=5e14, launch_seconds=1e-5, memory_bytes_per_s=4e12, link_bytes_per_s=1e11)
+LAUNCH_BOUND = auto_fraction.DeviceSpeed(1e30, 1.0, 1e30, 1e30)  # only the fixed cost per call counts
+FLOP_BOUND = auto_fraction.DeviceSpeed(1e6, 0.0, 1e30, 1e30)  # only the matmul FLOPs count
 
 
 @pytest.mark.parametrize("speed", [FAST, LAUNCH_BOUND, FLOP_BOUND])
 def test_choice_is_a_candidate_above_the_row_floor(speed, generator):
     for _ in range(40):
         rows, cols = (int(v) for v in torch.randint(1, 6000, (2,), generator=generator))
-        f = rule.auto_fraction(rows, cols, speed, batch=int(torch.randint(1, 50, (), generator=generator)))
-        assert f in rule.AUTO_FRACTIONS
-        assert rule.selected_row_count(rows, f) >= min(rule.AUTO_MIN_ROWS, rows)
+        f = auto_fraction.choose_fraction(rows, cols, speed, batch=int(torch.randint(1, 50, (), generator=generator)))
+        assert f in auto_fraction.AUTO_FRACTIONS
+        assert rule.selected_row_count(rows, f) >= min(auto_fraction.AUTO_MIN_ROWS, rows)
 
 
 def test_small_matrices_keep_every_row_and_large_ones_on_slow_matmuls_take_the_fewest():
-    assert rule.auto_fraction(rule.AUTO_MIN_ROWS, 512, FLOP_BOUND) == 1.0
-    assert rule.auto_fraction(4096, 4096, FLOP_BOUND) == 0.125
+    assert auto_fraction.choose_fraction(auto_fraction.AUTO_MIN_ROWS, 512, FLOP_BOUND) == 1.0
+    assert auto_fraction.choose_fraction(4096, 4096, FLOP_BOUND) == 0.125
     # floor: 1024 rows at 1/8 would select 128 rows, the minimum; 512 rows need 1/4
-    assert rule.auto_fraction(512, 4096, FLOP_BOUND) == 0.25
+    assert auto_fraction.choose_fraction(512, 4096, FLOP_BOUND) == 0.25
 
 
 def test_free_rows_are_taken_when_the_step_is_launch_bound():
-    assert rule.auto_fraction(4096, 4096, LAUNCH_BOUND) == 1.0
-    assert rule.auto_fraction(4096, 4096, FAST) < 1.0
+    assert auto_fraction.choose_fraction(4096, 4096, LAUNCH_BOUND) == 1.0
+    assert auto_fraction.choose_fraction(4096, 4096, FAST) < 1.0
 
 
 def test_a_slow_link_lowers_the_fraction_at_larger_world_sizes():
-    slow_link = rule.DeviceSpeed(1e30, 1e-4, 1e30, 1e6)
-    assert rule.auto_fraction(4096, 4096, slow_link, world=1, batch=8) == 1.0
-    assert rule.auto_fraction(4096, 4096, slow_link, world=8, batch=8) == 0.125
+    slow_link = auto_fraction.DeviceSpeed(1e30, 1e-4, 1e30, 1e6)
+    assert auto_fraction.choose_fraction(4096, 4096, slow_link, world=1, batch=8) == 1.0
+    assert auto_fraction.choose_fraction(4096, 4096, slow_link, world=8, batch=8) == 0.125
 
 
 def test_modelled_cost_grows_with_the_fraction(generator):
     for _ in range(20):
         rows, cols = (int(v) for v in torch.randint(64, 8000, (2,), generator=generator))
-        costs = [rule.estimated_step_seconds(rows, cols, f, FAST, world=4, batch=6) for f in sorted(rule.AUTO_FRACTIONS)]
+        costs = [auto_fraction.estimated_step_seconds(rows, cols, f, FAST, world=4, batch=6) for f in sorted(auto_fraction.AUTO_FRACTIONS)]
         assert costs == sorted(costs)
 
 
 def test_measured_speed_is_positive_and_cached():
-    speed = device_speed.measure(torch.device("cpu"), torch.float32)
+    speed = auto_fraction.measure(torch.device("cpu"), torch.float32)
     assert all(v > 0 for v in (speed.matmul_flops, speed.launch_seconds, speed.memory_bytes_per_s))
-    assert device_speed.measure(torch.device("cpu"), torch.float32) is speed
+    assert auto_fraction.measure(torch.device("cpu"), torch.float32) is speed
 
 
 def test_bad_fraction_strings_are_refused():
@@ -62,7 +62,7 @@ def test_bad_fraction_strings_are_refused():
 
 
 def test_optimizer_auto_equals_the_resolved_fixed_fractions(monkeypatch, generator):
-    monkeypatch.setattr(device_speed, "measure", lambda device, dtype: FLOP_BOUND)
+    monkeypatch.setattr(auto_fraction, "measure", lambda device, dtype: FLOP_BOUND)
     shapes = [(64, 48), (512, 96), (512, 96), (1024, 64), (3, 256, 40)]
     weights = [torch.randn(s, generator=generator) for s in shapes]
     grads = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(3)]
@@ -97,14 +97,14 @@ def test_a_resume_keeps_the_saved_choices_on_a_machine_of_another_speed(monkeypa
                 p.grad = g.clone()
             opt.step()
 
-    monkeypatch.setattr(device_speed, "measure", lambda device, dtype: FLOP_BOUND)
+    monkeypatch.setattr(auto_fraction, "measure", lambda device, dtype: FLOP_BOUND)
     params = [torch.nn.Parameter(w.clone()) for w in weights]
     opt = Dion3(params, lr=0.02, fraction="auto", ns_dtype=torch.float32)
     run(params, opt, grads[:2])
     saved = copy.deepcopy(opt.state_dict())
     saved_weights = [p.detach().clone() for p in params]
     run(params, opt, grads[2:])
-    monkeypatch.setattr(device_speed, "measure", lambda device, dtype: LAUNCH_BOUND)  # would choose f = 1
+    monkeypatch.setattr(auto_fraction, "measure", lambda device, dtype: LAUNCH_BOUND)  # would choose f = 1
     resumed = [torch.nn.Parameter(w) for w in saved_weights]
     other = Dion3(resumed, lr=0.02, fraction="auto", ns_dtype=torch.float32)
     other.load_state_dict(saved)
@@ -117,7 +117,7 @@ def test_a_resume_keeps_the_saved_choices_on_a_machine_of_another_speed(monkeypa
 def _engine_worker(rank, world, shapes, seed):
     # Each rank measures a different speed: alone, rank 0 would take 1/4 of (512, 64)'s rows and
     # rank 1 all of them.
-    device_speed.measure = lambda device, dtype: [FLOP_BOUND, LAUNCH_BOUND][rank]
+    auto_fraction.measure = lambda device, dtype: [FLOP_BOUND, LAUNCH_BOUND][rank]
     gen = torch.Generator().manual_seed(seed)
     weights = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
@@ -140,15 +140,15 @@ def _engine_worker(rank, world, shapes, seed):
 
 def test_engine_ranks_agree_on_the_slowest_speed_and_match_the_single_process_rule():
     shapes = [(512, 64), (512, 64), (1024, 32)]
-    assert rule.auto_fraction(512, 64, FLOP_BOUND, world=2, batch=2) == 0.25
-    assert rule.auto_fraction(512, 64, LAUNCH_BOUND, world=2, batch=2) == 1.0
+    assert auto_fraction.choose_fraction(512, 64, FLOP_BOUND, world=2, batch=2) == 0.25
+    assert auto_fraction.choose_fraction(512, 64, LAUNCH_BOUND, world=2, batch=2) == 1.0
     results = run_distributed(_engine_worker, 2, shapes, 7)
     (fractions0, pieces0, weights, grads), (fractions1, pieces1, _, _) = results
     assert fractions0 == fractions1
-    slowest = rule.DeviceSpeed(FLOP_BOUND.matmul_flops, LAUNCH_BOUND.launch_seconds, 1e30,
-                               device_speed.LINK_BYTES_PER_S["gloo"])
+    slowest = auto_fraction.DeviceSpeed(FLOP_BOUND.matmul_flops, LAUNCH_BOUND.launch_seconds, 1e30,
+                                        auto_fraction.LINK_BYTES_PER_S["gloo"])
     for (n, m), f in fractions0.items():
-        assert f == rule.auto_fraction(n, m, slowest, world=2, batch=shapes.count((n, m)))
+        assert f == auto_fraction.choose_fraction(n, m, slowest, world=2, batch=shapes.count((n, m)))
     assert fractions0[(512, 64)] == 0.5  # neither rank's own choice
     params = [torch.nn.Parameter(w.clone()) for w in weights]
     reference = Dion3([{"params": [p], "fraction": fractions0[tuple(p.shape)]} for p in params],

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from dion3_megatron import Dion3, cuda_graph, rule
+from dion3_megatron.exchange import WholeMatrices, step_whole_matrices
+from dion3_megatron.kernels import rows as kernel_rows
 from dion3_megatron.megabatch import Dion3Engine, MatrixShard, Sharding
 
 pytestmark = pytest.mark.gpu
@@ -18,7 +20,7 @@ def row_kernels(request, monkeypatch):
     """Every test with the rule's torch forms and with the Triton row kernels."""
     if request.param:
         pytest.importorskip("triton")
-    monkeypatch.setattr(rule, "_triton_available", lambda: request.param)  # as DION3_FUSED_ROWS does
+    monkeypatch.setattr(kernel_rows, "available", lambda: request.param)  # as DION3_FUSED_ROWS does
 
 
 def make_params(generator, dtype):
@@ -109,18 +111,14 @@ def test_whole_matrices_on_flat_slices_graph_equals_eager(generator):
             for offset, count, n, m in runs:
                 views = [t.narrow(0, offset, count * n * m).view(count, n, m) for t in (flat, grads[step], momentum, variance)]
                 views[2].add_(views[1])
-                entries.append(rule.WholeMatrices(views[0], None, views[2], views[3][..., 0], hp))
+                entries.append(WholeMatrices(views[0], views[2], views[3][..., 0], hp))
 
             def spread() -> None:
                 for offset, count, n, m in runs:
                     rows = variance.narrow(0, offset, count * n * m).view(count * n, m)
                     rows[:, 1:] = rows[:, :1]
 
-            if use_graph:
-                cuda_graph.step_whole_matrices(graph, entries, then=spread)
-            else:
-                rule.step_whole_matrices(entries)
-                spread()
+            step_whole_matrices(entries, graph if use_graph else None, then=spread)
         assert (graph.graph is not None) == use_graph
         results.append((flat, momentum, variance))
     for eager, graphed in zip(*results):

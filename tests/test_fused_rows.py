@@ -1,4 +1,4 @@
-"""The Triton row kernels against the torch forms of rule.apply_scaled_rows, rule.take_selected and
+"""The Triton row kernels against the torch forms of rule.apply_rows, rule.take_selected and
 rule.accumulate_and_score.
 
 On CPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the flag is
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dion3_megatron import rule
+from dion3_megatron.kernels import rows as row_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # against decay * W exactly as torch rounds it, and the columns outside the views untouched.
 CHECK = textwrap.dedent("""
     import torch
-    from dion3_megatron.kernels.rows import add_and_score, decay_add_rows, take_rows
+    from dion3_megatron.kernels.triton_rows import accumulate_and_score, apply_rows, take_selected
 
     def check(device, seed):
         # Triton's interpreter rounds fp32 -> bf16 toward zero (compiled kernels round to nearest
@@ -39,7 +40,7 @@ CHECK = textwrap.dedent("""
             steps = torch.randn(batch, k, c, generator=gen).to(device)
             scale = torch.rand(batch, k, generator=gen).to(device) - 0.5
             decay = torch.tensor([0.99, 0.9, 1.0]).to(device)
-            decay_add_rows(weights, rows, steps, scale, decay)
+            apply_rows(weights, rows, steps, scale, decay)
             for b, w in enumerate(weights):
                 before = wide_before[b, :, 3:3 + c]
                 ref = before.double() * decay[b].double()
@@ -62,13 +63,13 @@ CHECK = textwrap.dedent("""
         before = w.clone()
         rows = torch.tensor([[3, n, 7, n, n, 0]]).to(device)
         steps = torch.randn(1, k, c, generator=gen).to(device)
-        decay_add_rows([w], rows, steps, torch.ones(1, k).to(device), [0.5])
+        apply_rows([w], rows, steps, torch.ones(1, k).to(device), [0.5])
         ref = before * 0.5
         for i, r in enumerate(rows[0].tolist()):
             if r < n:
                 ref[r] += steps[0, i]
         assert torch.allclose(w, ref, atol=1e-6)
-        # take_rows: rows copied out exactly, decayed in place by mu (a number or one per matrix);
+        # take_selected: rows copied out exactly, decayed in place by mu (a number or one per matrix);
         # rows held elsewhere point at the padded zero row, more than once
         batch, n, c, k = 3, 29, 140, 8
         for mu in (0.9, torch.tensor([0.9, 0.5, 1.0]).to(device)):
@@ -78,7 +79,7 @@ CHECK = textwrap.dedent("""
             idx[:, :2] = n  # two rows held by another rank
             idx = idx.to(device)
             before = padded.clone()
-            out = take_rows(padded, idx, mu)
+            out = take_selected(padded, idx, mu)
             expected = torch.stack([before[b, idx[b]] for b in range(batch)])
             assert torch.equal(out, expected)
             factor = mu if isinstance(mu, float) else mu.view(-1, 1)
@@ -88,7 +89,7 @@ CHECK = textwrap.dedent("""
                 want[idx[b]] = before[b, idx[b]] * f
                 assert torch.equal(padded[b], want), b
             assert torch.equal(padded[:, n], torch.zeros_like(padded[:, n]))
-        # add_and_score: momentum += grad as torch adds it (a bf16 gradient upcast first), the L1 norm
+        # accumulate_and_score: momentum += grad as torch adds it (a bf16 gradient upcast first), the L1 norm
         # of every new row to within fp32 rounding (more than one column block); the columns outside
         # the momentum's views untouched
         batch, n, c = 2, 13, 1100
@@ -98,7 +99,7 @@ CHECK = textwrap.dedent("""
             momentum = wide[:, :, 2:2 + c]
             grads = [torch.randn(n, c, generator=gen).to(grad_dtype).to(device) for _ in range(batch)]
             out = torch.full((batch, n), float("nan")).to(device)
-            add_and_score(momentum, grads, out)
+            accumulate_and_score(momentum, grads, out)
             want = wide_before[:, :, 2:2 + c] + torch.stack(grads).float()
             assert torch.equal(momentum, want), grad_dtype
             assert torch.allclose(out, want.double().abs().sum(-1).float(), rtol=1e-5, atol=0), grad_dtype
@@ -125,7 +126,7 @@ def test_kernel_on_the_gpu():
     namespace: dict = {}
     exec(CHECK, namespace)
     namespace["check"]("cuda", torch.seed() % 2**31)
-    assert rule._row_kernels_run(torch.device("cuda", torch.cuda.current_device()))  # the probe builds them here
+    assert row_kernels.runs_on(torch.device("cuda", torch.cuda.current_device()))  # the probe builds them here
 
 
 @pytest.mark.gpu
@@ -138,7 +139,7 @@ def test_kernel_on_a_gpu_other_than_the_current_one():
     exec(CHECK, namespace)
     with torch.cuda.device(0):
         namespace["check"]("cuda:1", torch.seed() % 2**31)
-        assert rule._row_kernels_run(torch.device("cuda", 1))
+        assert row_kernels.runs_on(torch.device("cuda", 1))
         assert torch.cuda.current_device() == 0
 
 
@@ -146,16 +147,16 @@ def test_row_kernels_that_cannot_be_built_leave_the_torch_forms_with_a_warning(m
     """Triton needs a C compiler on first use: where the kernels cannot be built, the rule keeps
     its torch forms (same results) and warns, instead of failing the step."""
     pytest.importorskip("triton")
-    from dion3_megatron.kernels import rows
+    from dion3_megatron.kernels import triton_rows
 
     def no_compiler(device):
         raise RuntimeError("Failed to find C compiler")
 
-    monkeypatch.setattr(rows, "probe", no_compiler)
+    monkeypatch.setattr(triton_rows, "probe", no_compiler)
     with pytest.warns(RuntimeWarning, match="torch forms"):
-        assert not rule._row_kernels_run.__wrapped__(torch.device("cpu"))
-    monkeypatch.setattr(rows, "probe", lambda device: None)
-    assert rule._row_kernels_run.__wrapped__(torch.device("cpu"))
+        assert not row_kernels.runs_on.__wrapped__(torch.device("cpu"))
+    monkeypatch.setattr(triton_rows, "probe", lambda device: None)
+    assert row_kernels.runs_on.__wrapped__(torch.device("cpu"))
 
 
 def test_row_scales_are_normuon(generator):
@@ -172,7 +173,7 @@ def test_row_scales_are_normuon(generator):
     assert torch.allclose(got, expected, rtol=1e-10, atol=1e-14)
 
 
-def test_apply_scaled_rows_on_cpu_is_decay_then_index_add(generator):
+def test_apply_rows_on_cpu_is_shrink_then_index_add(generator):
     weights = torch.randn(2, 10, 6, generator=generator)
     rows = torch.tensor([[1, 4, 7], [0, 2, 9]])
     steps = torch.randn(2, 3, 6, generator=generator)
@@ -181,7 +182,7 @@ def test_apply_scaled_rows_on_cpu_is_decay_then_index_add(generator):
     for b in range(2):
         expected[b].index_add_(0, rows[b], steps[b] * scale[b].unsqueeze(-1))
     w = weights.clone()
-    rule.apply_scaled_rows(list(w.unbind(0)), rows, steps, scale, [0.9, 0.8])
+    rule.apply_rows(list(w.unbind(0)), rows, steps, scale, [0.9, 0.8])
     assert torch.allclose(w, expected, atol=1e-7)
 
 
@@ -191,7 +192,7 @@ def test_apply_scaled_rows_on_cpu_is_decay_then_index_add(generator):
 
 def force_row_kernels() -> None:
     """Route the rule through the row kernels for any tensors, CPU ones included (the interpreter)."""
-    rule._fused_rows = lambda weights: len(weights) > 0
+    row_kernels.takes = lambda weights: len(weights) > 0
 
 
 SINGLE_PROCESS = textwrap.dedent("""

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dion3_megatron import Dion3, rule
-from dion3_megatron.megabatch import Dion3Engine, MatrixShard, Sharding, assign_owners
+from dion3_megatron.megabatch import Dion3Engine, MatrixShard, Sharding
 from dist_utils import run_distributed
 
 STEPS = 3
@@ -62,7 +62,7 @@ def matrices_and_grads(shapes, seed):
 HP = dict(lr=0.02, mu=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, ns_dtype=torch.float32)
 
 
-def sharded_worker(rank, world, kind, shapes, fraction, seed, selection="global"):
+def sharded_worker(rank, world, kind, shapes, fraction, seed):
     weights, grads = matrices_and_grads(shapes, seed)
     hp = rule.Dion3Hyperparameters(fraction=fraction, **HP)
     group = dist.new_group(list(range(world)))
@@ -70,7 +70,7 @@ def sharded_worker(rank, world, kind, shapes, fraction, seed, selection="global"
     for j, (w, shape) in enumerate(zip(weights, shapes)):
         sharding = make_sharding(kind, *shape, world, j)
         shards.append(MatrixShard(f"m{j}", local_piece(w, sharding, rank), None, shape, sharding, group, hp))
-    engine = Dion3Engine(shards, selection=selection)
+    engine = Dion3Engine(shards)
     for step in range(STEPS):
         for shard, g in zip(shards, grads[step]):
             shard.grad = local_piece(g, shard.sharding, rank)
@@ -134,29 +134,6 @@ def test_sharded_step_equals_single_process(world, kind, fraction):
     assert max_relative_error(got, expected) <= 1e-5, f"seed={seed}"
 
 
-def reference_local_selection(shapes, fraction, seed, world):
-    """Single process, rows chosen within each of `world` equal row shards (rule.py functions)."""
-    weights, grads = matrices_and_grads(shapes, seed)
-    hp = rule.Dion3Hyperparameters(fraction=fraction, **HP)
-    out = []
-    for j, w in enumerate(weights):
-        w = w[None].clone()
-        momentum = torch.zeros_like(w)
-        variance = torch.zeros(1, w.shape[1])
-        rows_per = w.shape[1] // world
-        for step in range(STEPS):
-            momentum.add_(grads[step][j][None])
-            idx = torch.cat([
-                rule.select_rows(rule.row_scores(momentum[:, r * rows_per : (r + 1) * rows_per]), fraction) + r * rows_per
-                for r in range(world)
-            ], dim=1)
-            selected = rule.take_selected(momentum, idx, hp.mu)
-            ortho = rule.orthogonalize_rows(selected, hp)
-            rule.finish_update(w, variance, idx, ortho, hp, *w.shape[1:])
-        out.append(w[0])
-    return out
-
-
 def test_unsharded_matrices_step_locally_like_the_optimizer():
     seed = torch.seed() % 2**31
     weights, grads = matrices_and_grads(SHAPES, seed)
@@ -217,7 +194,7 @@ def static_exchange_worker(rank, world, kind, fraction, seed):
         for shard, g in zip(shards, grads[step]):
             shard.grad = local_piece(g, shard.sharding, rank)
         pending = engine.start_step()
-        to_host.append(list(pending.exchanged))
+        to_host.append(list(pending.host_rows))
         engine.finish_step(pending)
     return [s.weight for s in shards], to_host
 
@@ -238,16 +215,6 @@ def test_tensor_parallel_blocks_exchange_without_the_host_while_f_times_world_fi
             p.grad = g
         opt.step()
     assert max_relative_error(got, [p.detach() for p in params]) <= 1e-5, f"seed={seed}"
-
-
-def test_local_selection_scope_picks_rows_within_each_shard():
-    seed = torch.seed() % 2**31
-    pieces = run_distributed(sharded_worker, 2, "rows", SHAPES, 0.25, seed, "local")
-    got = reassemble(pieces, "rows", SHAPES, 2)
-    expected = reference_local_selection(SHAPES, 0.25, seed, 2)
-    assert max_relative_error(got, expected) <= 1e-5, f"seed={seed}"
-    globally = single_process(SHAPES, 0.25, seed)
-    assert max_relative_error(got, globally) > 1e-3  # the scopes really differ
 
 
 def counting_worker(rank, world, layers, fraction):
@@ -359,20 +326,3 @@ def test_a_plan_that_differs_across_a_group_raises_on_every_rank_quickly(case, w
     for message in messages:
         for w in words:
             assert w in message, (w, message)
-
-
-def test_local_scope_refuses_column_shards():
-    shard = MatrixShard("proj", torch.randn(8, 8), None, (8, 8), Sharding.cols((0, 8)), None, rule.Dion3Hyperparameters())
-    with pytest.raises(ValueError, match="proj: selection_scope='local' picks rows within each row shard"):
-        Dion3Engine([shard], selection="local")
-    with pytest.raises(ValueError, match="selection_scope"):
-        Dion3Engine([shard], selection="nearby")
-
-
-def test_assign_owners_balances_cost():
-    costs = [8.0] * 6 + [3.0] * 4 + [1.0]
-    owners = assign_owners(costs, 3)
-    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(3)]
-    assert max(loads) - min(loads) <= 3.0
-    assert [owners[:6].count(r) for r in range(3)] == [2, 2, 2]  # same-shape matrices spread evenly
-    assert owners == assign_owners(costs, 3)

@@ -43,18 +43,18 @@ def _grads(generator, params, steps):
 def test_describe_param_finds_q_k_v_and_gate_up(generator):
     params, names = _params(generator)
     qkv = describe_param(names[params[0]], params[0])
-    assert [(p.suffix, p.start, p.stop, p.full_shape) for p in qkv.pieces] == [
+    assert [(p.suffix, p.start, p.stop, p.full_shape) for p in qkv.matrices] == [
         ("q", 0, 8, (8, COLS)), ("k", 8, 12, (4, COLS)), ("v", 12, 16, (4, COLS))]
     # Working row i is local row perm[i]: Q of group 0, Q of group 1, K ..., V ...
     assert qkv.perm.tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
     fc1 = describe_param(names[params[1]], params[1], gated_linear_unit=True)
-    assert [p.suffix for p in fc1.pieces] == ["gate", "up"] and fc1.perm is None
-    assert [p.suffix for p in describe_param(names[params[1]], params[1]).pieces] == [""]  # not gated
+    assert [p.suffix for p in fc1.matrices] == ["gate", "up"] and fc1.perm is None
+    assert [p.suffix for p in describe_param(names[params[1]], params[1]).matrices] == [""]  # not gated
     # TEGroupedMLP keeps one fc1 weight per local expert: weight0, weight1, ...
     expert_fc1 = describe_param("decoder.layers.0.mlp.experts.linear_fc1.weight3", params[1], gated_linear_unit=True)
-    assert [(p.suffix, p.start, p.stop) for p in expert_fc1.pieces] == [("gate", 0, 5), ("up", 5, 10)]
+    assert [(p.suffix, p.start, p.stop) for p in expert_fc1.matrices] == [("gate", 0, 5), ("up", 5, 10)]
     expert_fc2 = describe_param("decoder.layers.0.mlp.experts.linear_fc2.weight3", params[2], gated_linear_unit=True)
-    assert [p.suffix for p in expert_fc2.pieces] == [""]
+    assert [p.suffix for p in expert_fc2.matrices] == [""]
 
 
 def test_steps_equal_single_process_dion3_on_logical_matrices(generator):
@@ -93,7 +93,7 @@ def test_state_dict_is_param_shaped_and_resumes_identically(generator):
         assert variance.abs().max() > 0
     # QKV momentum comes back in the parameter's own (interleaved) row order.
     (m_q, m_k, m_v) = _split(names[params[0]], sd["state"][0]["momentum"])
-    shards = opt._pieces[params[0]]
+    shards = opt._shards[params[0]]
     assert [s.name.rsplit(".", 1)[1] for s in shards] == ["q", "k", "v"]
     for got, shard in zip((m_q, m_k, m_v), shards):
         assert torch.equal(got, shard.state["momentum"])
@@ -134,7 +134,7 @@ def test_load_state_dict_rejects_bad_group_settings_before_anything_changes(key,
     before = {i: {k: v.clone() for k, v in state.items()} for i, state in sd["state"].items()}
     sd["param_groups"][0][key] = value
     sd["state"][0]["momentum"] = torch.zeros_like(sd["state"][0]["momentum"])
-    sd["auto_fractions"] = {0: {s.name: 0.25 for shards in opt._pieces.values() for s in shards}}  # (rebuilds)
+    sd["auto_fractions"] = {0: {s.name: 0.25 for shards in opt._shards.values() for s in shards}}  # (rebuilds)
     with pytest.raises(ValueError, match=f"param group 0: {key} must be .*, got {value!r}"):
         opt.load_state_dict(sd)
     assert opt.param_groups[0][key] != value
@@ -164,9 +164,9 @@ def test_non_finite_gradient_skips_the_step(generator):
 
 
 def test_auto_fraction_choices_survive_a_resume_on_a_machine_of_another_speed(monkeypatch, generator):
-    from dion3_megatron import device_speed, rule
+    from dion3_megatron import auto_fraction
 
-    flop_bound, launch_bound = rule.DeviceSpeed(1e6, 0.0, 1e30, 1e30), rule.DeviceSpeed(1e30, 1.0, 1e30, 1e30)
+    flop_bound, launch_bound = auto_fraction.DeviceSpeed(1e6, 0.0, 1e30, 1e30), auto_fraction.DeviceSpeed(1e30, 1.0, 1e30, 1e30)
     shapes = {"layers.0.mlp.linear_fc2.weight": (512, 64), "layers.0.self_attention.linear_proj.weight": (1024, 32)}
     weights = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
     grads = [{name: torch.randn(shape, generator=generator) for name, shape in shapes.items()} for _ in range(4)]
@@ -182,12 +182,12 @@ def test_auto_fraction_choices_survive_a_resume_on_a_machine_of_another_speed(mo
                 p.grad = step_grads[name].clone()
             opt.step()
 
-    monkeypatch.setattr(device_speed, "measure", lambda device, dtype: flop_bound)
+    monkeypatch.setattr(auto_fraction, "measure", lambda device, dtype: flop_bound)
     params, opt = build(weights)
     run(params, opt, grads[:2])
     saved, saved_weights = opt.state_dict(), {name: p.detach().clone() for name, p in params.items()}
     run(params, opt, grads[2:])
-    monkeypatch.setattr(device_speed, "measure", lambda device, dtype: launch_bound)  # would choose f = 1
+    monkeypatch.setattr(auto_fraction, "measure", lambda device, dtype: launch_bound)  # would choose f = 1
     resumed, other = build(saved_weights)
     other.load_state_dict(saved)
     run(resumed, other, grads[2:])

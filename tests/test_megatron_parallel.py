@@ -82,7 +82,7 @@ def _snapshot(model, opt) -> dict[str, torch.Tensor]:
                 for key, value in o.state.get(p, {}).items():
                     out[f"optimizer {j} group {g} param {k} {key}"] = torch.as_tensor(value).clone()
         if isinstance(o, MegatronDion3):
-            for shards in o._pieces.values():
+            for shards in o._shards.values():
                 for s in shards:
                     out.update({f"dion3 {s.name} {key}": v.clone() for key, v in s.state.items()})
     return out
@@ -258,7 +258,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         gathered = [None] * world
         dist.all_gather_object(gathered, names)
         out["owned"] = gathered
-        out["state_rows"] = sum(s.state["momentum"].shape[0] for ps_ in dion3._pieces.values() for s in ps_)
+        out["state_rows"] = sum(s.state["momentum"].shape[0] for ps_ in dion3._shards.values() for s in ps_)
         flat = torch.cat([p.detach().reshape(-1) for p in chunks[0].module.parameters()])
         replicas = [torch.zeros_like(flat) for _ in range(world)]
         dist.all_gather(replicas, flat)
@@ -268,8 +268,8 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
     def tp():
         out, chunks, opt, _ = parallel(tp=2)
         (dion3,) = _find_dion3(opt)
-        out["pieces"] = sorted(s.name for shards in dion3._pieces.values() for s in shards)
-        out["partitioned"] = sorted(s.name for shards in dion3._pieces.values() for s in shards
+        out["pieces"] = sorted(s.name for shards in dion3._shards.values() for s in shards)
+        out["partitioned"] = sorted(s.name for shards in dion3._shards.values() for s in shards
                                     if s.sharding.kind != "full")
         return out
 
@@ -288,7 +288,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         # Dense DP=2 (layer-wise), experts tensor-parallel over expt_tp (2) and not data-parallel.
         out, chunks, opt, _ = parallel(etp=2, num_experts=4, init=moe_init, final=moe_final)
         (dion3,) = _find_dion3(opt)
-        experts = [s for shards in dion3._pieces.values() for s in shards if "experts" in s.name]
+        experts = [s for shards in dion3._shards.values() for s in shards if "experts" in s.name]
         out["expert_shards"] = len(experts)
         out["expert_split"] = sorted({s.sharding.kind for s in experts})
         return out
@@ -368,13 +368,13 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         # fraction="auto" at DP=2, each rank measuring another speed (rank 0 slow matmuls: few rows;
         # rank 1 slow launches: all rows); resumed from torch_dist with the speeds swapped, the
         # saved choices (of both ranks) must be kept: bit-identical to the uninterrupted run.
-        from dion3_megatron import device_speed, rule
+        from dion3_megatron import auto_fraction
 
-        speeds = [rule.DeviceSpeed(1e6, 0.0, 1e30, 1e30), rule.DeviceSpeed(1e30, 1.0, 1e30, 1e30)]
-        measure, min_rows = device_speed.measure, rule.AUTO_MIN_ROWS
-        rule.AUTO_MIN_ROWS = 8  # the tiny model's matrices have <= 128 rows: let the speed decide
+        speeds = [auto_fraction.DeviceSpeed(1e6, 0.0, 1e30, 1e30), auto_fraction.DeviceSpeed(1e30, 1.0, 1e30, 1e30)]
+        measure, min_rows = auto_fraction.measure, auto_fraction.AUTO_MIN_ROWS
+        auto_fraction.AUTO_MIN_ROWS = 8  # the tiny model's matrices have <= 128 rows: let the speed decide
         try:
-            device_speed.measure = lambda device, dtype: speeds[rank]
+            auto_fraction.measure = lambda device, dtype: speeds[rank]
             ms.init_parallel()
             cfg = ms.tiny_config()
             chunks, opt, sched = ms.make_parallel(cfg, dense_init, fraction="auto")
@@ -385,7 +385,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
                 ms.train_step(chunks, opt, sched, b)
             straight = _full_state(chunks[0].module, cfg)
             chosen = _find_dion3(opt)[0].state_dict().get("auto_fractions")
-            device_speed.measure = lambda device, dtype: speeds[1 - rank]
+            auto_fraction.measure = lambda device, dtype: speeds[1 - rank]
             ms.init_parallel()
             cfg = ms.tiny_config()
             chunks, opt, sched = ms.make_parallel(cfg, dense_init, fraction="auto")
@@ -395,7 +395,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
             resumed = _full_state(chunks[0].module, cfg)
             return {"chosen": chosen, "resume_max_diff": max((resumed[k] - straight[k]).abs().max().item() for k in straight)}
         finally:
-            device_speed.measure, rule.AUTO_MIN_ROWS = measure, min_rows
+            auto_fraction.measure, auto_fraction.AUTO_MIN_ROWS = measure, min_rows
 
     def dp_overlap():
         return parallel(overlap=True)[0]

@@ -103,7 +103,7 @@ def test_update_factors_as_tensors_equal_numbers(dtype, lrs, generator):
     idx = torch.stack([torch.randperm(n, generator=generator)[:k] for _ in range(batch)])
     ortho = torch.randn(batch, k, c, generator=generator)
     numbers = rule.UpdateFactors.of(lrs, [0.1, 0.0, 0.1], [1.5, 1.5, 2.0])
-    tensors = rule.UpdateFactors(torch.tensor(numbers.decay), torch.tensor(numbers.coef))
+    tensors = rule.UpdateFactors(torch.tensor(numbers.shrink), torch.tensor(numbers.coef))
     results = []
     for factors in (numbers, tensors):
         w, v = weights.clone(), variance.clone()

@@ -9,7 +9,7 @@ the process group its slices span (``_dp_group``: the expert-data-parallel group
 parameters). From these the adapter describes each matrix that straddles ranks to the engine as
 a ``Sharding.flat(bounds)`` piece (element ranges of the row-major matrix) and lets the engine do
 its Dion3 step; a matrix that lies whole in one rank's slice is stepped by that rank alone
-(``rule.step_whole_matrices`` on views of the slice, no communication); parameters that are not
+(``exchange.step_whole_matrices`` on views of the slice, no communication); parameters that are not
 matrices take AdamW element by element on the slice. With a Megatron-style ``mpu`` (tensor
 parallelism), a weight marked ``tensor_model_parallel`` is one row or column block of a logical
 matrix; every rank's slice of every block goes to the engine as a ``Sharding.block_flat`` piece
@@ -38,9 +38,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .. import cuda_graph, device_speed, megabatch, rule
+from .. import auto_fraction, cuda_graph, megabatch, rule
+from ..exchange import WholeMatrices, step_whole_matrices
 from ..optimizer import Dion3
-from ..ortho import default_ns_dtype
 
 def is_zero_linked(p: torch.Tensor) -> bool:
     """True for a parameter ZeRO-1/2 (or BF16_Optimizer) has linked to a flat fp32 partition."""
@@ -60,8 +60,9 @@ def matrices_of(p: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 @dataclass
-class _Piece:
-    """This rank's piece of one matrix and how its per-row variance maps onto the slice."""
+class _SlicePiece:
+    """This rank's piece of one matrix (what the engine steps) and where it lies in the flat slice,
+    with how its per-row variance maps onto the slice."""
 
     shard: Any  # MatrixShard
     offset: int  # first element of the piece in the flat partition
@@ -140,7 +141,7 @@ class ZeroGroupPlan:
         # Every rank whose pieces one step's collectives join: the tensor x data-parallel group with
         # tensor parallelism, else the data-parallel group. They check the plan, and skip a step, together.
         self.check_group = tensor_parallel.group if tensor_parallel is not None else self.group_pg
-        self.pieces: list[_Piece] = []  # matrices split over ranks: through the engine
+        self.pieces: list[_SlicePiece] = []  # matrices split over ranks: through the engine
         # (offset, count, rows, cols): runs of adjacent same-shape matrices only this rank holds,
         # stepped as one (count, rows, cols) batch (e.g. one layer's Q, K, V and projection).
         self.whole: list[tuple[int, int, int, int]] = []
@@ -222,7 +223,7 @@ class ZeroGroupPlan:
             grad=self.flat.narrow(0, offset, length),  # replaced by the real gradient each step
             shape=shape, sharding=sharding, group=process_group, hp=hp, state={},
         )
-        self.pieces.append(_Piece(shard, offset, length, counts, firsts))
+        self.pieces.append(_SlicePiece(shard, offset, length, counts, firsts))
 
     # ----------------------------------------------------------------------------------------
 
@@ -240,7 +241,7 @@ class ZeroGroupPlan:
             piece.shard.state["variance"] = torch.zeros(
                 piece.row_counts.numel(), dtype=torch.float32, device=exp_avg.device
             )
-        self.engine = megabatch.Dion3Engine([p.shard for p in self.pieces], selection="global", cuda_graph=self.use_graph,
+        self.engine = megabatch.Dion3Engine([p.shard for p in self.pieces], cuda_graph=self.use_graph,
                                             check_group=self.check_group)
         if self.auto:
             self.piece_fractions = {s.name: sg.fraction for sg in self.engine.plan for s in sg.shards}
@@ -302,26 +303,25 @@ class ZeroGroupPlan:
             fraction = self.whole_fractions[i] if hp.fraction == rule.AUTO else hp.fraction
             if fraction not in with_fraction:
                 with_fraction[fraction] = hp if fraction == hp.fraction else dataclasses.replace(hp, fraction=fraction)
-            entries.append(rule.WholeMatrices(view[0], scores, view[2], view[3][..., 0], with_fraction[fraction]))
+            entries.append(WholeMatrices(view[0], view[2], view[3][..., 0], with_fraction[fraction], scores=scores))
 
         def spread_variance() -> None:  # each row's variance, repeated over the row (the slice's layout)
             for offset, count, n, m in self.whole:
                 rows = exp_avg_sq.narrow(0, offset, count * n * m).view(count * n, m)
                 rows[:, 1:] = rows[:, :1]
 
-        if self.use_graph and cuda_graph.usable(flat.device):
-            cuda_graph.step_whole_matrices(self.graph, entries, then=spread_variance)
-        else:
-            rule.step_whole_matrices(entries)
-            spread_variance()
+        step_whole_matrices(entries, self.graph if self.use_graph else None, then=spread_variance)
 
     def _auto_fractions(self, hp: rule.Dion3Hyperparameters) -> list[float]:
-        device = self.flat.device
-        speed = device_speed.for_group(device, hp.ns_dtype or default_ns_dtype(device), self.group_pg)
+        """f per run of whole matrices; collective over the data-parallel group (joined also by a
+        rank that holds no whole matrix)."""
         matrices = collections.Counter()
         for _, count, n, m in self.whole:
             matrices[n, m] += count
-        return [rule.auto_fraction(n, m, speed, 1, matrices[n, m], hp.ns_method, hp.num_heads) for _, _, n, m in self.whole]
+        device = self.flat.device
+        requests = [auto_fraction.FractionRequest((n, m), matrices[n, m], 1, hp, device, self.group_pg)
+                    for _, _, n, m in self.whole]
+        return auto_fraction.resolve_fractions(requests, joined=[(device, hp, self.group_pg)])
 
     def _add_whole(self, offset: int, n: int, m: int) -> None:
         if self.whole:

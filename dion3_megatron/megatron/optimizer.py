@@ -15,7 +15,7 @@ across the tensor-parallel group, never per-shard blocks.
 
 State layout (documented choice). Per logical matrix the engine keeps ``momentum`` (fp32, the
 local piece's shape) and ``variance`` (fp32, one value per row the piece touches) in its per-shape
-buffers. A parameter's pieces are contiguous row ranges of its *working layout*: its local rows
+buffers. A parameter's logical matrices are contiguous row ranges of its *working layout*: its local rows
 reordered so each logical matrix's rows are contiguous. That is the identity for every parameter
 but a fused QKV weight, whose Q, K and V rows are gathered out of the per-group interleaving
 ([q.. k v] per group) into [Q; K; V]; the QKV weight and gradient are copied into that layout each
@@ -36,11 +36,11 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import rule
+from .. import auto_fraction, rule
 from ..optimizer import announce_skipped_step, usable_on_every_rank
 from ..megabatch import Dion3Engine, MatrixShard, Sharding
 from ..rule import Dion3Hyperparameters
-from .arguments import DION3_DEFAULTS, SELECTION_SCOPES, check_dion3_values
+from .arguments import DION3_DEFAULTS, check_dion3_values
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +50,9 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Piece:
-    """One logical matrix inside a parameter: working-layout rows [start, stop) of the local tensor."""
+class LogicalMatrix:
+    """One logical matrix inside a parameter (Q, K or V of a fused QKV weight, gate or up of a SwiGLU
+    fc1, else the whole weight): working-layout rows [start, stop) of the local tensor."""
 
     suffix: str
     start: int
@@ -63,7 +64,7 @@ class Piece:
 class ParamLayout:
     name: str
     local_shape: tuple[int, int]
-    pieces: list[Piece]
+    matrices: list[LogicalMatrix]
     partition: Optional[str] = None  # None (whole on this rank), "rows" or "cols"
     group: Any = None  # the tensor-parallel group the partition spans
     group_size: int = 1
@@ -118,7 +119,7 @@ def describe_param(
         for suffix, size in zip(suffixes, split_shapes):
             perm.append(rows[:, offset:offset + size].reshape(-1))
             count = groups * size
-            layout.pieces.append(Piece(suffix, start, start + count, (count * row_mult, m_full)))
+            layout.matrices.append(LogicalMatrix(suffix, start, start + count, (count * row_mult, m_full)))
             start += count
             offset += size
         layout.perm = torch.cat(perm)
@@ -126,10 +127,10 @@ def describe_param(
         return layout
     if split_glu and gated_linear_unit and _GLU_FC1.search(name) and n_loc % 2 == 0:
         half = n_loc // 2
-        layout.pieces = [Piece("gate", 0, half, (half * row_mult, m_full)),
-                         Piece("up", half, n_loc, (half * row_mult, m_full))]
+        layout.matrices = [LogicalMatrix("gate", 0, half, (half * row_mult, m_full)),
+                         LogicalMatrix("up", half, n_loc, (half * row_mult, m_full))]
         return layout
-    layout.pieces = [Piece("", 0, n_loc, (n_loc * row_mult, m_full))]
+    layout.matrices = [LogicalMatrix("", 0, n_loc, (n_loc * row_mult, m_full))]
     return layout
 
 
@@ -192,8 +193,7 @@ class MegatronDion3(torch.optim.Optimizer):
             ns_dtype: the Dion3 hyper-parameters (see :class:`dion3_megatron.Dion3`).
         cuda_graph: replay the step of the matrices this rank holds whole (data parallel) as a
             CUDA graph (see :class:`dion3_megatron.megabatch.Dion3Engine`).
-        selection: "global" (top rows of the whole logical matrix; identical at any TP size) or
-            "local" (per tensor-parallel shard).
+        selection: "global": top rows of the whole logical matrix (identical at any TP size).
         split_qkv, split_glu: orthogonalize Q, K, V and SwiGLU gate, up as separate matrices.
         model_chunks: the model, to read parameter names and marks (main fp32 params of the bf16
             wrapper are matched to their model params through Megatron's ``param.main_param``).
@@ -222,8 +222,8 @@ class MegatronDion3(torch.optim.Optimizer):
         pg_collection=None,
         layouts: Optional[dict] = None,
     ) -> None:
-        if selection not in SELECTION_SCOPES:
-            raise ValueError(f"selection must be one of {SELECTION_SCOPES}, got {selection!r}")
+        if selection != "global":  # the engine selects over whole logical matrices only
+            raise ValueError(f"selection must be one of ('global',), got {selection!r}")
         defaults = dict(lr=lr, weight_decay=weight_decay, fraction=fraction, mu=mu, beta2=beta2, eps=eps,
                         adjust_lr=adjust_lr, scale_lr_by_fraction=scale_lr_by_fraction,
                         scale_mu_by_fraction=scale_mu_by_fraction, ns_method=ns_method, ns_dtype=ns_dtype)
@@ -247,7 +247,7 @@ class MegatronDion3(torch.optim.Optimizer):
         self._finite_vouched = False
         self._engine = None
         self._engine_key = None
-        self._pieces: dict[torch.Tensor, list] = {}
+        self._shards: dict[torch.Tensor, list] = {}
         self._work: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stamps: dict[torch.Tensor, tuple] = {}  # per param: what its shards' views were cut from
         self._refresh_plan: list = []  # per group: (group, params used in place, all its shards)
@@ -333,7 +333,7 @@ class MegatronDion3(torch.optim.Optimizer):
         if self._engine is not None and self._engine_key == key:
             self._refresh_shards(with_grads)
             return
-        self._pieces = {}
+        self._shards = {}
         self._stamps.clear()
         group_hp = {id(group): self._hp(group) for group in self.param_groups}
         auto_names = set()
@@ -341,25 +341,25 @@ class MegatronDion3(torch.optim.Optimizer):
             layout = self.layout_of(p)
             weight, grad = self._working(p, layout, with_grads)
             shards = []
-            for piece in layout.pieces:
-                rows = slice(piece.start, piece.stop)
-                name = layout.name + (f".{piece.suffix}" if piece.suffix else "")
+            for matrix in layout.matrices:
+                rows = slice(matrix.start, matrix.stop)
+                name = layout.name + (f".{matrix.suffix}" if matrix.suffix else "")
                 if layout.partition is None:
                     sharding, group_arg = Sharding.full(), None
                 elif layout.partition == "rows":
-                    sharding, group_arg = Sharding.even_rows(piece.full_shape[0], layout.group_size), layout.group
+                    sharding, group_arg = Sharding.even_rows(matrix.full_shape[0], layout.group_size), layout.group
                 else:
-                    sharding, group_arg = Sharding.even_cols(piece.full_shape[1], layout.group_size), layout.group
+                    sharding, group_arg = Sharding.even_cols(matrix.full_shape[1], layout.group_size), layout.group
                 hp = group_hp[id(group)]
                 if hp.fraction == rule.AUTO:
                     auto_names.add(name)
                     if name in self._saved_fractions:  # chosen before a checkpoint: not measured again
                         hp = dataclasses.replace(hp, fraction=self._saved_fractions[name])
                 shards.append(MatrixShard(name=name, weight=weight[rows], grad=grad[rows] if grad is not None else None,
-                                          shape=piece.full_shape, sharding=sharding, group=group_arg, hp=hp, state={}))
-            self._pieces[p] = shards
-        all_shards = [s for p, _ in params for s in self._pieces[p]]
-        self._engine = Dion3Engine(all_shards, selection=self.selection, cuda_graph=self.cuda_graph)
+                                          shape=matrix.full_shape, sharding=sharding, group=group_arg, hp=hp, state={}))
+            self._shards[p] = shards
+        all_shards = [s for p, _ in params for s in self._shards[p]]
+        self._engine = Dion3Engine(all_shards, cuda_graph=self.cuda_graph)
         auto = [(s, sg.fraction) for sg in self._engine.plan for s in sg.shards if s.name in auto_names]
         if auto and (not dist.is_initialized() or dist.get_rank() == 0):
             logger.info("Dion3 fraction=auto chose (rows x cols: f) %s",
@@ -369,8 +369,8 @@ class MegatronDion3(torch.optim.Optimizer):
         # What changes from step to step: each group's lr and weight decay, and the gradient (and,
         # rarely, weight) storage of the parameters used in place (the permuted ones use buffers).
         self._refresh_plan = [
-            (group, [(p, self._pieces[p], self.layout_of(p).pieces) for p in group["params"] if p not in self._work],
-             [s for p in group["params"] for s in self._pieces[p]])
+            (group, [(p, self._shards[p], self.layout_of(p).matrices) for p in group["params"] if p not in self._work],
+             [s for p in group["params"] for s in self._shards[p]])
             for group in self.param_groups
         ]
         self._permuted = [(p, self.layout_of(p).perm, *self._work[p]) for p, _ in params if p in self._work]
@@ -393,16 +393,16 @@ class MegatronDion3(torch.optim.Optimizer):
             hp = self._hp(group)
             for shard in group_shards:
                 shard.hp = hp
-            for p, shards, pieces in in_place:
+            for p, shards, matrices in in_place:
                 grad = p.grad if with_grads else None
                 stamp = (p.data_ptr(), None if grad is None else grad.data_ptr())
                 if self._stamps.get(p) == stamp:
                     continue
                 weight, grad = self._working(p, self.layout_of(p), with_grads)
                 self._stamps[p] = (weight.data_ptr(), None if grad is None else grad.data_ptr())
-                for shard, piece in zip(shards, pieces):
-                    shard.weight = weight[piece.start:piece.stop]
-                    shard.grad = grad[piece.start:piece.stop] if grad is not None else None
+                for shard, matrix in zip(shards, matrices):
+                    shard.weight = weight[matrix.start:matrix.stop]
+                    shard.grad = grad[matrix.start:matrix.stop] if grad is not None else None
 
     @torch.no_grad()
     def init_state(self) -> None:
@@ -414,7 +414,7 @@ class MegatronDion3(torch.optim.Optimizer):
 
     def _param_state(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         layout = self.layout_of(p)
-        shards = self._pieces[p]
+        shards = self._shards[p]
         momentum = torch.cat([s.state["momentum"] for s in shards]) if len(shards) > 1 else shards[0].state["momentum"]
         variance = torch.cat([s.state["variance"] for s in shards]) if len(shards) > 1 else shards[0].state["variance"]
         if layout.inv_perm is not None:
@@ -474,8 +474,8 @@ class MegatronDion3(torch.optim.Optimizer):
             if layout.perm is not None:
                 momentum = momentum.index_select(0, layout.perm.to(p.device))
                 variance = variance.index_select(0, layout.perm.to(p.device))
-            for shard, piece in zip(self._pieces[p], layout.pieces):
-                rows = slice(piece.start, piece.stop)
+            for shard, matrix in zip(self._shards[p], layout.matrices):
+                rows = slice(matrix.start, matrix.stop)
                 shard.state["momentum"].copy_(momentum[rows])
                 shard.state["variance"].copy_(variance[rows])
         for mine, saved in zip(self.param_groups, groups):
@@ -499,9 +499,9 @@ class MegatronDion3(torch.optim.Optimizer):
         out: dict[str, float] = {}
         for rank in sorted(saved, key=lambda r: (r != me, r)):
             for name, f in saved[rank].items():
-                if f not in rule.AUTO_FRACTIONS:
+                if f not in auto_fraction.AUTO_FRACTIONS:
                     raise ValueError(f"checkpoint auto_fractions: {name} on rank {rank} has fraction {f!r}, "
-                                     f"not one of {rule.AUTO_FRACTIONS}")
+                                     f"not one of {auto_fraction.AUTO_FRACTIONS}")
                 out.setdefault(name, f)
         return out
 

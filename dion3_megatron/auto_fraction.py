@@ -1,0 +1,176 @@
+"""``fraction="auto"``: f per matrix from a cost model of its step (:func:`choose_fraction`) on the
+device's measured speed, and :func:`resolve_fractions`, which every front end asks for its
+matrices' f.
+
+Three short timings per (device, dtype), once per process: a large matmul (FLOP/s), a tiny one
+(the fixed cost of a kernel, host overhead included) and a copy (memory bandwidth). The link
+bandwidth is assumed per backend, not measured. Ranks that step matrices together must choose
+the same f, so :func:`for_group` gives them all the slowest member's numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .ortho import default_ns_dtype, ns_flops
+from .rule import Dion3Hyperparameters, selected_row_count
+
+# --------------------------------------------------------------------------------------------
+# The cost model: f per matrix from its shape, the world size and the device's speed.
+
+AUTO_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
+AUTO_MIN_ROWS = 128  # quality floor: fewer selected rows than this lost to f = 1 in our runs
+AUTO_SLACK = 0.10  # a larger f is taken while it costs at most this much more than the cheapest
+NS_KERNELS = {"gram": 30, "standard": 20}  # kernels per orthogonalization call, shared by its batch
+PER_MATRIX_KERNELS = 20  # kernels per matrix whatever f is: scores, top-k, gathers, NorMuon, update
+BYTES_PER_ENTRY = 24  # element-wise traffic of the step per matrix entry (momentum, grad, weight, scores)
+WIRE_BYTES_PER_ENTRY = 8  # fp32 there and back through the two all-to-alls
+
+
+@dataclass(frozen=True)
+class DeviceSpeed:
+    """What the cost model needs to know about the device (:func:`measure` times it)."""
+
+    matmul_flops: float  # FLOP/s of a large matmul in the orthogonalization dtype
+    launch_seconds: float  # time of one small kernel, host overhead included
+    memory_bytes_per_s: float
+    link_bytes_per_s: float  # per-rank all-to-all bandwidth of the process group's backend
+
+
+def estimated_step_seconds(
+    n_rows: int, n_cols: int, fraction: float, speed: DeviceSpeed,
+    world: int = 1, batch: int = 1, ns_method: str = "gram", num_heads: Optional[int] = None,
+) -> float:
+    """Modelled time of one Dion3 step of one matrix, per rank.
+
+    ``batch`` same-shape matrices share one orthogonalization call (megabatching), so its launch
+    cost is split between them; each matrix also launches PER_MATRIX_KERNELS small kernels that
+    do not shrink with f (on GPUs this fixed part dominates small matrices: measured, the step of
+    a 100M model took the same time at f = 1/2, 1/4 and 1/8). With ``world`` ranks each
+    orthogonalizes 1/world of the matrices and the selected rows cross the link both ways. Every
+    term is per matrix and divided by ``world`` alike, so only the link term's (world - 1) / world
+    depends on the world size.
+    """
+    k = selected_row_count(n_rows, fraction, num_heads)
+    method = ns_method if k != n_cols else "standard"
+    per_call = math.ceil(batch / world)
+    ortho = ns_flops(k, n_cols, method) / speed.matmul_flops + NS_KERNELS[method] * speed.launch_seconds / per_call
+    fixed = PER_MATRIX_KERNELS * speed.launch_seconds
+    elementwise = BYTES_PER_ENTRY * (n_rows + k) * n_cols / speed.memory_bytes_per_s
+    wire = WIRE_BYTES_PER_ENTRY * k * n_cols * (world - 1) / world / speed.link_bytes_per_s if world > 1 else 0.0
+    return (ortho + fixed + elementwise) / world + wire / world
+
+
+def choose_fraction(
+    n_rows: int, n_cols: int, speed: DeviceSpeed,
+    world: int = 1, batch: int = 1, ns_method: str = "gram", num_heads: Optional[int] = None,
+) -> float:
+    """The f that ``fraction="auto"`` uses for an n_rows x n_cols matrix.
+
+    Among AUTO_FRACTIONS that select at least AUTO_MIN_ROWS rows (all of them for smaller
+    matrices), the largest f whose modelled step costs at most (1 + AUTO_SLACK) times the cheapest
+    one's. Large matrices on a slow device or link land on 1/8; small ones, whose step is launch-
+    or memory-bound anyway, get a larger f for free.
+    """
+    floor = min(AUTO_MIN_ROWS, n_rows)
+    feasible = [f for f in AUTO_FRACTIONS if selected_row_count(n_rows, f, num_heads) >= floor] or [1.0]
+    cost = {f: estimated_step_seconds(n_rows, n_cols, f, speed, world, batch, ns_method, num_heads) for f in feasible}
+    cheapest = min(cost.values())
+    return max(f for f in feasible if cost[f] <= (1 + AUTO_SLACK) * cheapest)
+
+
+# Per-rank all-to-all bandwidth assumed for a backend (bytes/s): NVLink-class for NCCL, a
+# loopback/ethernet-class figure for gloo.
+LINK_BYTES_PER_S = {"nccl": 100e9, "gloo": 1e9}
+
+_measured: dict[tuple, DeviceSpeed] = {}
+
+
+def _seconds_per_call(fn, device: torch.device, reps: int) -> float:
+    fn()  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / reps
+
+
+@torch.no_grad()
+def measure(device: torch.device, dtype: torch.dtype) -> DeviceSpeed:
+    """Time this device once (tens of ms on a GPU, ~0.1 s on a CPU); later calls hit a cache."""
+    device = torch.device(device)
+    key = (str(device), dtype)
+    if key not in _measured:
+        cuda = device.type == "cuda"
+        gen = torch.Generator(device=device).manual_seed(0)
+        n = 2048 if cuda else 256
+        a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+        flops = 2 * n**3 / _seconds_per_call(lambda: a @ a, device, 10 if cuda else 3)
+        tiny = a[:16, :16].contiguous()
+        launch = _seconds_per_call(lambda: tiny @ tiny, device, 50)
+        src = torch.randn((1 << 24) if cuda else (1 << 21), device=device, generator=gen)
+        dst = torch.empty_like(src)
+        memory = 2 * src.numel() * src.element_size() / _seconds_per_call(lambda: dst.copy_(src), device, 10)
+        link = LINK_BYTES_PER_S["nccl" if cuda else "gloo"]
+        _measured[key] = DeviceSpeed(flops, launch, memory, link)
+    return _measured[key]
+
+
+def for_group(device: torch.device, dtype: torch.dtype, group: Optional[dist.ProcessGroup]) -> DeviceSpeed:
+    """This device's speed with the link of ``group``'s backend, agreed over the group's members (a
+    collective when the group has more than one rank) so that all of them choose the same f: the
+    slowest member's numbers, since a step that needs all of them waits for it."""
+    speed = measure(device, dtype)
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return speed
+    link = LINK_BYTES_PER_S.get(str(dist.get_backend(group)), LINK_BYTES_PER_S["gloo"])
+    values = torch.tensor([speed.matmul_flops, -speed.launch_seconds, speed.memory_bytes_per_s, link],
+                          dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
+    flops, neg_launch, memory, link = values.tolist()
+    return DeviceSpeed(flops, -neg_launch, memory, link)
+
+
+@dataclass(frozen=True)
+class FractionRequest:
+    """A batch of same-shape matrices whose f ``fraction="auto"`` chooses."""
+
+    shape: tuple[int, int]
+    batch: int  # matrices orthogonalized together (megabatching shares the launch cost)
+    world: int  # ranks the batch's exchange spans (1: stepped where it lies)
+    hp: Dion3Hyperparameters  # its ns_method, ns_dtype and num_heads
+    device: torch.device
+    group: Optional[dist.ProcessGroup] = None  # whose members agree on the speed (None: this rank alone)
+
+
+def _speed_key(device: torch.device, hp: Dion3Hyperparameters, group: Optional[dist.ProcessGroup]) -> tuple:
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None and dist.is_initialized() else ()
+    return ranks, str(device), hp.ns_dtype or default_ns_dtype(device)
+
+
+def resolve_fractions(
+    requests: Sequence[FractionRequest],
+    joined: Sequence[tuple[torch.device, Dion3Hyperparameters, dist.ProcessGroup]] = (),
+) -> list[float]:
+    """The f of each request: :func:`choose_fraction` on the speed its group agrees on.
+
+    One collective per (group, device, dtype), in the order of the groups' ranks, so that every
+    member makes the same calls: a rank must call with the same groups as its peers, and names in
+    ``joined`` (device, settings, group) those it agrees on without a request of its own.
+    """
+    wanted = {_speed_key(r.device, r.hp, r.group): (r.device, r.hp, r.group) for r in requests}
+    for device, hp, group in joined:
+        wanted.setdefault(_speed_key(device, hp, group), (device, hp, group))
+    speeds = {key: for_group(device, key[2], group)
+              for key, (device, hp, group) in sorted(wanted.items(), key=lambda item: item[0][0])}
+    return [choose_fraction(*r.shape, speeds[_speed_key(r.device, r.hp, r.group)], r.world, r.batch,
+                          r.hp.ns_method, r.hp.num_heads) for r in requests]

@@ -1,0 +1,352 @@
+"""The plan of a megabatched Dion3 step: where each rank's piece of every logical matrix lies,
+and which matrices step together.
+
+A rank's piece of a matrix is described by a :class:`Sharding`: whole, a block of rows, a block
+of columns, a row-major element range (a ZeRO flat slice), or such a range of one
+tensor-parallel block (ZeRO slices of TP shards); pieces are handled as up to three rectangles
+of the logical matrix, each a 2-D view of local storage. :func:`build_plan` groups the matrices
+into :class:`ShapeGroup` s (same logical shape, batch settings and process group) in an order
+every rank computes alike, :func:`check_plan_matches` compares the plans across ranks, and
+:func:`resolve_fractions` sets each group's f.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import auto_fraction, rule
+from .rule import Dion3Hyperparameters
+
+
+# --------------------------------------------------------------------------------------------
+# Where a rank's piece of a logical matrix lies.
+
+
+@dataclass(frozen=True)
+class Rect:
+    """Rows [r0, r1) x cols [c0, c1) of the logical matrix, stored row-major at ``offset`` locally."""
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    offset: int
+
+    def view(self, local: torch.Tensor) -> torch.Tensor:
+        height, width = self.r1 - self.r0, self.c1 - self.c0
+        return local.view(-1)[self.offset : self.offset + height * width].view(height, width)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a logical (n, m) matrix is split over a process group.
+
+    kind "full": every rank holds it whole (no communication); "rows": rank r holds rows
+    [bounds[r], bounds[r+1]); "cols": columns [bounds[r], bounds[r+1]); "flat": elements
+    [bounds[r], bounds[r+1]) of the row-major flattened matrix (a ZeRO slice, possibly empty);
+    "block_flat": the matrix is cut into ``blocks`` equal row (``split`` "rows") or column
+    ("cols") blocks, one per tensor-parallel rank, and rank r holds elements [bounds[d],
+    bounds[d+1]) of block t's row-major storage, (t, d) = places[r] (ZeRO slices of TP shards).
+    """
+
+    kind: str
+    bounds: tuple[int, ...] = ()
+    split: str = ""
+    places: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("full", "rows", "cols", "flat", "block_flat"):
+            raise ValueError(f"sharding kind must be full, rows, cols, flat or block_flat, got {self.kind!r}")
+        if self.kind != "full" and (len(self.bounds) < 2 or any(a > b for a, b in zip(self.bounds, self.bounds[1:]))):
+            raise ValueError(f"{self.kind} sharding needs >= 2 non-decreasing bounds, got {self.bounds}")
+        if self.kind == "block_flat" and (self.split not in ("rows", "cols") or not self.places):
+            raise ValueError(f"block_flat sharding needs split 'rows' or 'cols' and places, got {self.split!r}")
+
+    @staticmethod
+    def full() -> "Sharding":
+        return Sharding("full")
+
+    @staticmethod
+    def rows(bounds) -> "Sharding":
+        return Sharding("rows", tuple(int(b) for b in bounds))
+
+    @staticmethod
+    def cols(bounds) -> "Sharding":
+        return Sharding("cols", tuple(int(b) for b in bounds))
+
+    @staticmethod
+    def flat(bounds) -> "Sharding":
+        return Sharding("flat", tuple(int(b) for b in bounds))
+
+    @staticmethod
+    def block_flat(split: str, bounds, places) -> "Sharding":
+        return Sharding("block_flat", tuple(int(b) for b in bounds), split, tuple((int(t), int(d)) for t, d in places))
+
+    @property
+    def blocks(self) -> int:
+        """block_flat: how many tensor-parallel blocks the matrix is cut into."""
+        return 1 + max(t for t, _ in self.places)
+
+    def block_shape(self, n: int, m: int) -> tuple[int, int]:
+        """block_flat: the shape of one block."""
+        return (n // self.blocks, m) if self.split == "rows" else (n, m // self.blocks)
+
+    @staticmethod
+    def even_rows(n: int, world: int) -> "Sharding":
+        if n % world:
+            raise ValueError(f"{n} rows do not split evenly over {world} ranks")
+        return Sharding.rows(range(0, n + 1, n // world))
+
+    @staticmethod
+    def even_cols(m: int, world: int) -> "Sharding":
+        if m % world:
+            raise ValueError(f"{m} columns do not split evenly over {world} ranks")
+        return Sharding.cols(range(0, m + 1, m // world))
+
+    @property
+    def world(self) -> int:
+        if self.kind == "block_flat":
+            return len(self.places)
+        return 1 if self.kind == "full" else len(self.bounds) - 1
+
+    def local_shape(self, rank: int, n: int, m: int) -> tuple[int, ...]:
+        if self.kind == "full":
+            return (n, m)
+        if self.kind == "block_flat":
+            d = self.places[rank][1]
+            return (self.bounds[d + 1] - self.bounds[d],)
+        lo, hi = self.bounds[rank], self.bounds[rank + 1]
+        return {"rows": (hi - lo, m), "cols": (n, hi - lo), "flat": (hi - lo,)}[self.kind]
+
+    def rects(self, rank: int, n: int, m: int) -> list[Rect]:
+        """The rectangles of rank's piece, in local storage order."""
+        if self.kind == "full":
+            return [Rect(0, n, 0, m, 0)]
+        if self.kind == "block_flat":  # the flat piece of its block, moved to the block's place
+            t, d = self.places[rank]
+            height, width = self.block_shape(n, m)
+            dr, dc = (t * height, 0) if self.split == "rows" else (0, t * width)
+            return [Rect(r.r0 + dr, r.r1 + dr, r.c0 + dc, r.c1 + dc, r.offset)
+                    for r in Sharding.flat(self.bounds).rects(d, height, width)]
+        lo, hi = self.bounds[rank], self.bounds[rank + 1]
+        if lo == hi:
+            return []
+        if self.kind == "rows":
+            return [Rect(lo, hi, 0, m, 0)]
+        if self.kind == "cols":
+            return [Rect(0, n, lo, hi, 0)]
+        rects, pos = [], lo
+        while pos < hi:  # a partial first row, then whole rows, then a partial last row
+            row, col = divmod(pos, m)
+            if col or hi - pos < m:
+                end = min(hi, (row + 1) * m)
+                rects.append(Rect(row, row + 1, col, col + end - pos, pos - lo))
+            else:
+                end = hi - (hi - pos) % m
+                rects.append(Rect(row, end // m, 0, m, pos - lo))
+            pos = end
+        return rects
+
+    def row_span(self, rank: int, n: int, m: int) -> tuple[int, int]:
+        """Rows [R0, R1) that rank's piece touches: it keeps the variance of these rows."""
+        rects = self.rects(rank, n, m)
+        return (rects[0].r0, rects[-1].r1) if rects else (0, 0)
+
+
+@dataclass(eq=False)
+class MatrixShard:
+    """One logical matrix as this rank sees it. ``state`` is created and owned by the engine."""
+
+    name: str
+    weight: torch.Tensor
+    grad: Optional[torch.Tensor]
+    shape: tuple[int, int]
+    sharding: Sharding
+    group: Optional[dist.ProcessGroup]
+    hp: Dion3Hyperparameters
+    state: dict = field(default_factory=dict)
+
+
+def init_state(shard: MatrixShard, rank: int) -> None:
+    """Zero momentum (fp32, the piece's shape) and variance (fp32, rows the piece touches)."""
+    if shard.state:
+        return
+    r0, r1 = shard.sharding.row_span(rank, *shard.shape)
+    shard.state["momentum"] = torch.zeros(shard.weight.shape, dtype=torch.float32, device=shard.weight.device)
+    shard.state["variance"] = torch.zeros(r1 - r0, dtype=torch.float32, device=shard.weight.device)
+
+
+# --------------------------------------------------------------------------------------------
+# Shape groups.
+
+
+def group_ranks(group: Optional[dist.ProcessGroup]) -> tuple[int, ...]:
+    return () if group is None else tuple(dist.get_process_group_ranks(group))
+
+
+@dataclass
+class ShapeGroup:
+    """Matrices stepped together: same logical shape, batch settings and process group."""
+
+    key: tuple
+    group: Optional[dist.ProcessGroup]
+    world: int
+    rank: int
+    shards: list[MatrixShard]
+    fraction: float = 0.0  # hp.fraction, or what "auto" resolved to (resolve_fractions sets it)
+
+    @property
+    def hp(self) -> Dion3Hyperparameters:
+        return self.shards[0].hp
+
+    def owner(self, j: int) -> int:
+        return j % self.world
+
+    @property
+    def blockwise(self) -> bool:
+        """Every shard is whole or split into non-empty row or column blocks: the batched path."""
+        return all(
+            s.sharding.kind == "full"
+            or s.sharding.kind in ("rows", "cols") and all(a < b for a, b in zip(s.sharding.bounds, s.sharding.bounds[1:]))
+            for s in self.shards
+        )
+
+    @functools.cached_property
+    def rects(self) -> list[list[list[Rect]]]:
+        """rects[j][q]: the rectangles of rank q's piece of matrix j (fixed for the plan's life)."""
+        n, m = self.key[0]
+        return [[s.sharding.rects(q, n, m) for q in range(self.world)] for s in self.shards]
+
+    @functools.cached_property
+    def spans(self) -> list[list[tuple[int, int]]]:
+        """spans[j][q]: the rows rank q's piece of matrix j touches."""
+        n, m = self.key[0]
+        return [[s.sharding.row_span(q, n, m) for q in range(self.world)] for s in self.shards]
+
+    def describe(self) -> list[str]:
+        """One line per matrix: what the ranks holding its pieces must agree on (the settings
+        that its rows' update depends on, beside those in the group's key)."""
+        return [f"{s.name} {s.shape} {s.sharding.kind}{list(s.sharding.bounds)} "
+                + " ".join(f"{k}={getattr(s.hp, k)}" for k in _MATRIX_SETTINGS) for s in self.shards]
+
+
+# Per-matrix settings (not in the batch key) that every rank holding a piece must share.
+_MATRIX_SETTINGS = ("lr", "weight_decay", "mu", "adjust_lr", "scale_lr_by_fraction", "scale_mu_by_fraction")
+
+
+def _batch_key(shard: MatrixShard, world: int) -> tuple:
+    hp = shard.hp
+    return (
+        shard.shape, hp.fraction, hp.num_heads, hp.beta2, hp.eps, hp.ns_method, str(hp.ns_dtype),
+        group_ranks(shard.group) if world > 1 else (),
+    )
+
+
+def _check_shard(shard: MatrixShard, world: int, rank: int) -> None:
+    n, m = shard.shape
+    if shard.hp.staleness:
+        raise ValueError(f"{shard.name}: staleness={shard.hp.staleness!r} is supported by the single-process Dion3 "
+                         "only so far; use staleness=0 here")
+    s = shard.sharding
+    if s.kind != "full" and s.world != world:
+        raise ValueError(f"{shard.name}: sharding spans {s.world} ranks but its group has {world}")
+    if s.kind == "rows" and s.bounds[-1] != n or s.kind == "cols" and s.bounds[-1] != m:
+        raise ValueError(f"{shard.name}: {s.kind} bounds {s.bounds} do not cover the {shard.shape} matrix")
+    if s.kind == "flat" and s.bounds[-1] != n * m:
+        raise ValueError(f"{shard.name}: flat bounds end at {s.bounds[-1]}, the matrix has {n * m} elements")
+    if s.kind == "block_flat":
+        blocks = s.blocks
+        if (n if s.split == "rows" else m) % blocks or sorted(set(s.places)) != sorted(s.places):
+            raise ValueError(f"{shard.name}: {blocks} {s.split} blocks do not split the {shard.shape} matrix evenly, "
+                             f"or places {s.places} repeat")
+        height, width = s.block_shape(n, m)
+        if s.bounds[-1] != height * width:
+            raise ValueError(f"{shard.name}: block_flat bounds end at {s.bounds[-1]}, a block has {height * width} elements")
+    expected = s.local_shape(rank, n, m)
+    if tuple(shard.weight.shape) != expected or not shard.weight.is_contiguous():
+        raise ValueError(
+            f"{shard.name}: local piece must be a contiguous tensor of shape {expected}, got {tuple(shard.weight.shape)}"
+        )
+
+
+def build_plan(shards: list[MatrixShard]) -> list[ShapeGroup]:
+    """Group shards by batch key in an order every rank computes alike."""
+    groups: dict[tuple, ShapeGroup] = {}
+    for shard in shards:
+        world = 1 if shard.group is None or shard.sharding.kind == "full" else dist.get_world_size(shard.group)
+        rank = 0 if world == 1 else dist.get_rank(shard.group)
+        _check_shard(shard, world, rank)
+        key = _batch_key(shard, world)
+        if key not in groups:
+            groups[key] = ShapeGroup(key, shard.group if world > 1 else None, world, rank, [])
+        groups[key].shards.append(shard)
+    return [groups[k] for k in sorted(groups, key=repr)]
+
+
+def check_plan_matches(plan: list[ShapeGroup], group: Optional[dist.ProcessGroup] = None) -> None:
+    """Compare the plan across the ranks of each process group its matrices span; name the first
+    difference, on every rank.
+
+    ONE all-gather over ``group`` (default: the world), which must contain every such process
+    group, of each rank's digest per process group: every rank of ``group`` takes part, also one
+    that passes no matrix split over some process group its peers use (it reports none for it), so
+    a mismatch raises on every rank at construction instead of hanging a later collective. A
+    digest covers each matrix's name, shape, sharding and the settings its ranks must share.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    mine: dict[tuple, list[str]] = {}
+    for sg in plan:
+        if sg.world > 1:
+            mine.setdefault(group_ranks(sg.group), []).extend([repr(sg.key)] + sg.describe())
+    members = list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+    digests: list = [None] * len(members)
+    dist.all_gather_object(digests, {ranks: hashlib.sha1("\n".join(lines).encode()).hexdigest()
+                                     for ranks, lines in mine.items()}, group=group)
+    reported = dict(zip(members, digests))
+    bad = []
+    for ranks in sorted({ranks for d in digests for ranks in d}):
+        outside = [r for r in ranks if r not in reported]
+        if outside:
+            raise RuntimeError(f"Dion3 megabatch: matrices are split over the ranks {list(ranks)}, but the ranks "
+                               f"{outside} are outside the group the plan is checked on ({members})")
+        if len({reported[r].get(ranks) for r in ranks}) > 1:
+            bad.append(ranks)
+    if not bad:
+        return
+    listings: list = [None] * len(members)
+    dist.all_gather_object(listings, mine, group=group)  # only on the error path, by every rank alike
+    ranks = bad[0]
+    lists = [dict(zip(members, listings))[r].get(ranks, []) for r in ranks]
+    first = next(q for q, listing in enumerate(lists) if listing != lists[0])
+    a, b = lists[0], lists[first]
+    if not a or not b:  # lines: the group key, then one per matrix
+        (empty, holder), listing = ((ranks[0], ranks[first]), b) if b else ((ranks[first], ranks[0]), a)
+        detail = f"rank {empty} passes no matrix split over them, rank {holder} does (the first: {listing[1]!r})"
+    else:
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        left = a[i] if i < len(a) else "<nothing>"
+        right = b[i] if i < len(b) else "<nothing>"
+        detail = f"entry {i} is {left!r} on rank {ranks[0]} but {right!r} on rank {ranks[first]}"
+    raise RuntimeError(
+        f"Dion3 megabatch plans differ across the ranks {list(ranks)}: {detail}. Every rank of a group "
+        f"must pass the same matrices in the same order, with the same settings."
+    )
+
+
+def resolve_fractions(plan: list[ShapeGroup]) -> None:
+    """Set every group's f: its hp.fraction, or for "auto" the f chosen on the device's measured
+    speed, agreed over the group's process group (:func:`auto_fraction.resolve_fractions`) so that
+    all members select the same number of rows."""
+    wanted = [sg for sg in plan if sg.hp.fraction == rule.AUTO]
+    requests = [auto_fraction.FractionRequest(sg.key[0], len(sg.shards), sg.world, sg.hp, sg.shards[0].weight.device,
+                                              sg.group if sg.world > 1 else None) for sg in wanted]
+    chosen = dict(zip(map(id, wanted), auto_fraction.resolve_fractions(requests)))
+    for sg in plan:
+        sg.fraction = chosen.get(id(sg), sg.hp.fraction)
