@@ -14,7 +14,7 @@ layer spec), DDP with the layer-wise ZeRO-1 layout, ``get_megatron_optimizer`` w
 ``--optimizer dion3 --use-distributed-optimizer`` selects), the lr scheduler and
 ``forward_backward_func``. Without ``torchrun`` the script starts its own processes: one per GPU
 when CUDA is available, else ``--nproc`` (2) CPU processes over gloo with
-:mod:`dion3_megatron.megatron.cpu`.
+``examples/megatron_cpu.py``.
 
 Data (byte-level unless --data-path): by default the running Python's standard-library sources
 (no download); random windows of ``--seq-length + 1`` tokens, the same for every optimizer; the
@@ -34,8 +34,10 @@ import time
 
 import torch
 
-from dion3_megatron.corpus import stdlib_bytes
 from dion3_megatron.rule import Dion3Hyperparameters
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' own modules, also when imported by path
+from stdlib_text import stdlib_bytes  # noqa: E402
 
 CPU_DEFAULTS = dict(layers=4, hidden=128, heads=4, ffn=352, seq_length=128, global_batch=16, steps=400)
 GPU_DEFAULTS = dict(layers=8, hidden=512, heads=8, ffn=1408, seq_length=512, global_batch=64, steps=1000)
@@ -483,7 +485,7 @@ def worker(args) -> None:
         device = torch.device("cuda", local_rank)
         dist.init_process_group("nccl")
     else:
-        from dion3_megatron.megatron.cpu import install
+        from megatron_cpu import install
 
         install()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -78,7 +78,7 @@ def routes_to_kernel(batch: int, m: int, k: int, dtype: torch.dtype) -> bool:
 
 
 def symm_gemm(*args, **kwargs):
-    """D = alpha * a @ b^T + beta * c on the kernel (see :func:`.symm_gemm.symm_gemm`)."""
+    """D = alpha * a @ b^T + beta * c on the kernel (see :func:`.sm90_symm.symm_gemm`)."""
     from .sm90_symm import symm_gemm as _impl  # imports cutlass
 
     return _impl(*args, **kwargs)
