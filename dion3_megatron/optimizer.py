@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import cuda_graph as cuda_graph_module, device_speed, options, rule
+from .kernels import config as kernel_config
 from .ortho import default_ns_dtype
 from .rule import Dion3Hyperparameters
 
@@ -135,8 +136,8 @@ class Dion3(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], **settings: Any) -> None:
         settings = options.settings(type(self).__name__, options.TORCH, settings)
-        cuda_graph = settings.pop("cuda_graph")
-        options.check(type(self).__name__, cuda_graph=cuda_graph)
+        cuda_graph, kernels = settings.pop("cuda_graph"), settings.pop("kernels")
+        options.check(type(self).__name__, cuda_graph=cuda_graph, kernels=kernels)
         self.skipped_steps = 0
         self._auto_fractions: dict[torch.Tensor, float] = {}
         self._buckets: dict[tuple, _Bucket] = {}
@@ -144,6 +145,8 @@ class Dion3(torch.optim.Optimizer):
         self.cuda_graph = cuda_graph
         self._graph = cuda_graph_module.StepGraph()
         super().__init__(params, {**settings, "algorithm": None})
+        self.kernels = kernels
+        kernel_config.bind_to_steps(self, kernels)
 
     # ----------------------------------------------------------------------------------------
     # Groups and validation.

@@ -28,6 +28,8 @@ from typing import Any, Optional
 
 import torch
 
+from .kernels.config import KERNELS
+
 AUTO = "auto"
 ADJUST_LR_CHOICES = ("spectral_norm", "rms_norm")
 NS_METHODS = ("gram", "standard")
@@ -76,6 +78,8 @@ class Option:
 
     @property
     def annotation(self) -> Any:
+        if self.default is None and self.kind in (REAL, CHOICE):
+            return Optional[_ANNOTATIONS[self.kind]]
         return _ANNOTATIONS[self.kind]
 
     def in_range(self, value: float) -> bool:
@@ -106,7 +110,7 @@ class Option:
         if self.kind == BOOL:
             return "a bool"
         if self.kind == CHOICE:
-            return f"one of {self.choices}"
+            return f"{'None or ' if self.default is None else ''}one of {self.choices}"
         if self.kind == HEADS:
             return "None or a positive int"
         if self.kind == DTYPE:
@@ -116,6 +120,8 @@ class Option:
         raise AssertionError(f"unknown option kind {self.kind!r}")
 
     def valid(self, value: Any) -> bool:
+        if value is None and self.default is None:
+            return True  # not set
         if self.kind == REAL:
             return is_real(value) and self.in_range(value)
         if self.kind == FRACTION:
@@ -170,6 +176,10 @@ OPTIONS: tuple[Option, ...] = (
            "CPU, or one of float16, bfloat16, float32, float64", front_ends=_NOT_MEGATRON),
     Option("betas", BETAS, (0.9, 0.95), "AdamW betas, two values in [0, 1)", front_ends=_NOT_MEGATRON,
            hyperparameter=False),
+    Option("kernels", CHOICE, None, "which kernels the optimizer's steps run: 'auto', the package's GPU kernels "
+           "where they pay; 'torch', plain torch; None, the process's kernel configuration "
+           "(dion3_megatron.kernels.configure; DION3_KERNELS=0 makes it 'torch')", choices=KERNELS,
+           **_OPTIMIZER_WIDE),
     Option("cuda_graph", BOOL, True, "replay the part of the step that one GPU runs alone as a CUDA graph",
            **_OPTIMIZER_WIDE),
     Option("selection_scope", CHOICE, "global", "where the top rows are chosen: 'global', in the whole logical "

@@ -110,11 +110,15 @@ _ANNOTATION = {options.REAL: "float", options.FRACTION: "Union[float, str]", opt
                options.CHOICE: "str"}
 
 
+def _annotation(option: options.Option) -> str:
+    return f"Optional[{_ANNOTATION[option.kind]}]" if option.default is None else _ANNOTATION[option.kind]
+
+
 def optimizer_config_fields() -> list[str]:
     """The OptimizerConfig fields the Megatron patch adds, as the spec has them (patch lines)."""
     lines = ["+    # Dion3 (dion3_megatron; --optimizer dion3)."]
     for option in options.options_for(options.MEGATRON):
-        lines += [f"+    dion3_{option.name}: {_ANNOTATION[option.kind]} = {option.default!r}",
+        lines += [f"+    dion3_{option.name}: {_annotation(option)} = {option.default!r}",
                   f'+    """{option.help[0].upper()}{option.help[1:]}."""', "+"]
     return lines
 

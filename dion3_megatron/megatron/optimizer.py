@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .. import options, rule
+from ..kernels import config as kernel_config
 from ..optimizer import announce_skipped_step, usable_on_every_rank
 from ..megabatch import Dion3Engine, MatrixShard, Sharding
 from ..rule import Dion3Hyperparameters
@@ -218,6 +219,8 @@ class MegatronDion3(torch.optim.Optimizer):
         self.cuda_graph = settings["cuda_graph"]
         self.split_qkv = settings["split_qkv"]
         self.split_glu = settings["split_glu"]
+        self.kernels = settings["kernels"]
+        kernel_config.bind_to_steps(self, self.kernels)
         self.pg_collection = pg_collection
         self._model_chunks = list(model_chunks) if model_chunks is not None else []
         self._layouts: dict[torch.Tensor, ParamLayout] = dict(layouts) if layouts else {}
