@@ -2,7 +2,7 @@
 
 The front ends are derived from :data:`OPTIONS`:
 
-* the torch optimizer: ``Dion3(params, **kwargs)`` takes the options whose front ends include
+* the torch optimizer: ``Dion3(params, **settings)`` takes the options whose front ends include
   ``"torch"``, with these defaults, and checks them (and every param group) with :func:`check`;
 * Megatron: ``--dion3-<name>`` flags (:mod:`dion3_megatron.megatron.arguments`), ``dion3_<name>``
   fields of Megatron's ``OptimizerConfig`` (and of ``patches/megatron-core-0.19-dion3.patch``), and
@@ -176,9 +176,10 @@ OPTIONS: tuple[Option, ...] = (
            "CPU, or one of float16, bfloat16, float32, float64", front_ends=_NOT_MEGATRON),
     Option("betas", BETAS, (0.9, 0.95), "AdamW betas, two values in [0, 1)", front_ends=_NOT_MEGATRON,
            hyperparameter=False),
-    Option("kernels", CHOICE, None, "which kernels the optimizer's steps run: 'auto', the package's GPU kernels "
-           "where they pay; 'torch', plain torch; None, the process's kernel configuration "
-           "(dion3_megatron.kernels.configure; DION3_KERNELS=0 makes it 'torch')", choices=KERNELS,
+    Option("kernels", CHOICE, None, "which matrix products the orthogonalization of the optimizer's steps runs: "
+           "'auto', the package's symmetric-GEMM kernels where they measured faster; 'torch', plain torch; None, "
+           "the process's kernel configuration (dion3_megatron.kernels.configure; DION3_KERNELS=0 makes it "
+           "'torch'). The Triton row kernels follow DION3_FUSED_ROWS and DION3_KERNELS", choices=KERNELS,
            **_OPTIMIZER_WIDE),
     Option("cuda_graph", BOOL, True, "replay the part of the step that one GPU runs alone as a CUDA graph",
            **_OPTIMIZER_WIDE),
