@@ -56,6 +56,8 @@ class KernelConfig:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if not isinstance(self.fused_rows, bool):
             raise ValueError(f"fused_rows must be a bool, got {self.fused_rows!r}")
+        if self.tile is not None:  # one spelling, hashable: a configuration can key a cache or a graph
+            object.__setattr__(self, "tile", tile_shape(self.tile))
 
 
 def from_environment() -> KernelConfig:
@@ -102,12 +104,11 @@ def using(config: Optional[KernelConfig] = None, **changes: Any) -> Iterator[Ker
 
 
 def _checked(config: KernelConfig) -> KernelConfig:
+    """``config``, once its forced backend (if any) is known to be registered."""
     if config.backend is not None:
         from . import dispatch
 
         dispatch.check_backend_name(config.backend)
-    if config.tile is not None:
-        tile_shape(config.tile)
     return config
 
 

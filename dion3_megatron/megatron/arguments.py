@@ -77,6 +77,8 @@ def _add(group, option: options.Option) -> None:
     dest = config_field(option.name)
     if option.kind == options.BOOL:
         action = "store_false" if option.default else "store_true"
+        if option.default:
+            help = f"Turn off (on by default): {option.help}."
         group.add_argument(flag(option.name), action=action, dest=dest, default=option.default, help=help)
     elif option.kind == options.CHOICE:
         group.add_argument(flag(option.name), dest=dest, choices=option.choices, default=option.default, help=help)
