@@ -16,6 +16,7 @@ from dion3_megatron import Dion3, options, rule
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MEGATRON_PATCH = ROOT / "patches" / "megatron-core-0.19-dion3.patch"
+DEEPSPEED_PATCH = ROOT / "patches" / "deepspeed-0.19-dion3.patch"
 
 # A value out of range (or of the wrong type) for each kind, to see every front end refuse it.
 _BAD = {options.REAL: float("nan"), options.FRACTION: 1.5, options.BOOL: "false", options.CHOICE: "nearby",
@@ -75,6 +76,8 @@ def test_deepspeed_keys_are_the_deepspeed_options():
     for option in options.options_for(options.DEEPSPEED):
         with pytest.raises(ValueError, match=f"{option.name} must be"):
             normalize_params({option.name: _BAD[option.kind]})
+    # The patched DeepSpeed hands the config's params to the same class, so to the same checks.
+    assert "optimizer = DeepSpeedDion3(model_parameters, **optimizer_parameters)" in DEEPSPEED_PATCH.read_text()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
