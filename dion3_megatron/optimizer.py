@@ -114,7 +114,8 @@ class Dion3(torch.optim.Optimizer):
 
     Args:
         params: parameters or param groups. A group may set ``algorithm`` ("dion3" | "adamw") and
-            any option below but ``cuda_graph``; ``fraction`` and ``num_heads`` may differ per group.
+            any option below but ``kernels`` and ``cuda_graph``; ``fraction`` and ``num_heads`` may
+            differ per group.
         **settings: the options below (keyword only; declared in :mod:`dion3_megatron.options`).
 
     ``fraction="auto"`` is chosen per matrix at the first step by :func:`rule.auto_fraction` from its
@@ -136,17 +137,18 @@ class Dion3(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], **settings: Any) -> None:
         settings = options.settings(type(self).__name__, options.TORCH, settings)
-        cuda_graph, kernels = settings.pop("cuda_graph"), settings.pop("kernels")
-        options.check(type(self).__name__, cuda_graph=cuda_graph, kernels=kernels)
+        groups = options.group_keys(options.TORCH)
+        # The optimizer-wide options, checked here; the per-group ones with each group.
+        options.check(type(self).__name__, **{k: v for k, v in settings.items() if k not in groups})
+        self.cuda_graph: bool = settings["cuda_graph"]
+        self.kernels: Optional[str] = settings["kernels"]
         self.skipped_steps = 0
         self._auto_fractions: dict[torch.Tensor, float] = {}
         self._buckets: dict[tuple, _Bucket] = {}
         self._copies: dict[torch.Tensor, torch.Tensor] = {}  # non-contiguous Dion3 weight -> its working copy
-        self.cuda_graph = cuda_graph
         self._graph = cuda_graph_module.StepGraph()
-        super().__init__(params, {**settings, "algorithm": None})
-        self.kernels = kernels
-        kernel_config.bind_to_steps(self, kernels)
+        super().__init__(params, {**{k: settings[k] for k in groups}, "algorithm": None})
+        kernel_config.bind_to_steps(self, self.kernels)
 
     # ----------------------------------------------------------------------------------------
     # Groups and validation.
