@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from dion3_megatron.rule import Dion3Hyperparameters
+from dion3_megatron.options import BY_NAME as DION3_OPTIONS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' own modules, also when imported by path
 from stdlib_text import stdlib_bytes  # noqa: E402
@@ -78,7 +78,7 @@ def parse_args(argv=None):
                    help="the AdamW run; embeddings and output layer in every run (Megatron's --decoupled-lr)")
     o.add_argument("--weight-decay", type=float, default=0.01)
     o.add_argument("--clip-grad", type=float, default=1.0)
-    o.add_argument("--dion3-fraction", default=str(Dion3Hyperparameters.fraction),
+    o.add_argument("--dion3-fraction", default=str(DION3_OPTIONS["fraction"].default),
                    help="Dion3's f: in (0, 1] (default: the library's, %(default)s), or 'auto' (chosen per matrix "
                         "from its shape and this machine's speed)")
     d = p.add_argument_group("data (default: the Python standard library's sources, byte-level)")
@@ -96,12 +96,13 @@ def parse_args(argv=None):
     if bad or not names:
         p.error(f"--optimizers: unknown {bad}; choose from {','.join(OPTIMIZERS)}")
     args.optimizers = names
+    fraction = DION3_OPTIONS["fraction"]
     try:
         args.dion3_fraction = "auto" if args.dion3_fraction == "auto" else float(args.dion3_fraction)
     except ValueError:
-        p.error(f"--dion3-fraction must be a number in (0, 1] or 'auto', got {args.dion3_fraction!r}")
-    if args.dion3_fraction != "auto" and not 0.0 < args.dion3_fraction <= 1.0:
-        p.error("--dion3-fraction must be in (0, 1] or 'auto'")
+        pass  # refused below, as a string
+    if not fraction.valid(args.dion3_fraction):
+        p.error(f"--dion3-fraction must be {fraction.allowed()}, got {args.dion3_fraction!r}")
     return args
 
 
