@@ -43,10 +43,13 @@ def check_dion3_values(values: dict[str, Any], where: str) -> None:
 
 
 def refuse_renamed(source: Any, where: str) -> None:
-    """An old ``dion3_*`` attribute (options.RENAMED) on a config or args raises, naming the new one."""
+    """An old ``dion3_*`` attribute (options.RENAMED) on a config or args raises, naming the new one
+    (a tree patched with an older patches/megatron-core-0.19-dion3.patch declares the old field)."""
     for old in options.RENAMED:
         if hasattr(source, config_field(old)):
-            raise options.rename_error(where, old, config_field)
+            error = options.rename_error(where, old, config_field)
+            raise ValueError(f"{error} (set the new one; a Megatron tree patched before the rename needs "
+                             "patches/megatron-core-0.19-dion3.patch again)")
 
 
 def _number(option: options.Option):
