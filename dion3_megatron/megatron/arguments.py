@@ -48,8 +48,8 @@ def refuse_renamed(source: Any, where: str) -> None:
     for old in options.RENAMED:
         if hasattr(source, config_field(old)):
             error = options.rename_error(where, old, config_field)
-            raise ValueError(f"{error} (set the new one; a Megatron tree patched before the rename needs "
-                             "patches/megatron-core-0.19-dion3.patch again)")
+            raise ValueError(f"{error} (set the new one; a Megatron tree patched before the rename: "
+                             "revert the old patches/megatron-core-0.19-dion3.patch, apply the new one)")
 
 
 def _number(option: options.Option):
