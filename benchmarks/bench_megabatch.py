@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dion3_megatron import ortho, rule
+from dion3_megatron import kernels, ortho, rule
 from dion3_megatron.megabatch import Dion3Engine, MatrixShard, Sharding
 
 
@@ -173,9 +173,8 @@ def main() -> None:
     with CollectiveCounter() as counter:
         muon.step()
     results["muon_collectives"] = counter.count
-    ortho.set_backend("torch")  # Muon as it ships: plain torch matmuls, not our kernels
-    results["muon_ms"] = time_steps(muon.step, device, args.warmup, args.iters)
-    ortho.set_backend("auto")
+    with kernels.using(kernels="torch"):  # Muon as it ships: plain torch matmuls, not our kernels
+        results["muon_ms"] = time_steps(muon.step, device, args.warmup, args.iters)
     del muon, muon_shards
 
     results["dion3"] = {}

@@ -24,6 +24,7 @@ from timing import cuda_median_ms
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dion3_megatron import ortho  # noqa: E402
+from dion3_megatron import kernels  # noqa: E402
 from dion3_megatron.kernels import backend  # noqa: E402
 
 SHAPES = [(5120, 5120), (1024, 5120), (13824, 5120), (5120, 13824)]
@@ -58,7 +59,7 @@ def main():
     peak = 2 * n**3 / (timed(lambda i: p @ p, 1, 10) * 1e-3)
     props = torch.cuda.get_device_properties(0)
     print(f"GPU {props.name}; torch {torch.__version__}; cuBLAS peak {peak / 1e12:.0f} TFLOP/s (bf16 8192^3)")
-    backend.set_routing(args.routing)
+    kernels.configure(routing=args.routing)
     print(f"routing: {args.routing}")
     print("| shape | muon NS5 ms | gram-torch ms | gram-kern ms | kern vs muon | kern vs gram-torch | floor ms | kern / floor |")
     print("|---|---|---|---|---|---|---|---|")
@@ -67,13 +68,12 @@ def main():
         n_sets = 2
         gs = [torch.randn(r, c, device="cuda") for _ in range(n_sets)]
         t_muon = timed(lambda i: muon_ns5(gs[i]), n_sets, args.iters)
-        ortho.set_backend("torch")
-        t_gt = timed(lambda i: ortho.gram_newton_schulz(gs[i]), n_sets, args.iters)
+        with kernels.using(kernels="torch"):
+            t_gt = timed(lambda i: ortho.gram_newton_schulz(gs[i]), n_sets, args.iters)
         # "auto": what the optimizer runs (kernels where they pay, plain torch otherwise);
         # "always" routing forces the kernel backend onto every product it can take.
-        ortho.set_backend("auto" if args.routing == "measured" else backend.BACKEND_NAME)
-        t_gk = timed(lambda i: ortho.gram_newton_schulz(gs[i]), n_sets, args.iters)
-        ortho.set_backend("auto")
+        with kernels.using(backend=None if args.routing == "measured" else backend.BACKEND_NAME):
+            t_gk = timed(lambda i: ortho.gram_newton_schulz(gs[i]), n_sets, args.iters)
         s, length = min(r, c), max(r, c)
         method = "standard" if r == c else "gram"
         floor = ortho.ns_flops(s, length, method) / peak * 1e3

@@ -17,7 +17,7 @@ import json
 import torch
 from timing import cuda_median_ms
 
-from dion3_megatron import Dion3, ortho
+from dion3_megatron import Dion3, kernels, ortho
 
 LAYER_14B = [(5120, 5120), (1024, 5120), (1024, 5120), (5120, 5120), (13824, 5120), (13824, 5120), (5120, 13824)]
 
@@ -72,9 +72,8 @@ def main() -> None:
         profile(params, args.profile)
         return
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers}
-    ortho.set_backend("torch")  # Muon as it ships: plain torch matmuls, not our kernels
-    results["muon_ms"] = timed(Muon(params).step)
-    ortho.set_backend("auto")
+    with kernels.using(kernels="torch"):  # Muon as it ships: plain torch matmuls, not our kernels
+        results["muon_ms"] = timed(Muon(params).step)
     print(f"{results['device']}, torch {results['torch']}: {args.layers} layers of 14B shapes "
           f"({sum(p.numel() for p in params) / 1e9:.2f}B params)")
     print(f"{'optimizer':<16}{'step ms':>10}{'vs muon':>9}")

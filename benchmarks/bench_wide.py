@@ -18,7 +18,7 @@ import json
 import torch
 from timing import cuda_median_ms
 
-from dion3_megatron import Dion3, ortho
+from dion3_megatron import Dion3, kernels, ortho
 
 
 def muon_step(weight, grad, momentum, lr=0.02, mu=0.95):
@@ -55,9 +55,8 @@ def main() -> None:
         weight = torch.randn(n, m, device=device, generator=gen) * 0.02
         grad = torch.randn(n, m, device=device, generator=gen)
         momentum = torch.zeros_like(weight)
-        ortho.set_backend("torch")  # Muon as it ships: plain torch matmuls, not our kernels
-        muon_ms, muon_mib = measure(lambda: muon_step(weight, grad, momentum), args.iters)
-        ortho.set_backend("auto")
+        with kernels.using(kernels="torch"):  # Muon as it ships: plain torch matmuls, not our kernels
+            muon_ms, muon_mib = measure(lambda: muon_step(weight, grad, momentum), args.iters)
         del momentum
         rows = [("muon", muon_ms, muon_mib)]
         for fraction in (1.0, 0.25, 0.125):

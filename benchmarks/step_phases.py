@@ -12,7 +12,7 @@ phases): read the numbers as a breakdown, not as the step time.
     torchrun --standalone --nproc-per-node 2 benchmarks/step_phases.py deepspeed \\
         examples/deepspeed/train_gpt.py --config examples/deepspeed/ds_config_dion3.json --width 2048 --layers 12 --steps 16
 
-Everything after the harness name goes to the harness (``dion3_megatron.megatron.bench``, or the
+Everything after the harness name goes to the harness (``benchmarks/bench_megatron.py``, or the
 given DeepSpeed training script).
 """
 
@@ -113,7 +113,7 @@ def megatron(argv: list[str]) -> None:
     from megatron.core.optimizer import layer_wise_optimizer, optimizer as core_optimizer
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
-    from dion3_megatron.megatron import bench
+    import bench_megatron as bench  # beside this script
     from dion3_megatron.megatron.optimizer import MegatronDion3
 
     engine_phases()

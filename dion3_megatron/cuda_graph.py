@@ -19,6 +19,7 @@ from typing import Callable, Hashable, Optional
 import torch
 
 from . import rule
+from .kernels import config as kernel_config
 from .rule import UpdateFactors
 
 WARMUP_CALLS = 2  # eager calls with a key before it is captured (lazy initialization happens there)
@@ -58,6 +59,8 @@ class StepGraph:
 
         ``factors`` is a (len(factor_values),) fp32 device tensor holding ``factor_values``.
         """
+        # The kernel configuration decides which kernels the step launches: a change captures anew.
+        key = (key, kernel_config.current())
         if key != self.key:
             self.key, self.calls, self.graph = key, 0, None
             self.factors = torch.empty(len(factor_values), dtype=torch.float32, device=device)

@@ -19,8 +19,9 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from . import auto_fraction, cuda_graph as cuda_graph_module, rule
+from . import auto_fraction, cuda_graph as cuda_graph_module, options, rule
 from .exchange import WholeMatrices, step_whole_matrices
+from .kernels import config as kernel_config
 from .rule import Dion3Hyperparameters
 
 ALGORITHMS = ("dion3", "adamw")
@@ -107,89 +108,46 @@ class _Bucket:
         return True
 
 
+@options.documented(options.TORCH)
 class Dion3(torch.optim.Optimizer):
     """Dion3: top-fraction row selection, Gram Newton-Schulz, NorMuon normalization, error feedback.
 
     Args:
         params: parameters or param groups. A group may set ``algorithm`` ("dion3" | "adamw") and
-            any hyper-parameter below; ``fraction`` and ``num_heads`` may differ per group.
-        lr: learning rate (both algorithms).
-        fraction: share of each matrix's rows updated per step, in (0, 1], or "auto": chosen per
-            matrix at the first step (:mod:`dion3_megatron.auto_fraction`) from its shape and this
-            device's measured speed (see :attr:`fractions`). Under torch.distributed every rank must step
-            that first step together (as DDP does): all take the slowest rank's speed and agree.
-        mu: momentum decay of the applied rows (error feedback keeps the rest).
-        beta2: NorMuon per-row second-moment decay.
-        weight_decay: decoupled weight decay (both algorithms).
-        eps: NorMuon / AdamW epsilon.
-        adjust_lr: "spectral_norm" (sqrt(rows/cols)) or "rms_norm" (0.2 sqrt(max dim): AdamW lr transfer).
-        scale_lr_by_fraction: multiply the Dion3 step by 1/sqrt(fraction).
-        scale_mu_by_fraction: the applied rows' momentum decays by mu ** (1/fraction) instead of mu,
-            the memory heavy-ball momentum with mu has at fraction 1 (see rule.momentum_decay).
-        staleness: selection favours rows that waited: each row's L1 score times
-            1 + staleness * f * (steps since the row was last applied); see rule.staleness_boost.
-            0 (default): plain L1 norms. Single-process (and DDP) Dion3 only for now.
-        betas: AdamW betas.
-        num_heads: select rows per head (rows viewed as heads x head_dim).
-        ns_method: "gram" (Gram Newton-Schulz) or "standard".
-        ns_dtype: compute dtype of the orthogonalization: None (default) is fp16 on GPUs and fp32 on
-            CPU, where half-precision matmuls are slow; or torch.float16/bfloat16/float32/float64.
-        cuda_graph: on one CUDA device, capture the Dion3 part of the step (after the momentum
-            accumulation) as a CUDA graph once the same matrices have stepped twice, and replay it:
-            one launch instead of hundreds. Bit-identical to the eager step; it keeps the step's
-            temporaries allocated. Any change of members, settings other than lr and weight decay,
-            or tensor storage captures anew.
+            any option below but ``kernels`` and ``cuda_graph``; ``fraction`` and ``num_heads`` may
+            differ per group.
+        **settings: the options below (keyword only; declared in :mod:`dion3_megatron.options`).
+
+    ``fraction="auto"`` is chosen per matrix at the first step by :mod:`dion3_megatron.auto_fraction` from its
+    shape and this device's measured speed (see :attr:`fractions`). Under torch.distributed every
+    rank must step that first step together (as DDP does): all take the slowest rank's speed and
+    agree. ``cuda_graph``: on one CUDA device the Dion3 part of the step (after the momentum
+    accumulation) is captured once the same matrices have stepped twice, and replayed: one launch
+    instead of hundreds. Bit-identical to the eager step; it keeps the step's temporaries
+    allocated. Any change of members, settings other than lr and weight decay, or tensor storage
+    captures anew.
 
     A step with a non-finite gradient anywhere changes nothing, warns, and counts in
     :attr:`skipped_steps`. A step that raises (a setting changed to an invalid value since
     construction, a sparse gradient) raises before any weight, state or counter changes.
+
+    Options:
+{options}
     """
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = Dion3Hyperparameters.lr,
-        fraction: float | str = Dion3Hyperparameters.fraction,
-        mu: float = Dion3Hyperparameters.mu,
-        beta2: float = Dion3Hyperparameters.beta2,
-        weight_decay: float = Dion3Hyperparameters.weight_decay,
-        eps: float = Dion3Hyperparameters.eps,
-        adjust_lr: str = Dion3Hyperparameters.adjust_lr,
-        scale_lr_by_fraction: bool = Dion3Hyperparameters.scale_lr_by_fraction,
-        scale_mu_by_fraction: bool = Dion3Hyperparameters.scale_mu_by_fraction,
-        staleness: float = Dion3Hyperparameters.staleness,
-        betas: tuple[float, float] = (0.9, 0.95),
-        num_heads: Optional[int] = None,
-        ns_method: str = "gram",
-        ns_dtype: Optional[torch.dtype] = None,
-        cuda_graph: bool = True,
-    ) -> None:
-        if not isinstance(cuda_graph, bool):
-            raise ValueError(f"cuda_graph must be a bool, got {cuda_graph!r}")
-        defaults = dict(
-            lr=lr,
-            fraction=fraction,
-            mu=mu,
-            beta2=beta2,
-            weight_decay=weight_decay,
-            eps=eps,
-            adjust_lr=adjust_lr,
-            scale_lr_by_fraction=scale_lr_by_fraction,
-            scale_mu_by_fraction=scale_mu_by_fraction,
-            staleness=staleness,
-            betas=betas,
-            num_heads=num_heads,
-            ns_method=ns_method,
-            ns_dtype=ns_dtype,
-            algorithm=None,
-        )
+    def __init__(self, params: Iterable[Any], **settings: Any) -> None:
+        settings = options.settings(type(self).__name__, options.TORCH, settings)
+        groups = options.group_keys(options.TORCH)
+        # The optimizer-wide options, checked here; the per-group ones with each group.
+        options.check(type(self).__name__, **{k: v for k, v in settings.items() if k not in groups})
+        self.cuda_graph: bool = settings["cuda_graph"]
+        self.kernels: Optional[str] = settings["kernels"]
         self.skipped_steps = 0
         self._auto_fractions: dict[torch.Tensor, float] = {}
         self._buckets: dict[tuple, _Bucket] = {}
         self._copies: dict[torch.Tensor, torch.Tensor] = {}  # non-contiguous Dion3 weight -> its working copy
-        self.cuda_graph = cuda_graph
         self._graph = cuda_graph_module.StepGraph()
-        super().__init__(params, defaults)
+        super().__init__(params, {**{k: settings[k] for k in groups}, "algorithm": None})
 
     # ----------------------------------------------------------------------------------------
     # Groups and validation.
@@ -205,17 +163,14 @@ class Dion3(torch.optim.Optimizer):
         for its parameters (at construction, and on a checkpoint's groups before loading them)."""
         if group["algorithm"] not in (None, *ALGORITHMS):
             raise ValueError(f"{where}: algorithm must be one of {ALGORITHMS} or absent, got {group['algorithm']!r}")
-        betas = group["betas"]
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(rule.is_real(b) and 0 <= b < 1 for b in betas)):
-            raise ValueError(f"{where}: betas must be two values in [0, 1), got {betas!r}")
-        rule.check_hyperparameters(where, **{k: group[k] for k in Dion3Hyperparameters.__dataclass_fields__})
+        options.check(where, **{k: group[k] for k in options.group_keys(options.TORCH)})
         if group["algorithm"] != "dion3" and group["num_heads"] is None:
             return  # nothing per parameter to check (this runs at every step)
         for i, p in enumerate(group["params"]):
             if group["algorithm"] == "dion3" and p.dim() < 2:
                 raise ValueError(f"{where}: algorithm 'dion3' needs tensors with >= 2 dims, got shape {tuple(p.shape)}")
             if cls.algorithm_of(group, p) == "dion3":
-                rule.check_num_heads(where, group["num_heads"], matrix_shape(p)[0], f"param {i} (shape {tuple(p.shape)})")
+                options.check_num_heads(where, group["num_heads"], matrix_shape(p)[0], f"param {i} (shape {tuple(p.shape)})")
 
     @staticmethod
     def algorithm_of(group: dict, p: torch.Tensor) -> str:
@@ -383,6 +338,7 @@ class Dion3(torch.optim.Optimizer):
         announce_skipped_step(self.skipped_steps)
 
     @torch.no_grad()
+    @kernel_config.scoped_step
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """One step of every parameter with a gradient. Everything that can be refused (sparse
         gradients, settings changed since construction) is checked before anything changes."""

@@ -5,16 +5,18 @@ Standard NS works on the s x L matrix itself (s <= L); Gram NS iterates on the s
 and applies the accumulated polynomial to X once at the end (and once at the restart), which is
 cheaper when L >> s and makes every intermediate product symmetric.
 
-Matrix products go through a :class:`MatmulBackend` so GPU kernels (symmetric GEMMs) can be
-plugged in without touching the callers; the default backend is plain torch.
+Matrix products go through a :class:`~dion3_megatron.kernels.dispatch.MatmulBackend`, chosen per
+operand by :func:`~dion3_megatron.kernels.dispatch.get_backend` under the kernel configuration
+(:mod:`dion3_megatron.kernels.config`): plain torch, or GPU kernels (symmetric GEMMs) where they pay.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
+
+from .kernels.dispatch import get_backend
 
 Coefficients = Sequence[tuple[float, float, float]]
 
@@ -47,105 +49,6 @@ def polar_express_coefficients(safety: float = GRAM_SAFETY) -> list[tuple[float,
 def keller_coefficients(steps: int = 5) -> list[tuple[float, float, float]]:
     """Keller Jordan's quintic repeated ``steps`` times (Muon's schedule)."""
     return [KELLER_QUINTIC] * steps
-
-
-# --------------------------------------------------------------------------------------------
-# Matmul backend: the three product forms every NS variant needs.
-
-
-def _torch_matmul(
-    a: torch.Tensor, b: torch.Tensor, alpha: float, beta: float, c: Optional[torch.Tensor]
-) -> torch.Tensor:
-    """alpha * a @ b + beta * c."""
-    if c is None:
-        out = torch.matmul(a, b)
-        return out if alpha == 1.0 else out.mul_(alpha)
-    if a.dim() == 3:
-        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
-    return torch.addmm(c, a, b, beta=beta, alpha=alpha)
-
-
-def _torch_gram(x: torch.Tensor, alpha: float, beta: float, c: Optional[torch.Tensor]) -> torch.Tensor:
-    """alpha * x @ x^T + beta * c (symmetric result)."""
-    return _torch_matmul(x, x.mT, alpha, beta, c)
-
-
-@dataclass(frozen=True)
-class MatmulBackend:
-    """The products of (Gram) Newton-Schulz, on 3-D batched operands.
-
-    gram(x, alpha, beta, c)          = alpha * x @ x^T + beta * c       (result symmetric)
-    symmetric(a, b, alpha, beta, c)  = alpha * a @ b + beta * c         (a, b symmetric and commuting,
-                                                                         so the result is symmetric)
-    matmul(a, b, alpha, beta, c)     = alpha * a @ b + beta * c         (general)
-    A kernel backend may compute one triangle for ``gram`` and ``symmetric`` and mirror it.
-    """
-
-    name: str
-    gram: Callable[[torch.Tensor, float, float, Optional[torch.Tensor]], torch.Tensor]
-    symmetric: Callable[
-        [torch.Tensor, torch.Tensor, float, float, Optional[torch.Tensor]], torch.Tensor
-    ]
-    matmul: Callable[[torch.Tensor, torch.Tensor, float, float, Optional[torch.Tensor]], torch.Tensor]
-
-
-TORCH_BACKEND = MatmulBackend("torch", _torch_gram, _torch_matmul, _torch_matmul)
-
-_BACKENDS: dict[str, MatmulBackend] = {"torch": TORCH_BACKEND}
-# Chooses a backend for an operand (s x L batch) when none is forced; kernels register one.
-_AUTO_SELECTOR: Optional[Callable[[torch.Tensor], Optional[MatmulBackend]]] = None
-_FORCED: Optional[str] = None
-
-
-def register_backend(backend: MatmulBackend, selector: Optional[Callable] = None) -> None:
-    """Make ``backend`` available by name; ``selector(x)`` may claim operands for "auto" dispatch."""
-    global _AUTO_SELECTOR
-    _BACKENDS[backend.name] = backend
-    if selector is not None:
-        _AUTO_SELECTOR = selector
-
-
-_KERNELS_LOADED = False
-
-
-def _load_kernels() -> None:
-    """Import dion3_megatron.kernels once (it registers the "cutedsl" backend and its selector).
-
-    The package imports cleanly without nvidia-cutlass-dsl; any other failure leaves torch in charge.
-    """
-    global _KERNELS_LOADED
-    if _KERNELS_LOADED:
-        return
-    _KERNELS_LOADED = True
-    try:
-        import dion3_megatron.kernels  # noqa: F401
-    except Exception as err:  # pragma: no cover - a broken optional install must not break the optimizer
-        import warnings
-
-        warnings.warn(f"dion3_megatron.kernels failed to load ({err!r}); orthogonalizing with torch matmuls")
-
-
-def set_backend(name: str) -> None:
-    """Force a backend by name for every call, or "auto" to let the registered selector decide."""
-    global _FORCED
-    if name != "auto" and name not in _BACKENDS:
-        _load_kernels()
-    if name != "auto" and name not in _BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {sorted(_BACKENDS)}, got {name!r}")
-    _FORCED = None if name == "auto" else name
-
-
-def get_backend(x: torch.Tensor) -> MatmulBackend:
-    """The backend that will run products for operand ``x``."""
-    if _FORCED is not None:
-        return _BACKENDS[_FORCED]
-    if _AUTO_SELECTOR is None and x.is_cuda:
-        _load_kernels()
-    if _AUTO_SELECTOR is not None:
-        chosen = _AUTO_SELECTOR(x)
-        if chosen is not None:
-            return chosen
-    return TORCH_BACKEND
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,32 +177,32 @@ def default_ns_dtype(device: torch.device) -> torch.dtype:
 
 def orthogonalize(
     g: torch.Tensor,
-    method: str = "gram",
+    ns_method: str = "gram",
     dtype: Optional[torch.dtype] = None,
     out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """Orthogonalize each matrix of ``g`` with the named method and its default schedule.
+    """Orthogonalize each matrix of ``g`` with the named ns_method and its default schedule.
 
     dtype: compute dtype; None picks :func:`default_ns_dtype` for g's device.
     """
     try:
-        fn = ORTHOGONALIZERS[method]
+        fn = ORTHOGONALIZERS[ns_method]
     except KeyError:
-        raise ValueError(f"ns method must be one of {sorted(ORTHOGONALIZERS)}, got {method!r}") from None
+        raise ValueError(f"ns_method must be one of {sorted(ORTHOGONALIZERS)}, got {ns_method!r}") from None
     return fn(g, dtype=dtype or default_ns_dtype(g.device), out_dtype=out_dtype)
 
 
-def ns_flops(s: int, length: int, method: str = "gram", steps: int = 5) -> float:
+def ns_flops(s: int, length: int, ns_method: str = "gram", steps: int = 5) -> float:
     """Matmul FLOPs of one s x L orthogonalization (s <= L), symmetric products at half cost.
 
     standard: 5 (3 s^2 L + s^3) for 5 steps; gram with one restart: 6 s^2 L + 14 s^3.
     """
     s, length = min(s, length), max(s, length)
-    if method == "standard":
+    if ns_method == "standard":
         return steps * (3 * s * s * length + s**3)
-    if method == "gram":
+    if ns_method == "gram":
         return 6 * s * s * length + 14 * s**3
-    raise ValueError(f"method must be 'gram' or 'standard', got {method!r}")
+    raise ValueError(f"ns_method must be 'gram' or 'standard', got {ns_method!r}")
 
 
 __all__ = [
@@ -307,11 +210,6 @@ __all__ = [
     "KELLER_QUINTIC",
     "polar_express_coefficients",
     "keller_coefficients",
-    "MatmulBackend",
-    "TORCH_BACKEND",
-    "register_backend",
-    "set_backend",
-    "get_backend",
     "newton_schulz",
     "gram_newton_schulz",
     "default_ns_dtype",

@@ -23,73 +23,37 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import options
+from .options import ADJUST_LR_CHOICES, AUTO  # noqa: F401 - AUTO: the engines compare fractions with rule.AUTO
 from .ortho import orthogonalize
 
-ADJUST_LR_CHOICES = ("spectral_norm", "rms_norm")
 # The largest gradient magnitude a step takes: its square is about the largest fp32 value, so
 # AdamW's second moment and a global gradient norm stay finite, and Dion3's momentum, a sum of such
 # gradients, stays finite for 2**64 steps; with the overflow-safe norms of the orthogonalization
 # every update is then finite too. A larger (or a non-finite) gradient skips the whole step.
 GRADIENT_LIMIT = 2.0**64
-NS_METHODS = ("gram", "standard")
-AUTO = "auto"
-NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+_DEFAULT = {name: options.BY_NAME[name].default for name in options.hyperparameter_names()}
 
 
 @dataclass(frozen=True)
 class Dion3Hyperparameters:
-    """Everything the rule needs for one matrix besides its tensors."""
+    """Everything the rule needs for one matrix besides its tensors (the options and their
+    defaults are declared in :mod:`dion3_megatron.options`)."""
 
-    lr: float = 0.01
-    fraction: float | str = 0.25  # or "auto": resolved per matrix by auto_fraction()
-    mu: float = 0.6  # the reference's 0.95 trails Muon at f < 1 (docs/hyperparameters.md)
-    beta2: float = 0.95
-    weight_decay: float = 0.01
-    eps: float = 1e-8
-    adjust_lr: str = "spectral_norm"
-    scale_lr_by_fraction: bool = False
-    scale_mu_by_fraction: bool = False  # applied rows decay by mu ** (1 / f): see momentum_decay()
-    staleness: float = 0.0  # selection favours rows not applied for long: see staleness_boost()
-    num_heads: Optional[int] = None
-    ns_method: str = "gram"
-    ns_dtype: Optional[torch.dtype] = None  # None: fp16 on GPUs, fp32 on CPU (ortho.default_ns_dtype)
-
-
-def is_real(value) -> bool:
-    """A finite int or float, not a bool (True would pass for 1 and reach the math as one)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-_CHECKS = {
-    "lr": (lambda v: is_real(v) and v >= 0, "a finite number >= 0"),
-    "fraction": (lambda v: v == AUTO if isinstance(v, str) else is_real(v) and 0 < v <= 1, "in (0, 1] or 'auto'"),
-    "mu": (lambda v: is_real(v) and 0 <= v < 1, "in [0, 1)"),
-    "beta2": (lambda v: is_real(v) and 0 <= v < 1, "in [0, 1)"),
-    "weight_decay": (lambda v: is_real(v) and v >= 0, "a finite number >= 0"),
-    "eps": (lambda v: is_real(v) and v > 0, "a finite number > 0"),
-    "adjust_lr": (lambda v: v in ADJUST_LR_CHOICES, f"one of {ADJUST_LR_CHOICES}"),
-    "scale_lr_by_fraction": (lambda v: isinstance(v, bool), "a bool"),
-    "scale_mu_by_fraction": (lambda v: isinstance(v, bool), "a bool"),
-    "staleness": (lambda v: is_real(v) and v >= 0, "a finite number >= 0"),
-    "num_heads": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0),
-                  "None or a positive int"),
-    "ns_method": (lambda v: v in NS_METHODS, f"one of {NS_METHODS}"),
-    "ns_dtype": (lambda v: v is None or v in NS_DTYPES.values(), f"None or one of {list(NS_DTYPES)}"),
-}
-
-
-def check_hyperparameters(where: str, prefix: str = "", **values) -> None:
-    """Raise ValueError naming ``where``, the parameter (as ``prefix + name``) and its value when a
-    Dion3 value is out of range or of the wrong type; names without a check are ignored."""
-    for name, value in values.items():
-        if name in _CHECKS and not _CHECKS[name][0](value):
-            raise ValueError(f"{where}: {prefix}{name} must be {_CHECKS[name][1]}, got {value!r}")
-
-
-def check_num_heads(where: str, num_heads: Optional[int], n_rows: int, what: str) -> None:
-    """Per-head selection views a matrix's rows as heads x head_dim: num_heads must divide them."""
-    if num_heads is not None and n_rows % num_heads:
-        raise ValueError(f"{where}: num_heads={num_heads} does not divide the {n_rows} rows of {what}")
+    lr: float = _DEFAULT["lr"]
+    fraction: float | str = _DEFAULT["fraction"]  # or "auto": resolved per matrix by auto_fraction()
+    mu: float = _DEFAULT["mu"]
+    beta2: float = _DEFAULT["beta2"]
+    weight_decay: float = _DEFAULT["weight_decay"]
+    eps: float = _DEFAULT["eps"]
+    adjust_lr: str = _DEFAULT["adjust_lr"]
+    scale_lr_by_fraction: bool = _DEFAULT["scale_lr_by_fraction"]
+    scale_mu_by_fraction: bool = _DEFAULT["scale_mu_by_fraction"]  # see momentum_decay()
+    staleness: float = _DEFAULT["staleness"]  # see staleness_boost()
+    num_heads: Optional[int] = _DEFAULT["num_heads"]
+    ns_method: str = _DEFAULT["ns_method"]
+    ns_dtype: Optional[torch.dtype] = _DEFAULT["ns_dtype"]  # None: fp16 on GPUs, fp32 on CPU (ortho.default_ns_dtype)
 
 
 # --------------------------------------------------------------------------------------------

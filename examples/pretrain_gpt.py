@@ -14,7 +14,7 @@ layer spec), DDP with the layer-wise ZeRO-1 layout, ``get_megatron_optimizer`` w
 ``--optimizer dion3 --use-distributed-optimizer`` selects), the lr scheduler and
 ``forward_backward_func``. Without ``torchrun`` the script starts its own processes: one per GPU
 when CUDA is available, else ``--nproc`` (2) CPU processes over gloo with
-:mod:`dion3_megatron.megatron.cpu`.
+``examples/megatron_cpu.py``.
 
 Data (byte-level unless --data-path): by default the running Python's standard-library sources
 (no download); random windows of ``--seq-length + 1`` tokens, the same for every optimizer; the
@@ -34,8 +34,10 @@ import time
 
 import torch
 
-from dion3_megatron.corpus import stdlib_bytes
-from dion3_megatron.rule import Dion3Hyperparameters
+from dion3_megatron.options import BY_NAME as DION3_OPTIONS
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' own modules, also when imported by path
+from stdlib_text import stdlib_bytes  # noqa: E402
 
 CPU_DEFAULTS = dict(layers=4, hidden=128, heads=4, ffn=352, seq_length=128, global_batch=16, steps=400)
 GPU_DEFAULTS = dict(layers=8, hidden=512, heads=8, ffn=1408, seq_length=512, global_batch=64, steps=1000)
@@ -76,7 +78,7 @@ def parse_args(argv=None):
                    help="the AdamW run; embeddings and output layer in every run (Megatron's --decoupled-lr)")
     o.add_argument("--weight-decay", type=float, default=0.01)
     o.add_argument("--clip-grad", type=float, default=1.0)
-    o.add_argument("--dion3-fraction", default=str(Dion3Hyperparameters.fraction),
+    o.add_argument("--dion3-fraction", default=str(DION3_OPTIONS["fraction"].default),
                    help="Dion3's f: in (0, 1] (default: the library's, %(default)s), or 'auto' (chosen per matrix "
                         "from its shape and this machine's speed)")
     d = p.add_argument_group("data (default: the Python standard library's sources, byte-level)")
@@ -94,12 +96,13 @@ def parse_args(argv=None):
     if bad or not names:
         p.error(f"--optimizers: unknown {bad}; choose from {','.join(OPTIMIZERS)}")
     args.optimizers = names
+    fraction = DION3_OPTIONS["fraction"]
     try:
         args.dion3_fraction = "auto" if args.dion3_fraction == "auto" else float(args.dion3_fraction)
     except ValueError:
-        p.error(f"--dion3-fraction must be a number in (0, 1] or 'auto', got {args.dion3_fraction!r}")
-    if args.dion3_fraction != "auto" and not 0.0 < args.dion3_fraction <= 1.0:
-        p.error("--dion3-fraction must be in (0, 1] or 'auto'")
+        pass  # refused below, as a string
+    if not fraction.valid(args.dion3_fraction):
+        p.error(f"--dion3-fraction must be {fraction.allowed()}, got {args.dion3_fraction!r}")
     return args
 
 
@@ -483,7 +486,7 @@ def worker(args) -> None:
         device = torch.device("cuda", local_rank)
         dist.init_process_group("nccl")
     else:
-        from dion3_megatron.megatron.cpu import install
+        from megatron_cpu import install
 
         install()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from dion3_megatron.corpus import stdlib_bytes
 from dion3_megatron import Dion3
+from stdlib_text import stdlib_bytes  # examples/stdlib_text.py, beside this script
 
 
 def stdlib_corpus(max_bytes: int = 4_000_000) -> torch.Tensor:

@@ -1,11 +1,15 @@
 """Test helpers for the Megatron tests: a tiny GPT on CPU, the single-process reference, and
-Megatron's training step. The CPU shim itself is :mod:`dion3_megatron.megatron.cpu`."""
+Megatron's training step. The CPU shim itself is ``examples/megatron_cpu.py`` (the main job's)."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 
-from dion3_megatron.megatron.cpu import install  # noqa: F401 - the tests call megatron_shim.install()
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from megatron_cpu import install  # noqa: E402, F401 - the tests call megatron_shim.install()
 
 # ------------------------------------------------------------------------------------------------
 # A tiny GPT on CPU for the Megatron tests (call install() first).

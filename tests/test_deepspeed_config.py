@@ -60,7 +60,7 @@ def test_adamw_lr_sets_the_lr_of_the_adamw_parameters_only():
         ({"fraction": 0}, ["fraction must be in (0, 1]"]),
         ({"fraction": 1.5}, ["fraction must be in (0, 1]"]),
         ({"fraction": "half"}, ["fraction must be a finite number"]),
-        ({"adamw_lr": 0}, ["adamw_lr must be > 0"]),
+        ({"adamw_lr": 0}, ["adamw_lr must be a finite number > 0"]),
         ({"adam_lr": 0.002}, ["'adam_lr'", "Dion3 calls it 'adamw_lr'"]),
         ({"mu": 1.0}, ["mu must be in [0, 1)"]),
         ({"beta2": -0.1}, ["beta2 must be in [0, 1)"]),
@@ -78,7 +78,7 @@ def test_adamw_lr_sets_the_lr_of_the_adamw_parameters_only():
         ({"num_heads": True}, ["num_heads must be null or a positive int"]),
         ({"scale_lr_by_fraction": "yes"}, ["scale_lr_by_fraction must be a bool"]),
         ({"scale_mu_by_fraction": 1}, ["scale_mu_by_fraction must be a bool"]),
-        ({"cuda_graph": "off"}, ["cuda_graph must be true or false"]),
+        ({"cuda_graph": "off"}, ["cuda_graph must be a bool"]),
     ],
 )
 def test_bad_params_raise_clear_errors(params, words):

@@ -1,69 +1,62 @@
 """The kernels package on a machine without a GPU: it imports, and dispatch stays on torch."""
 
+import sys
+
 import pytest
 import torch
 
-from dion3_megatron import ortho
+from dion3_megatron import kernels, ortho
+from dion3_megatron.kernels import backend, dispatch
 
 
 @pytest.fixture(autouse=True)
 def _reset():
     yield
-    ortho.set_backend("auto")
-    from dion3_megatron.kernels import backend
-
-    backend.set_routing("measured")
+    kernels.configure(None)  # back to the environment's defaults
 
 
 def test_package_imports_without_cutlass_side_effects():
-    import dion3_megatron.kernels as kernels
-
     assert kernels.BACKEND_NAME == "cutedsl"
     assert ortho.get_backend(torch.zeros(1, 4, 8)).name == "torch"
 
 
 def test_auto_dispatch_falls_back_to_torch_on_cpu():
-    import dion3_megatron.kernels  # noqa: F401  (registers the selector)
-
-    ortho.set_backend("auto")
+    kernels.configure(kernels="auto")
     x = torch.randn(2, 64, 256)
-    assert ortho.get_backend(x) is ortho.TORCH_BACKEND
-    assert ortho.get_backend(x.half()) is ortho.TORCH_BACKEND
+    assert ortho.get_backend(x) is kernels.TORCH_BACKEND
+    assert ortho.get_backend(x.half()) is kernels.TORCH_BACKEND
 
 
 def test_override_by_name(generator):
-    from dion3_megatron.kernels import backend
-
-    ortho.set_backend("cutedsl")
+    kernels.configure(backend="cutedsl")
     x = torch.randn(1, 32, 96, generator=generator)
     assert ortho.get_backend(x).name == "cutedsl"
-    ortho.set_backend("torch")
-    assert ortho.get_backend(x) is ortho.TORCH_BACKEND
-    ortho.set_backend("auto")
-    assert ortho.get_backend(x) is ortho.TORCH_BACKEND
-    with pytest.raises(ValueError):
-        ortho.set_backend("no-such-backend")
-    with pytest.raises(ValueError):
-        backend.set_routing("sometimes")
+    kernels.configure(backend="torch")
+    assert ortho.get_backend(x) is kernels.TORCH_BACKEND
+    kernels.configure(backend=None)
+    assert ortho.get_backend(x) is kernels.TORCH_BACKEND
+    with pytest.raises(ValueError, match="backend must be None or one of"):
+        kernels.configure(backend="no-such-backend")
+    with pytest.raises(ValueError, match="routing must be one of"):
+        kernels.configure(routing="sometimes")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        kernels.configure(kernels="triton")
+    with pytest.raises(ValueError, match="tile must be one of"):
+        kernels.configure(tile="96x96")
 
 
 def test_forced_backend_on_cpu_computes_with_torch(generator):
     """Forcing the kernel backend on CPU operands runs every product in torch: same result."""
-    from dion3_megatron.kernels import backend
-
     g = torch.randn(48, 160, generator=generator)
-    ortho.set_backend("torch")
-    ref = ortho.gram_newton_schulz(g, dtype=torch.float32)
-    ortho.set_backend("cutedsl")
-    backend.set_routing("always")
+    with kernels.using(kernels="torch"):
+        ref = ortho.gram_newton_schulz(g, dtype=torch.float32)
+    kernels.configure(backend="cutedsl", routing="always")
     out = ortho.gram_newton_schulz(g, dtype=torch.float32)
     assert torch.equal(out, ref)
 
 
 def test_cpu_products_never_route_to_kernels(generator):
-    from dion3_megatron.kernels import backend
-
-    backend.set_routing("always")
+    kernels.configure(routing="always")
     x = torch.randn(1, 64, 128, generator=generator).half()
     assert not backend.kernel_capable_device(x)
     r = backend.KERNEL_BACKEND.gram(x.float(), 1.0, 0.0, None)
@@ -71,22 +64,77 @@ def test_cpu_products_never_route_to_kernels(generator):
 
 
 def test_routing_rules():
-    from dion3_megatron.kernels import backend
-
-    backend.set_routing("measured")
+    kernels.configure(routing="measured")
     assert not backend.routes_to_kernel(1, 64, 64, torch.float16)  # tiny: cuBLAS
     assert not backend.routes_to_kernel(1, 8192, 8192, torch.float32)  # fp32: no kernel
     assert not backend.routes_to_kernel(1, 8190, 8192, torch.float16)  # unaligned rows
-    backend.set_routing("always")
+    kernels.configure(routing="always")
     assert backend.routes_to_kernel(1, 64, 64, torch.float16)
     assert not backend.routes_to_kernel(1, 64, 60, torch.float16)
+    # The thresholds are the configuration's.
+    kernels.configure(routing="measured", min_m=64, min_work=64 * 64 * 64)
+    assert backend.routes_to_kernel(1, 64, 64, torch.float16)
 
 
-def test_lazy_import_through_get_backend(monkeypatch):
-    """ortho imports the kernels package on first CUDA operand; a CPU operand never needs it."""
-    monkeypatch.setattr(ortho, "_AUTO_SELECTOR", None)
-    monkeypatch.setattr(ortho, "_KERNELS_LOADED", False)
-    assert ortho.get_backend(torch.zeros(1, 4, 8)) is ortho.TORCH_BACKEND
-    assert ortho._KERNELS_LOADED is False
-    ortho._load_kernels()
-    assert ortho._KERNELS_LOADED is True
+def test_a_cpu_operand_never_imports_cutlass():
+    """The kernel backend is registered at import; cutlass is imported only when a kernel runs."""
+    assert ortho.get_backend(torch.zeros(1, 4, 8)) is kernels.TORCH_BACKEND
+    assert "cutedsl" in dispatch._BACKENDS and "dion3_megatron.kernels.sm90_symm" not in sys.modules
+
+
+def test_environment_variables_are_defaults_read_at_each_use(monkeypatch):
+    monkeypatch.setenv("DION3_KERNELS", "0")
+    assert kernels.current().kernels == "torch"
+    assert not kernels.row_kernels_enabled()
+    monkeypatch.setenv("DION3_KERNELS", "1")
+    monkeypatch.setenv("DION3_FUSED_ROWS", "0")
+    assert kernels.current() == kernels.KernelConfig(fused_rows=False)
+    kernels.configure(fused_rows=True)  # an explicit setting wins over the environment
+    monkeypatch.setenv("DION3_KERNELS", "0")
+    assert kernels.current().kernels == "auto" and kernels.row_kernels_enabled()
+    with kernels.using(kernels="torch"):  # and a block's over both
+        assert kernels.current().kernels == "torch" and not kernels.row_kernels_enabled()
+    assert kernels.current().kernels == "auto"
+
+
+def test_an_optimizers_kernels_option_holds_for_its_steps_only(monkeypatch, generator):
+    from dion3_megatron import Dion3
+
+    seen = []
+    monkeypatch.setattr(ortho, "get_backend", lambda x: seen.append(kernels.current().kernels) or kernels.TORCH_BACKEND)
+    kernels.configure(kernels="auto")
+    weight = torch.nn.Parameter(torch.randn(8, 12, generator=generator))
+    opt = Dion3([weight], kernels="torch", cuda_graph=False)
+    weight.grad = torch.randn(8, 12, generator=generator)
+    opt.step()
+    assert seen and set(seen) == {"torch"} and kernels.current().kernels == "auto"
+    # A step that raises leaves no block open behind it.
+    weight.grad = torch.randn(8, 12, generator=generator).to_sparse()
+    with pytest.raises(ValueError, match="sparse"):
+        opt.step()
+    assert kernels.current().kernels == "auto"
+
+
+def test_the_kernels_option_reaches_the_row_kernels_and_the_graph_key(monkeypatch):
+    from dion3_megatron import cuda_graph
+    from dion3_megatron.kernels import rows
+
+    monkeypatch.setattr(rows, "_triton_installed", lambda: True)
+    kernels.configure(kernels="auto")
+    assert rows.available()
+    with kernels.using(kernels="torch"):
+        assert not rows.available()
+    with kernels.using(fused_rows=False):
+        assert not rows.available()
+    # A configuration change makes the step graph start over (warm-up, then a new capture).
+    graph = cuda_graph.StepGraph()
+    monkeypatch.setattr(graph, "_on_side_stream", lambda fn: fn())
+    monkeypatch.setattr(torch, "empty", lambda n, **_: torch.zeros(n))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: type("Stream", (), {"device": device})())
+    ran = []
+    graph.run("same key", ran.append, [1.0], torch.device("cpu"))
+    assert graph.calls == 1
+    with kernels.using(kernels="torch"):
+        graph.run("same key", ran.append, [1.0], torch.device("cpu"))
+    assert graph.calls == 1 and len(ran) == 2

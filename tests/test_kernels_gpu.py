@@ -8,7 +8,7 @@ NaN before the kernel runs so an element the kernel never wrote fails the check.
 import pytest
 import torch
 
-from dion3_megatron import ortho
+from dion3_megatron import kernels, ortho
 from dion3_megatron.kernels import backend
 
 pytestmark = pytest.mark.gpu
@@ -29,8 +29,7 @@ def _skip_unless_kernels():
 def _kernels_and_clean_state():
     _skip_unless_kernels()
     yield
-    ortho.set_backend("auto")
-    backend.set_routing("measured")
+    kernels.configure(None)
 
 
 def _rel(out, ref):
@@ -130,7 +129,7 @@ def test_symmetric_product_vs_fp64(cuda_gen, dtype, shape, with_c, tile):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_backend_products_vs_fp64(cuda_gen, dtype):
     """The registered backend's gram/symmetric (forced onto the kernels) against fp64."""
-    backend.set_routing("always")
+    kernels.configure(routing="always")
     be = backend.KERNEL_BACKEND
     x = _rand(cuda_gen, 2, 384, 1536, dtype=dtype) / 1536**0.25
     r = be.gram(x, 1.0, 0.0, None)
@@ -150,10 +149,9 @@ def test_gram_newton_schulz_kernels_vs_torch(cuda_gen, shape):
     """Gram NS on the kernels vs Gram NS in torch: same function up to rounding."""
     g = torch.randn(*shape, generator=cuda_gen).cuda()
     ref = ortho.gram_newton_schulz(g.double(), dtype=torch.float64)
-    ortho.set_backend("torch")
-    torch_out = ortho.gram_newton_schulz(g)
-    ortho.set_backend(backend.BACKEND_NAME)
-    backend.set_routing("always")
+    with kernels.using(kernels="torch"):
+        torch_out = ortho.gram_newton_schulz(g)
+    kernels.configure(backend=backend.BACKEND_NAME, routing="always")
     kern_out = ortho.gram_newton_schulz(g)
     assert torch.isfinite(kern_out).all()
     err_torch = _rel(torch_out, ref)
@@ -165,10 +163,10 @@ def test_gram_newton_schulz_kernels_vs_torch(cuda_gen, shape):
 
 
 def test_auto_dispatch_claims_cuda_operands():
-    ortho.set_backend("auto")
+    kernels.configure(kernels="auto")
     x = torch.empty(1, 4096, 8192, device="cuda", dtype=torch.float16)
     assert ortho.get_backend(x).name == backend.BACKEND_NAME
     assert ortho.get_backend(x[:, :1024]).name == "torch"  # too small to pay
     assert ortho.get_backend(x.cpu()).name == "torch"
-    ortho.set_backend("torch")
+    kernels.configure(kernels="torch")
     assert ortho.get_backend(x).name == "torch"

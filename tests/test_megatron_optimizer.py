@@ -119,8 +119,8 @@ def test_load_state_dict_rejects_foreign_state(generator):
     sd["state"][1]["momentum"] = torch.zeros(3, 3)
     with pytest.raises(ValueError, match="not Dion3 state of this parameter"):
         opt.load_state_dict(sd)
-    with pytest.raises(ValueError, match="selection must be one of"):
-        _megatron(params, names, selection="nearby")
+    with pytest.raises(ValueError, match="ns_method must be one of"):
+        _megatron(params, names, ns_method="nearby")
 
 
 @pytest.mark.parametrize("key, value", [("fraction", 5), ("lr", float("inf")), ("scale_lr_by_fraction", "false")])

@@ -48,12 +48,12 @@ def test_register_is_idempotent_and_fills_the_registry():
 def test_registered_parser_accepts_dion3_flags():
     import dion3_megatron.megatron  # noqa: F401
 
-    args = _megatron_parser().parse_args(GOOD + ["--dion3-ns", "standard", "--dion3-selection-scope", "local",
+    args = _megatron_parser().parse_args(GOOD + ["--dion3-ns-method", "standard",
                                                  "--dion3-scale-lr-by-fraction", "--dion3-adjust-lr", "rms_norm",
                                                  "--dion3-scale-mu-by-fraction", "--dion3-no-cuda-graph"])
     assert args.optimizer == "dion3"
     assert args.dion3_fraction == 0.125
-    assert args.dion3_ns == "standard" and args.dion3_selection_scope == "local"
+    assert args.dion3_ns_method == "standard"
     assert args.dion3_scale_lr_by_fraction is True and args.dion3_adjust_lr == "rms_norm"
     assert args.dion3_scale_mu_by_fraction is True and args.dion3_cuda_graph is False
     assert _megatron_parser().parse_args(["--optimizer", "dion3", "--dion3-fraction", "auto"]).dion3_fraction == "auto"
@@ -70,7 +70,8 @@ def test_registered_parser_accepts_dion3_flags():
         (["--dion3-fraction", "0"], "argument --dion3-fraction: fraction must be in (0.0, 1.0], got 0.0"),
         (["--dion3-fraction", "quarter"], "argument --dion3-fraction: fraction must be a number, got 'quarter'"),
         (["--dion3-mu", "1.0"], "argument --dion3-mu: mu must be in [0.0, 1.0), got 1.0"),
-        (["--dion3-ns", "cubic"], "argument --dion3-ns: invalid choice: 'cubic'"),
+        (["--dion3-ns-method", "cubic"], "argument --dion3-ns-method: invalid choice: 'cubic'"),
+        (["--dion3-ns", "standard"], "argument --dion3-ns: was renamed --dion3-ns-method"),
         (["--optimizer", "dion4"], "argument --optimizer: invalid choice: 'dion4'"),
     ],
 )
@@ -96,7 +97,7 @@ def test_flags_reach_the_optimizer_config_and_kwargs():
     assert config.optimizer == "dion3" and config.dion3_fraction == 0.125 and config.dion3_mu == 0.9
     kwargs = dm.config_to_kwargs(config, [], None)
     assert kwargs["fraction"] == 0.125 and kwargs["mu"] == 0.9 and kwargs["lr"] == 0.03
-    assert kwargs["selection"] == "global" and kwargs["ns_method"] == "gram"
+    assert kwargs["ns_method"] == "gram" and "selection_scope" not in kwargs
 
 
 @pytest.mark.parametrize("key, value, expected", [
@@ -108,8 +109,7 @@ def test_flags_reach_the_optimizer_config_and_kwargs():
     ("dion3_mu", "0.9", "in [0, 1)"),
     ("dion3_fraction", 5, "in (0, 1] or 'auto'"),
     ("dion3_eps", float("inf"), "a finite number > 0"),
-    ("dion3_selection_scope", "nearby", "one of ('global', 'local')"),
-    ("dion3_ns", "svd", "one of ('gram', 'standard')"),
+    ("dion3_ns_method", "svd", "one of ('gram', 'standard')"),
 ])
 def test_config_values_of_the_wrong_type_are_refused_by_name(key, value, expected):
     from types import SimpleNamespace
@@ -158,7 +158,7 @@ _PATCHED_CHECK = textwrap.dedent(
     import megatron.core.optimizer as core_optimizer
     import dataclasses
     fields = {{f.name for f in dataclasses.fields(OptimizerConfig)}}
-    assert {{"dion3_fraction", "dion3_mu", "dion3_ns"}} <= fields, fields
+    assert {{"dion3_fraction", "dion3_mu", "dion3_ns_method"}} <= fields, fields
     # Registered by the patched tree itself, not by dion3_megatron's monkeypatching.
     assert "dion3" in emerging_optimizers._EMERGING_OPTIMIZERS
     assert not getattr(core_optimizer._get_megatron_emerging_optimizer, "_dion3_wrapped", False)

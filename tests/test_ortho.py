@@ -4,7 +4,7 @@ precision, and routes products through the backend hook."""
 import pytest
 import torch
 
-from dion3_megatron import ortho
+from dion3_megatron import kernels, ortho
 
 PE_GRAM = ortho.polar_express_coefficients(ortho.GRAM_SAFETY)
 
@@ -93,27 +93,24 @@ def test_backend_hook_routes_every_product(generator):
 
         return wrapped
 
-    t = ortho.TORCH_BACKEND
-    ortho.register_backend(
-        ortho.MatmulBackend("recording", recording("gram", t.gram), recording("sym", t.symmetric), recording("mm", t.matmul))
+    t = kernels.TORCH_BACKEND
+    kernels.register_backend(
+        kernels.MatmulBackend("recording", recording("gram", t.gram), recording("sym", t.symmetric), recording("mm", t.matmul))
     )
     g = torch.randn(2, 16, 48, dtype=torch.float64, generator=generator)
     expected = ortho.gram_newton_schulz(g, dtype=torch.float64)
-    ortho.set_backend("recording")
-    try:
+    with kernels.using(backend="recording"):
         got = ortho.gram_newton_schulz(g, dtype=torch.float64)
-    finally:
-        ortho.set_backend("auto")
     assert torch.equal(got, expected)
     # 2 Gram products (start, restart), 2 applications of Q to X, symmetric products for the rest.
     assert calls.count("gram") == 2 and calls.count("mm") == 2 and calls.count("sym") == 5 + 3 + 3 * 2
     with pytest.raises(ValueError, match="backend"):
-        ortho.set_backend("no-such-backend")
+        kernels.configure(backend="no-such-backend")
 
 
 def test_unknown_method_and_vectors_are_refused():
-    with pytest.raises(ValueError, match="ns method"):
-        ortho.orthogonalize(torch.randn(4, 8), method="svd")
+    with pytest.raises(ValueError, match="ns_method must be one of"):
+        ortho.orthogonalize(torch.randn(4, 8), ns_method="svd")
     with pytest.raises(ValueError, match="matrix"):
         ortho.newton_schulz(torch.randn(8))
 

@@ -2,8 +2,9 @@
 
 DeepSpeed hands ``params`` to the optimizer's constructor verbatim, so this is where a typo or an
 out-of-range value must fail, naming the key and what is allowed (DeepSpeed's built-in Muon
-silently ignores unknown keys). JSON spellings are converted: ``betas`` as a list,
-``ns_dtype`` as a string ("float16", "bfloat16", "float32", "float64").
+silently ignores unknown keys). The keys are the options of :mod:`dion3_megatron.options` whose
+front ends include "deepspeed". JSON spellings are converted: ``betas`` as a list, ``ns_dtype``
+as a string ("float16", "bfloat16", "float32", "float64").
 """
 
 from __future__ import annotations
@@ -11,28 +12,12 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from .. import rule
+from .. import options
 
 WHERE = 'DeepSpeed config "optimizer": {"type": "Dion3", "params": ...}'
 
 # key -> what it means (also the error message's list of allowed keys).
-ALLOWED = {
-    "lr": "learning rate (Dion3, and AdamW unless adamw_lr is given)",
-    "adamw_lr": "learning rate of the parameters on AdamW (embeddings, output head, norms, biases), > 0",
-    "fraction": "share of each matrix's rows updated per step, in (0, 1], or \"auto\" (chosen per matrix)",
-    "mu": "momentum decay of the applied rows, in [0, 1)",
-    "beta2": "NorMuon per-row second-moment decay, in [0, 1)",
-    "weight_decay": "decoupled weight decay, >= 0",
-    "eps": "NorMuon / AdamW epsilon, > 0",
-    "adjust_lr": f"one of {rule.ADJUST_LR_CHOICES}",
-    "scale_lr_by_fraction": "bool: multiply the Dion3 step by 1/sqrt(fraction)",
-    "scale_mu_by_fraction": "bool: the applied rows' momentum decays by mu ** (1/fraction)",
-    "cuda_graph": "bool: replay the single-GPU part of the step as a CUDA graph (default true)",
-    "betas": "AdamW betas, two values in [0, 1)",
-    "num_heads": "select rows per head (positive int) or null",
-    "ns_method": f"one of {rule.NS_METHODS}",
-    "ns_dtype": f"null or one of {list(rule.NS_DTYPES)}",
-}
+ALLOWED = {option.name: option.help for option in options.options_for(options.DEEPSPEED)}
 
 # Keys people carry over from other optimizers' configs, with what to use instead.
 HINTS = {
@@ -46,9 +31,29 @@ HINTS = {
     "adam_w_mode": "the AdamW half of Dion3 is always decoupled (AdamW); remove 'adam_w_mode'",
     "rank_fraction": "did you mean 'fraction'?",
     "selection": "row selection is global (top-k over the whole matrix) under ZeRO, so every stage gives the same result",
+    "staleness": "supported by the single-process Dion3 only so far",
 }
 
-_NUMBERS = ("lr", "adamw_lr", "fraction", "mu", "beta2", "weight_decay", "eps")
+
+def _from_json(key: str, value: Any) -> Any:
+    """A value as JSON spells it -> the constructor's value; ValueError for a JSON type that no
+    value of the key's kind has (the range is checked after, by the spec)."""
+    kind = options.BY_NAME[key].kind
+    if kind in (options.REAL, options.FRACTION) and not options.is_real(value) and not (
+            kind == options.FRACTION and value == options.AUTO):
+        raise ValueError(f"{WHERE}: {key} must be a finite number ({ALLOWED[key]}), got {value!r}")
+    if kind == options.BETAS:
+        if not (isinstance(value, (list, tuple)) and len(value) == 2
+                and all(options.is_real(b) and 0 <= b < 1 for b in value)):
+            raise ValueError(f"{WHERE}: {key} must be two numbers in [0, 1), got {value!r}")
+        return tuple(float(b) for b in value)
+    if kind == options.HEADS and isinstance(value, bool):
+        raise ValueError(f"{WHERE}: {key} must be null or a positive int, got {value!r}")
+    if kind == options.DTYPE and value is not None and value not in options.NS_DTYPES.values():
+        if not (isinstance(value, str) and value in options.NS_DTYPES):
+            raise ValueError(f"{WHERE}: {key} must be null or one of {list(options.NS_DTYPES)}, got {value!r}")
+        return options.NS_DTYPES[value]
+    return value
 
 
 def normalize_params(params: dict[str, Any]) -> dict[str, Any]:
@@ -69,34 +74,6 @@ def normalize_params(params: dict[str, Any]) -> dict[str, Any]:
             f"{WHERE}: unknown key(s) {', '.join(lines)}. Allowed keys: "
             + "; ".join(f"{k}: {v}" for k, v in ALLOWED.items())
         )
-    out = dict(params)
-    for k in _NUMBERS:
-        if k == "fraction" and out.get(k) == rule.AUTO:
-            continue
-        if k in out and not rule.is_real(out[k]):
-            raise ValueError(f"{WHERE}: {k} must be a finite number ({ALLOWED[k]}), got {out[k]!r}")
-    if "betas" in out:
-        betas = out["betas"]
-        if not (
-            isinstance(betas, (list, tuple)) and len(betas) == 2 and all(rule.is_real(b) and 0 <= b < 1 for b in betas)
-        ):
-            raise ValueError(f"{WHERE}: betas must be two numbers in [0, 1), got {betas!r}")
-        out["betas"] = tuple(float(b) for b in betas)
-    if "num_heads" in out and isinstance(out["num_heads"], bool):
-        raise ValueError(f"{WHERE}: num_heads must be null or a positive int, got {out['num_heads']!r}")
-    if "ns_dtype" in out:
-        dt = out["ns_dtype"]
-        if isinstance(dt, str):
-            if dt not in rule.NS_DTYPES:
-                raise ValueError(f"{WHERE}: ns_dtype must be null or one of {list(rule.NS_DTYPES)}, got {dt!r}")
-            out["ns_dtype"] = rule.NS_DTYPES[dt]
-        elif dt is not None and dt not in rule.NS_DTYPES.values():
-            raise ValueError(f"{WHERE}: ns_dtype must be null or one of {list(rule.NS_DTYPES)}, got {dt!r}")
-    if "cuda_graph" in out and not isinstance(out["cuda_graph"], bool):
-        raise ValueError(f"{WHERE}: cuda_graph must be true or false, got {out['cuda_graph']!r}")
-    if "adamw_lr" in out and not out["adamw_lr"] > 0:
-        raise ValueError(f"{WHERE}: adamw_lr must be > 0, got {out['adamw_lr']!r}")
-    hp = {k: v for k, v in out.items() if k in rule.Dion3Hyperparameters.__dataclass_fields__}
-    rule.check_hyperparameters(WHERE, **hp)
+    out = {k: _from_json(k, v) for k, v in params.items()}
+    options.check(WHERE, **out)
     return out
-

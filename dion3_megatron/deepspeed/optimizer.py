@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from .. import auto_fraction
+from .. import auto_fraction, options
+from ..kernels import config as kernel_config
 from ..optimizer import Dion3, usable_on_every_rank
 from . import zero
 from .config import normalize_params
@@ -37,13 +38,17 @@ def _refuse_staleness(where: str, group: dict) -> None:
                          "so far; use staleness=0 under DeepSpeed")
 
 
+@options.documented(options.DEEPSPEED)
 class DeepSpeedDion3(Dion3):
     """Dion3 for DeepSpeed: validated config ``params``; ZeRO-1/2 flat slices through the engine.
 
-    Accepts every :class:`~dion3_megatron.Dion3` argument (JSON spellings: ``betas`` a list,
+    Takes the options below, the config's ``params`` (JSON spellings: ``betas`` a list,
     ``ns_dtype`` a string). Unknown keys and out-of-range values raise ValueError at
     construction, i.e. at ``deepspeed.initialize``. Row selection is global (top-k over the whole
     logical matrix) at every stage, so ZeRO-1/2 give the same parameters as ZeRO-0.
+
+    Options:
+{options}
     """
 
     def __init__(self, params: Iterable[Any], **kwargs: Any) -> None:
@@ -112,6 +117,7 @@ class DeepSpeedDion3(Dion3):
         self._zero_plans.clear()  # rebuilt at the next step (by every rank), with these choices
 
     @torch.no_grad()
+    @kernel_config.scoped_step
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         zero_groups = [(g, self._zero_group(g)) for g in self.param_groups]
         if not any(orig is not None for _, orig in zero_groups):

@@ -1,11 +1,14 @@
-"""Symmetric-GEMM GPU kernels (CuTe DSL, Hopper sm_90a) for Gram Newton-Schulz.
+"""GPU kernels and the choice of which run: symmetric GEMMs (CuTe DSL, Hopper sm_90a) for Gram
+Newton-Schulz, Triton row kernels (:mod:`.rows`), and one configuration for both (:mod:`.config`).
 
 Importing this package is always safe: nvidia-cutlass-dsl is imported only when a kernel first
-runs. On import it registers the ``"cutedsl"`` backend with :mod:`dion3_megatron.ortho`, whose
+runs. On import it registers the ``"cutedsl"`` matmul backend with :mod:`.dispatch`, whose
 selector claims CUDA operands on Hopper GPUs when the DSL is installed; each product then goes
 to a kernel only where it measured faster than cuBLAS (see :mod:`.backend`), and to torch
-elsewhere. ``ortho.set_backend("torch")`` forces plain torch; ``set_backend("cutedsl")`` forces
-this backend (which still falls back to torch for operands its kernels cannot take).
+elsewhere. ``configure(kernels="torch")`` (or a Dion3 optimizer's ``kernels="torch"`` for its
+steps, or ``DION3_KERNELS=0`` as the default) runs plain torch; ``configure(backend="cutedsl")``
+forces this backend (which still falls back to torch for operands its kernels cannot take);
+``configure(routing="always")`` sends it every product it can take.
 """
 
 from __future__ import annotations
@@ -18,20 +21,29 @@ from .backend import (
     register,
     routes_to_kernel,
     select,
-    set_routing,
-    symm_gemm,
 )
+from .config import KernelConfig, configure, current, from_environment, row_kernels_enabled, scoped_step, using
+from .dispatch import TORCH_BACKEND, MatmulBackend, get_backend, register_backend
 
 register()
 
 __all__ = [
     "BACKEND_NAME",
     "KERNEL_BACKEND",
+    "KernelConfig",
+    "MatmulBackend",
+    "TORCH_BACKEND",
+    "configure",
+    "current",
     "cutlass_available",
+    "from_environment",
+    "get_backend",
     "kernel_capable_device",
     "register",
+    "register_backend",
     "routes_to_kernel",
+    "row_kernels_enabled",
+    "scoped_step",
     "select",
-    "set_routing",
-    "symm_gemm",
+    "using",
 ]

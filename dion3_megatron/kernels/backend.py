@@ -3,32 +3,26 @@
 Routing is per product, from the measured crossover against cuBLAS on an H200
 (docs/benchmarks.md, "Kernels"): a product goes to the kernel only when every condition holds
   * CUDA tensor on a compute-capability 9.0 device (Hopper; the kernels use wgmma and TMA),
-  * nvidia-cutlass-dsl importable and DION3_KERNELS not set to 0,
+  * nvidia-cutlass-dsl importable,
   * fp16/bf16 operands, 16-byte aligned rows (M and K multiples of 8),
-  * the product is large enough to pay (:func:`routes_to_kernel`).
-Otherwise the product runs in torch, exactly as the "torch" backend would.
+  * the product is large enough to pay (:func:`routes_to_kernel`, with the thresholds of the
+    kernel configuration, :class:`.config.KernelConfig`).
+Otherwise the product runs in torch, exactly as the "torch" backend would. The backend is asked
+only while the configuration's kernels is "auto" (or it is forced by name).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from typing import Optional
 
 import torch
 
-from .. import ortho
+from . import config as kernel_config
+from .dispatch import TORCH_BACKEND, MatmulBackend, register_backend
 
 BACKEND_NAME = "cutedsl"
-
-# Measured crossovers (H200, CuTe DSL 4.8.1, torch 2.11 cuBLAS): below these the kernel lost to
-# cuBLAS's full product. See docs/benchmarks.md "Kernels" for the numbers behind them.
-MIN_M = 3072  # output side (Gram size s): 2048 x 8192 ran 0.88x of cuBLAS, 3072^2 1.02x
-MIN_WORK = 3072 * 3072 * 3072  # batch * M * M * K
-
-
-_DISABLED = os.environ.get("DION3_KERNELS", "1") == "0"
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,39 +40,29 @@ def _device_capable(index: int) -> bool:
 
 
 def kernel_capable_device(t: torch.Tensor) -> bool:
-    """t lives on a Hopper GPU and the DSL is installed and not disabled."""
-    if t.device.type != "cuda" or _DISABLED:
+    """t lives on a Hopper GPU and the DSL is installed."""
+    if t.device.type != "cuda":
         return False
     if not cutlass_available():
         return False
     return _device_capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-_ROUTING = "measured"
-
-
-def set_routing(mode: str) -> None:
-    """"measured" (default): kernels only for products that measured faster than cuBLAS;
-    "always": every product the kernels can take (tests, benchmarks)."""
-    global _ROUTING
-    if mode not in ("measured", "always"):
-        raise ValueError(f"routing must be 'measured' or 'always', got {mode!r}")
-    _ROUTING = mode
-
-
 def routes_to_kernel(batch: int, m: int, k: int, dtype: torch.dtype) -> bool:
-    """Whether a (batch, m, k) symmetric product goes to the kernel (shape and dtype only)."""
+    """Whether a (batch, m, k) symmetric product goes to the kernel (shape and dtype only): with
+    the configuration's routing "measured", only products that measured faster than cuBLAS."""
     if dtype not in (torch.float16, torch.bfloat16):
         return False
     if m % 8 or k % 8:  # TMA needs 16-byte row strides
         return False
-    if _ROUTING == "always":
+    config = kernel_config.current()
+    if config.routing == "always":
         return True
-    return m >= MIN_M and batch * m * m * k >= MIN_WORK
+    return m >= config.min_m and batch * m * m * k >= config.min_work
 
 
 def symm_gemm(*args, **kwargs):
-    """D = alpha * a @ b^T + beta * c on the kernel (see :func:`.symm_gemm.symm_gemm`)."""
+    """D = alpha * a @ b^T + beta * c on the kernel (see :func:`.sm90_symm.symm_gemm`)."""
     from .sm90_symm import symm_gemm as _impl  # imports cutlass
 
     return _impl(*args, **kwargs)
@@ -96,7 +80,7 @@ def _kernel_ok(x: torch.Tensor, m: int, k: int) -> bool:
 def _gram(x: torch.Tensor, alpha: float, beta: float, c: Optional[torch.Tensor]) -> torch.Tensor:
     m, k = x.shape[-2], x.shape[-1]
     if not _kernel_ok(x, m, k) or (c is not None and c.dtype != x.dtype):
-        return ortho.TORCH_BACKEND.gram(x, alpha, beta, c)
+        return TORCH_BACKEND.gram(x, alpha, beta, c)
     x3 = _as3(x)
     out = symm_gemm(x3, x3, alpha, beta, _as3(c) if c is not None else None)
     return out.reshape(*x.shape[:-1], m)
@@ -113,16 +97,16 @@ def _symmetric(
         or not _kernel_ok(a, m, m)
         or (c is not None and c.dtype != a.dtype)
     ):
-        return ortho.TORCH_BACKEND.symmetric(a, b, alpha, beta, c)
+        return TORCH_BACKEND.symmetric(a, b, alpha, beta, c)
     # a @ b with b symmetric equals a @ b^T: b's row-major storage is the K-major operand.
     out = symm_gemm(_as3(a), _as3(b), alpha, beta, _as3(c) if c is not None else None)
     return out.reshape(a.shape)
 
 
-KERNEL_BACKEND = ortho.MatmulBackend(BACKEND_NAME, _gram, _symmetric, ortho.TORCH_BACKEND.matmul)
+KERNEL_BACKEND = MatmulBackend(BACKEND_NAME, _gram, _symmetric, TORCH_BACKEND.matmul)
 
 
-def select(x: torch.Tensor) -> Optional[ortho.MatmulBackend]:
+def select(x: torch.Tensor) -> Optional[MatmulBackend]:
     """Auto-dispatch selector: claim a (batch, s, L) operand on a kernel-capable device when at
     least its s x s x L Gram product would route to a kernel; otherwise leave it to plain torch
     (no per-product checks on the host for shapes that never pay)."""
@@ -134,5 +118,5 @@ def select(x: torch.Tensor) -> Optional[ortho.MatmulBackend]:
 
 
 def register() -> None:
-    """Register the backend and its selector with :mod:`dion3_megatron.ortho` (idempotent)."""
-    ortho.register_backend(KERNEL_BACKEND, select)
+    """Register the backend and its selector with :mod:`.dispatch` (idempotent)."""
+    register_backend(KERNEL_BACKEND, select)

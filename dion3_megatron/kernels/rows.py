@@ -1,8 +1,9 @@
 """Whether the rule's row-wise steps run as Triton kernels (:mod:`.triton_rows`) or torch forms.
 
-The kernels run for CUDA weights when triton is installed, neither DION3_FUSED_ROWS=0 (the torch
-forms, e.g. to compare) nor DION3_KERNELS=0 (every kernel of the package off) is set, and a kernel
-builds on the device (tried once per process and device). :mod:`dion3_megatron.rule` asks
+The kernels run for CUDA weights when triton is installed, the kernel configuration in force
+allows them (:func:`.config.row_kernels_enabled`: kernels "auto" and fused_rows on, whose defaults
+DION3_KERNELS=0 and DION3_FUSED_ROWS=0 turn off), and a kernel builds on the device (tried once per
+process and device). :mod:`dion3_megatron.rule` asks
 :func:`takes` before each row-wise step; triton itself is imported only once the answer can be yes.
 """
 
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import warnings
 from typing import Sequence
 
 import torch
+
+from . import config
 
 
 def takes(weights: Sequence[torch.Tensor]) -> bool:
@@ -31,11 +33,14 @@ def takes_momentum(momentum: torch.Tensor, others: Sequence[torch.Tensor] = ()) 
     return momentum.shape[0] > 0 and momentum.dtype == torch.float32 and takes([momentum[0], *others])
 
 
-@functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """triton installed and the kernels not switched off by DION3_FUSED_ROWS=0 or DION3_KERNELS=0."""
-    return (os.environ.get("DION3_FUSED_ROWS", "1") != "0" and os.environ.get("DION3_KERNELS", "1") != "0"
-            and importlib.util.find_spec("triton") is not None)
+    """The configuration in force allows the row kernels, and triton is installed."""
+    return config.row_kernels_enabled() and _triton_installed()
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 @functools.lru_cache(maxsize=None)

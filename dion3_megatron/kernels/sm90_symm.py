@@ -41,23 +41,15 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
+from . import config as kernel_config
+from .config import TILES, tile_shape
+
 TILE_K = 64
-TILES = ((64, 64), (128, 128), (128, 256), (256, 256))  # (tile_m, tile_n) configurations
 CLUSTER_M = {(256, 256): 2}  # CTAs per tile along M (one 128-row slice each); 1 for the others
 PAD = 4  # epilogue tile pitch tn + 4 floats: 16-byte rows, and no bank conflicts in either pass
 VEC = 8  # elements per vector store of D (16 bytes of a half-precision output)
 SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per block on sm_90
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg split of the 128 x 256 configuration
-
-
-def tile_shape(tile) -> tuple[int, int]:
-    """(tile_m, tile_n) from 64, 128, 256, (128, 256) or "128x256"."""
-    if isinstance(tile, str):
-        tile = tuple(int(v) for v in tile.split("x")) if "x" in tile else int(tile)
-    shape = (tile, tile) if isinstance(tile, int) else tuple(tile)
-    if shape not in TILES:
-        raise ValueError(f"tile must be one of {[f'{m}x{n}' for m, n in TILES]}, got {tile!r}")
-    return shape
 
 
 def tile_count(m, tile_m: int, tile_n: int):
@@ -486,7 +478,8 @@ def symm_gemm(
     a is b for a Gram product; for a product P @ Q of commuting symmetric matrices pass b = Q
     (Q^T = Q). Only the lower triangle of tiles is computed; the upper is its mirror.
     c (L, M, M) must be symmetric. K must be a multiple of 8 (16-byte rows for TMA).
-    tile: one of :data:`TILES`, as 64, 128, 256, (128, 256) or "128x256" (default: :func:`default_tile`).
+    tile: one of :data:`TILES`, as 64, 128, 256, (128, 256) or "128x256" (default: the kernel
+    configuration's tile, else :func:`default_tile`).
     Returns (L, M, M) in out_dtype (default a's dtype), or writes ``out``.
     """
     squeeze = a.dim() == 2
@@ -510,6 +503,6 @@ def symm_gemm(
     has_c = c is not None and beta != 0.0
     if has_c:
         c = c.expand(batch, m, m).contiguous()
-    fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, tile or default_tile(m, batch), stages)
+    fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, tile or kernel_config.current().tile or default_tile(m, batch), stages)
     fn(_ptr(a), _ptr(b), _ptr(c if has_c else out), _ptr(out), m, k, batch, Float32(alpha), Float32(beta), _stream())
     return out.squeeze(0) if squeeze else out

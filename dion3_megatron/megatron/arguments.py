@@ -1,6 +1,9 @@
 """Megatron-LM command-line flags for Dion3 (``--optimizer dion3`` and the ``--dion3-*`` group).
 
-The same flags are added by ``patches/megatron-core-0.19-dion3.patch`` for users who patch their
+Every flag is derived from :mod:`dion3_megatron.options` (the options whose front ends include
+"megatron"): option ``name`` is the flag ``--dion3-<name>`` (a bool that defaults to True is
+``--dion3-no-<name>``) and the ``OptimizerConfig`` / args attribute ``dion3_<name>``. The same
+flags and fields are added by ``patches/megatron-core-0.19-dion3.patch`` for users who patch their
 Megatron-LM tree instead of importing :mod:`dion3_megatron.megatron`. Values are checked by
 argparse itself, so a bad value stops the launch with argparse's usual ``error: argument ...``.
 """
@@ -8,66 +11,84 @@ argparse itself, so a bad value stops the launch with argparse's usual ``error: 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
-from ..rule import ADJUST_LR_CHOICES, AUTO, NS_METHODS, Dion3Hyperparameters, check_hyperparameters
+from .. import options
 
 OPTIMIZER_NAME = "dion3"
-SELECTION_SCOPES = ("global", "local")
-
-# (flag, OptimizerConfig / args attribute, default) for every Dion3 option; the single source of
-# truth for the argparse group, the config fields and the optimizer kwargs.
-DION3_DEFAULTS = {
-    "dion3_fraction": Dion3Hyperparameters.fraction,
-    "dion3_mu": Dion3Hyperparameters.mu,
-    "dion3_beta2": Dion3Hyperparameters.beta2,
-    "dion3_eps": Dion3Hyperparameters.eps,
-    "dion3_adjust_lr": Dion3Hyperparameters.adjust_lr,
-    "dion3_selection_scope": "global",
-    "dion3_ns": "gram",
-    "dion3_scale_lr_by_fraction": Dion3Hyperparameters.scale_lr_by_fraction,
-    "dion3_scale_mu_by_fraction": Dion3Hyperparameters.scale_mu_by_fraction,
-    "dion3_cuda_graph": True,
-    "dion3_split_qkv": True,
-    "dion3_split_glu": True,
-}
+OPTIONS = options.options_for(options.MEGATRON)
 
 
-# The options that name a Dion3 hyper-parameter (dion3_<name>), checked by rule.check_hyperparameters.
-_HYPERPARAMETERS = ("fraction", "mu", "beta2", "eps", "adjust_lr")
-_CHOICES = {"dion3_selection_scope": SELECTION_SCOPES, "dion3_ns": NS_METHODS}
+def config_field(name: str) -> str:
+    """The ``OptimizerConfig`` / args attribute of an option."""
+    return f"dion3_{name}"
 
 
-def check_dion3_values(values: dict, where: str) -> None:
+def flag(name: str) -> str:
+    """The command-line flag of an option (of a bool that defaults to True: its --dion3-no- form)."""
+    option = options.BY_NAME.get(name)
+    negated = option is not None and option.kind == options.BOOL and option.default is True
+    return f"--dion3-{'no-' if negated else ''}{name.replace('_', '-')}"
+
+
+# config field -> default, for every Dion3 option Megatron carries.
+DION3_DEFAULTS = {config_field(option.name): option.default for option in OPTIONS}
+
+
+def check_dion3_values(values: dict[str, Any], where: str) -> None:
     """Raise ValueError naming the option and its value when a ``dion3_*`` value (from an
     ``OptimizerConfig`` attribute or Megatron-LM's args) has the wrong type or range: a bool
     option given as the string "false" must not turn into True."""
-    for key, default in DION3_DEFAULTS.items():
-        if isinstance(default, bool) and not isinstance(values[key], bool):
-            raise ValueError(f"{where}: {key} must be a bool, got {values[key]!r}")
-        if key in _CHOICES and values[key] not in _CHOICES[key]:
-            raise ValueError(f"{where}: {key} must be one of {_CHOICES[key]}, got {values[key]!r}")
-    check_hyperparameters(where, prefix="dion3_", **{name: values[f"dion3_{name}"] for name in _HYPERPARAMETERS})
+    options.check(where, prefix="dion3_", **{option.name: values[config_field(option.name)] for option in OPTIONS})
 
 
-def _ranged_float(name: str, low: float, high: float, low_open: bool, high_open: bool):
-    def parse(text: str) -> float:
+def refuse_renamed(source: Any, where: str) -> None:
+    """An old ``dion3_*`` attribute (options.RENAMED) on a config or args raises, naming the new one
+    (a tree patched with an older patches/megatron-core-0.19-dion3.patch declares the old field)."""
+    for old in options.RENAMED:
+        if hasattr(source, config_field(old)):
+            error = options.rename_error(where, old, config_field)
+            raise ValueError(f"{error} (set the new one; a Megatron tree patched before the rename: "
+                             "revert the old patches/megatron-core-0.19-dion3.patch, apply the new one)")
+
+
+def _number(option: options.Option):
+    def parse(text: str) -> float | str:
+        if option.kind == options.FRACTION and text == options.AUTO:
+            return text
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        ok_low = value > low if low_open else value >= low
-        ok_high = value < high if high_open else value <= high
-        if not (ok_low and ok_high):
-            lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
-            raise argparse.ArgumentTypeError(f"{name} must be in {lo}{low}, {high}{hi}, got {value}")
+            raise argparse.ArgumentTypeError(f"{option.name} must be a number, got {text!r}") from None
+        if not option.valid(value):
+            raise argparse.ArgumentTypeError(f"{option.name} must be {option.number_text(str)}, got {value}")
         return value
 
-    parse.__name__ = name
+    parse.__name__ = option.name
     return parse
 
 
-def _fraction(text: str) -> float | str:
-    return AUTO if text == AUTO else _ranged_float("fraction", 0.0, 1.0, True, False)(text)
+class _Renamed(argparse.Action):
+    """An old flag: refused, naming the new one."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise argparse.ArgumentError(self, f"was renamed {flag(options.RENAMED[self.dest[len('dion3_'):]])}")
+
+
+def _add(group, option: options.Option) -> None:
+    help = option.help[0].upper() + option.help[1:] + "."
+    dest = config_field(option.name)
+    if option.kind == options.BOOL:
+        action = "store_false" if option.default else "store_true"
+        if option.default:
+            help = f"Turn off (on by default): {option.help}."
+        group.add_argument(flag(option.name), action=action, dest=dest, default=option.default, help=help)
+    elif option.kind == options.CHOICE:
+        group.add_argument(flag(option.name), dest=dest, choices=option.choices, default=option.default, help=help)
+    elif option.kind in (options.REAL, options.FRACTION):
+        group.add_argument(flag(option.name), dest=dest, type=_number(option), default=option.default, help=help)
+    else:
+        raise AssertionError(f"no Megatron flag for an option of kind {option.kind!r} ({option.name})")
 
 
 def add_dion3_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -82,37 +103,9 @@ def add_dion3_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         if "--dion3-fraction" in action.option_strings:
             return parser
     group = parser.add_argument_group(title="Dion3 optimizer (--optimizer dion3)")
-    group.add_argument("--dion3-fraction", type=_fraction, default=DION3_DEFAULTS["dion3_fraction"],
-                       help="Share of each matrix's rows updated per step, in (0, 1] (paper: 1/4 or 1/8), "
-                            "or 'auto': chosen per matrix from its shape, the world size and the device's speed.")
-    group.add_argument("--dion3-mu", type=_ranged_float("mu", 0.0, 1.0, False, True),
-                       default=DION3_DEFAULTS["dion3_mu"],
-                       help="Momentum decay of the applied rows (error feedback), in [0, 1).")
-    group.add_argument("--dion3-beta2", type=_ranged_float("beta2", 0.0, 1.0, False, True),
-                       default=DION3_DEFAULTS["dion3_beta2"],
-                       help="NorMuon per-row second-moment decay, in [0, 1).")
-    group.add_argument("--dion3-eps", type=_ranged_float("eps", 0.0, float("inf"), True, True),
-                       default=DION3_DEFAULTS["dion3_eps"], help="NorMuon epsilon (> 0).")
-    group.add_argument("--dion3-adjust-lr", choices=ADJUST_LR_CHOICES, default=DION3_DEFAULTS["dion3_adjust_lr"],
-                       help="lr multiplier of the orthogonalized step: spectral_norm = sqrt(rows/cols); "
-                            "rms_norm = 0.2 sqrt(max(rows, cols)) (AdamW lr/wd transfer).")
-    group.add_argument("--dion3-selection-scope", choices=SELECTION_SCOPES,
-                       default=DION3_DEFAULTS["dion3_selection_scope"],
-                       help="global: top rows of the whole logical matrix (identical at any parallel "
-                            "size); local: top rows per tensor-parallel shard (cheaper).")
-    group.add_argument("--dion3-ns", choices=NS_METHODS, default=DION3_DEFAULTS["dion3_ns"],
-                       help="Orthogonalization: Gram Newton-Schulz or standard Newton-Schulz.")
-    group.add_argument("--dion3-scale-lr-by-fraction", action="store_true",
-                       default=DION3_DEFAULTS["dion3_scale_lr_by_fraction"],
-                       help="Multiply the Dion3 step by 1/sqrt(fraction) (keeps the step norm as f shrinks).")
-    group.add_argument("--dion3-scale-mu-by-fraction", action="store_true",
-                       default=DION3_DEFAULTS["dion3_scale_mu_by_fraction"],
-                       help="Applied rows' momentum decays by mu**(1/fraction) (the memory of heavy-ball "
-                            "momentum with mu at every fraction).")
-    group.add_argument("--dion3-no-cuda-graph", action="store_false", dest="dion3_cuda_graph",
-                       help="Step matrices a rank holds whole eagerly instead of replaying a CUDA graph.")
-    group.add_argument("--dion3-no-split-qkv", action="store_false", dest="dion3_split_qkv",
-                       help="Orthogonalize the fused QKV weight as one matrix instead of Q, K, V apart.")
-    group.add_argument("--dion3-no-split-glu", action="store_false", dest="dion3_split_glu",
-                       help="Orthogonalize a SwiGLU fc1 as one matrix instead of gate and up apart.")
+    for option in OPTIONS:
+        _add(group, option)
+    for old in options.RENAMED:
+        group.add_argument(flag(old), dest=config_field(old), action=_Renamed, default=argparse.SUPPRESS,
+                           help=argparse.SUPPRESS)
     return parser

@@ -36,11 +36,12 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import auto_fraction, rule
+from .. import auto_fraction, options, rule
+from ..kernels import config as kernel_config
 from ..optimizer import announce_skipped_step, usable_on_every_rank
 from ..megabatch import Dion3Engine, MatrixShard, Sharding
 from ..rule import Dion3Hyperparameters
-from .arguments import DION3_DEFAULTS, check_dion3_values
+from .arguments import DION3_DEFAULTS, OPTIONS, check_dion3_values, config_field, refuse_renamed
 
 logger = logging.getLogger(__name__)
 
@@ -178,69 +179,53 @@ def describe_model(
 # The optimizer.
 
 
-# The Dion3 settings a param group carries (Megatron's groups add their own keys beside them).
-_GROUP_SETTINGS = ("lr", "fraction", "mu", "beta2", "weight_decay", "eps", "adjust_lr", "scale_lr_by_fraction",
-                   "scale_mu_by_fraction", "ns_method", "ns_dtype")
+# The Dion3 settings a param group carries (Megatron's groups add their own keys beside them):
+# Megatron's lr and weight decay, and the per-group options.
+_GROUP_SETTINGS = ("lr", "weight_decay", *options.group_keys(options.MEGATRON))
 
 
+@options.documented(options.MEGATRON)
 class MegatronDion3(torch.optim.Optimizer):
     """Dion3 for the 2-D hidden matrices of a Megatron-Core model (any TP / PP / EP / DP).
 
     Args:
         params: Megatron's param groups (``lr`` and ``weight_decay`` set by its lr scheduler).
         lr, weight_decay: defaults for groups that lack them.
-        fraction, mu, beta2, eps, adjust_lr, scale_lr_by_fraction, scale_mu_by_fraction, ns_method,
-            ns_dtype: the Dion3 hyper-parameters (see :class:`dion3_megatron.Dion3`).
-        cuda_graph: replay the step of the matrices this rank holds whole (data parallel) as a
-            CUDA graph (see :class:`dion3_megatron.megabatch.Dion3Engine`).
-        selection: "global": top rows of the whole logical matrix (identical at any TP size).
-        split_qkv, split_glu: orthogonalize Q, K, V and SwiGLU gate, up as separate matrices.
         model_chunks: the model, to read parameter names and marks (main fp32 params of the bf16
             wrapper are matched to their model params through Megatron's ``param.main_param``).
         pg_collection: Megatron's process groups (``tp``, ``expt_tp``).
+        layouts: parameter -> :class:`ParamLayout`, instead of describing ``model_chunks``.
+        **settings: the options below (keyword only; declared in :mod:`dion3_megatron.options`;
+            :func:`config_to_kwargs` reads them from ``OptimizerConfig.dion3_<name>``).
+
+    Options:
+{options}
     """
 
     def __init__(
         self,
         params,
-        lr: float = 0.01,
-        weight_decay: float = 0.01,
-        fraction: float = DION3_DEFAULTS["dion3_fraction"],
-        mu: float = DION3_DEFAULTS["dion3_mu"],
-        beta2: float = DION3_DEFAULTS["dion3_beta2"],
-        eps: float = DION3_DEFAULTS["dion3_eps"],
-        adjust_lr: str = DION3_DEFAULTS["dion3_adjust_lr"],
-        scale_lr_by_fraction: bool = DION3_DEFAULTS["dion3_scale_lr_by_fraction"],
-        scale_mu_by_fraction: bool = DION3_DEFAULTS["dion3_scale_mu_by_fraction"],
-        cuda_graph: bool = DION3_DEFAULTS["dion3_cuda_graph"],
-        selection: str = DION3_DEFAULTS["dion3_selection_scope"],
-        ns_method: str = DION3_DEFAULTS["dion3_ns"],
-        ns_dtype: Optional[torch.dtype] = None,
-        split_qkv: bool = True,
-        split_glu: bool = True,
+        lr: float = options.BY_NAME["lr"].default,
+        weight_decay: float = options.BY_NAME["weight_decay"].default,
         model_chunks: Optional[list] = None,
         pg_collection=None,
         layouts: Optional[dict] = None,
+        **settings: Any,
     ) -> None:
-        if selection != "global":  # the engine selects over whole logical matrices only
-            raise ValueError(f"selection must be one of ('global',), got {selection!r}")
-        defaults = dict(lr=lr, weight_decay=weight_decay, fraction=fraction, mu=mu, beta2=beta2, eps=eps,
-                        adjust_lr=adjust_lr, scale_lr_by_fraction=scale_lr_by_fraction,
-                        scale_mu_by_fraction=scale_mu_by_fraction, ns_method=ns_method, ns_dtype=ns_dtype)
-        rule.check_hyperparameters("MegatronDion3", **defaults)
-        for name, value in (("cuda_graph", cuda_graph), ("split_qkv", split_qkv), ("split_glu", split_glu)):
-            if not isinstance(value, bool):
-                raise ValueError(f"MegatronDion3: {name} must be a bool, got {value!r}")
-        super().__init__(params, defaults)
-        self.selection = selection
-        self.cuda_graph = cuda_graph
-        self.split_qkv = split_qkv
-        self.split_glu = split_glu
+        settings = options.settings(type(self).__name__, options.MEGATRON, settings)
+        options.check(type(self).__name__, lr=lr, weight_decay=weight_decay, **settings)
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay,
+                                      **{k: settings[k] for k in options.group_keys(options.MEGATRON)}))
+        self.cuda_graph = settings["cuda_graph"]
+        self.split_qkv = settings["split_qkv"]
+        self.split_glu = settings["split_glu"]
+        self.kernels = settings["kernels"]
         self.pg_collection = pg_collection
         self._model_chunks = list(model_chunks) if model_chunks is not None else []
         self._layouts: dict[torch.Tensor, ParamLayout] = dict(layouts) if layouts else {}
         if model_chunks is not None and not layouts:
-            self._layouts = describe_model(model_chunks, pg_collection, split_qkv=split_qkv, split_glu=split_glu)
+            self._layouts = describe_model(model_chunks, pg_collection, split_qkv=self.split_qkv,
+                                           split_glu=self.split_glu)
         self.skipped_steps = 0
         self._auto_fractions: dict[int, dict[str, float]] = {}  # rank -> matrix name -> f, what "auto" chose
         self._saved_fractions: dict[str, float] = {}  # matrix name -> f, from a checkpoint
@@ -446,7 +431,7 @@ class MegatronDion3(torch.optim.Optimizer):
             raise ValueError(f"checkpoint has {len(groups)} param groups, the optimizer has {len(self.param_groups)}")
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
             merged = {**mine, **saved}
-            rule.check_hyperparameters(f"param group {gi}", **{k: merged[k] for k in _GROUP_SETTINGS})
+            options.check(f"param group {gi}", **{k: merged[k] for k in _GROUP_SETTINGS})
         saved_fractions = state_dict.get("auto_fractions", {})
         saved_fractions = self._checked_saved_fractions(saved_fractions) if any(saved_fractions.values()) else None
         updates = []
@@ -526,6 +511,7 @@ class MegatronDion3(torch.optim.Optimizer):
         self._finite_vouched = finite
 
     @torch.no_grad()
+    @kernel_config.scoped_step
     def step(self, closure=None):
         loss = None
         if closure is not None:
@@ -555,6 +541,9 @@ def dion3_values(config=None) -> dict[str, Any]:
         args = get_args()
     except Exception:  # noqa: BLE001 - megatron.training absent or args not parsed (core-only use)
         args = None
+    for source in (config, args):
+        if source is not None:
+            refuse_renamed(source, "Megatron optimizer config")
     values = {}
     for key, default in DION3_DEFAULTS.items():
         if config is not None and hasattr(config, key):
@@ -567,24 +556,15 @@ def dion3_values(config=None) -> dict[str, Any]:
 
 
 def config_to_kwargs(config, model_chunks, pg_collection) -> dict[str, Any]:
-    """Megatron ``OptimizerConfig`` -> :class:`MegatronDion3` constructor kwargs."""
-    v = dion3_values(config)
-    check_dion3_values(v, "Megatron optimizer config")
+    """Megatron ``OptimizerConfig`` -> :class:`MegatronDion3` constructor kwargs, as Megatron-Core's
+    ``_kwargs_from_config`` reads a prefixed config: option ``name`` from ``config.dion3_<name>``,
+    lr and weight decay from Megatron's own fields."""
+    values = dion3_values(config)
+    check_dion3_values(values, "Megatron optimizer config")
     return dict(
-        lr=config.lr if config.lr is not None else 0.01,
+        lr=config.lr if config.lr is not None else options.BY_NAME["lr"].default,
         weight_decay=config.weight_decay,
-        fraction=v["dion3_fraction"],
-        mu=v["dion3_mu"],
-        beta2=v["dion3_beta2"],
-        eps=v["dion3_eps"],
-        adjust_lr=v["dion3_adjust_lr"],
-        scale_lr_by_fraction=v["dion3_scale_lr_by_fraction"],
-        scale_mu_by_fraction=v["dion3_scale_mu_by_fraction"],
-        cuda_graph=v["dion3_cuda_graph"],
-        selection=v["dion3_selection_scope"],
-        ns_method=v["dion3_ns"],
-        split_qkv=v["dion3_split_qkv"],
-        split_glu=v["dion3_split_glu"],
+        **{option.name: values[config_field(option.name)] for option in OPTIONS},
         model_chunks=model_chunks,
         pg_collection=pg_collection,
     )

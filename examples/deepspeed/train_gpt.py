@@ -20,6 +20,7 @@ import importlib
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -28,7 +29,9 @@ import torch.nn.functional as F
 import deepspeed
 
 import dion3_megatron.deepspeed as dion3_deepspeed  # registers "type": "Dion3"
-from dion3_megatron.corpus import stdlib_bytes
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/stdlib_text.py
+from stdlib_text import stdlib_bytes  # noqa: E402
 
 
 def stdlib_corpus(max_bytes: int = 8_000_000) -> torch.Tensor:

@@ -1,7 +1,6 @@
 """A minimal Megatron-LM 0.19 ``pretrain_gpt.py`` on synthetic data, for trying ``--optimizer dion3``.
 
-    torchrun --nproc-per-node 2 -m dion3_megatron.megatron.launch \\
-        "$(python -c 'import dion3_megatron.megatron.pretrain_gpt as m; print(m.__file__)')" \\
+    torchrun --nproc-per-node 2 -m dion3_megatron.megatron.launch examples/megatron_lm_pretrain_gpt.py \\
         --optimizer dion3 --use-distributed-optimizer --bf16 --tensor-model-parallel-size 2 \\
         --num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \\
         --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 8 \\

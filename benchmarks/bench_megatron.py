@@ -1,6 +1,6 @@
 """Train a small GPT with Megatron-Core and compare optimizers: loss curve and optimizer-step time.
 
-    torchrun --nproc-per-node 2 -m dion3_megatron.megatron.bench --tp 2,1 --optimizers dion3,dion3@0.125,muon,adam
+    torchrun --nproc-per-node 2 benchmarks/bench_megatron.py --tp 2,1 --optimizers dion3,dion3@0.125,muon,adam
 
 Megatron-Core's own pieces as ``pretrain()`` wires them: GPTModel (local spec), DDP with the
 layer-wise ZeRO-1 layout (``--use-distributed-optimizer``), ``get_megatron_optimizer``, the lr
@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -49,7 +50,7 @@ def parse(argv=None):
                    help="Megatron's --overlap-grad-reduce --overlap-param-gather: the parameter all-gather "
                         "leaves optimizer.step() for the next forward pass, as in production runs")
     p.add_argument("--json", help="append one JSON line per run here (rank 0)")
-    p.add_argument("--cpu", action="store_true", help="gloo + dion3_megatron.megatron.cpu (smoke test only)")
+    p.add_argument("--cpu", action="store_true", help="gloo + examples/megatron_cpu.py (smoke test only)")
     return p.parse_args(argv)
 
 
@@ -175,7 +176,8 @@ def run(args, name, device, tp, fraction):
 def main(argv=None):
     args = parse(argv)
     if args.cpu:
-        from .cpu import install
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+        from megatron_cpu import install
 
         install()
         dist.init_process_group("gloo")
@@ -184,7 +186,7 @@ def main(argv=None):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl")
         device = torch.device("cuda", torch.cuda.current_device())
-    from . import register
+    from dion3_megatron.megatron import register
 
     register()
     for tp in (int(t) for t in str(args.tp).split(",")):

@@ -1,0 +1,134 @@
+"""Which kernels run: one configuration object for the process, read at every dispatch.
+
+:class:`KernelConfig` holds every switch the kernels have: ``kernels`` ("auto": the package's
+kernels where they pay, "torch": plain torch everywhere), a forced matmul ``backend`` (tests and
+benchmarks), the routing rule and thresholds of the symmetric-GEMM kernels, their tile, and the
+Triton row kernels. Environment variables are only defaults (``DION3_KERNELS=0``: kernels
+"torch"; ``DION3_FUSED_ROWS=0``: no row kernels), read when no configuration was set, at each
+read, so nothing freezes at import or first use. A Dion3 optimizer's ``kernels`` option applies
+its value for the duration of its steps (:func:`scoped_step`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+KERNELS = ("auto", "torch")
+ROUTINGS = ("measured", "always")
+TILES = ((64, 64), (128, 128), (128, 256), (256, 256))  # (tile_m, tile_n) of the symmetric GEMM kernels
+
+
+def tile_shape(tile) -> tuple[int, int]:
+    """(tile_m, tile_n) from 64, 128, 256, (128, 256) or "128x256"."""
+    if isinstance(tile, str):
+        tile = tuple(int(v) for v in tile.split("x")) if "x" in tile else int(tile)
+    shape = (tile, tile) if isinstance(tile, int) else tuple(tile)
+    if shape not in TILES:
+        raise ValueError(f"tile must be one of {[f'{m}x{n}' for m, n in TILES]}, got {tile!r}")
+    return shape
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    kernels: str = "auto"
+    backend: Optional[str] = None  # a registered matmul backend forced for every product (kernels.dispatch)
+    routing: str = "measured"  # "always": every product the symmetric kernels can take (tests, benchmarks)
+    # Measured crossovers (H200, CuTe DSL 4.8.1, torch 2.11 cuBLAS): below these the kernel lost
+    # to cuBLAS's full product. See docs/benchmarks.md "Kernels" for the numbers behind them.
+    min_m: int = 3072  # output side (Gram size s): 2048 x 8192 ran 0.88x of cuBLAS, 3072^2 1.02x
+    min_work: int = 3072 * 3072 * 3072  # batch * M * M * K
+    tile: Any = None  # symmetric-GEMM tile, any form tile_shape takes; None: modelled per shape (sm90_symm.default_tile)
+    fused_rows: bool = True  # the Triton row kernels (kernels/rows.py) where kernels is "auto"
+
+    def __post_init__(self) -> None:
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        for name in ("min_m", "min_work"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if not isinstance(self.fused_rows, bool):
+            raise ValueError(f"fused_rows must be a bool, got {self.fused_rows!r}")
+        if self.tile is not None:  # one spelling, hashable: a configuration can key a cache or a graph
+            object.__setattr__(self, "tile", tile_shape(self.tile))
+
+
+def from_environment() -> KernelConfig:
+    """The defaults: DION3_KERNELS=0 -> kernels "torch"; DION3_FUSED_ROWS=0 -> no row kernels."""
+    return KernelConfig(kernels="torch" if os.environ.get("DION3_KERNELS", "1") == "0" else "auto",
+                        fused_rows=os.environ.get("DION3_FUSED_ROWS", "1") != "0")
+
+
+_configured: Optional[KernelConfig] = None  # set by configure(); None: from_environment()
+_scoped = threading.local()  # .stack: the configurations of the using() blocks this thread is in
+
+
+def current() -> KernelConfig:
+    """The configuration in force on this thread: the innermost :func:`using` block's, else the
+    process's (:func:`configure`), else the environment's."""
+    stack = getattr(_scoped, "stack", None)
+    if stack:
+        return stack[-1]
+    return _configured if _configured is not None else from_environment()
+
+
+def configure(config: Optional[KernelConfig] = None, **changes: Any) -> KernelConfig:
+    """Set the process's configuration: ``config``, or the current one with ``changes``
+    (``configure(kernels="torch")``); ``configure(None)`` without changes returns to the
+    environment's defaults. Returns the new configuration."""
+    global _configured
+    if config is None and not changes:
+        _configured = None
+        return current()
+    _configured = _checked(dataclasses.replace(config or current(), **changes))
+    return _configured
+
+
+@contextlib.contextmanager
+def using(config: Optional[KernelConfig] = None, **changes: Any) -> Iterator[KernelConfig]:
+    """A block (this thread only) under ``config``, or the current configuration with ``changes``."""
+    scoped = _checked(dataclasses.replace(config or current(), **changes))
+    stack = _scoped.__dict__.setdefault("stack", [])
+    stack.append(scoped)
+    try:
+        yield scoped
+    finally:
+        stack.pop()
+
+
+def _checked(config: KernelConfig) -> KernelConfig:
+    """``config``, once its forced backend (if any) is known to be registered."""
+    if config.backend is not None:
+        from . import dispatch
+
+        dispatch.check_backend_name(config.backend)
+    return config
+
+
+def row_kernels_enabled() -> bool:
+    """Whether the Triton row kernels may run (where triton and a CUDA device are present): the
+    current configuration's kernels is "auto" and its fused_rows is on."""
+    config = current()
+    return config.kernels == "auto" and config.fused_rows
+
+
+def scoped_step(step: Callable) -> Callable:
+    """Decorator of an optimizer's ``step``: run it under the optimizer's ``kernels`` option
+    ("auto" | "torch"; None leaves the configuration in force), and only it."""
+
+    @functools.wraps(step)
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        if self.kernels is None:
+            return step(self, *args, **kwargs)
+        with using(kernels=self.kernels):
+            return step(self, *args, **kwargs)
+
+    return run

@@ -1,0 +1,277 @@
+"""Every user-facing Dion3 option, declared once: name, kind, default, allowed values, help.
+
+The front ends are derived from :data:`OPTIONS`:
+
+* the torch optimizer: ``Dion3(params, **settings)`` takes the options whose front ends include
+  ``"torch"``, with these defaults, and checks them (and every param group) with :func:`check`;
+* Megatron: ``--dion3-<name>`` flags (:mod:`dion3_megatron.megatron.arguments`), ``dion3_<name>``
+  fields of Megatron's ``OptimizerConfig`` (and of ``patches/megatron-core-0.19-dion3.patch``), and
+  the ``MegatronDion3`` keyword arguments of the same names, read as Megatron-Core's
+  ``_kwargs_from_config`` reads a prefixed config;
+* DeepSpeed: the keys of ``"optimizer": {"type": "Dion3", "params": {...}}``
+  (:mod:`dion3_megatron.deepspeed.config`);
+* :class:`dion3_megatron.rule.Dion3Hyperparameters`: its defaults.
+
+tests/test_options.py checks that every front end carries exactly its options with these
+defaults and ranges. To add an option: declare it here, use it in the rule (or the front end that
+owns it), and extend that test where the new option needs a value of its own.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import math
+import textwrap
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .kernels.config import KERNELS
+
+AUTO = "auto"
+ADJUST_LR_CHOICES = ("spectral_norm", "rms_norm")
+NS_METHODS = ("gram", "standard")
+NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+TORCH, MEGATRON, DEEPSPEED = "torch", "megatron", "deepspeed"
+FRONT_ENDS = (TORCH, MEGATRON, DEEPSPEED)
+_EVERYWHERE = frozenset(FRONT_ENDS)
+_NOT_MEGATRON = frozenset((TORCH, DEEPSPEED))  # Megatron passes its own lr, weight decay and param groups
+
+# The kinds of value an option takes (each has one check and one description).
+REAL = "real"  # a finite int or float in [low, high] (either end open, either end unbounded)
+FRACTION = "fraction"  # a REAL or "auto"
+BOOL = "bool"
+CHOICE = "choice"  # one of ``choices``
+HEADS = "heads"  # None or a positive int
+DTYPE = "dtype"  # None or one of NS_DTYPES' values
+BETAS = "betas"  # two REALs in [0, 1)
+_ANNOTATIONS = {REAL: float, FRACTION: "float | str", BOOL: bool, CHOICE: str, HEADS: Optional[int],
+                DTYPE: Optional[torch.dtype], BETAS: tuple[float, float]}
+
+
+def is_real(value: Any) -> bool:
+    """A finite int or float, not a bool (True would pass for 1 and reach the math as one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option. ``name`` is the keyword argument, the param-group key and the DeepSpeed key;
+    Megatron spells it ``dion3_<name>`` (config field) and ``--dion3-<name>`` (flag)."""
+
+    name: str
+    kind: str
+    default: Any
+    help: str
+    front_ends: frozenset[str] = _EVERYWHERE
+    low: Optional[float] = None  # REAL / FRACTION: bounds, None for unbounded
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple[str, ...] = ()
+    hyperparameter: bool = True  # a field of rule.Dion3Hyperparameters
+    group_key: bool = True  # carried by each param group (else one value per optimizer)
+
+    @property
+    def annotation(self) -> Any:
+        if self.default is None and self.kind in (REAL, CHOICE):
+            return Optional[_ANNOTATIONS[self.kind]]
+        return _ANNOTATIONS[self.kind]
+
+    def in_range(self, value: float) -> bool:
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def range_text(self, number=lambda x: f"{x:g}") -> str:
+        """"[0, 1)", "(0, 1]"; one-sided ranges as ">= 0", "> 0"."""
+        if self.low is not None and self.high is not None:
+            lo, hi = ("(" if self.low_open else "["), (")" if self.high_open else "]")
+            return f"in {lo}{number(self.low)}, {number(self.high)}{hi}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {number(self.low)}"
+        return f"{'<' if self.high_open else '<='} {number(self.high)}"
+
+    def number_text(self, number=lambda x: f"{x:g}") -> str:
+        """The numbers a REAL (or FRACTION) takes: "in [0, 1)", "a finite number >= 0"."""
+        two_sided = self.low is not None and self.high is not None
+        return self.range_text(number) if two_sided else f"a finite number {self.range_text(number)}"
+
+    def allowed(self) -> str:
+        """What the option accepts, in the words of every error message."""
+        if self.kind == REAL:
+            return self.number_text()
+        if self.kind == FRACTION:
+            return f"{self.range_text()} or {AUTO!r}"
+        if self.kind == BOOL:
+            return "a bool"
+        if self.kind == CHOICE:
+            return f"{'None or ' if self.default is None else ''}one of {self.choices}"
+        if self.kind == HEADS:
+            return "None or a positive int"
+        if self.kind == DTYPE:
+            return f"None or one of {list(NS_DTYPES)}"
+        if self.kind == BETAS:
+            return "two values in [0, 1)"
+        raise AssertionError(f"unknown option kind {self.kind!r}")
+
+    def valid(self, value: Any) -> bool:
+        if value is None and self.default is None:
+            return True  # not set
+        if self.kind == REAL:
+            return is_real(value) and self.in_range(value)
+        if self.kind == FRACTION:
+            return value == AUTO if isinstance(value, str) else is_real(value) and self.in_range(value)
+        if self.kind == BOOL:
+            return isinstance(value, bool)
+        if self.kind == CHOICE:
+            return isinstance(value, str) and value in self.choices
+        if self.kind == HEADS:
+            return value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
+        if self.kind == DTYPE:
+            return value is None or value in NS_DTYPES.values()
+        if self.kind == BETAS:
+            return isinstance(value, (tuple, list)) and len(value) == 2 and all(is_real(b) and 0 <= b < 1 for b in value)
+        raise AssertionError(f"unknown option kind {self.kind!r}")
+
+
+_UNIT = dict(low=0.0, high=1.0, high_open=True)  # [0, 1)
+_OPTIMIZER_WIDE = dict(hyperparameter=False, group_key=False)
+
+OPTIONS: tuple[Option, ...] = (
+    Option("lr", REAL, 0.01, "learning rate (Dion3, and AdamW unless adamw_lr is given)",
+           front_ends=_NOT_MEGATRON, low=0.0),
+    # Default None: not set, the AdamW parameters take lr.
+    Option("adamw_lr", REAL, None, "learning rate of the parameters on AdamW (embeddings, output head, norms, "
+           "biases), > 0", front_ends=frozenset((DEEPSPEED,)), low=0.0, low_open=True, hyperparameter=False,
+           group_key=False),
+    Option("fraction", FRACTION, 0.25, "share of each matrix's rows updated per step, in (0, 1] (paper: 1/4 or "
+           "1/8), or 'auto': chosen per matrix from its shape, the world size and the device's speed",
+           low=0.0, high=1.0, low_open=True),
+    Option("mu", REAL, 0.6, "share of the applied rows' momentum kept after a step (error feedback), in [0, 1); "
+           "the reference's 0.95 trails Muon at f < 1", **_UNIT),
+    Option("beta2", REAL, 0.95, "NorMuon per-row second-moment decay, in [0, 1)", **_UNIT),
+    Option("weight_decay", REAL, 0.01, "decoupled weight decay (both algorithms), >= 0",
+           front_ends=_NOT_MEGATRON, low=0.0),
+    Option("eps", REAL, 1e-8, "NorMuon / AdamW epsilon, > 0", low=0.0, low_open=True),
+    Option("adjust_lr", CHOICE, "spectral_norm", "multiplier of the orthogonalized step's lr: spectral_norm = "
+           "sqrt(rows/cols); rms_norm = 0.2 sqrt(max(rows, cols)) (AdamW lr/wd transfer)",
+           choices=ADJUST_LR_CHOICES),
+    Option("scale_lr_by_fraction", BOOL, False, "multiply the Dion3 step by 1/sqrt(fraction) (keeps the step "
+           "norm as f shrinks)"),
+    Option("scale_mu_by_fraction", BOOL, False, "the applied rows keep mu ** (1/fraction) of their momentum "
+           "instead of mu: the memory of heavy-ball momentum with mu at every fraction"),
+    Option("staleness", REAL, 0.0, "selection favours rows that waited: each row's L1 score times "
+           "1 + staleness * f * (steps since the row was last applied); 0: plain L1 norms. Single-process "
+           "(and DDP) Dion3 only", front_ends=frozenset((TORCH,)), low=0.0),
+    Option("num_heads", HEADS, None, "select rows per head (rows viewed as heads x head_dim): a positive int, or "
+           "None", front_ends=_NOT_MEGATRON),
+    Option("ns_method", CHOICE, "gram", "orthogonalization: 'gram' (Gram Newton-Schulz) or 'standard' "
+           "(Newton-Schulz)", choices=NS_METHODS),
+    Option("ns_dtype", DTYPE, None, "compute dtype of the orthogonalization: None is fp16 on GPUs and fp32 on "
+           "CPU, or one of float16, bfloat16, float32, float64", front_ends=_NOT_MEGATRON),
+    Option("betas", BETAS, (0.9, 0.95), "AdamW betas, two values in [0, 1)", front_ends=_NOT_MEGATRON,
+           hyperparameter=False),
+    Option("kernels", CHOICE, None, "which matrix products the orthogonalization of the optimizer's steps runs: "
+           "'auto', the package's symmetric-GEMM kernels where they measured faster; 'torch', plain torch; None, "
+           "the process's kernel configuration (dion3_megatron.kernels.configure; DION3_KERNELS=0 makes it "
+           "'torch'); the Triton row kernels follow it too (and DION3_FUSED_ROWS=0)", choices=KERNELS,
+           **_OPTIMIZER_WIDE),
+    Option("cuda_graph", BOOL, True, "replay the part of the step that one GPU runs alone as a CUDA graph",
+           **_OPTIMIZER_WIDE),
+    Option("split_qkv", BOOL, True, "orthogonalize Q, K and V of a fused QKV weight as separate matrices",
+           front_ends=frozenset((MEGATRON,)), **_OPTIMIZER_WIDE),
+    Option("split_glu", BOOL, True, "orthogonalize the gate and up halves of a SwiGLU fc1 as separate matrices",
+           front_ends=frozenset((MEGATRON,)), **_OPTIMIZER_WIDE),
+)
+
+BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
+
+# Old spellings of published interfaces: old name -> new name. Megatron's flag and config field
+# were --dion3-ns / dion3_ns before every front end called the option ns_method; the Megatron
+# front end refuses the old spelling with an error naming the new one (rename_error).
+RENAMED = {"ns": "ns_method"}
+
+
+def options_for(front_end: str) -> tuple[Option, ...]:
+    """The options a front end ("torch", "megatron", "deepspeed") takes, in declaration order."""
+    if front_end not in FRONT_ENDS:
+        raise ValueError(f"front_end must be one of {FRONT_ENDS}, got {front_end!r}")
+    return tuple(option for option in OPTIONS if front_end in option.front_ends)
+
+
+def defaults_for(front_end: str) -> dict[str, Any]:
+    """{name: default} of the options a front end takes."""
+    return {option.name: option.default for option in options_for(front_end)}
+
+
+def hyperparameter_names() -> tuple[str, ...]:
+    """The options that are fields of rule.Dion3Hyperparameters."""
+    return tuple(option.name for option in OPTIONS if option.hyperparameter)
+
+
+def group_keys(front_end: str) -> tuple[str, ...]:
+    """The options a front end carries in each param group."""
+    return tuple(option.name for option in options_for(front_end) if option.group_key)
+
+
+def settings(where: str, front_end: str, given: dict[str, Any]) -> dict[str, Any]:
+    """A front end's options: the defaults updated with ``given``, which must name only its options
+    (TypeError otherwise, as for any unexpected keyword argument). Values are not checked here:
+    the front end checks them where its error messages say where they were set."""
+    known = defaults_for(front_end)
+    for name in given:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"{where} got an unexpected keyword argument {name!r}{hint}")
+    return {**known, **given}
+
+
+def documented(front_end: str):
+    """Class decorator for a front end whose constructor takes its options as ``**settings``: the
+    constructor's signature (``help()``, ``inspect.signature``) lists them as keyword-only
+    parameters with their defaults, and ``{options}`` in the class docstring becomes their list."""
+
+    def apply(cls: type) -> type:
+        init = cls.__init__
+        own = [p for p in inspect.signature(init).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        keyword = [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.annotation)
+                   for o in options_for(front_end)]
+        init.__signature__ = inspect.Signature(own + keyword)
+        cls.__doc__ = cls.__doc__.replace("{options}", describe(front_end))
+        return cls
+
+    return apply
+
+
+def describe(front_end: str, indent: str = "        ") -> str:
+    """An "Args"-style list of a front end's options for its docstring."""
+    lines = []
+    for o in options_for(front_end):
+        text = f"{o.name}: {o.help}. Default {o.default!r}."
+        lines.append(textwrap.fill(text, 100, initial_indent=indent, subsequent_indent=indent + "    "))
+    return "\n".join(lines)
+
+
+def check(where: str, prefix: str = "", **values: Any) -> None:
+    """Raise ValueError naming ``where``, the option (as ``prefix + name``) and its value when a
+    value is out of range or of the wrong type; names that are not options are ignored."""
+    for name, value in values.items():
+        option = BY_NAME.get(name)
+        if option is not None and not option.valid(value):
+            raise ValueError(f"{where}: {prefix}{name} must be {option.allowed()}, got {value!r}")
+
+
+def rename_error(where: str, old: str, spell=lambda name: name) -> ValueError:
+    """The error for an old option name: ``spell`` writes a name as the front end does."""
+    return ValueError(f"{where}: {spell(old)} was renamed {spell(RENAMED[old])}")
+
+
+def check_num_heads(where: str, num_heads: Optional[int], n_rows: int, what: str) -> None:
+    """Per-head selection views a matrix's rows as heads x head_dim: num_heads must divide them."""
+    if num_heads is not None and n_rows % num_heads:
+        raise ValueError(f"{where}: num_heads={num_heads} does not divide the {n_rows} rows of {what}")

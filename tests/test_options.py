@@ -1,0 +1,157 @@
+"""Every front end agrees with the option spec (dion3_megatron.options): each option is present
+where its front ends say, with the spec's default and range, and nothing else is."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import pathlib
+import re
+
+import pytest
+import torch
+
+from dion3_megatron import Dion3, options, rule
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MEGATRON_PATCH = ROOT / "patches" / "megatron-core-0.19-dion3.patch"
+DEEPSPEED_PATCH = ROOT / "patches" / "deepspeed-0.19-dion3.patch"
+
+# A value out of range (or of the wrong type) for each kind, to see every front end refuse it.
+_BAD = {options.REAL: float("nan"), options.FRACTION: 1.5, options.BOOL: "false", options.CHOICE: "nearby",
+        options.HEADS: 0, options.DTYPE: "fp16", options.BETAS: (0.9, 1.0)}
+
+
+def _keyword_defaults(cls) -> dict:
+    return {name: p.default for name, p in inspect.signature(cls).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def test_spec_is_consistent():
+    assert len(options.BY_NAME) == len(options.OPTIONS)
+    for option in options.OPTIONS:
+        assert option.front_ends and option.front_ends <= set(options.FRONT_ENDS), option.name
+        assert option.help and option.help[-1] != ".", option.name  # the front ends add their own punctuation
+        if option.default is not None or option.kind in (options.HEADS, options.DTYPE):
+            assert option.valid(option.default), option.name
+        assert not option.valid(_BAD[option.kind]), option.name
+        if option.hyperparameter:
+            assert option.group_key, option.name
+    assert set(options.RENAMED.values()) <= set(options.BY_NAME)
+
+
+def test_rule_hyperparameters_take_their_defaults_from_the_spec():
+    fields = {f.name: f.default for f in dataclasses.fields(rule.Dion3Hyperparameters)}
+    assert tuple(fields) == options.hyperparameter_names()
+    assert fields == {name: options.BY_NAME[name].default for name in fields}
+
+
+def test_torch_constructor_takes_exactly_the_torch_options():
+    assert _keyword_defaults(Dion3) == options.defaults_for(options.TORCH)
+    opt = Dion3([torch.nn.Parameter(torch.zeros(4, 4))])
+    group = opt.param_groups[0]
+    for name in options.group_keys(options.TORCH):
+        assert group[name] == options.BY_NAME[name].default, name
+    assert opt.cuda_graph is options.BY_NAME["cuda_graph"].default
+    with pytest.raises(TypeError, match="unexpected keyword argument 'fractoin' \\(did you mean 'fraction'\\?\\)"):
+        Dion3([torch.nn.Parameter(torch.zeros(4, 4))], fractoin=0.5)
+
+
+@pytest.mark.parametrize("option", options.options_for(options.TORCH), ids=lambda o: o.name)
+def test_torch_refuses_what_the_spec_refuses(option):
+    with pytest.raises(ValueError, match=f"{option.name} must be"):
+        Dion3([torch.nn.Parameter(torch.zeros(4, 4))], **{option.name: _BAD[option.kind]})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+def test_deepspeed_keys_are_the_deepspeed_options():
+    from deepspeed_helpers import import_keeping_environment
+
+    dion3_ds = import_keeping_environment("dion3_megatron.deepspeed")
+    CONFIG_KEYS, DeepSpeedDion3, normalize_params = dion3_ds.CONFIG_KEYS, dion3_ds.DeepSpeedDion3, dion3_ds.normalize_params
+
+    assert list(CONFIG_KEYS) == [o.name for o in options.options_for(options.DEEPSPEED)]
+    assert _keyword_defaults(DeepSpeedDion3) == options.defaults_for(options.DEEPSPEED)
+    for option in options.options_for(options.DEEPSPEED):
+        with pytest.raises(ValueError, match=f"{option.name} must be"):
+            normalize_params({option.name: _BAD[option.kind]})
+    # The patched DeepSpeed hands the config's params to the same class, so to the same checks.
+    assert "optimizer = DeepSpeedDion3(model_parameters, **optimizer_parameters)" in DEEPSPEED_PATCH.read_text()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
+def test_megatron_flags_config_fields_and_kwargs_are_the_megatron_options():
+    import argparse
+    from types import SimpleNamespace
+
+    from dion3_megatron.megatron import arguments, optimizer
+
+    megatron = options.options_for(options.MEGATRON)
+    assert _keyword_defaults(optimizer.MegatronDion3) == options.defaults_for(options.MEGATRON)
+    parser = arguments.add_dion3_arguments(argparse.ArgumentParser())
+    parsed = vars(parser.parse_args([]))
+    assert parsed == {f"dion3_{o.name}": o.default for o in megatron}
+    flags = {s for action in parser._actions for s in action.option_strings}
+    for option in megatron:
+        assert arguments.flag(option.name) in flags
+        if option.kind in (options.REAL, options.FRACTION, options.CHOICE):
+            with pytest.raises(SystemExit):
+                parser.parse_args([arguments.flag(option.name), str(_BAD[option.kind])])
+    kwargs = optimizer.config_to_kwargs(SimpleNamespace(lr=None, weight_decay=0.1), [], None)
+    assert {k: kwargs[k] for k in options.defaults_for(options.MEGATRON)} == options.defaults_for(options.MEGATRON)
+    for option in megatron:
+        config = SimpleNamespace(lr=None, weight_decay=0.1, **{f"dion3_{option.name}": _BAD[option.kind]})
+        with pytest.raises(ValueError, match=f"dion3_{option.name} must be"):
+            optimizer.config_to_kwargs(config, [], None)
+    for old, new in options.RENAMED.items():
+        with pytest.raises(ValueError, match=f"dion3_{old} was renamed dion3_{new}"):
+            optimizer.config_to_kwargs(SimpleNamespace(lr=None, weight_decay=0.1, **{f"dion3_{old}": "x"}), [], None)
+
+
+_ANNOTATION = {options.REAL: "float", options.FRACTION: "Union[float, str]", options.BOOL: "bool",
+               options.CHOICE: "str"}
+
+
+def _annotation(option: options.Option) -> str:
+    return f"Optional[{_ANNOTATION[option.kind]}]" if option.default is None else _ANNOTATION[option.kind]
+
+
+def optimizer_config_fields() -> list[str]:
+    """The OptimizerConfig fields the Megatron patch adds, as the spec has them (patch lines)."""
+    lines = ["+    # Dion3 (dion3_megatron; --optimizer dion3)."]
+    for option in options.options_for(options.MEGATRON):
+        lines += [f"+    dion3_{option.name}: {_annotation(option)} = {option.default!r}",
+                  f'+    """{option.help[0].upper()}{option.help[1:]}."""', "+"]
+    return lines
+
+
+def test_megatron_patch_declares_the_spec_fields():
+    patch = MEGATRON_PATCH.read_text().splitlines()
+    added = [line for line in patch if re.match(r"\+    (# Dion3|dion3_\w+:|\"\"\")", line) or line == "+"]
+    start = patch.index("+    # Dion3 (dion3_megatron; --optimizer dion3).")
+    expected = optimizer_config_fields()
+    assert patch[start:start + len(expected)] == expected, "\n".join(["patch should read:"] + expected)
+    assert sum(line.startswith("+    dion3_") for line in added) == len(options.options_for(options.MEGATRON))
+
+
+def _rewrite_megatron_patch() -> None:
+    """``python tests/test_options.py``: write the spec's fields into the Megatron patch (after a
+    change of the Megatron options), fixing the hunk's line counts."""
+    lines = MEGATRON_PATCH.read_text().split("\n")
+    start = end = lines.index("+    # Dion3 (dion3_megatron; --optimizer dion3).")
+    while lines[end].startswith("+"):
+        end += 1
+    lines[start:end] = optimizer_config_fields()
+    header = max(i for i in range(start) if lines[i].startswith("@@"))
+    body = lines[header + 1:]
+    body = body[:next((i for i, line in enumerate(body) if line.startswith(("@@", "--- "))), len(body))]
+    old = sum(not line.startswith("+") for line in body)
+    new = sum(not line.startswith("-") for line in body)
+    match = re.match(r"@@ -(\d+),\d+ \+(\d+),\d+ @@(.*)", lines[header])
+    lines[header] = f"@@ -{match.group(1)},{old} +{match.group(2)},{new} @@{match.group(3)}"
+    MEGATRON_PATCH.write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    _rewrite_megatron_patch()
