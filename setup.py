@@ -5,9 +5,12 @@ EXTRAS = {
     "megatron": ["megatron-core==0.19.*", "tqdm", "matplotlib", "emerging-optimizers>=0.3"],
     "deepspeed": ["deepspeed>=0.19,<0.20"],
     "kernels": ["nvidia-cutlass-dsl[cu13]>=4.8"],
+    # Hugging Face Trainer + DeepSpeed (examples/hf_trainer, tests/test_hf_trainer.py): Trainer needs accelerate.
+    "hf": ["deepspeed>=0.19,<0.20", "transformers>=5,<6", "accelerate>=1.1"],
 }
-# The tests exercise both integrations on CPU, so they need both frameworks.
-EXTRAS["test"] = ["pytest>=8", "numpy"] + EXTRAS["megatron"] + EXTRAS["deepspeed"]
+HF_ONLY = [r for r in EXTRAS["hf"] if r not in EXTRAS["deepspeed"]]
+# The tests exercise the integrations on CPU, so they need the frameworks.
+EXTRAS["test"] = ["pytest>=8", "numpy"] + EXTRAS["megatron"] + EXTRAS["deepspeed"] + HF_ONLY
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 
 setup(

@@ -140,3 +140,15 @@ def test_example_config_is_valid(name):
     config = json.loads((EXAMPLES / name).read_text())
     assert config["optimizer"]["type"] == "Dion3"
     normalize_params(config["optimizer"]["params"])
+
+
+def test_hf_trainer_example_config_is_auto_where_trainer_sets_values_and_valid_once_filled():
+    path = EXAMPLES.parent / "hf_trainer" / "ds_config_dion3.json"
+    config = json.loads(path.read_text())
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+        assert config[key] == "auto", key
+    assert config["bf16"]["enabled"] == "auto"
+    params = config["optimizer"]["params"]
+    assert params["lr"] == "auto" and params["weight_decay"] == "auto"
+    filled = {k: {"lr": 0.02, "weight_decay": 0.0}.get(k, v) for k, v in params.items()}  # what Trainer writes
+    assert normalize_params(filled)["lr"] == 0.02

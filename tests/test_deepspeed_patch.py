@@ -38,6 +38,7 @@ SCRIPT = textwrap.dedent(
     engine = build()
     out["name"] = engine.optimizer_name()
     out["basic"] = type(engine.basic_optimizer).__name__
+    out["algorithms"] = [g["algorithm"] for g in engine.basic_optimizer.param_groups]
     before = [p.detach().clone() for p in engine.module.parameters()]
     loss = engine(torch.randn(2, 6)).square().mean()
     engine.backward(loss); engine.step()
@@ -88,6 +89,7 @@ def test_patched_deepspeed_builds_dion3_without_registration(patched):
     out = json.loads(lines[0][len("RESULT"):])
     assert out["name"] == "dion3"  # a built-in name now (lower-cased by DeepSpeed's config)
     assert out["basic"] == "DeepSpeedDion3"
+    assert out["algorithms"] == ["dion3", "adamw"]  # the patch splits the flat list by module too
     assert out["moved"] > 0
     assert "'momentum'" in out["unknown"] and "'mu'" in out["unknown"]
     assert "ZeRO stages 0, 1 and 2" in out["stage3"]

@@ -77,7 +77,8 @@ def test_deepspeed_keys_are_the_deepspeed_options():
         with pytest.raises(ValueError, match=f"{option.name} must be"):
             normalize_params({option.name: _BAD[option.kind]})
     # The patched DeepSpeed hands the config's params to the same class, so to the same checks.
-    assert "optimizer = DeepSpeedDion3(model_parameters, **optimizer_parameters)" in DEEPSPEED_PATCH.read_text()
+    assert "optimizer = DeepSpeedDion3(engine_param_groups(self.module, model_parameters), **optimizer_parameters)" \
+        in DEEPSPEED_PATCH.read_text()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")

@@ -5,8 +5,12 @@
 * exposes :class:`DeepSpeedDion3` as ``torch.optim.Dion3``, which is where DeepSpeed 0.19 looks up
   a config ``type`` it does not know (the name is case-sensitive);
 * lists it among ZeRO's supported optimizers (no ``zero_allow_untested_optimizer`` needed);
+* splits the parameters DeepSpeed was given by module (:func:`.groups.engine_param_groups`, using
+  the engine's model): embeddings, the output head and anything tied to it, norms and vectors
+  take AdamW, hidden matrices Dion3; groups that set ``"algorithm"`` are kept;
 * makes ``deepspeed.initialize`` fail clearly for what it does not support (ZeRO stage 3,
-  optimizer offload), instead of failing or silently misbehaving later.
+  optimizer offload, a plain :class:`dion3_megatron.Dion3` under ZeRO-1/2), instead of failing or
+  silently misbehaving later.
 
 Supported: ZeRO stages 0, 1, 2; fp32, bf16 (and fp16 with DeepSpeed's loss scaling); gradient
 accumulation; gradient clipping (on raw gradients); MoE parameter groups (expert-data-parallel);
@@ -18,9 +22,11 @@ from __future__ import annotations
 from .config import ALLOWED as CONFIG_KEYS
 from .config import normalize_params
 from .optimizer import DeepSpeedDion3
-from .groups import param_groups
+from .groups import engine_param_groups, param_groups
+from .conv1d import conv1d_as_linear
 
-__all__ = ["DeepSpeedDion3", "register", "normalize_params", "param_groups", "CONFIG_KEYS", "SUPPORTED_DEEPSPEED"]
+__all__ = ["DeepSpeedDion3", "register", "normalize_params", "param_groups", "engine_param_groups",
+           "conv1d_as_linear", "CONFIG_KEYS", "SUPPORTED_DEEPSPEED"]
 
 SUPPORTED_DEEPSPEED = (">=0.19", "<0.20")
 _REGISTERED = False
@@ -62,6 +68,8 @@ def register() -> type:
     if DeepSpeedDion3 not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
         zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(DeepSpeedDion3)
 
+    _install_config_route_split(DeepSpeedEngine)
+    _install_plain_dion3_guard(DeepSpeedEngine)
     original = DeepSpeedEngine._configure_zero_optimizer
     if not getattr(original, "_dion3_guard", False):
 
@@ -78,12 +86,74 @@ def register() -> type:
                         "Dion3 does not support ZeRO optimizer offload (offload_optimizer): its step runs "
                         "collectives on the slices. Remove offload_optimizer from the config."
                     )
-            return original(self, optimizer)
+            wrapped = original(self, optimizer)
+            if isinstance(optimizer, DeepSpeedDion3):
+                _create_slice_state(optimizer)
+            return wrapped
 
         _configure_zero_optimizer._dion3_guard = True
         DeepSpeedEngine._configure_zero_optimizer = _configure_zero_optimizer
     _REGISTERED = True
     return DeepSpeedDion3
+
+
+def _create_slice_state(optimizer: DeepSpeedDion3) -> None:
+    """Create the slice-shaped state of every ZeRO param group now. ZeRO-1/2 steps one group at a
+    time and, right after the first group's step, links every group's state to the parameters'
+    fragments (``safe_get_full_optimizer_state``) once: state made later, by a later group's
+    step, would never be linked."""
+    from . import zero
+
+    for group in optimizer.param_groups:
+        if optimizer._zero_group(group) is not None:
+            flat = group["params"][0]
+            zero.init_slice_state(optimizer.state[flat], flat)
+
+
+def _install_config_route_split(engine_class) -> None:
+    """``"type": "Dion3"`` in the config: split what DeepSpeed was given by the engine's model."""
+    original = engine_class._configure_basic_optimizer
+    if getattr(original, "_dion3_split", False):
+        return
+
+    def _configure_basic_optimizer(self, model_parameters):
+        if self.optimizer_name().lower() == "dion3":
+            model_parameters = engine_param_groups(self.module, model_parameters)
+        return original(self, model_parameters)
+
+    _configure_basic_optimizer._dion3_split = True
+    engine_class._configure_basic_optimizer = _configure_basic_optimizer
+
+
+def _plain_dion3_error(optimizer, wrapper: str) -> str:
+    return (f"deepspeed.initialize got a plain {type(optimizer).__module__}.{type(optimizer).__qualname__}, "
+            f"which steps whole parameters, but {wrapper} hands the optimizer flat slices of them. Pass "
+            "dion3_megatron.deepspeed.DeepSpeedDion3 instead (same arguments; param_groups(model) splits a "
+            'model), or put "optimizer": {"type": "Dion3", "params": {...}} in the config and import '
+            "dion3_megatron.deepspeed")
+
+
+def _install_plain_dion3_guard(engine_class) -> None:
+    """A plain ``Dion3`` passed as ``optimizer=`` steps whole parameters: under ZeRO-1/2 (or
+    DeepSpeed's BF16_Optimizer) it would get flat slices. Refuse it at initialize, by name."""
+    original = engine_class._do_optimizer_sanity_check
+    if getattr(original, "_dion3_guard", False):
+        return
+    from deepspeed.runtime.constants import BFLOAT16
+
+    from ..optimizer import Dion3
+
+    def _do_optimizer_sanity_check(self, basic_optimizer):
+        plain = isinstance(basic_optimizer, Dion3) and not isinstance(basic_optimizer, DeepSpeedDion3)
+        if plain and self.zero_optimization() and self.zero_optimization_stage() >= 1:
+            raise TypeError(_plain_dion3_error(basic_optimizer, f"ZeRO stage {self.zero_optimization_stage()}"))
+        wrapper = original(self, basic_optimizer)
+        if plain and wrapper == BFLOAT16:  # BF16_Optimizer: flat slices too
+            raise TypeError(_plain_dion3_error(basic_optimizer, "DeepSpeed's BF16_Optimizer"))
+        return wrapper
+
+    _do_optimizer_sanity_check._dion3_guard = True
+    engine_class._do_optimizer_sanity_check = _do_optimizer_sanity_check
 
 
 register()

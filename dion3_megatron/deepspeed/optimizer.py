@@ -105,6 +105,13 @@ class DeepSpeedDion3(Dion3):
             index.index(key): plan.auto_fractions() for key, plan in self._zero_plans.items() if plan.auto}}
         return sd
 
+    def _expected_state_shapes(self, group: dict, p: torch.Tensor) -> list[dict[str, tuple]]:
+        """A ZeRO flat slice keeps slice-shaped state (:func:`.zero.init_slice_state`), whatever the
+        group's algorithm."""
+        if self._zero_group(group) is not None:
+            return [{"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}]
+        return super()._expected_state_shapes(group, p)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict.get("zero_auto_fractions", {})
         for gi, choices in saved.items():
@@ -112,7 +119,17 @@ class DeepSpeedDion3(Dion3):
             if any(f not in auto_fraction.AUTO_FRACTIONS for f in values):
                 raise ValueError(f"checkpoint zero_auto_fractions: param group {gi} has fractions {values}, "
                                  f"not all in {auto_fraction.AUTO_FRACTIONS}")
-        super().load_state_dict(state_dict)
+        # Under ZeRO a group's params are one flat slice: check the checkpoint's group settings
+        # against the group's original parameters (a "dion3" group's slice is 1-D, its matrices not).
+        originals = {id(g["params"]): orig for g in self.param_groups if (orig := self._zero_group(g)) is not None}
+        if originals:
+            check = type(self)._check_group
+            self._check_group = lambda where, group: check(where, {**group, "params": originals.get(
+                id(group["params"]), group["params"])})
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self.__dict__.pop("_check_group", None)
         self._saved_zero_fractions = dict(saved)
         self._zero_plans.clear()  # rebuilt at the next step (by every rank), with these choices
 

@@ -1,0 +1,172 @@
+"""Hugging Face Trainer + DeepSpeed with Dion3: the optimizer comes from the DeepSpeed JSON config.
+
+    deepspeed --num_gpus 1 examples/hf_trainer/train.py --deepspeed examples/hf_trainer/ds_config_dion3.json \
+        --output_dir out/dion3 --bf16 --learning_rate 0.02 --max_steps 200
+    # CPU, 2 ranks:
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 2 examples/hf_trainer/train.py \
+        --deepspeed examples/hf_trainer/ds_config_dion3.json --output_dir out/cpu --use_cpu \
+        --learning_rate 0.02 --max_steps 20 --width 64 --layers 2 --seq 64
+
+The only Dion3-specific line is ``import dion3_megatron.deepspeed`` (it registers
+``"type": "Dion3"`` and splits the flat parameter list Trainer hands DeepSpeed by module:
+embeddings, the output head, norms and vectors take AdamW, hidden matrices Dion3). Every other
+flag is Trainer's own (``TrainingArguments``). The model is built from a config (random init, no
+download): a Llama-style model (``--model llama``) or GPT-2 (``--model gpt2``; its ``Conv1D``
+layers are converted with ``conv1d_as_linear`` so that Dion3 takes them, unless
+``--keep_conv1d``). Bytes of the running Python's standard library are the corpus (vocab 256, no
+tokenizer). At the end rank 0 prints one JSON line: final loss, median iteration time, median
+time of the optimizer's own step() and the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
+
+import dion3_megatron.deepspeed  # noqa: F401  registers "type": "Dion3" for DeepSpeed configs
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/stdlib_text.py
+from stdlib_text import stdlib_bytes  # noqa: E402
+
+
+@dataclasses.dataclass
+class ModelArguments:
+    model: str = dataclasses.field(default="llama", metadata={"help": "llama or gpt2"})
+    width: int = 512
+    layers: int = 8
+    heads: int = 8
+    seq: int = 512
+    keep_conv1d: bool = dataclasses.field(default=False, metadata={"help": "gpt2: leave Conv1D (its weights take AdamW)"})
+    corpus_bytes: int = 8_000_000
+    json: str = dataclasses.field(default="", metadata={"help": "write the summary here"})
+
+
+class Bytes(torch.utils.data.Dataset):
+    """Fixed windows of the standard library's sources, one byte per token."""
+
+    def __init__(self, seq: int, max_bytes: int) -> None:
+        data = torch.frombuffer(bytearray(stdlib_bytes(max_bytes)), dtype=torch.uint8).long()
+        self.windows = data[: data.numel() // seq * seq].view(-1, seq)
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.windows[i], "labels": self.windows[i]}
+
+
+def build_model(m: ModelArguments) -> torch.nn.Module:
+    if m.model == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=m.width, intermediate_size=m.width * 8 // 3 // 64 * 64 or 64,
+                                            num_hidden_layers=m.layers, num_attention_heads=m.heads,
+                                            num_key_value_heads=m.heads, max_position_embeddings=m.seq,
+                                            tie_word_embeddings=False))
+    if m.model == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=m.width, n_layer=m.layers, n_head=m.heads,
+                                           n_positions=m.seq))
+        if not m.keep_conv1d:
+            dion3_megatron.deepspeed.conv1d_as_linear(model)
+        return model
+    raise ValueError(f"--model must be llama or gpt2, got {m.model!r}")
+
+
+class Timing(TrainerCallback):
+    """Wall time of each optimizer step (Trainer's step: forward, backward, engine step) and of the
+    DeepSpeed optimizer's own step() inside it (on ZeRO's flat slices; summed over param groups)."""
+
+    def __init__(self) -> None:
+        self.iter_ms: list[float] = []
+        self.optimizer_ms: list[float] = []
+        self._inner = 0.0
+        self._t0 = 0.0
+        self.engine = None
+
+    @staticmethod
+    def _sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def wrap(self, engine) -> None:
+        basic = engine.basic_optimizer
+        inner_step = basic.step
+
+        def timed_step(*a, **k):
+            self._sync()
+            t = time.perf_counter()
+            out = inner_step(*a, **k)
+            self._sync()
+            self._inner += time.perf_counter() - t
+            return out
+
+        basic.step = timed_step
+        self.engine = engine
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._sync()
+        self._t0 = time.perf_counter()
+        self._inner = 0.0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._sync()
+        self.iter_ms.append((time.perf_counter() - self._t0) * 1e3)
+        self.optimizer_ms.append(self._inner * 1e3)
+
+
+class WrapOnTrainBegin(TrainerCallback):
+    def __init__(self, trainer_ref: list, timing: Timing) -> None:
+        self.trainer_ref, self.timing = trainer_ref, timing
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        engine = self.trainer_ref[0].model_wrapped
+        if hasattr(engine, "basic_optimizer"):
+            self.timing.wrap(engine)
+
+
+def main() -> None:
+    margs, targs = HfArgumentParser((ModelArguments, TrainingArguments)).parse_args_into_dataclasses()
+    if targs.report_to in (None, "all", ["all"]):
+        targs.report_to = []
+    torch.manual_seed(targs.seed)
+    model = build_model(margs)
+    timing, ref = Timing(), []
+    trainer = Trainer(model=model, args=targs, train_dataset=Bytes(margs.seq, margs.corpus_bytes), callbacks=[timing])
+    ref.append(trainer)
+    trainer.add_callback(WrapOnTrainBegin(ref, timing))
+    trainer.train()
+    if trainer.is_world_process_zero():
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        warm = slice(min(5, len(timing.iter_ms) - 1), None)
+        config = targs.deepspeed
+        if isinstance(config, str):
+            with open(config) as f:
+                config = json.load(f)
+        summary = {
+            "optimizer": ((config or {}).get("optimizer") or {}).get("type", "Trainer's own"),
+            "model": {**dataclasses.asdict(margs), "params": sum(p.numel() for p in model.parameters())},
+            "steps": len(timing.iter_ms),
+            "final_loss": losses[-1] if losses else None,
+            "final_loss_mean_last10": statistics.mean(losses[-10:]) if losses else None,
+            "median_iter_ms": statistics.median(timing.iter_ms[warm]),
+            "median_optimizer_step_ms": statistics.median(timing.optimizer_ms[warm]),
+            "world": targs.world_size,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        }
+        print("SUMMARY " + json.dumps(summary), flush=True)
+        if margs.json:
+            with open(margs.json, "w") as f:
+                json.dump({**summary, "losses": losses}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
