@@ -63,8 +63,8 @@ def test_dion3_graph_replay_equals_eager(generator, dtype, options):
             assert torch.equal(value, opt_graphed.state[b][key]), key
 
 
-def engine_run(weights, grads, lrs, cuda_graph):
-    hp = rule.Dion3Hyperparameters(fraction=0.25, weight_decay=0.1, scale_mu_by_fraction=True)
+def engine_run(weights, grads, lrs, cuda_graph, staleness=0.0):
+    hp = rule.Dion3Hyperparameters(fraction=0.25, weight_decay=0.1, scale_mu_by_fraction=True, staleness=staleness)
     shards = [MatrixShard(f"m{j}", w, g, tuple(w.shape), Sharding.full(), None, hp) for j, (w, g) in enumerate(zip(weights, grads[0]))]
     engine = Dion3Engine(shards, cuda_graph=cuda_graph)
     for lr, step_grads in zip(lrs, grads):
@@ -75,7 +75,8 @@ def engine_run(weights, grads, lrs, cuda_graph):
     return engine, shards
 
 
-def test_engine_local_groups_graph_replay_equals_eager(generator):
+@pytest.mark.parametrize("staleness", [0.0, 1.0])
+def test_engine_local_groups_graph_replay_equals_eager(generator, staleness):
     steps = 6
     shapes = [(256, 128)] * 4 + [(128, 256)] * 2
     weights = [torch.randn(s, generator=generator).cuda() for s in shapes]
@@ -85,13 +86,14 @@ def test_engine_local_groups_graph_replay_equals_eager(generator):
     for use_graph in (False, True):
         copies = [w.clone() for w in weights]
         buffers = [[g.clone() for g in grads[0]]] + grads[1:]
-        runs.append(engine_run(copies, buffers, lrs, use_graph))
+        runs.append(engine_run(copies, buffers, lrs, use_graph, staleness))
     (eager, eager_shards), (graphed, graphed_shards) = runs
     assert graphed._graph.graph is not None and eager._graph.graph is None
     for a, b in zip(eager_shards, graphed_shards):
         assert torch.equal(a.weight, b.weight)
-        assert torch.equal(a.state["momentum"], b.state["momentum"])
-        assert torch.equal(a.state["variance"], b.state["variance"])
+        assert a.state.keys() == b.state.keys() == ({"momentum", "variance"} | ({"row_age"} if staleness else set()))
+        for key in a.state:
+            assert torch.equal(a.state[key], b.state[key]), key
 
 
 def test_whole_matrices_on_flat_slices_graph_equals_eager(generator):

@@ -105,12 +105,36 @@ def test_bad_staleness_is_refused_naming_it(value):
         Dion3([torch.nn.Parameter(torch.randn(4, 4))], staleness=value)
 
 
-def test_the_sharded_engine_refuses_staleness_instead_of_ignoring_it():
-    hp = rule.Dion3Hyperparameters(fraction=0.5, staleness=1.0)
-    weight = torch.randn(8, 8)
-    shard = MatrixShard("w", weight, weight.clone(), (8, 8), Sharding.full(), None, hp)
-    with pytest.raises(ValueError, match="staleness=1.0 is supported by the single-process Dion3 only"):
-        Dion3Engine([shard])
+def test_the_engine_steps_whole_matrices_with_staleness_like_the_optimizer(generator):
+    shapes = [(16, 24)] * 3 + [(24, 16)]
+    data = [torch.randn(s, generator=generator) for s in shapes]
+    grads = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(8)]
+    hp = rule.Dion3Hyperparameters(fraction=0.25, staleness=1.0, ns_dtype=torch.float32)
+    shards = [MatrixShard(f"m{j}", d.clone(), None, d.shape, Sharding.full(), None, hp) for j, d in enumerate(data)]
+    engine = Dion3Engine(shards)
+    params = [torch.nn.Parameter(d.clone()) for d in data]
+    opt = Dion3(params, fraction=0.25, staleness=1.0, ns_dtype=torch.float32)
+    for step_grads in grads:
+        for shard, p, g in zip(shards, params, step_grads):
+            shard.grad, p.grad = g, g.clone()
+        engine.step()
+        opt.step()
+    for shard, p in zip(shards, params):
+        torch.testing.assert_close(shard.weight, p.detach(), rtol=1e-6, atol=1e-6)
+        assert torch.equal(shard.state["row_age"], opt.state[p]["row_age"][0])
+
+
+@pytest.mark.parametrize("built,changed", [(0.0, 1.0), (1.0, 0.5)])
+def test_the_engine_refuses_a_staleness_changed_since_it_was_built(generator, built, changed):
+    hp = rule.Dion3Hyperparameters(fraction=0.5, staleness=built)
+    weight = torch.randn(8, 8, generator=generator)
+    shard = MatrixShard("w", weight, torch.randn(8, 8, generator=generator), (8, 8), Sharding.full(), None, hp)
+    engine = Dion3Engine([shard])
+    shard.hp = rule.Dion3Hyperparameters(fraction=0.5, staleness=changed)
+    before = weight.clone()
+    with pytest.raises(ValueError, match=f"staleness changed from {built} to {changed} since the engine was built"):
+        engine.step()
+    assert torch.equal(weight, before)
 
 
 def test_deepspeed_refuses_staleness_at_construction_and_when_set_later(generator):
