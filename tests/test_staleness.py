@@ -137,16 +137,18 @@ def test_the_engine_refuses_a_staleness_changed_since_it_was_built(generator, bu
     assert torch.equal(weight, before)
 
 
-def test_deepspeed_refuses_staleness_at_construction_and_when_set_later(generator):
+def test_deepspeed_takes_staleness_and_refuses_bad_values_naming_them(generator):
     from dion3_megatron.deepspeed.optimizer import DeepSpeedDion3
 
-    weight = torch.nn.Parameter(torch.randn(8, 12, generator=generator))
-    with pytest.raises(ValueError, match="param group 0: staleness=1.0 is supported by the single-process Dion3 only"):
-        DeepSpeedDion3([{"params": [weight], "staleness": 1.0}])
-    opt = DeepSpeedDion3([weight], fraction=0.25)
-    opt.param_groups[0]["staleness"] = 0.5
-    before = weight.detach().clone()
-    weight.grad = torch.randn(8, 12, generator=generator)
-    with pytest.raises(ValueError, match="staleness=0.5"):
-        opt.step()
-    assert torch.equal(weight, before) and not opt.state
+    data = torch.randn(8, 12, generator=generator)
+    grads = [torch.randn(8, 12, generator=generator) for _ in range(4)]
+    weights = [torch.nn.Parameter(data.clone()) for _ in range(2)]
+    opts = [DeepSpeedDion3([{"params": [weights[0]], "staleness": 1.0}], fraction=0.25),  # the JSON path
+            Dion3([weights[1]], fraction=0.25, staleness=1.0)]
+    for g in grads:
+        for w, opt in zip(weights, opts):
+            w.grad = g.clone()
+            opt.step()
+    assert torch.equal(weights[0], weights[1])
+    with pytest.raises(ValueError, match="param group 0: staleness must be a finite number >= 0, got -1.0"):
+        DeepSpeedDion3([{"params": [weights[0]], "staleness": -1.0}])
