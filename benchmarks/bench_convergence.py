@@ -281,6 +281,15 @@ def run_pack(cfgs: list[dict], args, corpus: corpus_lib.Corpus, log=print, on_ev
     return records
 
 
+TRAIN_LOSS_EVERY = 10  # the record keeps the mean training loss of each run of this many steps
+
+
+def train_loss_means(losses: torch.Tensor) -> list[float]:
+    """Mean training loss of each TRAIN_LOSS_EVERY consecutive steps (the last run may be shorter):
+    the validation curve is the result; this keeps the training curve's shape at a tenth of the size."""
+    return [round(statistics.fmean(chunk.tolist()), 4) for chunk in losses.split(TRAIN_LOSS_EVERY)]
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -315,7 +324,8 @@ def pack_records(cfgs, optimizers, models, trained, losses, curves, live, args, 
         final = curves[i][-1][1] if live[i] else float("nan")
         record = {
             **cfg, "label": label(cfg), "steps": trained[i], "tokens": trained[i] * args.batch * args.seq,
-            "train_loss": [round(v, 4) for v in losses[:, i].tolist()], "val_loss": curves[i],
+            "train_loss": train_loss_means(losses[:, i]), "train_loss_every": TRAIN_LOSS_EVERY,
+            "first_train_loss": round(losses[0, i].item(), 4) if len(losses) else math.nan, "val_loss": curves[i],
             "final_val_loss": final, "diverged": not live[i] or not math.isfinite(final),
             "opt_ms": timings[i][0] if timings else math.nan, "opt_ms_p90": timings[i][1] if timings else math.nan,
             "opt_timing": "alone",

@@ -61,6 +61,7 @@ def test_bad_fraction_strings_are_refused():
         Dion3([torch.nn.Parameter(torch.randn(4, 4))], fraction="half")
 
 
+@pytest.mark.slow
 def test_optimizer_auto_equals_the_resolved_fixed_fractions(monkeypatch, generator):
     monkeypatch.setattr(auto_fraction, "measure", lambda device, dtype: FLOP_BOUND)
     shapes = [(64, 48), (512, 96), (512, 96), (1024, 64), (3, 256, 40)]
@@ -85,6 +86,7 @@ def test_optimizer_auto_equals_the_resolved_fixed_fractions(monkeypatch, generat
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_a_resume_keeps_the_saved_choices_on_a_machine_of_another_speed(monkeypatch, generator):
     # Resumed where the device measures differently, fraction="auto" must not choose again.
     shapes = [(512, 96), (1024, 64), (64, 48)]
@@ -138,6 +140,7 @@ def _engine_worker(rank, world, shapes, seed):
     return fractions, [s.weight for s in shards], weights, grads
 
 
+@pytest.mark.slow
 def test_engine_ranks_agree_on_the_slowest_speed_and_match_the_single_process_rule():
     shapes = [(512, 64), (512, 64), (1024, 32)]
     assert auto_fraction.choose_fraction(512, 64, FLOP_BOUND, world=2, batch=2) == 0.25

@@ -75,6 +75,7 @@ def test_patch_applies_cleanly_and_is_not_yet_applied_upstream(patched):
     assert "DION3_OPTIMIZER" not in original
 
 
+@pytest.mark.slow
 def test_patched_deepspeed_builds_dion3_without_registration(patched):
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=f"{patched}{os.pathsep}{ROOT}", RANK="0", WORLD_SIZE="1",
                LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))

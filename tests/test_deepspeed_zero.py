@@ -13,6 +13,8 @@ import pytest
 
 from dist_utils import run_distributed
 
+pytestmark = pytest.mark.slow  # every test reads the results of one multi-process run
+
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("needs deepspeed", allow_module_level=True)
 

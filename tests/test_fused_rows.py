@@ -108,6 +108,7 @@ CHECK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_kernel_under_the_triton_interpreter_on_cpu():
     pytest.importorskip("triton")
     seed = torch.seed() % 2**31
@@ -218,6 +219,7 @@ SINGLE_PROCESS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_optimizer_steps_with_row_kernels_equal_the_torch_forms_bit_for_bit():
     pytest.importorskip("triton")
     seed = torch.seed() % 2**31
@@ -241,6 +243,7 @@ def static_exchange_with_row_kernels(rank, world, fused, seed):
     return static_exchange_worker(rank, world, "rowscols", 0.25, seed)[0]
 
 
+@pytest.mark.slow
 def test_static_exchange_with_row_kernels_equals_the_torch_forms_bit_for_bit(monkeypatch):
     pytest.importorskip("triton")
     from dist_utils import run_distributed

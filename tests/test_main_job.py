@@ -31,6 +31,7 @@ def run_job(args, cwd, timeout=120):
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_compare_dp2_stdlib_corpus(tmp_path):
     out = run_job(["--compare", "--out-dir", str(tmp_path / "out")], cwd=tmp_path)
     assert "standard-library sources" in out and "TP=1 DP=2" in out
@@ -52,6 +53,7 @@ def test_compare_dp2_stdlib_corpus(tmp_path):
     assert "| Dion3" in out and "validation loss" in out
 
 
+@pytest.mark.slow
 def test_tp2_indexed_dataset(tmp_path):
     import numpy as np
     import torch

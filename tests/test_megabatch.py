@@ -126,6 +126,7 @@ SHAPES = [(24, 40)] * 5 + [(40, 24)] * 2
      (4, "flat", 1.0), (4, "rows", 0.25), (4, "cols", 0.25), (2, "rows", 1.0), (4, "rowscols", 0.5),
      (4, "block_flat", 0.25)],
 )
+@pytest.mark.slow
 def test_sharded_step_equals_single_process(world, kind, fraction):
     seed = torch.seed() % 2**31
     pieces = run_distributed(sharded_worker, world, kind, SHAPES, fraction, seed)
@@ -219,6 +220,7 @@ def static_exchange_worker(rank, world, kind, fraction, seed):
     return [s.weight for s in shards], to_host
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,fraction,static", [("rowscols", 0.25, True), ("rows", 1.0, False)])
 def test_tensor_parallel_blocks_exchange_without_the_host_while_f_times_world_fits(kind, fraction, static):
     seed = torch.seed() % 2**31
@@ -275,6 +277,7 @@ def counting_worker(rank, world, layers, fraction):
     return dict(counts), len({s for s, _ in layer}), n_max, bound, max(math.prod(s) for s, _ in layer) * layers // world
 
 
+@pytest.mark.slow
 def test_collectives_per_step_do_not_grow_with_depth_and_buffers_stay_small():
     shallow = run_distributed(counting_worker, 2, 2, 0.25)[0]
     deep = run_distributed(counting_worker, 2, 8, 0.25)[0]
@@ -302,6 +305,7 @@ def mismatch_worker(rank, world):
     return "no error"
 
 
+@pytest.mark.slow
 def test_plan_mismatch_raises_a_clear_error_quickly():
     import time
 
@@ -335,6 +339,7 @@ def one_sided_worker(rank, world, case):
                  "'a (8, 8) rows[0, 4, 8]"]),
     ("lr", ["plans differ across the ranks [0, 1]", "lr=0.01", "lr=0.02"]),
 ])
+@pytest.mark.slow
 def test_a_plan_that_differs_across_a_group_raises_on_every_rank_quickly(case, words):
     # A rank without a matrix split over the group used to skip the check and hang the others; a
     # matrix stepped with different settings on its shards' ranks went unnoticed.

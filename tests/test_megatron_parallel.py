@@ -30,6 +30,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_utils import run_distributed  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test reads the results of one multi-process run
+
 LR = 0.02
 MATRIX_TOL = 5e-6
 ADAM_TOL = 2e-4

@@ -132,6 +132,7 @@ _LAUNCHED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_launcher_runs_a_megatron_script_with_dion3_registered(tmp_path):
     script = tmp_path / "pretrain_tiny.py"
     script.write_text(_LAUNCHED)
@@ -188,6 +189,7 @@ _PATCHED_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("patch") is None and shutil.which("git") is None, reason="needs patch or git")
 def test_patch_applies_to_installed_megatron_and_patched_parser_accepts_dion3(tmp_path):
     import megatron.core

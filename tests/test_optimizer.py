@@ -36,6 +36,7 @@ def test_same_shape_matrices_are_orthogonalized_as_one_batch(generator, monkeypa
         torch.testing.assert_close(p, alone, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_same_shape_state_shares_one_buffer_and_survives_changing_members(generator):
     shapes = [(12, 20), (12, 20), (3, 12, 20), (20, 12)]
     weights = [torch.randn(s, generator=generator) for s in shapes]
@@ -199,6 +200,7 @@ def random_batches(generator, count):
     ]
 
 
+@pytest.mark.slow
 def test_state_dict_round_trip_continues_bit_identically(generator):
     model, opt = make_model_and_optimizer()
     batches = random_batches(generator, 6)
@@ -244,6 +246,7 @@ def test_mismatched_checkpoint_is_refused_whole(generator):
         Dion3([torch.nn.Parameter(torch.randn(4, 4))]).load_state_dict(sd)
 
 
+@pytest.mark.slow
 def test_dion3_lowers_the_loss_of_a_small_model(generator):
     model, opt = make_model_and_optimizer()
     tokens = torch.randint(0, 32, (256,), generator=generator)

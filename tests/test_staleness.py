@@ -36,6 +36,7 @@ def _rows_applied(staleness: float, steps: int, generator) -> set[int]:
     return set(torch.nonzero((weight.detach() - start).abs().sum(1)).view(-1).tolist())
 
 
+@pytest.mark.slow
 def test_staleness_reaches_rows_that_plain_selection_starves(generator):
     assert not _rows_applied(0.0, 32, generator) & {12, 13, 14, 15}
     assert {12, 13, 14, 15} <= _rows_applied(1.0, 32, generator)
@@ -55,6 +56,7 @@ def test_staleness_does_nothing_at_fraction_one(generator):
     assert torch.equal(out[0], out[1])
 
 
+@pytest.mark.slow
 def test_row_ages_survive_a_checkpoint_bit_identically(generator):
     shapes = [(16, 24), (16, 24), (24, 16)]
     data = [torch.randn(s, generator=generator) for s in shapes]
