@@ -145,6 +145,7 @@ STALE_STEPS = 8  # several expected periods (1 / f = 4 steps): rows come back be
     [(2, "rows", 0.25), (4, "rows", 0.25), (2, "cols", 0.25), (2, "rowscols", 0.25), (4, "rowscols", 0.5),
      (2, "flat", 0.25), (4, "block_flat", 0.25), (4, "mixed", 0.25)],
 )
+@pytest.mark.slow
 def test_sharded_step_with_staleness_equals_single_process(world, kind, fraction):
     seed = torch.seed() % 2**31
     pieces = run_distributed(sharded_worker, world, kind, SHAPES, fraction, seed, 1.0, STALE_STEPS)

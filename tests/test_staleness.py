@@ -107,6 +107,7 @@ def test_bad_staleness_is_refused_naming_it(value):
         Dion3([torch.nn.Parameter(torch.randn(4, 4))], staleness=value)
 
 
+@pytest.mark.slow
 def test_the_engine_steps_whole_matrices_with_staleness_like_the_optimizer(generator):
     shapes = [(16, 24)] * 3 + [(24, 16)]
     data = [torch.randn(s, generator=generator) for s in shapes]
