@@ -156,6 +156,7 @@ class _SubBatch:
     sharding: Sharding
     momentum: torch.Tensor
     variance: torch.Tensor
+    age: Optional[torch.Tensor]  # with staleness: (B, rows touched) steps since each row was applied
     rect: list[Rect]
     span0: list[int]
     provides: list[bool]
@@ -164,7 +165,7 @@ class _SubBatch:
     # ranks point at, so every rank sends exactly k rows per matrix (see StaticExchange).
     momentum_padded: Optional[torch.Tensor] = None
     variance_padded: Optional[torch.Tensor] = None
-    state_views: dict = field(default_factory=dict)  # "momentum"/"variance" -> the views the shards hold
+    state_views: dict = field(default_factory=dict)  # "momentum"/"variance"/"row_age" -> the views the shards hold
     route: Optional["_Route"] = None
     mus: list = field(default_factory=list)  # per-matrix mu when they differ, and its device copy
     mu_on_device: Optional[torch.Tensor] = None
@@ -267,10 +268,22 @@ class Exchange:
         self.sg, self.traffic = sg, traffic
 
     def bind(self) -> None:
-        """Take back state tensors a caller replaced (a checkpoint load), before a step."""
+        """Before a step: check that staleness is what the state was built for; take back state
+        tensors a caller replaced (a checkpoint load)."""
+        built, now = self.sg.built_staleness, self.sg.hp.staleness
+        if now != built:  # the rows' ages exist only when the group was built with staleness
+            raise ValueError(f"Dion3 engine: staleness changed from {built!r} to {now!r} since the engine was built "
+                             f"({self.sg.shards[0].name}); build a new engine (the front ends do so)")
 
     def score(self) -> torch.Tensor:
-        """Add the gradients to the momentum; this rank's partial row scores (B, n) of the group."""
+        """Add the gradients to the momentum; this rank's partial row scores (B, n) of the group,
+        with staleness boosted by the ages of the rows this rank keeps (:func:`rule.staleness_boost`:
+        every piece of a row boosts by the same age, so the partial scores still add up)."""
+        raise NotImplementedError
+
+    def age(self, chosen: torch.Tensor) -> None:
+        """With staleness: age the rows this rank keeps, the ``chosen`` (B, k) ones (on the device)
+        to 0 (:func:`rule.age_piece_rows`)."""
         raise NotImplementedError
 
     def step(self, chosen: torch.Tensor, factors: Optional[rule.UpdateFactors] = None) -> None:
@@ -327,6 +340,7 @@ class _BlockExchange(Exchange):
 
     def bind(self) -> None:
         """Every step, so by identity: the views handed out are the shards' state until replaced."""
+        super().bind()
         for sub in self.subs:
             for key, views in sub.state_views.items():
                 for view, j in zip(views, sub.index):
@@ -342,11 +356,17 @@ class _BlockExchange(Exchange):
         for sub in self.subs:
             block = rule.accumulate_and_score(sub.momentum, [sg.shards[j].grad.view(sub.momentum.shape[1:])
                                                              for j in sub.index])
+            if sub.age is not None:
+                block = rule.staleness_boost(block, sub.age, sg.hp.staleness, sg.fraction)
             mine = sub.rect[sg.rank]
             if sub.index_on_device is None:
                 sub.index_on_device = torch.tensor(sub.index, device=device)
             scores[sub.index_on_device, mine.r0 : mine.r1] = block
         return scores
+
+    def age(self, chosen: torch.Tensor) -> None:
+        for sub in self.subs:
+            rule.age_piece_rows(sub.age, chosen[sub.index_on_device], sub.span0[self.sg.rank])
 
     def factors(self) -> list[rule.UpdateFactors]:
         """The weight-update factors the step takes, as numbers (a graph refreshes them each replay)."""
@@ -357,6 +377,7 @@ class _BlockExchange(Exchange):
         sg = self.sg
         return tuple(
             (sub.momentum_padded.data_ptr(), sub.variance_padded.data_ptr(), tuple(sub.momentum_padded.shape),
+             sub.age.data_ptr() if sub.age is not None else None,
              sg.key, sg.fraction,
              tuple((sg.shards[j].weight.data_ptr(), sg.shards[j].grad.data_ptr(),
                     cuda_graph_module.baked_settings(sg.shards[j].hp)) for j in sub.index))
@@ -414,7 +435,7 @@ class WholeExchange(_BlockExchange):
         return [WholeMatrices([sg.shards[j].weight.view(n, m) for j in sub.index], sub.momentum, sub.variance, hp,
                               grads=[sg.shards[j].grad.view(n, m) for j in sub.index],
                               hps=[sg.shards[j].hp for j in sub.index], mu=_sub_batch_mu(sg, sub, sub.momentum.device),
-                              factors=factors[p] if factors is not None else None)
+                              factors=factors[p] if factors is not None else None, age=sub.age)
                 for p, sub in enumerate(self.subs)]
 
     @staticmethod
@@ -648,7 +669,15 @@ class GeneralExchange(Exchange):
         for j, shard in enumerate(sg.shards):
             for rect in sg.rects[j][sg.rank]:
                 scores[j, rect.r0 : rect.r1] += rule.row_scores(rect.view(shard.state["momentum"])[None])[0]
+            if sg.hp.staleness:
+                r0, r1 = sg.spans[j][sg.rank]
+                scores[j, r0:r1] = rule.staleness_boost(scores[j, r0:r1], shard.state["row_age"], sg.hp.staleness,
+                                                        sg.fraction)
         return scores
+
+    def age(self, chosen: torch.Tensor) -> None:
+        for j, shard in enumerate(self.sg.shards):
+            rule.age_piece_rows(shard.state["row_age"][None], chosen[j : j + 1], self.sg.spans[j][self.sg.rank][0])
 
     def step(self, chosen: torch.Tensor, factors: Optional[rule.UpdateFactors] = None) -> None:
         """``chosen`` (B, k) on the host; the factors are taken from the group's settings."""
@@ -726,9 +755,10 @@ class GeneralExchange(Exchange):
 
 
 def _allocate_group_state(sg: ShapeGroup, padded: bool) -> list[_SubBatch]:
-    """Split the group by sharding; each part keeps its momentum and variance in one buffer (row
-    blocks with one extra zero row when ``padded``, for the static exchange). State a caller gave
-    (a resumed checkpoint) is copied in; the shards' state becomes views of the buffers."""
+    """Split the group by sharding; each part keeps its momentum, variance (and with staleness the
+    rows' ages) in one buffer each (row blocks with one extra zero row when ``padded``, for the
+    static exchange). State a caller gave (a resumed checkpoint) is copied in; the shards' state
+    becomes views of the buffers."""
     n, m = sg.key[0]
     parts: dict[Sharding, list[int]] = {}
     for j, shard in enumerate(sg.shards):
@@ -742,11 +772,14 @@ def _allocate_group_state(sg: ShapeGroup, padded: bool) -> list[_SubBatch]:
         rows, width = first.weight.shape
         momentum = torch.zeros((len(index), rows + extra, width), dtype=torch.float32, device=device)
         variance = torch.zeros(len(index), r1 - r0 + extra, dtype=torch.float32, device=device)
+        # Ages of the rows the piece touches, like the variance (pieces of a row age alike).
+        age = torch.zeros(len(index), r1 - r0, dtype=torch.float32, device=device) if sg.hp.staleness else None
         sub = _SubBatch(
             index,
             sharding,
             momentum[:, :rows],
             variance[:, : r1 - r0],
+            age,
             [sharding.rects(q, n, m)[0] for q in range(sg.world)],
             [sharding.row_span(q, n, m)[0] for q in range(sg.world)],
             # Column blocks all touch every row: rank 0 sends their variances. Row blocks their own.
@@ -755,6 +788,8 @@ def _allocate_group_state(sg: ShapeGroup, padded: bool) -> list[_SubBatch]:
             variance_padded=variance,
         )
         sub.state_views = {"momentum": list(sub.momentum), "variance": list(sub.variance)}
+        if age is not None:
+            sub.state_views["row_age"] = list(age)
         for b, j in enumerate(index):
             for key, views in sub.state_views.items():
                 if key in sg.shards[j].state:  # state given by the caller (a resumed checkpoint)

@@ -150,7 +150,11 @@ class Dion3Engine:
             self.traffic.all_reduce(flat, self.plan[members[0]].group)
             for i, part in zip(members, flat.split([scores[i].numel() for i in members])):
                 scores[i] = part.view(scores[i].shape)
-        return {i: rule.select_rows(t, self.plan[i].fraction, self.plan[i].hp.num_heads) for i, t in scores.items()}
+        chosen = {i: rule.select_rows(t, self.plan[i].fraction, self.plan[i].hp.num_heads) for i, t in scores.items()}
+        for i, rows in chosen.items():
+            if self.plan[i].hp.staleness:
+                self.exchanges[i].age(rows)
+        return chosen
 
     @torch.no_grad()
     def start_step(self) -> _PendingStep:

@@ -165,8 +165,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("scale_mu_by_fraction", BOOL, False, "the applied rows keep mu ** (1/fraction) of their momentum "
            "instead of mu: the memory of heavy-ball momentum with mu at every fraction"),
     Option("staleness", REAL, 0.0, "selection favours rows that waited: each row's L1 score times "
-           "1 + staleness * f * (steps since the row was last applied); 0: plain L1 norms. Single-process "
-           "(and DDP) Dion3 only", front_ends=frozenset((TORCH,)), low=0.0),
+           "1 + staleness * f * (steps since the row was last applied); 0: plain L1 norms", low=0.0),
     Option("num_heads", HEADS, None, "select rows per head (rows viewed as heads x head_dim): a positive int, or "
            "None", front_ends=_NOT_MEGATRON),
     Option("ns_method", CHOICE, "gram", "orthogonalization: 'gram' (Gram Newton-Schulz) or 'standard' "

@@ -174,12 +174,16 @@ class MatrixShard:
 
 
 def init_state(shard: MatrixShard, rank: int) -> None:
-    """Zero momentum (fp32, the piece's shape) and variance (fp32, rows the piece touches)."""
-    if shard.state:
-        return
+    """Zero momentum (fp32, the piece's shape) and variance (fp32, rows the piece touches); with
+    staleness also the ages of those rows (``row_age``). State a caller gave is kept."""
     r0, r1 = shard.sharding.row_span(rank, *shard.shape)
-    shard.state["momentum"] = torch.zeros(shard.weight.shape, dtype=torch.float32, device=shard.weight.device)
-    shard.state["variance"] = torch.zeros(r1 - r0, dtype=torch.float32, device=shard.weight.device)
+    device = shard.weight.device
+    if "momentum" not in shard.state:
+        shard.state["momentum"] = torch.zeros(shard.weight.shape, dtype=torch.float32, device=device)
+    if "variance" not in shard.state:
+        shard.state["variance"] = torch.zeros(r1 - r0, dtype=torch.float32, device=device)
+    if shard.hp.staleness and "row_age" not in shard.state:
+        shard.state["row_age"] = torch.zeros(r1 - r0, dtype=torch.float32, device=device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,6 +211,11 @@ class ShapeGroup:
 
     def owner(self, j: int) -> int:
         return j % self.world
+
+    @property
+    def built_staleness(self) -> float:
+        """The staleness the group was planned with (in its key): its state has row ages iff > 0."""
+        return self.key[_KEY_STALENESS]
 
     @property
     def blockwise(self) -> bool:
@@ -240,19 +249,19 @@ class ShapeGroup:
 _MATRIX_SETTINGS = ("lr", "weight_decay", "mu", "adjust_lr", "scale_lr_by_fraction", "scale_mu_by_fraction")
 
 
+_KEY_STALENESS = 7  # the position of hp.staleness in a batch key
+
+
 def _batch_key(shard: MatrixShard, world: int) -> tuple:
     hp = shard.hp
     return (
-        shard.shape, hp.fraction, hp.num_heads, hp.beta2, hp.eps, hp.ns_method, str(hp.ns_dtype),
+        shard.shape, hp.fraction, hp.num_heads, hp.beta2, hp.eps, hp.ns_method, str(hp.ns_dtype), hp.staleness,
         group_ranks(shard.group) if world > 1 else (),
     )
 
 
 def _check_shard(shard: MatrixShard, world: int, rank: int) -> None:
     n, m = shard.shape
-    if shard.hp.staleness:
-        raise ValueError(f"{shard.name}: staleness={shard.hp.staleness!r} is supported by the single-process Dion3 "
-                         "only so far; use staleness=0 here")
     s = shard.sharding
     if s.kind != "full" and s.world != world:
         raise ValueError(f"{shard.name}: sharding spans {s.world} ranks but its group has {world}")

@@ -139,6 +139,18 @@ def age_rows(age: torch.Tensor, idx: torch.Tensor) -> None:
     age.add_(1).scatter_(1, idx, 0.0)
 
 
+def age_piece_rows(age: torch.Tensor, idx: torch.Tensor, first: int) -> None:
+    """:func:`age_rows` for a piece of a matrix that keeps the ages (B, h) of rows [first, first + h)
+    only: ``idx`` (B, k) are the selected rows of the whole matrices; those outside the piece are
+    ignored. Device ops only (no host wait): a CUDA graph captures it."""
+    height = age.shape[1]
+    local = idx - first
+    held = (local >= 0) & (local < height)
+    applied = torch.zeros(age.shape[0], height + 1, dtype=torch.bool, device=age.device)
+    applied.scatter_(1, torch.where(held, local, height), True)  # rows held elsewhere mark the spare column
+    age.add_(1).masked_fill_(applied[:, :height], 0.0)
+
+
 # --------------------------------------------------------------------------------------------
 # Error feedback: the applied rows leave the momentum, decayed by mu; the rest stay whole.
 

@@ -9,6 +9,7 @@ workers never see it.
 from __future__ import annotations
 
 import importlib
+import glob
 import os
 import time
 from typing import Any, Optional
@@ -343,6 +344,14 @@ def _state_vs_stage0(zero_engine, stage0_engine) -> dict:
     return {"momentum": momentum_diff, "variance": variance_diff, "row_spread": row_spread, "adamw": adamw_diff}
 
 
+def _universal_resume(ckpt: str, tag: str, cfg: dict, target: dict) -> float:
+    """Load a universal checkpoint under ``cfg``, train 2 steps: the largest difference to ``target``."""
+    engine = make_engine({**cfg, "checkpoint": {"load_universal": True}}, seed=2)
+    engine.load_checkpoint(ckpt, tag=tag)
+    train(engine, 2, start=3)
+    return max_diff(params_of(engine), target)
+
+
 def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
     init()
     out: dict[str, Any] = {"seconds": {}}
@@ -399,11 +408,44 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
         dion3_ckpt.convert_to_universal(os.path.join(ckpt, "step3"), os.path.join(ckpt, "step3_universal"))
         torch.save(target, os.path.join(tmp, "target.pt"))
     dist.barrier()
-    universal_engine = make_engine({**config(1, world=world), "checkpoint": {"load_universal": True}}, seed=2)
-    universal_engine.load_checkpoint(ckpt, tag="step3_universal")
-    train(universal_engine, 2, start=3)
-    out["universal_diff"] = max_diff(params_of(universal_engine), target)
+    out["universal_diff"] = _universal_resume(ckpt, "step3_universal", config(1, world=world), target)
     out["seconds"]["checkpoint"] = time.time() - t0
+
+    # staleness: the rows' ages in the slice state; ZeRO-1/2 == ZeRO-0, a resume bit-identical,
+    # and the universal conversion keeps the ages.
+    t0 = time.time()
+    stale = {}
+    for name, stage in [("s0", 0), ("s1", 1), ("s2", 2)]:
+        engine = make_engine(config(stage, world=world, staleness=1.0))
+        train(engine, 4)
+        stale[name] = params_of(engine)
+    out["stale_diff"] = {k: max_diff(stale[k], stale["s0"]) for k in ("s1", "s2")}
+    out["stale_vs_plain"] = max_diff(stale["s0"], p["s0"])
+    out["stale_straddling"] = _straddling(engine)
+    flat_opt = _basic(engine)
+    out["stale_state_keys"] = [sorted(flat_opt.state[g["params"][0]]) for g in flat_opt.param_groups]
+    ckpt = os.path.join(tmp, "stale_ckpt")
+    engine = make_engine(config(2, world=world, staleness=1.0))
+    train(engine, 3)
+    engine.save_checkpoint(ckpt, tag="step3", client_state=dion3_ckpt.universal_checkpoint_info())
+    train(engine, 2, start=3)
+    target = params_of(engine)
+    resumed_engine = make_engine(config(2, world=world, staleness=1.0), seed=1)
+    resumed_engine.load_checkpoint(ckpt, tag="step3")
+    train(resumed_engine, 2, start=3)
+    out["stale_resume_diff"] = max_diff(params_of(resumed_engine), target)
+    if rank == 0:
+        dion3_ckpt.convert_to_universal(os.path.join(ckpt, "step3"), os.path.join(ckpt, "step3_universal"))
+        torch.save(target, os.path.join(tmp, "stale_target.pt"))
+        # the stock converter alone: no ages (the control that the ages matter)
+        from deepspeed.checkpoint import ds_to_universal
+
+        ds_to_universal.main(dion3_ckpt._converter_args(os.path.join(ckpt, "step3"), os.path.join(ckpt, "stock"), 1))
+    dist.barrier()
+    out["stale_universal_ages"] = len(glob.glob(os.path.join(ckpt, "step3_universal", "zero", "*", "row_age.pt")))
+    out["stale_universal_diff"], out["stale_universal_without_ages_diff"] = (
+        _universal_resume(ckpt, tag, config(1, world=world, staleness=1.0), target) for tag in ("step3_universal", "stock"))
+    out["seconds"]["staleness"] = time.time() - t0
 
     # fraction="auto" resumed where the device measures another speed: the saved choices, bit-identical.
     t0 = time.time()
@@ -500,7 +542,7 @@ def _replicas_equal(engine) -> bool:
 
 
 def session_four_ranks(rank: int, world: int, tmp: str) -> dict:
-    """More straddling (4 slices), and elastic loading of the 2-rank universal checkpoint."""
+    """More straddling (4 slices), and elastic loading of the 2-rank universal checkpoints."""
     init()
     out: dict[str, Any] = {}
     runs = {}
@@ -529,6 +571,11 @@ def session_four_ranks(rank: int, world: int, tmp: str) -> dict:
     engine.load_checkpoint(universal, tag="step3_universal")
     train(engine, 2, start=3)
     out["universal_diff"] = max_diff(params_of(engine), torch.load(os.path.join(tmp, "target.pt")))
+    # The same with staleness: the rows' ages, saved by 2 ranks, re-sliced for 4.
+    engine = make_engine({**config(2, world=world, staleness=1.0), "checkpoint": {"load_universal": True}}, seed=3)
+    engine.load_checkpoint(os.path.join(tmp, "stale_ckpt"), tag="step3_universal")
+    train(engine, 2, start=3)
+    out["stale_universal_diff"] = max_diff(params_of(engine), torch.load(os.path.join(tmp, "stale_target.pt")))
     # Last: deepspeed.initialize(mpu=...) leaves the mpu set for the rest of the process.
     out["tensor_parallel"] = {stage: tensor_parallel_vs_single_process(stage) for stage in (1, 2)}
     out["tensor_parallel_bf16"] = tensor_parallel_vs_single_process(1, bf16=True)

@@ -63,8 +63,8 @@ def test_dion3_graph_replay_equals_eager(generator, dtype, options):
             assert torch.equal(value, opt_graphed.state[b][key]), key
 
 
-def engine_run(weights, grads, lrs, cuda_graph):
-    hp = rule.Dion3Hyperparameters(fraction=0.25, weight_decay=0.1, scale_mu_by_fraction=True)
+def engine_run(weights, grads, lrs, cuda_graph, staleness=0.0):
+    hp = rule.Dion3Hyperparameters(fraction=0.25, weight_decay=0.1, scale_mu_by_fraction=True, staleness=staleness)
     shards = [MatrixShard(f"m{j}", w, g, tuple(w.shape), Sharding.full(), None, hp) for j, (w, g) in enumerate(zip(weights, grads[0]))]
     engine = Dion3Engine(shards, cuda_graph=cuda_graph)
     for lr, step_grads in zip(lrs, grads):
@@ -75,7 +75,8 @@ def engine_run(weights, grads, lrs, cuda_graph):
     return engine, shards
 
 
-def test_engine_local_groups_graph_replay_equals_eager(generator):
+@pytest.mark.parametrize("staleness", [0.0, 1.0])
+def test_engine_local_groups_graph_replay_equals_eager(generator, staleness):
     steps = 6
     shapes = [(256, 128)] * 4 + [(128, 256)] * 2
     weights = [torch.randn(s, generator=generator).cuda() for s in shapes]
@@ -85,49 +86,56 @@ def test_engine_local_groups_graph_replay_equals_eager(generator):
     for use_graph in (False, True):
         copies = [w.clone() for w in weights]
         buffers = [[g.clone() for g in grads[0]]] + grads[1:]
-        runs.append(engine_run(copies, buffers, lrs, use_graph))
+        runs.append(engine_run(copies, buffers, lrs, use_graph, staleness))
     (eager, eager_shards), (graphed, graphed_shards) = runs
     assert graphed._graph.graph is not None and eager._graph.graph is None
     for a, b in zip(eager_shards, graphed_shards):
         assert torch.equal(a.weight, b.weight)
-        assert torch.equal(a.state["momentum"], b.state["momentum"])
-        assert torch.equal(a.state["variance"], b.state["variance"])
+        assert a.state.keys() == b.state.keys() == ({"momentum", "variance"} | ({"row_age"} if staleness else set()))
+        for key in a.state:
+            assert torch.equal(a.state[key], b.state[key]), key
 
 
-def test_whole_matrices_on_flat_slices_graph_equals_eager(generator):
-    """The ZeRO layout: matrices as views of one flat slice, the variance a strided view (each
-    row's value repeated over the row), and device work after the step (``then``)."""
+@pytest.mark.parametrize("staleness", [0.0, 1.0])
+def test_whole_matrices_on_flat_slices_graph_equals_eager(generator, staleness):
+    """The ZeRO layout: matrices as views of one flat slice, the variance (and the rows' ages) a
+    strided view (each row's value repeated over the row), and device work after the step (``then``)."""
     steps, runs = 5, [(0, 3, 64, 96), (3 * 64 * 96, 2, 96, 64)]
     numel = sum(count * n * m for _, count, n, m in runs)
     flat0 = torch.randn(numel, generator=generator).cuda()
     grads = [torch.randn(numel, generator=generator).cuda() for _ in range(steps)]
     results = []
     for use_graph in (False, True):
-        flat, momentum, variance = flat0.clone(), torch.zeros_like(flat0), torch.zeros_like(flat0)
+        flat, momentum, variance, age = flat0.clone(), *(torch.zeros_like(flat0) for _ in range(3))
         graph = cuda_graph.StepGraph()
         for step in range(steps):
-            hp = rule.Dion3Hyperparameters(lr=0.01 / (step + 1), fraction=0.25, weight_decay=0.1)
+            hp = rule.Dion3Hyperparameters(lr=0.01 / (step + 1), fraction=0.25, weight_decay=0.1, staleness=staleness)
             entries = []
             for offset, count, n, m in runs:
-                views = [t.narrow(0, offset, count * n * m).view(count, n, m) for t in (flat, grads[step], momentum, variance)]
+                views = [t.narrow(0, offset, count * n * m).view(count, n, m)
+                         for t in (flat, grads[step], momentum, variance, age)]
                 views[2].add_(views[1])
-                entries.append(WholeMatrices(views[0], views[2], views[3][..., 0], hp))
+                entries.append(WholeMatrices(views[0], views[2], views[3][..., 0], hp,
+                                             age=views[4][..., 0] if staleness else None))
 
             def spread() -> None:
                 for offset, count, n, m in runs:
-                    rows = variance.narrow(0, offset, count * n * m).view(count * n, m)
-                    rows[:, 1:] = rows[:, :1]
+                    for per_row in (variance, age):
+                        rows = per_row.narrow(0, offset, count * n * m).view(count * n, m)
+                        rows[:, 1:] = rows[:, :1]
 
             step_whole_matrices(entries, graph if use_graph else None, then=spread)
         assert (graph.graph is not None) == use_graph
-        results.append((flat, momentum, variance))
+        assert bool(age.count_nonzero()) == bool(staleness)
+        results.append((flat, momentum, variance, age))
     for eager, graphed in zip(*results):
         assert torch.equal(eager, graphed)
     assert not torch.equal(results[0][0], flat0) and results[0][2].count_nonzero() > 0
 
 
+@pytest.mark.parametrize("staleness", [0.0, 1.0])
 @pytest.mark.parametrize("stable_grads", [True, False], ids=["grad-buffers", "new-grads"])
-def test_megatron_dion3_with_fused_qkv_graph_equals_eager(generator, stable_grads):
+def test_megatron_dion3_with_fused_qkv_graph_equals_eager(generator, stable_grads, staleness):
     """MegatronDion3's step with a fused QKV weight: the row permutation into Q, K, V and back runs
     inside the graph (its prologue and epilogue). Stable gradient buffers (Megatron's fp32 main
     grads) replay the graph; a new gradient tensor every step changes the graph's key."""
@@ -145,7 +153,7 @@ def test_megatron_dion3_with_fused_qkv_graph_equals_eager(generator, stable_grad
         params[0].is_qkv, params[0].qkv_split_shapes = True, split
         layouts = {p: describe_param(name, p, gated_linear_unit=True) for p, name in zip(params, shapes)}
         opt = MegatronDion3([{"params": params}], lr=0.02, weight_decay=0.1, fraction=0.25, layouts=layouts,
-                            cuda_graph=use_graph)
+                            cuda_graph=use_graph, staleness=staleness)
         for step in range(steps):
             opt.param_groups[0]["lr"] = 0.02 * 0.8 ** step
             for p, g in zip(params, grads[step]):

@@ -99,6 +99,17 @@ def test_universal_checkpoint_converts_and_loads_at_another_stage(two_ranks):
     assert two_ranks[0]["universal_diff"] <= TOL
 
 
+def test_staleness_under_zero1_and_zero2_equals_zero0_and_survives_checkpoints(two_ranks):
+    out = two_ranks[0]
+    for run, diff in out["stale_diff"].items():
+        assert diff <= TOL, (run, out["stale_diff"])
+    assert out["stale_straddling"] >= 1 and out["stale_vs_plain"] > 1e-3  # the ages mattered, across ranks too
+    assert all(keys == ["exp_avg", "exp_avg_sq", "row_age", "step"] for keys in out["stale_state_keys"])
+    assert out["stale_resume_diff"] == 0.0
+    assert out["stale_universal_ages"] >= 1 and out["stale_universal_diff"] <= TOL
+    assert out["stale_universal_without_ages_diff"] > 100 * TOL  # the stock converter drops the ages: they mattered
+
+
 def test_bf16_zero1_trains_close_to_zero0(two_ranks):
     out = two_ranks[0]
     print(out["bf16_wrappers"], out["bf16_diff"], out["bf16_losses"], out["seconds"])
@@ -139,8 +150,9 @@ def test_four_ranks_zero2_equals_zero0_and_loads_universal_checkpoint(four_ranks
     out = four_ranks[0]
     assert out["diff"] <= TOL, out
     assert out["straddling"] >= 2, out  # fc1, fc2, experts (embedding and head take AdamW: split by module)
-    # Saved by 2 ranks at ZeRO-2, loaded by 4 at ZeRO-2: the same continuation.
+    # Saved by 2 ranks at ZeRO-2, loaded by 4 at ZeRO-2: the same continuation (with staleness too).
     assert out["universal_diff"] <= TOL, out
+    assert out["stale_universal_diff"] <= TOL, out
 
 
 def test_moe_experts_step_over_their_expert_data_parallel_group(four_ranks):

@@ -35,14 +35,14 @@ def test_cuda_step_in_fp16_matches_fp64(shape, generator):
     assert ((fast - exact).norm() / exact.norm()).item() < 2e-2
 
 
-def nccl_worker(rank, world, seed, fraction, steps=3):
+def nccl_worker(rank, world, seed, fraction, staleness, steps=3):
     """Row and column blocks over NCCL for a few steps: at f = 1/4 the static exchange, at f = 1
     the host-planned one (row blocks)."""
     gen = torch.Generator().manual_seed(seed)
     shapes = [(512, 256)] * 3 + [(256, 512)] * 2
     weights = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
-    hp = rule.Dion3Hyperparameters(fraction=fraction, ns_dtype=torch.float32)
+    hp = rule.Dion3Hyperparameters(fraction=fraction, ns_dtype=torch.float32, staleness=staleness)
     group = dist.new_group(list(range(world)))
     shards = []
 
@@ -55,7 +55,7 @@ def nccl_worker(rank, world, seed, fraction, steps=3):
         shards.append(MatrixShard(f"m{j}", piece(w, j, sharding), None, s, sharding, group, hp))
     engine = Dion3Engine(shards)
     params = [torch.nn.Parameter(w.clone()) for w in weights]
-    opt = Dion3(params, fraction=fraction, ns_dtype=torch.float32)
+    opt = Dion3(params, fraction=fraction, ns_dtype=torch.float32, staleness=staleness)
     for step in range(steps):
         for j, shard in enumerate(shards):
             shard.grad = piece(grads[step][j], j, shard.sharding)
@@ -72,15 +72,15 @@ def nccl_worker(rank, world, seed, fraction, steps=3):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("fraction", [0.25, 1.0])
+@pytest.mark.parametrize("fraction,staleness", [(0.25, 0.0), (1.0, 0.0), (0.25, 1.0)])
 @pytest.mark.parametrize("row_kernels", ["0", "1"], ids=["torch-rows", "row-kernels"])
-def test_engine_over_nccl_equals_single_process(fraction, row_kernels, monkeypatch):
+def test_engine_over_nccl_equals_single_process(fraction, staleness, row_kernels, monkeypatch):
     monkeypatch.setenv("DION3_FUSED_ROWS", row_kernels)  # read by the spawned ranks
-    errors = run_distributed(nccl_worker, 2, torch.seed() % 2**31, fraction, backend="nccl")
+    errors = run_distributed(nccl_worker, 2, torch.seed() % 2**31, fraction, staleness, backend="nccl")
     assert max(errors) <= 1e-4  # TF32-free fp32 on GPU vs CPU fp32: rounding only
 
 
-def nccl_graph_worker(rank, world, seed, steps=6):
+def nccl_graph_worker(rank, world, seed, staleness, steps=6):
     """Row blocks, column blocks and a matrix held whole, each with its own lr schedule: the
     engine's whole step replayed from one CUDA graph (collectives inside) against eager steps."""
     gen = torch.Generator().manual_seed(seed)
@@ -100,7 +100,7 @@ def nccl_graph_worker(rank, world, seed, steps=6):
 
     runs = []
     for use_graph in (False, True):
-        hp = rule.Dion3Hyperparameters(fraction=0.25, weight_decay=0.1, ns_dtype=torch.float32)
+        hp = rule.Dion3Hyperparameters(fraction=0.25, weight_decay=0.1, ns_dtype=torch.float32, staleness=staleness)
         shards = []
         for j, (w, s) in enumerate(zip(weights, shapes)):
             sharding = sharding_of(j, s)
@@ -116,12 +116,14 @@ def nccl_graph_worker(rank, world, seed, steps=6):
     (eager, eager_shards), (graphed, graphed_shards) = runs
     assert graphed._graph.graph is not None and eager._graph.graph is None
     assert graphed._whole_step_graphable()
-    return all(torch.equal(a.weight, b.weight) and torch.equal(a.state["momentum"], b.state["momentum"])
-               and torch.equal(a.state["variance"], b.state["variance"]) for a, b in zip(eager_shards, graphed_shards))
+    return all(torch.equal(a.weight, b.weight) and a.state.keys() == b.state.keys()
+               and all(torch.equal(a.state[key], b.state[key]) for key in a.state)
+               for a, b in zip(eager_shards, graphed_shards))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("staleness", [0.0, 1.0])
 @pytest.mark.parametrize("row_kernels", ["0", "1"], ids=["torch-rows", "row-kernels"])
-def test_engine_whole_step_graph_over_nccl_equals_eager(row_kernels, monkeypatch):
+def test_engine_whole_step_graph_over_nccl_equals_eager(row_kernels, staleness, monkeypatch):
     monkeypatch.setenv("DION3_FUSED_ROWS", row_kernels)  # read by the spawned ranks
-    assert all(run_distributed(nccl_graph_worker, 2, torch.seed() % 2**31, backend="nccl"))
+    assert all(run_distributed(nccl_graph_worker, 2, torch.seed() % 2**31, staleness, backend="nccl"))

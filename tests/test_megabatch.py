@@ -52,26 +52,26 @@ def local_piece(full: torch.Tensor, sharding: Sharding, rank: int) -> torch.Tens
     return full.reshape(-1)[b[rank] : b[rank + 1]].clone()
 
 
-def matrices_and_grads(shapes, seed):
+def matrices_and_grads(shapes, seed, steps=STEPS):
     gen = torch.Generator().manual_seed(seed)
     weights = [torch.randn(s, generator=gen) for s in shapes]
-    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(STEPS)]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
     return weights, grads
 
 
 HP = dict(lr=0.02, mu=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, ns_dtype=torch.float32)
 
 
-def sharded_worker(rank, world, kind, shapes, fraction, seed):
-    weights, grads = matrices_and_grads(shapes, seed)
-    hp = rule.Dion3Hyperparameters(fraction=fraction, **HP)
+def sharded_worker(rank, world, kind, shapes, fraction, seed, staleness=0.0, steps=STEPS):
+    weights, grads = matrices_and_grads(shapes, seed, steps)
+    hp = rule.Dion3Hyperparameters(fraction=fraction, staleness=staleness, **HP)
     group = dist.new_group(list(range(world)))
     shards = []
     for j, (w, shape) in enumerate(zip(weights, shapes)):
         sharding = make_sharding(kind, *shape, world, j)
         shards.append(MatrixShard(f"m{j}", local_piece(w, sharding, rank), None, shape, sharding, group, hp))
     engine = Dion3Engine(shards)
-    for step in range(STEPS):
+    for step in range(steps):
         for shard, g in zip(shards, grads[step]):
             shard.grad = local_piece(g, shard.sharding, rank)
         engine.step()
@@ -99,11 +99,11 @@ def reassemble(pieces_per_rank, kind, shapes, world):
     return out
 
 
-def single_process(shapes, fraction, seed):
-    weights, grads = matrices_and_grads(shapes, seed)
+def single_process(shapes, fraction, seed, staleness=0.0, steps=STEPS):
+    weights, grads = matrices_and_grads(shapes, seed, steps)
     params = [torch.nn.Parameter(w) for w in weights]
-    opt = Dion3(params, fraction=fraction, **HP)
-    for step in range(STEPS):
+    opt = Dion3(params, fraction=fraction, staleness=staleness, **HP)
+    for step in range(steps):
         for p, g in zip(params, grads[step]):
             p.grad = g
         opt.step()
@@ -133,6 +133,27 @@ def test_sharded_step_equals_single_process(world, kind, fraction):
     got = reassemble(pieces, kind, SHAPES, world)
     expected = single_process(SHAPES, fraction, seed)
     assert max_relative_error(got, expected) <= 1e-5, f"seed={seed}"
+
+
+STALE_STEPS = 8  # several expected periods (1 / f = 4 steps): rows come back because they waited
+
+
+@pytest.mark.parametrize(
+    "world,kind,fraction",
+    # every sharding kind, with each exchange: static (rows and cols on 2 ranks at f x world <= 1),
+    # planned (rows on 4 ranks, rowscols at f = 0.5 on 4), general (flat, block_flat, mixed)
+    [(2, "rows", 0.25), (4, "rows", 0.25), (2, "cols", 0.25), (2, "rowscols", 0.25), (4, "rowscols", 0.5),
+     (2, "flat", 0.25), (4, "block_flat", 0.25), (4, "mixed", 0.25)],
+)
+@pytest.mark.slow
+def test_sharded_step_with_staleness_equals_single_process(world, kind, fraction):
+    seed = torch.seed() % 2**31
+    pieces = run_distributed(sharded_worker, world, kind, SHAPES, fraction, seed, 1.0, STALE_STEPS)
+    got = reassemble(pieces, kind, SHAPES, world)
+    expected = single_process(SHAPES, fraction, seed, 1.0, STALE_STEPS)
+    assert max_relative_error(got, expected) <= 1e-5, f"seed={seed}"
+    # staleness changed the result: the test would catch an engine that ignored it
+    assert max_relative_error(single_process(SHAPES, fraction, seed, 0.0, STALE_STEPS), expected) > 1e-3
 
 
 def test_unsharded_matrices_step_locally_like_the_optimizer():

@@ -40,6 +40,24 @@ def _grads(generator, params, steps):
     return [[torch.randn(p.shape, generator=generator) for p in params] for _ in range(steps)]
 
 
+def _one_step(opt, params, generator):
+    for p, g in zip(params, _grads(generator, params, 1)[0]):
+        p.grad = g
+    opt.step()
+
+
+def _saved_state(opt) -> dict:
+    """A copy of the optimizer's state as its state dict holds it."""
+    return {i: {k: v.clone() for k, v in state.items()} for i, state in opt.state_dict()["state"].items()}
+
+
+def _assert_state_is(opt, before: dict) -> None:
+    for i, state in opt.state_dict()["state"].items():
+        assert state.keys() == before[i].keys()
+        for k, v in state.items():
+            assert torch.equal(v, before[i][k]), (i, k)
+
+
 def test_describe_param_finds_q_k_v_and_gate_up(generator):
     params, names = _params(generator)
     qkv = describe_param(names[params[0]], params[0])
@@ -57,40 +75,53 @@ def test_describe_param_finds_q_k_v_and_gate_up(generator):
     assert [p.suffix for p in expert_fc2.matrices] == [""]
 
 
-def test_steps_equal_single_process_dion3_on_logical_matrices(generator):
-    params, names = _params(generator)
-    initial = [p.data.clone() for p in params]
+def _stepped_with_dion3(params, names, grads, switch_at=None):
+    """(MegatronDion3, single-process Dion3 on the logical matrices (leaves)) stepped alike;
+    staleness 1 from step ``switch_at`` on (None: never)."""
     leaves = {p: [t.clone() for t in _split(names[p], p.data)] for p in params}
-    ref = Dion3([t for p in params for t in leaves[p]], lr=0.05, weight_decay=0.1, fraction=0.5)
-    opt = _megatron(params, names)
-    for grads in _grads(generator, params, 3):
-        for p, g in zip(params, grads):
+    ref = Dion3([t for p in params for t in leaves[p]], lr=0.05, weight_decay=0.1, fraction=0.5,
+                staleness=float(switch_at == 0))
+    opt = _megatron(params, names, staleness=float(switch_at == 0))
+    for step, step_grads in enumerate(grads):
+        if step == switch_at:
+            opt.param_groups[0]["staleness"] = ref.param_groups[0]["staleness"] = 1.0
+        for p, g in zip(params, step_grads):
             p.grad = g
             for leaf, piece in zip(leaves[p], _split(names[p], g)):
                 leaf.grad = piece.clone()
         opt.step()
         ref.step()
+    return opt, ref, leaves
+
+
+def test_steps_equal_single_process_dion3_on_logical_matrices(generator):
+    params, names = _params(generator)
+    initial = [p.data.clone() for p in params]
+    _, _, leaves = _stepped_with_dion3(params, names, _grads(generator, params, 3))
     for p, start in zip(params, initial):
         for leaf, got in zip(leaves[p], _split(names[p], p.data)):
             torch.testing.assert_close(got, leaf, atol=1e-6, rtol=0)
         assert (p.data - start).abs().max() > 1e-2  # every matrix moved
 
 
-def test_state_dict_is_param_shaped_and_resumes_identically(generator):
+@pytest.mark.parametrize("staleness", [0.0, 1.0])
+def test_state_dict_is_param_shaped_and_resumes_identically(generator, staleness):
     params, names = _params(generator)
     grads = _grads(generator, params, 4)
-    opt = _megatron(params, names)
+    opt = _megatron(params, names, staleness=staleness)
     for step in range(2):
         for p, g in zip(params, grads[step]):
             p.grad = g
         opt.step()
     sd = opt.state_dict()
+    per_row = ["variance", "row_age"] if staleness else ["variance"]
     for index, p in enumerate(params):
         assert {k: tuple(v.shape) for k, v in sd["state"][index].items()} == {
-            "momentum": tuple(p.shape), "variance": tuple(p.shape)}
-        variance = sd["state"][index]["variance"]
-        assert torch.equal(variance, variance[:, :1].expand_as(variance))  # one value per row
-        assert variance.abs().max() > 0
+            key: tuple(p.shape) for key in ["momentum", *per_row]}
+        for key in per_row:
+            values = sd["state"][index][key]
+            assert torch.equal(values, values[:, :1].expand_as(values))  # one value per row
+            assert values.abs().max() > 0
     # QKV momentum comes back in the parameter's own (interleaved) row order.
     (m_q, m_k, m_v) = _split(names[params[0]], sd["state"][0]["momentum"])
     shards = opt._shards[params[0]]
@@ -98,10 +129,8 @@ def test_state_dict_is_param_shaped_and_resumes_identically(generator):
     for got, shard in zip((m_q, m_k, m_v), shards):
         assert torch.equal(got, shard.state["momentum"])
 
-    clones = [torch.nn.Parameter(p.data.clone()) for p in params]
-    for c, p in zip(clones, params):
-        c.__dict__.update({k: v for k, v in p.__dict__.items()})
-    resumed = _megatron(clones, {c: names[p] for c, p in zip(clones, params)})
+    clones = _clones(params)
+    resumed = _megatron(clones, {c: names[p] for c, p in zip(clones, params)}, staleness=staleness)
     resumed.load_state_dict(sd)
     for step in range(2, 4):
         for p, c, g in zip(params, clones, grads[step]):
@@ -110,6 +139,30 @@ def test_state_dict_is_param_shaped_and_resumes_identically(generator):
         resumed.step()
     for p, c in zip(params, clones):
         assert torch.equal(p.data, c.data)
+
+
+@pytest.mark.parametrize("switch_at", [0, 3], ids=["from-the-start", "switched-on-at-step-3"])
+def test_staleness_equals_single_process_dion3_and_can_be_switched_on_later(generator, switch_at):
+    params, names = _params(generator)
+    clones = _clones(params)
+    grads = _grads(generator, params, 7)
+    opt, ref, leaves = _stepped_with_dion3(params, names, grads, switch_at)
+    saved = opt.state_dict()["state"]
+    for index, p in enumerate(params):  # the ages (in the parameter's own row order, QKV interleaved), the weights
+        ages = saved[index]["row_age"][:, 0]
+        for leaf, got, age in zip(leaves[p], _split(names[p], p.data), _split(names[p], ages[:, None])):
+            torch.testing.assert_close(got, leaf, atol=1e-6, rtol=0)
+            assert torch.equal(age[:, 0], ref.state[leaf]["row_age"][0])
+    _stepped_with_dion3(clones, {c: names[p] for c, p in zip(clones, params)}, grads)
+    assert max((p.data - c.data).abs().max() for p, c in zip(params, clones)) > 1e-3  # the ages mattered
+
+
+def _clones(params):
+    """Fresh parameters with the same values and Megatron marks (is_qkv, ...)."""
+    clones = [torch.nn.Parameter(p.data.clone()) for p in params]
+    for c, p in zip(clones, params):
+        c.__dict__.update(p.__dict__)
+    return clones
 
 
 def test_load_state_dict_rejects_foreign_state(generator):
@@ -127,20 +180,16 @@ def test_load_state_dict_rejects_foreign_state(generator):
 def test_load_state_dict_rejects_bad_group_settings_before_anything_changes(key, value, generator):
     params, names = _params(generator)
     opt = _megatron(params, names)
-    for p, g in zip(params, _grads(generator, params, 1)[0]):
-        p.grad = g
-    opt.step()
+    _one_step(opt, params, generator)
+    before = _saved_state(opt)
     sd = opt.state_dict()
-    before = {i: {k: v.clone() for k, v in state.items()} for i, state in sd["state"].items()}
     sd["param_groups"][0][key] = value
     sd["state"][0]["momentum"] = torch.zeros_like(sd["state"][0]["momentum"])
     sd["auto_fractions"] = {0: {s.name: 0.25 for shards in opt._shards.values() for s in shards}}  # (rebuilds)
     with pytest.raises(ValueError, match=f"param group 0: {key} must be .*, got {value!r}"):
         opt.load_state_dict(sd)
     assert opt.param_groups[0][key] != value
-    for i, state in opt.state_dict()["state"].items():
-        for k, v in state.items():
-            assert torch.equal(v, before[i][k]), (i, k)
+    _assert_state_is(opt, before)
 
 
 def test_non_finite_gradient_skips_the_step(generator):
@@ -199,3 +248,43 @@ def test_auto_fraction_choices_survive_a_resume_on_a_machine_of_another_speed(mo
     bad = dict(saved, auto_fractions={0: {"layers.0.mlp.linear_fc2.weight": 0.3}})
     with pytest.raises(ValueError, match="auto_fractions: layers.0.mlp.linear_fc2.weight on rank 0 has fraction 0.3"):
         other.load_state_dict(bad)
+
+
+@pytest.mark.parametrize("case", ["ages-missing", "ages-at-staleness-0"])
+def test_load_state_dict_refuses_row_ages_that_do_not_match_the_staleness(generator, case):
+    params, names = _params(generator)
+    opt = _megatron(params, names, staleness=1.0)
+    _one_step(opt, params, generator)
+    before = _saved_state(opt)
+    sd = opt.state_dict()
+    if case == "ages-missing":  # a checkpoint stepped with staleness keeps every parameter's ages
+        del sd["state"][1]["row_age"]
+        words = r"param group 0, param 1 .*staleness=1.0 \(expected \['momentum', 'variance', 'row_age'\]"
+    else:  # ages, but the groups (which the load takes) say staleness 0
+        sd["param_groups"][0]["staleness"] = 0.0
+        words = r"param group 0, param 0 .*staleness=0.0 \(expected \['momentum', 'variance'\]"
+    for state in sd["state"].values():
+        state["momentum"] = torch.zeros_like(state["momentum"])
+    with pytest.raises(ValueError, match=words):
+        opt.load_state_dict(sd)
+    assert opt.param_groups[0]["staleness"] == 1.0
+    _assert_state_is(opt, before)
+
+
+def test_a_checkpoint_from_before_the_option_loads_with_every_row_at_age_zero(generator):
+    # Its groups carry no staleness: the optimizer's own holds, and the ages start where a fresh
+    # run starts them (as Dion3 does when staleness is switched on later).
+    params, names = _params(generator)
+    old = _megatron(params, names)
+    _one_step(old, params, generator)
+    sd = old.state_dict()
+    for group in sd["param_groups"]:
+        del group["staleness"]
+    clones = _clones(params)
+    new = _megatron(clones, {c: names[p] for c, p in zip(clones, params)}, staleness=1.0)
+    _one_step(new, clones, generator)  # ages of its own, which the load must not keep
+    new.load_state_dict(sd)
+    assert new.param_groups[0]["staleness"] == 1.0
+    for index, state in new.state_dict()["state"].items():
+        assert torch.equal(state["momentum"], sd["state"][index]["momentum"])
+        assert torch.equal(state["row_age"], torch.zeros_like(state["row_age"]))

@@ -173,10 +173,10 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
     results: dict = {}
     data = ms.batches(2 * STEPS, 4)
 
-    def reference(num_experts=None, batches=data[:STEPS]):
+    def reference(num_experts=None, batches=data[:STEPS], **dion3):
         ms.init_parallel()
         cfg = ms.tiny_config(num_experts=num_experts)
-        ref = ms.Reference(cfg)
+        ref = ms.Reference(cfg, **dion3)
         init = ref.state()
         for b in batches:
             ref.step(b)
@@ -193,6 +193,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
     dense_init, dense_final = reference()
     moe_init, moe_final = reference(num_experts=4)
     _, bad_batch_skipped = reference(batches=data[:STEPS] + data[STEPS + 1:STEPS + 2])  # data[STEPS] is bad
+    _, stale_final = reference(staleness=1.0)
 
     def parallel(tp=1, pp=1, ep=1, etp=None, num_experts=None, init=dense_init, final=dense_final, microbatches=1,
                  **kw):
@@ -311,11 +312,17 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         res["finite"] = bool(torch.isfinite(flat).all())
         return res
 
-    def checkpoint():
+    def stale(tp=1):
+        # staleness=1 against the single-process Dion3 with it (the ages matter from step 2 on)
+        out, chunks, opt, cfg = parallel(tp=tp, final=stale_final, staleness=1.0)
+        out["plain_vs_stale"] = _diffs(chunks[0].module, dense_final, cfg)["dion3"]
+        return out
+
+    def checkpoint(staleness=0.0, ckpt_dir=ckpt_dir):
         # Train 3 steps at DP=2, save (torch_dist), train 3 more: the uninterrupted run.
         ms.init_parallel()
         cfg = ms.tiny_config()
-        chunks, opt, sched = ms.make_parallel(cfg, dense_init)
+        chunks, opt, sched = ms.make_parallel(cfg, dense_init, staleness=staleness)
         for b in data[:STEPS]:
             ms.train_step(chunks, opt, sched, b)
         _save(chunks, opt, ckpt_dir)
@@ -325,7 +332,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         # Fresh model and optimizer, load, resume the same 3 steps: bit-identical.
         ms.init_parallel()
         cfg = ms.tiny_config()
-        chunks, opt, sched = ms.make_parallel(cfg, dense_init)
+        chunks, opt, sched = ms.make_parallel(cfg, dense_init, staleness=staleness)
         _load(chunks, opt, ckpt_dir)
         for b in data[STEPS:]:
             ms.train_step(chunks, opt, sched, b)
@@ -336,7 +343,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         # (Megatron's dp_reshardable Adam state cannot change TP size, so only Dion3's is loaded.)
         ms.init_parallel()
         cfg = ms.tiny_config()
-        chunks, opt, sched = ms.make_parallel(cfg, dense_init)
+        chunks, opt, sched = ms.make_parallel(cfg, dense_init, staleness=staleness)
         _load(chunks, opt, ckpt_dir)
         (dion3,) = _find_dion3(opt)
         mine = {dion3.layout_of(p).name: [t.clone() for t in dion3._param_state(p)]
@@ -346,7 +353,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         saved = {k: v for d in gathered for k, v in d.items()}
         ms.init_parallel(tp=2)
         cfg = ms.tiny_config(tp=2)
-        chunks, opt, sched = ms.make_parallel(cfg, dense_init)
+        chunks, opt, sched = ms.make_parallel(cfg, dense_init, staleness=staleness)
         _load(chunks, opt, ckpt_dir, dion3_only=True)
         (dion3,) = _find_dion3(opt)
         worst = 0.0
@@ -355,15 +362,20 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         for g in dion3.param_groups:
             for p in g["params"]:
                 name = dion3.layout_of(p).name
-                momentum, variance = dion3._param_state(p)
-                full_m, full_v = saved[name]
+                momentum, *rows = dion3._param_state(p)  # variance (and row ages with staleness)
+                full_m, *full_rows = saved[name]
+                assert len(rows) == len(full_rows) == 1 + bool(staleness)
                 model_p = model_params[name]
                 exp_m = ms.local_slice(name, model_p, full_m, cfg)
-                exp_v = ms.local_slice(name, model_p, full_v[:, None].expand_as(full_m), cfg)[:, 0]
-                worst = max(worst, (momentum - exp_m).abs().max().item(), (variance - exp_v).abs().max().item())
+                worst = max(worst, (momentum - exp_m).abs().max().item())
+                for got, full in zip(rows, full_rows):
+                    expected = ms.local_slice(name, model_p, full[:, None].expand_as(full_m), cfg)[:, 0]
+                    worst = max(worst, (got - expected).abs().max().item())
                 checked += 1
         out["reshard_state_diff"], out["reshard_checked"] = worst, checked
         out["state_nonzero"] = min(v[0].abs().max().item() for v in saved.values())
+        if staleness:  # rows waited (ages > 0) and were applied (ages 0) in every matrix
+            out["ages_seen"] = all(v[2].max() > 0 and v[2].min() == 0 for v in saved.values())
         return out
 
     def auto_resume():
@@ -468,6 +480,8 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
 
     for name, fn in (("dp", dp), ("dp_overlap", dp_overlap), ("tp", tp), ("pp", pp), ("moe", moe), ("moe_etp", moe_etp), ("bf16", bf16), ("checkpoint", checkpoint), ("auto_resume", auto_resume),
                      ("clip", clip_and_schedule), ("registry", registry),
+                     ("stale_dp", stale), ("stale_tp", lambda: stale(tp=2)),
+                     ("stale_checkpoint", lambda: checkpoint(1.0, ckpt_dir + "_stale")),
                      ("nan_loss_dp", lambda: bad_step(checkpoint_to=ckpt_dir + "_skipped")),
                      ("nan_loss_dp_bf16", lambda: bad_step(bf16=True)), ("nan_loss_tp", lambda: bad_step(tp=2)),
                      ("nan_loss_tp_bf16", lambda: bad_step(tp=2, bf16=True)),
@@ -558,6 +572,22 @@ def test_torch_dist_checkpoint_resume_and_reshard(results):
         assert r["state_nonzero"] > 0, "the saved Dion3 state is empty: nothing was tested"
         assert r["reshard_checked"] == 8, r["reshard_checked"]  # DP=1: this rank holds every matrix
         assert r["reshard_state_diff"] == 0.0, f"rank {rank}: DP=2 -> TP=2 Dion3 state differs by {r['reshard_state_diff']:.3g}"
+
+
+@pytest.mark.parametrize("name", ["stale_dp", "stale_tp"])
+def test_staleness_equals_single_process_at_dp2_and_tp2(results, name):
+    # dp: layer-wise owners step whole matrices; tp: row and column blocks on the static exchange
+    per_rank = _get(results, name)
+    _check_against_reference(per_rank)
+    for r in per_rank:  # the reference with staleness is not the one without: the ages mattered
+        assert r["plain_vs_stale"] > 100 * MATRIX_TOL, r["plain_vs_stale"]
+
+
+def test_torch_dist_checkpoint_with_row_ages_resumes_bit_identically_and_reshards(results):
+    for rank, r in enumerate(_get(results, "stale_checkpoint")):
+        assert r["resume_max_diff"] == 0.0, f"rank {rank}: resumed run differs by {r['resume_max_diff']:.3g}"
+        assert r["ages_seen"] and r["reshard_checked"] == 8
+        assert r["reshard_state_diff"] == 0.0, f"rank {rank}: DP=2 -> TP=2 state differs by {r['reshard_state_diff']:.3g}"
 
 
 def test_auto_fraction_choices_of_every_rank_survive_a_torch_dist_resume(results):

@@ -107,24 +107,51 @@ def test_bad_staleness_is_refused_naming_it(value):
         Dion3([torch.nn.Parameter(torch.randn(4, 4))], staleness=value)
 
 
-def test_the_sharded_engine_refuses_staleness_instead_of_ignoring_it():
-    hp = rule.Dion3Hyperparameters(fraction=0.5, staleness=1.0)
-    weight = torch.randn(8, 8)
-    shard = MatrixShard("w", weight, weight.clone(), (8, 8), Sharding.full(), None, hp)
-    with pytest.raises(ValueError, match="staleness=1.0 is supported by the single-process Dion3 only"):
-        Dion3Engine([shard])
+@pytest.mark.slow
+def test_the_engine_steps_whole_matrices_with_staleness_like_the_optimizer(generator):
+    shapes = [(16, 24)] * 3 + [(24, 16)]
+    data = [torch.randn(s, generator=generator) for s in shapes]
+    grads = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(8)]
+    hp = rule.Dion3Hyperparameters(fraction=0.25, staleness=1.0, ns_dtype=torch.float32)
+    shards = [MatrixShard(f"m{j}", d.clone(), None, d.shape, Sharding.full(), None, hp) for j, d in enumerate(data)]
+    engine = Dion3Engine(shards)
+    params = [torch.nn.Parameter(d.clone()) for d in data]
+    opt = Dion3(params, fraction=0.25, staleness=1.0, ns_dtype=torch.float32)
+    for step_grads in grads:
+        for shard, p, g in zip(shards, params, step_grads):
+            shard.grad, p.grad = g, g.clone()
+        engine.step()
+        opt.step()
+    for shard, p in zip(shards, params):
+        torch.testing.assert_close(shard.weight, p.detach(), rtol=1e-6, atol=1e-6)
+        assert torch.equal(shard.state["row_age"], opt.state[p]["row_age"][0])
 
 
-def test_deepspeed_refuses_staleness_at_construction_and_when_set_later(generator):
+@pytest.mark.parametrize("built,changed", [(0.0, 1.0), (1.0, 0.5)])
+def test_the_engine_refuses_a_staleness_changed_since_it_was_built(generator, built, changed):
+    hp = rule.Dion3Hyperparameters(fraction=0.5, staleness=built)
+    weight = torch.randn(8, 8, generator=generator)
+    shard = MatrixShard("w", weight, torch.randn(8, 8, generator=generator), (8, 8), Sharding.full(), None, hp)
+    engine = Dion3Engine([shard])
+    shard.hp = rule.Dion3Hyperparameters(fraction=0.5, staleness=changed)
+    before = weight.clone()
+    with pytest.raises(ValueError, match=f"staleness changed from {built} to {changed} since the engine was built"):
+        engine.step()
+    assert torch.equal(weight, before)
+
+
+def test_deepspeed_takes_staleness_and_refuses_bad_values_naming_them(generator):
     from dion3_megatron.deepspeed.optimizer import DeepSpeedDion3
 
-    weight = torch.nn.Parameter(torch.randn(8, 12, generator=generator))
-    with pytest.raises(ValueError, match="param group 0: staleness=1.0 is supported by the single-process Dion3 only"):
-        DeepSpeedDion3([{"params": [weight], "staleness": 1.0}])
-    opt = DeepSpeedDion3([weight], fraction=0.25)
-    opt.param_groups[0]["staleness"] = 0.5
-    before = weight.detach().clone()
-    weight.grad = torch.randn(8, 12, generator=generator)
-    with pytest.raises(ValueError, match="staleness=0.5"):
-        opt.step()
-    assert torch.equal(weight, before) and not opt.state
+    data = torch.randn(8, 12, generator=generator)
+    grads = [torch.randn(8, 12, generator=generator) for _ in range(4)]
+    weights = [torch.nn.Parameter(data.clone()) for _ in range(2)]
+    opts = [DeepSpeedDion3([{"params": [weights[0]], "staleness": 1.0}], fraction=0.25),  # the JSON path
+            Dion3([weights[1]], fraction=0.25, staleness=1.0)]
+    for g in grads:
+        for w, opt in zip(weights, opts):
+            w.grad = g.clone()
+            opt.step()
+    assert torch.equal(weights[0], weights[1])
+    with pytest.raises(ValueError, match="param group 0: staleness must be a finite number >= 0, got -1.0"):
+        DeepSpeedDion3([{"params": [weights[0]], "staleness": -1.0}])

@@ -1,19 +1,27 @@
 """Checkpoint helpers: universal-checkpoint metadata and ``ds_to_universal`` conversion.
 
 Dion3's ZeRO-1/2 state is slice-shaped under the keys DeepSpeed's converter reads (``exp_avg``:
-momentum, ``exp_avg_sq``: per-row variance repeated over the row; see :mod:`.zero`), so the stock
-converter works unchanged::
+momentum, ``exp_avg_sq``: per-row variance repeated over the row; see :mod:`.zero`), so without
+staleness the stock converter works unchanged::
 
     python -m deepspeed.checkpoint.ds_to_universal --input_folder ckpt/step100 \\
         --output_folder ckpt/step100_universal --inject_missing_state
 
-and ``"checkpoint": {"load_universal": true}`` loads the result at any data-parallel size.
+and ``"checkpoint": {"load_universal": true}`` loads the result at any data-parallel size. With
+staleness the slices also hold ``row_age``, which the stock converter drops (it reads its three
+keys only); :func:`convert_to_universal` keeps it (DeepSpeed's loader takes every key's file).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import os
+import shutil
+import tempfile
 from typing import Any
+
+import torch
 
 
 def universal_checkpoint_info() -> dict[str, Any]:
@@ -28,11 +36,26 @@ def convert_to_universal(input_folder: str, output_folder: str, workers: int = 1
     """Run DeepSpeed's ``ds_to_universal`` in this process (``workers`` > 1 uses a process pool).
 
     ``input_folder`` is one tag's folder (e.g. ``ckpt/global_step3``); the output folder should be
-    a sibling of it: its parent's ``latest_universal`` file is updated to name it.
+    a sibling of it: its parent's ``latest_universal`` file is updated to name it. Row ages
+    (staleness) are converted by a second run of the converter on a copy of the optimizer files
+    whose ``exp_avg`` holds them, so they are cut and merged exactly as the momentum is, and land
+    in each parameter's ``row_age.pt``.
     """
     from deepspeed.checkpoint import ds_to_universal
 
-    args = argparse.Namespace(
+    ds_to_universal.main(_converter_args(input_folder, output_folder, workers))
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(output_folder))) as tmp:
+        ages_in, ages_out = os.path.join(tmp, "in"), os.path.join(tmp, "out")
+        if not _ages_as_momentum(input_folder, ages_in):
+            return
+        ds_to_universal.main(_converter_args(ages_in, ages_out, workers))
+        for path in glob.glob(os.path.join(ages_out, "zero", "*", "exp_avg.pt")):
+            name = os.path.basename(os.path.dirname(path))
+            shutil.copyfile(path, os.path.join(output_folder, "zero", name, "row_age.pt"))
+
+
+def _converter_args(input_folder: str, output_folder: str, workers: int) -> argparse.Namespace:
+    return argparse.Namespace(
         input_folder=input_folder,
         output_folder=output_folder,
         num_extract_workers=workers,
@@ -41,4 +64,29 @@ def convert_to_universal(input_folder: str, output_folder: str, workers: int = 1
         strict=True,
         inject_missing_state=True,
     )
-    ds_to_universal.main(args)
+
+
+def _ages_as_momentum(input_folder: str, output_folder: str) -> bool:
+    """A copy of a ZeRO checkpoint folder whose optimizer files hold the row ages as ``exp_avg``
+    (zeros for a group without ages); the other files are linked. False (nothing written) when no
+    group holds ages."""
+    from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT
+
+    rewritten = {}
+    for path in glob.glob(os.path.join(input_folder, "*optim_states.pt")):
+        sd = torch.load(path, map_location="cpu", weights_only=False)
+        states = sd[OPTIMIZER_STATE_DICT][BASE_OPTIMIZER_STATE]["state"].values()
+        if not any("row_age" in state for state in states):
+            continue
+        for state in states:
+            state["exp_avg"] = state.get("row_age", torch.zeros_like(state["exp_avg"]))
+        rewritten[os.path.basename(path)] = sd
+    if not rewritten:
+        return False
+    os.makedirs(output_folder)
+    for name in os.listdir(input_folder):
+        if name in rewritten:
+            torch.save(rewritten[name], os.path.join(output_folder, name))
+        else:
+            os.symlink(os.path.abspath(os.path.join(input_folder, name)), os.path.join(output_folder, name))
+    return True

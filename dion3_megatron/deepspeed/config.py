@@ -31,7 +31,6 @@ HINTS = {
     "adam_w_mode": "the AdamW half of Dion3 is always decoupled (AdamW); remove 'adam_w_mode'",
     "rank_fraction": "did you mean 'fraction'?",
     "selection": "row selection is global (top-k over the whole matrix) under ZeRO, so every stage gives the same result",
-    "staleness": "supported by the single-process Dion3 only so far",
 }
 
 

@@ -32,12 +32,6 @@ def _with_adamw_lr(params: Iterable[Any], lr: float) -> list[dict]:
     return [{"lr": lr, **g} if g.get("algorithm") == "adamw" else g for g in params]
 
 
-def _refuse_staleness(where: str, group: dict) -> None:
-    if group["staleness"]:
-        raise ValueError(f"{where}: staleness={group['staleness']!r} is supported by the single-process Dion3 only "
-                         "so far; use staleness=0 under DeepSpeed")
-
-
 @options.documented(options.DEEPSPEED)
 class DeepSpeedDion3(Dion3):
     """Dion3 for DeepSpeed: validated config ``params``; ZeRO-1/2 flat slices through the engine.
@@ -65,12 +59,6 @@ class DeepSpeedDion3(Dion3):
         self._zero_plans: dict[int, zero.ZeroGroupPlan] = {}
         self._saved_zero_fractions: dict[int, dict] = {}  # param group index -> fraction="auto" choices loaded
 
-    @classmethod
-    def _check_group(cls, where: str, group: dict) -> None:
-        """Dion3's checks, and no staleness: its per-row ages are not carried through ZeRO's slices."""
-        super()._check_group(where, group)
-        _refuse_staleness(where, group)
-
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         if hasattr(self, "_originals"):
@@ -95,6 +83,15 @@ class DeepSpeedDion3(Dion3):
             return originals
         return None
 
+    def _expected_state_shapes(self, group: dict, p: torch.Tensor) -> list[dict[str, tuple]]:
+        """A ZeRO flat slice's state (:func:`.zero.init_slice_state`), whatever the group's algorithm:
+        AdamW's keys, and ``row_age`` after steps with staleness; a slice without ages starts them at
+        0, as Dion3 does when staleness is switched on."""
+        if self._zero_group(group) is None:
+            return super()._expected_state_shapes(group, p)
+        plain = {"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}
+        return [plain, {**plain, "row_age": tuple(p.shape)}]
+
     def state_dict(self) -> dict[str, Any]:
         """Dion3's state dict and, under ZeRO-1/2, what fraction="auto" chose on this rank's slices
         (DeepSpeed's default, rigid, checkpoints keep it per rank; elastic and universal ones keep
@@ -104,13 +101,6 @@ class DeepSpeedDion3(Dion3):
         sd["zero_auto_fractions"] = {**self._saved_zero_fractions, **{
             index.index(key): plan.auto_fractions() for key, plan in self._zero_plans.items() if plan.auto}}
         return sd
-
-    def _expected_state_shapes(self, group: dict, p: torch.Tensor) -> list[dict[str, tuple]]:
-        """A ZeRO flat slice keeps slice-shaped state (:func:`.zero.init_slice_state`), whatever the
-        group's algorithm."""
-        if self._zero_group(group) is not None:
-            return [{"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}]
-        return super()._expected_state_shapes(group, p)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict.get("zero_auto_fractions", {})
@@ -143,7 +133,7 @@ class DeepSpeedDion3(Dion3):
         if not all(orig is not None for _, orig in zero_groups):
             raise RuntimeError("Dion3: some param groups are ZeRO flat slices and some are not")
         for gi, (group, _) in enumerate(zero_groups):  # a setting changed since construction, before any step
-            _refuse_staleness(f"param group {gi}", group)
+            options.check(f"param group {gi}", **{k: group[k] for k in options.group_keys(options.DEEPSPEED)})
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -165,7 +155,7 @@ class DeepSpeedDion3(Dion3):
                 self.skip_step()
                 continue
             state = self.state[flat]
-            zero.init_slice_state(state, flat)
+            zero.init_slice_state(state, flat, with_age=group["staleness"] > 0)
             state["step"] += 1
             plan.step(self, group, state)
         return loss

@@ -21,10 +21,14 @@ Adam's (``ds_to_universal`` reads exactly the keys ``exp_avg`` and ``exp_avg_sq`
 * ``exp_avg``    (slice)  Dion3 momentum on matrix elements; AdamW first moment elsewhere.
 * ``exp_avg_sq`` (slice)  Dion3 per-row variance repeated over the row's elements; AdamW second
                           moment elsewhere.
+* ``row_age``    (slice)  with staleness: steps since each row was applied, repeated over the
+                          row's elements like the variance; 0 elsewhere. ``ds_to_universal``
+                          does not know the key: :func:`.checkpoint.convert_to_universal` adds it.
 * ``step``       (0-d)    steps taken (AdamW bias correction).
 
-The engine keeps one variance value per row a piece touches; before each step it is read from the
-first element of each touched row of ``exp_avg_sq``, after the step written back over the row.
+The engine keeps one variance value (and age) per row a piece touches; before each step it is read
+from the first element of each touched row of ``exp_avg_sq`` (``row_age``), after the step
+written back over the row.
 """
 
 from __future__ import annotations
@@ -227,20 +231,22 @@ class ZeroGroupPlan:
 
     # ----------------------------------------------------------------------------------------
 
-    def _bind_state(self, state: dict) -> None:
-        """Point the engine's momentum at the slice's exp_avg (rebuilding the engine if it moved)."""
-        ids = (id(state["exp_avg"]), id(state["exp_avg_sq"]))
+    def _bind_state(self, state: dict, hp: rule.Dion3Hyperparameters) -> None:
+        """Point the engine's momentum at the slice's exp_avg (rebuilding the engine if it moved,
+        or if staleness changed: the engine plans with it)."""
+        ids = (id(state["exp_avg"]), id(state["exp_avg_sq"]), id(state.get("row_age")), hp.staleness)
         if not self.pieces or (self.engine is not None and ids == self._state_ids):
             return
         exp_avg = state["exp_avg"]
         for piece in self.pieces:
+            piece.shard.hp = hp
             if self.auto and piece.shard.name in self.piece_fractions:  # chosen before: not measured again
-                piece.shard.hp = dataclasses.replace(piece.shard.hp, fraction=self.piece_fractions[piece.shard.name])
+                piece.shard.hp = dataclasses.replace(hp, fraction=self.piece_fractions[piece.shard.name])
             piece.shard.state.clear()
             piece.shard.state["momentum"] = exp_avg.narrow(0, piece.offset, piece.length)
-            piece.shard.state["variance"] = torch.zeros(
-                piece.row_counts.numel(), dtype=torch.float32, device=exp_avg.device
-            )
+            for key in ("variance", "row_age") if hp.staleness else ("variance",):
+                piece.shard.state[key] = torch.zeros(piece.row_counts.numel(), dtype=torch.float32,
+                                                     device=exp_avg.device)
         self.engine = megabatch.Dion3Engine([p.shard for p in self.pieces], cuda_graph=self.use_graph,
                                             check_group=self.check_group)
         if self.auto:
@@ -249,9 +255,11 @@ class ZeroGroupPlan:
 
     def step(self, opt: Dion3, group: dict, state: dict) -> None:
         flat, grad = self.flat, self.flat.grad
-        self._bind_state(state)
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         hp = opt.hyperparameters(group)
+        self._bind_state(state, hp)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        # per-row state the engine keeps one value per touched row of, the slice over the whole row
+        per_row = [("variance", exp_avg_sq)] + ([("row_age", state["row_age"])] if hp.staleness else [])
         for piece in self.pieces:
             shard = piece.shard
             shard.weight = flat.narrow(0, piece.offset, piece.length)
@@ -263,10 +271,11 @@ class ZeroGroupPlan:
             if momentum.data_ptr() != view.data_ptr() and piece.length:
                 momentum.copy_(view)
             if piece.row_counts.numel():
-                shard.state["variance"].copy_(exp_avg_sq.narrow(0, piece.offset, piece.length)[piece.row_firsts])
+                for key, values in per_row:
+                    shard.state[key].copy_(values.narrow(0, piece.offset, piece.length)[piece.row_firsts])
         # The whole matrices' device work runs while the engine waits for its chosen rows.
         pending = self.engine.start_step() if self.pieces else None
-        self._step_whole(hp, flat, grad, exp_avg, exp_avg_sq)
+        self._step_whole(hp, flat, grad, exp_avg, [values for _, values in per_row])
         if pending is not None:
             self.engine.finish_step(pending)
         for piece in self.pieces:
@@ -276,17 +285,19 @@ class ZeroGroupPlan:
             view = exp_avg.narrow(0, piece.offset, piece.length)
             if shard.state["momentum"].data_ptr() != view.data_ptr():
                 view.copy_(shard.state["momentum"])
-            exp_avg_sq.narrow(0, piece.offset, piece.length).copy_(
-                shard.state["variance"].repeat_interleave(piece.row_counts, output_size=piece.length)
-            )
+            for key, values in per_row:
+                values.narrow(0, piece.offset, piece.length).copy_(
+                    shard.state[key].repeat_interleave(piece.row_counts, output_size=piece.length))
         if self.adamw_runs:
             step = int(state["step"].item())
             runs = [[t.narrow(0, start, length) for start, length in self.adamw_runs]
                     for t in (flat, grad, exp_avg, exp_avg_sq)]
             rule.adamw_step(*runs, step, group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
-    def _step_whole(self, hp: rule.Dion3Hyperparameters, flat, grad, exp_avg, exp_avg_sq) -> None:
-        """The matrices only this rank holds: the single-process step on views of the slice."""
+    def _step_whole(self, hp: rule.Dion3Hyperparameters, flat, grad, exp_avg, per_row: list[torch.Tensor]) -> None:
+        """The matrices only this rank holds: the single-process step on views of the slice.
+        ``per_row``: the slices of the variance (exp_avg_sq) and, with staleness, the ages, each
+        row's value repeated over the row."""
         if hp.fraction == rule.AUTO and self.whole_fractions is None:
             self.whole_fractions = self._auto_fractions(hp)  # collective: every rank of the group calls it
         if not self.whole:
@@ -297,20 +308,22 @@ class ZeroGroupPlan:
             self.whole_scores = [torch.empty(count, n, dtype=torch.float32, device=flat.device)
                                  for _, count, n, _ in self.whole]
         for i, (offset, count, n, m) in enumerate(self.whole):
-            view = [t.narrow(0, offset, count * n * m).view(count, n, m) for t in (flat, grad, exp_avg, exp_avg_sq)]
+            view = [t.narrow(0, offset, count * n * m).view(count, n, m) for t in (flat, grad, exp_avg, *per_row)]
             # here, not in a graph: ZeRO's gradient partition is a new tensor every step
             scores = rule.accumulate_and_score(view[2], list(view[1].unbind(0)), out=self.whole_scores[i])
             fraction = self.whole_fractions[i] if hp.fraction == rule.AUTO else hp.fraction
             if fraction not in with_fraction:
                 with_fraction[fraction] = hp if fraction == hp.fraction else dataclasses.replace(hp, fraction=fraction)
-            entries.append(WholeMatrices(view[0], view[2], view[3][..., 0], with_fraction[fraction], scores=scores))
+            entries.append(WholeMatrices(view[0], view[2], view[3][..., 0], with_fraction[fraction], scores=scores,
+                                         age=view[4][..., 0] if hp.staleness else None))
 
-        def spread_variance() -> None:  # each row's variance, repeated over the row (the slice's layout)
+        def spread() -> None:  # each row's variance (and age), repeated over the row (the slice's layout)
             for offset, count, n, m in self.whole:
-                rows = exp_avg_sq.narrow(0, offset, count * n * m).view(count * n, m)
-                rows[:, 1:] = rows[:, :1]
+                for values in per_row:
+                    rows = values.narrow(0, offset, count * n * m).view(count * n, m)
+                    rows[:, 1:] = rows[:, :1]
 
-        step_whole_matrices(entries, self.graph if self.use_graph else None, then=spread_variance)
+        step_whole_matrices(entries, self.graph if self.use_graph else None, then=spread)
 
     def _auto_fractions(self, hp: rule.Dion3Hyperparameters) -> list[float]:
         """f per run of whole matrices; collective over the data-parallel group (joined also by a
@@ -426,9 +439,10 @@ def _merge_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def init_slice_state(state: dict, flat: torch.Tensor) -> None:
-    """Create the slice-shaped state of a flat partition if absent (fp32, on the slice's device)."""
-    for key in ("exp_avg", "exp_avg_sq"):
+def init_slice_state(state: dict, flat: torch.Tensor, with_age: bool = False) -> None:
+    """Create the slice-shaped state of a flat partition if absent (fp32, on the slice's device);
+    ``with_age``: the rows' ages too (staleness), 0 where absent, as in a fresh run."""
+    for key in ("exp_avg", "exp_avg_sq", "row_age") if with_age else ("exp_avg", "exp_avg_sq"):
         if key not in state:
             state[key] = torch.zeros_like(flat, dtype=torch.float32, memory_format=torch.contiguous_format)
     if "step" not in state:

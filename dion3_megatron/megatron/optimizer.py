@@ -14,14 +14,15 @@ the whole Dion3 step (math from :mod:`dion3_megatron.rule`), orthogonalizing who
 across the tensor-parallel group, never per-shard blocks.
 
 State layout (documented choice). Per logical matrix the engine keeps ``momentum`` (fp32, the
-local piece's shape) and ``variance`` (fp32, one value per row the piece touches) in its per-shape
+local piece's shape), ``variance`` (fp32, one value per row the piece touches) and, with
+staleness, ``row_age`` (fp32, the same rows: steps since each was applied) in its per-shape
 buffers. A parameter's logical matrices are contiguous row ranges of its *working layout*: its local rows
 reordered so each logical matrix's rows are contiguous. That is the identity for every parameter
 but a fused QKV weight, whose Q, K and V rows are gathered out of the per-group interleaving
 ([q.. k v] per group) into [Q; K; V]; the QKV weight and gradient are copied into that layout each
 step and the weight written back, the state never moves. ``state_dict()`` assembles each
-parameter's state in the parameter's own layout and stores ``variance`` broadcast over the columns
-(param-shaped), because Megatron's torch_dist checkpoint shards every state tensor exactly like
+parameter's state in the parameter's own layout and stores ``variance`` (and ``row_age``)
+broadcast over the columns (param-shaped), because Megatron's torch_dist checkpoint shards every state tensor exactly like
 its parameter; so checkpoints reshard across tensor- and data-parallel sizes like Adam's.
 """
 
@@ -314,10 +315,15 @@ class MegatronDion3(torch.optim.Optimizer):
         builds at the same call, the first step or the first state access (checkpointing).
         """
         params = self._params()
-        key = tuple(id(p) for p, _ in params)
+        # The engine plans with the staleness (its rows' ages exist only when it is > 0): a change
+        # builds the engine anew, carrying the state over (ages switched on start at 0).
+        key = (tuple(id(p) for p, _ in params), tuple(group["staleness"] for group in self.param_groups))
         if self._engine is not None and self._engine_key == key:
             self._refresh_shards(with_grads)
             return
+        carried = []
+        if self._engine is not None and self._engine_key[0] == key[0]:
+            carried = [(p, self._saved_state(p)) for p, _ in params]
         self._shards = {}
         self._stamps.clear()
         group_hp = {id(group): self._hp(group) for group in self.param_groups}
@@ -359,6 +365,7 @@ class MegatronDion3(torch.optim.Optimizer):
             for group in self.param_groups
         ]
         self._permuted = [(p, self.layout_of(p).perm, *self._work[p]) for p, _ in params if p in self._work]
+        self._set_state(carried)
 
     def _share_auto_fractions(self, mine: dict[str, float]) -> None:
         """Every rank's fraction="auto" choices ({rank: {matrix: f}}), gathered over the world at
@@ -397,20 +404,23 @@ class MegatronDion3(torch.optim.Optimizer):
     # -------------------------------------------------------------------------------------------
     # Checkpoint state: each parameter's own layout, ``variance`` broadcast to the parameter's shape.
 
-    def _param_state(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _param_state(self, p: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(momentum, variance) of a parameter in its own layout, and its rows' ages when its
+        engine keeps them (staleness)."""
         layout = self.layout_of(p)
         shards = self._shards[p]
-        momentum = torch.cat([s.state["momentum"] for s in shards]) if len(shards) > 1 else shards[0].state["momentum"]
-        variance = torch.cat([s.state["variance"] for s in shards]) if len(shards) > 1 else shards[0].state["variance"]
+        keys = ("momentum", "variance", "row_age") if "row_age" in shards[0].state else ("momentum", "variance")
+        out = [torch.cat([s.state[key] for s in shards]) if len(shards) > 1 else shards[0].state[key] for key in keys]
         if layout.inv_perm is not None:
-            momentum = momentum.index_select(0, layout.inv_perm.to(momentum.device))
-            variance = variance.index_select(0, layout.inv_perm.to(variance.device))
-        return momentum.reshape(p.shape), variance
+            out = [t.index_select(0, layout.inv_perm.to(t.device)) for t in out]
+        return (out[0].reshape(p.shape), *out[1:])
 
     def _saved_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """A parameter's entry of the state dict: its momentum and its row variances, param-shaped (copies)."""
-        momentum, variance = self._param_state(p)
-        return {"momentum": momentum.clone(), "variance": variance.unsqueeze(1).expand(momentum.shape).contiguous()}
+        """A parameter's entry of the state dict: its momentum, its row variances and (with
+        staleness) row ages, param-shaped (copies)."""
+        momentum, *rows = self._param_state(p)
+        return {"momentum": momentum.clone(),
+                **{key: t.unsqueeze(1).expand(momentum.shape).contiguous() for key, t in zip(("variance", "row_age"), rows)}}
 
     def state_dict(self) -> dict[str, Any]:
         self._ensure_engine(with_grads=False)
@@ -425,7 +435,14 @@ class MegatronDion3(torch.optim.Optimizer):
         fraction="auto" choices saved are used again, each matrix's own (this rank's, else the
         first rank's that has it: after a change of the data-parallel size), so a resume does not
         measure the device again; the engine is rebuilt with them (collectively: every rank loads
-        the same checkpoint)."""
+        the same checkpoint).
+
+        Row ages (staleness): the groups step with the checkpoint's settings after the load, so a
+        checkpoint whose groups have staleness > 0 must hold every parameter's ``row_age``, and
+        one with staleness 0 none. A checkpoint from before Megatron took the option (its groups
+        have no ``staleness``) loads into an optimizer with staleness > 0 with every row's age at
+        0: what a fresh run starts from, and what the torch ``Dion3`` does when staleness is
+        switched on later."""
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"checkpoint has {len(groups)} param groups, the optimizer has {len(self.param_groups)}")
@@ -434,38 +451,46 @@ class MegatronDion3(torch.optim.Optimizer):
             options.check(f"param group {gi}", **{k: merged[k] for k in _GROUP_SETTINGS})
         saved_fractions = state_dict.get("auto_fractions", {})
         saved_fractions = self._checked_saved_fractions(saved_fractions) if any(saved_fractions.values()) else None
+        staleness = [{**mine, **saved}["staleness"] for mine, saved in zip(self.param_groups, groups)]
         updates = []
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
             saved_ids = saved["params"]
             if len(saved_ids) != len(mine["params"]):
                 raise ValueError(f"param group {gi}: checkpoint has {len(saved_ids)} params, "
                                  f"the optimizer has {len(mine['params'])}")
+            keys = ("momentum", "variance", "row_age") if staleness[gi] and "staleness" in saved else ("momentum", "variance")
             for p, pid in zip(mine["params"], saved_ids):
                 entry = state_dict["state"].get(pid)
                 if entry is None:
                     continue
                 got = {k: tuple(v.shape) for k, v in entry.items() if torch.is_tensor(v)}
-                if got != {"momentum": tuple(p.shape), "variance": tuple(p.shape)}:
-                    raise ValueError(f"param group {gi}, param {pid} (shape {tuple(p.shape)}): "
-                                     f"checkpoint state {got} is not Dion3 state of this parameter")
+                if got != {key: tuple(p.shape) for key in keys}:
+                    raise ValueError(f"param group {gi}, param {pid} (shape {tuple(p.shape)}): checkpoint state {got} "
+                                     f"is not Dion3 state of this parameter at staleness={staleness[gi]!r} "
+                                     f"(expected {list(keys)}, each of the parameter's shape)")
                 updates.append((p, entry))
         if saved_fractions is not None:  # decided alike on every rank: they load the same checkpoint
             updates = self._rebuild_with_fractions(saved_fractions, updates)
-        self._ensure_engine(with_grads=False)
-        for p, entry in updates:
-            layout = self.layout_of(p)
-            momentum = entry["momentum"].detach().to(device=p.device, dtype=torch.float32)
-            variance = entry["variance"].detach()[:, 0].to(device=p.device, dtype=torch.float32)
-            if layout.perm is not None:
-                momentum = momentum.index_select(0, layout.perm.to(p.device))
-                variance = variance.index_select(0, layout.perm.to(p.device))
-            for shard, matrix in zip(self._shards[p], layout.matrices):
-                rows = slice(matrix.start, matrix.stop)
-                shard.state["momentum"].copy_(momentum[rows])
-                shard.state["variance"].copy_(variance[rows])
         for mine, saved in zip(self.param_groups, groups):
             mine.update({k: v for k, v in saved.items() if k != "params" and k in mine})
+        self._ensure_engine(with_grads=False)  # with the checkpoint's staleness
+        self._set_state(updates)
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+    def _set_state(self, entries: list) -> None:
+        """Copy (param, state dict entry) pairs into the engine's state. An engine with row ages
+        (staleness) takes the entry's, or 0 for an entry without them (a fresh run's ages)."""
+        for p, entry in entries:
+            layout = self.layout_of(p)
+            state = {"momentum": entry["momentum"].detach(), "variance": entry["variance"].detach()[:, 0]}
+            if "row_age" in self._shards[p][0].state:
+                state["row_age"] = entry["row_age"].detach()[:, 0] if "row_age" in entry else torch.zeros(p.shape[0])
+            for key, value in state.items():
+                value = value.to(device=p.device, dtype=torch.float32)
+                if layout.perm is not None:
+                    value = value.index_select(0, layout.perm.to(p.device))
+                for shard, matrix in zip(self._shards[p], layout.matrices):
+                    shard.state[key].copy_(value[matrix.start:matrix.stop])
 
     def _rebuild_with_fractions(self, fractions: dict[str, float], updates: list) -> list:
         """Drop the engine so that the next one takes ``fractions``; the state of the parameters
