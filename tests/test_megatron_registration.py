@@ -211,3 +211,60 @@ def test_patch_applies_to_installed_megatron_and_patched_parser_accepts_dion3(tm
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=240,
                          cwd=tmp_path, env=env)
     assert out.returncode == 0 and "PATCHED_OK" in out.stdout, (out.stdout[-2000:], out.stderr[-4000:])
+
+
+def test_megatron_help_survives_its_bare_percent_and_lists_the_dion3_flags():
+    """megatron-core 0.19.2's parser cannot print its own --help (a help string ends "1.10 = 10%)."):
+    the parser dion3 extends can, with the Dion3 group and its defaults."""
+    import dion3_megatron.megatron  # noqa: F401
+
+    text = _megatron_parser().format_help()
+    assert "(e.g. 1.10 = 10%)" in " ".join(text.split())
+    assert "Dion3 optimizer (--optimizer dion3):" in text
+    assert "(default: 0.25)" in " ".join(text.split())
+
+
+def test_launcher_help_lists_every_dion3_flag_with_its_default():
+    from dion3_megatron import options
+    from dion3_megatron.megatron import arguments, launch
+
+    text = launch.help_parser().format_help()
+    lines = text.splitlines()
+    assert lines[0].startswith("usage: python -m dion3_megatron.megatron.launch [-h] SCRIPT [SCRIPT ARGS ...]")
+    assert "pretrain_gpt.py comes with Megatron-LM (the megatron-core wheel has none)" in " ".join(text.split())
+    flat = " ".join(text.split())
+    for option in options.options_for(options.MEGATRON):
+        assert arguments.flag(option.name) in text, option.name
+    for shown in ("(default: 0.25)", "(default: 0.6)", "(default: 0.95)", "(default: 1e-08)",
+                  "(default: spectral_norm)", "(default: gram)", "(default: off)", "Turn off (on by default)"):
+        assert shown in flat, shown
+    for markup in ("``", ":func:", ":mod:", ":class:", ":data:"):
+        assert markup not in text, markup
+
+
+@pytest.mark.slow
+def test_launcher_help_prints_without_importing_megatron():
+    """The launcher's --help: usage and flags first, no Megatron import and none of its warnings;
+    no script: the usage and exit status 2."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-W", "default", "-m", "dion3_megatron.megatron.launch", "--help"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: python -m dion3_megatron.megatron.launch"), out.stdout[:300]
+    assert "--dion3-fraction FRACTION" in out.stdout and "--dion3-no-split-glu" in out.stdout
+    assert out.stderr == "", out.stderr[:2000]
+    out = subprocess.run([sys.executable, "-m", "dion3_megatron.megatron.launch"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 2 and out.stderr.startswith("usage: python -m dion3_megatron.megatron.launch"), out
+    assert "error: the training script is missing" in out.stderr
+
+
+@pytest.mark.slow
+def test_script_help_through_the_launcher_prints_megatrons_flags_and_dion3s(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    script = os.path.join(REPO, "examples", "megatron_lm_pretrain_gpt.py")
+    out = subprocess.run([sys.executable, "-m", "dion3_megatron.megatron.launch", script, "--help"],
+                         capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "--moe-paged-stash-buffer-size-factor-cuda" in out.stdout and "--use-distributed-optimizer" in out.stdout
+    assert "Dion3 optimizer (--optimizer dion3):" in out.stdout and "--dion3-fraction" in out.stdout
