@@ -183,6 +183,22 @@ _PATCHED_CHECK = textwrap.dedent(
     moved = max((p.detach() - before[n]).abs().max().item() for n, p in chunks[0].module.named_parameters())
     assert moved > 1e-3, moved
     assert not getattr(core_optimizer._get_megatron_emerging_optimizer, "_dion3_wrapped", False)
+
+    # pretrain()'s model-config path wraps a Dion3 run's model in the layer-wise layout.
+    from types import SimpleNamespace
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training import global_vars
+    from megatron.training.models import dist_utils
+    assert not getattr(dist_utils._ddp_wrap, "_dion3_wrapped", False)
+    global_vars._GLOBAL_ARGS = SimpleNamespace(optimizer="dion3", use_layer_wise_distributed_optimizer=True,
+                                               use_layer_wise_param_layout=True)
+    (chunk,) = dist_utils._ddp_wrap([ms.build_gpt(cfg)], False, DistributedDataParallelConfig(), False,
+                                    pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    assert chunk.ddp_config.use_distributed_optimizer
+    managed = {{n for n, p in chunk.module.named_parameters() if p.is_managed_by_layer_wise_optimizer}}
+    assert managed and all("layers" in n for n in managed), managed
+    global_vars._GLOBAL_ARGS = None
     dist.destroy_process_group()
     print("PATCHED_OK")
     """
