@@ -45,15 +45,20 @@ TINY = ["--optimizer", "dion3", "--use-distributed-optimizer", "--dion3-fraction
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: (\S+) \|.*? grad norm: (\S+) \|")
 
 
-def pretrain(args: list[str], timeout: int = 300) -> str:
+def on_cpu(argv: list[str], nproc: int = 2, timeout: int = 300) -> str:
+    """torchrun --standalone --nproc-per-node NPROC examples/megatron_cpu.py ARGV: its output."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           CPU, SCRIPT, *TINY, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), CPU, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     return out
+
+
+def pretrain(args: list[str]) -> str:
+    return on_cpu([SCRIPT, *TINY, *args])
 
 
 def iterations(log: str) -> dict[int, tuple[str, str]]:
@@ -119,3 +124,16 @@ def test_pretrain_dion3_layout_and_exact_resume(tmp_path, layout):
     assert any(k.startswith("chained_1.optimizer.distributed") for k in checkpoint_4)  # Adam: DistributedOptimizer
     assert any(".optimizer.state.momentum." in k for k in checkpoint_4)  # Dion3's state
     assert_same_checkpoint(checkpoint_4, checkpoint(os.path.join(resumed, "iter_0000004")))
+
+
+def test_readme_example_command_runs_on_cpu():
+    """README's examples/megatron_lm_pretrain_gpt.py command as written (bf16, the default NullTokenizer
+    and vocabulary), through the CPU runner it names, for 2 iterations instead of 100."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_megatron_registration import readme_megatron_commands
+
+    argv = readme_megatron_commands()["examples/megatron_lm_pretrain_gpt.py"]
+    argv[argv.index("--train-iters") + 1] = "2"
+    log = on_cpu(["examples/megatron_lm_pretrain_gpt.py", *argv, "--log-interval", "1"], nproc=1)
+    assert sorted(iterations(log)) == [1, 2]
+    assert re.search(r"^ +vocab_size \.+ 32768$", log, re.M)  # NullTokenizer without --vocab-size

@@ -284,3 +284,52 @@ def test_script_help_through_the_launcher_prints_megatrons_flags_and_dion3s(tmp_
     assert out.returncode == 0, out.stderr[-3000:]
     assert "--moe-paged-stash-buffer-size-factor-cuda" in out.stdout and "--use-distributed-optimizer" in out.stdout
     assert "Dion3 optimizer (--optimizer dion3):" in out.stdout and "--dion3-fraction" in out.stdout
+
+
+def test_megatron_extra_brings_what_megatrons_muon_imports():
+    """`pip install .[megatron]` brings emerging-optimizers and absl-py (Megatron's --optimizer muon
+    imports both), and nothing named apex (the PyPI package of that name is not NVIDIA's)."""
+    import ast
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    tree = ast.parse(open(os.path.join(REPO, "setup.py")).read())
+    (extras,) = [node.value for node in tree.body if isinstance(node, ast.Assign)
+                 and getattr(node.targets[0], "id", None) == "EXTRAS"]
+    megatron = {Requirement(r).name: Requirement(r) for r in ast.literal_eval(extras)["megatron"]}
+    assert {"megatron-core", "emerging-optimizers", "absl-py"} <= set(megatron)
+    assert not any("apex" in name for name in megatron)
+    for name in ("megatron-core", "emerging-optimizers", "absl-py"):  # what this environment runs
+        assert megatron[name].specifier.contains(importlib.metadata.version(name)), name
+    from megatron.core.optimizer import emerging_optimizers
+
+    assert emerging_optimizers.HAVE_EMERGING_OPTIMIZERS and "muon" in emerging_optimizers._EMERGING_OPTIMIZERS
+
+
+def readme_megatron_commands() -> dict[str, list[str]]:
+    """The commands of README.md's Megatron section: script -> its arguments (after the launcher)."""
+    import re
+    import shlex
+
+    text = open(os.path.join(REPO, "README.md")).read()
+    section = text[text.index("## Megatron-LM / Megatron-Core"):text.index("## DeepSpeed")]
+    commands = {}
+    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
+        words = shlex.split(block.replace("\\\n", " "))
+        assert words[:3] == ["python", "-m", "dion3_megatron.megatron.launch"], words[:4]
+        commands[words[3]] = words[4:]
+    return commands
+
+
+def test_readme_megatron_commands_parse():
+    """Both README commands (Megatron-LM's pretrain_gpt.py, ours) are valid Megatron-LM arguments with
+    Dion3 registered (tests/test_megatron_pretrain.py runs ours on CPU)."""
+    import dion3_megatron.megatron  # noqa: F401
+
+    commands = readme_megatron_commands()
+    assert sorted(commands) == ["Megatron-LM/pretrain_gpt.py", "examples/megatron_lm_pretrain_gpt.py"]
+    assert os.path.isfile(os.path.join(REPO, "examples", "megatron_lm_pretrain_gpt.py"))
+    for script, argv in commands.items():
+        args = _megatron_parser().parse_args(argv)
+        assert (args.optimizer, args.dion3_fraction, args.use_distributed_optimizer) == ("dion3", 0.25, True), script
