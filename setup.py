@@ -1,8 +1,11 @@
 from setuptools import find_packages, setup
 
 EXTRAS = {
-    # examples/pretrain_gpt.py (the main job): progress bar, --compare's plot, Megatron's Muon for --compare.
-    "megatron": ["megatron-core==0.19.*", "tqdm", "matplotlib", "emerging-optimizers>=0.3"],
+    # examples/pretrain_gpt.py (the main job): progress bar, --compare's plot. --optimizer muon (and
+    # --compare's Muon): Megatron-Core 0.19 imports emerging_optimizers (>= 0.2 for its NSCoeffT;
+    # Megatron-LM 0.19 locks 0.2.0 from git, PyPI has 0.3.0, tested), which imports absl (Megatron-LM
+    # 0.19 locks absl-py 2.5.0). Dion3 itself needs neither.
+    "megatron": ["megatron-core==0.19.*", "tqdm", "matplotlib", "emerging-optimizers>=0.3", "absl-py>=2.5"],
     "deepspeed": ["deepspeed>=0.19,<0.20"],
     "kernels": ["nvidia-cutlass-dsl[cu13]>=4.8"],
     # Hugging Face Trainer + DeepSpeed (examples/hf_trainer, tests/test_hf_trainer.py): Trainer needs accelerate.

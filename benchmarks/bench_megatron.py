@@ -4,7 +4,11 @@
 
 Megatron-Core's own pieces as ``pretrain()`` wires them: GPTModel (local spec), DDP with the
 layer-wise ZeRO-1 layout (``--use-distributed-optimizer``), ``get_megatron_optimizer``, the lr
-scheduler, ``forward_backward_func``; bf16 with fp32 main params. Data: a learnable synthetic
+scheduler, ``forward_backward_func``; bf16 with fp32 main params. The layout is Megatron's
+``wrap_model_chunks_with_ddp``: for dion3 the one ``megatron.training.pretrain()`` builds (either
+path; docs/megatron.md, ZeRO-1), for adam Megatron's DistributedOptimizer; for muon the one
+``pretrain()`` builds for a model-provider script (Megatron-LM's pretrain_gpt.py, a model-config
+script, gives muon the legacy all-reduce path instead). Data: a learnable synthetic
 language (each token mostly follows a fixed random successor), identical for every optimizer.
 Prints one JSON line per optimizer (rank 0): losses every ``--log-every`` steps and the median
 optimizer-step time (``optimizer.step()`` between two CUDA synchronizations).

@@ -4,11 +4,18 @@
         --optimizer dion3 --use-distributed-optimizer --bf16 --tensor-model-parallel-size 2 \\
         --num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \\
         --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 8 \\
-        --train-iters 100 --lr 0.01 --tokenizer-type NullTokenizer --vocab-size 32768 ...
+        --train-iters 100 --lr 0.01 --transformer-impl local --no-gradient-accumulation-fusion ...
 
-``megatron.training.pretrain`` with Megatron's local (no Transformer Engine) GPT layer spec and a
+It makes the calls Megatron-LM's own ``pretrain_gpt.py`` (branch core_r0.19.0) makes:
+``parse_and_validate_args``, ``gpt_config_from_args``, ``pretrain_cfg_container_from_args`` and
+``megatron.training.pretrain`` with the model config (no model provider), so ``pretrain()`` builds
+the model, DDP and the optimizer exactly as it does for that script. Only the data differ: a
 learnable synthetic language (each token follows a fixed random successor with probability 0.75,
-else uniform), generated per sample index so every rank agrees without a data pipeline.
+else uniform), generated per sample index so every rank agrees without a data pipeline or a
+tokenizer file. ``--tokenizer-type`` defaults to NullTokenizer and ``--vocab-size`` to 32768
+(the synthetic language's alphabet). Run it through the launcher (which registers Dion3 and skips
+the ``make`` of Megatron's dataset helpers that the megatron-core wheel ships compiled), on CPU
+(gloo) through ``examples/megatron_cpu.py``.
 """
 
 from __future__ import annotations
@@ -16,11 +23,11 @@ from __future__ import annotations
 import torch
 
 from megatron.core.enums import ModelType
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.training import get_args, pretrain
-from megatron.training.argument_utils import core_transformer_config_from_args, pretrain_cfg_container_from_args
+from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args
+
+VOCAB = 32768  # --vocab-size unless given
 
 
 class SyntheticLanguage(torch.utils.data.Dataset):
@@ -41,16 +48,6 @@ class SyntheticLanguage(torch.utils.data.Dataset):
             tokens[i + 1] = self.successor[tokens[i]] if keep[i] else noise[i]
         return {"tokens": tokens[:-1], "labels": tokens[1:], "loss_mask": torch.ones(self.seq),
                 "position_ids": torch.arange(self.seq)}
-
-
-def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
-    args = get_args()
-    config = core_transformer_config_from_args(args)
-    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
-                    max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
-                    post_process=post_process, position_embedding_type=args.position_embedding_type,
-                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                    vp_stage=vp_stage)
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
@@ -79,24 +76,12 @@ def forward_step(data_iterator, model):
     return output, lambda out: loss_func(loss_mask, out)
 
 
-def _skip_helper_compile_when_prebuilt() -> None:
-    """The megatron-core wheel ships the compiled dataset helpers but not their Makefile, and
-    initialize_megatron runs `make` on them anyway (and exits when it fails)."""
-    from megatron.core.datasets import utils as dataset_utils
-
-    try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401
-    except ImportError:
-        return
-    dataset_utils.compile_helpers = lambda: None
-
-
 def main() -> None:
-    _skip_helper_compile_when_prebuilt()
-    args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
-    cfg = pretrain_cfg_container_from_args(args)
-    pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
-             model_provider=model_provider)
+    # NullTokenizer takes its size from --vocab-size (without one Megatron fails deep in the
+    # tokenizer build with "missing 1 required positional argument: 'vocab_size'").
+    args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer", "vocab_size": VOCAB})
+    cfg = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
 
 
 if __name__ == "__main__":

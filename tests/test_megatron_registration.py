@@ -183,6 +183,22 @@ _PATCHED_CHECK = textwrap.dedent(
     moved = max((p.detach() - before[n]).abs().max().item() for n, p in chunks[0].module.named_parameters())
     assert moved > 1e-3, moved
     assert not getattr(core_optimizer._get_megatron_emerging_optimizer, "_dion3_wrapped", False)
+
+    # pretrain()'s model-config path wraps a Dion3 run's model in the layer-wise layout.
+    from types import SimpleNamespace
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training import global_vars
+    from megatron.training.models import dist_utils
+    assert not getattr(dist_utils._ddp_wrap, "_dion3_wrapped", False)
+    global_vars._GLOBAL_ARGS = SimpleNamespace(optimizer="dion3", use_layer_wise_distributed_optimizer=True,
+                                               use_layer_wise_param_layout=True)
+    (chunk,) = dist_utils._ddp_wrap([ms.build_gpt(cfg)], False, DistributedDataParallelConfig(), False,
+                                    pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    assert chunk.ddp_config.use_distributed_optimizer
+    managed = {{n for n, p in chunk.module.named_parameters() if p.is_managed_by_layer_wise_optimizer}}
+    assert managed and all("layers" in n for n in managed), managed
+    global_vars._GLOBAL_ARGS = None
     dist.destroy_process_group()
     print("PATCHED_OK")
     """
@@ -211,3 +227,109 @@ def test_patch_applies_to_installed_megatron_and_patched_parser_accepts_dion3(tm
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=240,
                          cwd=tmp_path, env=env)
     assert out.returncode == 0 and "PATCHED_OK" in out.stdout, (out.stdout[-2000:], out.stderr[-4000:])
+
+
+def test_megatron_help_survives_its_bare_percent_and_lists_the_dion3_flags():
+    """megatron-core 0.19.2's parser cannot print its own --help (a help string ends "1.10 = 10%)."):
+    the parser dion3 extends can, with the Dion3 group and its defaults."""
+    import dion3_megatron.megatron  # noqa: F401
+
+    text = _megatron_parser().format_help()
+    assert "(e.g. 1.10 = 10%)" in " ".join(text.split())
+    assert "Dion3 optimizer (--optimizer dion3):" in text
+    assert "(default: 0.25)" in " ".join(text.split())
+
+
+def test_launcher_help_lists_every_dion3_flag_with_its_default():
+    from dion3_megatron import options
+    from dion3_megatron.megatron import arguments, launch
+
+    text = launch.help_parser().format_help()
+    lines = text.splitlines()
+    assert lines[0].startswith("usage: python -m dion3_megatron.megatron.launch [-h] SCRIPT [SCRIPT ARGS ...]")
+    assert "pretrain_gpt.py comes with Megatron-LM (the megatron-core wheel has none)" in " ".join(text.split())
+    flat = " ".join(text.split())
+    for option in options.options_for(options.MEGATRON):
+        assert arguments.flag(option.name) in text, option.name
+    for shown in ("(default: 0.25)", "(default: 0.6)", "(default: 0.95)", "(default: 1e-08)",
+                  "(default: spectral_norm)", "(default: gram)", "(default: off)", "Turn off (on by default)"):
+        assert shown in flat, shown
+    for markup in ("``", ":func:", ":mod:", ":class:", ":data:"):
+        assert markup not in text, markup
+
+
+@pytest.mark.slow
+def test_launcher_help_prints_without_importing_megatron():
+    """The launcher's --help: usage and flags first, no Megatron import and none of its warnings;
+    no script: the usage and exit status 2."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-W", "default", "-m", "dion3_megatron.megatron.launch", "--help"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: python -m dion3_megatron.megatron.launch"), out.stdout[:300]
+    assert "--dion3-fraction FRACTION" in out.stdout and "--dion3-no-split-glu" in out.stdout
+    assert out.stderr == "", out.stderr[:2000]
+    out = subprocess.run([sys.executable, "-m", "dion3_megatron.megatron.launch"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 2 and out.stderr.startswith("usage: python -m dion3_megatron.megatron.launch"), out
+    assert "error: the training script is missing" in out.stderr
+
+
+@pytest.mark.slow
+def test_script_help_through_the_launcher_prints_megatrons_flags_and_dion3s(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    script = os.path.join(REPO, "examples", "megatron_lm_pretrain_gpt.py")
+    out = subprocess.run([sys.executable, "-m", "dion3_megatron.megatron.launch", script, "--help"],
+                         capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "--moe-paged-stash-buffer-size-factor-cuda" in out.stdout and "--use-distributed-optimizer" in out.stdout
+    assert "Dion3 optimizer (--optimizer dion3):" in out.stdout and "--dion3-fraction" in out.stdout
+
+
+def test_megatron_extra_brings_what_megatrons_muon_imports():
+    """`pip install .[megatron]` brings emerging-optimizers and absl-py (Megatron's --optimizer muon
+    imports both), and nothing named apex (the PyPI package of that name is not NVIDIA's)."""
+    import ast
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    tree = ast.parse(open(os.path.join(REPO, "setup.py")).read())
+    (extras,) = [node.value for node in tree.body if isinstance(node, ast.Assign)
+                 and getattr(node.targets[0], "id", None) == "EXTRAS"]
+    megatron = {Requirement(r).name: Requirement(r) for r in ast.literal_eval(extras)["megatron"]}
+    assert {"megatron-core", "emerging-optimizers", "absl-py"} <= set(megatron)
+    assert not any("apex" in name for name in megatron)
+    for name in ("megatron-core", "emerging-optimizers", "absl-py"):  # what this environment runs
+        assert megatron[name].specifier.contains(importlib.metadata.version(name)), name
+    from megatron.core.optimizer import emerging_optimizers
+
+    assert emerging_optimizers.HAVE_EMERGING_OPTIMIZERS and "muon" in emerging_optimizers._EMERGING_OPTIMIZERS
+
+
+def readme_megatron_commands() -> dict[str, list[str]]:
+    """The commands of README.md's Megatron section: script -> its arguments (after the launcher)."""
+    import re
+    import shlex
+
+    text = open(os.path.join(REPO, "README.md")).read()
+    section = text[text.index("## Megatron-LM / Megatron-Core"):text.index("## DeepSpeed")]
+    commands = {}
+    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
+        words = shlex.split(block.replace("\\\n", " "))
+        assert words[:3] == ["python", "-m", "dion3_megatron.megatron.launch"], words[:4]
+        commands[words[3]] = words[4:]
+    return commands
+
+
+def test_readme_megatron_commands_parse():
+    """Both README commands (Megatron-LM's pretrain_gpt.py, ours) are valid Megatron-LM arguments with
+    Dion3 registered (tests/test_megatron_pretrain.py runs ours on CPU)."""
+    import dion3_megatron.megatron  # noqa: F401
+
+    commands = readme_megatron_commands()
+    assert sorted(commands) == ["Megatron-LM/pretrain_gpt.py", "examples/megatron_lm_pretrain_gpt.py"]
+    assert os.path.isfile(os.path.join(REPO, "examples", "megatron_lm_pretrain_gpt.py"))
+    for script, argv in commands.items():
+        args = _megatron_parser().parse_args(argv)
+        assert (args.optimizer, args.dion3_fraction, args.use_distributed_optimizer) == ("dion3", 0.25, True), script

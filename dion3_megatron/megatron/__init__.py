@@ -25,7 +25,15 @@ def _megatron_optimizer_mid_import() -> bool:
     return module is not None and not hasattr(module, "get_megatron_optimizer")
 
 
-if not _megatron_optimizer_mid_import():
+def _launcher_starting() -> bool:
+    """True while ``python -m dion3_megatron.megatron.launch`` (or torchrun ``-m ...``) imports this
+    package on its way to the launcher, which registers Dion3 itself when it runs a script; its
+    ``--help`` then needs no Megatron import (and none of Megatron's import-time warnings)."""
+    argv = getattr(_sys, "orig_argv", [])
+    return any(a == "-m" and b == "dion3_megatron.megatron.launch" for a, b in zip(argv, argv[1:]))
+
+
+if not _megatron_optimizer_mid_import() and not _launcher_starting():
     register()
 
 __all__ = [

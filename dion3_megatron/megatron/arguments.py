@@ -75,27 +75,56 @@ class _Renamed(argparse.Action):
         raise argparse.ArgumentError(self, f"was renamed {flag(options.RENAMED[self.dest[len('dion3_'):]])}")
 
 
+def _default_text(option: options.Option) -> str:
+    if option.kind == options.BOOL:
+        return "on by default" if option.default else "default: off"
+    if option.default is None:
+        return "default: unset"
+    return f"default: {option.default}"
+
+
 def _add(group, option: options.Option) -> None:
-    help = option.help[0].upper() + option.help[1:] + "."
+    # argparse %-formats help strings: a literal % must be written %%.
+    text = option.help.replace("%", "%%")
+    help = f"{text[0].upper()}{text[1:]} ({_default_text(option)})."
     dest = config_field(option.name)
     if option.kind == options.BOOL:
         action = "store_false" if option.default else "store_true"
         if option.default:
-            help = f"Turn off (on by default): {option.help}."
+            help = f"Turn off (on by default): {text}."
         group.add_argument(flag(option.name), action=action, dest=dest, default=option.default, help=help)
     elif option.kind == options.CHOICE:
         group.add_argument(flag(option.name), dest=dest, choices=option.choices, default=option.default, help=help)
     elif option.kind in (options.REAL, options.FRACTION):
-        group.add_argument(flag(option.name), dest=dest, type=_number(option), default=option.default, help=help)
+        group.add_argument(flag(option.name), dest=dest, type=_number(option), default=option.default,
+                           metavar=option.name.upper(), help=help)
     else:
         raise AssertionError(f"no Megatron flag for an option of kind {option.kind!r} ({option.name})")
 
 
-def add_dion3_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``dion3`` to ``--optimizer``'s choices (when the parser has that flag) and the Dion3 group.
+def escape_unformattable_help(parser: argparse.ArgumentParser) -> None:
+    """Make ``parser.format_help()`` work. argparse %-formats every help string, and megatron-core
+    0.19.2 has one with a bare ``%`` (``--moe-paged-stash-buffer-size-factor-cuda``, from a
+    TransformerConfig docstring: "... (e.g. 1.10 = 10%)."), so ``pretrain_gpt.py --help`` dies
+    with ``unsupported format character ')'``. A help string that does not format gets ``%%`` for
+    each ``%`` (shown as written); the others keep theirs (``%(default)s`` still expands)."""
+    formatter = parser._get_formatter()  # noqa: SLF001 - argparse's own expansion of a help string
+    for action in parser._actions:  # noqa: SLF001
+        if isinstance(action.help, str) and "%" in action.help:
+            try:
+                formatter._expand_help(action)  # noqa: SLF001
+            except (ValueError, TypeError, KeyError):
+                action.help = action.help.replace("%", "%%")
 
-    Idempotent: a parser that already has ``--dion3-fraction`` is returned unchanged.
+
+def add_dion3_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``dion3`` to ``--optimizer``'s choices (when the parser has that flag) and the Dion3 group,
+    and make the parser's ``--help`` survive help strings it cannot format
+    (:func:`escape_unformattable_help`).
+
+    Idempotent: a parser that already has ``--dion3-fraction`` gets no second group.
     """
+    escape_unformattable_help(parser)
     for action in parser._actions:  # noqa: SLF001 - argparse has no public way to edit choices
         if "--optimizer" in action.option_strings and action.choices is not None:
             if OPTIMIZER_NAME not in action.choices:

@@ -1,33 +1,97 @@
-"""Run a Megatron-LM training script with Dion3 registered.
+"""Run a Megatron-LM training script with ``--optimizer dion3`` registered.
 
     python -m dion3_megatron.megatron.launch pretrain_gpt.py --optimizer dion3 --dion3-fraction 0.25 ...
     torchrun --nproc-per-node 8 -m dion3_megatron.megatron.launch pretrain_gpt.py ...
 
 The script runs as ``__main__`` with ``sys.argv = [script, *args]``, exactly as ``python script``
-would run it, after :func:`dion3_megatron.megatron.register`.
+would run it, after :func:`dion3_megatron.megatron.register`. ``--help`` (alone) prints the usage
+and the ``--dion3-*`` flags without importing Megatron; ``SCRIPT --help`` prints the script's own
+help, Megatron-LM's flags and the Dion3 group together.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import runpy
 import sys
+
+PROG = "python -m dion3_megatron.megatron.launch"
+
+_DESCRIPTION = """\
+Run a Megatron-LM training script with --optimizer dion3 registered: the script runs as __main__
+with the arguments after it, exactly as "python SCRIPT ARGS" would run it. Megatron-LM's
+pretrain_gpt.py comes with Megatron-LM (the megatron-core wheel has none);
+examples/megatron_lm_pretrain_gpt.py of dion3-megatron is a minimal one on synthetic data.
+"""
+
+_EPILOG = """\
+With --optimizer dion3, Dion3 steps the 2-D hidden matrices and Megatron's Adam (--adam-*) the
+embeddings, output layer, norms and biases; --lr, --weight-decay, --clip-grad and the lr schedule
+act as for every Megatron optimizer. --use-distributed-optimizer gives the layer-wise ZeRO-1
+layout. "SCRIPT --help" lists Megatron-LM's flags with these. Docs: docs/megatron.md.
+
+examples:
+  python -m dion3_megatron.megatron.launch pretrain_gpt.py --optimizer dion3 \\
+      --use-distributed-optimizer --bf16 --lr 0.01 --dion3-fraction 0.25 ...
+  torchrun --nproc-per-node 8 -m dion3_megatron.megatron.launch pretrain_gpt.py ...
+"""
+
+
+def help_parser() -> argparse.ArgumentParser:
+    """The launcher's own parser, for ``--help``: its usage, and the ``--dion3-*`` flags with their
+    defaults (from :mod:`dion3_megatron.options`, as Megatron-LM's parser gets them)."""
+    from .arguments import add_dion3_arguments
+
+    parser = argparse.ArgumentParser(
+        prog=PROG, usage=f"{PROG} [-h] SCRIPT [SCRIPT ARGS ...]\n       torchrun [...] -m dion3_megatron.megatron.launch "
+                         "SCRIPT [SCRIPT ARGS ...]",
+        description=_DESCRIPTION, epilog=_EPILOG, formatter_class=_Formatter, allow_abbrev=False)
+    parser.add_argument("script", metavar="SCRIPT", help="the training script (e.g. Megatron-LM's pretrain_gpt.py)")
+    parser.add_argument("args", metavar="SCRIPT ARGS", nargs=argparse.REMAINDER,
+                        help="its arguments: Megatron-LM's flags, --optimizer dion3 and the flags below")
+    return add_dion3_arguments(parser)
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=36, width=100)
+
+
+def skip_prebuilt_helper_compile() -> None:
+    """Megatron-LM's ``initialize_megatron`` runs ``make`` in megatron/core/datasets for the dataset
+    helpers and exits when it fails. The megatron-core wheel ships those helpers compiled
+    (``helpers_cpp``) but not their Makefile, so a script run against the wheel (Megatron-LM's
+    pretrain_gpt.py from a copy, or examples/megatron_lm_pretrain_gpt.py) would stop there. When the
+    compiled module imports, the compile is skipped; a source tree without it builds as before."""
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+        from megatron.core.datasets import utils as dataset_utils
+    except ImportError:
+        return
+    dataset_utils.compile_helpers = lambda: None
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        raise SystemExit(0 if argv else 2)
+        parser = help_parser()
+        if argv:
+            parser.print_help()
+            raise SystemExit(0)
+        parser.print_usage(sys.stderr)
+        print(f"{PROG}: error: the training script is missing (--help for more)", file=sys.stderr)
+        raise SystemExit(2)
     script, args = argv[0], argv[1:]
     if not os.path.isfile(script):
-        print(f"dion3_megatron.megatron.launch: no such script: {script}", file=sys.stderr)
+        print(f"{PROG}: no such script: {script}", file=sys.stderr)
         raise SystemExit(2)
     from . import register
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as python SCRIPT (a tree beside it wins)
     register()
+    skip_prebuilt_helper_compile()
     sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
 
 

@@ -9,8 +9,12 @@
    every emerging optimizer when it is missing; Dion3 needs nothing from it), with the wrapper
    classes of :mod:`.wrappers` (fp32 support; a bad step skipped whole, every chained optimizer);
 3. when ``megatron.training`` is importable: adds ``dion3`` to ``--optimizer``'s choices and the
-   ``--dion3-*`` flags to Megatron-LM's parser, and copies their values onto the
-   ``OptimizerConfig`` that ``megatron.training`` builds from the args.
+   ``--dion3-*`` flags to Megatron-LM's parser (and makes that parser's ``--help`` work: see
+   :func:`.arguments.escape_unformattable_help`), and copies their values onto the ``OptimizerConfig`` that
+   ``megatron.training`` builds from the args;
+4. makes ``megatron.training.pretrain`` build the layer-wise ZeRO-1 layout for ``--optimizer dion3
+   --use-distributed-optimizer`` whichever way the script hands it the model (see
+   :func:`_register_model_builder`).
 """
 
 from __future__ import annotations
@@ -104,7 +108,75 @@ def _register_training() -> bool:
 
         setattr(get_megatron_optimizer_config, _MARK, True)
         training.get_megatron_optimizer_config = get_megatron_optimizer_config
+    _register_model_builder()
     return True
+
+
+def layer_wise_dion3_run() -> bool:
+    """Whether Megatron-LM's args (when parsed) ask for Dion3 with the layer-wise ZeRO-1 layout:
+    ``--optimizer dion3 --use-distributed-optimizer`` (which Megatron's argument validation turns
+    into ``use_layer_wise_distributed_optimizer``), and not ``--no-use-layer-wise-param-layout``."""
+    from megatron.training import global_vars
+
+    args = getattr(global_vars, "_GLOBAL_ARGS", None)
+    return (args is not None and _is_dion3(getattr(args, "optimizer", None))
+            and bool(getattr(args, "use_layer_wise_distributed_optimizer", False))
+            and bool(getattr(args, "use_layer_wise_param_layout", True)))
+
+
+def _register_model_builder() -> None:
+    """Give ``pretrain()``'s model-config path the layer-wise layout its ``get_model`` path builds.
+
+    megatron-core 0.19.2's ``pretrain()`` wraps the model in DDP in one of two ways. A script that
+    passes ``model_provider`` goes through ``training.get_model``, whose
+    ``wrap_model_chunks_with_ddp`` builds the layer-wise ZeRO-1 layout for an emerging optimizer:
+    the matrices bin-packed whole into data-parallel shards, gradients reduce-scattered, the other
+    parameters in a byte-sharded DistributedOptimizer. A script that passes a model config, as
+    Megatron-LM's own pretrain_gpt.py does (``gpt_config_from_args``), goes through
+    ``training.models.dist_utils._ddp_wrap``, which ignores ``use_layer_wise_distributed_optimizer``:
+    DDP all-reduces (``use_distributed_optimizer`` is False after validate_args) and the optimizer
+    factory falls back to the legacy layer-wise path (Adam in FP32 optimizers nested in the
+    layer-wise wrapper, the matrices all-gathered after the step). For a Dion3 run this wraps
+    ``_ddp_wrap`` to do what ``wrap_model_chunks_with_ddp`` does: reduce-scatter
+    (``use_distributed_optimizer`` on DDP's config), the parameters tagged for the two buffers, and
+    the layer-wise layout in place of the DistributedOptimizer's. Other optimizers (muon too) and
+    FSDP are left as Megatron builds them.
+    """
+    try:
+        dist_utils = importlib.import_module("megatron.training.models.dist_utils")
+    except Exception:  # noqa: BLE001 - a Megatron without the model-config path
+        return
+    ddp_wrap = getattr(dist_utils, "_ddp_wrap", None)
+    if ddp_wrap is None or getattr(ddp_wrap, _MARK, False):
+        return
+    from megatron.core.optimizer.layer_wise_optimizer import (
+        LayerWiseDistributedOptimizer,
+        tag_params_for_buffer_routing,
+    )
+
+    class LayerWiseLayout:
+        """Stands in for ``DistributedOptimizer`` inside ``_ddp_wrap``, which reads only its layout."""
+
+        compute_full_param_layout = staticmethod(LayerWiseDistributedOptimizer.compute_full_param_layout)
+
+    @functools.wraps(ddp_wrap)
+    def _ddp_wrap(model, data_parallel_random_init, ddp_config, overlap_param_gather_with_optimizer_step,
+                  use_megatron_fsdp=False, use_torch_fsdp2=False, **kwargs):
+        if use_megatron_fsdp or use_torch_fsdp2 or not layer_wise_dion3_run():
+            return ddp_wrap(model, data_parallel_random_init, ddp_config, overlap_param_gather_with_optimizer_step,
+                            use_megatron_fsdp=use_megatron_fsdp, use_torch_fsdp2=use_torch_fsdp2, **kwargs)
+        ddp_config.use_distributed_optimizer = True
+        tag_params_for_buffer_routing(model)
+        saved = dist_utils.DistributedOptimizer
+        dist_utils.DistributedOptimizer = LayerWiseLayout
+        try:
+            return ddp_wrap(model, data_parallel_random_init, ddp_config, overlap_param_gather_with_optimizer_step,
+                            use_megatron_fsdp=False, use_torch_fsdp2=False, **kwargs)
+        finally:
+            dist_utils.DistributedOptimizer = saved
+
+    setattr(_ddp_wrap, _MARK, True)
+    dist_utils._ddp_wrap = _ddp_wrap  # noqa: SLF001
 
 
 _registered = False

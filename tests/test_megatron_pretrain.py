@@ -1,0 +1,139 @@
+"""Megatron-LM's training loop, ``megatron.training.pretrain()``, with ``--optimizer dion3
+--use-distributed-optimizer`` on 2 CPU ranks (gloo), as Megatron-LM's own pretrain_gpt.py drives it:
+examples/megatron_lm_pretrain_gpt.py (the same calls, synthetic data) through the launcher, on CPU
+through examples/megatron_cpu.py.
+
+For DP=2 and TP=2: the layout pretrain() builds (the layer-wise ZeRO-1 layout, gradients
+reduce-scattered, Adam in Megatron's byte-sharded DistributedOptimizer); and a run saved at
+iteration 2 (torch_dist) and resumed from there with --load ends, at iteration 4, with a checkpoint
+equal, tensor for tensor (weights, Dion3's and Adam's state, Adam's step), to the uninterrupted
+run's, after the same losses and gradient norms.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+pytest.importorskip("megatron.training")
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "megatron_lm_pretrain_gpt.py")
+CPU = os.path.join(ROOT, "examples", "megatron_cpu.py")
+
+# A tiny GPT for 4 iterations; dropout off (on CPU the CUDA RNG tracker is the CPU generator, which
+# the data loader also draws from, so dropout masks would not survive a resume), constant lr.
+TINY = ["--optimizer", "dion3", "--use-distributed-optimizer", "--dion3-fraction", "0.5",
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+        "--num-query-groups", "2", "--ffn-hidden-size", "128", "--swiglu", "--disable-bias-linear",
+        "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "128",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--lr", "0.01",
+        "--lr-decay-style", "constant", "--weight-decay", "0.01", "--clip-grad", "1.0",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--transformer-impl", "local",
+        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
+        "--no-rope-fusion", "--no-persist-layer-norm", "--num-workers", "0", "--log-interval", "1",
+        "--eval-iters", "0", "--eval-interval", "1000", "--save-interval", "2", "--ckpt-format", "torch_dist",
+        "--logging-level", "20"]
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: (\S+) \|.*? grad norm: (\S+) \|")
+
+
+def on_cpu(argv: list[str], nproc: int = 2, timeout: int = 300) -> str:
+    """torchrun --standalone --nproc-per-node NPROC examples/megatron_cpu.py ARGV: its output."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), CPU, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def pretrain(args: list[str]) -> str:
+    return on_cpu([SCRIPT, *TINY, *args])
+
+
+def iterations(log: str) -> dict[int, tuple[str, str]]:
+    """iteration -> (the logged lm loss, grad norm), as Megatron prints them."""
+    return {int(i): (loss, norm) for i, loss, norm in ITERATION.findall(log)}
+
+
+def checkpoint(path: str) -> dict:
+    """A torch_dist checkpoint as one flat dict (read without Megatron or a process group)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(path, path + ".pt")
+    return torch.load(path + ".pt", weights_only=False)
+
+
+def assert_same_checkpoint(a: dict, b: dict) -> None:
+    import torch
+
+    assert sorted(a) == sorted(b)
+    for key in a:
+        if key.startswith(("common_state", "rng_state")):  # args, run metadata; RNG (dropout is off)
+            continue
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), f"{key}: differs by {(x.float() - y.float()).abs().max().item():.3g}"
+        else:
+            assert repr(x) == repr(y), f"{key}: {repr(x)[:200]} != {repr(y)[:200]}"
+
+
+def assert_layer_wise_layout(log: str, dp: int) -> None:
+    """The layout docs/megatron.md describes: DDP reduce-scatters into the layer-wise layout (every
+    one of the 8 block matrices whole in one data-parallel shard), Dion3 is the layer-wise optimizer."""
+    assert f"Layerwise param layout: 8 params, 1 buckets, dp_size={dp}" in log
+    assert "Using reduce-scatter for gradient reductions" in log
+    assert "Using all-reduce for gradient reductions" not in log
+    assert "Using LayerWiseDistributedOptimizer for dion3" in log
+    assert re.search(r"dion3_fraction \.+ 0\.5\b", log)  # the flag reached Megatron's args
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_pretrain_dion3_layout_and_exact_resume(tmp_path, layout):
+    parallel = ["--tensor-model-parallel-size", "2"] if layout == "tp2" else []
+    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+
+    log = pretrain(parallel + ["--save", full])
+    assert_layer_wise_layout(log, dp=1 if layout == "tp2" else 2)
+    losses = iterations(log)
+    assert sorted(losses) == [1, 2, 3, 4]
+    assert float(losses[4][0]) < float(losses[1][0])  # (a running mean from iteration 2 on, see below)
+
+    log = pretrain(parallel + ["--load", full, "--ckpt-step", "2", "--save", resumed])
+    assert "Loading distributed optimizer sharded state of type dp_reshardable" in log
+    again = iterations(log)
+    assert sorted(again) == [3, 4]
+    # The first iteration after the resume logs the same loss; Megatron does not reset its loss
+    # average after a run's first logged iteration, so the next logged value is a different mean.
+    assert again[3] == losses[3]
+    assert again[4][1] == losses[4][1]  # grad norm
+    checkpoint_4 = checkpoint(os.path.join(full, "iter_0000004"))
+    assert any(k.startswith("chained_1.optimizer.distributed") for k in checkpoint_4)  # Adam: DistributedOptimizer
+    assert any(".optimizer.state.momentum." in k for k in checkpoint_4)  # Dion3's state
+    assert_same_checkpoint(checkpoint_4, checkpoint(os.path.join(resumed, "iter_0000004")))
+
+
+def test_readme_example_command_runs_on_cpu():
+    """README's examples/megatron_lm_pretrain_gpt.py command as written (bf16, the default NullTokenizer
+    and vocabulary), through the CPU runner it names, for 2 iterations instead of 100."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_megatron_registration import readme_megatron_commands
+
+    argv = readme_megatron_commands()["examples/megatron_lm_pretrain_gpt.py"]
+    argv[argv.index("--train-iters") + 1] = "2"
+    log = on_cpu(["examples/megatron_lm_pretrain_gpt.py", *argv, "--log-interval", "1"], nproc=1)
+    assert sorted(iterations(log)) == [1, 2]
+    assert re.search(r"^ +vocab_size \.+ 32768$", log, re.M)  # NullTokenizer without --vocab-size
