@@ -87,14 +87,21 @@ def parse_args(argv=None):
     d.add_argument("--vocab-size", type=int, help="with --data-path (default: largest token id + 1)")
     d.add_argument("--max-tokens", type=int, default=8_000_000, help="read at most this many tokens")
     args = p.parse_args(argv)
+    check_args(args, lambda message: p.exit(2, f"{p.prog}: error: {message}\n"))
+    return args
+
+
+def check_args(args, fail) -> None:
+    """Every argument and path, in this process before any worker starts: ``fail(message)`` gets
+    one line naming the flag and the value. Fills the device's model and batch defaults."""
     if args.text_file and args.data_path:
-        p.error("--text-file and --data-path are exclusive")
+        fail("--text-file and --data-path are exclusive")
     if args.optimizers is None:
         args.optimizers = ",".join(OPTIMIZERS) if args.compare else "dion3"
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
     bad = [n for n in names if n not in OPTIMIZERS]
     if bad or not names:
-        p.error(f"--optimizers: unknown {bad}; choose from {','.join(OPTIMIZERS)}")
+        fail(f"--optimizers: unknown {bad}; choose from {','.join(OPTIMIZERS)}")
     args.optimizers = names
     fraction = DION3_OPTIONS["fraction"]
     try:
@@ -102,8 +109,32 @@ def parse_args(argv=None):
     except ValueError:
         pass  # refused below, as a string
     if not fraction.valid(args.dion3_fraction):
-        p.error(f"--dion3-fraction must be {fraction.allowed()}, got {args.dion3_fraction!r}")
-    return args
+        fail(f"--dion3-fraction must be {fraction.allowed()}, got {args.dion3_fraction!r}")
+    cuda = _use_cuda(args)
+    if cuda and not torch.cuda.is_available():
+        fail("--device cuda: no CUDA device is available")
+    for key, value in (GPU_DEFAULTS if cuda else CPU_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for key in ("nproc", "tp", "layers", "hidden", "heads", "ffn", "seq_length", "global_batch", "steps",
+                "eval_batches", "max_tokens", "log_interval", "eval_interval", "vocab_size"):
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            fail(f"--{key.replace('_', '-')} must be at least 1, got {value}")
+    world = int(os.environ.get("WORLD_SIZE", 0)) or args.nproc or (torch.cuda.device_count() if cuda else 2)
+    if world % args.tp:
+        fail(f"--tp {args.tp} must divide the number of processes, {world}")
+    if args.heads % args.tp:
+        fail(f"--tp {args.tp} must divide --heads {args.heads}")
+    if args.global_batch % (world // args.tp):
+        fail(f"--global-batch {args.global_batch} must divide by the data-parallel size {world // args.tp} "
+             f"({world} processes / --tp {args.tp})")
+    if args.text_file and not os.path.isfile(args.text_file):
+        fail(f"--text-file {args.text_file}: no such file")
+    if args.data_path:
+        missing = [f"{args.data_path}{ext}" for ext in (".bin", ".idx") if not os.path.isfile(args.data_path + ext)]
+        if missing:
+            fail(f"--data-path {args.data_path}: no {' or '.join(missing)} (give the prefix of PREFIX.bin / PREFIX.idx)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -496,16 +527,9 @@ def worker(args) -> None:
         dist.init_process_group("gloo")
     import dion3_megatron.megatron  # noqa: F401 - registers optimizer="dion3" with Megatron-Core
 
-    defaults = GPU_DEFAULTS if cuda else CPU_DEFAULTS
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
     args.log_interval = args.log_interval or max(1, args.steps // 10)
     args.eval_interval = args.eval_interval or max(1, args.steps // 5)
     rank0 = dist.get_rank() == 0
-    if world % args.tp or args.heads % args.tp or args.global_batch % (world // args.tp):
-        raise SystemExit(f"world size {world}: --tp {args.tp} must divide it and --heads; "
-                         f"--global-batch must divide by DP = {world // max(1, args.tp)}")
     tokens, vocab, desc = load_tokens(args)
     data = Batches(tokens, args.seq_length, args.global_batch, args.seed)
     meta = dict(model=f"GPT {args.layers}x{args.hidden}, seq {args.seq_length}", data=desc,

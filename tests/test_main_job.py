@@ -117,3 +117,25 @@ def test_compare_reports_skipped_muon(tmp_path, monkeypatch, capsys):
     assert "| Muon" in out and "skipped" in out and f"Muon was skipped: {why}" in out
     saved = json.loads((tmp_path / "compare.json").read_text())
     assert saved["skipped"] == {"muon": why} and (tmp_path / "compare.png").exists()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--tp", "3"], "--tp 3 must divide the number of processes, 2"),
+    (["--heads", "3", "--tp", "2"], "--tp 2 must divide --heads 3"),
+    (["--global-batch", "3"], "--global-batch 3 must divide by the data-parallel size 2"),
+    (["--dion3-fraction", "0"], "--dion3-fraction must be in (0, 1] or 'auto', got 0.0"),
+    (["--text-file", "/no/such/file"], "--text-file /no/such/file: no such file"),
+    (["--data-path", "/no/such/prefix"], "--data-path /no/such/prefix: no /no/such/prefix.bin or /no/such/prefix.idx"),
+])
+def test_bad_arguments_get_one_line_before_any_worker_starts(argv, words, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_example", SCRIPT)
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(job, "launch", lambda *a: pytest.fail("a worker was started"))
+    with pytest.raises(SystemExit) as exit_info:
+        job.main(["--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and words in err, err
