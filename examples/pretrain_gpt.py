@@ -61,7 +61,7 @@ def parse_args(argv=None):
     g.add_argument("--log-interval", type=int, default=None, help="log loss and tokens/s every N steps")
     g.add_argument("--eval-interval", type=int, default=None, help="validation loss every N steps (and at the end)")
     g.add_argument("--eval-batches", type=int, default=4, help="global batches in each validation pass")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not a terminal)")
     g.add_argument("--seed", type=int, default=1234)
     m = p.add_argument_group("model and batch (defaults depend on the device: CPU tiny, GPU small)")
     m.add_argument("--layers", type=int)
@@ -350,7 +350,8 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
               f"TP={args.tp} DP={dp}, {args.steps} steps of {args.global_batch}x{args.seq_length} tokens",
               flush=True)
     bar = None
-    if rank0 and not args.no_progress:
+    # A bar only on a terminal: piped to a file, each redraw would append (the log lines remain).
+    if rank0 and not args.no_progress and sys.stderr.isatty():
         from tqdm import tqdm
 
         bar = tqdm(total=args.steps, desc=LABELS[name], dynamic_ncols=True, leave=True)
