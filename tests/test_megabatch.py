@@ -293,17 +293,22 @@ def test_collectives_per_step_do_not_grow_with_depth_and_buffers_stay_small():
     assert biggest <= bound < group_share, (biggest, bound, group_share)
 
 
+def engine_error(shards) -> str:
+    """The error building an engine over ``shards`` raises on this rank, or "no error"."""
+    try:
+        Dion3Engine(shards)
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
 def mismatch_worker(rank, world):
     group = dist.new_group(list(range(world)))
     hp = rule.Dion3Hyperparameters()
     names = ["a", "b"] if rank == 0 else ["a", "c"]
     shards = [MatrixShard(n, torch.randn(4, 8), torch.randn(4, 8), (8, 8), Sharding.even_rows(8, 2), group, hp)
               for n in names]
-    try:
-        Dion3Engine(shards)
-    except RuntimeError as err:
-        return str(err)
-    return "no error"
+    return engine_error(shards)
 
 
 @pytest.mark.slow
@@ -327,11 +332,7 @@ def one_sided_worker(rank, world, case):
     whole = MatrixShard("a", torch.randn(8, 8), torch.randn(8, 8), (8, 8), Sharding.full(), None, hp)
     # "missing": rank 1 holds the matrix whole, so it has no matrix split over the group at all.
     shards = [whole] if case == "missing" and rank == 1 else [split]
-    try:
-        Dion3Engine(shards)
-    except RuntimeError as err:
-        return str(err)
-    return "no error"
+    return engine_error(shards)
 
 
 @pytest.mark.slow

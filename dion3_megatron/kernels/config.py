@@ -63,8 +63,14 @@ class KernelConfig:
 
 def from_environment() -> KernelConfig:
     """The defaults: DION3_KERNELS=0 -> kernels "torch"; DION3_FUSED_ROWS=0 -> no row kernels."""
-    return KernelConfig(kernels="torch" if os.environ.get("DION3_KERNELS", "1") == "0" else "auto",
-                        fused_rows=os.environ.get("DION3_FUSED_ROWS", "1") != "0")
+    return _environment_config(os.environ.get("DION3_KERNELS", "1"), os.environ.get("DION3_FUSED_ROWS", "1"))
+
+
+@functools.lru_cache(maxsize=None)
+def _environment_config(kernels: str, fused_rows: str) -> KernelConfig:
+    # Read at every dispatch (once per product in a step): the variables are read each time, the
+    # validated configuration built once per combination of their values.
+    return KernelConfig(kernels="torch" if kernels == "0" else "auto", fused_rows=fused_rows != "0")
 
 
 _configured: Optional[KernelConfig] = None  # set by configure(); None: from_environment()
