@@ -125,9 +125,12 @@ def test_config_values_of_the_wrong_type_are_refused_by_name(key, value, expecte
 _LAUNCHED = textwrap.dedent(
     """
     import sys
+    import torch.distributed as dist
     from megatron.training.arguments import parse_args
     args = parse_args()
-    print("LAUNCHED", __name__, sys.argv[1:], args.optimizer, args.dion3_fraction)
+    dist.init_process_group("gloo")  # env://, as Megatron-LM's initialize_megatron does
+    print("LAUNCHED", __name__, sys.argv[1:], args.optimizer, args.dion3_fraction, "world", dist.get_world_size())
+    dist.destroy_process_group()
     """
 )
 
@@ -136,12 +139,25 @@ _LAUNCHED = textwrap.dedent(
 def test_launcher_runs_a_megatron_script_with_dion3_registered(tmp_path):
     script = tmp_path / "pretrain_tiny.py"
     script.write_text(_LAUNCHED)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     out = subprocess.run(
         [sys.executable, "-m", "dion3_megatron.megatron.launch", str(script), *GOOD],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"LAUNCHED __main__ {GOOD!r} dion3 0.125" in out.stdout
+    assert f"LAUNCHED __main__ {GOOD!r} dion3 0.125 world 1" in out.stdout
+
+
+def test_launcher_without_torchrun_gives_a_one_process_world_and_leaves_torchruns_alone():
+    from dion3_megatron.megatron.launch import single_process_world
+
+    plain = {}
+    single_process_world(plain)
+    assert (plain["RANK"], plain["WORLD_SIZE"], plain["MASTER_ADDR"]) == ("0", "1", "127.0.0.1")
+    assert 0 < int(plain["MASTER_PORT"]) < 65536
+    torchrun = dict(RANK="3", WORLD_SIZE="8", MASTER_ADDR="node7", MASTER_PORT="29500")
+    single_process_world(torchrun)
+    assert torchrun == dict(RANK="3", WORLD_SIZE="8", MASTER_ADDR="node7", MASTER_PORT="29500")
 
 
 _PATCHED_CHECK = textwrap.dedent(

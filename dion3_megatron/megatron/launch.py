@@ -3,8 +3,9 @@
     python -m dion3_megatron.megatron.launch pretrain_gpt.py --optimizer dion3 --dion3-fraction 0.25 ...
     torchrun --nproc-per-node 8 -m dion3_megatron.megatron.launch pretrain_gpt.py ...
 
-The script runs as ``__main__`` with ``sys.argv = [script, *args]``, exactly as ``python script``
-would run it, after :func:`dion3_megatron.megatron.register`. ``--help`` (alone) prints the usage
+The script runs as ``__main__`` with ``sys.argv = [script, *args]``, as ``python script`` would run
+it, after :func:`dion3_megatron.megatron.register`; started without torchrun, it runs as the one
+process of a one-process world (what ``torchrun --nproc-per-node 1`` would set up). ``--help`` (alone) prints the usage
 and the ``--dion3-*`` flags without importing Megatron; ``SCRIPT --help`` prints the script's own
 help, Megatron-LM's flags and the Dion3 group together.
 """
@@ -20,7 +21,8 @@ PROG = "python -m dion3_megatron.megatron.launch"
 
 _DESCRIPTION = """\
 Run a Megatron-LM training script with --optimizer dion3 registered: the script runs as __main__
-with the arguments after it, exactly as "python SCRIPT ARGS" would run it. Megatron-LM's
+with the arguments after it, as "python SCRIPT ARGS" would run it (without torchrun, as a world of
+one process, as "torchrun --nproc-per-node 1" would start it). Megatron-LM's
 pretrain_gpt.py comes with Megatron-LM (the megatron-core wheel has none);
 examples/megatron_lm_pretrain_gpt.py of dion3-megatron is a minimal one on synthetic data.
 """
@@ -72,6 +74,23 @@ def skip_prebuilt_helper_compile() -> None:
     dataset_utils.compile_helpers = lambda: None
 
 
+def single_process_world(environ: dict[str, str]) -> None:
+    """Megatron-LM initializes torch.distributed from the environment (env://), which torchrun fills.
+    Started with plain ``python``, the script would stop at "MASTER_ADDR expected, but not set":
+    give it a world of one process instead. Under torchrun (or any launcher that sets WORLD_SIZE)
+    nothing changes."""
+    if "WORLD_SIZE" in environ:
+        return
+    import socket
+
+    with socket.socket() as s:  # a free port on this host, as torchrun --standalone picks one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        environ.setdefault(name, value)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -91,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as python SCRIPT (a tree beside it wins)
     register()
     skip_prebuilt_helper_compile()
+    single_process_world(os.environ)
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")
 
