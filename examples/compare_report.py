@@ -107,12 +107,11 @@ def _smoothed(losses: list[float]) -> tuple[int, list[float]]:
     return k, (torch.nn.functional.avg_pool1d(t[None, None], k, 1)[0, 0].tolist() if k > 1 else losses)
 
 
-def _ylim(curves: list[list[float]], steps: int) -> tuple[float, float] | None:
-    """From a bit below the lowest loss to a bit above the highest one at ~15% of training."""
-    at = max(0, int(steps * YLIM_AT) - 1)
-    top = max(c[min(at, len(c) - 1)] for c in curves)
-    low = min(min(c) for c in curves)
-    return None if top <= low else (low - 0.05 * (top - low), top + 0.05 * (top - low))
+def _ylim(train: list[list[float]], val: list[float]) -> tuple[float, float] | None:
+    """From a bit below the lowest loss to a bit above the highest train loss at ~15% of training."""
+    top = max(c[min(int(len(c) * YLIM_AT), len(c) - 1)] for c in train)
+    low = min(min(c) for c in [*train, val])
+    return None if top <= low else (low - 0.05 * (top - low), top + 0.1 * (top - low))
 
 
 def plot_figure(results: list[dict], meta: dict):
@@ -123,7 +122,7 @@ def plot_figure(results: list[dict], meta: dict):
     import matplotlib.pyplot as plt
 
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
-    curves, window = [], 1
+    train, val, window = [], [], 1
     for r in (x for x in results if "error" not in x):
         style = dict(STYLES[r["optimizer"]])
         marker = style.pop("marker")
@@ -136,11 +135,11 @@ def plot_figure(results: list[dict], meta: dict):
             ax.plot(xs, smooth, label=f"{r['label']} train", **style)
             ax.plot(val_xs, vals, linestyle="none", marker=marker, color=style["color"], markersize=5,
                     label=f"{r['label']} validation ({r['final_val_loss']:.3f})")
-        curves += [smooth, list(vals)]
-    if curves:
-        limits = _ylim(curves, meta["steps"])
-        if limits:
-            by_step.set_ylim(*limits)
+        train.append(smooth)
+        val += vals
+    limits = _ylim(train, val) if train else None
+    if limits:
+        by_step.set_ylim(*limits)
     by_step.set_xlabel("step")
     by_time.set_xlabel("training wall-clock seconds (validation excluded)")
     by_step.set_ylabel("loss (nats/token)")

@@ -312,8 +312,8 @@ def leaf_optimizers(opt) -> list:
     """The torch optimizers inside Megatron's wrappers (chains, layer-wise, fp32/bf16 wrappers)."""
     if isinstance(opt, torch.optim.Optimizer):
         return [opt]
-    inner = getattr(opt, "chained_optimizers", None) or [opt.optimizer]
-    return [leaf for o in inner for leaf in leaf_optimizers(o)]
+    inner = getattr(opt, "chained_optimizers", None)  # a rank's layer-wise chain may be empty
+    return [leaf for o in ([opt.optimizer] if inner is None else inner) for leaf in leaf_optimizers(o)]
 
 
 def dion3_fractions(opt) -> dict[tuple[int, int], float | str]:
