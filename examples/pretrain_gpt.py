@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Train a small Megatron-Core GPT with Dion3: the dion3-megatron main job.
 
-    python examples/pretrain_gpt.py                  # CPU: starts 2 processes over gloo (DP=2); a few minutes
+    python examples/pretrain_gpt.py                  # CPU: starts 2 processes over gloo (DP=2); ~70 s
     python examples/pretrain_gpt.py --tp 2           # CPU, tensor parallel instead
-    python examples/pretrain_gpt.py --compare        # Dion3, AdamW and Muon: table, PNG plot, JSON curves
+    python examples/pretrain_gpt.py --compare        # Dion3, AdamW and Muon: table, verdict, PNG plot, JSON
     python examples/pretrain_gpt.py --text-file my.txt          # byte-level, any text file
     python examples/pretrain_gpt.py --data-path /data/my_text_document --vocab-size 50304  # Megatron indexed data
     torchrun --nproc-per-node 8 examples/pretrain_gpt.py --tp 2 # GPUs: NCCL, one process per GPU
@@ -18,7 +18,8 @@ when CUDA is available, else ``--nproc`` (2) CPU processes over gloo with
 
 Data (byte-level unless --data-path): by default the running Python's standard-library sources
 (no download); random windows of ``--seq-length + 1`` tokens, the same for every optimizer; the
-last 5% of the tokens are held out for the validation loss.
+last 5% of the tokens are held out for the validation loss. Every run ends with a table and a
+one-line verdict (examples/compare_report.py) and writes its JSON and PNG to --out-dir.
 """
 
 from __future__ import annotations
@@ -348,7 +349,7 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
 
     rank0 = dist.get_rank() == 0
     chunks, opt, sched, n_params, mode = build(args, name, vocab, device, cuda)
-    fractions = describe_fractions(dion3_fractions(opt)) if name == "dion3" else None
+    fractions = dion3_fractions(opt) if name == "dion3" else {}
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     micro = args.global_batch // dp
     fwd_bwd = get_forward_backward_func()
@@ -388,7 +389,7 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
               f"TP={args.tp} DP={dp}, {args.steps} steps of {args.global_batch}x{args.seq_length} tokens",
               flush=True)
         if fractions:
-            print(fractions, flush=True)
+            print(describe_fractions(fractions), flush=True)
     bar = None
     # A bar only on a terminal: piped to a file, each redraw would append (the log lines remain).
     if rank0 and not args.no_progress and sys.stderr.isatty():
@@ -444,7 +445,8 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
         bar.close()
     tail = train_losses[-max(1, args.steps // 10):]
     warm = min(TIMING_WARMUP, args.steps // 2)
-    result = dict(optimizer=name, label=LABELS[name], mode=mode, parameters=n_params, dion3_fractions=fractions,
+    result = dict(optimizer=name, label=LABELS[name], mode=mode, parameters=n_params,
+                  dion3_fractions={f"{n}x{m}": f for (n, m), f in fractions.items()},
                   train_loss=train_losses, train_time=train_time, val_loss=val_losses,
                   final_train_loss=round(sum(tail) / len(tail), 5), final_train_steps=len(tail),
                   final_val_loss=val_losses[-1][1], optimizer_ms=round(statistics.median(step_ms[warm:]), 3),

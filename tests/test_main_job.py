@@ -65,6 +65,7 @@ def test_compare_dp2_stdlib_corpus(tmp_path):
     dion3 = runs["dion3"]
     assert dion3["mode"] == "layer-wise ZeRO-1" and dion3["skipped_steps"] == 0
     assert "Dion3: f=0.25 on every matrix (rows x cols: 16x64, 64x64, 64x128, 128x64)" in out
+    assert dion3["dion3_fractions"] == {"16x64": 0.25, "64x64": 0.25, "64x128": 0.25, "128x64": 0.25}
     assert "| Dion3" in out and "opt. step ms" in out and "vs Muon" in out
     assert "mean over the last 10% of the steps" in out
     verdict = out.split("verdict: ")[1].splitlines()[0]
