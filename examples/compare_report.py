@@ -88,10 +88,11 @@ def verdict(results: list[dict], skipped: dict[str, str], fraction) -> str | Non
     adam = runs.get("adam")
     if adam is not None:
         loss += ", AdamW " + ("failed" if "error" in adam else f"{adam['final_val_loss']:.3f}")
+    step = f"Dion3 optimizer step {dion3['optimizer_ms']:.2f} ms ({dion3['mode']})"
+    if muon is None and "muon" not in skipped:
+        return f"{loss}; {step}; --compare adds Muon and AdamW"
     if not muon_ok:
-        why = "failed" if muon is not None else "skipped" if "muon" in skipped else "not run"
-        return (f"{loss}; Muon {why}, so no step-time comparison; Dion3 optimizer step "
-                f"{dion3['optimizer_ms']:.2f} ms ({dion3['mode']})")
+        return f"{loss}; Muon {'failed' if muon else 'skipped'}, so no step-time comparison; {step}"
     speedup = muon["optimizer_ms"] / dion3["optimizer_ms"]
     faster = f"{speedup:.1f}x faster" if speedup >= 1 else f"{1 / speedup:.1f}x slower"
     layouts = (f"{dion3['mode']} both" if dion3["mode"] == muon["mode"]
