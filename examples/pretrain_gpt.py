@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Train a small Megatron-Core GPT with Dion3: the dion3-megatron main job.
 
-    python examples/pretrain_gpt.py                  # CPU: starts 2 processes over gloo (DP=2); a few minutes
+    python examples/pretrain_gpt.py                  # CPU: starts 2 processes over gloo (DP=2); ~70 s
     python examples/pretrain_gpt.py --tp 2           # CPU, tensor parallel instead
-    python examples/pretrain_gpt.py --compare        # Dion3, AdamW and Muon: table, PNG plot, JSON curves
+    python examples/pretrain_gpt.py --compare        # Dion3, AdamW and Muon: table, verdict, PNG plot, JSON
     python examples/pretrain_gpt.py --text-file my.txt          # byte-level, any text file
     python examples/pretrain_gpt.py --data-path /data/my_text_document --vocab-size 50304  # Megatron indexed data
     torchrun --nproc-per-node 8 examples/pretrain_gpt.py --tp 2 # GPUs: NCCL, one process per GPU
@@ -18,16 +18,17 @@ when CUDA is available, else ``--nproc`` (2) CPU processes over gloo with
 
 Data (byte-level unless --data-path): by default the running Python's standard-library sources
 (no download); random windows of ``--seq-length + 1`` tokens, the same for every optimizer; the
-last 5% of the tokens are held out for the validation loss.
+last 5% of the tokens are held out for the validation loss. Every run ends with a table and a
+one-line verdict (examples/compare_report.py) and writes its JSON and PNG to --out-dir.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -37,12 +38,13 @@ import torch
 from dion3_megatron.options import BY_NAME as DION3_OPTIONS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' own modules, also when imported by path
+from compare_report import LABELS, report  # noqa: E402
 from stdlib_text import stdlib_bytes  # noqa: E402
 
 CPU_DEFAULTS = dict(layers=4, hidden=128, heads=4, ffn=352, seq_length=128, global_batch=16, steps=400)
 GPU_DEFAULTS = dict(layers=8, hidden=512, heads=8, ffn=1408, seq_length=512, global_batch=64, steps=1000)
 OPTIMIZERS = ("dion3", "adam", "muon")
-LABELS = {"dion3": "Dion3", "adam": "AdamW", "muon": "Muon"}
+TIMING_WARMUP = 5  # optimizer steps left out of the step time: Dion3 plans (and may capture a CUDA graph) first
 
 
 def parse_args(argv=None):
@@ -57,7 +59,9 @@ def parse_args(argv=None):
     g.add_argument("--compare", action="store_true", help="train Dion3, AdamW and Muon on the same data and steps")
     g.add_argument("--optimizers", default=None,
                    help=f"comma-separated subset of {','.join(OPTIMIZERS)} (default: dion3, or all with --compare)")
-    g.add_argument("--out-dir", default=os.path.join("runs", "pretrain_gpt"), help="where --compare writes compare.json / compare.png")
+    g.add_argument("--out-dir", default=os.path.join("runs", "pretrain_gpt"),
+                   help="every run writes its results here: compare.json and compare.png with --compare, else "
+                        "<optimizers>.json / .png (e.g. dion3.json)")
     g.add_argument("--log-interval", type=int, default=None, help="log loss and tokens/s every N steps")
     g.add_argument("--eval-interval", type=int, default=None, help="validation loss every N steps (and at the end)")
     g.add_argument("--eval-batches", type=int, default=4, help="global batches in each validation pass")
@@ -276,17 +280,19 @@ def build(args, name: str, vocab: int, device: torch.device, cuda: bool):
                      position_embedding_type="rope", share_embeddings_and_output_weights=False)
     model.to(device)
     # Emerging optimizers (dion3, muon) get Megatron's layer-wise ZeRO-1, as --use-distributed-optimizer
-    # gives them in pretrain(); Megatron 0.19's layer-wise path needs bf16 for muon (dion3 handles fp32).
-    layer_wise = name == "dion3" or (name == "muon" and cuda)
-    distributed = name != "muon" or layer_wise
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True)
+    # gives them in pretrain(). In fp32, Megatron 0.19's layer-wise wrapper chains Muon's raw torch
+    # optimizer, whose missing .config fails ChainedOptimizer's assertion (dion3's wrapper adds
+    # FP32Optimizer). So Muon's *optimizer* config says bf16 on CPU too: Megatron's bf16 wrapper then
+    # steps the fp32 model params in place (its fp32_from_fp32 groups: no copies, fp32 math).
+    layer_wise = name != "adam"
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
     chunks = wrap_model_chunks_with_ddp([model], config, ddp_config, use_layer_wise_distributed_optimizer=layer_wise)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = chunks[0].no_sync
     lr = {"adam": args.adam_lr, "muon": args.muon_lr}.get(name, args.lr)
     ocfg = OptimizerConfig(
-        optimizer=name, lr=lr, min_lr=lr / 10, weight_decay=args.weight_decay, bf16=cuda, clip_grad=args.clip_grad,
-        adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, use_distributed_optimizer=distributed,
+        optimizer=name, lr=lr, min_lr=lr / 10, weight_decay=args.weight_decay, bf16=cuda or name == "muon",
+        clip_grad=args.clip_grad, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, use_distributed_optimizer=True,
         use_layer_wise_distributed_optimizer=layer_wise,
         decoupled_lr=None if name == "adam" else args.adam_lr, decoupled_min_lr=args.adam_lr / 10,
     )
@@ -300,8 +306,40 @@ def build(args, name: str, vocab: int, device: torch.device, cuda: bool):
                                     wd_incr_steps=args.steps, wd_incr_style="constant")
     n_params = sum(p.numel() * (args.tp if getattr(p, "tensor_model_parallel", False) else 1)
                    for p in model.parameters())  # the whole model's, not this TP rank's
-    return chunks, opt, sched, n_params, ("layer-wise ZeRO-1" if layer_wise else
-                                          "ZeRO-1" if distributed else "DDP")
+    return chunks, opt, sched, n_params, "layer-wise ZeRO-1" if layer_wise else "ZeRO-1"
+
+
+def leaf_optimizers(opt) -> list:
+    """The torch optimizers inside Megatron's wrappers (chains, layer-wise, fp32/bf16 wrappers)."""
+    if isinstance(opt, torch.optim.Optimizer):
+        return [opt]
+    inner = getattr(opt, "chained_optimizers", None)  # a rank's layer-wise chain may be empty
+    return [leaf for o in ([opt.optimizer] if inner is None else inner) for leaf in leaf_optimizers(o)]
+
+
+def dion3_fractions(opt) -> dict[tuple[int, int], float | str]:
+    """{matrix shape (rows, cols): f} over the whole model, read from the Dion3 optimizers' param
+    groups and gathered from every rank (layer-wise ZeRO-1 gives each rank some of the matrices)."""
+    import torch.distributed as dist
+    from dion3_megatron.megatron.optimizer import MegatronDion3
+
+    mine = {tuple(m.full_shape): group["fraction"]
+            for o in leaf_optimizers(opt) if isinstance(o, MegatronDion3)
+            for group in o.param_groups for p in group["params"] for m in o.layout_of(p).matrices}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {shape: f for d in everyone for shape, f in sorted(d.items())}
+
+
+def describe_fractions(fractions: dict[tuple[int, int], float | str]) -> str:
+    """One line: "Dion3: f=0.25 on every matrix (rows x cols: ...)", or f per shape when they differ."""
+    shapes = sorted(fractions)
+    values = set(fractions.values())
+    if values == {"auto"}:
+        return f"Dion3: f=auto, chosen per matrix shape at the first step ({len(shapes)} shapes; logged then)"
+    if len(values) == 1:
+        return f"Dion3: f={values.pop():g} on every matrix (rows x cols: {', '.join(f'{n}x{m}' for n, m in shapes)})"
+    return "Dion3: f per matrix (rows x cols: f) " + ", ".join(f"{n}x{m}: {fractions[n, m]}" for n, m in shapes)
 
 
 def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda: bool) -> dict:
@@ -311,6 +349,7 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
 
     rank0 = dist.get_rank() == 0
     chunks, opt, sched, n_params, mode = build(args, name, vocab, device, cuda)
+    fractions = dion3_fractions(opt) if name == "dion3" else {}
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     micro = args.global_batch // dp
     fwd_bwd = get_forward_backward_func()
@@ -349,6 +388,8 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
         print(f"[{LABELS[name]}] {n_params / 1e6:.2f}M parameters, {mode}, "
               f"TP={args.tp} DP={dp}, {args.steps} steps of {args.global_batch}x{args.seq_length} tokens",
               flush=True)
+        if fractions:
+            print(describe_fractions(fractions), flush=True)
     bar = None
     # A bar only on a terminal: piped to a file, each redraw would append (the log lines remain).
     if rank0 and not args.no_progress and sys.stderr.isatty():
@@ -358,6 +399,7 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
     log = bar.write if bar is not None else (lambda s: print(s, flush=True))
     tokens_per_step = args.global_batch * args.seq_length
     train_losses, val_losses, skipped = [], [], 0
+    step_ms, train_time = [], []  # optimizer.step() times; training seconds (validation excluded) after each step
     batches = data.train_batches()
     t_start = time.perf_counter()
     t_window, steps_window = t_start, 0
@@ -367,7 +409,9 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
             c.zero_grad_buffer()
         opt.zero_grad()
         loss = run(batch, False)
-        ok, _, _ = opt.step()
+        ok, elapsed = timed_step(opt, cuda)
+        step_ms.append(elapsed * 1e3)
+        train_time.append(round(time.perf_counter() - t_start, 3))
         if ok:  # as Megatron-LM's train_step: a skipped step does not advance the schedule
             sched.step(1)
         skipped += 0 if ok else 1
@@ -400,15 +444,31 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
     if bar is not None:
         bar.close()
     tail = train_losses[-max(1, args.steps // 10):]
+    warm = min(TIMING_WARMUP, args.steps // 2)
     result = dict(optimizer=name, label=LABELS[name], mode=mode, parameters=n_params,
-                  train_loss=train_losses, val_loss=val_losses, final_train_loss=round(sum(tail) / len(tail), 5),
-                  final_val_loss=val_losses[-1][1], train_seconds=round(seconds, 2),
+                  dion3_fractions={f"{n}x{m}": f for (n, m), f in fractions.items()},
+                  train_loss=train_losses, train_time=train_time, val_loss=val_losses,
+                  final_train_loss=round(sum(tail) / len(tail), 5), final_train_steps=len(tail),
+                  final_val_loss=val_losses[-1][1], optimizer_ms=round(statistics.median(step_ms[warm:]), 3),
+                  optimizer_ms_from_step=warm + 1, train_seconds=round(seconds, 2),
                   tokens_per_s=round(args.steps * tokens_per_step / seconds, 1), skipped_steps=skipped)
     if rank0:
         print(f"[{LABELS[name]}] final validation loss {result['final_val_loss']:.4f} "
               f"(train {result['final_train_loss']:.4f}), {result['tokens_per_s']:,.0f} tokens/s, "
-              f"{seconds:.1f} s", flush=True)
+              f"optimizer step {result['optimizer_ms']:.2f} ms, {seconds:.1f} s", flush=True)
     return result
+
+
+def timed_step(opt, cuda: bool) -> tuple[bool, float]:
+    """Megatron's optimizer.step() (grad copy, clip, update, param all-gather): (stepped, seconds),
+    the device synchronized on both sides so that the time is the step's own."""
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    ok, _, _ = opt.step()
+    if cuda:
+        torch.cuda.synchronize()
+    return ok, time.perf_counter() - start
 
 
 def muon_unavailable() -> str | None:
@@ -419,72 +479,6 @@ def muon_unavailable() -> str | None:
         return (f"Megatron's Muon needs the 'emerging-optimizers' package ({e}); "
                 "pip install emerging-optimizers (it is in dion3-megatron's [megatron] extra)")
     return None
-
-
-# ------------------------------------------------------------------------------------------------
-# Reporting (rank 0)
-
-def report(args, results: list[dict], skipped: dict, meta: dict) -> None:
-    rows = [("optimizer", "mode", "final train loss", "validation loss", "tokens/s", "seconds")]
-    for r in results:
-        if "error" in r:
-            rows.append((r["label"], "-", "failed", "-", "-", "-"))
-        else:
-            rows.append((r["label"], r["mode"], f"{r['final_train_loss']:.4f}", f"{r['final_val_loss']:.4f}",
-                         f"{r['tokens_per_s']:,.0f}", f"{r['train_seconds']:.1f}"))
-    for name, why in skipped.items():
-        rows.append((LABELS[name], "-", "skipped", "-", "-", "-"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    line = "+-" + "-+-".join("-" * w for w in widths) + "-+"
-    print("\n" + line)
-    for i, row in enumerate(rows):
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
-        if i == 0:
-            print(line)
-    print(line)
-    for name, why in skipped.items():
-        print(f"{LABELS[name]} was skipped: {why}")
-    for r in results:
-        if "error" in r:
-            print(f"{r['label']} failed: {r['error']}")
-    if not args.compare:
-        return
-    os.makedirs(args.out_dir, exist_ok=True)
-    json_path = os.path.join(args.out_dir, "compare.json")
-    with open(json_path, "w") as f:
-        json.dump(dict(meta, results=results, skipped=skipped), f, indent=1)
-    png_path = os.path.join(args.out_dir, "compare.png")
-    try:
-        plot(results, png_path, meta)
-    except ImportError as e:
-        png_path = f"(no plot: {e}; pip install matplotlib)"
-    print(f"\nwrote {json_path} and {png_path}", flush=True)
-
-
-def plot(results: list[dict], path: str, meta: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for i, r in enumerate(x for x in results if "error" not in x):
-        color = f"C{i}"
-        losses = torch.tensor(r["train_loss"])
-        k = max(1, len(losses) // 50)
-        smooth = torch.nn.functional.avg_pool1d(losses[None, None], k, 1, 0)[0, 0] if k > 1 else losses
-        ax.plot(range(k, len(losses) + 1), smooth.tolist(), color=color, label=f"{r['label']} train")
-        steps, vals = zip(*r["val_loss"])
-        ax.plot(steps, vals, "o--", color=color, label=f"{r['label']} validation ({r['final_val_loss']:.3f})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(f"{meta['model']}, {meta['data']}\n{meta['device'].upper()}, TP={meta['tp']} DP={meta['dp']}, "
-                 f"{meta['steps']} steps of {meta['global_batch']} sequences", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------------------

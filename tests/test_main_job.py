@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -31,6 +32,18 @@ def run_job(args, cwd, timeout=120):
     return proc.stdout
 
 
+def load_job():
+    """examples/pretrain_gpt.py as a module (its examples/ directory then on sys.path)."""
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_example", SCRIPT)
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    return job
+
+
+def numbers(line: str) -> list[float]:
+    return [float(x) for x in re.findall(r"[-+]?\d+\.\d+", line)]
+
+
 @pytest.mark.slow
 def test_compare_dp2_stdlib_corpus(tmp_path):
     out = run_job(["--compare", "--out-dir", str(tmp_path / "out")], cwd=tmp_path)
@@ -48,9 +61,27 @@ def test_compare_dp2_stdlib_corpus(tmp_path):
         assert r["final_train_loss"] < r["train_loss"][0] - 0.5, r["train_loss"]
         assert r["final_val_loss"] < math.log(256) - 0.5
         assert r["tokens_per_s"] > 0
+        assert r["optimizer_ms"] > 0 and len(r["train_time"]) == 12 and r["optimizer_ms_from_step"] == 6
     dion3 = runs["dion3"]
     assert dion3["mode"] == "layer-wise ZeRO-1" and dion3["skipped_steps"] == 0
-    assert "| Dion3" in out and "validation loss" in out
+    assert "Dion3: f=0.25 on every matrix (rows x cols: 16x64, 64x64, 64x128, 128x64)" in out
+    assert dion3["dion3_fractions"] == {"16x64": 0.25, "64x64": 0.25, "64x128": 0.25, "128x64": 0.25}
+    assert "| Dion3" in out and "opt. step ms" in out and "vs Muon" in out
+    assert "mean over the last 10% of the steps" in out
+    verdict = out.split("verdict: ")[1].splitlines()[0]
+    assert verdict == result["verdict"]
+    if "muon" in runs:  # the same layout as Dion3, also on CPU; the verdict's numbers are the JSON's
+        muon, adam = runs["muon"], runs["adam"]
+        assert muon["mode"] == dion3["mode"] and "layer-wise ZeRO-1 both" in verdict
+        speedup = muon["optimizer_ms"] / dion3["optimizer_ms"]
+        assert dion3["speedup_vs_muon"] == pytest.approx(speedup, abs=1e-3) and muon["speedup_vs_muon"] == 1
+        expected = [(0.25, 0), (dion3["final_val_loss"], 5e-4), (muon["final_val_loss"], 5e-4),
+                    (dion3["final_val_loss"] - muon["final_val_loss"], 1e-3), (adam["final_val_loss"], 5e-4),
+                    (max(speedup, 1 / speedup), 0.05), (dion3["optimizer_ms"], 5e-3), (muon["optimizer_ms"], 5e-3)]
+        assert len(numbers(verdict)) == len(expected)
+        for got, (want, tolerance) in zip(numbers(verdict), expected):
+            assert got == pytest.approx(want, abs=tolerance + 1e-9), verdict
+        assert ("faster" if speedup >= 1 else "slower") in verdict
 
 
 @pytest.mark.slow
@@ -76,16 +107,16 @@ def test_tp2_indexed_dataset(tmp_path):
     assert "Megatron indexed dataset" in out and "vocab 300" in out and "TP=2 DP=1" in out
     assert "Dion3 fraction=auto chose (rows x cols: f) " in out  # 64-row matrices: below the floor, f = 1
     assert "64x64: 1" in out
-    assert "final validation loss" in out
+    assert "final validation loss" in out and "verdict: Dion3 f=auto: validation loss" in out
+    saved = json.loads((tmp_path / "runs" / "pretrain_gpt" / "dion3.json").read_text())  # JSON without --compare too
+    assert saved["results"][0]["optimizer_ms"] > 0 and (tmp_path / "runs" / "pretrain_gpt" / "dion3.png").exists()
     first = float(out.split("| loss ")[1].split()[0])
     final = float(out.split("final validation loss ")[1].split()[0])
     assert final < first and final < math.log(300)
 
 
 def test_text_file_and_default_corpus(tmp_path):
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_example", SCRIPT)
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
+    job = load_job()
     text = tmp_path / "t.txt"
     text.write_bytes("héllo wörld\n".encode() * 100)
     tokens, vocab, desc = job.load_tokens(argparse.Namespace(data_path=None, text_file=str(text), max_tokens=10**6))
@@ -100,23 +131,51 @@ def test_text_file_and_default_corpus(tmp_path):
         job.parse_args(["--optimizers", "sgd"])
 
 
+def fake_run(name: str, label: str, val: float, ms: float, steps: int = 100) -> dict:
+    losses = [5.5 - 3 * (1 - math.exp(-i / 10)) for i in range(steps)]  # 5.5 falling to ~2.5
+    return dict(optimizer=name, label=label, mode="layer-wise ZeRO-1", train_loss=losses,
+                train_time=[0.1 * (i + 1) for i in range(steps)], val_loss=[(steps // 2, val + 0.2), (steps, val)],
+                final_train_loss=losses[-1], final_train_steps=steps // 10, final_val_loss=val, optimizer_ms=ms,
+                optimizer_ms_from_step=6, train_seconds=1.0, tokens_per_s=10.0)
+
+
+META = dict(model="GPT", data="d", device="cpu", tp=1, dp=2, steps=100, global_batch=8, dion3_fraction=0.25)
+
+
 def test_compare_reports_skipped_muon(tmp_path, monkeypatch, capsys):
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_example", SCRIPT)
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
+    job = load_job()
     monkeypatch.setitem(sys.modules, "emerging_optimizers", None)  # as if the package were not installed
     why = job.muon_unavailable()
     assert why and "emerging-optimizers" in why
-    losses = [5.5, 4.0, 3.0]
-    dion3 = dict(optimizer="dion3", label="Dion3", mode="layer-wise ZeRO-1", train_loss=losses,
-                 val_loss=[(3, 3.1)], final_train_loss=3.0, final_val_loss=3.1, train_seconds=1.0, tokens_per_s=10.0)
-    args = argparse.Namespace(compare=True, out_dir=str(tmp_path))
-    meta = dict(model="GPT", data="d", device="cpu", tp=1, dp=2, steps=3, global_batch=8)
-    job.report(args, [dion3], {"muon": why}, meta)
+    args = argparse.Namespace(compare=True, out_dir=str(tmp_path), optimizers=["dion3", "adam", "muon"])
+    job.report(args, [fake_run("dion3", "Dion3", 3.1, 2.0), fake_run("adam", "AdamW", 3.3, 1.0)], {"muon": why},
+               META)
     out = capsys.readouterr().out
     assert "| Muon" in out and "skipped" in out and f"Muon was skipped: {why}" in out
+    assert ("verdict: Dion3 f=0.25: validation loss 3.100, AdamW 3.300; Muon skipped, so no step-time comparison; "
+            "Dion3 optimizer step 2.00 ms (layer-wise ZeRO-1)") in out
     saved = json.loads((tmp_path / "compare.json").read_text())
     assert saved["skipped"] == {"muon": why} and (tmp_path / "compare.png").exists()
+    assert f"wrote {tmp_path / 'compare.json'} and {tmp_path / 'compare.png'}" in out
+
+
+def test_verdict_and_plot(tmp_path):
+    load_job()
+    import compare_report as cr
+
+    dion3, muon = fake_run("dion3", "Dion3", 3.25, 8.0), fake_run("muon", "Muon", 3.2, 2.0)
+    muon["mode"] = "DDP"
+    line = cr.verdict([dion3, muon], {}, 0.25)  # slower and behind: said so, both layouts named
+    assert line == ("Dion3 f=0.25: validation loss 3.250 vs Muon 3.200 (+0.050); optimizer step 4.0x slower "
+                    "than Muon (8.00 vs 2.00 ms, Dion3 layer-wise ZeRO-1, Muon DDP)")
+    assert "4.00x slower" in cr.table([dion3, muon], {}) and cr.output_stem(False, ["dion3", "adam"]) == "dion3+adam"
+    fig = cr.plot_figure([dion3, muon], META)
+    by_step, by_time = fig.axes[:2]
+    assert by_step.get_xlabel() == "step" and "seconds" in by_time.get_xlabel()
+    low, high = by_step.get_ylim()  # the interesting band, not from the initial 5.5
+    assert 2.3 < low < 2.6 and high < 4.5
+    assert [ln.get_linestyle() for ln in by_step.lines[::2]] == ["-", "--"]  # Dion3 solid, Muon dashed
+    assert "moving mean over 2 steps" in by_step.get_legend().get_title().get_text()
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -129,9 +188,7 @@ def test_compare_reports_skipped_muon(tmp_path, monkeypatch, capsys):
     (["--data-path", "/no/such/prefix"], "--data-path /no/such/prefix: no /no/such/prefix.bin or /no/such/prefix.idx"),
 ])
 def test_bad_arguments_get_one_line_before_any_worker_starts(argv, words, monkeypatch, capsys):
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_example", SCRIPT)
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
+    job = load_job()
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(job, "launch", lambda *a: pytest.fail("a worker was started"))
