@@ -164,7 +164,7 @@ OPTIONS: tuple[Option, ...] = (
            "norm as f shrinks)"),
     Option("scale_mu_by_fraction", BOOL, False, "the applied rows keep mu ** (1/fraction) of their momentum "
            "instead of mu: the memory of heavy-ball momentum with mu at every fraction"),
-    Option("staleness", REAL, 0.0, "selection favours rows that waited: each row's L1 score times "
+    Option("staleness", REAL, 1.0, "selection favours rows that waited: each row's L1 score times "
            "1 + staleness * f * (steps since the row was last applied); 0: plain L1 norms", low=0.0),
     Option("num_heads", HEADS, None, "select rows per head (rows viewed as heads x head_dim): a positive int, or "
            "None", front_ends=_NOT_MEGATRON),

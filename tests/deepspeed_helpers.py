@@ -420,7 +420,9 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
         train(engine, 4)
         stale[name] = params_of(engine)
     out["stale_diff"] = {k: max_diff(stale[k], stale["s0"]) for k in ("s1", "s2")}
-    out["stale_vs_plain"] = max_diff(stale["s0"], p["s0"])
+    plain = make_engine(config(0, world=world, staleness=0.0))  # plain top-k: what the ages must change
+    train(plain, 4)
+    out["stale_vs_plain"] = max_diff(stale["s0"], params_of(plain))
     out["stale_straddling"] = _straddling(engine)
     flat_opt = _basic(engine)
     out["stale_state_keys"] = [sorted(flat_opt.state[g["params"][0]]) for g in flat_opt.param_groups]

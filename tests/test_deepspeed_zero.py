@@ -77,7 +77,8 @@ def test_clipping_acts_on_raw_gradients(two_ranks):
 
 def test_zero_state_is_slice_shaped_and_equals_stage0_state(two_ranks):
     out = two_ranks[0]
-    assert all(keys == ["exp_avg", "exp_avg_sq", "step"] for keys in out["state_keys"]), out["state_keys"]
+    # row ages: the default staleness (1) keeps them
+    assert all(keys == ["exp_avg", "exp_avg_sq", "row_age", "step"] for keys in out["state_keys"]), out["state_keys"]
     assert out["state_shapes_match"]
     assert out["state"]["momentum"] <= TOL, out["state"]
     assert out["state"]["variance"] <= TOL, out["state"]

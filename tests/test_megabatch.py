@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from dion3_megatron import Dion3, rule
 from dion3_megatron.megabatch import Dion3Engine, MatrixShard, Sharding
+from dion3_megatron.options import BY_NAME
 from dist_utils import run_distributed
 
 STEPS = 3
@@ -59,10 +60,11 @@ def matrices_and_grads(shapes, seed, steps=STEPS):
     return weights, grads
 
 
+DEFAULT_STALENESS = BY_NAME["staleness"].default
 HP = dict(lr=0.02, mu=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, ns_dtype=torch.float32)
 
 
-def sharded_worker(rank, world, kind, shapes, fraction, seed, staleness=0.0, steps=STEPS):
+def sharded_worker(rank, world, kind, shapes, fraction, seed, staleness=DEFAULT_STALENESS, steps=STEPS):
     weights, grads = matrices_and_grads(shapes, seed, steps)
     hp = rule.Dion3Hyperparameters(fraction=fraction, staleness=staleness, **HP)
     group = dist.new_group(list(range(world)))
@@ -99,7 +101,7 @@ def reassemble(pieces_per_rank, kind, shapes, world):
     return out
 
 
-def single_process(shapes, fraction, seed, staleness=0.0, steps=STEPS):
+def single_process(shapes, fraction, seed, staleness=DEFAULT_STALENESS, steps=STEPS):
     weights, grads = matrices_and_grads(shapes, seed, steps)
     params = [torch.nn.Parameter(w) for w in weights]
     opt = Dion3(params, fraction=fraction, staleness=staleness, **HP)

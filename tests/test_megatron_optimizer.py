@@ -275,7 +275,7 @@ def test_a_checkpoint_from_before_the_option_loads_with_every_row_at_age_zero(ge
     # Its groups carry no staleness: the optimizer's own holds, and the ages start where a fresh
     # run starts them (as Dion3 does when staleness is switched on later).
     params, names = _params(generator)
-    old = _megatron(params, names)
+    old = _megatron(params, names, staleness=0.0)  # a run before the option: no ages
     _one_step(old, params, generator)
     sd = old.state_dict()
     for group in sd["param_groups"]:

@@ -194,6 +194,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
     moe_init, moe_final = reference(num_experts=4)
     _, bad_batch_skipped = reference(batches=data[:STEPS] + data[STEPS + 1:STEPS + 2])  # data[STEPS] is bad
     _, stale_final = reference(staleness=1.0)
+    _, plain_final = reference(staleness=0.0)  # plain top-k: what the ages must change
 
     def parallel(tp=1, pp=1, ep=1, etp=None, num_experts=None, init=dense_init, final=dense_final, microbatches=1,
                  **kw):
@@ -315,7 +316,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
     def stale(tp=1):
         # staleness=1 against the single-process Dion3 with it (the ages matter from step 2 on)
         out, chunks, opt, cfg = parallel(tp=tp, final=stale_final, staleness=1.0)
-        out["plain_vs_stale"] = _diffs(chunks[0].module, dense_final, cfg)["dion3"]
+        out["plain_vs_stale"] = _diffs(chunks[0].module, plain_final, cfg)["dion3"]
         return out
 
     def checkpoint(staleness=0.0, ckpt_dir=ckpt_dir):

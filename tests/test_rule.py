@@ -48,7 +48,7 @@ def test_only_selected_rows_move_and_the_rest_accumulate(generator):
     n, m, f, lr, wd, mu = 32, 48, 0.25, 0.1, 0.05, 0.9
     w0 = torch.randn(n, m, generator=generator)
     p = torch.nn.Parameter(w0.clone())
-    opt = Dion3([p], lr=lr, fraction=f, mu=mu, weight_decay=wd)
+    opt = Dion3([p], lr=lr, fraction=f, mu=mu, weight_decay=wd, staleness=0.0)  # selection by L1 norm alone
     g1 = torch.randn(n, m, generator=generator)
     p.grad = g1.clone()
     opt.step()

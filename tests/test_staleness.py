@@ -90,7 +90,7 @@ def test_row_ages_survive_a_checkpoint_bit_identically(generator):
 
 def test_staleness_switched_on_later_starts_every_row_at_age_zero(generator):
     p = torch.nn.Parameter(torch.randn(8, 12, generator=generator))
-    opt = Dion3([p], fraction=0.25, ns_dtype=torch.float32)
+    opt = Dion3([p], fraction=0.25, staleness=0.0, ns_dtype=torch.float32)
     p.grad = torch.randn(8, 12, generator=generator)
     opt.step()
     assert "row_age" not in opt.state[p]
