@@ -157,6 +157,11 @@ class Dion3(torch.optim.Optimizer):
         super().add_param_group(param_group)
         self._check_group(f"param group {index}", self.param_groups[-1])
 
+    def _params_to_check(self, group: dict) -> list[torch.Tensor]:
+        """The tensors a checkpoint's group settings are checked against: the group's parameters
+        (DeepSpeedDion3 gives the originals of a group that ZeRO flattened into one slice)."""
+        return group["params"]
+
     @classmethod
     def _check_group(cls, where: str, group: dict) -> None:
         """Raise ValueError naming the setting and its value when a group's settings are invalid
@@ -190,7 +195,7 @@ class Dion3(torch.optim.Optimizer):
 
         Same-shape matrices are orthogonalized as one batch here, which the cost model counts.
         """
-        todo = [(group, p) for group in self.param_groups if group["fraction"] == rule.AUTO
+        todo = [(group, p) for group in self.param_groups if group["fraction"] == options.AUTO
                 for p in group["params"] if self.algorithm_of(group, p) == "dion3" and p not in self._auto_fractions]
         if not todo:
             return
@@ -247,7 +252,8 @@ class Dion3(torch.optim.Optimizer):
         if len(groups) != len(self.param_groups):
             raise ValueError(f"checkpoint has {len(groups)} param groups, the optimizer has {len(self.param_groups)}")
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
-            self._check_group(f"param group {gi}", {**mine, **{k: v for k, v in saved.items() if k != "params"}})
+            settings = {k: v for k, v in saved.items() if k != "params"}
+            self._check_group(f"param group {gi}", {**mine, **settings, "params": self._params_to_check(mine)})
         params = list(self._param_indices())
         auto_fractions = {}
         for pid, f in state_dict.get("auto_fractions", {}).items():
@@ -364,7 +370,7 @@ class Dion3(torch.optim.Optimizer):
                     state = self.state.get(p)
                     adamw[gi, int(state["step"].item()) + 1 if state else 1, p.device].append(p)
                     continue
-                fraction = self._auto_fractions[p] if group_hp.fraction == rule.AUTO else group_hp.fraction
+                fraction = self._auto_fractions[p] if group_hp.fraction == options.AUTO else group_hp.fraction
                 key = (gi, matrix_shape(p), p.device, fraction)
                 if key not in settings:
                     settings[key] = group_hp if fraction == group_hp.fraction else dataclasses.replace(group_hp, fraction=fraction)

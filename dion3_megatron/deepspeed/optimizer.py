@@ -102,6 +102,12 @@ class DeepSpeedDion3(Dion3):
             index.index(key): plan.auto_fractions() for key, plan in self._zero_plans.items() if plan.auto}}
         return sd
 
+    def _params_to_check(self, group: dict) -> list[torch.Tensor]:
+        # Under ZeRO a group's params are one flat slice: a checkpoint's group settings are checked
+        # against the group's original parameters (a "dion3" group's slice is 1-D, its matrices not).
+        originals = self._zero_group(group)
+        return group["params"] if originals is None else originals
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict.get("zero_auto_fractions", {})
         for gi, choices in saved.items():
@@ -109,17 +115,7 @@ class DeepSpeedDion3(Dion3):
             if any(f not in auto_fraction.AUTO_FRACTIONS for f in values):
                 raise ValueError(f"checkpoint zero_auto_fractions: param group {gi} has fractions {values}, "
                                  f"not all in {auto_fraction.AUTO_FRACTIONS}")
-        # Under ZeRO a group's params are one flat slice: check the checkpoint's group settings
-        # against the group's original parameters (a "dion3" group's slice is 1-D, its matrices not).
-        originals = {id(g["params"]): orig for g in self.param_groups if (orig := self._zero_group(g)) is not None}
-        if originals:
-            check = type(self)._check_group
-            self._check_group = lambda where, group: check(where, {**group, "params": originals.get(
-                id(group["params"]), group["params"])})
-        try:
-            super().load_state_dict(state_dict)
-        finally:
-            self.__dict__.pop("_check_group", None)
+        super().load_state_dict(state_dict)
         self._saved_zero_fractions = dict(saved)
         self._zero_plans.clear()  # rebuilt at the next step (by every rank), with these choices
 
