@@ -24,7 +24,7 @@ from typing import Callable, Hashable, Optional
 import torch
 import torch.distributed as dist
 
-from . import cuda_graph as cuda_graph_module, rule
+from . import cuda_graph as cuda_graph_module, options, rule
 from .exchange import Exchange, Traffic, WholeExchange, exchange_for
 from .plan import (MatrixShard, Rect, ShapeGroup, Sharding, build_plan, check_plan_matches, group_ranks,
                    resolve_fractions)
@@ -77,7 +77,7 @@ class Dion3Engine:
 
     def auto_fractions(self) -> dict[tuple[int, int], float]:
         """What fraction="auto" chose, per logical shape (empty when no matrix asked for it)."""
-        return {sg.key[0]: sg.fraction for sg in self.plan if sg.hp.fraction == rule.AUTO}
+        return {sg.key[0]: sg.fraction for sg in self.plan if sg.hp.fraction == options.AUTO}
 
     @torch.no_grad()
     def step(self, prologue: Optional[Callable[[], None]] = None, epilogue: Optional[Callable[[], None]] = None,

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import auto_fraction, rule
+from . import auto_fraction, options
 from .rule import Dion3Hyperparameters
 
 
@@ -353,7 +353,7 @@ def resolve_fractions(plan: list[ShapeGroup]) -> None:
     """Set every group's f: its hp.fraction, or for "auto" the f chosen on the device's measured
     speed, agreed over the group's process group (:func:`auto_fraction.resolve_fractions`) so that
     all members select the same number of rows."""
-    wanted = [sg for sg in plan if sg.hp.fraction == rule.AUTO]
+    wanted = [sg for sg in plan if sg.hp.fraction == options.AUTO]
     requests = [auto_fraction.FractionRequest(sg.key[0], len(sg.shards), sg.world, sg.hp, sg.shards[0].weight.device,
                                               sg.group if sg.world > 1 else None) for sg in wanted]
     chosen = dict(zip(map(id, wanted), auto_fraction.resolve_fractions(requests)))

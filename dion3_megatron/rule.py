@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import options
-from .options import ADJUST_LR_CHOICES, AUTO  # noqa: F401 - AUTO: the engines compare fractions with rule.AUTO
+from .options import ADJUST_LR_CHOICES
 from .ortho import orthogonalize
 
 # The largest gradient magnitude a step takes: its square is about the largest fp32 value, so

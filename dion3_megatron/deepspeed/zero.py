@@ -42,7 +42,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .. import auto_fraction, cuda_graph, megabatch, rule
+from .. import auto_fraction, cuda_graph, megabatch, options, rule
 from ..exchange import WholeMatrices, step_whole_matrices
 from ..optimizer import Dion3
 
@@ -181,7 +181,7 @@ class ZeroGroupPlan:
         self.adamw_runs = _merge_runs(adamw_runs)
         # What fraction="auto" chose (saved in checkpoints, so a resume does not measure again):
         # per run of self.whole (None: not chosen yet), and per piece of the engine, by name.
-        self.auto = opt.hyperparameters(group).fraction == rule.AUTO
+        self.auto = opt.hyperparameters(group).fraction == options.AUTO
         self.whole_fractions: Optional[list[float]] = None
         self.piece_fractions: dict[str, float] = {}
         self.whole_scores: list[torch.Tensor] = []  # their row scores, in buffers a graph can replay
@@ -298,7 +298,7 @@ class ZeroGroupPlan:
         """The matrices only this rank holds: the single-process step on views of the slice.
         ``per_row``: the slices of the variance (exp_avg_sq) and, with staleness, the ages, each
         row's value repeated over the row."""
-        if hp.fraction == rule.AUTO and self.whole_fractions is None:
+        if hp.fraction == options.AUTO and self.whole_fractions is None:
             self.whole_fractions = self._auto_fractions(hp)  # collective: every rank of the group calls it
         if not self.whole:
             return
@@ -311,7 +311,7 @@ class ZeroGroupPlan:
             view = [t.narrow(0, offset, count * n * m).view(count, n, m) for t in (flat, grad, exp_avg, *per_row)]
             # here, not in a graph: ZeRO's gradient partition is a new tensor every step
             scores = rule.accumulate_and_score(view[2], list(view[1].unbind(0)), out=self.whole_scores[i])
-            fraction = self.whole_fractions[i] if hp.fraction == rule.AUTO else hp.fraction
+            fraction = self.whole_fractions[i] if hp.fraction == options.AUTO else hp.fraction
             if fraction not in with_fraction:
                 with_fraction[fraction] = hp if fraction == hp.fraction else dataclasses.replace(hp, fraction=fraction)
             entries.append(WholeMatrices(view[0], view[2], view[3][..., 0], with_fraction[fraction], scores=scores,

@@ -37,7 +37,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import auto_fraction, options, rule
+from .. import auto_fraction, options
 from ..kernels import config as kernel_config
 from ..optimizer import announce_skipped_step, usable_on_every_rank
 from ..megabatch import Dion3Engine, MatrixShard, Sharding
@@ -342,7 +342,7 @@ class MegatronDion3(torch.optim.Optimizer):
                 else:
                     sharding, group_arg = Sharding.even_cols(matrix.full_shape[1], layout.group_size), layout.group
                 hp = group_hp[id(group)]
-                if hp.fraction == rule.AUTO:
+                if hp.fraction == options.AUTO:
                     auto_names.add(name)
                     if name in self._saved_fractions:  # chosen before a checkpoint: not measured again
                         hp = dataclasses.replace(hp, fraction=self._saved_fractions[name])
