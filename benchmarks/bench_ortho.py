@@ -1,15 +1,19 @@
-"""Orthogonalization of the 14B layer set: Gram NS on the kernels vs plain-torch Muon NS5.
+"""Orthogonalization of the 14B layer set: Gram NS on the kernels vs plain-torch Muon NS5 (and quack).
 
-    python benchmarks/bench_ortho.py [--iters N] [--routing measured|always]
+    python benchmarks/bench_ortho.py [--iters N] [--routing measured|always] [--graph]
+    python benchmarks/bench_ortho.py --profile 13824x5120     # GPU time by kernel, one call each
 
 Side by side in one run, on the same fp32 inputs:
   * muon:        Keller Jordan's quintic standard NS, 5 steps, bf16, plain torch (as Muon ships);
   * gram-torch:  dion3_megatron.ortho.gram_newton_schulz on the "torch" backend (cuBLAS);
   * gram-kern:   the same with auto dispatch (kernels where they pay, torch elsewhere), or with
-                 --routing always on the "cutedsl" backend for every product the kernels take.
+                 --routing always on the "cutedsl" backend for every product the kernels take;
+  * gram-quack:  the same Gram NS with quack-kernels' gemm_symmetric for every symmetric product
+                 (benchmarks/quack_backend.py), where quack imports: the kernels compared alone.
 Square matrices take standard NS with the Polar Express schedule on either backend (the Gram
 form gains nothing there). The floor is ortho.ns_flops(s, L, "gram") (symmetric products at half
-cost) at the cuBLAS peak measured in this run.
+cost) at the cuBLAS peak measured in this run. ``--graph`` times every variant replayed from a
+CUDA graph (as inside the optimizer's step), which takes the host's launch cost out.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
+import quack_backend
 from timing import cuda_median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -27,7 +32,7 @@ from dion3_megatron import ortho  # noqa: E402
 from dion3_megatron import kernels  # noqa: E402
 from dion3_megatron.kernels import backend  # noqa: E402
 
-SHAPES = [(5120, 5120), (1024, 5120), (13824, 5120), (5120, 13824)]
+SHAPES = [(13824, 5120), (5120, 13824), (4096, 16384), (2048, 8192), (5120, 5120), (1024, 5120)]
 
 
 def muon_ns5(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
@@ -46,48 +51,102 @@ def muon_ns5(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor
     return x
 
 
-def timed(fn, n_sets: int, iters: int) -> float:
+def timed(fn, n_sets: int, iters: int, graph: bool = False) -> float:
+    if graph:
+        replays = [graphed(lambda i=i: fn(i)) for i in range(n_sets)]
+        return cuda_median_ms(lambda i: replays[i](), n_sets, iters, reps=5, warmup=2)
     return cuda_median_ms(fn, n_sets, iters, reps=5, warmup=2)
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph (after warm-up calls on a side stream); returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def variants(routing: str, quack: bool) -> dict:
+    """name -> orthogonalization of one fp32 matrix, each under its kernel configuration."""
+
+    def under(**config):
+        def run(g):
+            with kernels.using(**config):
+                return ortho.gram_newton_schulz(g)
+        return run
+
+    out = {"muon": muon_ns5, "gram-torch": under(kernels="torch"),
+           # "auto": what the optimizer runs (kernels where they pay, plain torch otherwise); "always"
+           # routing forces the kernel backend onto every product it can take.
+           "gram-kern": under(backend=None if routing == "measured" else backend.BACKEND_NAME)}
+    if quack:
+        out["gram-quack"] = under(backend=quack_backend.NAME)
+    return out
+
+
+def profile(shape: tuple[int, int], funcs: dict, rows: int = 15) -> None:
+    """GPU time by kernel of one call of each variant (eager, so every kernel is listed)."""
+    g = torch.randn(*shape, device="cuda")
+    for name, fn in funcs.items():
+        for _ in range(3):
+            fn(g)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn(g)
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        total = sum(e.self_device_time_total for e in events) / 1e3
+        print(f"\n{name}, {shape[0]}x{shape[1]}: {total:.3f} ms of GPU kernels")
+        print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
+
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--routing", default="measured", choices=["measured", "always"])
+    ap.add_argument("--graph", action="store_true", help="time each call replayed from a CUDA graph")
+    ap.add_argument("--profile", default=None, metavar="RxC", help="only the GPU time by kernel at this shape")
     args = ap.parse_args()
+    kernels.configure(routing=args.routing)
+    funcs = variants(args.routing, quack_backend.register())
+    if args.profile:
+        profile(tuple(int(v) for v in args.profile.split("x")), funcs)
+        return
     n = 8192
     p = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     peak = 2 * n**3 / (timed(lambda i: p @ p, 1, 10) * 1e-3)
     props = torch.cuda.get_device_properties(0)
     print(f"GPU {props.name}; torch {torch.__version__}; cuBLAS peak {peak / 1e12:.0f} TFLOP/s (bf16 8192^3)")
-    kernels.configure(routing=args.routing)
-    print(f"routing: {args.routing}")
-    print("| shape | muon NS5 ms | gram-torch ms | gram-kern ms | kern vs muon | kern vs gram-torch | floor ms | kern / floor |")
-    print("|---|---|---|---|---|---|---|---|")
-    tot = {"muon": 0.0, "gt": 0.0, "gk": 0.0, "floor": 0.0}
+    print(f"routing: {args.routing}; {'CUDA-graph replays' if args.graph else 'eager calls'}")
+    names = list(funcs)
+    ratios = [("kern vs muon", "muon"), ("kern vs gram-torch", "gram-torch")]
+    if "gram-quack" in funcs:
+        ratios.append(("kern vs quack", "gram-quack"))
+    print("| shape | " + " | ".join(f"{n} ms" for n in names) + " | " + " | ".join(r for r, _ in ratios)
+          + " | floor ms | kern / floor |")
+    print("|---" * (len(names) + len(ratios) + 3) + "|")
+    total = dict.fromkeys([*names, "floor"], 0.0)
     for r, c in SHAPES:
         n_sets = 2
         gs = [torch.randn(r, c, device="cuda") for _ in range(n_sets)]
-        t_muon = timed(lambda i: muon_ns5(gs[i]), n_sets, args.iters)
-        with kernels.using(kernels="torch"):
-            t_gt = timed(lambda i: ortho.gram_newton_schulz(gs[i]), n_sets, args.iters)
-        # "auto": what the optimizer runs (kernels where they pay, plain torch otherwise);
-        # "always" routing forces the kernel backend onto every product it can take.
-        with kernels.using(backend=None if args.routing == "measured" else backend.BACKEND_NAME):
-            t_gk = timed(lambda i: ortho.gram_newton_schulz(gs[i]), n_sets, args.iters)
+        ms = {name: timed(lambda i, fn=fn: fn(gs[i]), n_sets, args.iters, args.graph) for name, fn in funcs.items()}
         s, length = min(r, c), max(r, c)
-        method = "standard" if r == c else "gram"
-        floor = ortho.ns_flops(s, length, method) / peak * 1e3
-        for key, v in (("muon", t_muon), ("gt", t_gt), ("gk", t_gk), ("floor", floor)):
-            tot[key] += v
-        print(
-            f"| {r}x{c} | {t_muon:.3f} | {t_gt:.3f} | {t_gk:.3f} | {t_muon / t_gk:.2f}x | {t_gt / t_gk:.2f}x | "
-            f"{floor:.3f} | {t_gk / floor:.2f} |",
-            flush=True,
-        )
-    print(
-        f"| total | {tot['muon']:.3f} | {tot['gt']:.3f} | {tot['gk']:.3f} | {tot['muon'] / tot['gk']:.2f}x | "
-        f"{tot['gt'] / tot['gk']:.2f}x | {tot['floor']:.3f} | {tot['gk'] / tot['floor']:.2f} |"
-    )
+        ms["floor"] = ortho.ns_flops(s, length, "standard" if r == c else "gram") / peak * 1e3
+        for key, v in ms.items():
+            total[key] += v
+        print(row(f"{r}x{c}", ms, names, ratios), flush=True)
+    print(row("total", total, names, ratios))
+
+
+def row(label: str, ms: dict, names: list, ratios: list) -> str:
+    cells = [f"{ms[n]:.3f}" for n in names] + [f"{ms[base] / ms['gram-kern']:.2f}x" for _, base in ratios]
+    return f"| {label} | " + " | ".join(cells) + f" | {ms['floor']:.3f} | {ms['gram-kern'] / ms['floor']:.2f} |"
 
 
 if __name__ == "__main__":
