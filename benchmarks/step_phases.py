@@ -11,9 +11,12 @@ phases): read the numbers as a breakdown, not as the step time.
         --layers 12 --hidden 2048 --heads 16 --ffn 5632 --steps 30
     torchrun --standalone --nproc-per-node 2 benchmarks/step_phases.py deepspeed \\
         examples/deepspeed/train_gpt.py --config examples/deepspeed/ds_config_dion3.json --width 2048 --layers 12 --steps 16
+    torchrun --nproc-per-node 1 benchmarks/step_phases.py pretrain \\
+        examples/megatron_lm_pretrain_gpt.py --optimizer dion3 --use-distributed-optimizer ...
 
-Everything after the harness name goes to the harness (``benchmarks/bench_megatron.py``, or the
-given DeepSpeed training script).
+Everything after the harness name goes to the harness (``benchmarks/bench_megatron.py``; the
+given DeepSpeed training script; or, for ``pretrain``, a Megatron-LM training script run through
+``python -m dion3_megatron.megatron.launch``, i.e. ``megatron.training.pretrain()``'s layout).
 """
 
 from __future__ import annotations
@@ -109,27 +112,38 @@ def engine_phases() -> None:
     timed(exchange.GeneralExchange, "step", "    exchange + update, general path (per group)")
 
 
-def megatron(argv: list[str]) -> None:
-    from megatron.core.optimizer import layer_wise_optimizer, optimizer as core_optimizer
+def megatron_phases() -> None:
+    """Timers on Megatron's own parts of the step, which every optimizer it wraps pays, and on
+    each optimizer's inner step."""
+    from megatron.core.optimizer import distrib_optimizer, layer_wise_optimizer, optimizer as core_optimizer
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
-    import bench_megatron as bench  # beside this script
     from dion3_megatron.megatron.optimizer import MegatronDion3
 
     engine_phases()
-    # Megatron's own parts of the step, which every optimizer it wraps pays.
+    layer_wise = layer_wise_optimizer.LayerWiseDistributedOptimizer
     timed(core_optimizer.ChainedOptimizer, "step", "Megatron optimizer.step (all of it)")
     timed(core_optimizer.ChainedOptimizer, "prepare_grads", "  grads to fp32 + inf check")
     timed(core_optimizer.ChainedOptimizer, "get_grad_norm", "  grad norm")
+    timed(layer_wise, "get_grad_norm", "  grad norm (layer-wise)")
     timed(core_optimizer, "clip_grad_by_total_norm_fp32", "  clip (per chained optimizer)")
+    timed(layer_wise, "step_with_ready_grads", "  layer-wise inner steps + parameter all-gather")
     timed(core_optimizer.Float16OptimizerWithFloat16Params, "step_with_ready_grads",
           "  inner step + main-to-model copy (per chained optimizer)")
-    timed(layer_wise_optimizer.LayerWiseDistributedOptimizer, "start_param_sync_for_bucket_group_subset",
-          "  parameter all-gather")
+    timed(distrib_optimizer.DistributedOptimizer, "step_with_ready_grads",
+          "  inner step + main-to-model copy + all-gather (DistributedOptimizer)")
+    timed(layer_wise, "start_param_sync_for_bucket_group_subset", "  parameter all-gather")
     timed(TensorParallelMuon, "step", "Muon inner step")
     timed(MegatronDion3, "step", "Dion3 inner step")
     timed(MegatronDion3, "_gradients_finite", "  finite check")
     timed(MegatronDion3, "_ensure_engine", "  refresh shards")
+    timed(torch.optim.AdamW, "step", "Adam inner step (torch AdamW: no apex or Transformer Engine)")
+
+
+def megatron(argv: list[str]) -> None:
+    import bench_megatron as bench  # beside this script
+
+    megatron_phases()
     run = bench.run
 
     def run_and_report(args, name, device, tp, fraction):
@@ -141,6 +155,17 @@ def megatron(argv: list[str]) -> None:
 
     bench.run = run_and_report
     bench.main(argv)
+
+
+def pretrain(argv: list[str]) -> None:
+    """A Megatron-LM training script (its pretrain() path) through the launcher, phases timed."""
+    from dion3_megatron.megatron import launch
+
+    megatron_phases()
+    try:
+        launch.main(argv)
+    finally:
+        report(argv[0])
 
 
 def deepspeed(argv: list[str]) -> None:
@@ -178,9 +203,10 @@ def deepspeed(argv: list[str]) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("megatron", "deepspeed"):
-        raise SystemExit("usage: step_phases.py {megatron BENCH_ARGS | deepspeed SCRIPT ARGS}")
-    {"megatron": megatron, "deepspeed": deepspeed}[sys.argv[1]](sys.argv[2:])
+    harnesses = {"megatron": megatron, "pretrain": pretrain, "deepspeed": deepspeed}
+    if len(sys.argv) < 2 or sys.argv[1] not in harnesses:
+        raise SystemExit("usage: step_phases.py {megatron BENCH_ARGS | pretrain SCRIPT ARGS | deepspeed SCRIPT ARGS}")
+    harnesses[sys.argv[1]](sys.argv[2:])
 
 
 if __name__ == "__main__":
