@@ -137,3 +137,18 @@ def test_readme_example_command_runs_on_cpu():
     log = on_cpu(["examples/megatron_lm_pretrain_gpt.py", *argv, "--log-interval", "1"], nproc=1)
     assert sorted(iterations(log)) == [1, 2]
     assert re.search(r"^ +vocab_size \.+ 32768$", log, re.M)  # NullTokenizer without --vocab-size
+
+
+def test_a_dp2_checkpoint_resumes_at_tp2(tmp_path):
+    """Saved at DP=2, loaded at TP=2 (Megatron's fully reshardable optimizer format, which its Adam
+    part needs to change TP; a vocabulary that pads to the same size at both TP sizes): the resumed
+    run repeats the DP=2 run's loss and gradient norms, so the weights and Dion3's state resharded."""
+    same_padding = ["--vocab-size", "256", "--dist-ckpt-optim-fully-reshardable"]
+    full = str(tmp_path / "dp2")
+    dp2 = iterations(pretrain(same_padding + ["--save", full]))
+    tp2 = iterations(pretrain(same_padding + ["--tensor-model-parallel-size", "2", "--load", full,
+                                              "--ckpt-step", "2"]))
+    assert sorted(tp2) == [3, 4]
+    assert float(tp2[3][0]) == pytest.approx(float(dp2[3][0]), rel=1e-5)  # iteration 3: same weights
+    for i in (3, 4):  # iteration 4's gradients follow Dion3's step 3, which used the loaded state
+        assert float(tp2[i][1]) == pytest.approx(float(dp2[i][1]), rel=1e-3), (i, tp2, dp2)
