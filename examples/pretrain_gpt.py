@@ -317,29 +317,29 @@ def leaf_optimizers(opt) -> list:
     return [leaf for o in ([opt.optimizer] if inner is None else inner) for leaf in leaf_optimizers(o)]
 
 
-def dion3_fractions(opt) -> dict[tuple[int, int], float | str]:
-    """{matrix shape (rows, cols): f} over the whole model, read from the Dion3 optimizers' param
-    groups and gathered from every rank (layer-wise ZeRO-1 gives each rank some of the matrices)."""
+def dion3_fractions(opt) -> dict[tuple[int, int], float]:
+    """{matrix shape (rows, cols): f} over the whole model as the steps use them (what "auto" chose
+    included), gathered from every rank's Dion3 optimizers (layer-wise ZeRO-1 gives each rank some
+    of the matrices). Collective; after the first step, which builds Dion3's engine."""
     import torch.distributed as dist
     from dion3_megatron.megatron.optimizer import MegatronDion3
 
-    mine = {tuple(m.full_shape): group["fraction"]
-            for o in leaf_optimizers(opt) if isinstance(o, MegatronDion3)
-            for group in o.param_groups for p in group["params"] for m in o.layout_of(p).matrices}
+    mine = {shape: f for o in leaf_optimizers(opt) if isinstance(o, MegatronDion3)
+            for group in o.param_groups for p in group["params"] for shape, f in o.fractions_of(p)}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {shape: f for d in everyone for shape, f in sorted(d.items())}
 
 
-def describe_fractions(fractions: dict[tuple[int, int], float | str]) -> str:
-    """One line: "Dion3: f=0.25 on every matrix (rows x cols: ...)", or f per shape when they differ."""
+def describe_fractions(fractions: dict[tuple[int, int], float], setting: float | str) -> str:
+    """One line: "Dion3: f=0.25 on every matrix (rows x cols: ...)", or f per shape when they differ;
+    with --dion3-fraction auto it says that auto chose them."""
     shapes = sorted(fractions)
     values = set(fractions.values())
-    if values == {"auto"}:
-        return f"Dion3: f=auto, chosen per matrix shape at the first step ({len(shapes)} shapes; logged then)"
+    how = "fraction=auto chose f" if setting == "auto" else "f"
     if len(values) == 1:
-        return f"Dion3: f={values.pop():g} on every matrix (rows x cols: {', '.join(f'{n}x{m}' for n, m in shapes)})"
-    return "Dion3: f per matrix (rows x cols: f) " + ", ".join(f"{n}x{m}: {fractions[n, m]}" for n, m in shapes)
+        return f"Dion3: {how}={values.pop():g} on every matrix (rows x cols: {', '.join(f'{n}x{m}' for n, m in shapes)})"
+    return f"Dion3: {how} per matrix (rows x cols: f) " + ", ".join(f"{n}x{m}: {fractions[n, m]:g}" for n, m in shapes)
 
 
 def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda: bool) -> dict:
@@ -349,7 +349,7 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
 
     rank0 = dist.get_rank() == 0
     chunks, opt, sched, n_params, mode = build(args, name, vocab, device, cuda)
-    fractions = dion3_fractions(opt) if name == "dion3" else {}
+    fractions = {}  # Dion3's f per matrix shape, read after its first step
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     micro = args.global_batch // dp
     fwd_bwd = get_forward_backward_func()
@@ -388,8 +388,6 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
         print(f"[{LABELS[name]}] {n_params / 1e6:.2f}M parameters, {mode}, "
               f"TP={args.tp} DP={dp}, {args.steps} steps of {args.global_batch}x{args.seq_length} tokens",
               flush=True)
-        if fractions:
-            print(describe_fractions(fractions), flush=True)
     bar = None
     # A bar only on a terminal: piped to a file, each redraw would append (the log lines remain).
     if rank0 and not args.no_progress and sys.stderr.isatty():
@@ -415,6 +413,10 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
         if ok:  # as Megatron-LM's train_step: a skipped step does not advance the schedule
             sched.step(1)
         skipped += 0 if ok else 1
+        if step == 1 and name == "dion3":  # every rank: a collective
+            fractions = dion3_fractions(opt)
+            if rank0:
+                log(describe_fractions(fractions, args.dion3_fraction))
         train_losses.append(round(loss, 5))
         steps_window += 1
         if bar is not None:

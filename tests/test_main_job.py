@@ -106,9 +106,10 @@ def test_tp2_indexed_dataset(tmp_path):
     out = run_job(["--tp", "2", "--data-path", prefix, "--lr", "0.03", "--dion3-fraction", "auto"], cwd=tmp_path)
     assert "Megatron indexed dataset" in out and "vocab 300" in out and "TP=2 DP=1" in out
     assert "Dion3 fraction=auto chose (rows x cols: f) " in out  # 64-row matrices: below the floor, f = 1
-    assert "64x64: 1" in out
+    assert "64x64: 1" in out and "Dion3: fraction=auto chose f" in out
     assert "final validation loss" in out and "verdict: Dion3 f=auto: validation loss" in out
     saved = json.loads((tmp_path / "runs" / "pretrain_gpt" / "dion3.json").read_text())  # JSON without --compare too
+    assert saved["results"][0]["dion3_fractions"]["64x64"] == 1.0  # what auto chose, not "auto"
     assert saved["results"][0]["optimizer_ms"] > 0 and (tmp_path / "runs" / "pretrain_gpt" / "dion3.png").exists()
     first = float(out.split("| loss ")[1].split()[0])
     final = float(out.split("final validation loss ")[1].split()[0])

@@ -288,3 +288,20 @@ def test_a_checkpoint_from_before_the_option_loads_with_every_row_at_age_zero(ge
     for index, state in new.state_dict()["state"].items():
         assert torch.equal(state["momentum"], sd["state"][index]["momentum"])
         assert torch.equal(state["row_age"], torch.zeros_like(state["row_age"]))
+
+
+@pytest.mark.parametrize("fraction", [0.5, "auto"])
+def test_fractions_of_names_each_logical_matrix_with_the_f_its_steps_use(generator, fraction):
+    from dion3_megatron.auto_fraction import AUTO_FRACTIONS
+
+    params, names = _params(generator)
+    opt = _megatron(params, names)
+    opt.param_groups[0]["fraction"] = fraction
+    assert opt.fractions_of(params[0]) == []  # no engine before the first step
+    _one_step(opt, params, generator)
+    qkv, fc1, proj = (opt.fractions_of(p) for p in params)
+    assert [shape for shape, _ in qkv] == [(GROUPS * s, COLS) for s in SPLIT]  # Q, K and V apart
+    assert fc1 == [((5, COLS), fc1[0][1]), ((5, COLS), fc1[1][1])]  # SwiGLU gate and up halves
+    assert [shape for shape, _ in proj] == [(COLS, 7)]
+    for _, f in qkv + fc1 + proj:
+        assert f == 0.5 if fraction == 0.5 else f in AUTO_FRACTIONS

@@ -422,6 +422,13 @@ class MegatronDion3(torch.optim.Optimizer):
         return {"momentum": momentum.clone(),
                 **{key: t.unsqueeze(1).expand(momentum.shape).contiguous() for key, t in zip(("variance", "row_age"), rows)}}
 
+    def fractions_of(self, p: torch.Tensor) -> list[tuple[tuple[int, int], float | str]]:
+        """(full shape, f) of each logical matrix of ``p`` as its steps use them: the group's f, or
+        what fraction="auto" chose. Empty before the first step (or checkpoint access) builds the
+        engine."""
+        chosen = self._auto_fractions.get(dist.get_rank() if dist.is_initialized() else 0, {})
+        return [(tuple(s.shape), chosen.get(s.name, s.hp.fraction)) for s in self._shards.get(p, [])]
+
     def state_dict(self) -> dict[str, Any]:
         self._ensure_engine(with_grads=False)
         sd = super().state_dict()  # param_groups packed with indices; self.state stays empty
