@@ -16,6 +16,7 @@ import argparse
 import os
 import runpy
 import sys
+from collections.abc import MutableMapping
 
 PROG = "python -m dion3_megatron.megatron.launch"
 
@@ -74,7 +75,7 @@ def skip_prebuilt_helper_compile() -> None:
     dataset_utils.compile_helpers = lambda: None
 
 
-def single_process_world(environ: dict[str, str]) -> None:
+def single_process_world(environ: MutableMapping[str, str]) -> None:
     """Megatron-LM initializes torch.distributed from the environment (env://), which torchrun fills.
     Started with plain ``python``, the script would stop at "MASTER_ADDR expected, but not set":
     give it a world of one process instead. Under torchrun (or any launcher that sets WORLD_SIZE)
