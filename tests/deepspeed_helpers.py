@@ -426,6 +426,10 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
     out["stale_straddling"] = _straddling(engine)
     flat_opt = _basic(engine)
     out["stale_state_keys"] = [sorted(flat_opt.state[g["params"][0]]) for g in flat_opt.param_groups]
+    from deepspeed.utils import safe_get_full_optimizer_state  # the ages reach ZeRO's fragments too
+
+    out["stale_fragment_age"] = max(safe_get_full_optimizer_state(p, "row_age").max().item()
+                                    for p in engine.module.parameters())
     ckpt = os.path.join(tmp, "stale_ckpt")
     engine = make_engine(config(2, world=world, staleness=1.0))
     train(engine, 3)

@@ -106,6 +106,7 @@ def test_staleness_under_zero1_and_zero2_equals_zero0_and_survives_checkpoints(t
         assert diff <= TOL, (run, out["stale_diff"])
     assert out["stale_straddling"] >= 1 and out["stale_vs_plain"] > 1e-3  # the ages mattered, across ranks too
     assert all(keys == ["exp_avg", "exp_avg_sq", "row_age", "step"] for keys in out["stale_state_keys"])
+    assert out["stale_fragment_age"] >= 1  # safe_get_full_optimizer_state(p, "row_age") reads them
     assert out["stale_resume_diff"] == 0.0
     assert out["stale_universal_ages"] >= 1 and out["stale_universal_diff"] <= TOL
     assert out["stale_universal_without_ages_diff"] > 100 * TOL  # the stock converter drops the ages: they mattered

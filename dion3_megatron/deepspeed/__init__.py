@@ -107,7 +107,7 @@ def _create_slice_state(optimizer: DeepSpeedDion3) -> None:
     for group in optimizer.param_groups:
         if optimizer._zero_group(group) is not None:
             flat = group["params"][0]
-            zero.init_slice_state(optimizer.state[flat], flat)
+            zero.init_slice_state(optimizer.state[flat], flat, with_age=group["staleness"] > 0)
 
 
 def _install_config_route_split(engine_class) -> None:
