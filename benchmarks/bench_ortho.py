@@ -23,10 +23,11 @@ import sys
 from pathlib import Path
 
 import torch
-import quack_backend
 from timing import cuda_median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import quack_backend  # noqa: E402 - imports the package
 
 from dion3_megatron import ortho  # noqa: E402
 from dion3_megatron import kernels  # noqa: E402

@@ -21,6 +21,7 @@ from timing import cuda_median_ms
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dion3_megatron.kernels.sm90_symm import default_tile, symm_gemm  # noqa: E402
+from quack_backend import quack_gemm_symmetric  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -46,17 +47,8 @@ def cublas_peak(dtype) -> float:
     return 2 * n**3 / (ms * 1e-3)
 
 
-def quack_fn():
-    try:
-        from quack.gemm_interface import gemm_symmetric  # type: ignore
-
-        return gemm_symmetric
-    except Exception:
-        return None
-
-
 def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
-    quack = quack_fn() if gram else None
+    quack = quack_gemm_symmetric() if gram else None
     print(f"\n## {title} ({str(dtype).split('.')[-1]})")
     hdr = "| shape | cuBLAS ms | kernel ms | kernel vs cuBLAS | floor ms | kernel / floor |"
     if quack is not None:

@@ -165,7 +165,7 @@ def pretrain(argv: list[str]) -> None:
     try:
         launch.main(argv)
     finally:
-        report(argv[0])
+        report(argv[0] if argv else "pretrain")
 
 
 def deepspeed(argv: list[str]) -> None:

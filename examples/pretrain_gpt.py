@@ -309,22 +309,14 @@ def build(args, name: str, vocab: int, device: torch.device, cuda: bool):
     return chunks, opt, sched, n_params, "layer-wise ZeRO-1" if layer_wise else "ZeRO-1"
 
 
-def leaf_optimizers(opt) -> list:
-    """The torch optimizers inside Megatron's wrappers (chains, layer-wise, fp32/bf16 wrappers)."""
-    if isinstance(opt, torch.optim.Optimizer):
-        return [opt]
-    inner = getattr(opt, "chained_optimizers", None)  # a rank's layer-wise chain may be empty
-    return [leaf for o in ([opt.optimizer] if inner is None else inner) for leaf in leaf_optimizers(o)]
-
-
 def dion3_fractions(opt) -> dict[tuple[int, int], float]:
     """{matrix shape (rows, cols): f} over the whole model as the steps use them (what "auto" chose
     included), gathered from every rank's Dion3 optimizers (layer-wise ZeRO-1 gives each rank some
     of the matrices). Collective; after the first step, which builds Dion3's engine."""
     import torch.distributed as dist
-    from dion3_megatron.megatron.optimizer import MegatronDion3
+    from dion3_megatron.megatron.wrappers import dion3_optimizers
 
-    mine = {shape: f for o in leaf_optimizers(opt) if isinstance(o, MegatronDion3)
+    mine = {shape: f for o in dion3_optimizers(opt)
             for group in o.param_groups for p in group["params"] for shape, f in o.fractions_of(p)}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -423,9 +415,7 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
         if step % args.log_interval == 0 or step == args.steps:
-            if cuda:
-                torch.cuda.synchronize()
-            now = time.perf_counter()
+            now = time.perf_counter()  # timed_step synchronized the device
             tps = steps_window * tokens_per_step / (now - t_window)
             t_window, steps_window = now, 0
             if rank0:

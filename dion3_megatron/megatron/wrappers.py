@@ -54,6 +54,11 @@ def _below(optimizer) -> list:
     return found
 
 
+def dion3_optimizers(optimizer) -> list[MegatronDion3]:
+    """The MegatronDion3 optimizers anywhere under a Megatron optimizer (chains, wrappers)."""
+    return [o for o in _below(optimizer) if isinstance(o, MegatronDion3)]
+
+
 def _world_size(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
@@ -69,7 +74,7 @@ class StepGate:
         self._own_check: Optional[bool] = None  # whether some rank has gradients outside the norm
 
     def _dion3(self) -> list[MegatronDion3]:
-        return [o for o in _below(self) if isinstance(o, MegatronDion3)]
+        return dion3_optimizers(self)
 
     def _leaves(self) -> list:
         """The Megatron optimizers below that hold parameters themselves (not chains)."""
