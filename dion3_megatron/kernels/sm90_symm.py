@@ -482,6 +482,7 @@ def symm_gemm(
     configuration's tile, else :func:`default_tile`).
     Returns (L, M, M) in out_dtype (default a's dtype), or writes ``out``.
     """
+    same = b is a  # before unsqueeze makes two views of one tensor
     squeeze = a.dim() == 2
     if squeeze:
         a, b = a.unsqueeze(0), b.unsqueeze(0)
@@ -494,8 +495,10 @@ def symm_gemm(
     batch, m, k = a.shape
     if k % 8:
         raise ValueError(f"K must be a multiple of 8, got {k}")
+    # A Gram product passes one tensor twice: a transposed (tall) input is made K-major once, not
+    # twice (each copy of a 13824x5120 operand costs ~0.46 ms on an H200, 5% of the whole Gram NS).
     a = a.contiguous()
-    b = b.contiguous()
+    b = a if same else b.contiguous()
     if out is None:
         out = torch.empty(batch, m, m, dtype=out_dtype or a.dtype, device=a.device)
     elif out.shape != (batch, m, m) or not out.is_contiguous():
