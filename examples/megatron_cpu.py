@@ -179,67 +179,11 @@ def install() -> None:
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
 
-    # Megatron's Adam without apex/TE is torch AdamW, with a per-param 'step' tensor that
-    # Megatron's DistributedOptimizer checkpoints once, in its param groups, and restores from there
-    # just before the per-param tensors. Those it then copies in: the fully reshardable loader tries
-    # to copy a 'step' the checkpoint's tensors never hold (KeyError); the dp_reshardable one (what
-    # megatron.training uses) builds the tensors to load into from the optimizer's own state,
-    # 'step' included, and copies back the value it had before the load (0 in a fresh run). Keep the
-    # restored 'step' out of that copy, as Megatron's model-space loader does. And in fp32 (the CPU
-    # dtype) the main parameters are the model parameters' own storage, which it copies into with
-    # autograd on (megatron.training's load_checkpoint does not turn it off): "a view of a leaf
-    # Variable that requires grad is being used in an in-place operation".
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    # Megatron's Adam here is torch's AdamW, whose checkpoint resume under the distributed
+    # optimizer the library mends (for GPUs without apex or Transformer Engine too).
+    from dion3_megatron.megatron import torch_adam
 
-    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
-
-    def _set_main_param_and_optimizer_states(self, model_param, tensors):
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
-        tensors = {k: v for k, v in tensors.items() if k != "step"}
-        kept = {k: state.pop(k) for k in list(state) if k not in tensors}
-        try:
-            with torch.no_grad():
-                set_states(self, model_param, tensors)
-        finally:
-            state.update(kept)
-
-    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
-
-    # And its state_dict() reads that 'step' from every parameter's state, asserting it finds one
-    # value: before the first step there is no state (megatron.training's load_checkpoint builds the
-    # state dict to load into from a fresh optimizer), so it fails. Count a fresh parameter at step
-    # 0 for that call only (the load then sets the saved step; the state stays as it was).
-    state_dict = DistributedOptimizer.state_dict
-
-    def fresh_state_dict(self):
-        state = self.optimizer.state
-        fresh = [p for group in self.optimizer.param_groups for p in group["params"]
-                 if "step" not in state.get(p, {})]
-        for p in fresh:
-            state[p]["step"] = torch.tensor(0.0)
-        try:
-            return state_dict(self)
-        finally:
-            for p in fresh:
-                del state[p]["step"]
-                if not state[p]:
-                    del state[p]
-
-    DistributedOptimizer.state_dict = fresh_state_dict
-
-    # Its load_state_dict() gives every parameter the SAME 'step' tensor (torch keeps a loaded 'step'
-    # as it is), and torch AdamW adds 1 to it in place once per parameter and step: after a resume
-    # the bias corrections run ahead and training does not continue as it would have. One each.
-    load_state_dict = DistributedOptimizer.load_state_dict
-
-    def load_state_dict_own_steps(self, state_dict):
-        load_state_dict(self, state_dict)
-        for state in self.optimizer.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
-
-    DistributedOptimizer.load_state_dict = load_state_dict_own_steps
+    torch_adam.install()
 
 
 def allow_pretrain() -> None:

@@ -129,21 +129,9 @@ def _adam_distopts(opt) -> list:
     return found
 
 
-def _adam_init_state(opt) -> None:
-    """Megatron's Adam init_state_fn leaves out the per-param 'step' of the torch-AdamW fallback
-    used without apex/TE, and a fresh DistributedOptimizer then cannot build the sharded state
-    dict to load into (it reads one common step). Create it; the load sets the saved value."""
-    for o in _adam_distopts(opt):
-        o.init_state_fn(o.optimizer, o.config)
-        for group in o.optimizer.param_groups:
-            for p in group["params"]:
-                o.optimizer.state[p].setdefault("step", torch.tensor(0.0))
-
-
 def _load(chunks, opt, path, dion3_only: bool = False):
     from megatron.core import dist_checkpointing
 
-    _adam_init_state(opt)
     sd = {"model": chunks[0].module.sharded_state_dict(metadata=_metadata())}
     sd["optimizer"] = opt.sharded_state_dict(sd, is_loading=True, metadata=_metadata())
     if dion3_only:  # the layer-wise (Dion3) optimizer is chained first, Megatron's Adam second
@@ -153,14 +141,8 @@ def _load(chunks, opt, path, dion3_only: bool = False):
         return
     loaded = dist_checkpointing.load(sd, path)
     chunks[0].module.load_state_dict(loaded["model"])
-    with torch.no_grad():  # Megatron's fp32 DistributedOptimizer copies into views of the params
-        opt.load_state_dict(loaded["optimizer"])
-    # Nor does its dp_reshardable loader restore that torch-AdamW 'step' (it stays 0): put back the
-    # count the checkpoint was taken at (every checkpoint here is taken after STEPS steps).
-    for o in _adam_distopts(opt):
-        for group in o.optimizer.param_groups:
-            for p in group["params"]:
-                o.optimizer.state[p]["step"] = torch.tensor(float(STEPS))
+    # Megatron's torch-AdamW fallback resumes through the fixes registration installs (torch_adam).
+    opt.load_state_dict(loaded["optimizer"])
 
 
 def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:

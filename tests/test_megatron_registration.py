@@ -148,6 +148,26 @@ def test_launcher_runs_a_megatron_script_with_dion3_registered(tmp_path):
     assert f"LAUNCHED __main__ {GOOD!r} dion3 0.125 world 1" in out.stdout
 
 
+def test_registration_mends_torch_adams_resume_where_megatron_falls_back_to_it():
+    """Without apex or Transformer Engine (this machine, and a pip install on a GPU) Megatron's Adam
+    is torch's AdamW, whose DistributedOptimizer resume the library mends on registration alone (the
+    resume itself: tests/test_megatron_pretrain.py). A fresh interpreter, no CPU shim."""
+    check = textwrap.dedent("""
+        import torch
+        from megatron.core import optimizer as core_optimizer
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as DO
+        before = (DO.state_dict, DO.load_state_dict, DO._set_main_param_and_optimizer_states)
+        import dion3_megatron.megatron
+        from dion3_megatron.megatron import torch_adam
+        after = (DO.state_dict, DO.load_state_dict, DO._set_main_param_and_optimizer_states)
+        print(core_optimizer.Adam is torch.optim.AdamW, all(a is not b for a, b in zip(before, after)),
+              torch_adam.install() and (DO.state_dict is after[0]))
+    """)
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True", "True", "True"], out.stdout
+
+
 def test_launcher_without_torchrun_gives_a_one_process_world_and_leaves_torchruns_alone():
     from dion3_megatron.megatron.launch import single_process_world
 

@@ -14,7 +14,10 @@
    ``megatron.training`` builds from the args;
 4. makes ``megatron.training.pretrain`` build the layer-wise ZeRO-1 layout for ``--optimizer dion3
    --use-distributed-optimizer`` whichever way the script hands it the model (see
-   :func:`_register_model_builder`).
+   :func:`_register_model_builder`);
+5. when Megatron's Adam is torch's AdamW (no apex or Transformer Engine), mends its
+   DistributedOptimizer's checkpoint resume (:mod:`.torch_adam`): the embeddings and output
+   layer of a Dion3 run take that Adam.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import functools
 import importlib
 from typing import Any
 
-from . import wrappers
+from . import torch_adam, wrappers
 from .arguments import DION3_DEFAULTS, OPTIMIZER_NAME, add_dion3_arguments
 from .optimizer import MegatronDion3, config_to_kwargs, init_state_fn
 
@@ -190,6 +193,7 @@ def register() -> bool:
     """
     global _registered
     _register_core()
+    torch_adam.install()
     training = _register_training()
     _registered = True
     return training

@@ -1,0 +1,94 @@
+"""Checkpoint fixes for Megatron-Core 0.19's Adam when it is torch's AdamW (no apex, no Transformer Engine).
+
+Megatron falls back to ``torch.optim.AdamW`` when neither fused Adam is installed (a pip-installed
+megatron-core, this project's README install). Under ``--use-distributed-optimizer`` that fallback
+resumes wrongly: torch keeps a ``step`` tensor per parameter, which Megatron's
+DistributedOptimizer saves once, in its param groups, and restores from there. Then
+
+1. its loaders copy the per-parameter tensors in afterwards: the fully reshardable one looks for a
+   ``step`` the checkpoint's tensors never hold (KeyError), the dp-reshardable one (what
+   ``megatron.training`` uses) copies back the value ``step`` had before the load (0 in a fresh run):
+   Adam's bias corrections restart as if at step 1, and the resumed run departs from the
+   uninterrupted one;
+2. its ``state_dict()`` reads ``step`` from every parameter's state and asserts it finds one value;
+   before the first step there is none (``load_checkpoint`` builds the state dict to load into from
+   a fresh optimizer), so loading fails;
+3. its ``load_state_dict()`` hands every parameter the same ``step`` tensor, which torch's AdamW
+   increments in place once per parameter and step: the bias corrections run ahead.
+
+With ``--optimizer dion3`` the embeddings and the output layer take that Adam, so a Dion3 run would
+not resume identically either. :func:`install` patches the three methods; it does nothing when
+Megatron's Adam is a fused one (no per-parameter ``step`` there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MARK = "_dion3_torch_adam_fixes"
+
+
+def megatron_adam_is_torch() -> bool:
+    """Whether Megatron-Core's optimizer factory builds Adam as ``torch.optim.AdamW``."""
+    from megatron.core import optimizer as core_optimizer
+
+    return getattr(core_optimizer, "Adam", None) is torch.optim.AdamW
+
+
+def install() -> bool:
+    """Patch Megatron's DistributedOptimizer when its Adam is torch's AdamW. Idempotent; returns
+    whether the fixes are in place."""
+    if not megatron_adam_is_torch():
+        return False
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as DO
+
+    if getattr(DO, _MARK, False):
+        return True
+    set_states, state_dict, load_state_dict = (
+        DO._set_main_param_and_optimizer_states,  # noqa: SLF001
+        DO.state_dict,
+        DO.load_state_dict,
+    )
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        # 1: keep the restored 'step' (param groups) out of the per-parameter copy. no_grad: in fp32
+        # the main parameters are the model parameters' own storage, which requires grad.
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        tensors = {k: v for k, v in tensors.items() if k != "step"}
+        kept = {k: state.pop(k) for k in list(state) if k not in tensors}
+        try:
+            with torch.no_grad():
+                set_states(self, model_param, tensors)
+        finally:
+            state.update(kept)
+
+    def fresh_state_dict(self):
+        # 2: a parameter not stepped yet counts as step 0 for this call only.
+        state = self.optimizer.state
+        fresh = [p for group in self.optimizer.param_groups for p in group["params"] if "step" not in state.get(p, {})]
+        for p in fresh:
+            state[p]["step"] = torch.tensor(0.0)
+        try:
+            return state_dict(self)
+        finally:
+            for p in fresh:
+                del state[p]["step"]
+                if not state[p]:
+                    del state[p]
+
+    def load_state_dict_own_steps(self, state_dict_in):
+        # 3: one 'step' tensor per parameter.
+        load_state_dict(self, state_dict_in)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+    DO._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states  # noqa: SLF001
+    DO.state_dict = fresh_state_dict
+    DO.load_state_dict = load_state_dict_own_steps
+    setattr(DO, _MARK, True)
+    return True
+
+
+__all__ = ["install", "megatron_adam_is_torch"]
