@@ -108,6 +108,17 @@ class _Bucket:
         return True
 
 
+def split_plain_list(params: Iterable[Any]) -> list:
+    """A plain list of tensors as a Dion3 group (the matrices) and an AdamW group (the < 2-D
+    tensors), so that the AdamW ones take ``adamw_lr``; param groups are left as they are."""
+    params = list(params)
+    if not params or isinstance(params[0], dict):
+        return params
+    matrices = [p for p in params if p.dim() >= 2]
+    others = [p for p in params if p.dim() < 2]
+    return ([{"params": matrices}] if matrices else []) + ([{"params": others, "algorithm": "adamw"}] if others else [])
+
+
 @options.documented(options.TORCH)
 class Dion3(torch.optim.Optimizer):
     """Dion3: top-fraction row selection, Gram Newton-Schulz, NorMuon normalization, error feedback.
@@ -142,18 +153,21 @@ class Dion3(torch.optim.Optimizer):
         options.check(type(self).__name__, **{k: v for k, v in settings.items() if k not in groups})
         self.cuda_graph: bool = settings["cuda_graph"]
         self.kernels: Optional[str] = settings["kernels"]
+        self.adamw_lr: float = settings["adamw_lr"]
         self.skipped_steps = 0
         self._auto_fractions: dict[torch.Tensor, float] = {}
         self._buckets: dict[tuple, _Bucket] = {}
         self._copies: dict[torch.Tensor, torch.Tensor] = {}  # non-contiguous Dion3 weight -> its working copy
         self._graph = cuda_graph_module.StepGraph()
-        super().__init__(params, {**{k: settings[k] for k in groups}, "algorithm": None})
+        super().__init__(split_plain_list(params), {**{k: settings[k] for k in groups}, "algorithm": None})
 
     # ----------------------------------------------------------------------------------------
     # Groups and validation.
 
     def add_param_group(self, param_group: dict) -> None:
         index = len(self.param_groups)
+        if param_group.get("algorithm") == "adamw" and "lr" not in param_group:
+            param_group = {**param_group, "lr": self.adamw_lr}
         super().add_param_group(param_group)
         self._check_group(f"param group {index}", self.param_groups[-1])
 

@@ -124,6 +124,21 @@ def test_a_step_that_raises_changes_no_weight_counter_or_state(generator):
     assert_unchanged(model, opt, before)
 
 
+def test_lrs_default_per_algorithm_and_a_groups_own_lr_wins():
+    """The matrices take lr (default 0.02), the AdamW tensors adamw_lr (default 0.002): the < 2-D
+    tensors of a plain list and AdamW groups without an lr, also ones added later; a group that
+    mixes both keeps one lr (schedulers scale group["lr"] alone)."""
+    matrix, bias, embed = (torch.nn.Parameter(torch.randn(*s)) for s in ((4, 4), (4,), (8, 4)))
+    opt = Dion3([matrix, bias])
+    assert [(g["lr"], [p is matrix for p in g["params"]]) for g in opt.param_groups] == [(0.02, [True]), (0.002, [False])]
+    opt = Dion3([{"params": [matrix], "algorithm": "dion3"}, {"params": [bias], "algorithm": "adamw", "lr": 0.001}],
+                lr=0.03, adamw_lr=0.004)
+    opt.add_param_group({"params": [embed], "algorithm": "adamw"})
+    assert [g["lr"] for g in opt.param_groups] == [0.03, 0.001, 0.004]
+    mixed = Dion3([{"params": [matrix, bias]}], lr=0.03)
+    assert [g["lr"] for g in mixed.param_groups] == [0.03]
+
+
 def test_fraction_and_algorithm_per_group(generator):
     a = torch.nn.Parameter(torch.randn(16, 8, generator=generator))
     b = torch.nn.Parameter(torch.randn(16, 8, generator=generator))

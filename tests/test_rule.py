@@ -189,7 +189,7 @@ def test_adamw_path_matches_torch_adamw(generator):
     data = torch.randn(37, generator=generator)
     ours = torch.nn.Parameter(data.clone())
     ref = torch.nn.Parameter(data.clone())
-    opt = Dion3([ours], lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
+    opt = Dion3([ours], adamw_lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
     ref_opt = torch.optim.AdamW([ref], lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
     for _ in range(5):
         g = torch.randn(37, generator=generator)

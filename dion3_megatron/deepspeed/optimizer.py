@@ -21,17 +21,6 @@ from . import zero
 from .config import normalize_params
 
 
-def _with_adamw_lr(params: Iterable[Any], lr: float) -> list[dict]:
-    """Param groups where the AdamW ones (``algorithm="adamw"``, or the < 2-D tensors of a plain
-    list) default to ``lr``; a group's own "lr" wins."""
-    params = list(params)
-    if params and not isinstance(params[0], dict):
-        matrices = [p for p in params if p.dim() >= 2]
-        others = [p for p in params if p.dim() < 2]
-        params = ([{"params": matrices}] if matrices else []) + ([{"params": others, "algorithm": "adamw"}] if others else [])
-    return [{"lr": lr, **g} if g.get("algorithm") == "adamw" else g for g in params]
-
-
 @options.documented(options.DEEPSPEED)
 class DeepSpeedDion3(Dion3):
     """Dion3 for DeepSpeed: validated config ``params``; ZeRO-1/2 flat slices through the engine.
@@ -46,11 +35,7 @@ class DeepSpeedDion3(Dion3):
     """
 
     def __init__(self, params: Iterable[Any], **kwargs: Any) -> None:
-        kwargs = normalize_params(kwargs)
-        adamw_lr = kwargs.pop("adamw_lr", None)
-        if adamw_lr is not None:
-            params = _with_adamw_lr(params, adamw_lr)
-        super().__init__(params, **kwargs)
+        super().__init__(params, **normalize_params(kwargs))
         # ZeRO swaps each group's params for a flat slice but keeps the group dicts: remember the
         # original parameters of every group (they carry ZeRO's slice mapping after initialize).
         self._originals: dict[int, tuple[dict, list[torch.Tensor]]] = {
