@@ -485,10 +485,12 @@ def quiet() -> None:
     warnings.filterwarnings("ignore", message=r".*\.grad attribute of a Tensor that is not a leaf")
     for name in ("torch.utils.cpp_extension", "megatron.core.models.gpt.gpt_model"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    chosen = logging.getLogger("dion3_megatron")  # e.g. what --dion3-fraction auto chose
-    chosen.setLevel(logging.INFO)
-    chosen.addHandler(logging.StreamHandler(sys.stdout))
-    chosen.propagate = False  # Megatron configures the root logger too: print once
+    # The library's warnings, not its INFO line on what fraction=auto chose (rank 0's matrices): train()
+    # prints every rank's f per matrix after the first step.
+    library = logging.getLogger("dion3_megatron")
+    library.setLevel(logging.WARNING)
+    library.addHandler(logging.StreamHandler(sys.stdout))
+    library.propagate = False  # Megatron configures the root logger too: print once
 
 
 def worker(args) -> None:
