@@ -32,11 +32,7 @@ import dion3_megatron.deepspeed as dion3_deepspeed  # registers "type": "Dion3"
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/: the shared modules
 from step_timer import StepTimer  # noqa: E402
-from stdlib_text import stdlib_bytes  # noqa: E402
-
-
-def stdlib_corpus(max_bytes: int = 8_000_000) -> torch.Tensor:
-    return torch.frombuffer(bytearray(stdlib_bytes(max_bytes)), dtype=torch.uint8).long()
+from stdlib_text import stdlib_tokens  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -115,7 +111,7 @@ def main() -> None:
     optimizer_step = StepTimer(sync)  # the inner optimizer's own step(), summed over one engine step
     optimizer_step.wrap(engine.basic_optimizer)
     inner_times: list[float] = []
-    corpus = stdlib_corpus()
+    corpus = stdlib_tokens(8_000_000)
     micro = engine.train_micro_batch_size_per_gpu()
     ga = engine.gradient_accumulation_steps()
     gen = torch.Generator().manual_seed(1234)

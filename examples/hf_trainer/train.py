@@ -34,7 +34,7 @@ import dion3_megatron.deepspeed  # noqa: F401  registers "type": "Dion3" for Dee
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/: the shared modules
 from step_timer import StepTimer  # noqa: E402
-from stdlib_text import stdlib_bytes  # noqa: E402
+from stdlib_text import stdlib_tokens  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -53,7 +53,7 @@ class Bytes(torch.utils.data.Dataset):
     """Fixed windows of the standard library's sources, one byte per token."""
 
     def __init__(self, seq: int, max_bytes: int) -> None:
-        data = torch.frombuffer(bytearray(stdlib_bytes(max_bytes)), dtype=torch.uint8).long()
+        data = stdlib_tokens(max_bytes)
         self.windows = data[: data.numel() // seq * seq].view(-1, seq)
 
     def __len__(self) -> int:
