@@ -203,7 +203,7 @@ class _Route:
 
 def _update_factors(sg: ShapeGroup, index: list[int]) -> rule.UpdateFactors:
     """The weight-update factors of matrices ``index`` of the group (each its own lr, weight decay)."""
-    return rule.update_factors([sg.shards[j].hp for j in index], sg.fraction, *sg.key[0])
+    return rule.update_factors([sg.shards[j].hp for j in index], sg.fraction, *sg.key.shape)
 
 
 STATIC_ROW_BLOCKS_MAX_WORLD = 2  # row blocks send world x the rows they hold on the static exchange
@@ -216,7 +216,7 @@ def _static_exchange(sg: ShapeGroup) -> bool:
     exchange, which sends only the rows each rank holds. They take it on 2 ranks (twice the
     traffic of a few-MB exchange against a host wait) while k * world <= rows (the padded rows
     stay within the group's own momentum)."""
-    n = sg.key[0][0]
+    n = sg.key.shape[0]
     if all(s.sharding.kind == "cols" for s in sg.shards):
         return True
     k = rule.selected_row_count(n, sg.fraction, sg.hp.num_heads)
@@ -352,7 +352,7 @@ class _BlockExchange(Exchange):
     def score(self) -> torch.Tensor:
         sg = self.sg
         device = sg.shards[0].weight.device
-        scores = torch.zeros(len(sg.shards), sg.key[0][0], dtype=torch.float32, device=device)
+        scores = torch.zeros(len(sg.shards), sg.key.shape[0], dtype=torch.float32, device=device)
         for sub in self.subs:
             block = rule.accumulate_and_score(sub.momentum, [sg.shards[j].grad.view(sub.momentum.shape[1:])
                                                              for j in sub.index])
@@ -430,7 +430,7 @@ class WholeExchange(_BlockExchange):
         """The group's sub-batches as :class:`WholeMatrices`, each matrix with its own settings
         (``factors`` as device tensors inside a graph of the engine's whole step)."""
         sg = self.sg
-        n, m = sg.key[0]
+        n, m = sg.key.shape
         hp = sg.hp if sg.hp.fraction == sg.fraction else dataclasses.replace(sg.hp, fraction=sg.fraction)
         return [WholeMatrices([sg.shards[j].weight.view(n, m) for j in sub.index], sub.momentum, sub.variance, hp,
                               grads=[sg.shards[j].grad.view(n, m) for j in sub.index],
@@ -468,7 +468,7 @@ class StaticExchange(_BlockExchange):
         """``chosen`` (B, k) on the device; ``factors`` of the sub-batches' matrices in order, as
         device tensors (from the group's settings when not given)."""
         sg, subs = self.sg, self.subs
-        m = sg.key[0][1]
+        m = sg.key.shape[1]
         world, me = sg.world, sg.rank
         device = subs[0].momentum.device
         k = chosen.shape[1]
@@ -586,7 +586,7 @@ class PlannedExchange(_BlockExchange):
     def step(self, chosen: torch.Tensor, factors: Optional[rule.UpdateFactors] = None) -> None:
         """``chosen`` (B, k) on the host; the factors are taken from the group's settings."""
         sg, subs = self.sg, self.subs
-        m = sg.key[0][1]
+        m = sg.key.shape[1]
         world, me, shards = sg.world, sg.rank, sg.shards
         device = subs[0].momentum.device
         k = chosen.shape[1]
@@ -665,7 +665,7 @@ class GeneralExchange(Exchange):
     def score(self) -> torch.Tensor:
         sg = self.sg
         rule.accumulate([shard.state["momentum"] for shard in sg.shards], [shard.grad for shard in sg.shards])
-        scores = torch.zeros(len(sg.shards), sg.key[0][0], dtype=torch.float32, device=sg.shards[0].weight.device)
+        scores = torch.zeros(len(sg.shards), sg.key.shape[0], dtype=torch.float32, device=sg.shards[0].weight.device)
         for j, shard in enumerate(sg.shards):
             for rect in sg.rects[j][sg.rank]:
                 scores[j, rect.r0 : rect.r1] += rule.row_scores(rect.view(shard.state["momentum"])[None])[0]
@@ -682,7 +682,7 @@ class GeneralExchange(Exchange):
     def step(self, chosen: torch.Tensor, factors: Optional[rule.UpdateFactors] = None) -> None:
         """``chosen`` (B, k) on the host; the factors are taken from the group's settings."""
         sg = self.sg
-        m = sg.key[0][1]
+        m = sg.key.shape[1]
         world, me, shards = sg.world, sg.rank, sg.shards
         device = shards[0].weight.device
         rects = sg.rects
@@ -759,7 +759,7 @@ def _allocate_group_state(sg: ShapeGroup, padded: bool) -> list[_SubBatch]:
     rows' ages) in one buffer each (row blocks with one extra zero row when ``padded``, for the
     static exchange). State a caller gave (a resumed checkpoint) is copied in; the shards' state
     becomes views of the buffers."""
-    n, m = sg.key[0]
+    n, m = sg.key.shape
     parts: dict[Sharding, list[int]] = {}
     for j, shard in enumerate(sg.shards):
         parts.setdefault(shard.sharding, []).append(j)

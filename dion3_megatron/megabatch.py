@@ -77,7 +77,7 @@ class Dion3Engine:
 
     def auto_fractions(self) -> dict[tuple[int, int], float]:
         """What fraction="auto" chose, per logical shape (empty when no matrix asked for it)."""
-        return {sg.key[0]: sg.fraction for sg in self.plan if sg.hp.fraction == options.AUTO}
+        return {sg.key.shape: sg.fraction for sg in self.plan if sg.hp.fraction == options.AUTO}
 
     @torch.no_grad()
     def step(self, prologue: Optional[Callable[[], None]] = None, epilogue: Optional[Callable[[], None]] = None,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -198,7 +198,7 @@ def group_ranks(group: Optional[dist.ProcessGroup]) -> tuple[int, ...]:
 class ShapeGroup:
     """Matrices stepped together: same logical shape, batch settings and process group."""
 
-    key: tuple
+    key: BatchKey
     group: Optional[dist.ProcessGroup]
     world: int
     rank: int
@@ -215,7 +215,7 @@ class ShapeGroup:
     @property
     def built_staleness(self) -> float:
         """The staleness the group was planned with (in its key): its state has row ages iff > 0."""
-        return self.key[_KEY_STALENESS]
+        return self.key.staleness
 
     @property
     def blockwise(self) -> bool:
@@ -229,13 +229,13 @@ class ShapeGroup:
     @functools.cached_property
     def rects(self) -> list[list[list[Rect]]]:
         """rects[j][q]: the rectangles of rank q's piece of matrix j (fixed for the plan's life)."""
-        n, m = self.key[0]
+        n, m = self.key.shape
         return [[s.sharding.rects(q, n, m) for q in range(self.world)] for s in self.shards]
 
     @functools.cached_property
     def spans(self) -> list[list[tuple[int, int]]]:
         """spans[j][q]: the rows rank q's piece of matrix j touches."""
-        n, m = self.key[0]
+        n, m = self.key.shape
         return [[s.sharding.row_span(q, n, m) for q in range(self.world)] for s in self.shards]
 
     def describe(self) -> list[str]:
@@ -249,12 +249,24 @@ class ShapeGroup:
 _MATRIX_SETTINGS = ("lr", "weight_decay", "mu", "adjust_lr", "scale_lr_by_fraction", "scale_mu_by_fraction")
 
 
-_KEY_STALENESS = 7  # the position of hp.staleness in a batch key
+class BatchKey(NamedTuple):
+    """What the matrices of one shape group share, read by field name so that reordering the
+    fields cannot read a wrong one. Its repr orders the groups and enters the plan's digest."""
+
+    shape: tuple[int, int]
+    fraction: float | str
+    num_heads: Optional[int]
+    beta2: float
+    eps: float
+    ns_method: str
+    ns_dtype: str
+    staleness: float
+    ranks: tuple[int, ...]  # the process group's ranks; () when the matrix is whole
 
 
-def _batch_key(shard: MatrixShard, world: int) -> tuple:
+def _batch_key(shard: MatrixShard, world: int) -> BatchKey:
     hp = shard.hp
-    return (
+    return BatchKey(
         shard.shape, hp.fraction, hp.num_heads, hp.beta2, hp.eps, hp.ns_method, str(hp.ns_dtype), hp.staleness,
         group_ranks(shard.group) if world > 1 else (),
     )
@@ -286,7 +298,7 @@ def _check_shard(shard: MatrixShard, world: int, rank: int) -> None:
 
 def build_plan(shards: list[MatrixShard]) -> list[ShapeGroup]:
     """Group shards by batch key in an order every rank computes alike."""
-    groups: dict[tuple, ShapeGroup] = {}
+    groups: dict[BatchKey, ShapeGroup] = {}
     for shard in shards:
         world = 1 if shard.group is None or shard.sharding.kind == "full" else dist.get_world_size(shard.group)
         rank = 0 if world == 1 else dist.get_rank(shard.group)
@@ -354,7 +366,7 @@ def resolve_fractions(plan: list[ShapeGroup]) -> None:
     speed, agreed over the group's process group (:func:`auto_fraction.resolve_fractions`) so that
     all members select the same number of rows."""
     wanted = [sg for sg in plan if sg.hp.fraction == options.AUTO]
-    requests = [auto_fraction.FractionRequest(sg.key[0], len(sg.shards), sg.world, sg.hp, sg.shards[0].weight.device,
+    requests = [auto_fraction.FractionRequest(sg.key.shape, len(sg.shards), sg.world, sg.hp, sg.shards[0].weight.device,
                                               sg.group if sg.world > 1 else None) for sg in wanted]
     chosen = dict(zip(map(id, wanted), auto_fraction.resolve_fractions(requests)))
     for sg in plan:

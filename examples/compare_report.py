@@ -93,7 +93,7 @@ def verdict(results: list[dict], skipped: dict[str, str], fraction) -> str | Non
         return f"{loss}; {step}; --compare adds Muon and AdamW"
     if not muon_ok:
         return f"{loss}; Muon {'failed' if muon else 'skipped'}, so no step-time comparison; {step}"
-    speedup = muon["optimizer_ms"] / dion3["optimizer_ms"]
+    speedup = speedups_vs_muon(results)["dion3"]
     faster = f"{speedup:.1f}x faster" if speedup >= 1 else f"{1 / speedup:.1f}x slower"
     layouts = (f"{dion3['mode']} both" if dion3["mode"] == muon["mode"]
                else f"Dion3 {dion3['mode']}, Muon {muon['mode']}")

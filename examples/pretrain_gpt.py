@@ -39,7 +39,7 @@ from dion3_megatron.options import BY_NAME as DION3_OPTIONS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' own modules, also when imported by path
 from compare_report import LABELS, report  # noqa: E402
-from stdlib_text import stdlib_bytes  # noqa: E402
+from stdlib_text import byte_tokens, stdlib_bytes  # noqa: E402
 
 CPU_DEFAULTS = dict(layers=4, hidden=128, heads=4, ffn=352, seq_length=128, global_batch=16, steps=400)
 GPU_DEFAULTS = dict(layers=8, hidden=512, heads=8, ffn=1408, seq_length=512, global_batch=64, steps=1000)
@@ -219,7 +219,7 @@ def load_tokens(args) -> tuple[torch.Tensor, int, str]:
     else:
         data = stdlib_corpus(args.max_tokens)
         desc = f"Python {sys.version.split()[0]} standard-library sources"
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long(), 256, desc + " (byte-level)"
+    return byte_tokens(data), 256, desc + " (byte-level)"
 
 
 class Batches:
@@ -485,10 +485,12 @@ def quiet() -> None:
     warnings.filterwarnings("ignore", message=r".*\.grad attribute of a Tensor that is not a leaf")
     for name in ("torch.utils.cpp_extension", "megatron.core.models.gpt.gpt_model"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    chosen = logging.getLogger("dion3_megatron")  # e.g. what --dion3-fraction auto chose
-    chosen.setLevel(logging.INFO)
-    chosen.addHandler(logging.StreamHandler(sys.stdout))
-    chosen.propagate = False  # Megatron configures the root logger too: print once
+    # The library's warnings, not its INFO line on what fraction=auto chose (rank 0's matrices): train()
+    # prints every rank's f per matrix after the first step.
+    library = logging.getLogger("dion3_megatron")
+    library.setLevel(logging.WARNING)
+    library.addHandler(logging.StreamHandler(sys.stdout))
+    library.propagate = False  # Megatron configures the root logger too: print once
 
 
 def worker(args) -> None:

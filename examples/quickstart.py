@@ -11,11 +11,7 @@ import time
 import torch
 
 from dion3_megatron import Dion3
-from stdlib_text import stdlib_bytes  # examples/stdlib_text.py, beside this script
-
-
-def stdlib_corpus(max_bytes: int = 4_000_000) -> torch.Tensor:
-    return torch.frombuffer(bytearray(stdlib_bytes(max_bytes)), dtype=torch.uint8).long()
+from stdlib_text import stdlib_tokens  # examples/stdlib_text.py, beside this script
 
 
 class TinyGPT(torch.nn.Module):
@@ -46,7 +42,7 @@ def main() -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    data = stdlib_corpus().to(device)
+    data = stdlib_tokens(4_000_000).to(device)
     split = int(0.95 * len(data))
     model = TinyGPT(context=args.context).to(device)
     # Hidden-layer matrices take Dion3; embeddings, the output head and 1-D params take AdamW.

@@ -1,9 +1,12 @@
-"""A training corpus that needs no download: the running Python's standard-library sources."""
+"""A training corpus that needs no download: the running Python's standard-library sources, as
+bytes or as byte-level tokens."""
 
 from __future__ import annotations
 
 import pathlib
 import sysconfig
+
+import torch
 
 
 def stdlib_bytes(max_bytes: int) -> bytes:
@@ -21,3 +24,13 @@ def stdlib_bytes(max_bytes: int) -> bytes:
     if not chunks:
         raise FileNotFoundError(f"no Python sources under {root}")
     return b"".join(chunks)[:max_bytes]
+
+
+def byte_tokens(data: bytes) -> torch.Tensor:
+    """``data`` as 1-D int64 tokens, one per byte (vocab 256)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def stdlib_tokens(max_bytes: int) -> torch.Tensor:
+    """:func:`stdlib_bytes` as 1-D int64 tokens, one per byte (vocab 256)."""
+    return byte_tokens(stdlib_bytes(max_bytes))

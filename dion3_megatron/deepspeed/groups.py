@@ -79,6 +79,16 @@ def adamw_reasons(model: torch.nn.Module, adamw_patterns: Iterable[str] = DEFAUL
     return reasons
 
 
+def _split(params: Iterable[torch.Tensor], reasons: dict[int, str]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(Dion3's, AdamW's) tensors of ``params``, in order: AdamW takes every tensor with fewer than
+    2 dims and every one in ``reasons`` (:func:`adamw_reasons`)."""
+    matrices: list[torch.Tensor] = []
+    others: list[torch.Tensor] = []
+    for p in params:
+        (others if p.dim() < 2 or id(p) in reasons else matrices).append(p)
+    return matrices, others
+
+
 def param_groups(
     model: torch.nn.Module,
     adamw_patterns: Iterable[str] = DEFAULT_ADAMW_PATTERNS,
@@ -93,12 +103,9 @@ def param_groups(
     add per-group settings (e.g. ``{"weight_decay": 0.0}``). Empty groups are left out (DeepSpeed
     drops them anyway).
     """
-    reasons = adamw_reasons(model, adamw_patterns)
     if params is None:
         params = [p for p in model.parameters() if p.requires_grad]
-    matrices, others = [], []
-    for p in params:
-        (others if p.dim() < 2 or id(p) in reasons else matrices).append(p)
+    matrices, others = _split(params, adamw_reasons(model, adamw_patterns))
     groups = []
     if matrices:
         groups.append({"params": matrices, "algorithm": "dion3", **(dion3 or {})})
@@ -134,16 +141,11 @@ def engine_param_groups(module: torch.nn.Module, model_parameters: Any) -> list[
         if group.get("algorithm") is not None:
             out.append(group)
             continue
-        matrices, others = [], []
-        for p in params:
-            if p.dim() < 2:
-                others.append(p)
-            elif id(p) in reasons:
+        matrices, others = _split(params, reasons)
+        for p in others:
+            if p.dim() >= 2:
                 why[reasons[id(p)]] = why.get(reasons[id(p)], 0) + 1
-                others.append(p)
-            else:
-                unknown += id(p) not in known
-                matrices.append(p)
+        unknown += sum(id(p) not in known for p in matrices)
         rest = {k: v for k, v in group.items() if k != "params"}
         counts["dion3"] += len(matrices)
         counts["adamw"] += len(others)

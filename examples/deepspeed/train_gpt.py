@@ -30,12 +30,9 @@ import deepspeed
 
 import dion3_megatron.deepspeed as dion3_deepspeed  # registers "type": "Dion3"
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/stdlib_text.py
-from stdlib_text import stdlib_bytes  # noqa: E402
-
-
-def stdlib_corpus(max_bytes: int = 8_000_000) -> torch.Tensor:
-    return torch.frombuffer(bytearray(stdlib_bytes(max_bytes)), dtype=torch.uint8).long()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/: the shared modules
+from step_timer import StepTimer  # noqa: E402
+from stdlib_text import stdlib_tokens  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -107,28 +104,14 @@ def main() -> None:
     params = dion3_deepspeed.param_groups(model) if name == "Dion3" else model.parameters()
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
 
-    # Time the inner optimizer's own step() (for ZeRO: on the flat slices; ZeRO calls it once per
-    # param group, so the calls of one engine step are summed).
-    basic = engine.basic_optimizer
-    inner_times: list[float] = []
-    inner_acc = [0.0]
-    inner_step = basic.step
-
-    def timed_step(*a, **k):
-        sync()
-        t = time.perf_counter()
-        out = inner_step(*a, **k)
-        sync()
-        inner_acc[0] += time.perf_counter() - t
-        return out
-
-    basic.step = timed_step
-
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    corpus = stdlib_corpus()
+    optimizer_step = StepTimer(sync)  # the inner optimizer's own step(), summed over one engine step
+    optimizer_step.wrap(engine.basic_optimizer)
+    inner_times: list[float] = []
+    corpus = stdlib_tokens(8_000_000)
     micro = engine.train_micro_batch_size_per_gpu()
     ga = engine.gradient_accumulation_steps()
     gen = torch.Generator().manual_seed(1234)
@@ -155,8 +138,7 @@ def main() -> None:
         step_times.append(time.perf_counter() - t1)
         fwd_times.append(fwd)
         bwd_times.append(bwd)
-        inner_times.append(inner_acc[0])
-        inner_acc[0] = 0.0
+        inner_times.append(optimizer_step.take())
         iter_times.append(time.perf_counter() - t0)
         loss_t = torch.tensor(total, device=device)
         torch.distributed.all_reduce(loss_t)

@@ -32,8 +32,9 @@ from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArg
 
 import dion3_megatron.deepspeed  # noqa: F401  registers "type": "Dion3" for DeepSpeed configs
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/stdlib_text.py
-from stdlib_text import stdlib_bytes  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/: the shared modules
+from step_timer import StepTimer  # noqa: E402
+from stdlib_text import stdlib_tokens  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -52,7 +53,7 @@ class Bytes(torch.utils.data.Dataset):
     """Fixed windows of the standard library's sources, one byte per token."""
 
     def __init__(self, seq: int, max_bytes: int) -> None:
-        data = torch.frombuffer(bytearray(stdlib_bytes(max_bytes)), dtype=torch.uint8).long()
+        data = stdlib_tokens(max_bytes)
         self.windows = data[: data.numel() // seq * seq].view(-1, seq)
 
     def __len__(self) -> int:
@@ -88,7 +89,7 @@ class Timing(TrainerCallback):
     def __init__(self) -> None:
         self.iter_ms: list[float] = []
         self.optimizer_ms: list[float] = []
-        self._inner = 0.0
+        self.optimizer_step = StepTimer(self._sync)
         self._t0 = 0.0
         self.engine = None
 
@@ -98,29 +99,18 @@ class Timing(TrainerCallback):
             torch.cuda.synchronize()
 
     def wrap(self, engine) -> None:
-        basic = engine.basic_optimizer
-        inner_step = basic.step
-
-        def timed_step(*a, **k):
-            self._sync()
-            t = time.perf_counter()
-            out = inner_step(*a, **k)
-            self._sync()
-            self._inner += time.perf_counter() - t
-            return out
-
-        basic.step = timed_step
+        self.optimizer_step.wrap(engine.basic_optimizer)
         self.engine = engine
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._sync()
         self._t0 = time.perf_counter()
-        self._inner = 0.0
+        self.optimizer_step.take()  # a new sum for this step
 
     def on_step_end(self, args, state, control, **kwargs):
         self._sync()
         self.iter_ms.append((time.perf_counter() - self._t0) * 1e3)
-        self.optimizer_ms.append(self._inner * 1e3)
+        self.optimizer_ms.append(self.optimizer_step.take() * 1e3)
 
 
 class WrapOnTrainBegin(TrainerCallback):
