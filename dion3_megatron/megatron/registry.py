@@ -15,9 +15,10 @@
 4. makes ``megatron.training.pretrain`` build the layer-wise ZeRO-1 layout for ``--optimizer dion3
    --use-distributed-optimizer`` whichever way the script hands it the model (see
    :func:`_register_model_builder`);
-5. when Megatron's Adam is torch's AdamW (no apex or Transformer Engine), mends its
-   DistributedOptimizer's checkpoint resume (:mod:`.torch_adam`): the embeddings and output
-   layer of a Dion3 run take that Adam.
+5. without apex or Transformer Engine: mends the checkpoint resume of Megatron's torch-AdamW
+   fallback (:mod:`.torch_adam`; a Dion3 run's embeddings and output layer take that Adam), and
+   runs Megatron's multi-tensor fallbacks (gradient norm, clipping, parameter copies) as torch
+   foreach ops instead of per-tensor loops (:mod:`.multi_tensor`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import functools
 import importlib
 from typing import Any
 
-from . import torch_adam, wrappers
+from . import multi_tensor, torch_adam, wrappers
 from .arguments import DION3_DEFAULTS, OPTIMIZER_NAME, add_dion3_arguments
 from .optimizer import MegatronDion3, config_to_kwargs, init_state_fn
 
@@ -194,6 +195,7 @@ def register() -> bool:
     global _registered
     _register_core()
     torch_adam.install()
+    multi_tensor.install()
     training = _register_training()
     _registered = True
     return training

@@ -1,0 +1,62 @@
+"""The foreach forms of Megatron's multi-tensor fallbacks (dion3_megatron.megatron.multi_tensor)
+against Megatron's own local ones, on fresh random tensors of mixed sizes and dtypes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron.core import utils  # noqa: E402
+
+from dion3_megatron.megatron import multi_tensor  # noqa: E402
+
+
+def _tensors(generator, dtype=torch.float32):
+    shapes = [(37, 5), (128,), (3, 4, 5), (1,), (64, 64)]
+    return [torch.randn(*s, generator=generator).to(dtype) * 10 ** torch.randint(-3, 3, (1,), generator=generator).item()
+            for s in shapes]
+
+
+def test_l2_norm_equals_megatrons_loop(generator):
+    tensors = _tensors(generator)
+    flag = torch.zeros(1, dtype=torch.int)
+    ours, per = multi_tensor.foreach_l2_norm(0, flag, [tensors], True)
+    theirs = torch.norm(torch.stack([torch.norm(t) for t in tensors]))  # local_multi_tensor_l2_norm's math
+    assert ours.shape == (1,) and ours.dtype == torch.float32
+    torch.testing.assert_close(ours[0], theirs, rtol=1e-6, atol=0)
+    torch.testing.assert_close(per, torch.stack([torch.norm(t) for t in tensors]), rtol=1e-6, atol=0)
+    assert multi_tensor.foreach_l2_norm(0, flag, [[]], False)[0].tolist() == [0.0]
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16])
+def test_scale_and_copy_are_bit_identical_to_megatrons_loop(generator, scale, dst_dtype):
+    src = _tensors(generator)
+    ours = [torch.full_like(t, float("nan"), dtype=dst_dtype) for t in src]
+    theirs = [torch.full_like(t, float("nan"), dtype=dst_dtype) for t in src]
+    multi_tensor.foreach_scale(0, None, [src, ours], scale)
+    utils.local_multi_tensor_scale(0, None, [src, theirs], scale)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    in_place, reference = [t.clone() for t in src], [t.clone() for t in src]
+    multi_tensor.foreach_scale(0, None, [in_place, in_place], scale)  # clipping scales the grads in place
+    utils.local_multi_tensor_scale(0, None, [reference, reference], scale)
+    assert all(torch.equal(a, b) for a, b in zip(in_place, reference))
+
+
+def test_registration_installs_them_where_megatron_has_only_its_loops():
+    check = textwrap.dedent("""
+        from megatron.core.optimizer import clip_grads, optimizer
+        import dion3_megatron.megatron
+        from dion3_megatron.megatron import multi_tensor as mt
+        print(clip_grads.l2_norm_impl is mt.foreach_l2_norm, clip_grads.multi_tensor_scale_impl is mt.foreach_scale,
+              optimizer.multi_tensor_scale_impl is mt.foreach_scale, mt.install())
+    """)
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True"] * 4, out.stdout
