@@ -33,7 +33,10 @@ from dion3_megatron import ortho  # noqa: E402
 from dion3_megatron import kernels  # noqa: E402
 from dion3_megatron.kernels import backend  # noqa: E402
 
-SHAPES = [(13824, 5120), (5120, 13824), (4096, 16384), (2048, 8192), (5120, 5120), (1024, 5120)]
+# (batch, rows, cols); the last one is how the optimizer's step meets the 1024-wide K/V matrices:
+# same-shape matrices of all layers in one batch (8 layers x K and V).
+SHAPES = [(1, 13824, 5120), (1, 5120, 13824), (1, 4096, 16384), (1, 2048, 8192), (1, 5120, 5120), (1, 1024, 5120),
+          (16, 1024, 5120)]
 
 
 def muon_ns5(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
@@ -133,15 +136,15 @@ def main():
           + " | floor ms | kern / floor |")
     print("|---" * (len(names) + len(ratios) + 3) + "|")
     total = dict.fromkeys([*names, "floor"], 0.0)
-    for r, c in SHAPES:
+    for b, r, c in SHAPES:
         n_sets = 2
-        gs = [torch.randn(r, c, device="cuda") for _ in range(n_sets)]
+        gs = [torch.randn(b, r, c, device="cuda").squeeze(0) for _ in range(n_sets)]
         ms = {name: timed(lambda i, fn=fn: fn(gs[i]), n_sets, args.iters, args.graph) for name, fn in funcs.items()}
         s, length = min(r, c), max(r, c)
-        ms["floor"] = ortho.ns_flops(s, length, "standard" if r == c else "gram") / peak * 1e3
+        ms["floor"] = b * ortho.ns_flops(s, length, "standard" if r == c else "gram") / peak * 1e3
         for key, v in ms.items():
             total[key] += v
-        print(row(f"{r}x{c}", ms, names, ratios), flush=True)
+        print(row(f"{b}x{r}x{c}" if b > 1 else f"{r}x{c}", ms, names, ratios), flush=True)
     print(row("total", total, names, ratios))
 
 
