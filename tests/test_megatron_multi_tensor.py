@@ -23,9 +23,13 @@ def _tensors(generator, dtype=torch.float32):
             for s in shapes]
 
 
-def test_l2_norm_equals_megatrons_loop(generator):
-    tensors = _tensors(generator)
-    flag = torch.zeros(1, dtype=torch.int)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_l2_norm_equals_megatrons_loop(generator, device):
+    tensors = [t.to(device) for t in _tensors(generator)]
+    flag = torch.zeros(1, dtype=torch.int, device=device)
     ours, per = multi_tensor.foreach_l2_norm(0, flag, [tensors], True)
     theirs = torch.norm(torch.stack([torch.norm(t) for t in tensors]))  # local_multi_tensor_l2_norm's math
     assert ours.shape == (1,) and ours.dtype == torch.float32
@@ -34,10 +38,11 @@ def test_l2_norm_equals_megatrons_loop(generator):
     assert multi_tensor.foreach_l2_norm(0, flag, [[]], False)[0].tolist() == [0.0]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scale", [1.0, 0.37])
 @pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16])
-def test_scale_and_copy_are_bit_identical_to_megatrons_loop(generator, scale, dst_dtype):
-    src = _tensors(generator)
+def test_scale_and_copy_are_bit_identical_to_megatrons_loop(generator, scale, dst_dtype, device):
+    src = [t.to(device) for t in _tensors(generator)]
     ours = [torch.full_like(t, float("nan"), dtype=dst_dtype) for t in src]
     theirs = [torch.full_like(t, float("nan"), dtype=dst_dtype) for t in src]
     multi_tensor.foreach_scale(0, None, [src, ours], scale)
