@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 
@@ -93,8 +94,13 @@ def test_flags_reach_the_optimizer_config_and_kwargs():
     args = _megatron_parser().parse_args(GOOD + ["--dion3-mu", "0.9", "--lr", "0.03"])
     for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
         setattr(args, name, torch.float32)  # what validate_args would convert them to
-    config, _ = training.get_megatron_optimizer_config(args)
+    with pytest.warns(UserWarning, match=r"--lr 0.03 without --decoupled-lr.*pass --decoupled-lr"):
+        config, _ = training.get_megatron_optimizer_config(args)
     assert config.optimizer == "dion3" and config.dion3_fraction == 0.125 and config.dion3_mu == 0.9
+    args.decoupled_lr = 0.002
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        training.get_megatron_optimizer_config(args)
     kwargs = dm.config_to_kwargs(config, [], None)
     assert kwargs["fraction"] == 0.125 and kwargs["mu"] == 0.9 and kwargs["lr"] == 0.03
     assert kwargs["ns_method"] == "gram" and "selection_scope" not in kwargs

@@ -11,6 +11,7 @@ argparse itself, so a bad value stops the launch with argparse's usual ``error: 
 from __future__ import annotations
 
 import argparse
+import warnings
 from typing import Any
 
 from .. import options
@@ -40,6 +41,21 @@ def check_dion3_values(values: dict[str, Any], where: str) -> None:
     ``OptimizerConfig`` attribute or Megatron-LM's args) has the wrong type or range: a bool
     option given as the string "false" must not turn into True."""
     options.check(where, prefix="dion3_", **{option.name: values[config_field(option.name)] for option in OPTIONS})
+
+
+# Above this, Megatron's Adam on the embeddings and output layer is past what suits it (AdamW's best
+# lr in the convergence protocol was 0.0015-0.003; at 0.02 the loss spikes).
+ADAM_LR_LIMIT = 0.005
+
+
+def warn_if_adam_takes_the_dion3_lr(args: Any) -> None:
+    """Warn (once per process) when ``--optimizer dion3`` runs Megatron's Adam part (embeddings,
+    output layer, norms) at a Dion3-sized ``--lr`` because ``--decoupled-lr`` is not given."""
+    lr = getattr(args, "lr", None)
+    if getattr(args, "decoupled_lr", None) is None and lr is not None and lr > ADAM_LR_LIMIT:
+        warnings.warn(f"--optimizer dion3 --lr {lr} without --decoupled-lr: Megatron's Adam steps the embeddings "
+                      f"and the output layer at lr {lr} too, more than suits Adam there (above {ADAM_LR_LIMIT}); "
+                      "pass --decoupled-lr, e.g. 0.002 (docs/hyperparameters.md)", stacklevel=2)
 
 
 def refuse_renamed(source: Any, where: str) -> None:

@@ -28,7 +28,7 @@ import importlib
 from typing import Any
 
 from . import multi_tensor, torch_adam, wrappers
-from .arguments import DION3_DEFAULTS, OPTIMIZER_NAME, add_dion3_arguments
+from .arguments import DION3_DEFAULTS, OPTIMIZER_NAME, add_dion3_arguments, warn_if_adam_takes_the_dion3_lr
 from .optimizer import MegatronDion3, config_to_kwargs, init_state_fn
 
 _MARK = "_dion3_wrapped"
@@ -108,6 +108,8 @@ def _register_training() -> bool:
             config, overrides = get_config(args)
             for key, default in DION3_DEFAULTS.items():
                 setattr(config, key, getattr(args, key, getattr(config, key, default)))
+            if _is_dion3(config.optimizer):
+                warn_if_adam_takes_the_dion3_lr(args)
             return config, overrides
 
         setattr(get_megatron_optimizer_config, _MARK, True)
