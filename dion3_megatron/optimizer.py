@@ -159,6 +159,8 @@ class Dion3(torch.optim.Optimizer):
         self._buckets: dict[tuple, _Bucket] = {}
         self._copies: dict[torch.Tensor, torch.Tensor] = {}  # non-contiguous Dion3 weight -> its working copy
         self._graph = cuda_graph_module.StepGraph()
+        params = list(params)
+        self._split_from_plain_list = bool(params) and not isinstance(params[0], dict)
         super().__init__(split_plain_list(params), {**{k: settings[k] for k in groups}, "algorithm": None})
 
     # ----------------------------------------------------------------------------------------
@@ -264,7 +266,12 @@ class Dion3(torch.optim.Optimizer):
         """
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
-            raise ValueError(f"checkpoint has {len(groups)} param groups, the optimizer has {len(self.param_groups)}")
+            hint = ""
+            if len(groups) == 1 and self._split_from_plain_list:
+                hint = (" (a plain parameter list makes two groups, matrices and the AdamW tensors, since "
+                        "adamw_lr; a checkpoint from before holds one: build the optimizer from "
+                        "[{'params': params}] to load it)")
+            raise ValueError(f"checkpoint has {len(groups)} param groups, the optimizer has {len(self.param_groups)}{hint}")
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
             settings = {k: v for k, v in saved.items() if k != "params"}
             self._check_group(f"param group {gi}", {**mine, **settings, "params": self._params_to_check(mine)})
