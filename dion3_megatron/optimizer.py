@@ -108,17 +108,6 @@ class _Bucket:
         return True
 
 
-def split_plain_list(params: Iterable[Any]) -> list:
-    """A plain list of tensors as a Dion3 group (the matrices) and an AdamW group (the < 2-D
-    tensors), so that the AdamW ones take ``adamw_lr``; param groups are left as they are."""
-    params = list(params)
-    if not params or isinstance(params[0], dict):
-        return params
-    matrices = [p for p in params if p.dim() >= 2]
-    others = [p for p in params if p.dim() < 2]
-    return ([{"params": matrices}] if matrices else []) + ([{"params": others, "algorithm": "adamw"}] if others else [])
-
-
 @options.documented(options.TORCH)
 class Dion3(torch.optim.Optimizer):
     """Dion3: top-fraction row selection, Gram Newton-Schulz, NorMuon normalization, error feedback.
@@ -161,7 +150,13 @@ class Dion3(torch.optim.Optimizer):
         self._graph = cuda_graph_module.StepGraph()
         params = list(params)
         self._split_from_plain_list = bool(params) and not isinstance(params[0], dict)
-        super().__init__(split_plain_list(params), {**{k: settings[k] for k in groups}, "algorithm": None})
+        if self._split_from_plain_list:  # the AdamW tensors in a group of their own, at adamw_lr
+            by_algorithm: dict[str, list] = {"dion3": [], "adamw": []}
+            for p in params:
+                by_algorithm[self.algorithm_of({"algorithm": None}, p)].append(p)
+            params = [{"params": ps, "algorithm": None if name == "dion3" else name}
+                      for name, ps in by_algorithm.items() if ps]
+        super().__init__(params, {**{k: settings[k] for k in groups}, "algorithm": None})
 
     # ----------------------------------------------------------------------------------------
     # Groups and validation.

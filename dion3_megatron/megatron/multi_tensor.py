@@ -62,19 +62,14 @@ def install() -> bool:
         (clip_grads, "multi_tensor_scale_impl", utils.local_multi_tensor_scale, foreach_scale),
         (optimizer, "multi_tensor_scale_impl", utils.local_multi_tensor_scale, foreach_scale),
     )
-    ours = {foreach_l2_norm, foreach_scale}
-    current = [getattr(module, name, None) for module, name, _, _ in replacements]
-    if any(impl in ours for impl in current):
-        return True
-    replaced = False
-    for (module, name, local, foreach), impl in zip(replacements, current):
-        if impl is local:
-            setattr(module, name, foreach)
-            replaced = True
+    replaced = [(module, name, foreach) for module, name, local, foreach in replacements
+                if getattr(module, name, None) is local]
+    for module, name, foreach in replaced:
+        setattr(module, name, foreach)
     if replaced:
         logger.info("Megatron-Core without apex or Transformer Engine: its gradient norm, clipping and "
                     "parameter copies run as torch foreach ops (dion3_megatron.megatron.multi_tensor)")
-    return replaced
+    return all(getattr(module, name, None) is foreach for module, name, _, foreach in replacements)
 
 
 __all__ = ["foreach_l2_norm", "foreach_scale", "install"]
