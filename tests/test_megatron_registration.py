@@ -225,6 +225,12 @@ _PATCHED_CHECK = textwrap.dedent(
     moved = max((p.detach() - before[n]).abs().max().item() for n, p in chunks[0].module.named_parameters())
     assert moved > 1e-3, moved
     assert not getattr(core_optimizer._get_megatron_emerging_optimizer, "_dion3_wrapped", False)
+    # Building Dion3 installed the no-apex/TE fixes that registration would have.
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from dion3_megatron.megatron import multi_tensor, torch_adam
+    assert clip_grads.l2_norm_impl is multi_tensor.foreach_l2_norm, clip_grads.l2_norm_impl
+    assert getattr(DistributedOptimizer, torch_adam._MARK, False) == torch_adam.megatron_adam_is_torch()
 
     # pretrain()'s model-config path wraps a Dion3 run's model in the layer-wise layout.
     from types import SimpleNamespace
