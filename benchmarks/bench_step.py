@@ -1,4 +1,4 @@
-"""Full optimizer step on one GPU: Dion3 (f = 1, 1/4, 1/8) vs a Muon step, 8 layers of 14B shapes.
+"""Full optimizer step on one GPU: Dion3 (f = 1, 1/4, 1/8, "auto") vs a Muon step, 8 layers of 14B shapes.
 
 Per layer (14B with grouped-query attention): Q and O 5120x5120, K and V 1024x5120, SwiGLU gate
 and up 13824x5120, down 5120x13824. Muon: heavy-ball momentum and Keller-quintic NS5 in bf16 on
@@ -78,10 +78,14 @@ def main() -> None:
           f"({sum(p.numel() for p in params) / 1e9:.2f}B params)")
     print(f"{'optimizer':<16}{'step ms':>10}{'vs muon':>9}")
     print(f"{'muon':<16}{results['muon_ms']:>10.2f}{1.0:>9.2f}")
-    for fraction in (1.0, 0.25, 0.125):
-        ms = timed(Dion3(params, fraction=fraction).step)
+    for fraction in (1.0, 0.25, 0.125, "auto"):
+        opt = Dion3(params, fraction=fraction)
+        ms = timed(opt.step)
         results[f"dion3_{fraction}"] = ms
         print(f"{'dion3 f=' + str(fraction):<16}{ms:>10.2f}{results['muon_ms'] / ms:>9.2f}")
+    chosen = {f"{p.shape[0]}x{p.shape[1]}": f for p, f in opt.fractions.items()}
+    results["auto_fractions"] = chosen
+    print("auto chose " + ", ".join(f"{shape}: {f}" for shape, f in chosen.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,6 +1,6 @@
-"""``fraction="auto"``: f per matrix from a cost model of its step (:func:`choose_fraction`) on the
-device's measured speed, and :func:`resolve_fractions`, which every front end asks for its
-matrices' f.
+"""``fraction="auto"``: f per matrix by the loss it costs against the time it saves
+(:func:`choose_fraction`), the time from a cost model of its step on the device's measured speed,
+and :func:`resolve_fractions`, which every front end asks for its matrices' f.
 
 Three short timings per (device, dtype), once per process: a large matmul (FLOP/s), a tiny one
 (the fixed cost of a kernel, host overhead included) and a copy (memory bandwidth). The link
@@ -26,7 +26,20 @@ from .rule import Dion3Hyperparameters, selected_row_count
 
 AUTO_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
 AUTO_MIN_ROWS = 128  # quality floor: fewer selected rows than this lost to f = 1 in our runs
-AUTO_SLACK = 0.10  # a larger f is taken while it costs at most this much more than the cheapest
+# The exchange rate between loss and time, from the convergence protocol (docs/benchmarks.md,
+# byte-level GPTs at 10 tokens per parameter, every family at its best lr):
+# at equal tokens f costs about AUTO_LOSS_PER_WAITING_ROW_SHARE * (1/f - 1) nats of final validation
+# loss (10.8M: f = 1/4 +0.010, f = 1/8 +0.024, 0.0033 and 0.0034 per unit; 48.7M: f = 1/4 +0.0045,
+# 0.0015: the larger figure is taken);
+AUTO_LOSS_PER_WAITING_ROW_SHARE = 0.003
+# and near the end of those runs the loss falls by 0.06-0.12 per unit of log(steps) (Muon's
+# curves), so a step x times shorter buys about AUTO_LOSS_PER_LOG_TIME * ln(x) at equal wall-clock
+# time (the low end taken).
+AUTO_LOSS_PER_LOG_TIME = 0.06
+# The optimizer cannot see the model's forward and backward, which dilute what its step saves: they
+# are modelled as 6 FLOPs per parameter and token at the measured matmul rate, with this many tokens
+# per data-parallel rank and step (e.g. 8 sequences of 4096), for the whole matrix on every rank.
+AUTO_TOKENS_PER_STEP = 32768
 NS_KERNELS = {"gram": 30, "standard": 20}  # kernels per orthogonalization call, shared by its batch
 PER_MATRIX_KERNELS = 20  # kernels per matrix whatever f is: scores, top-k, gathers, NorMuon, update
 BYTES_PER_ENTRY = 24  # element-wise traffic of the step per matrix entry (momentum, grad, weight, scores)
@@ -67,6 +80,22 @@ def estimated_step_seconds(
     return (ortho + fixed + elementwise) / world + wire / world
 
 
+def modelled_loss_change(
+    n_rows: int, n_cols: int, fraction: float, speed: DeviceSpeed,
+    world: int = 1, batch: int = 1, ns_method: str = "gram", num_heads: Optional[int] = None,
+) -> float:
+    """Modelled change of the final loss (nats) from stepping this matrix at ``fraction`` instead of
+    1, at equal wall-clock time: what f costs at equal tokens (AUTO_LOSS_PER_WAITING_ROW_SHARE) less
+    what the shorter iteration buys (AUTO_LOSS_PER_LOG_TIME), the iteration being the matrix's
+    modelled forward and backward (AUTO_TOKENS_PER_STEP) plus its step. Negative: f pays."""
+    def step(f: float) -> float:
+        return estimated_step_seconds(n_rows, n_cols, f, speed, world, batch, ns_method, num_heads)
+
+    forward_backward = 6 * n_rows * n_cols * AUTO_TOKENS_PER_STEP / speed.matmul_flops
+    saved = math.log((forward_backward + step(1.0)) / (forward_backward + step(fraction)))
+    return AUTO_LOSS_PER_WAITING_ROW_SHARE * (1 / fraction - 1) - AUTO_LOSS_PER_LOG_TIME * saved
+
+
 def choose_fraction(
     n_rows: int, n_cols: int, speed: DeviceSpeed,
     world: int = 1, batch: int = 1, ns_method: str = "gram", num_heads: Optional[int] = None,
@@ -74,15 +103,15 @@ def choose_fraction(
     """The f that ``fraction="auto"`` uses for an n_rows x n_cols matrix.
 
     Among AUTO_FRACTIONS that select at least AUTO_MIN_ROWS rows (all of them for smaller
-    matrices), the largest f whose modelled step costs at most (1 + AUTO_SLACK) times the cheapest
-    one's. Large matrices on a slow device or link land on 1/8; small ones, whose step is launch-
-    or memory-bound anyway, get a larger f for free.
+    matrices), the f with the lowest :func:`modelled_loss_change` (the larger f on a tie). Where
+    the orthogonalization is a large share of the iteration (wide matrices, few tokens per rank, a
+    slow link) a smaller f pays for its loss; where launches, memory or the model's own work
+    dominate, f = 1 (NorMuon, Muon's loss) is the choice.
     """
     floor = min(AUTO_MIN_ROWS, n_rows)
     feasible = [f for f in AUTO_FRACTIONS if selected_row_count(n_rows, f, num_heads) >= floor] or [1.0]
-    cost = {f: estimated_step_seconds(n_rows, n_cols, f, speed, world, batch, ns_method, num_heads) for f in feasible}
-    cheapest = min(cost.values())
-    return max(f for f in feasible if cost[f] <= (1 + AUTO_SLACK) * cheapest)
+    change = {f: modelled_loss_change(n_rows, n_cols, f, speed, world, batch, ns_method, num_heads) for f in feasible}
+    return min(feasible, key=lambda f: (change[f], -f))
 
 
 # Per-rank all-to-all bandwidth assumed for a backend (bytes/s): NVLink-class for NCCL, a

@@ -459,8 +459,9 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
     t0 = time.time()
     from dion3_megatron import auto_fraction
 
-    min_rows, measure = auto_fraction.AUTO_MIN_ROWS, auto_fraction.measure
+    min_rows, measure, tokens = auto_fraction.AUTO_MIN_ROWS, auto_fraction.measure, auto_fraction.AUTO_TOKENS_PER_STEP
     auto_fraction.AUTO_MIN_ROWS = 1  # the test model's matrices have <= 20 rows: let the speed decide
+    auto_fraction.AUTO_TOKENS_PER_STEP = 0  # and the step be the whole iteration
     try:
         auto_fraction.measure = lambda device, dtype: auto_fraction.DeviceSpeed(1e6, 0.0, 1e30, 1e30)  # slow matmuls: f = 1/8
         engine = make_engine(config(2, world=world, fraction="auto"))
@@ -474,7 +475,7 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
         train(resumed_engine, 2, start=3)
         out["auto_resume_diff"] = max_diff(params_of(resumed_engine), params_of(engine))
     finally:
-        auto_fraction.AUTO_MIN_ROWS, auto_fraction.measure = min_rows, measure
+        auto_fraction.AUTO_MIN_ROWS, auto_fraction.measure, auto_fraction.AUTO_TOKENS_PER_STEP = min_rows, measure, tokens
     out["seconds"]["auto_resume"] = time.time() - t0
 
     # bf16: ZeRO-1 trains and stays close to ZeRO-0 bf16.

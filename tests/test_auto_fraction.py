@@ -14,6 +14,13 @@ from dist_utils import run_distributed
 FAST = auto_fraction.DeviceSpeed(matmul_flops=5e14, launch_seconds=1e-5, memory_bytes_per_s=4e12, link_bytes_per_s=1e11)
 LAUNCH_BOUND = auto_fraction.DeviceSpeed(1e30, 1.0, 1e30, 1e30)  # only the fixed cost per call counts
 FLOP_BOUND = auto_fraction.DeviceSpeed(1e6, 0.0, 1e30, 1e30)  # only the matmul FLOPs count
+H200_LIKE = auto_fraction.DeviceSpeed(matmul_flops=4e14, launch_seconds=6e-6, memory_bytes_per_s=3e12, link_bytes_per_s=1e11)
+
+
+@pytest.fixture
+def step_time_only(monkeypatch):
+    """No forward and backward beside the optimizer's step: its time is the whole iteration."""
+    monkeypatch.setattr(auto_fraction, "AUTO_TOKENS_PER_STEP", 0)
 
 
 @pytest.mark.parametrize("speed", [FAST, LAUNCH_BOUND, FLOP_BOUND])
@@ -25,19 +32,50 @@ def test_choice_is_a_candidate_above_the_row_floor(speed, generator):
         assert rule.selected_row_count(rows, f) >= min(auto_fraction.AUTO_MIN_ROWS, rows)
 
 
-def test_small_matrices_keep_every_row_and_large_ones_on_slow_matmuls_take_the_fewest():
+def test_f_is_1_where_the_model_dominates_the_iteration_and_smaller_where_the_step_does():
+    # The convergence protocol's shapes (10.8M and 48.7M) on an H200-like speed: f = 1, Muon's loss.
+    for rows, cols in [(384, 384), (1024, 384), (384, 1024), (640, 640), (1664, 640), (640, 1664)]:
+        assert auto_fraction.choose_fraction(rows, cols, H200_LIKE, batch=10) == 1.0, (rows, cols)
+    # 14B shapes: the wide products pay for f < 1, none for the loss of 1/8; the K/V keep every row.
+    assert auto_fraction.choose_fraction(13824, 5120, H200_LIKE, batch=16) == 0.25
+    assert auto_fraction.choose_fraction(5120, 5120, H200_LIKE, batch=16) == 0.5
+    assert auto_fraction.choose_fraction(1024, 5120, H200_LIKE, batch=16) == 1.0
+
+
+def test_the_fewest_rows_the_floor_allows_when_slow_matmuls_are_the_whole_iteration(step_time_only):
     assert auto_fraction.choose_fraction(auto_fraction.AUTO_MIN_ROWS, 512, FLOP_BOUND) == 1.0
     assert auto_fraction.choose_fraction(4096, 4096, FLOP_BOUND) == 0.125
     # floor: 1024 rows at 1/8 would select 128 rows, the minimum; 512 rows need 1/4
     assert auto_fraction.choose_fraction(512, 4096, FLOP_BOUND) == 0.25
 
 
-def test_free_rows_are_taken_when_the_step_is_launch_bound():
+def test_more_tokens_per_step_never_lower_f(monkeypatch, generator):
+    for _ in range(40):
+        rows, cols = (int(v) for v in torch.randint(64, 16384, (2,), generator=generator))
+        batch = int(torch.randint(1, 50, (), generator=generator))
+        chosen = []
+        for tokens in (0, 1024, 32768, 1 << 20):
+            monkeypatch.setattr(auto_fraction, "AUTO_TOKENS_PER_STEP", tokens)
+            chosen.append(auto_fraction.choose_fraction(rows, cols, H200_LIKE, batch=batch))
+        assert chosen == sorted(chosen), (rows, cols, batch, chosen)
+        assert chosen[-1] == 1.0  # a model that long makes the step's savings worth no loss
+
+
+def test_the_choice_has_the_lowest_modelled_loss(generator):
+    for _ in range(40):
+        rows, cols = (int(v) for v in torch.randint(128, 16384, (2,), generator=generator))
+        f = auto_fraction.choose_fraction(rows, cols, H200_LIKE, batch=8)
+        change = {g: auto_fraction.modelled_loss_change(rows, cols, g, H200_LIKE, batch=8)
+                  for g in auto_fraction.AUTO_FRACTIONS if rule.selected_row_count(rows, g) >= 128}
+        assert change[1.0] == 0.0 and change[f] == min(change.values())
+
+
+def test_free_rows_are_taken_when_the_step_is_launch_bound(step_time_only):
     assert auto_fraction.choose_fraction(4096, 4096, LAUNCH_BOUND) == 1.0
     assert auto_fraction.choose_fraction(4096, 4096, FAST) < 1.0
 
 
-def test_a_slow_link_lowers_the_fraction_at_larger_world_sizes():
+def test_a_slow_link_lowers_the_fraction_at_larger_world_sizes(step_time_only):
     slow_link = auto_fraction.DeviceSpeed(1e30, 1e-4, 1e30, 1e6)
     assert auto_fraction.choose_fraction(4096, 4096, slow_link, world=1, batch=8) == 1.0
     assert auto_fraction.choose_fraction(4096, 4096, slow_link, world=8, batch=8) == 0.125
@@ -62,7 +100,7 @@ def test_bad_fraction_strings_are_refused():
 
 
 @pytest.mark.slow
-def test_optimizer_auto_equals_the_resolved_fixed_fractions(monkeypatch, generator):
+def test_optimizer_auto_equals_the_resolved_fixed_fractions(monkeypatch, generator, step_time_only):
     monkeypatch.setattr(auto_fraction, "measure", lambda device, dtype: FLOP_BOUND)
     shapes = [(64, 48), (512, 96), (512, 96), (1024, 64), (3, 256, 40)]
     weights = [torch.randn(s, generator=generator) for s in shapes]
@@ -87,7 +125,7 @@ def test_optimizer_auto_equals_the_resolved_fixed_fractions(monkeypatch, generat
 
 
 @pytest.mark.slow
-def test_a_resume_keeps_the_saved_choices_on_a_machine_of_another_speed(monkeypatch, generator):
+def test_a_resume_keeps_the_saved_choices_on_a_machine_of_another_speed(monkeypatch, generator, step_time_only):
     # Resumed where the device measures differently, fraction="auto" must not choose again.
     shapes = [(512, 96), (1024, 64), (64, 48)]
     weights = [torch.randn(s, generator=generator) for s in shapes]
@@ -120,6 +158,7 @@ def _engine_worker(rank, world, shapes, seed):
     # Each rank measures a different speed: alone, rank 0 would take 1/4 of (512, 64)'s rows and
     # rank 1 all of them.
     auto_fraction.measure = lambda device, dtype: [FLOP_BOUND, LAUNCH_BOUND][rank]
+    auto_fraction.AUTO_TOKENS_PER_STEP = 0  # the step is the whole iteration (a spawned process: not restored)
     gen = torch.Generator().manual_seed(seed)
     weights = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
@@ -141,7 +180,7 @@ def _engine_worker(rank, world, shapes, seed):
 
 
 @pytest.mark.slow
-def test_engine_ranks_agree_on_the_slowest_speed_and_match_the_single_process_rule():
+def test_engine_ranks_agree_on_the_slowest_speed_and_match_the_single_process_rule(step_time_only):
     shapes = [(512, 64), (512, 64), (1024, 32)]
     assert auto_fraction.choose_fraction(512, 64, FLOP_BOUND, world=2, batch=2) == 0.25
     assert auto_fraction.choose_fraction(512, 64, LAUNCH_BOUND, world=2, batch=2) == 1.0

@@ -231,6 +231,7 @@ def test_auto_fraction_choices_survive_a_resume_on_a_machine_of_another_speed(mo
                 p.grad = step_grads[name].clone()
             opt.step()
 
+    monkeypatch.setattr(auto_fraction, "AUTO_TOKENS_PER_STEP", 0)  # the step is the whole iteration
     monkeypatch.setattr(auto_fraction, "measure", lambda device, dtype: flop_bound)
     params, opt = build(weights)
     run(params, opt, grads[:2])

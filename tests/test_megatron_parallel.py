@@ -368,8 +368,9 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         from dion3_megatron import auto_fraction
 
         speeds = [auto_fraction.DeviceSpeed(1e6, 0.0, 1e30, 1e30), auto_fraction.DeviceSpeed(1e30, 1.0, 1e30, 1e30)]
-        measure, min_rows = auto_fraction.measure, auto_fraction.AUTO_MIN_ROWS
+        measure, min_rows, tokens = auto_fraction.measure, auto_fraction.AUTO_MIN_ROWS, auto_fraction.AUTO_TOKENS_PER_STEP
         auto_fraction.AUTO_MIN_ROWS = 8  # the tiny model's matrices have <= 128 rows: let the speed decide
+        auto_fraction.AUTO_TOKENS_PER_STEP = 0  # and its step be the whole iteration
         try:
             auto_fraction.measure = lambda device, dtype: speeds[rank]
             ms.init_parallel()
@@ -392,7 +393,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
             resumed = _full_state(chunks[0].module, cfg)
             return {"chosen": chosen, "resume_max_diff": max((resumed[k] - straight[k]).abs().max().item() for k in straight)}
         finally:
-            auto_fraction.measure, auto_fraction.AUTO_MIN_ROWS = measure, min_rows
+            auto_fraction.measure, auto_fraction.AUTO_MIN_ROWS, auto_fraction.AUTO_TOKENS_PER_STEP = measure, min_rows, tokens
 
     def dp_overlap():
         return parallel(overlap=True)[0]
