@@ -56,24 +56,7 @@ def muon_ns5(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor
 
 
 def timed(fn, n_sets: int, iters: int, graph: bool = False) -> float:
-    if graph:
-        replays = [graphed(lambda i=i: fn(i)) for i in range(n_sets)]
-        return cuda_median_ms(lambda i: replays[i](), n_sets, iters, reps=5, warmup=2)
-    return cuda_median_ms(fn, n_sets, iters, reps=5, warmup=2)
-
-
-def graphed(fn):
-    """fn captured in a CUDA graph (after warm-up calls on a side stream); returns its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    return cuda_median_ms(fn, n_sets, iters, reps=5, warmup=2, graph=graph)
 
 
 def variants(routing: str, quack: bool) -> dict:

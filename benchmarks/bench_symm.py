@@ -1,12 +1,14 @@
 """X @ X^T and symmetric products: CuTe DSL kernel vs torch.matmul (cuBLAS), side by side.
 
-    python benchmarks/bench_symm.py [--dtype bf16|fp16] [--sweep] [--iters N]
+    python benchmarks/bench_symm.py [--dtype bf16|fp16] [--sweep] [--iters N] [--graph]
 
 Every row times cuBLAS and the kernel in the same process on the same inputs (rotating among
 several input sets so small problems are not served from L2). The FLOP floor counts the
 symmetric product at half cost (M^2 K per batch element, multiply-add = 2 FLOPs) at the cuBLAS
 peak measured in this run (8192^3 product). quack-kernels' gemm_symmetric is timed where it
-imports.
+imports. ``--graph`` times every call replayed from a CUDA graph, as inside the optimizer's
+graphed step: the kernels' GPU time without the host's cost per call (the crossovers below which
+products stay on cuBLAS were measured eager).
 """
 
 from __future__ import annotations
@@ -28,16 +30,19 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # (batch, M, K): the issue's X @ X^T shapes
 GRAM_SHAPES = [(1, 1024, 5120), (1, 4096, 4096), (1, 4096, 16384), (1, 8192, 8192), (8, 4096, 16384)]
 # symmetric s x s products of Gram NS (K = s) for the 14B shapes and a sweep for routing
-SYMM_SHAPES = [(1, 1024, 1024), (1, 5120, 5120), (1, 4096, 4096), (8, 1024, 1024)]
+SYMM_SHAPES = [(1, 1024, 1024), (1, 5120, 5120), (1, 4096, 4096), (8, 1024, 1024), (16, 1024, 1024)]
 SWEEP = [(1, m, k) for m in (512, 1024, 2048, 3072, 4096) for k in (m, 4 * m)] + [
     (1, 3456, 5120), (1, 5120, 13824), (1, 6144, 6144), (1, 12288, 4096)] + [
-    (b, 1024, 5120) for b in (2, 4, 8)
+    (b, 1024, 5120) for b in (2, 4, 8, 16)
 ]
+
+
+GRAPH = False  # --graph
 
 
 def timed(fn, n_sets: int, iters: int) -> float:
     """Median ms per call: 7 reps of ``iters`` calls rotating over ``n_sets`` inputs."""
-    return cuda_median_ms(fn, n_sets, iters, reps=7, warmup=3)
+    return cuda_median_ms(fn, n_sets, iters, reps=7, warmup=3, graph=GRAPH)
 
 def cublas_peak(dtype) -> float:
     n = 8192
@@ -126,7 +131,10 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also the routing sweep")
     ap.add_argument("--tiles", default="", help="comma list of tiles to try, e.g. 128,128x256 (each and the best "
                     "reported); default: the automatic choice")
+    ap.add_argument("--graph", action="store_true", help="time each call replayed from a CUDA graph")
     args = ap.parse_args()
+    global GRAPH
+    GRAPH = args.graph
     dtype = DTYPES[args.dtype]
     tiles = tuple(args.tiles.split(",")) if args.tiles else (None,)
     props = torch.cuda.get_device_properties(0)
@@ -135,7 +143,8 @@ def main():
     print(f"GPU {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
           f"nvidia-cutlass-dsl {getattr(cutlass, '__version__', '?')}")
     peak = cublas_peak(dtype)
-    print(f"cuBLAS peak (8192^3, {args.dtype}): {peak / 1e12:.0f} TFLOP/s")
+    print(f"cuBLAS peak (8192^3, {args.dtype}): {peak / 1e12:.0f} TFLOP/s; "
+          f"{'CUDA-graph replays' if GRAPH else 'eager calls'}")
     overhead(dtype)
     run_rows("X @ X^T", GRAM_SHAPES, dtype, peak, args.iters, gram=True, tiles=tiles)
     run_rows("1.5 P @ Q - 0.5 P, P and Q symmetric, commuting (cuBLAS: baddbmm)", SYMM_SHAPES, dtype, peak, args.iters, gram=False, tiles=tiles)
