@@ -163,6 +163,10 @@ OPTIONS: tuple[Option, ...] = (
            choices=ADJUST_LR_CHOICES),
     Option("scale_lr_by_fraction", BOOL, False, "multiply the Dion3 step by 1/sqrt(fraction) (keeps the step "
            "norm as f shrinks)"),
+    Option("row_step_as_full", BOOL, False, "each applied row of a tall matrix steps as far as at f = 1: at "
+           "f < 1 its selected rows come out of the orthogonalization up to sqrt(rows/cols) longer than at f = 1, "
+           "so the step is multiplied by sqrt(min(rows, cols) k / (rows min(k, cols))) for k selected rows; "
+           "wide and square matrices are unchanged"),
     Option("scale_mu_by_fraction", BOOL, False, "the applied rows keep mu ** (1/fraction) of their momentum "
            "instead of mu: the memory of heavy-ball momentum with mu at every fraction"),
     Option("staleness", REAL, 1.0, "selection favours rows that waited: each row's L1 score times "
