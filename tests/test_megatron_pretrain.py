@@ -98,6 +98,8 @@ def assert_layer_wise_layout(log: str, dp: int) -> None:
     assert "Using reduce-scatter for gradient reductions" in log
     assert "Using all-reduce for gradient reductions" not in log
     assert "Using LayerWiseDistributedOptimizer for dion3" in log
+    # No apex or Transformer Engine here: Megatron's norm and clipping ran as foreach ops, and said so.
+    assert "run as torch foreach ops (dion3_megatron.megatron.multi_tensor)" in log
     assert re.search(r"dion3_fraction \.+ 0\.5\b", log)  # the flag reached Megatron's args
 
 

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 logger = logging.getLogger(__name__)
+_announced = False  # the first norm says the foreach forms run (then Megatron's logging is set up)
 
 
 def foreach_l2_norm(
@@ -30,6 +31,11 @@ def foreach_l2_norm(
     """Drop-in for ``amp_C.multi_tensor_l2norm`` / ``local_multi_tensor_l2_norm``: the l2 norm of all
     tensors of ``tensor_lists[0]`` as a 1-element fp32 tensor on their device (and, with
     ``per_tensor``, each tensor's norm)."""
+    global _announced
+    if not _announced:
+        _announced = True
+        logger.info("Megatron-Core without apex or Transformer Engine: its gradient norm, clipping and "
+                    "parameter copies run as torch foreach ops (dion3_megatron.megatron.multi_tensor)")
     tensors = tensor_lists[0]
     if not tensors:
         return torch.zeros(1, device=noop_flag.device), None
@@ -66,9 +72,6 @@ def install() -> bool:
                 if getattr(module, name, None) is local]
     for module, name, foreach in replaced:
         setattr(module, name, foreach)
-    if replaced:
-        logger.info("Megatron-Core without apex or Transformer Engine: its gradient norm, clipping and "
-                    "parameter copies run as torch foreach ops (dion3_megatron.megatron.multi_tensor)")
     return all(getattr(module, name, None) is foreach for module, name, _, foreach in replacements)
 
 
