@@ -83,15 +83,20 @@ def estimated_step_seconds(
 def modelled_loss_change(
     n_rows: int, n_cols: int, fraction: float, speed: DeviceSpeed,
     world: int = 1, batch: int = 1, ns_method: str = "gram", num_heads: Optional[int] = None,
+    step_share: float = 1.0,
 ) -> float:
     """Modelled change of the final loss (nats) from stepping this matrix at ``fraction`` instead of
     1, at equal wall-clock time: what f costs at equal tokens (AUTO_LOSS_PER_WAITING_ROW_SHARE) less
     what the shorter iteration buys (AUTO_LOSS_PER_LOG_TIME), the iteration being the matrix's
-    modelled forward and backward (AUTO_TOKENS_PER_STEP) plus its step. Negative: f pays."""
+    modelled forward and backward (AUTO_TOKENS_PER_STEP) plus its step. Negative: f pays.
+
+    step_share: the share of the matrices whose forward and backward a rank computes that it steps
+    (Megatron's layer-wise ZeRO-1: about 1 / DP), so each stepped matrix stands for 1 / step_share
+    matrices' forward and backward."""
     def step(f: float) -> float:
         return estimated_step_seconds(n_rows, n_cols, f, speed, world, batch, ns_method, num_heads)
 
-    forward_backward = 6 * n_rows * n_cols * AUTO_TOKENS_PER_STEP / speed.matmul_flops
+    forward_backward = 6 * n_rows * n_cols * AUTO_TOKENS_PER_STEP / speed.matmul_flops / step_share
     saved = math.log((forward_backward + step(1.0)) / (forward_backward + step(fraction)))
     return AUTO_LOSS_PER_WAITING_ROW_SHARE * (1 / fraction - 1) - AUTO_LOSS_PER_LOG_TIME * saved
 
@@ -99,6 +104,7 @@ def modelled_loss_change(
 def choose_fraction(
     n_rows: int, n_cols: int, speed: DeviceSpeed,
     world: int = 1, batch: int = 1, ns_method: str = "gram", num_heads: Optional[int] = None,
+    step_share: float = 1.0,
 ) -> float:
     """The f that ``fraction="auto"`` uses for an n_rows x n_cols matrix.
 
@@ -110,7 +116,8 @@ def choose_fraction(
     """
     floor = min(AUTO_MIN_ROWS, n_rows)
     feasible = [f for f in AUTO_FRACTIONS if selected_row_count(n_rows, f, num_heads) >= floor] or [1.0]
-    change = {f: modelled_loss_change(n_rows, n_cols, f, speed, world, batch, ns_method, num_heads) for f in feasible}
+    change = {f: modelled_loss_change(n_rows, n_cols, f, speed, world, batch, ns_method, num_heads, step_share)
+              for f in feasible}
     return min(feasible, key=lambda f: (change[f], -f))
 
 
@@ -179,6 +186,7 @@ class FractionRequest:
     hp: Dion3Hyperparameters  # its ns_method, ns_dtype and num_heads
     device: torch.device
     group: Optional[dist.ProcessGroup] = None  # whose members agree on the speed (None: this rank alone)
+    step_share: float = 1.0  # see modelled_loss_change
 
 
 def _speed_key(device: torch.device, hp: Dion3Hyperparameters, group: Optional[dist.ProcessGroup]) -> tuple:
@@ -202,4 +210,4 @@ def resolve_fractions(
     speeds = {key: for_group(device, key[2], group)
               for key, (device, hp, group) in sorted(wanted.items(), key=lambda item: item[0][0])}
     return [choose_fraction(*r.shape, speeds[_speed_key(r.device, r.hp, r.group)], r.world, r.batch,
-                          r.hp.ns_method, r.hp.num_heads) for r in requests]
+                          r.hp.ns_method, r.hp.num_heads, r.step_share) for r in requests]

@@ -50,18 +50,21 @@ class Dion3Engine:
     optimizer's at any world size. Each shape group steps through one :class:`~.exchange.Exchange`.
     check_group: ranks that construct their engines together (default: the world), containing
     every process group the shards span; construction is collective over it, as the plan is
-    checked on it (:func:`~.plan.check_plan_matches`).
+    checked on it (:func:`~.plan.check_plan_matches`). step_share: the share of the model's
+    matrices this rank steps (for fraction="auto": :func:`~.auto_fraction.modelled_loss_change`).
     """
 
     def __init__(self, shards: list[MatrixShard], cuda_graph: bool = True,
-                 check_group: Optional[dist.ProcessGroup] = None) -> None:
+                 check_group: Optional[dist.ProcessGroup] = None, step_share: float = 1.0) -> None:
         if not isinstance(cuda_graph, bool):
             raise ValueError(f"cuda_graph must be a bool, got {cuda_graph!r}")
+        if not 0 < step_share <= 1:
+            raise ValueError(f"step_share must be in (0, 1], got {step_share!r}")
         self.cuda_graph = cuda_graph
         self._graph = cuda_graph_module.StepGraph()
         self.plan = build_plan(shards)
         check_plan_matches(self.plan, check_group)
-        resolve_fractions(self.plan)
+        resolve_fractions(self.plan, step_share)
         self.traffic = Traffic()
         self.exchanges: list[Exchange] = [exchange_for(sg, self.traffic) for sg in self.plan]
 

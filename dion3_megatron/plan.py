@@ -362,13 +362,14 @@ def check_plan_matches(plan: list[ShapeGroup], group: Optional[dist.ProcessGroup
     )
 
 
-def resolve_fractions(plan: list[ShapeGroup]) -> None:
+def resolve_fractions(plan: list[ShapeGroup], step_share: float = 1.0) -> None:
     """Set every group's f: its hp.fraction, or for "auto" the f chosen on the device's measured
     speed, agreed over the group's process group (:func:`auto_fraction.resolve_fractions`) so that
-    all members select the same number of rows."""
+    all members select the same number of rows. step_share: see
+    :func:`auto_fraction.modelled_loss_change`."""
     wanted = [sg for sg in plan if sg.hp.fraction == options.AUTO]
     requests = [auto_fraction.FractionRequest(sg.key.shape, len(sg.shards), sg.world, sg.hp, sg.shards[0].weight.device,
-                                              sg.group if sg.world > 1 else None) for sg in wanted]
+                                              sg.group if sg.world > 1 else None, step_share) for sg in wanted]
     chosen = dict(zip(map(id, wanted), auto_fraction.resolve_fractions(requests)))
     for sg in plan:
         sg.fraction = chosen.get(id(sg), sg.hp.fraction)

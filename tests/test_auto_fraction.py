@@ -61,6 +61,16 @@ def test_more_tokens_per_step_never_lower_f(monkeypatch, generator):
         assert chosen[-1] == 1.0  # a model that long makes the step's savings worth no loss
 
 
+def test_a_rank_that_steps_a_share_of_the_matrices_keeps_more_rows():
+    # Megatron's layer-wise ZeRO-1 at DP=8: each rank steps 1/8 of the matrices it runs forward
+    # and backward, so the step is a smaller share of its iteration.
+    assert auto_fraction.choose_fraction(13824, 5120, H200_LIKE, batch=16) == 0.25
+    assert auto_fraction.choose_fraction(13824, 5120, H200_LIKE, batch=16, step_share=1 / 8) == 1.0
+    for n, m in [(5120, 5120), (2048, 8192), (8192, 2048)]:
+        shares = [auto_fraction.choose_fraction(n, m, H200_LIKE, batch=8, step_share=s) for s in (1.0, 0.5, 0.125)]
+        assert shares == sorted(shares), (n, m, shares)
+
+
 def test_the_choice_has_the_lowest_modelled_loss(generator):
     for _ in range(40):
         rows, cols = (int(v) for v in torch.randint(128, 16384, (2,), generator=generator))

@@ -355,3 +355,9 @@ def test_a_plan_that_differs_across_a_group_raises_on_every_rank_quickly(case, w
     for message in messages:
         for w in words:
             assert w in message, (w, message)
+
+
+@pytest.mark.parametrize("share", [0.0, 1.5, float("nan")])
+def test_step_share_outside_0_1_is_refused(share):
+    with pytest.raises(ValueError, match="step_share must be in \\(0, 1\\]"):
+        Dion3Engine([], step_share=share)

@@ -306,3 +306,26 @@ def test_fractions_of_names_each_logical_matrix_with_the_f_its_steps_use(generat
     assert [shape for shape, _ in proj] == [(COLS, 7)]
     for _, f in qkv + fc1 + proj:
         assert f == 0.5 if fraction == 0.5 else f in AUTO_FRACTIONS
+
+
+def test_auto_weighs_the_share_of_the_model_s_matrices_this_rank_steps(monkeypatch, generator):
+    """Under the layer-wise ZeRO-1 a rank steps some of the model's matrices: fraction="auto" is told
+    which share of them (by elements; embeddings and the output layer, Adam's, not counted)."""
+    from dion3_megatron import auto_fraction
+
+    model = torch.nn.Module()
+    model.fc1 = torch.nn.Parameter(torch.randn(64, 32, generator=generator))
+    model.fc2 = torch.nn.Parameter(torch.randn(32, 64, generator=generator))
+    model.proj = torch.nn.Parameter(torch.randn(32, 32, generator=generator))
+    model.embedding = torch.nn.Parameter(torch.randn(100, 32, generator=generator))
+    model.embedding.is_embedding_or_output_parameter = True
+    shares = []
+    choose = auto_fraction.choose_fraction
+    monkeypatch.setattr(auto_fraction, "choose_fraction",
+                        lambda *a, **kw: shares.append(a[7] if len(a) > 7 else kw.get("step_share", 1.0)) or choose(*a, **kw))
+    opt = MegatronDion3([{"params": [model.fc1, model.proj]}], lr=0.02, fraction="auto", model_chunks=[model])
+    for p in (model.fc1, model.proj):
+        p.grad = torch.randn(p.shape, generator=generator)
+    opt.step()
+    assert shares and set(shares) == {(64 * 32 + 32 * 32) / (64 * 32 + 32 * 64 + 32 * 32)}
+

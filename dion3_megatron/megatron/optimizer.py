@@ -227,6 +227,10 @@ class MegatronDion3(torch.optim.Optimizer):
         if model_chunks is not None and not layouts:
             self._layouts = describe_model(model_chunks, pg_collection, split_qkv=self.split_qkv,
                                            split_glu=self.split_glu)
+        # The model's Dion3 matrices (2-D, not embedding or output), against which fraction="auto"
+        # weighs the share this optimizer steps (0: no model given).
+        self._model_matrix_numel = sum(q.numel() for q in self._layouts
+                                       if not getattr(q, "is_embedding_or_output_parameter", False)) if model_chunks else 0
         self.skipped_steps = 0
         self._auto_fractions: dict[int, dict[str, float]] = {}  # rank -> matrix name -> f, what "auto" chose
         self._saved_fractions: dict[str, float] = {}  # matrix name -> f, from a checkpoint
@@ -308,6 +312,13 @@ class MegatronDion3(torch.optim.Optimizer):
     def _params(self) -> list[tuple[torch.Tensor, dict]]:
         return [(p, group) for group in self.param_groups for p in group["params"]]
 
+    def _step_share(self, params: list[tuple[torch.Tensor, dict]]) -> float:
+        """The share of the model's Dion3 matrices this optimizer steps: about 1 / DP under
+        Megatron's layer-wise ZeRO-1, where each rank steps its layers' matrices and computes the
+        forward and backward of all (1 without the model chunks to compare with)."""
+        own = sum(p.numel() for p, _ in params)
+        return min(1.0, own / self._model_matrix_numel) if self._model_matrix_numel and own else 1.0
+
     def _ensure_engine(self, with_grads: bool) -> None:
         """Build (once) the MatrixShards of every parameter and the engine; refresh per-step fields.
 
@@ -350,7 +361,7 @@ class MegatronDion3(torch.optim.Optimizer):
                                           shape=matrix.full_shape, sharding=sharding, group=group_arg, hp=hp, state={}))
             self._shards[p] = shards
         all_shards = [s for p, _ in params for s in self._shards[p]]
-        self._engine = Dion3Engine(all_shards, cuda_graph=self.cuda_graph)
+        self._engine = Dion3Engine(all_shards, cuda_graph=self.cuda_graph, step_share=self._step_share(params))
         auto = [(s, sg.fraction) for sg in self._engine.plan for s in sg.shards if s.name in auto_names]
         if auto and (not dist.is_initialized() or dist.get_rank() == 0):
             logger.info("Dion3 fraction=auto chose (rows x cols: f) %s",
