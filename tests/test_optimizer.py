@@ -423,3 +423,31 @@ def test_non_finite_gradient_skips_the_whole_step(bad_value, where, generator):
     assert opt.skipped_steps == 1
     assert_unchanged(model, opt, before)
     assert opt.state_dict()["skipped_steps"] == 1
+
+
+@pytest.mark.parametrize("cls_path", ["dion3_megatron.Dion3", "dion3_megatron.megatron.MegatronDion3"])
+def test_a_checkpoint_without_a_newer_group_option_loads_with_its_default(cls_path, generator):
+    """A param group saved before an option existed (row_step_as_full is the latest) takes the
+    option's default on load, and the resumed step equals one from a fresh optimizer's state."""
+    import importlib
+
+    from dion3_megatron import options
+
+    module, name = cls_path.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), name)
+    p = torch.nn.Parameter(torch.randn(32, 16, generator=generator))
+    grads = [torch.randn(32, 16, generator=generator) for _ in range(2)]
+    opt = cls([{"params": [p]}], lr=0.02)
+    p.grad = grads[0].clone()
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    for group in saved["param_groups"]:
+        del group["row_step_as_full"]
+    twin = torch.nn.Parameter(p.detach().clone())
+    resumed = cls([{"params": [twin]}], lr=0.02)
+    resumed.load_state_dict(saved)
+    assert resumed.param_groups[0]["row_step_as_full"] is options.BY_NAME["row_step_as_full"].default
+    p.grad, twin.grad = grads[1].clone(), grads[1].clone()
+    opt.step()
+    resumed.step()
+    assert torch.equal(p, twin)
