@@ -161,19 +161,21 @@ def measure(device: torch.device, dtype: torch.dtype) -> DeviceSpeed:
     return _measured[key]
 
 
-def for_group(device: torch.device, dtype: torch.dtype, group: Optional[dist.ProcessGroup]) -> DeviceSpeed:
-    """This device's speed with the link of ``group``'s backend, agreed over the group's members (a
-    collective when the group has more than one rank) so that all of them choose the same f: the
-    slowest member's numbers, since a step that needs all of them waits for it."""
+def for_group(device: torch.device, dtype: torch.dtype, group: Optional[dist.ProcessGroup],
+              step_share: float = 1.0) -> tuple[DeviceSpeed, float]:
+    """This device's speed with the link of ``group``'s backend, and ``step_share``, agreed over the
+    group's members (a collective when the group has more than one rank) so that all of them choose
+    the same f: the slowest member's numbers, since a step that needs all of them waits for it, and
+    the largest share (the member whose step weighs most in its iteration)."""
     speed = measure(device, dtype)
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return speed
+        return speed, step_share
     link = LINK_BYTES_PER_S.get(str(dist.get_backend(group)), LINK_BYTES_PER_S["gloo"])
-    values = torch.tensor([speed.matmul_flops, -speed.launch_seconds, speed.memory_bytes_per_s, link],
+    values = torch.tensor([speed.matmul_flops, -speed.launch_seconds, speed.memory_bytes_per_s, link, -step_share],
                           dtype=torch.float64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
-    flops, neg_launch, memory, link = values.tolist()
-    return DeviceSpeed(flops, -neg_launch, memory, link)
+    flops, neg_launch, memory, link, neg_share = values.tolist()
+    return DeviceSpeed(flops, -neg_launch, memory, link), -neg_share
 
 
 @dataclass(frozen=True)
@@ -198,16 +200,23 @@ def resolve_fractions(
     requests: Sequence[FractionRequest],
     joined: Sequence[tuple[torch.device, Dion3Hyperparameters, dist.ProcessGroup]] = (),
 ) -> list[float]:
-    """The f of each request: :func:`choose_fraction` on the speed its group agrees on.
+    """The f of each request: :func:`choose_fraction` on the speed and step share its group agrees on.
 
     One collective per (group, device, dtype), in the order of the groups' ranks, so that every
     member makes the same calls: a rank must call with the same groups as its peers, and names in
     ``joined`` (device, settings, group) those it agrees on without a request of its own.
     """
-    wanted = {_speed_key(r.device, r.hp, r.group): (r.device, r.hp, r.group) for r in requests}
+    wanted: dict[tuple, tuple] = {}
+    for r in requests:  # a group's requests share its largest step share
+        key = _speed_key(r.device, r.hp, r.group)
+        share = max(r.step_share, wanted[key][2]) if key in wanted else r.step_share
+        wanted[key] = (r.device, r.group, share)
     for device, hp, group in joined:
-        wanted.setdefault(_speed_key(device, hp, group), (device, hp, group))
-    speeds = {key: for_group(device, key[2], group)
-              for key, (device, hp, group) in sorted(wanted.items(), key=lambda item: item[0][0])}
-    return [choose_fraction(*r.shape, speeds[_speed_key(r.device, r.hp, r.group)], r.world, r.batch,
-                          r.hp.ns_method, r.hp.num_heads, r.step_share) for r in requests]
+        wanted.setdefault(_speed_key(device, hp, group), (device, group, 0.0))  # no share of its own
+    agreed = {key: for_group(device, key[2], group, share)
+              for key, (device, group, share) in sorted(wanted.items(), key=lambda item: item[0][0])}
+    out = []
+    for r in requests:
+        speed, share = agreed[_speed_key(r.device, r.hp, r.group)]
+        out.append(choose_fraction(*r.shape, speed, r.world, r.batch, r.hp.ns_method, r.hp.num_heads, share))
+    return out

@@ -211,3 +211,26 @@ def test_engine_ranks_agree_on_the_slowest_speed_and_match_the_single_process_ru
         reference.step()
     for j, p in enumerate(params):
         torch.testing.assert_close(torch.cat([pieces0[j], pieces1[j]]), p.detach(), rtol=1e-5, atol=1e-5)
+
+
+def _share_worker(rank, world):
+    # The ranks of one exchange step shares of their models that differ: alone, rank 0 (share 1)
+    # would take 1/4 of (512, 64)'s rows and rank 1 (share 0.1) 1/2; they must agree.
+    auto_fraction.measure = lambda device, dtype: FLOP_BOUND
+    auto_fraction.AUTO_TOKENS_PER_STEP = 10  # a spawned process: not restored
+    alone = [auto_fraction.choose_fraction(512, 64, FLOP_BOUND, world=2, batch=1, step_share=s) for s in (1.0, 0.1)]
+    group = dist.new_group(list(range(world)))
+    hp = rule.Dion3Hyperparameters(lr=0.02, fraction="auto", ns_dtype=torch.float32)
+    sharding = Sharding.even_rows(512, world)
+    b = sharding.bounds
+    weight = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))[b[rank]:b[rank + 1]].clone()
+    engine = Dion3Engine([MatrixShard("m", weight, None, (512, 64), sharding, group, hp)],
+                         step_share=[1.0, 0.1][rank])
+    return alone, engine.auto_fractions()
+
+
+@pytest.mark.slow
+def test_ranks_of_one_exchange_agree_on_the_largest_step_share():
+    (alone, chosen0), (_, chosen1) = run_distributed(_share_worker, 2)
+    assert alone == [0.25, 0.5]
+    assert chosen0 == chosen1 == {(512, 64): 0.25}
