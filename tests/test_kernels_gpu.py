@@ -73,6 +73,29 @@ def test_gram_vs_fp64(cuda_gen, dtype, shape, tile):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 256, 512), (1, 1000, 3000), (3, 520, 1032), (2, 136, 72), (2, 1288, 640)])
+@pytest.mark.parametrize("tile", [64, 128, "128x256", "256x256"])
+def test_gram_of_a_transposed_operand_reads_it_in_place(cuda_gen, dtype, shape, tile, monkeypatch):
+    """The tall input's Gram: X^T X of a row-major (L, K, M) X, passed as the (L, M, K) view X^T,
+    runs on the M-major kernel without a copy, with + beta * C."""
+    from dion3_megatron.kernels import sm90_symm
+
+    b, m, k = shape
+    xt = (_rand(cuda_gen, b, k, m, dtype=dtype) / k**0.25).mT
+    c = _rand(cuda_gen, b, m, m, dtype=torch.float32)
+    c = c + c.mT
+    copied = []
+    contiguous = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda t, *a, **kw: copied.append(t.shape) or contiguous(t, *a, **kw))
+    out = _poisoned((b, m, m), torch.float32)
+    sm90_symm.symm_gemm(xt, xt, 0.5, -2.0, c, out=out, tile=tile)
+    assert torch.Size((b, m, k)) not in copied, copied
+    xd = xt.double()
+    assert _rel(out, 0.5 * xd @ xd.mT - 2.0 * c.double()) <= TOL[dtype]
+    assert torch.equal(out, out.mT)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("out_dtype", [torch.float32, None])
 @pytest.mark.parametrize("shape", [(1, 1000, 3000), (3, 520, 1032)])
 @pytest.mark.parametrize("tile", [None, "128x256", "256x256"])
@@ -138,7 +161,7 @@ def test_backend_products_vs_fp64(cuda_gen, dtype):
     z = be.symmetric(r, r, 0.5, -1.0, r)
     rd = r.double()
     assert _rel(z, 0.5 * rd @ rd - rd) <= TOL[dtype]
-    # a transposed (column-major) operand is made contiguous first
+    # a transposed (column-major) operand: read in place (M-major)
     xt = _rand(cuda_gen, 1, 1536, 384, dtype=dtype).mT
     g = be.gram(xt, 1.0, 0.0, None)
     assert _rel(g, xt.double() @ xt.double().mT) <= TOL[dtype]

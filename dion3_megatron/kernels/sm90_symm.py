@@ -1,7 +1,9 @@
 """CuTe DSL symmetric GEMM for Hopper (sm_90a): D = alpha * A @ B^T + beta * C, one triangle.
 
-Both products of Gram Newton-Schulz have this form with K-major operands:
-  * gram       D = alpha * X X^T + beta * C      A = B = X (s x L, row-major)
+Both products of Gram Newton-Schulz have this form:
+  * gram       D = alpha * X X^T + beta * C      A = B = X (s x L, row-major: K-major; or the
+                                                 transposed view of a row-major L x s matrix,
+                                                 the tall input's Gram: M-major, read as it lies)
   * symmetric  D = alpha * P Q + beta * C        P, Q symmetric and commuting (s x s, row-major):
                                                  Q^T = Q, so Q's row-major storage is the K-major
                                                  "B" operand, and P Q is symmetric.
@@ -71,9 +73,12 @@ def max_stages(tile_m: int, tile_n: int, ab_bytes: int = 2) -> int:
 
 class SymmGemmSm90:
     """One compiled configuration: output tile ``tile`` (see :func:`tile_shape`), pipeline
-    ``stages``, operand dtype ``ab``, output dtype ``d``, addend dtype ``c`` (None: no beta * C)."""
+    ``stages``, operand dtype ``ab``, output dtype ``d``, addend dtype ``c`` (None: no beta * C),
+    and the operands' layout: K-major (rows of A and B contiguous), or with ``m_major`` M-major
+    (columns contiguous: TMA loads them and the wgmma reads shared memory in that mode)."""
 
-    def __init__(self, ab, d, c=None, tile=128, stages: Optional[int] = None):
+    def __init__(self, ab, d, c=None, tile=128, stages: Optional[int] = None, m_major: bool = False):
+        self.m_major = m_major
         self.tile_m, self.tile_n = tile_shape(tile)
         self.ab_dtype, self.d_dtype, self.c_dtype = ab, d, c
         self.stages = stages or max_stages(self.tile_m, self.tile_n)
@@ -93,8 +98,8 @@ class SymmGemmSm90:
     @cute.jit
     def __call__(
         self,
-        pA: cute.Pointer,  # (L, M, K) row-major
-        pB: cute.Pointer,  # (L, M, K) row-major
+        pA: cute.Pointer,  # (L, M, K) row-major, or with m_major (L, K, M) row-major
+        pB: cute.Pointer,  # as pA
         pC: cute.Pointer,  # (L, M, M) row-major (ignored unless has_c)
         pD: cute.Pointer,  # (L, M, M) row-major
         m: Int32,
@@ -107,27 +112,34 @@ class SymmGemmSm90:
         ab_dtype = self.ab_dtype
         tm, tn = self.cta_m, self.tile_n
         k8 = cute.assume(k, divby=8)
-        ld = cutlass.Int64(k8)
-        mA = cute.make_tensor(pA, cute.make_layout((m, k8, batch), stride=(ld, 1, ld * m)))
-        mB = cute.make_tensor(pB, cute.make_layout((m, k8, batch), stride=(ld, 1, ld * m)))
         ldd = cute.assume(cutlass.Int64(m), divby=8)  # rows of D and C start 16-byte aligned
+        if const_expr(self.m_major):
+            ab_layout = cute.make_layout((m, k8, batch), stride=(1, ldd, ldd * k8))
+        else:
+            ld = cutlass.Int64(k8)
+            ab_layout = cute.make_layout((m, k8, batch), stride=(ld, 1, ld * m))
+        mA = cute.make_tensor(pA, ab_layout)
+        mB = cute.make_tensor(pB, ab_layout)
         mD = cute.make_tensor(pD, cute.make_layout((m, m, batch), stride=(ldd, 1, ldd * m)))
         mC = mD
         if const_expr(self.has_c):
             mC = cute.make_tensor(pC, cute.make_layout((m, m, batch), stride=(ldd, 1, ldd * m)))
 
         tile_mnk = (tm, tn, TILE_K)
+        major, gmem_order = OperandMajorMode.K, LayoutEnum.ROW_MAJOR
+        if const_expr(self.m_major):
+            major, gmem_order = OperandMajorMode.MN, LayoutEnum.COL_MAJOR
         tiled_mma = sm90.make_trivial_tiled_mma(
             ab_dtype,
             ab_dtype,
-            OperandMajorMode.K,
-            OperandMajorMode.K,
+            major,
+            major,
             Float32,
             (self.n_mma_wg, 1, 1),
             tiler_mn=(64, tn),
         )
-        a_layout = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, ab_dtype, self.stages)
-        b_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, ab_dtype, self.stages)
+        a_layout = sm90.make_smem_layout_a(gmem_order, tile_mnk, ab_dtype, self.stages)
+        b_layout = sm90.make_smem_layout_b(gmem_order, tile_mnk, ab_dtype, self.stages)
         tma_a, tA = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_layout, (None, None, 0)), (tm, TILE_K)
         )
@@ -431,15 +443,17 @@ def default_tile(m: int, batch: int) -> tuple[int, int]:
     return min(TILES, key=cost)
 
 
-def compiled(ab: torch.dtype, d: torch.dtype, c: Optional[torch.dtype], tile, stages: Optional[int] = None):
+def compiled(ab: torch.dtype, d: torch.dtype, c: Optional[torch.dtype], tile, stages: Optional[int] = None,
+             m_major: bool = False):
     """The compiled kernel for one configuration (compiled on first use, then cached)."""
     shape = tile_shape(tile)
     stages = stages or max_stages(*shape)
-    key = (ab, d, c, shape, stages)
+    key = (ab, d, c, shape, stages, m_major)
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = SymmGemmSm90(
-            _TORCH_TO_CUTLASS[ab], _TORCH_TO_CUTLASS[d], _TORCH_TO_CUTLASS[c] if c is not None else None, shape, stages
+            _TORCH_TO_CUTLASS[ab], _TORCH_TO_CUTLASS[d], _TORCH_TO_CUTLASS[c] if c is not None else None, shape, stages,
+            m_major,
         )
         dummy = lambda dt: make_ptr(_TORCH_TO_CUTLASS[dt], 0, cute.AddressSpace.gmem, assumed_align=16)  # noqa: E731
         from cutlass.runtime import make_fake_stream
@@ -462,6 +476,11 @@ def compiled(ab: torch.dtype, d: torch.dtype, c: Optional[torch.dtype], tile, st
     return fn
 
 
+def _m_major(t: torch.Tensor) -> bool:
+    """t (L, M, K) is the transposed view of a contiguous (L, K, M) tensor, and not K-major too."""
+    return t.mT.is_contiguous() and not t.is_contiguous()
+
+
 def symm_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -477,7 +496,9 @@ def symm_gemm(
 
     a is b for a Gram product; for a product P @ Q of commuting symmetric matrices pass b = Q
     (Q^T = Q). Only the lower triangle of tiles is computed; the upper is its mirror.
-    c (L, M, M) must be symmetric. K must be a multiple of 8 (16-byte rows for TMA).
+    c (L, M, M) must be symmetric. K must be a multiple of 8 (16-byte rows for TMA). a and b are
+    read in place when both are contiguous or both transposed views of contiguous (L, K, M)
+    tensors (then M must be a multiple of 8 too), else copied K-major first.
     tile: one of :data:`TILES`, as 64, 128, 256, (128, 256) or "128x256" (default: the kernel
     configuration's tile, else :func:`default_tile`).
     Returns (L, M, M) in out_dtype (default a's dtype), or writes ``out``.
@@ -495,10 +516,13 @@ def symm_gemm(
     batch, m, k = a.shape
     if k % 8:
         raise ValueError(f"K must be a multiple of 8, got {k}")
-    # A Gram product passes one tensor twice: a transposed (tall) input is made K-major once, not
-    # twice (each copy of a 13824x5120 operand costs ~0.46 ms on an H200, 5% of the whole Gram NS).
-    a = a.contiguous()
-    b = a if same else b.contiguous()
+    # Operands are read as they lie when both are K-major, or both M-major (a tall input's Gram: the
+    # transposed view of a row-major matrix); anything else is made K-major first (a copy of a
+    # 13824x5120 operand costs ~0.46 ms on an H200, 5% of the whole Gram NS), once for a Gram product.
+    m_major = m % 8 == 0 and _m_major(a) and _m_major(b)  # TMA: 16-byte strides
+    if not m_major:
+        a = a.contiguous()
+        b = a if same else b.contiguous()
     if out is None:
         out = torch.empty(batch, m, m, dtype=out_dtype or a.dtype, device=a.device)
     elif out.shape != (batch, m, m) or not out.is_contiguous():
@@ -506,6 +530,7 @@ def symm_gemm(
     has_c = c is not None and beta != 0.0
     if has_c:
         c = c.expand(batch, m, m).contiguous()
-    fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, tile or kernel_config.current().tile or default_tile(m, batch), stages)
+    fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, tile or kernel_config.current().tile or default_tile(m, batch),
+                  stages, m_major)
     fn(_ptr(a), _ptr(b), _ptr(c if has_c else out), _ptr(out), m, k, batch, Float32(alpha), Float32(beta), _stream())
     return out.squeeze(0) if squeeze else out
