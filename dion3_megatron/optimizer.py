@@ -269,6 +269,7 @@ class Dion3(torch.optim.Optimizer):
             raise ValueError(f"checkpoint has {len(groups)} param groups, the optimizer has {len(self.param_groups)}{hint}")
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
             settings = {k: v for k, v in saved.items() if k != "params"}
+            options.check_retired(f"param group {gi}", settings)
             self._check_group(f"param group {gi}", {**mine, **settings, "params": self._params_to_check(mine)})
         params = list(self._param_indices())
         auto_fractions = {}

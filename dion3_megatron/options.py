@@ -163,10 +163,6 @@ OPTIONS: tuple[Option, ...] = (
            choices=ADJUST_LR_CHOICES),
     Option("scale_lr_by_fraction", BOOL, False, "multiply the Dion3 step by 1/sqrt(fraction) (keeps the step "
            "norm as f shrinks)"),
-    Option("row_step_as_full", BOOL, False, "each applied row of a tall matrix steps as far as at f = 1: at "
-           "f < 1 its selected rows come out of the orthogonalization up to sqrt(rows/cols) longer than at f = 1, "
-           "so the step is multiplied by sqrt(min(rows, cols) k / (rows min(k, cols))) for k selected rows; "
-           "wide and square matrices are unchanged"),
     Option("scale_mu_by_fraction", BOOL, False, "the applied rows keep mu ** (1/fraction) of their momentum "
            "instead of mu: the memory of heavy-ball momentum with mu at every fraction"),
     Option("staleness", REAL, 1.0, "selection favours rows that waited: each row's L1 score times "
@@ -198,6 +194,10 @@ BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
 # were --dion3-ns / dion3_ns before every front end called the option ns_method; the Megatron
 # front end refuses the old spelling with an error naming the new one (rename_error).
 RENAMED = {"ns": "ns_method"}
+
+# Options that were tried and removed, with the value that made each a no-op: a checkpoint whose
+# param groups hold another value was trained by a rule this version no longer has.
+RETIRED = {"row_step_as_full": False}  # lost in the convergence protocol (docs/benchmarks.md)
 
 
 def options_for(front_end: str) -> tuple[Option, ...]:
@@ -268,6 +268,14 @@ def check(where: str, prefix: str = "", **values: Any) -> None:
         option = BY_NAME.get(name)
         if option is not None and not option.valid(value):
             raise ValueError(f"{where}: {prefix}{name} must be {option.allowed()}, got {value!r}")
+
+
+def check_retired(where: str, group: dict[str, Any]) -> None:
+    """Refuse a checkpoint's param group that switched on an option this version removed."""
+    for name, inert in RETIRED.items():
+        if name in group and group[name] != inert:
+            raise ValueError(f"{where}: {name}={group[name]!r} was removed (it did not improve the loss in "
+                             f"the convergence study); this version steps only as {name}={inert!r} did")
 
 
 def rename_error(where: str, old: str, spell=lambda name: name) -> ValueError:

@@ -246,8 +246,7 @@ class ShapeGroup:
 
 
 # Per-matrix settings (not in the batch key) that every rank holding a piece must share.
-_MATRIX_SETTINGS = ("lr", "weight_decay", "mu", "adjust_lr", "scale_lr_by_fraction", "row_step_as_full",
-                    "scale_mu_by_fraction")
+_MATRIX_SETTINGS = ("lr", "weight_decay", "mu", "adjust_lr", "scale_lr_by_fraction", "scale_mu_by_fraction")
 
 
 class BatchKey(NamedTuple):

@@ -49,7 +49,6 @@ class Dion3Hyperparameters:
     eps: float = _DEFAULT["eps"]
     adjust_lr: str = _DEFAULT["adjust_lr"]
     scale_lr_by_fraction: bool = _DEFAULT["scale_lr_by_fraction"]
-    row_step_as_full: bool = _DEFAULT["row_step_as_full"]  # see update_scale()
     scale_mu_by_fraction: bool = _DEFAULT["scale_mu_by_fraction"]  # see momentum_decay()
     staleness: float = _DEFAULT["staleness"]  # see staleness_boost()
     num_heads: Optional[int] = _DEFAULT["num_heads"]
@@ -244,18 +243,11 @@ def update_scale(
     adjust_lr: str = "spectral_norm",
     fraction: float = 1.0,
     scale_lr_by_fraction: bool = False,
-    row_step_as_full: bool = False,
-    num_heads: Optional[int] = None,
 ) -> float:
     """Multiplier of lr for the orthogonalized step of an n_rows x n_cols matrix.
 
     spectral_norm: sqrt(rows / cols).  rms_norm: 0.2 sqrt(max(rows, cols)), which makes AdamW's
     lr and weight decay transfer. Optionally 1/sqrt(f), keeping the step's norm as f shrinks.
-
-    row_step_as_full: the k selected rows of an orthogonalized n x c matrix have norm
-    sqrt(min(k, c) / k) (orthonormal rows while k <= c), at f = 1 sqrt(min(n, c) / n); a tall
-    matrix's applied rows would step up to sqrt(n / c) farther than at f = 1 (wide and square ones
-    as far), so their step is scaled back by the ratio of the two norms.
     """
     if adjust_lr == "spectral_norm":
         scale = math.sqrt(n_rows / n_cols)
@@ -263,9 +255,6 @@ def update_scale(
         scale = 0.2 * math.sqrt(max(n_rows, n_cols))
     else:
         raise ValueError(f"adjust_lr must be one of {ADJUST_LR_CHOICES}, got {adjust_lr!r}")
-    if row_step_as_full:
-        k = selected_row_count(n_rows, fraction, num_heads)
-        scale *= math.sqrt(min(n_rows, n_cols) * k / (n_rows * min(k, n_cols)))
     return scale / math.sqrt(fraction) if scale_lr_by_fraction else scale
 
 
@@ -303,8 +292,7 @@ class UpdateFactors:
 def update_factors(hps: Sequence[Dion3Hyperparameters], fraction: float, n_rows: int, n_cols: int) -> UpdateFactors:
     """The factors of n_rows x n_cols matrices with these settings (one each: lr, weight decay and
     the lr adjustment may differ between them), at ``fraction``."""
-    scales = [update_scale(n_rows, n_cols, hp.adjust_lr, fraction, hp.scale_lr_by_fraction, hp.row_step_as_full,
-                           hp.num_heads) for hp in hps]
+    scales = [update_scale(n_rows, n_cols, hp.adjust_lr, fraction, hp.scale_lr_by_fraction) for hp in hps]
     return UpdateFactors.of([hp.lr for hp in hps], [hp.weight_decay for hp in hps], scales)
 
 

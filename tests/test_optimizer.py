@@ -427,8 +427,9 @@ def test_non_finite_gradient_skips_the_whole_step(bad_value, where, generator):
 
 @pytest.mark.parametrize("cls_path", ["dion3_megatron.Dion3", "dion3_megatron.megatron.MegatronDion3"])
 def test_a_checkpoint_without_a_newer_group_option_loads_with_its_default(cls_path, generator):
-    """A param group saved before an option existed (row_step_as_full is the latest) takes the
-    option's default on load, and the resumed step equals one from a fresh optimizer's state."""
+    """A param group saved before an option existed (here scale_mu_by_fraction, one of the later
+    ones) takes the option's default on load, and the resumed step equals one from a fresh
+    optimizer's state."""
     import importlib
 
     from dion3_megatron import options
@@ -442,12 +443,44 @@ def test_a_checkpoint_without_a_newer_group_option_loads_with_its_default(cls_pa
     opt.step()
     saved = copy.deepcopy(opt.state_dict())
     for group in saved["param_groups"]:
-        del group["row_step_as_full"]
+        del group["scale_mu_by_fraction"]
     twin = torch.nn.Parameter(p.detach().clone())
     resumed = cls([{"params": [twin]}], lr=0.02)
     resumed.load_state_dict(saved)
-    assert resumed.param_groups[0]["row_step_as_full"] is options.BY_NAME["row_step_as_full"].default
+    assert resumed.param_groups[0]["scale_mu_by_fraction"] is options.BY_NAME["scale_mu_by_fraction"].default
     p.grad, twin.grad = grads[1].clone(), grads[1].clone()
+    opt.step()
+    resumed.step()
+    assert torch.equal(p, twin)
+
+
+@pytest.mark.parametrize("cls_path", ["dion3_megatron.Dion3", "dion3_megatron.megatron.MegatronDion3"])
+def test_a_checkpoint_with_a_removed_option_switched_on_is_refused_whole(cls_path, generator):
+    """row_step_as_full was removed: a group saved with it on names it and loads nothing; saved at
+    its no-op value it loads and resumes as if it had never been there."""
+    import importlib
+
+    module, name = cls_path.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), name)
+    p = torch.nn.Parameter(torch.randn(32, 16, generator=generator))
+    opt = cls([{"params": [p]}], lr=0.02)
+    p.grad = torch.randn(32, 16, generator=generator)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    twin = torch.nn.Parameter(p.detach().clone())
+    resumed = cls([{"params": [twin]}], lr=0.02)
+    saved["param_groups"][0]["row_step_as_full"] = True
+    before = copy.deepcopy(resumed.state_dict())
+    with pytest.raises(ValueError, match=r"param group 0: row_step_as_full=True was removed"):
+        resumed.load_state_dict(saved)
+    after = resumed.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert after["state"].keys() == before["state"].keys()
+    assert all(torch.equal(after["state"][i][k], v) for i, s in before["state"].items() for k, v in s.items())
+    saved["param_groups"][0]["row_step_as_full"] = False
+    resumed.load_state_dict(saved)
+    grad = torch.randn(32, 16, generator=generator)
+    p.grad, twin.grad = grad.clone(), grad.clone()
     opt.step()
     resumed.step()
     assert torch.equal(p, twin)

@@ -165,53 +165,15 @@ def test_update_scale_modes():
     assert rule.update_scale(64, 16, fraction=0.25, scale_lr_by_fraction=True) == pytest.approx(4.0)
     with pytest.raises(ValueError, match="adjust_lr"):
         rule.update_scale(4, 4, "max")
-    # row_step_as_full: tall matrices only; f = 1 unchanged; k <= cols: sqrt(cols/rows), else sqrt(k/rows)
-    assert rule.update_scale(64, 16, fraction=1.0, row_step_as_full=True) == pytest.approx(2.0)
-    assert rule.update_scale(16, 64, fraction=0.25, row_step_as_full=True) == pytest.approx(0.5)
-    assert rule.update_scale(64, 64, fraction=0.125, row_step_as_full=True) == pytest.approx(1.0)
-    assert rule.update_scale(64, 16, fraction=0.25, row_step_as_full=True) == pytest.approx(2.0 * 0.5)
-    assert rule.update_scale(64, 16, fraction=0.5, row_step_as_full=True) == pytest.approx(2.0 * math.sqrt(0.5))
 
 
-def _rms_applied_row_step(g: torch.Tensor, fraction: float, **options) -> float:
-    """RMS norm of the rows one Dion3 step (lr 1, fp64, no weight decay) moves."""
-    p = torch.nn.Parameter(torch.zeros(g.shape, dtype=torch.float64))
-    opt = Dion3([p], lr=1.0, fraction=fraction, weight_decay=0.0, beta2=0.0, ns_method="standard",
-                ns_dtype=torch.float64, **options)
-    p.grad = g.clone()
-    opt.step()
-    moved = p.detach().norm(dim=1)
-    return moved[moved > 0].square().mean().sqrt().item()
-
-
-@pytest.mark.parametrize("shape", [(64, 16), (96, 40)])
-def test_row_step_as_full_gives_a_tall_matrix_s_applied_rows_their_norm_at_f_1(shape, generator):
-    """The premise of row_step_as_full on the real step: orthogonalized (and NorMuon-normalized with
-    equal row moments), a tall n x m matrix's rows have norm sqrt(m/n) at f = 1 and 1 when
-    k <= m rows are selected; times the spectral scale sqrt(n/m), the applied rows step 1 at f = 1,
-    sqrt(n/m) at f = 1/4, and 1 again with the option. (5 NS steps orthogonalize to a few %.)"""
-    n, m = shape
-    g = torch.linalg.qr(torch.randn(n, m, generator=generator, dtype=torch.float64)).Q
-    g = g * (1 + 0.01 * torch.rand(n, 1, generator=generator, dtype=torch.float64))
-    assert _rms_applied_row_step(g, 1.0) == pytest.approx(1.0, rel=0.15)
-    assert _rms_applied_row_step(g, 0.25) == pytest.approx(math.sqrt(n / m), rel=0.08)
-    assert _rms_applied_row_step(g, 0.25, row_step_as_full=True) == pytest.approx(1.0, rel=0.08)
-
-
-def test_row_step_as_full_leaves_wide_and_square_matrices_alone(generator):
-    for shape in [(16, 64), (32, 32)]:
-        g = torch.randn(shape, generator=generator, dtype=torch.float64)
-        assert _rms_applied_row_step(g, 0.25, row_step_as_full=True) == _rms_applied_row_step(g, 0.25)
-
-
-@pytest.mark.parametrize("adjust_lr,scale_by_f,row_step", [("spectral_norm", False, False), ("rms_norm", False, False),
-                                                           ("spectral_norm", True, False), ("spectral_norm", False, True)])
-def test_step_norm_follows_the_scale(adjust_lr, scale_by_f, row_step, generator):
+@pytest.mark.parametrize("adjust_lr,scale_by_f", [("spectral_norm", False), ("rms_norm", False), ("spectral_norm", True)])
+def test_step_norm_follows_the_scale(adjust_lr, scale_by_f, generator):
     n, m, f, lr = 48, 16, 0.25, 0.01
     p = torch.nn.Parameter(torch.randn(n, m, generator=generator))
     w0 = p.detach().clone()
     opt = Dion3([p], lr=lr, fraction=f, weight_decay=0.0, adjust_lr=adjust_lr, scale_lr_by_fraction=scale_by_f,
-                row_step_as_full=row_step, ns_dtype=torch.float64)
+                ns_dtype=torch.float64)
     g = torch.randn(n, m, generator=generator)
     p.grad = g.clone()
     opt.step()
@@ -219,7 +181,7 @@ def test_step_norm_follows_the_scale(adjust_lr, scale_by_f, row_step, generator)
     rows = torch.sort(torch.topk(g.abs().sum(1), k).indices).values
     # NorMuon keeps the orthogonalized block's Frobenius norm, so the step's norm is lr*scale*||O||.
     ortho_norm = ortho.gram_newton_schulz(g[rows].double(), dtype=torch.float64).norm()
-    expected = lr * rule.update_scale(n, m, adjust_lr, f, scale_by_f, row_step) * ortho_norm
+    expected = lr * rule.update_scale(n, m, adjust_lr, f, scale_by_f) * ortho_norm
     assert (p.detach() - w0).norm().item() == pytest.approx(expected.item(), rel=1e-5)
 
 

@@ -466,6 +466,7 @@ class MegatronDion3(torch.optim.Optimizer):
             raise ValueError(f"checkpoint has {len(groups)} param groups, the optimizer has {len(self.param_groups)}")
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
             merged = {**mine, **saved}
+            options.check_retired(f"param group {gi}", saved)
             options.check(f"param group {gi}", **{k: merged[k] for k in _GROUP_SETTINGS})
         saved_fractions = state_dict.get("auto_fractions", {})
         saved_fractions = self._checked_saved_fractions(saved_fractions) if any(saved_fractions.values()) else None
