@@ -30,7 +30,7 @@ CPU = os.path.join(ROOT, "examples", "megatron_cpu.py")
 
 # A tiny GPT for 4 iterations; dropout off (on CPU the CUDA RNG tracker is the CPU generator, which
 # the data loader also draws from, so dropout masks would not survive a resume), constant lr.
-TINY = ["--optimizer", "dion3", "--use-distributed-optimizer", "--dion3-fraction", "0.5",
+TINY = ["--optimizer", "dion3", "--use-distributed-optimizer",
         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
         "--num-query-groups", "2", "--ffn-hidden-size", "128", "--swiglu", "--disable-bias-linear",
         "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
@@ -91,7 +91,7 @@ def assert_same_checkpoint(a: dict, b: dict) -> None:
             assert repr(x) == repr(y), f"{key}: {repr(x)[:200]} != {repr(y)[:200]}"
 
 
-def assert_layer_wise_layout(log: str, dp: int) -> None:
+def assert_layer_wise_layout(log: str, dp: int, fraction: str) -> None:
     """The layout docs/megatron.md describes: DDP reduce-scatters into the layer-wise layout (every
     one of the 8 block matrices whole in one data-parallel shard), Dion3 is the layer-wise optimizer."""
     assert f"Layerwise param layout: 8 params, 1 buckets, dp_size={dp}" in log
@@ -100,16 +100,23 @@ def assert_layer_wise_layout(log: str, dp: int) -> None:
     assert "Using LayerWiseDistributedOptimizer for dion3" in log
     # No apex or Transformer Engine here: Megatron's norm and clipping ran as foreach ops, and said so.
     assert "run as torch foreach ops (dion3_megatron.megatron.multi_tensor)" in log
-    assert re.search(r"dion3_fraction \.+ 0\.5\b", log)  # the flag reached Megatron's args
+    assert re.search(rf"dion3_fraction \.+ {re.escape(fraction)}$", log, re.M)  # the flag reached Megatron's args
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2"])
-def test_pretrain_dion3_layout_and_exact_resume(tmp_path, layout):
+@pytest.mark.parametrize("layout,fraction", [("dp2", "0.5"), ("tp2", "0.5"), ("dp2", "auto")])
+def test_pretrain_dion3_layout_and_exact_resume(tmp_path, layout, fraction):
+    """With fraction "auto" the ranks choose f at the first step, by a share of the model's matrices
+    of about 1/DP each, and the resumed run steps with the choices the checkpoint holds."""
     parallel = ["--tensor-model-parallel-size", "2"] if layout == "tp2" else []
+    parallel += ["--dion3-fraction", fraction]
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
 
     log = pretrain(parallel + ["--save", full])
-    assert_layer_wise_layout(log, dp=1 if layout == "tp2" else 2)
+    assert_layer_wise_layout(log, dp=1 if layout == "tp2" else 2, fraction=fraction)
+    if fraction == "auto":
+        chose = re.search(r"Dion3 fraction=auto chose \(rows x cols: f\) (.*); this rank steps ([0-9.]+) of", log)
+        assert chose, log[-3000:]
+        assert 0.3 <= float(chose.group(2)) <= 0.7  # layer-wise ZeRO-1 at DP=2: about half the matrices
     losses = iterations(log)
     assert sorted(losses) == [1, 2, 3, 4]
     assert float(losses[4][0]) < float(losses[1][0])  # (a running mean from iteration 2 on, see below)
@@ -145,7 +152,7 @@ def test_a_dp2_checkpoint_resumes_at_tp2(tmp_path):
     """Saved at DP=2, loaded at TP=2 (Megatron's fully reshardable optimizer format, which its Adam
     part needs to change TP; a vocabulary that pads to the same size at both TP sizes): the resumed
     run repeats the DP=2 run's loss and gradient norms, so the weights and Dion3's state resharded."""
-    same_padding = ["--vocab-size", "256", "--dist-ckpt-optim-fully-reshardable"]
+    same_padding = ["--vocab-size", "256", "--dist-ckpt-optim-fully-reshardable", "--dion3-fraction", "0.5"]
     full = str(tmp_path / "dp2")
     dp2 = iterations(pretrain(same_padding + ["--save", full]))
     tp2 = iterations(pretrain(same_padding + ["--tensor-model-parallel-size", "2", "--load", full,

@@ -361,11 +361,13 @@ class MegatronDion3(torch.optim.Optimizer):
                                           shape=matrix.full_shape, sharding=sharding, group=group_arg, hp=hp, state={}))
             self._shards[p] = shards
         all_shards = [s for p, _ in params for s in self._shards[p]]
-        self._engine = Dion3Engine(all_shards, cuda_graph=self.cuda_graph, step_share=self._step_share(params))
+        step_share = self._step_share(params)
+        self._engine = Dion3Engine(all_shards, cuda_graph=self.cuda_graph, step_share=step_share)
         auto = [(s, sg.fraction) for sg in self._engine.plan for s in sg.shards if s.name in auto_names]
         if auto and (not dist.is_initialized() or dist.get_rank() == 0):
-            logger.info("Dion3 fraction=auto chose (rows x cols: f) %s",
-                        ", ".join(f"{n}x{m}: {f:g}" for (n, m), f in sorted({s.shape: f for s, f in auto}.items())))
+            logger.info("Dion3 fraction=auto chose (rows x cols: f) %s; this rank steps %.2f of the model's matrices",
+                        ", ".join(f"{n}x{m}: {f:g}" for (n, m), f in sorted({s.shape: f for s, f in auto}.items())),
+                        step_share)
         self._share_auto_fractions({s.name: f for s, f in auto})
         self._engine_key = key
         # What changes from step to step: each group's lr and weight decay, and the gradient (and,
