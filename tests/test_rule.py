@@ -197,3 +197,52 @@ def test_adamw_path_matches_torch_adamw(generator):
         opt.step()
         ref_opt.step()
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("exponent", [0.5, 1.0])
+def test_wait_exponent_moves_each_applied_row_by_its_wait_to_the_exponent(exponent, generator):
+    """Same gradients into a plain Dion3 and one with wait_exponent: they select the same rows
+    (selection reads the momentum and ages, not the weights), and each applied row moves
+    (steps since it was last applied) ** exponent times as far; the others do not move."""
+    shapes = [(32, 16), (16, 48)]
+    start = [torch.randn(s, generator=generator, dtype=torch.float64) for s in shapes]
+    grads = [[torch.randn(s, generator=generator, dtype=torch.float64) for s in shapes] for _ in range(6)]
+    settings = dict(lr=0.01, fraction=0.25, weight_decay=0.0, staleness=1.0, ns_method="standard",
+                    ns_dtype=torch.float64)
+    plain = [torch.nn.Parameter(w.clone()) for w in start]
+    waited = [torch.nn.Parameter(w.clone()) for w in start]
+    opt_plain, opt_waited = Dion3(plain, **settings), Dion3(waited, wait_exponent=exponent, **settings)
+    checked = 0
+    for step_grads in grads:
+        ages = [opt_waited.state[p]["row_age"].reshape(-1).clone() if p in opt_waited.state else torch.zeros(p.shape[0])
+                for p in waited]
+        before_plain = [p.detach().clone() for p in plain]
+        before_waited = [p.detach().clone() for p in waited]
+        for p, q, g in zip(plain, waited, step_grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt_plain.step()
+        opt_waited.step()
+        for p, q, b_p, b_q, age in zip(plain, waited, before_plain, before_waited, ages):
+            moved_plain = (p.detach() - b_p).norm(dim=1)
+            moved_waited = (q.detach() - b_q).norm(dim=1)
+            applied = moved_plain > 0
+            assert torch.equal(applied, moved_waited > 0)
+            expected = (age.double()[applied] + 1) ** exponent
+            torch.testing.assert_close(moved_waited[applied] / moved_plain[applied], expected, rtol=1e-6, atol=0)  # fp32 state
+            checked += int((age[applied] > 0).sum())
+    assert checked > 0  # some applied rows had waited more than one step
+
+
+def test_wait_exponent_needs_the_row_ages_and_the_single_process_step():
+    from dion3_megatron import megabatch
+
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    with pytest.raises(ValueError, match=r"wait_exponent=0.5 needs staleness > 0 .* got staleness=0"):
+        Dion3([p], wait_exponent=0.5, staleness=0.0)
+    with pytest.raises(ValueError, match=r"wait_exponent must be in \[0, 1\], got 2"):
+        Dion3([p], wait_exponent=2)
+    shard = megabatch.MatrixShard(name="w", weight=torch.randn(8, 4), grad=torch.randn(8, 4), shape=(8, 4),
+                                  sharding=megabatch.Sharding.full(), group=None,
+                                  hp=rule.Dion3Hyperparameters(wait_exponent=0.5), state={})
+    with pytest.raises(ValueError, match="w: wait_exponent=0.5 is supported by the single-process Dion3 only"):
+        megabatch.Dion3Engine([shard])
