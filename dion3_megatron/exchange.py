@@ -117,20 +117,19 @@ def _step_whole_eager(entries: list[WholeMatrices]) -> None:
         if hp.staleness:
             scores = rule.staleness_boost(scores, e.age, hp.staleness, hp.fraction)
         idx = rule.select_rows(scores, hp.fraction, hp.num_heads)
-        waited = rule.wait_factors(e.age, idx, hp.wait_exponent) if hp.wait_exponent else None
         if hp.staleness:
             rule.age_rows(e.age, idx)
         mu = e.mu if e.mu is not None else rule.momentum_decay(hp, hp.fraction)
         selected = rule.take_selected(e.momentum, idx, mu)
         key = (tuple(selected.shape[1:]), selected.device, hp.ns_method, hp.ns_dtype)
-        batches.setdefault(key, []).append((e, idx, selected, waited))
+        batches.setdefault(key, []).append((e, idx, selected))
     for batch in batches.values():
         stacked = torch.cat([b[2] for b in batch]) if len(batch) > 1 else batch[0][2]
         ortho = rule.orthogonalize_rows(stacked, batch[0][0].hp).split([b[2].shape[0] for b in batch])
-        for (e, idx, _, waited), block in zip(batch, ortho):
+        for (e, idx, _), block in zip(batch, ortho):
             weights = list(e.weight.unbind(0)) if torch.is_tensor(e.weight) else list(e.weight)
             factors = e.factors if e.factors is not None else _whole_factors(e)
-            rule.normalize_and_apply(weights, e.variance, idx, block, e.hp.beta2, e.hp.eps, factors, waited)
+            rule.normalize_and_apply(weights, e.variance, idx, block, e.hp.beta2, e.hp.eps, factors)
 
 
 def _to_device(host: dict, device: torch.device) -> dict:

@@ -180,9 +180,6 @@ class Dion3(torch.optim.Optimizer):
         if group["algorithm"] not in (None, *ALGORITHMS):
             raise ValueError(f"{where}: algorithm must be one of {ALGORITHMS} or absent, got {group['algorithm']!r}")
         options.check(where, **{k: group[k] for k in options.group_keys(options.TORCH)})
-        if group["wait_exponent"] and not group["staleness"]:
-            raise ValueError(f"{where}: wait_exponent={group['wait_exponent']!r} needs staleness > 0 (the rows' "
-                             f"ages), got staleness={group['staleness']!r}")
         if group["algorithm"] != "dion3" and group["num_heads"] is None:
             return  # nothing per parameter to check (this runs at every step)
         for i, p in enumerate(group["params"]):

@@ -167,10 +167,6 @@ OPTIONS: tuple[Option, ...] = (
            "instead of mu: the memory of heavy-ball momentum with mu at every fraction"),
     Option("staleness", REAL, 1.0, "selection favours rows that waited: each row's L1 score times "
            "1 + staleness * f * (steps since the row was last applied); 0: plain L1 norms", low=0.0),
-    Option("wait_exponent", REAL, 0.0, "each applied row's step times (steps since the row was last applied) "
-           "** wait_exponent, so rows that waited move farther; 0: off. Needs staleness > 0 (the rows' ages). "
-           "A hypothesis of the convergence study, in the single-process step only", low=0.0, high=1.0,
-           front_ends=frozenset((TORCH,))),
     Option("num_heads", HEADS, None, "select rows per head (rows viewed as heads x head_dim): a positive int, or "
            "None", front_ends=_NOT_MEGATRON),
     Option("ns_method", CHOICE, "gram", "orthogonalization: 'gram' (Gram Newton-Schulz) or 'standard' "

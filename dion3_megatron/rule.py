@@ -51,7 +51,6 @@ class Dion3Hyperparameters:
     scale_lr_by_fraction: bool = _DEFAULT["scale_lr_by_fraction"]
     scale_mu_by_fraction: bool = _DEFAULT["scale_mu_by_fraction"]  # see momentum_decay()
     staleness: float = _DEFAULT["staleness"]  # see staleness_boost()
-    wait_exponent: float = _DEFAULT["wait_exponent"]  # see wait_factors()
     num_heads: Optional[int] = _DEFAULT["num_heads"]
     ns_method: str = _DEFAULT["ns_method"]
     ns_dtype: Optional[torch.dtype] = _DEFAULT["ns_dtype"]  # None: fp16 on GPUs, fp32 on CPU (ortho.default_ns_dtype)
@@ -133,12 +132,6 @@ def staleness_boost(scores: torch.Tensor, age: torch.Tensor, staleness: float, f
     1 + staleness * f * age, so a row that waited one expected period (1 / f steps) counts
     1 + staleness times its norm."""
     return scores * (1 + (staleness * fraction) * age)
-
-
-def wait_factors(age: torch.Tensor, idx: torch.Tensor, exponent: float) -> torch.Tensor:
-    """(B, k): the step multiplier of each selected row, (steps since it was last applied) **
-    exponent. Read before :func:`age_rows`: a row applied at the step before has age 0, waited 1."""
-    return (torch.gather(age, 1, idx) + 1) ** exponent
 
 
 def age_rows(age: torch.Tensor, idx: torch.Tensor) -> None:
@@ -366,11 +359,9 @@ def normalize_and_apply(
     beta2: float,
     eps: float,
     factors: UpdateFactors,
-    row_factors: Optional[torch.Tensor] = None,
 ) -> None:
     """NorMuon on the (B, k, c) orthogonalized rows ``idx`` (B, k), their (B, n) variance updated in
-    place, then :func:`apply_rows` on each of the B matrices with its own factors (and each row's
-    ``row_factors`` (B, k), :func:`wait_factors`).
+    place, then :func:`apply_rows` on each of the B matrices with its own factors.
 
     The coefficients ride in NorMuon's rescaling, so numbers and tensors (a CUDA graph's form)
     take the same kernels and round alike.
@@ -380,8 +371,6 @@ def normalize_and_apply(
         coef = coef[0] if len(set(coef)) == 1 else torch.tensor(coef, dtype=torch.float32).to(ortho.device)
     row_scale, new_variance = row_scales(ortho, torch.gather(variance, 1, idx), beta2, eps, coef)
     variance.scatter_(1, idx, new_variance)
-    if row_factors is not None:
-        row_scale = row_scale * row_factors
     apply_rows(weights, idx, ortho, row_scale, factors.shrink)
 
 

@@ -123,7 +123,7 @@ def test_scheduler_extends_the_lr_grid_until_the_best_is_interior_then_adds_seed
 @pytest.mark.slow
 def test_smoke_run_merge_and_plot(tmp_path, capsys, source_tree):
     out = tmp_path / "conv.json"
-    configs = ["dion3:f=0.25:mu=0.6:stale=1:fwarm=0.25:wait=0.5:lr=0.04", "dion3:f=0.25:lr=0.02", "muon:lr=0.05",
+    configs = ["dion3:f=0.25:mu=0.6:stale=1:fwarm=0.25:lr=0.04", "dion3:f=0.25:lr=0.02", "muon:lr=0.05",
                "adamw:lr=0.01", "normuon:lr=0.04"]
     result = bench.main(TINY + source_tree + ["--json", str(out), "--png", str(tmp_path / "conv.png"), "--configs", *configs])
     printed = capsys.readouterr().out
