@@ -425,39 +425,9 @@ def test_non_finite_gradient_skips_the_whole_step(bad_value, where, generator):
     assert opt.state_dict()["skipped_steps"] == 1
 
 
-@pytest.mark.parametrize("cls_path", ["dion3_megatron.Dion3", "dion3_megatron.megatron.MegatronDion3"])
-def test_a_checkpoint_without_a_newer_group_option_loads_with_its_default(cls_path, generator):
-    """A param group saved before an option existed (here scale_mu_by_fraction, one of the later
-    ones) takes the option's default on load, and the resumed step equals one from a fresh
-    optimizer's state."""
-    import importlib
-
-    from dion3_megatron import options
-
-    module, name = cls_path.rsplit(".", 1)
-    cls = getattr(importlib.import_module(module), name)
-    p = torch.nn.Parameter(torch.randn(32, 16, generator=generator))
-    grads = [torch.randn(32, 16, generator=generator) for _ in range(2)]
-    opt = cls([{"params": [p]}], lr=0.02)
-    p.grad = grads[0].clone()
-    opt.step()
-    saved = copy.deepcopy(opt.state_dict())
-    for group in saved["param_groups"]:
-        del group["scale_mu_by_fraction"]
-    twin = torch.nn.Parameter(p.detach().clone())
-    resumed = cls([{"params": [twin]}], lr=0.02)
-    resumed.load_state_dict(saved)
-    assert resumed.param_groups[0]["scale_mu_by_fraction"] is options.BY_NAME["scale_mu_by_fraction"].default
-    p.grad, twin.grad = grads[1].clone(), grads[1].clone()
-    opt.step()
-    resumed.step()
-    assert torch.equal(p, twin)
-
-
-@pytest.mark.parametrize("cls_path", ["dion3_megatron.Dion3", "dion3_megatron.megatron.MegatronDion3"])
-def test_a_checkpoint_with_a_removed_option_switched_on_is_refused_whole(cls_path, generator):
-    """row_step_as_full was removed: a group saved with it on names it and loads nothing; saved at
-    its no-op value it loads and resumes as if it had never been there."""
+def _stepped_once_and_a_fresh_twin(cls_path: str, generator):
+    """An optimizer of ``cls_path`` stepped once on one matrix, its state dict (a copy), and a fresh
+    optimizer of the same class on a copy of the weights, to load it into."""
     import importlib
 
     module, name = cls_path.rsplit(".", 1)
@@ -466,9 +436,41 @@ def test_a_checkpoint_with_a_removed_option_switched_on_is_refused_whole(cls_pat
     opt = cls([{"params": [p]}], lr=0.02)
     p.grad = torch.randn(32, 16, generator=generator)
     opt.step()
-    saved = copy.deepcopy(opt.state_dict())
     twin = torch.nn.Parameter(p.detach().clone())
-    resumed = cls([{"params": [twin]}], lr=0.02)
+    return p, opt, copy.deepcopy(opt.state_dict()), twin, cls([{"params": [twin]}], lr=0.02)
+
+
+def _step_both_and_compare(p, opt, twin, resumed, generator) -> None:
+    grad = torch.randn(32, 16, generator=generator)
+    p.grad, twin.grad = grad.clone(), grad.clone()
+    opt.step()
+    resumed.step()
+    assert torch.equal(p, twin)
+
+
+CHECKPOINTING_CLASSES = ["dion3_megatron.Dion3", "dion3_megatron.megatron.MegatronDion3"]
+
+
+@pytest.mark.parametrize("cls_path", CHECKPOINTING_CLASSES)
+def test_a_checkpoint_without_a_newer_group_option_loads_with_its_default(cls_path, generator):
+    """A param group saved before an option existed (here scale_mu_by_fraction, one of the later
+    ones) takes the option's default on load, and the resumed step equals one from a fresh
+    optimizer's state."""
+    from dion3_megatron import options
+
+    p, opt, saved, twin, resumed = _stepped_once_and_a_fresh_twin(cls_path, generator)
+    for group in saved["param_groups"]:
+        del group["scale_mu_by_fraction"]
+    resumed.load_state_dict(saved)
+    assert resumed.param_groups[0]["scale_mu_by_fraction"] is options.BY_NAME["scale_mu_by_fraction"].default
+    _step_both_and_compare(p, opt, twin, resumed, generator)
+
+
+@pytest.mark.parametrize("cls_path", CHECKPOINTING_CLASSES)
+def test_a_checkpoint_with_a_removed_option_switched_on_is_refused_whole(cls_path, generator):
+    """row_step_as_full was removed: a group saved with it on names it and loads nothing; saved at
+    its no-op value it loads and resumes as if it had never been there."""
+    p, opt, saved, twin, resumed = _stepped_once_and_a_fresh_twin(cls_path, generator)
     saved["param_groups"][0]["row_step_as_full"] = True
     before = copy.deepcopy(resumed.state_dict())
     with pytest.raises(ValueError, match=r"param group 0: row_step_as_full=True was removed"):
@@ -479,8 +481,4 @@ def test_a_checkpoint_with_a_removed_option_switched_on_is_refused_whole(cls_pat
     assert all(torch.equal(after["state"][i][k], v) for i, s in before["state"].items() for k, v in s.items())
     saved["param_groups"][0]["row_step_as_full"] = False
     resumed.load_state_dict(saved)
-    grad = torch.randn(32, 16, generator=generator)
-    p.grad, twin.grad = grad.clone(), grad.clone()
-    opt.step()
-    resumed.step()
-    assert torch.equal(p, twin)
+    _step_both_and_compare(p, opt, twin, resumed, generator)
