@@ -66,14 +66,24 @@ def test_cpu_products_never_route_to_kernels(generator):
 def test_routing_rules():
     kernels.configure(routing="measured")
     assert not backend.routes_to_kernel(1, 64, 64, torch.float16)  # tiny: cuBLAS
+    # by the tiles the batch fills (one wave of 132 SMs), whatever the batch's split
+    assert not backend.routes_to_kernel(1, 1024, 5120, torch.float16)  # 20 tiles
+    assert not backend.routes_to_kernel(1, 2048, 8192, torch.float16)  # 72: lost 0.88x
+    assert not backend.routes_to_kernel(4, 1024, 5120, torch.float16)  # 80
+    assert backend.routes_to_kernel(1, 3072, 3072, torch.float16)  # 156: won 1.02x
+    assert backend.routes_to_kernel(16, 1024, 5120, torch.float16)  # 320
+    assert backend.routes_to_kernel(16, 1024, 1024, torch.float16)  # the batch's symmetric products
+    assert backend.routes_to_kernel(2, 2048, 2048, torch.float16)  # 144
     assert not backend.routes_to_kernel(1, 8192, 8192, torch.float32)  # fp32: no kernel
     assert not backend.routes_to_kernel(1, 8190, 8192, torch.float16)  # unaligned rows
     kernels.configure(routing="always")
     assert backend.routes_to_kernel(1, 64, 64, torch.float16)
     assert not backend.routes_to_kernel(1, 64, 60, torch.float16)
     # The thresholds are the configuration's.
-    kernels.configure(routing="measured", min_m=64, min_work=64 * 64 * 64)
+    kernels.configure(routing="measured", min_tiles=1)
     assert backend.routes_to_kernel(1, 64, 64, torch.float16)
+    with pytest.raises(ValueError, match="min_tiles must be an int >= 0, got -1"):
+        kernels.configure(min_tiles=-1)
 
 
 def test_a_cpu_operand_never_imports_cutlass():

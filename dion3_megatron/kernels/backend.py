@@ -50,7 +50,8 @@ def kernel_capable_device(t: torch.Tensor) -> bool:
 
 def routes_to_kernel(batch: int, m: int, k: int, dtype: torch.dtype) -> bool:
     """Whether a (batch, m, k) symmetric product goes to the kernel (shape and dtype only): with
-    the configuration's routing "measured", only products that measured faster than cuBLAS."""
+    the configuration's routing "measured", only those that fill the GPU (``KernelConfig.min_tiles``):
+    smaller ones measured slower than cuBLAS."""
     if dtype not in (torch.float16, torch.bfloat16):
         return False
     if m % 8 or k % 8:  # TMA needs 16-byte row strides
@@ -58,7 +59,7 @@ def routes_to_kernel(batch: int, m: int, k: int, dtype: torch.dtype) -> bool:
     config = kernel_config.current()
     if config.routing == "always":
         return True
-    return m >= config.min_m and batch * m * m * k >= config.min_work
+    return batch * kernel_config.tile_count(m, *kernel_config.ROUTING_TILE) >= config.min_tiles
 
 
 def symm_gemm(*args, **kwargs):

@@ -22,6 +22,18 @@ from typing import Any, Callable, Iterator, Optional
 KERNELS = ("auto", "torch")
 ROUTINGS = ("measured", "always")
 TILES = ((64, 64), (128, 128), (128, 256), (256, 256))  # (tile_m, tile_n) of the symmetric GEMM kernels
+ROUTING_TILE = (128, 256)  # the tile the routing counts in (the kernel's usual one; see KernelConfig)
+
+
+def tile_count(m, tile_m: int, tile_n: int):
+    """Output tiles that meet the lower triangle of an m x m result: row block i has
+    i // (tile_n / tile_m) + 1 of them (column block j covers columns [j tile_n, (j + 1) tile_n)).
+    Python ints on the host, Int32 inside kernels."""
+    rows = (m + tile_m - 1) // tile_m
+    if tile_n == tile_m:
+        return rows * (rows + 1) // 2
+    pairs = rows // 2
+    return pairs * (pairs + 1) + (rows % 2) * (pairs + 1)
 
 
 def tile_shape(tile) -> tuple[int, int]:
@@ -39,10 +51,13 @@ class KernelConfig:
     kernels: str = "auto"
     backend: Optional[str] = None  # a registered matmul backend forced for every product (kernels.dispatch)
     routing: str = "measured"  # "always": every product the symmetric kernels can take (tests, benchmarks)
-    # Measured crossovers (H200, CuTe DSL 4.8.1, torch 2.11 cuBLAS): below these the kernel lost
-    # to cuBLAS's full product. See docs/benchmarks.md "Kernels" for the numbers behind them.
-    min_m: int = 3072  # output side (Gram size s): 2048 x 8192 ran 0.88x of cuBLAS, 3072^2 1.02x
-    min_work: int = 3072 * 3072 * 3072  # batch * M * M * K
+    # A product goes to the kernel when it fills the GPU: batch x its output tiles that meet the
+    # lower triangle (counted in 128 x 256 tiles, ROUTING_TILE) at least min_tiles, one wave of an
+    # H200's 132 SMs. Measured (H200, CuTe DSL 4.8.1, torch 2.11 cuBLAS; docs/benchmarks.md
+    # "Kernels"): below a wave the kernel lost to cuBLAS's full product (1024 x 5120, 20 tiles;
+    # 2048 x 8192, 72 tiles: 0.88x), from one on it won (3072^2, 156 tiles: 1.02x; 16 x 1024 x 5120,
+    # 320 tiles: Gram NS 2.85 ms against 3.18 with cuBLAS, graphed).
+    min_tiles: int = 132
     tile: Any = None  # symmetric-GEMM tile, any form tile_shape takes; None: modelled per shape (sm90_symm.default_tile)
     fused_rows: bool = True  # the Triton row kernels (kernels/rows.py) where kernels is "auto"
 
@@ -51,10 +66,9 @@ class KernelConfig:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
-        for name in ("min_m", "min_work"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        value = self.min_tiles
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise ValueError(f"min_tiles must be an int >= 0, got {value!r}")
         if not isinstance(self.fused_rows, bool):
             raise ValueError(f"fused_rows must be a bool, got {self.fused_rows!r}")
         if self.tile is not None:  # one spelling, hashable: a configuration can key a cache or a graph

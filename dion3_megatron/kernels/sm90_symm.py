@@ -44,7 +44,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from . import config as kernel_config
-from .config import TILES, tile_shape
+from .config import TILES, tile_count, tile_shape
 
 TILE_K = 64
 CLUSTER_M = {(256, 256): 2}  # CTAs per tile along M (one 128-row slice each); 1 for the others
@@ -52,17 +52,6 @@ PAD = 4  # epilogue tile pitch tn + 4 floats: 16-byte rows, and no bank conflict
 VEC = 8  # elements per vector store of D (16 bytes of a half-precision output)
 SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per block on sm_90
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg split of the 128 x 256 configuration
-
-
-def tile_count(m, tile_m: int, tile_n: int):
-    """Output tiles that meet the lower triangle of an m x m result: row block i has
-    i // (tile_n / tile_m) + 1 of them (column block j covers columns [j tile_n, (j + 1) tile_n)).
-    Python ints on the host, Int32 inside kernels."""
-    rows = (m + tile_m - 1) // tile_m
-    if tile_n == tile_m:
-        return rows * (rows + 1) // 2
-    pairs = rows // 2
-    return pairs * (pairs + 1) + (rows % 2) * (pairs + 1)
 
 
 def max_stages(tile_m: int, tile_n: int, ab_bytes: int = 2) -> int:
