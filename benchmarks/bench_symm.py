@@ -53,6 +53,14 @@ def cublas_peak(dtype) -> float:
     return 2 * n**3 / (ms * 1e-3)
 
 
+def kernel_choice(tile):
+    """'TILE' or 'TILE@CTAS' (CTAs per SM, e.g. 64@3) -> (tile, ctas_per_sm); None: the defaults."""
+    if tile is None:
+        return None, 1
+    shape, _, ctas = tile.partition("@")
+    return shape, int(ctas or 1)
+
+
 def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
     quack = quack_gemm_symmetric() if gram else None
     print(f"\n## {title} ({str(dtype).split('.')[-1]})")
@@ -85,11 +93,13 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
         t_cub = timed(cub, n_sets, iters)
         best, per_tile = None, []
         for tile in tiles:
-            def ker(i, tile=tile):
+            shape, ctas = kernel_choice(tile)
+
+            def ker(i, shape=shape, ctas=ctas):
                 if gram:
-                    symm_gemm(xs[i], ys[i], 1.0, 0.0, None, out=outs[i], tile=tile)
+                    symm_gemm(xs[i], ys[i], 1.0, 0.0, None, out=outs[i], tile=shape, ctas_per_sm=ctas)
                 else:
-                    symm_gemm(xs[i], ys[i], 1.5, -0.5, xs[i], out=outs[i], tile=tile)
+                    symm_gemm(xs[i], ys[i], 1.5, -0.5, xs[i], out=outs[i], tile=shape, ctas_per_sm=ctas)
 
             t = timed(ker, n_sets, iters)
             per_tile.append(f"{tile}: {t:.3f}")
@@ -130,8 +140,8 @@ def main():
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="also the routing sweep")
-    ap.add_argument("--tiles", default="", help="comma list of tiles to try, e.g. 128,128x256 (each and the best "
-                    "reported); default: the automatic choice")
+    ap.add_argument("--tiles", default="", help="comma list of tiles to try, each TILE or TILE@CTAS (CTAs kept "
+                    "resident per SM), e.g. 64,64@3,128x256 (each and the best reported); default: the automatic choice")
     ap.add_argument("--graph", action="store_true", help="time each call replayed from a CUDA graph")
     args = ap.parse_args()
     global GRAPH

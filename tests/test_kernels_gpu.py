@@ -116,6 +116,35 @@ def test_gram_alpha_beta_c(cuda_gen, dtype, out_dtype, shape, tile):
     assert torch.equal(out, out.mT), "mirrored result must be exactly symmetric"
 
 
+@pytest.mark.parametrize("ctas_per_sm", [2, 3, 4])
+@pytest.mark.parametrize("m_major", [False, True])
+def test_several_ctas_per_sm_change_nothing_but_residency(cuda_gen, ctas_per_sm, m_major):
+    # A shallower pipeline, the same k order: bit for bit the result of one CTA per SM.
+    from dion3_megatron.kernels.sm90_symm import symm_gemm
+
+    b, m, k = 3, 520, 1032
+    if m_major:  # the transposed view of a row-major (b, k, m): read in place
+        x = (_rand(cuda_gen, b, k, m, dtype=torch.float16) / k**0.25).mT
+    else:
+        x = _rand(cuda_gen, b, m, k, dtype=torch.float16) / k**0.25
+    c0 = _rand(cuda_gen, b, m, m, dtype=torch.float64)
+    c = (c0 + c0.mT).to(torch.float16)
+    outs = [_poisoned((b, m, m), torch.float16) for _ in range(2)]
+    symm_gemm(x, x, -0.75, 1.5, c, out=outs[0], tile=64)
+    symm_gemm(x, x, -0.75, 1.5, c, out=outs[1], tile=64, ctas_per_sm=ctas_per_sm)
+    xd = x.double()
+    assert _rel(outs[1], -0.75 * (xd @ xd.mT) + 1.5 * c.double()) <= TOL[torch.float16]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_ctas_per_sm_a_tile_cannot_hold_is_refused():
+    from dion3_megatron.kernels.sm90_symm import symm_gemm
+
+    x = torch.randn(256, 256, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="ctas_per_sm at tile 128x256 must be one of"):
+        symm_gemm(x, x, tile="128x256", ctas_per_sm=2)
+
+
 def _commuting_pair(gen, b, m, dtype):
     s = torch.randn(b, m, m, generator=gen, dtype=torch.float64)
     s = (s + s.mT) / (2 * m) ** 0.5

@@ -51,28 +51,51 @@ CLUSTER_M = {(256, 256): 2}  # CTAs per tile along M (one 128-row slice each); 1
 PAD = 4  # epilogue tile pitch tn + 4 floats: 16-byte rows, and no bank conflicts in either pass
 VEC = 8  # elements per vector store of D (16 bytes of a half-precision output)
 SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per block on sm_90
+SMEM_PER_SM = 228 * 1024  # one SM's shared memory, split among the CTAs resident on it
+CTA_RESERVED = 1024  # shared memory the hardware reserves per resident CTA
+BARRIER_BYTES = 2048  # the mbarriers, and alignment
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg split of the 128 x 256 configuration
+# CTAs per SM a tile may ask for: one CTA's epilogue (stores, no MMAs) and pipeline bubbles then
+# overlap another's main loop. Only 64 x 64 (192 threads, 32 accumulators each) has registers to
+# spare: two CTAs of 128 x 128 (384 threads) leave 80 registers per thread, and ptxas needs 90 for
+# its wgmma; 128 x 256 and 256 x 256 take the whole register file (setmaxnreg).
+CTAS_PER_SM = {(64, 64): (1, 2, 3, 4), (128, 128): (1,), (128, 256): (1,), (256, 256): (1,)}
 
 
-def max_stages(tile_m: int, tile_n: int, ab_bytes: int = 2) -> int:
+def smem_budget(ctas_per_sm: int = 1) -> int:
+    """Bytes of shared memory one CTA may use for its ring and epilogue tile when ``ctas_per_sm``
+    of them share an SM."""
+    return min(SMEM_BYTES, SMEM_PER_SM // ctas_per_sm - CTA_RESERVED) - BARRIER_BYTES
+
+
+def max_stages(tile_m: int, tile_n: int, ab_bytes: int = 2, ctas_per_sm: int = 1) -> int:
     """Pipeline depth that fits in shared memory (the epilogue tile reuses the ring)."""
     stage = (tile_m // CLUSTER_M.get((tile_m, tile_n), 1) + tile_n) * TILE_K * ab_bytes
-    return max(2, min(8, (SMEM_BYTES - 2048) // stage))
+    return max(2, min(8, smem_budget(ctas_per_sm) // stage))
 
 
 class SymmGemmSm90:
     """One compiled configuration: output tile ``tile`` (see :func:`tile_shape`), pipeline
     ``stages``, operand dtype ``ab``, output dtype ``d``, addend dtype ``c`` (None: no beta * C),
     and the operands' layout: K-major (rows of A and B contiguous), or with ``m_major`` M-major
-    (columns contiguous: TMA loads them and the wgmma reads shared memory in that mode)."""
+    (columns contiguous: TMA loads them and the wgmma reads shared memory in that mode);
+    ``ctas_per_sm``: how many CTAs the launch asks to keep resident per SM (shared memory and
+    registers are sized for that many)."""
 
-    def __init__(self, ab, d, c=None, tile=128, stages: Optional[int] = None, m_major: bool = False):
+    def __init__(self, ab, d, c=None, tile=128, stages: Optional[int] = None, m_major: bool = False,
+                 ctas_per_sm: int = 1):
         self.m_major = m_major
         self.tile_m, self.tile_n = tile_shape(tile)
+        if ctas_per_sm not in CTAS_PER_SM[self.tile_m, self.tile_n]:
+            raise ValueError(f"ctas_per_sm at tile {self.tile_m}x{self.tile_n} must be one of "
+                             f"{CTAS_PER_SM[self.tile_m, self.tile_n]}, got {ctas_per_sm!r}")
+        self.ctas_per_sm = ctas_per_sm
         self.ab_dtype, self.d_dtype, self.c_dtype = ab, d, c
-        self.stages = stages or max_stages(self.tile_m, self.tile_n)
-        if self.stages > max_stages(self.tile_m, self.tile_n):
-            raise ValueError(f"{self.stages} stages do not fit in shared memory at tile {tile}")
+        deepest = max_stages(self.tile_m, self.tile_n, ctas_per_sm=ctas_per_sm)
+        self.stages = stages or deepest
+        if self.stages > deepest:
+            raise ValueError(f"{self.stages} stages do not fit in shared memory at tile {tile} "
+                             f"with {ctas_per_sm} CTAs per SM")
         self.has_c = c is not None
         self.cluster_m = CLUSTER_M.get((self.tile_m, self.tile_n), 1)
         self.cta_m = self.tile_m // self.cluster_m  # rows of the tile one CTA computes
@@ -82,6 +105,9 @@ class SymmGemmSm90:
         self.split_registers = self.tile_n > 128  # 128 accumulator registers per consumer thread
         ring = self.stages * (self.cta_m + self.tile_n) * TILE_K * 2
         self.ring_elems = max(ring, self.cta_m * (self.tile_n + PAD) * 4) // 2  # in 16-bit elements
+        if 2 * self.ring_elems > smem_budget(ctas_per_sm):
+            raise ValueError(f"the epilogue tile does not fit in shared memory at tile {tile} "
+                             f"with {ctas_per_sm} CTAs per SM")
 
     # ---------------------------------------------------------------------------------------
     @cute.jit
@@ -148,8 +174,10 @@ class SymmGemmSm90:
 
         self.storage = Storage
         grid = (tile_count(m, self.tile_m, tn) * self.cluster_m, 1, batch)
+        # several CTAs per SM: registers capped for that many (minctasm), the largest shared-memory carveout
+        occupancy = {} if self.ctas_per_sm == 1 else dict(min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)
         self.kernel(tma_a, tA, tma_b, tB, mC, mD, alpha, beta, tiled_mma, a_layout, b_layout).launch(
-            grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_m, 1, 1), stream=stream
+            grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_m, 1, 1), stream=stream, **occupancy
         )
 
     # ---------------------------------------------------------------------------------------
@@ -433,16 +461,16 @@ def default_tile(m: int, batch: int) -> tuple[int, int]:
 
 
 def compiled(ab: torch.dtype, d: torch.dtype, c: Optional[torch.dtype], tile, stages: Optional[int] = None,
-             m_major: bool = False):
+             m_major: bool = False, ctas_per_sm: int = 1):
     """The compiled kernel for one configuration (compiled on first use, then cached)."""
     shape = tile_shape(tile)
-    stages = stages or max_stages(*shape)
-    key = (ab, d, c, shape, stages, m_major)
+    stages = stages or max_stages(*shape, ctas_per_sm=ctas_per_sm)
+    key = (ab, d, c, shape, stages, m_major, ctas_per_sm)
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = SymmGemmSm90(
             _TORCH_TO_CUTLASS[ab], _TORCH_TO_CUTLASS[d], _TORCH_TO_CUTLASS[c] if c is not None else None, shape, stages,
-            m_major,
+            m_major, ctas_per_sm,
         )
         dummy = lambda dt: make_ptr(_TORCH_TO_CUTLASS[dt], 0, cute.AddressSpace.gmem, assumed_align=16)  # noqa: E731
         from cutlass.runtime import make_fake_stream
@@ -480,6 +508,7 @@ def symm_gemm(
     tile=None,
     stages: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
+    ctas_per_sm: int = 1,
 ) -> torch.Tensor:
     """D = alpha * a @ b^T + beta * c for a, b (L, M, K) fp16/bf16 with a @ b^T symmetric.
 
@@ -489,7 +518,8 @@ def symm_gemm(
     read in place when both are contiguous or both transposed views of contiguous (L, K, M)
     tensors (then M must be a multiple of 8 too), else copied K-major first.
     tile: one of :data:`TILES`, as 64, 128, 256, (128, 256) or "128x256" (default: the kernel
-    configuration's tile, else :func:`default_tile`).
+    configuration's tile, else :func:`default_tile`). ctas_per_sm: CTAs kept resident per SM
+    (:data:`CTAS_PER_SM` lists what each tile allows; the pipeline gets shallower to fit).
     Returns (L, M, M) in out_dtype (default a's dtype), or writes ``out``.
     """
     same = b is a  # before unsqueeze makes two views of one tensor
@@ -520,6 +550,6 @@ def symm_gemm(
     if has_c:
         c = c.expand(batch, m, m).contiguous()
     fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, tile or kernel_config.current().tile or default_tile(m, batch),
-                  stages, m_major)
+                  stages, m_major, ctas_per_sm)
     fn(_ptr(a), _ptr(b), _ptr(c if has_c else out), _ptr(out), m, k, batch, Float32(alpha), Float32(beta), _stream())
     return out.squeeze(0) if squeeze else out
