@@ -22,7 +22,7 @@ from timing import cuda_median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dion3_megatron.kernels.sm90_symm import default_tile, symm_gemm  # noqa: E402
+from dion3_megatron.kernels.sm90_symm import DEFAULT_CTAS_PER_SM, default_tile, symm_gemm  # noqa: E402
 from quack_backend import quack_gemm_symmetric  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -54,11 +54,12 @@ def cublas_peak(dtype) -> float:
 
 
 def kernel_choice(tile):
-    """'TILE' or 'TILE@CTAS' (CTAs per SM, e.g. 64@3) -> (tile, ctas_per_sm); None: the defaults."""
+    """'TILE' or 'TILE@CTAS' (CTAs per SM, e.g. 64@3) -> (tile, ctas_per_sm); None: the defaults
+    (a tile without @ runs at its default CTAs per SM)."""
     if tile is None:
-        return None, 1
+        return None, None
     shape, _, ctas = tile.partition("@")
-    return shape, int(ctas or 1)
+    return shape, int(ctas) if ctas else None
 
 
 def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
@@ -108,7 +109,11 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
         t_ker, tile = best
         floor = b * m * m * k / peak * 1e3  # half of 2 M^2 K
         name = f"{b}x{m}x{k}" if b > 1 else f"{m}x{k}"
-        chosen = "x".join(map(str, default_tile(m, b))) if tile is None else tile
+        if tile is None:
+            shape = default_tile(m, b)
+            chosen = "x".join(map(str, shape)) + f"@{DEFAULT_CTAS_PER_SM.get(shape, 1)}"
+        else:
+            chosen = tile
         line = (
             f"| {name} (tile {chosen}) | {t_cub:.3f} | {t_ker:.3f} | "
             f"{t_cub / t_ker:.2f}x | {floor:.3f} | {t_ker / floor:.2f} |"
@@ -141,7 +146,8 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="also the routing sweep")
     ap.add_argument("--tiles", default="", help="comma list of tiles to try, each TILE or TILE@CTAS (CTAs kept "
-                    "resident per SM), e.g. 64,64@3,128x256 (each and the best reported); default: the automatic choice")
+                    "resident per SM; TILE alone: its default), e.g. 64@1,64,64@3,128x256 (each and the best reported); "
+                    "default: the automatic choice")
     ap.add_argument("--graph", action="store_true", help="time each call replayed from a CUDA graph")
     args = ap.parse_args()
     global GRAPH

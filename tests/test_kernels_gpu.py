@@ -130,7 +130,7 @@ def test_several_ctas_per_sm_change_nothing_but_residency(cuda_gen, ctas_per_sm,
     c0 = _rand(cuda_gen, b, m, m, dtype=torch.float64)
     c = (c0 + c0.mT).to(torch.float16)
     outs = [_poisoned((b, m, m), torch.float16) for _ in range(2)]
-    symm_gemm(x, x, -0.75, 1.5, c, out=outs[0], tile=64)
+    symm_gemm(x, x, -0.75, 1.5, c, out=outs[0], tile=64, ctas_per_sm=1)
     symm_gemm(x, x, -0.75, 1.5, c, out=outs[1], tile=64, ctas_per_sm=ctas_per_sm)
     xd = x.double()
     assert _rel(outs[1], -0.75 * (xd @ xd.mT) + 1.5 * c.double()) <= TOL[torch.float16]

@@ -60,6 +60,11 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg split of the 128 x 256 conf
 # spare: two CTAs of 128 x 128 (384 threads) leave 80 registers per thread, and ptxas needs 90 for
 # its wgmma; 128 x 256 and 256 x 256 take the whole register file (setmaxnreg).
 CTAS_PER_SM = {(64, 64): (1, 2, 3, 4), (128, 128): (1,), (128, 256): (1,), (256, 256): (1,)}
+# What a launch asks for unless told: measured side by side on an H200 (docs/benchmarks.md,
+# "Kernels: CTAs per SM"), two CTAs of 64 x 64 per SM beat one on every product the tile model
+# gives that tile (512-2048 wide: 1024 x 5120 0.023 against 0.029 ms, 1024^2 0.009 against 0.012);
+# three or four win on some shapes and lose more on others.
+DEFAULT_CTAS_PER_SM = {(64, 64): 2}
 
 
 def smem_budget(ctas_per_sm: int = 1) -> int:
@@ -461,9 +466,11 @@ def default_tile(m: int, batch: int) -> tuple[int, int]:
 
 
 def compiled(ab: torch.dtype, d: torch.dtype, c: Optional[torch.dtype], tile, stages: Optional[int] = None,
-             m_major: bool = False, ctas_per_sm: int = 1):
-    """The compiled kernel for one configuration (compiled on first use, then cached)."""
+             m_major: bool = False, ctas_per_sm: Optional[int] = None):
+    """The compiled kernel for one configuration (compiled on first use, then cached);
+    ctas_per_sm None: the tile's :data:`DEFAULT_CTAS_PER_SM`."""
     shape = tile_shape(tile)
+    ctas_per_sm = ctas_per_sm or DEFAULT_CTAS_PER_SM.get(shape, 1)
     stages = stages or max_stages(*shape, ctas_per_sm=ctas_per_sm)
     key = (ab, d, c, shape, stages, m_major, ctas_per_sm)
     fn = _COMPILED.get(key)
@@ -508,7 +515,7 @@ def symm_gemm(
     tile=None,
     stages: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
-    ctas_per_sm: int = 1,
+    ctas_per_sm: Optional[int] = None,
 ) -> torch.Tensor:
     """D = alpha * a @ b^T + beta * c for a, b (L, M, K) fp16/bf16 with a @ b^T symmetric.
 
@@ -519,7 +526,8 @@ def symm_gemm(
     tensors (then M must be a multiple of 8 too), else copied K-major first.
     tile: one of :data:`TILES`, as 64, 128, 256, (128, 256) or "128x256" (default: the kernel
     configuration's tile, else :func:`default_tile`). ctas_per_sm: CTAs kept resident per SM
-    (:data:`CTAS_PER_SM` lists what each tile allows; the pipeline gets shallower to fit).
+    (:data:`CTAS_PER_SM` lists what each tile allows; the pipeline gets shallower to fit; default:
+    :data:`DEFAULT_CTAS_PER_SM`).
     Returns (L, M, M) in out_dtype (default a's dtype), or writes ``out``.
     """
     same = b is a  # before unsqueeze makes two views of one tensor
