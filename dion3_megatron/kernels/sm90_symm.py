@@ -61,10 +61,20 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg split of the 128 x 256 conf
 # its wgmma; 128 x 256 and 256 x 256 take the whole register file (setmaxnreg).
 CTAS_PER_SM = {(64, 64): (1, 2, 3, 4), (128, 128): (1,), (128, 256): (1,), (256, 256): (1,)}
 # What a launch asks for unless told: measured side by side on an H200 (docs/benchmarks.md,
-# "Kernels: CTAs per SM"), two CTAs of 64 x 64 per SM beat one on every product the tile model
+# "CTAs per SM for the 64 x 64 tile"), two CTAs of 64 x 64 per SM beat one on every product the tile model
 # gives that tile (512-2048 wide: 1024 x 5120 0.023 against 0.029 ms, 1024^2 0.009 against 0.012);
 # three or four win on some shapes and lose more on others.
 DEFAULT_CTAS_PER_SM = {(64, 64): 2}
+
+
+def checked_ctas_per_sm(tile_m: int, tile_n: int, ctas_per_sm: Optional[int]) -> int:
+    """``ctas_per_sm`` if the tile allows it (:data:`CTAS_PER_SM`), the tile's default for None."""
+    if ctas_per_sm is None:
+        return DEFAULT_CTAS_PER_SM.get((tile_m, tile_n), 1)
+    if ctas_per_sm not in CTAS_PER_SM[tile_m, tile_n]:
+        raise ValueError(f"ctas_per_sm at tile {tile_m}x{tile_n} must be one of "
+                         f"{CTAS_PER_SM[tile_m, tile_n]}, got {ctas_per_sm!r}")
+    return ctas_per_sm
 
 
 def smem_budget(ctas_per_sm: int = 1) -> int:
@@ -85,16 +95,13 @@ class SymmGemmSm90:
     and the operands' layout: K-major (rows of A and B contiguous), or with ``m_major`` M-major
     (columns contiguous: TMA loads them and the wgmma reads shared memory in that mode);
     ``ctas_per_sm``: how many CTAs the launch asks to keep resident per SM (shared memory and
-    registers are sized for that many)."""
+    registers are sized for that many; None: the tile's :data:`DEFAULT_CTAS_PER_SM`)."""
 
     def __init__(self, ab, d, c=None, tile=128, stages: Optional[int] = None, m_major: bool = False,
-                 ctas_per_sm: int = 1):
+                 ctas_per_sm: Optional[int] = None):
         self.m_major = m_major
         self.tile_m, self.tile_n = tile_shape(tile)
-        if ctas_per_sm not in CTAS_PER_SM[self.tile_m, self.tile_n]:
-            raise ValueError(f"ctas_per_sm at tile {self.tile_m}x{self.tile_n} must be one of "
-                             f"{CTAS_PER_SM[self.tile_m, self.tile_n]}, got {ctas_per_sm!r}")
-        self.ctas_per_sm = ctas_per_sm
+        self.ctas_per_sm = ctas_per_sm = checked_ctas_per_sm(self.tile_m, self.tile_n, ctas_per_sm)
         self.ab_dtype, self.d_dtype, self.c_dtype = ab, d, c
         deepest = max_stages(self.tile_m, self.tile_n, ctas_per_sm=ctas_per_sm)
         self.stages = stages or deepest
@@ -470,7 +477,7 @@ def compiled(ab: torch.dtype, d: torch.dtype, c: Optional[torch.dtype], tile, st
     """The compiled kernel for one configuration (compiled on first use, then cached);
     ctas_per_sm None: the tile's :data:`DEFAULT_CTAS_PER_SM`."""
     shape = tile_shape(tile)
-    ctas_per_sm = ctas_per_sm or DEFAULT_CTAS_PER_SM.get(shape, 1)
+    ctas_per_sm = checked_ctas_per_sm(*shape, ctas_per_sm)
     stages = stages or max_stages(*shape, ctas_per_sm=ctas_per_sm)
     key = (ab, d, c, shape, stages, m_major, ctas_per_sm)
     fn = _COMPILED.get(key)
