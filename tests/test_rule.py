@@ -197,3 +197,49 @@ def test_adamw_path_matches_torch_adamw(generator):
         opt.step()
         ref_opt.step()
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("idle_step", [0.1, 0.5])
+def test_idle_step_moves_the_waiting_rows_along_their_normalized_momentum(idle_step, generator):
+    """Same gradients into a plain Dion3 and one with idle_step: they select the same rows (selection
+    reads the momentum and ages, never the weights), the applied rows move as in the plain step, and
+    every other row moves by -lr * scale * idle_step * M[r] / ||M[r]||_2, its momentum untouched."""
+    shapes = [(32, 16), (16, 48)]
+    start = [torch.randn(s, generator=generator, dtype=torch.float64) for s in shapes]
+    grads = [[torch.randn(s, generator=generator, dtype=torch.float64) for s in shapes] for _ in range(5)]
+    lr = 0.01
+    settings = dict(lr=lr, fraction=0.25, weight_decay=0.0, ns_method="standard", ns_dtype=torch.float64)
+    plain = [torch.nn.Parameter(w.clone()) for w in start]
+    idle = [torch.nn.Parameter(w.clone()) for w in start]
+    opt_plain, opt_idle = Dion3(plain, **settings), Dion3(idle, idle_step=idle_step, **settings)
+    for step_grads in grads:
+        before_plain = [p.detach().clone() for p in plain]
+        before_idle = [p.detach().clone() for p in idle]
+        for p, q, g in zip(plain, idle, step_grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt_plain.step()
+        opt_idle.step()
+        for p, q, b_p, b_q in zip(plain, idle, before_plain, before_idle):
+            moved_plain, moved_idle = p.detach() - b_p, q.detach() - b_q
+            applied = moved_plain.norm(dim=1) > 0
+            assert int(applied.sum()) == rule.selected_row_count(p.shape[0], 0.25)
+            torch.testing.assert_close(moved_idle[applied], moved_plain[applied], rtol=1e-6, atol=1e-12)
+            momentum = opt_idle.state[q]["momentum"].double()
+            torch.testing.assert_close(momentum, opt_plain.state[p]["momentum"].double(), rtol=0, atol=0)
+            waiting = momentum[~applied]
+            scale = rule.update_scale(*p.shape)
+            expected = -lr * scale * idle_step * waiting / waiting.norm(dim=1, keepdim=True)
+            torch.testing.assert_close(moved_idle[~applied], expected, rtol=1e-5, atol=1e-12)  # fp32 state
+
+
+def test_idle_step_is_refused_outside_the_single_process_step():
+    from dion3_megatron import megabatch
+
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    with pytest.raises(ValueError, match=r"idle_step must be in \[0, 1\], got 2"):
+        Dion3([p], idle_step=2)
+    shard = megabatch.MatrixShard(name="w", weight=torch.randn(8, 4), grad=torch.randn(8, 4), shape=(8, 4),
+                                  sharding=megabatch.Sharding.full(), group=None,
+                                  hp=rule.Dion3Hyperparameters(idle_step=0.1), state={})
+    with pytest.raises(ValueError, match="w: idle_step=0.1 is supported by the single-process Dion3 only"):
+        megabatch.Dion3Engine([shard])
