@@ -14,8 +14,8 @@ The optimizers differ only on the block matrices (Q, K, V, O, gate, up, down):
 
 A config is ``opt[:key=value]...``. Keys: lr (a number, or "best": the best lr of ``--best-ref``'s
 finished runs), wd, seed, and for dion3/normuon the rule's options (OPTION_KEYS): f (a fraction or
-"auto"), mu, mu_by_f, lr_by_f (0/1 each), stale, idle (idle_step), and fwarm (the share of steps run
-at f = 1 before switching to f); a key left out takes the reference rule's value (mu 0.95, no
+"auto"), mu, mu_by_f, lr_by_f (0/1 each), stale, and fwarm (the share of steps run at
+f = 1 before switching to f); a key left out takes the reference rule's value (mu 0.95, no
 scaling, no staleness), not the library's default. A config's family is the config without lr
 and seed.
 
@@ -75,7 +75,6 @@ OPTION_KEYS = {
     "mu_by_f": ("scale_mu_by_fraction", lambda v: bool(int(v)), False),
     "lr_by_f": ("scale_lr_by_fraction", lambda v: bool(int(v)), False),
     "stale": ("staleness", float, 0.0),
-    "idle": ("idle_step", float, 0.0),
     "fwarm": (None, float, 0.0),  # the benchmark's f schedule, not a Dion3 keyword
 }
 SIZES = {
@@ -148,7 +147,7 @@ def named(cfg: dict) -> dict:
 def label(cfg: dict) -> str:
     text = LABELS[cfg["opt"]].format(f=fraction_text(cfg["f"])) if cfg["opt"] == "dion3" else LABELS[cfg["opt"]]
     extras = {"mu": "mu {:g}", "mu_by_f": "mu^(1/f)", "lr_by_f": "lr/sqrt(f)", "stale": "staleness {:g}",
-              "idle": "idle rows step {:g}", "fwarm": "f=1 for {:.0%} of steps"}
+              "fwarm": "f=1 for {:.0%} of steps"}
     words = [extras[k].format(v) for k, v in sorted(cfg["options"].items())]
     if cfg["wd"] != DEFAULT_WD[cfg["opt"]]:
         words.append(f"wd {cfg['wd']:g}")

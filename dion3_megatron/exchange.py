@@ -130,8 +130,6 @@ def _step_whole_eager(entries: list[WholeMatrices]) -> None:
             weights = list(e.weight.unbind(0)) if torch.is_tensor(e.weight) else list(e.weight)
             factors = e.factors if e.factors is not None else _whole_factors(e)
             rule.normalize_and_apply(weights, e.variance, idx, block, e.hp.beta2, e.hp.eps, factors)
-            if e.hp.idle_step:
-                rule.step_idle_rows(weights, e.momentum, idx, e.hp.idle_step, e.hp.eps, factors)
 
 
 def _to_device(host: dict, device: torch.device) -> dict:

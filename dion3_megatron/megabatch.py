@@ -60,10 +60,6 @@ class Dion3Engine:
             raise ValueError(f"cuda_graph must be a bool, got {cuda_graph!r}")
         if not 0 < step_share <= 1:
             raise ValueError(f"step_share must be in (0, 1], got {step_share!r}")
-        for s in shards:
-            if s.hp.idle_step:  # a hypothesis under test: the single-process step only
-                raise ValueError(f"{s.name}: idle_step={s.hp.idle_step!r} is supported by the single-process "
-                                 "Dion3 only, not by the sharded engine")
         self.cuda_graph = cuda_graph
         self._graph = cuda_graph_module.StepGraph()
         self.plan = build_plan(shards)

@@ -167,10 +167,6 @@ OPTIONS: tuple[Option, ...] = (
            "instead of mu: the memory of heavy-ball momentum with mu at every fraction"),
     Option("staleness", REAL, 1.0, "selection favours rows that waited: each row's L1 score times "
            "1 + staleness * f * (steps since the row was last applied); 0: plain L1 norms", low=0.0),
-    Option("idle_step", REAL, 0.0, "the rows not selected step too: each by its momentum row scaled to unit L2 norm "
-           "(an orthonormal row's), times idle_step and the Dion3 step's lr; 0: off (Dion3's rule). A hypothesis of "
-           "the convergence study, in the single-process step only", low=0.0, high=1.0,
-           front_ends=frozenset((TORCH,))),
     Option("num_heads", HEADS, None, "select rows per head (rows viewed as heads x head_dim): a positive int, or "
            "None", front_ends=_NOT_MEGATRON),
     Option("ns_method", CHOICE, "gram", "orthogonalization: 'gram' (Gram Newton-Schulz) or 'standard' "

@@ -51,7 +51,6 @@ class Dion3Hyperparameters:
     scale_lr_by_fraction: bool = _DEFAULT["scale_lr_by_fraction"]
     scale_mu_by_fraction: bool = _DEFAULT["scale_mu_by_fraction"]  # see momentum_decay()
     staleness: float = _DEFAULT["staleness"]  # see staleness_boost()
-    idle_step: float = _DEFAULT["idle_step"]  # see step_idle_rows()
     num_heads: Optional[int] = _DEFAULT["num_heads"]
     ns_method: str = _DEFAULT["ns_method"]
     ns_dtype: Optional[torch.dtype] = _DEFAULT["ns_dtype"]  # None: fp16 on GPUs, fp32 on CPU (ortho.default_ns_dtype)
@@ -373,20 +372,6 @@ def normalize_and_apply(
     row_scale, new_variance = row_scales(ortho, torch.gather(variance, 1, idx), beta2, eps, coef)
     variance.scatter_(1, idx, new_variance)
     apply_rows(weights, idx, ortho, row_scale, factors.shrink)
-
-
-def step_idle_rows(weights: list[torch.Tensor], momentum: torch.Tensor, idx: torch.Tensor, idle_step: float,
-                   eps: float, factors: UpdateFactors) -> None:
-    """W_b[r] += coef_b * idle_step * M_b[r] / ||M_b[r]||_2 for every row r not in idx_b: the rows
-    that wait for their turn move along their momentum, each by idle_step of an orthonormal row's
-    norm at the Dion3 step's lr. Their momentum is left whole (it is applied when they are selected)."""
-    coef = factors.coef
-    coef = coef if torch.is_tensor(coef) else torch.tensor(coef, dtype=torch.float32, device=momentum.device)
-    idle = torch.ones(momentum.shape[:2], dtype=torch.float32, device=momentum.device).scatter_(1, idx, 0.0)
-    norms = torch.linalg.vector_norm(momentum, dim=-1).clamp_min(eps)
-    row_scale = idle * (coef.view(-1, 1) * idle_step) / norms
-    for weight, rows, scale in zip(weights, momentum.unbind(0), row_scale.unbind(0)):
-        weight.add_((rows * scale.unsqueeze(-1)).to(weight.dtype))
 
 
 def orthogonalize_rows(selected: torch.Tensor, hp: Dion3Hyperparameters) -> torch.Tensor:
