@@ -80,6 +80,11 @@ OPTION_KEYS = {
 SIZES = {
     "small": dict(layers=6, hidden=384, heads=6, ffn=1024, seq=512, batch=128),
     "medium": dict(layers=10, hidden=640, heads=10, ffn=1664, seq=512, batch=256),
+    # A CPU screening proxy of the protocol (0.47M parameters, 2,284 steps; a pack of 6 in ~20 min on
+    # 2 cores with --device cpu --no-bf16 --stdlib-only): it reproduces the protocol's large effects,
+    # and the difference between two settings at one seed moves ~0.004 from seed to seed
+    # (docs/benchmarks.md, "What is left for issue 18").
+    "proxy": dict(layers=2, hidden=128, heads=4, ffn=352, seq=64, batch=32),
 }
 TARGETS = {0.25: 0.01, 0.125: 0.02}  # Dion3 f: allowed final validation loss above Muon's (mean of seeds)
 
@@ -707,6 +712,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-param", type=float, default=10.0)
     p.add_argument("--max-corpus-bytes", type=int, default=None, help="read at most this much (tests)")
     p.add_argument("--corpus-root", nargs="*", default=None, help="read these folders instead of the installation's")
+    p.add_argument("--stdlib-only", action="store_true", help="read the standard library only: a corpus that "
+                   "installing packages does not change (the proxy's; enough for --size proxy, not for small)")
     p.add_argument("--seed", type=int, default=0, help="base seed of the initial weights")
     p.add_argument("--aux-lr", type=float, default=3e-3, help="AdamW lr of embedding, head and norms (every run)")
     p.add_argument("--aux-wd", type=float, default=0.0)
@@ -755,7 +762,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     resolve_size(args)
     need = args.steps * args.batch * args.seq + args.batch
     t = time.perf_counter()
-    roots = [Path(r) for r in args.corpus_root] if args.corpus_root else None
+    if args.corpus_root and args.stdlib_only:
+        raise SystemExit("--corpus-root and --stdlib-only both choose the corpus: give one")
+    roots = [Path(r) for r in args.corpus_root] if args.corpus_root else corpus_lib.source_roots(args.stdlib_only)
     corpus = corpus_lib.build(min_bytes=need, roots=roots, max_bytes=args.max_corpus_bytes)
     corpus_lib.val_starts(len(corpus.val), args.seq, args.eval_batches * args.batch)  # a usable held-out split
     model = GPT(**model_config(args))

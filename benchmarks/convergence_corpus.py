@@ -39,10 +39,13 @@ class Corpus:
         return self.train.numel() + self.val.numel()
 
 
-def source_roots() -> list[Path]:
-    """The standard library and every site-packages folder, each once (nested ones dropped)."""
-    candidates = [sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
-    candidates += site.getsitepackages() if hasattr(site, "getsitepackages") else []
+def source_roots(stdlib_only: bool = False) -> list[Path]:
+    """The standard library and every site-packages folder, each once (nested ones dropped); with
+    ``stdlib_only`` the standard library's folder alone (as the interpreter lays it out)."""
+    candidates = [sysconfig.get_paths()["stdlib"]]
+    if not stdlib_only:
+        candidates += [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+        candidates += site.getsitepackages() if hasattr(site, "getsitepackages") else []
     roots: list[Path] = []
     for path in sorted({Path(c).resolve() for c in candidates if c and Path(c).is_dir()}, key=lambda p: len(p.parts)):
         if not any(root in path.parents for root in roots):

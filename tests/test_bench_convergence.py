@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,17 @@ def test_config_parsing():
     for bad in ("sgd:lr=1", "muon:f=0.5", "dion3:f=2", "adamw:lr", "muon:mu=0.9", "dion3:fwarm=1", "dion3:bogus=1"):
         with pytest.raises(ValueError, match="config"):
             bench.parse_config(bad)
+
+
+def test_proxy_size_and_the_standard_library_corpus():
+    args = bench.parser().parse_args(["--size", "proxy", "--device", "cpu"])
+    bench.resolve_size(args)
+    params = sum(p.numel() for p in GPT(**bench.model_config(args)).parameters())
+    assert 0.4e6 < params < 0.5e6 and args.steps == math.ceil(10 * params / (32 * 64))
+    stdlib = corpus_lib.source_roots(stdlib_only=True)
+    assert stdlib == [Path(sysconfig.get_paths()["stdlib"]).resolve()] and stdlib[0] in corpus_lib.source_roots()
+    with pytest.raises(SystemExit, match="give one"):
+        bench.main(["--size", "proxy", "--device", "cpu", "--stdlib-only", "--corpus-root", "x", "--configs", "muon"])
 
 
 def test_schedule():
