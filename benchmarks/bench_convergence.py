@@ -711,9 +711,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="default: --tokens-per-param tokens per parameter")
     p.add_argument("--tokens-per-param", type=float, default=10.0)
     p.add_argument("--max-corpus-bytes", type=int, default=None, help="read at most this much (tests)")
-    p.add_argument("--corpus-root", nargs="*", default=None, help="read these folders instead of the installation's")
-    p.add_argument("--stdlib-only", action="store_true", help="read the standard library only: a corpus that "
-                   "installing packages does not change (the proxy's; enough for --size proxy, not for small)")
+    corpus = p.add_mutually_exclusive_group()
+    corpus.add_argument("--corpus-root", nargs="*", default=None, help="read these folders instead of the installation's")
+    corpus.add_argument("--stdlib-only", action="store_true", help="read the standard library only: a corpus that "
+                        "installing packages does not change (the proxy's; enough for --size proxy, not for small)")
     p.add_argument("--seed", type=int, default=0, help="base seed of the initial weights")
     p.add_argument("--aux-lr", type=float, default=3e-3, help="AdamW lr of embedding, head and norms (every run)")
     p.add_argument("--aux-wd", type=float, default=0.0)
@@ -762,8 +763,6 @@ def main(argv: list[str] | None = None) -> dict | None:
     resolve_size(args)
     need = args.steps * args.batch * args.seq + args.batch
     t = time.perf_counter()
-    if args.corpus_root and args.stdlib_only:
-        raise SystemExit("--corpus-root and --stdlib-only both choose the corpus: give one")
     roots = [Path(r) for r in args.corpus_root] if args.corpus_root else corpus_lib.source_roots(args.stdlib_only)
     corpus = corpus_lib.build(min_bytes=need, roots=roots, max_bytes=args.max_corpus_bytes)
     corpus_lib.val_starts(len(corpus.val), args.seq, args.eval_batches * args.batch)  # a usable held-out split

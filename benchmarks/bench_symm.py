@@ -22,7 +22,7 @@ from timing import cuda_median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dion3_megatron.kernels.sm90_symm import DEFAULT_CTAS_PER_SM, default_tile, symm_gemm  # noqa: E402
+from dion3_megatron.kernels.sm90_symm import checked_ctas_per_sm, default_tile, symm_gemm  # noqa: E402
 from quack_backend import quack_gemm_symmetric  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -111,7 +111,7 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
         name = f"{b}x{m}x{k}" if b > 1 else f"{m}x{k}"
         if tile is None:
             shape = default_tile(m, b)
-            chosen = "x".join(map(str, shape)) + f"@{DEFAULT_CTAS_PER_SM.get(shape, 1)}"
+            chosen = "x".join(map(str, shape)) + f"@{checked_ctas_per_sm(*shape, None)}"
         else:
             chosen = tile
         line = (
