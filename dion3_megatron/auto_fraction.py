@@ -29,8 +29,8 @@ AUTO_MIN_ROWS = 128  # quality floor: fewer selected rows than this lost to f = 
 # The exchange rate between loss and time, from the convergence protocol (docs/benchmarks.md,
 # byte-level GPTs at 10 tokens per parameter, every family at its best lr):
 # at equal tokens f costs about AUTO_LOSS_PER_WAITING_ROW_SHARE * (1/f - 1) nats of final validation
-# loss (10.8M: f = 1/4 +0.010, f = 1/8 +0.024, 0.0033 and 0.0034 per unit; 48.7M: f = 1/4 +0.0063,
-# f = 1/8 +0.0145, 0.0021 each: the larger figure is taken);
+# loss (two seeds each, the defaults; 10.8M: f = 1/4 +0.0067, f = 1/8 +0.0215, 0.0022 and 0.0031 per
+# unit; 48.7M: f = 1/4 +0.0063, f = 1/8 +0.0139, 0.0021 and 0.0020: the largest is taken);
 AUTO_LOSS_PER_WAITING_ROW_SHARE = 0.003
 # and near the end of those runs the loss falls by 0.06-0.12 per unit of log(steps) (Muon's
 # curves), so a step x times shorter buys about AUTO_LOSS_PER_LOG_TIME * ln(x) at equal wall-clock
