@@ -82,8 +82,8 @@ SIZES = {
     "medium": dict(layers=10, hidden=640, heads=10, ffn=1664, seq=512, batch=256),
     # A CPU screening proxy of the protocol (0.47M parameters, 2,284 steps; a pack of 6 in ~20 min on
     # 2 cores with --device cpu --no-bf16 --stdlib-only): it reproduces the protocol's large effects,
-    # and the difference between two settings at one seed moves ~0.004 from seed to seed
-    # (docs/benchmarks.md, "What is left for issue 18").
+    # but the difference between two settings paired by seed moves by 0.01-0.05 from seed to seed:
+    # pair three seeds or more (docs/benchmarks.md, "What is left for issue 18").
     "proxy": dict(layers=2, hidden=128, heads=4, ffn=352, seq=64, batch=32),
 }
 TARGETS = {0.25: 0.01, 0.125: 0.02}  # Dion3 f: allowed final validation loss above Muon's (mean of seeds)
