@@ -152,8 +152,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("fraction", FRACTION, 0.25, "share of each matrix's rows updated per step, in (0, 1] (paper: 1/4 or "
            "1/8), or 'auto': chosen per matrix from its shape, the world size and the device's speed",
            low=0.0, high=1.0, low_open=True),
-    Option("mu", REAL, 0.6, "share of the applied rows' momentum kept after a step (error feedback), in [0, 1); "
-           "the reference's 0.95 trails Muon at f < 1", **_UNIT),
+    Option("mu", REAL, None, "share of the applied rows' momentum kept after a step (error feedback), in [0, 1); "
+           "None: 0.6 at f = 1/4 and the same memory per step at any f, 0.6 ** (1 / (4 f)) (0.36 at f = 1/8, "
+           "0.88 at f = 1); the reference's 0.95 trails Muon at f < 1", **_UNIT),
     Option("beta2", REAL, 0.95, "NorMuon per-row second-moment decay, in [0, 1)", **_UNIT),
     Option("weight_decay", REAL, 0.01, "decoupled weight decay (both algorithms), >= 0",
            front_ends=_NOT_MEGATRON, low=0.0),
@@ -164,7 +165,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("scale_lr_by_fraction", BOOL, False, "multiply the Dion3 step by 1/sqrt(fraction) (keeps the step "
            "norm as f shrinks)"),
     Option("scale_mu_by_fraction", BOOL, False, "the applied rows keep mu ** (1/fraction) of their momentum "
-           "instead of mu: the memory of heavy-ball momentum with mu at every fraction"),
+           "instead of mu: the memory of heavy-ball momentum with mu at every fraction (needs an explicit mu)"),
     Option("staleness", REAL, 1.0, "selection favours rows that waited: each row's L1 score times "
            "1 + staleness * f * (steps since the row was last applied); 0: plain L1 norms", low=0.0),
     Option("num_heads", HEADS, None, "select rows per head (rows viewed as heads x head_dim): a positive int, or "
@@ -268,6 +269,10 @@ def check(where: str, prefix: str = "", **values: Any) -> None:
         option = BY_NAME.get(name)
         if option is not None and not option.valid(value):
             raise ValueError(f"{where}: {prefix}{name} must be {option.allowed()}, got {value!r}")
+    if values.get("scale_mu_by_fraction") is True and "mu" in values and values["mu"] is None:
+        raise ValueError(f"{where}: {prefix}scale_mu_by_fraction=True scales an explicit {prefix}mu, got "
+                         f"{prefix}mu=None (whose default already depends on f); set {prefix}mu, or leave "
+                         f"{prefix}scale_mu_by_fraction off")
 
 
 def check_retired(where: str, group: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ def test_registration_exposes_the_class_where_deepspeed_looks():
 
 
 def test_json_spellings_are_converted():
-    out = normalize_params({"betas": [0.9, 0.99], "ns_dtype": "bfloat16", "fraction": 0.125, "num_heads": None})
+    out = normalize_params({"betas": [0.9, 0.99], "ns_dtype": "bfloat16", "fraction": 0.125, "num_heads": None, "mu": None})
     assert out["betas"] == (0.9, 0.99) and out["ns_dtype"] is torch.bfloat16
     opt = DeepSpeedDion3([torch.nn.Parameter(torch.zeros(4, 4))], **{"betas": [0.8, 0.9], "ns_dtype": "float64"})
     assert opt.param_groups[0]["betas"] == (0.8, 0.9) and opt.param_groups[0]["ns_dtype"] is torch.float64
@@ -78,6 +78,8 @@ def test_adamw_lr_sets_the_lr_of_the_adamw_parameters_only():
         ({"num_heads": True}, ["num_heads must be null or a positive int"]),
         ({"scale_lr_by_fraction": "yes"}, ["scale_lr_by_fraction must be a bool"]),
         ({"scale_mu_by_fraction": 1}, ["scale_mu_by_fraction must be a bool"]),
+        ({"scale_mu_by_fraction": True}, ["scale_mu_by_fraction=True scales an explicit mu, got mu=None"]),
+        ({"mu": "0.9"}, ["mu must be a finite number"]),
         ({"cuda_graph": "off"}, ["cuda_graph must be a bool"]),
     ],
 )

@@ -59,7 +59,7 @@ def test_registered_parser_accepts_dion3_flags():
     assert args.dion3_scale_mu_by_fraction is True and args.dion3_cuda_graph is False
     assert _megatron_parser().parse_args(["--optimizer", "dion3", "--dion3-fraction", "auto"]).dion3_fraction == "auto"
     defaults = _megatron_parser().parse_args([])
-    assert (defaults.dion3_fraction, defaults.dion3_mu, defaults.dion3_beta2) == (0.25, 0.6, 0.95)
+    assert (defaults.dion3_fraction, defaults.dion3_mu, defaults.dion3_beta2) == (0.25, None, 0.95)
     assert defaults.dion3_split_qkv and defaults.dion3_split_glu and defaults.dion3_cuda_graph
     assert defaults.dion3_scale_mu_by_fraction is False
 
@@ -126,6 +126,18 @@ def test_config_values_of_the_wrong_type_are_refused_by_name(key, value, expecte
     with pytest.raises(ValueError) as info:
         dm.config_to_kwargs(config, [], None)
     assert f"{key} must be {expected}, got {value!r}" in str(info.value)
+
+
+def test_scaling_an_unset_mu_is_refused_by_name():
+    from types import SimpleNamespace
+
+    import dion3_megatron.megatron as dm
+
+    config = SimpleNamespace(lr=0.01, weight_decay=0.1, dion3_scale_mu_by_fraction=True)
+    with pytest.raises(ValueError, match="dion3_scale_mu_by_fraction=True scales an explicit dion3_mu, got dion3_mu=None"):
+        dm.config_to_kwargs(config, [], None)
+    assert dm.config_to_kwargs(SimpleNamespace(lr=0.01, weight_decay=0.1, dion3_scale_mu_by_fraction=True,
+                                               dion3_mu=0.88), [], None)["mu"] == 0.88
 
 
 _LAUNCHED = textwrap.dedent(
@@ -299,7 +311,7 @@ def test_launcher_help_lists_every_dion3_flag_with_its_default():
     flat = " ".join(text.split())
     for option in options.options_for(options.MEGATRON):
         assert arguments.flag(option.name) in text, option.name
-    for shown in ("(default: 0.25)", "(default: 0.6)", "(default: 0.95)", "(default: 1e-08)",
+    for shown in ("(default: 0.25)", "(default: unset)", "(default: 0.95)", "(default: 1e-08)",
                   "(default: spectral_norm)", "(default: gram)", "(default: off)", "Turn off (on by default)"):
         assert shown in flat, shown
     for markup in ("``", ":func:", ":mod:", ":class:", ":data:"):

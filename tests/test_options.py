@@ -64,6 +64,20 @@ def test_torch_refuses_what_the_spec_refuses(option):
         Dion3([torch.nn.Parameter(torch.zeros(4, 4))], **{option.name: _BAD[option.kind]})
 
 
+def test_scale_mu_by_fraction_without_a_mu_is_refused_in_each_front_end():
+    """mu unset already depends on f: scaling it again is refused, naming both options."""
+    words = "scale_mu_by_fraction=True scales an explicit mu, got mu=None"
+    with pytest.raises(ValueError, match=words):
+        Dion3([torch.nn.Parameter(torch.zeros(4, 4))], scale_mu_by_fraction=True)
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    opt = Dion3([p], scale_mu_by_fraction=True, mu=0.9)
+    opt.param_groups[0]["mu"] = None
+    p.grad = torch.ones(4, 4)
+    with pytest.raises(ValueError, match="param group 0: " + words):
+        opt.step()
+    assert torch.equal(p.detach(), torch.zeros(4, 4)) and not opt.state[p]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 def test_deepspeed_keys_are_the_deepspeed_options():
     from deepspeed_helpers import import_keeping_environment

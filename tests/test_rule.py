@@ -75,22 +75,37 @@ def test_only_selected_rows_move_and_the_rest_accumulate(generator):
     assert torch.equal(momentum[untouched], (before + g2)[untouched])
 
 
-@pytest.mark.parametrize("f", [0.25, 0.125, 1.0])
-def test_scale_mu_by_fraction_decays_applied_rows_by_mu_to_the_one_over_f(f, generator):
-    n, m, mu = 32, 24, 0.9
-    hp = rule.Dion3Hyperparameters(mu=mu, scale_mu_by_fraction=True)
-    assert rule.momentum_decay(hp, f) == pytest.approx(mu ** (1 / f))
-    assert rule.momentum_decay(rule.Dion3Hyperparameters(mu=mu), f) == mu
+def _assert_first_step_decays_applied_rows_by(decay: float, f: float, generator, **settings) -> None:
+    """One step of a fresh (32, 24) matrix: the applied rows' momentum is decay * g, the rest g."""
+    n, m = 32, 24
     p = torch.nn.Parameter(torch.randn(n, m, generator=generator))
-    opt = Dion3([p], fraction=f, mu=mu, scale_mu_by_fraction=True)
+    opt = Dion3([p], fraction=f, **settings)
     g = torch.randn(n, m, generator=generator)
     p.grad = g.clone()
     opt.step()
     mask = torch.zeros(n, dtype=torch.bool)
     mask[torch.topk(g.abs().sum(1), math.ceil(f * n)).indices] = True
     momentum = opt.state[p]["momentum"]
-    assert torch.allclose(momentum[mask], mu ** (1 / f) * g[mask])
+    assert torch.allclose(momentum[mask], decay * g[mask])
     assert torch.equal(momentum[~mask], g[~mask])
+
+
+@pytest.mark.parametrize("f", [0.25, 0.125, 1.0])
+def test_scale_mu_by_fraction_decays_applied_rows_by_mu_to_the_one_over_f(f, generator):
+    mu = 0.9
+    hp = rule.Dion3Hyperparameters(mu=mu, scale_mu_by_fraction=True)
+    assert rule.momentum_decay(hp, f) == pytest.approx(mu ** (1 / f))
+    assert rule.momentum_decay(rule.Dion3Hyperparameters(mu=mu), f) == mu
+    _assert_first_step_decays_applied_rows_by(mu ** (1 / f), f, generator, mu=mu, scale_mu_by_fraction=True)
+
+
+@pytest.mark.parametrize("f, expected", [(0.25, 0.6), (0.125, 0.36), (0.5, 0.6 ** 0.5), (1.0, 0.6 ** 0.25)])
+def test_default_mu_keeps_the_memory_per_step_of_0_6_at_a_quarter(f, expected, generator):
+    """mu unset: the applied rows keep 0.6 ** (1 / (4 f)); an explicit mu is kept as given at any f."""
+    assert rule.momentum_decay(rule.Dion3Hyperparameters(), f) == pytest.approx(expected, rel=1e-12)
+    assert rule.momentum_decay(rule.Dion3Hyperparameters(mu=0.6), f) == 0.6
+    _assert_first_step_decays_applied_rows_by(expected, f, generator)
+    _assert_first_step_decays_applied_rows_by(0.6, f, generator, mu=0.6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

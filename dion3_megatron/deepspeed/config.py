@@ -37,7 +37,10 @@ HINTS = {
 def _from_json(key: str, value: Any) -> Any:
     """A value as JSON spells it -> the constructor's value; ValueError for a JSON type that no
     value of the key's kind has (the range is checked after, by the spec)."""
-    kind = options.BY_NAME[key].kind
+    option = options.BY_NAME[key]
+    kind = option.kind
+    if value is None and option.default is None:
+        return value  # null: the option's default
     if kind in (options.REAL, options.FRACTION) and not options.is_real(value) and not (
             kind == options.FRACTION and value == options.AUTO):
         raise ValueError(f"{WHERE}: {key} must be a finite number ({ALLOWED[key]}), got {value!r}")
@@ -74,5 +77,5 @@ def normalize_params(params: dict[str, Any]) -> dict[str, Any]:
             + "; ".join(f"{k}: {v}" for k, v in ALLOWED.items())
         )
     out = {k: _from_json(k, v) for k, v in params.items()}
-    options.check(WHERE, **out)
+    options.check(WHERE, **{**options.defaults_for(options.DEEPSPEED), **out})  # with the defaults: pairs too
     return out
