@@ -29,9 +29,10 @@ AUTO_MIN_ROWS = 128  # quality floor: fewer selected rows than this lost to f = 
 # The exchange rate between loss and time, from the convergence protocol (docs/benchmarks.md,
 # byte-level GPTs at 10 tokens per parameter, every family at its best lr):
 # at equal tokens f costs about AUTO_LOSS_PER_WAITING_ROW_SHARE * (1/f - 1) nats of final validation
-# loss (two seeds each, the defaults; 10.8M: f = 1/4 +0.0067, f = 1/8 +0.0215, 0.0022 and 0.0031 per
-# unit; 48.7M: f = 1/4 +0.0063, f = 1/8 +0.0139, 0.0021 and 0.0020: the largest is taken);
-AUTO_LOSS_PER_WAITING_ROW_SHARE = 0.003
+# loss against f = 1, each at its default mu (10.8M: f = 1 0.6954, f = 1/4 0.7088, f = 1/8 0.7210, two
+# seeds each: 0.0045 and 0.0037 per unit; 48.7M: f = 1 0.5553 (one seed), f = 1/4 0.5653, f = 1/8
+# 0.5725: 0.0033 and 0.0025; the largest is taken);
+AUTO_LOSS_PER_WAITING_ROW_SHARE = 0.0045
 # and near the end of those runs the loss falls by 0.06-0.12 per unit of log(steps) (Muon's
 # curves), so a step x times shorter buys about AUTO_LOSS_PER_LOG_TIME * ln(x) at equal wall-clock
 # time (the low end taken).
@@ -112,7 +113,7 @@ def choose_fraction(
     matrices), the f with the lowest :func:`modelled_loss_change` (the larger f on a tie). Where
     the orthogonalization is a large share of the iteration (wide matrices, few tokens per rank, a
     slow link) a smaller f pays for its loss; where launches, memory or the model's own work
-    dominate, f = 1 (NorMuon, Muon's loss) is the choice.
+    dominate, f = 1 (at or below Muon's loss) is the choice.
     """
     floor = min(AUTO_MIN_ROWS, n_rows)
     feasible = [f for f in AUTO_FRACTIONS if selected_row_count(n_rows, f, num_heads) >= floor] or [1.0]

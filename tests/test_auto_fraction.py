@@ -33,12 +33,14 @@ def test_choice_is_a_candidate_above_the_row_floor(speed, generator):
 
 
 def test_f_is_1_where_the_model_dominates_the_iteration_and_smaller_where_the_step_does():
-    # The convergence protocol's shapes (10.8M and 48.7M) on an H200-like speed: f = 1, Muon's loss.
+    # The convergence protocol's shapes (10.8M and 48.7M) on an H200-like speed: f = 1, below Muon's loss.
     for rows, cols in [(384, 384), (1024, 384), (384, 1024), (640, 640), (1664, 640), (640, 1664)]:
         assert auto_fraction.choose_fraction(rows, cols, H200_LIKE, batch=10) == 1.0, (rows, cols)
-    # 14B shapes: the wide products pay for f < 1, none for the loss of 1/8; the K/V keep every row.
-    assert auto_fraction.choose_fraction(13824, 5120, H200_LIKE, batch=16) == 0.25
+    # 14B shapes: the square and wide products pay for f < 1, none for the loss of 1/8; the tall one
+    # (whose Gram NS at f = 1 runs on its 5120 columns) and the K/V keep every row.
+    assert auto_fraction.choose_fraction(5120, 13824, H200_LIKE, batch=16) == 0.5
     assert auto_fraction.choose_fraction(5120, 5120, H200_LIKE, batch=16) == 0.5
+    assert auto_fraction.choose_fraction(13824, 5120, H200_LIKE, batch=16) == 1.0
     assert auto_fraction.choose_fraction(1024, 5120, H200_LIKE, batch=16) == 1.0
 
 
@@ -64,8 +66,8 @@ def test_more_tokens_per_step_never_lower_f(monkeypatch, generator):
 def test_a_rank_that_steps_a_share_of_the_matrices_keeps_more_rows():
     # Megatron's layer-wise ZeRO-1 at DP=8: each rank steps 1/8 of the matrices it runs forward
     # and backward, so the step is a smaller share of its iteration.
-    assert auto_fraction.choose_fraction(13824, 5120, H200_LIKE, batch=16) == 0.25
-    assert auto_fraction.choose_fraction(13824, 5120, H200_LIKE, batch=16, step_share=1 / 8) == 1.0
+    assert auto_fraction.choose_fraction(5120, 13824, H200_LIKE, batch=16) == 0.5
+    assert auto_fraction.choose_fraction(5120, 13824, H200_LIKE, batch=16, step_share=1 / 8) == 1.0
     for n, m in [(5120, 5120), (2048, 8192), (8192, 2048)]:
         shares = [auto_fraction.choose_fraction(n, m, H200_LIKE, batch=8, step_share=s) for s in (1.0, 0.5, 0.125)]
         assert shares == sorted(shares), (n, m, shares)
