@@ -137,23 +137,6 @@ def test_sharded_step_equals_single_process(world, kind, fraction):
     assert max_relative_error(got, expected) <= 1e-5, f"seed={seed}"
 
 
-@pytest.mark.parametrize("world,kind", [(4, "rows"), (2, "flat")])  # the static exchange and the general one
-@pytest.mark.slow
-def test_sharded_step_with_the_default_mu_at_one_eighth_equals_single_process(world, kind):
-    # mu unset: each path must decay the applied rows by the f-dependent default (0.36 at f = 1/8)
-    seed = torch.seed() % 2**31
-    pieces = run_distributed(sharded_worker, world, kind, SHAPES, 0.125, seed, DEFAULT_STALENESS, STALE_STEPS, None)
-    got = reassemble(pieces, kind, SHAPES, world)
-    expected = single_process(SHAPES, 0.125, seed, DEFAULT_STALENESS, STALE_STEPS, None)
-    assert max_relative_error(got, expected) <= 1e-5, f"seed={seed}"
-    # the default is not f = 1/4's 0.6 here (a path that ignored f would fail the comparison above):
-    # the updates differ, compared as updates since they are small against the weights
-    start, _ = matrices_and_grads(SHAPES, seed, STALE_STEPS)
-    at_0_6 = single_process(SHAPES, 0.125, seed, DEFAULT_STALENESS, STALE_STEPS, 0.6)
-    updates = lambda ws: [w - w0 for w, w0 in zip(ws, start)]  # noqa: E731
-    assert max_relative_error(updates(at_0_6), updates(expected)) > 0.01
-
-
 STALE_STEPS = 8  # several expected periods (1 / f = 4 steps): rows come back because they waited
 
 
@@ -173,6 +156,23 @@ def test_sharded_step_with_staleness_equals_single_process(world, kind, fraction
     assert max_relative_error(got, expected) <= 1e-5, f"seed={seed}"
     # staleness changed the result: the test would catch an engine that ignored it
     assert max_relative_error(single_process(SHAPES, fraction, seed, 0.0, STALE_STEPS), expected) > 1e-3
+
+
+@pytest.mark.parametrize("world,kind", [(4, "rows"), (2, "flat")])  # the static exchange and the general one
+@pytest.mark.slow
+def test_sharded_step_with_the_default_mu_at_one_eighth_equals_single_process(world, kind):
+    # mu unset: each path must decay the applied rows by the f-dependent default (0.36 at f = 1/8)
+    seed = torch.seed() % 2**31
+    pieces = run_distributed(sharded_worker, world, kind, SHAPES, 0.125, seed, DEFAULT_STALENESS, STALE_STEPS, None)
+    got = reassemble(pieces, kind, SHAPES, world)
+    expected = single_process(SHAPES, 0.125, seed, DEFAULT_STALENESS, STALE_STEPS, None)
+    assert max_relative_error(got, expected) <= 1e-5, f"seed={seed}"
+    # the default is not f = 1/4's 0.6 here (a path that ignored f would fail the comparison above):
+    # the updates differ, compared as updates since they are small against the weights
+    start, _ = matrices_and_grads(SHAPES, seed, STALE_STEPS)
+    at_0_6 = single_process(SHAPES, 0.125, seed, DEFAULT_STALENESS, STALE_STEPS, 0.6)
+    updates = lambda ws: [w - w0 for w, w0 in zip(ws, start)]  # noqa: E731
+    assert max_relative_error(updates(at_0_6), updates(expected)) > 0.01
 
 
 def test_unsharded_matrices_step_locally_like_the_optimizer():
