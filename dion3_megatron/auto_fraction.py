@@ -30,8 +30,8 @@ AUTO_MIN_ROWS = 128  # quality floor: fewer selected rows than this lost to f = 
 # byte-level GPTs at 10 tokens per parameter, every family at its best lr):
 # at equal tokens f costs about AUTO_LOSS_PER_WAITING_ROW_SHARE * (1/f - 1) nats of final validation
 # loss against f = 1, each at its default mu (10.8M: f = 1 0.6954, f = 1/4 0.7088, f = 1/8 0.7210, two
-# seeds each: 0.0045 and 0.0037 per unit; 48.7M: f = 1 0.5553 (one seed), f = 1/4 0.5653, f = 1/8
-# 0.5725: 0.0033 and 0.0025; the largest is taken);
+# seeds each: 0.0045 and 0.0037 per unit; 48.7M: f = 1 0.5550, f = 1/4 0.5653, f = 1/8 0.5725, two
+# seeds each: 0.0034 and 0.0025; the largest is taken);
 AUTO_LOSS_PER_WAITING_ROW_SHARE = 0.0045
 # and near the end of those runs the loss falls by 0.06-0.12 per unit of log(steps) (Muon's
 # curves), so a step x times shorter buys about AUTO_LOSS_PER_LOG_TIME * ln(x) at equal wall-clock
