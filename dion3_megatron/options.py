@@ -149,7 +149,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("adamw_lr", REAL, 0.002, "learning rate of the AdamW groups (algorithm 'adamw'; under DeepSpeed also "
            "the < 2-D tensors of a plain parameter list) that set none of their own, > 0",
            front_ends=_NOT_MEGATRON, low=0.0, low_open=True, **_OPTIMIZER_WIDE),
-    Option("fraction", FRACTION, 0.25, "share of each matrix's rows updated per step, in (0, 1] (paper: 1/4 or "
+    Option("fraction", FRACTION, AUTO, "share of each matrix's rows updated per step, in (0, 1] (paper: 1/4 or "
            "1/8), or 'auto': chosen per matrix from its shape, the world size and the device's speed",
            low=0.0, high=1.0, low_open=True),
     Option("mu", REAL, None, "share of the applied rows' momentum kept after a step (error feedback), in [0, 1); "

@@ -1,7 +1,7 @@
 """Train a small byte-level transformer with Dion3 on CPU (or a GPU when present) and print the loss.
 
 The corpus is the running Python's own standard-library sources: nothing to download.
-Usage: python examples/quickstart.py [--steps 200] [--fraction 0.25]
+Usage: python examples/quickstart.py [--steps 200] [--fraction auto|0.25|...]
 """
 
 import argparse
@@ -11,7 +11,10 @@ import time
 import torch
 
 from dion3_megatron import Dion3
+from dion3_megatron.options import BY_NAME
 from stdlib_text import stdlib_tokens  # examples/stdlib_text.py, beside this script
+
+FRACTION = BY_NAME["fraction"]
 
 
 class TinyGPT(torch.nn.Module):
@@ -36,7 +39,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--fraction", type=float, default=0.25)
+    parser.add_argument("--fraction", type=lambda v: v if v == "auto" else float(v), default=FRACTION.default,
+                        help=f"Dion3's f: {FRACTION.allowed()} (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=0.02)
     args = parser.parse_args()
 

@@ -108,6 +108,16 @@ def session(rank: int, world: int, tmp: str) -> dict:
         out[key] = {"split": split_of(t.model_wrapped), "losses": losses_of(t),
                     "zero": type(t.model_wrapped.optimizer).__name__}
         out["seconds"][key] = time.time() - t0
+    # The default: a config that names no "fraction" gets fraction="auto", chosen under ZeRO-1.
+    t0 = time.time()
+    cfg = ds_config(1)
+    del cfg["optimizer"]["params"]["fraction"]
+    t = trainer(llama(), cfg, os.path.join(tmp, "default"))
+    t.train()
+    basic = t.model_wrapped.basic_optimizer
+    out["llama_default"] = {"losses": losses_of(t), "fractions": [basic.hyperparameters(g).fraction for g in basic.param_groups],
+                            "chosen": basic.state_dict()["zero_auto_fractions"]}
+    out["seconds"]["llama_default"] = time.time() - t0
     # Resume: 10 steps saving at 5; a new Trainer resumes from step 5 and must end where the first did.
     t0 = time.time()
     d = os.path.join(tmp, "resume")

@@ -64,8 +64,9 @@ def test_compare_dp2_stdlib_corpus(tmp_path):
         assert r["optimizer_ms"] > 0 and len(r["train_time"]) == 12 and r["optimizer_ms_from_step"] == 6
     dion3 = runs["dion3"]
     assert dion3["mode"] == "layer-wise ZeRO-1" and dion3["skipped_steps"] == 0
-    assert "Dion3: f=0.25 on every matrix (rows x cols: 16x64, 64x64, 64x128, 128x64)" in out
-    assert dion3["dion3_fractions"] == {"16x64": 0.25, "64x64": 0.25, "64x128": 0.25, "128x64": 0.25}
+    # the default fraction="auto" keeps every row of matrices this small (fewer than 128 rows)
+    assert "Dion3: fraction=auto chose f=1 on every matrix (rows x cols: 16x64, 64x64, 64x128, 128x64)" in out
+    assert dion3["dion3_fractions"] == {"16x64": 1.0, "64x64": 1.0, "64x128": 1.0, "128x64": 1.0}
     assert "| Dion3" in out and "opt. step ms" in out and "vs Muon" in out
     assert "mean over the last 10% of the steps" in out
     verdict = out.split("verdict: ")[1].splitlines()[0]
@@ -75,7 +76,8 @@ def test_compare_dp2_stdlib_corpus(tmp_path):
         assert muon["mode"] == dion3["mode"] and "layer-wise ZeRO-1 both" in verdict
         speedup = muon["optimizer_ms"] / dion3["optimizer_ms"]
         assert dion3["speedup_vs_muon"] == pytest.approx(speedup, abs=1e-3) and muon["speedup_vs_muon"] == 1
-        expected = [(0.25, 0), (dion3["final_val_loss"], 5e-4), (muon["final_val_loss"], 5e-4),
+        assert verdict.startswith("Dion3 f=auto: ")
+        expected = [(dion3["final_val_loss"], 5e-4), (muon["final_val_loss"], 5e-4),
                     (dion3["final_val_loss"] - muon["final_val_loss"], 1e-3), (adam["final_val_loss"], 5e-4),
                     (max(speedup, 1 / speedup), 0.05), (dion3["optimizer_ms"], 5e-3), (muon["optimizer_ms"], 5e-3)]
         assert len(numbers(verdict)) == len(expected)

@@ -103,12 +103,16 @@ def assert_layer_wise_layout(log: str, dp: int, fraction: str) -> None:
     assert re.search(rf"dion3_fraction \.+ {re.escape(fraction)}$", log, re.M)  # the flag reached Megatron's args
 
 
-@pytest.mark.parametrize("layout,fraction", [("dp2", "0.5"), ("tp2", "0.5"), ("dp2", "auto")])
+@pytest.mark.parametrize("layout,fraction", [("dp2", "0.5"), ("tp2", "0.5"), ("dp2", None)])
 def test_pretrain_dion3_layout_and_exact_resume(tmp_path, layout, fraction):
-    """With fraction "auto" the ranks choose f at the first step, by a share of the model's matrices
-    of about 1/DP each, and the resumed run steps with the choices the checkpoint holds."""
+    """No --dion3-fraction is the default, "auto": the ranks choose f at the first step, by a share
+    of the model's matrices of about 1/DP each, and the resumed run steps with the choices the
+    checkpoint holds."""
     parallel = ["--tensor-model-parallel-size", "2"] if layout == "tp2" else []
-    parallel += ["--dion3-fraction", fraction]
+    if fraction is None:
+        fraction = "auto"
+    else:
+        parallel += ["--dion3-fraction", fraction]
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
 
     log = pretrain(parallel + ["--save", full])

@@ -59,7 +59,7 @@ def test_registered_parser_accepts_dion3_flags():
     assert args.dion3_scale_mu_by_fraction is True and args.dion3_cuda_graph is False
     assert _megatron_parser().parse_args(["--optimizer", "dion3", "--dion3-fraction", "auto"]).dion3_fraction == "auto"
     defaults = _megatron_parser().parse_args([])
-    assert (defaults.dion3_fraction, defaults.dion3_mu, defaults.dion3_beta2) == (0.25, None, 0.95)
+    assert (defaults.dion3_fraction, defaults.dion3_mu, defaults.dion3_beta2) == ("auto", None, 0.95)
     assert defaults.dion3_split_qkv and defaults.dion3_split_glu and defaults.dion3_cuda_graph
     assert defaults.dion3_scale_mu_by_fraction is False
 
@@ -297,7 +297,7 @@ def test_megatron_help_survives_its_bare_percent_and_lists_the_dion3_flags():
     text = _megatron_parser().format_help()
     assert "(e.g. 1.10 = 10%)" in " ".join(text.split())
     assert "Dion3 optimizer (--optimizer dion3):" in text
-    assert "(default: 0.25)" in " ".join(text.split())
+    assert "(default: auto)" in " ".join(text.split())
 
 
 def test_launcher_help_lists_every_dion3_flag_with_its_default():
@@ -311,7 +311,7 @@ def test_launcher_help_lists_every_dion3_flag_with_its_default():
     flat = " ".join(text.split())
     for option in options.options_for(options.MEGATRON):
         assert arguments.flag(option.name) in text, option.name
-    for shown in ("(default: 0.25)", "(default: unset)", "(default: 0.95)", "(default: 1e-08)",
+    for shown in ("(default: auto)", "(default: unset)", "(default: 0.95)", "(default: 1e-08)",
                   "(default: spectral_norm)", "(default: gram)", "(default: off)", "Turn off (on by default)"):
         assert shown in flat, shown
     for markup in ("``", ":func:", ":mod:", ":class:", ":data:"):
