@@ -392,4 +392,4 @@ def test_readme_megatron_commands_parse():
     assert os.path.isfile(os.path.join(REPO, "examples", "megatron_lm_pretrain_gpt.py"))
     for script, argv in commands.items():
         args = _megatron_parser().parse_args(argv)
-        assert (args.optimizer, args.dion3_fraction, args.use_distributed_optimizer) == ("dion3", 0.25, True), script
+        assert (args.optimizer, args.dion3_fraction, args.use_distributed_optimizer) == ("dion3", "auto", True), script
