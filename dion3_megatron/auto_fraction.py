@@ -200,13 +200,17 @@ def _speed_key(device: torch.device, hp: Dion3Hyperparameters, group: Optional[d
 def resolve_fractions(
     requests: Sequence[FractionRequest],
     joined: Sequence[tuple[torch.device, Dion3Hyperparameters, dist.ProcessGroup]] = (),
+    agreed: Optional[dict] = None,
 ) -> list[float]:
     """The f of each request: :func:`choose_fraction` on the speed and step share its group agrees on.
 
     One collective per (group, device, dtype), in the order of the groups' ranks, so that every
     member makes the same calls: a rank must call with the same groups as its peers, and names in
     ``joined`` (device, settings, group) those it agrees on without a request of its own.
+    ``agreed``: what earlier calls agreed, by that key, updated here; a key found in it makes no
+    collective (a caller that joined all its agreements at once passes it to keep later calls local).
     """
+    agreed = {} if agreed is None else agreed
     wanted: dict[tuple, tuple] = {}
     for r in requests:  # a group's requests share its largest step share
         key = _speed_key(r.device, r.hp, r.group)
@@ -214,8 +218,9 @@ def resolve_fractions(
         wanted[key] = (r.device, r.group, share)
     for device, hp, group in joined:
         wanted.setdefault(_speed_key(device, hp, group), (device, group, 0.0))  # no share of its own
-    agreed = {key: for_group(device, key[2], group, share)
-              for key, (device, group, share) in sorted(wanted.items(), key=lambda item: item[0][0])}
+    for key, (device, group, share) in sorted(wanted.items(), key=lambda item: item[0][0]):
+        if key not in agreed:
+            agreed[key] = for_group(device, key[2], group, share)
     out = []
     for r in requests:
         speed, share = agreed[_speed_key(r.device, r.hp, r.group)]

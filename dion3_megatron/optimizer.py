@@ -145,6 +145,7 @@ class Dion3(torch.optim.Optimizer):
         self.adamw_lr: float = settings["adamw_lr"]
         self.skipped_steps = 0
         self._auto_fractions: dict[torch.Tensor, float] = {}
+        self._agreed_speeds: Optional[dict] = None  # what the ranks agreed for "auto" (None: not yet)
         self._buckets: dict[tuple, _Bucket] = {}
         self._copies: dict[torch.Tensor, torch.Tensor] = {}  # non-contiguous Dion3 weight -> its working copy
         self._graph = cuda_graph_module.StepGraph()
@@ -205,16 +206,27 @@ class Dion3(torch.optim.Optimizer):
         """Choose f for every not yet resolved matrix of the "auto" groups (:mod:`.auto_fraction`).
 
         Same-shape matrices are orthogonalized as one batch here, which the cost model counts.
+        Under torch.distributed the ranks agree on the device speed over the world, once, at this
+        optimizer's first step, whether or not a rank has matrices to choose for (a pipeline stage
+        may hold only AdamW tensors) and whether or not its step is then skipped; later choices (a
+        param group added, a checkpoint without them) reuse what was agreed: no rank ever waits in
+        a collective its peers do not make.
         """
-        todo = [(group, p) for group in self.param_groups if group["fraction"] == options.AUTO
+        auto_groups = [group for group in self.param_groups if group["fraction"] == options.AUTO]
+        todo = [(group, p) for group in auto_groups
                 for p in group["params"] if self.algorithm_of(group, p) == "dion3" and p not in self._auto_fractions]
-        if not todo:
+        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        joined = []
+        if self._agreed_speeds is None:
+            self._agreed_speeds = {}
+            joined = [(group["params"][0].device, self.hyperparameters(group), world)
+                      for group in auto_groups if group["params"]]
+        if not todo and not joined:
             return
         shapes = Counter(matrix_shape(p) for _, p in todo for _ in range(matrix_count(p)))
-        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         requests = [auto_fraction.FractionRequest(matrix_shape(p), shapes[matrix_shape(p)], 1,
                                                   self.hyperparameters(group), p.device, world) for group, p in todo]
-        for (_, p), fraction in zip(todo, auto_fraction.resolve_fractions(requests)):
+        for (_, p), fraction in zip(todo, auto_fraction.resolve_fractions(requests, joined, self._agreed_speeds)):
             self._auto_fractions[p] = fraction
 
     # ----------------------------------------------------------------------------------------
@@ -371,10 +383,10 @@ class Dion3(torch.optim.Optimizer):
                 loss = closure()
         for gi, group in enumerate(self.param_groups):
             self._check_group(f"param group {gi}", group)
+        self._resolve_auto_fractions()  # before a skip: the ranks' first steps agree on the speed together
         if not self._check_gradients():
             self.skip_step()
             return loss
-        self._resolve_auto_fractions()
         members: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         settings: dict[tuple, Dion3Hyperparameters] = {}
         adamw: dict[tuple, list[torch.Tensor]] = defaultdict(list)  # (group, step count, device) -> params

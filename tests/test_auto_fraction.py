@@ -236,3 +236,44 @@ def test_ranks_of_one_exchange_agree_on_the_largest_step_share():
     (alone, chosen0), (_, chosen1) = run_distributed(_share_worker, 2)
     assert alone == [0.25, 0.5]
     assert chosen0 == chosen1 == {(512, 64): 0.25}
+
+
+def _stage_worker(rank, world):
+    # Pipeline-like ranks under the default fraction ("auto"): rank 1 holds only an AdamW tensor at
+    # first and skips its first step (a non-finite gradient), rank 0 steps a matrix; at the third
+    # step rank 1 alone has a matrix added. Alone, rank 0 would keep every row of (512, 96) and rank 1 would take
+    # 1/8 of (1024, 64); agreed on the slowest numbers of both, each takes 1/2.
+    auto_fraction.measure = lambda device, dtype: [LAUNCH_BOUND, FLOP_BOUND][rank]
+    auto_fraction.AUTO_TOKENS_PER_STEP = 0  # a spawned process: not restored
+    gen = torch.Generator().manual_seed(rank)
+    bias = torch.nn.Parameter(torch.randn(96, generator=gen))
+    params = [torch.nn.Parameter(torch.randn(512, 96, generator=gen)), bias] if rank == 0 else [bias]
+    opt = Dion3(params, ns_dtype=torch.float32)
+
+    def step(first=False):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.randn(p.shape, generator=gen)
+        if first and rank == 1:
+            bias.grad[0] = float("inf")
+        opt.step()
+        dist.all_reduce(torch.ones(1))  # the training loop's own collective (a loss average, a send)
+
+    step(first=True)
+    step()
+    late = torch.nn.Parameter(torch.randn(1024, 64, generator=gen))
+    if rank == 1:
+        opt.add_param_group({"params": [late]})
+    step()
+    alone = [auto_fraction.choose_fraction(512, 96, LAUNCH_BOUND), auto_fraction.choose_fraction(1024, 64, FLOP_BOUND)]
+    return opt.skipped_steps, sorted(opt.fractions.values()), alone
+
+
+@pytest.mark.slow
+def test_ranks_without_matrices_or_with_a_skipped_first_step_still_agree_and_never_hang():
+    """The torch class's ranks agree on the speed once, at their first step, whatever each holds;
+    a rank that waited in a collective its peer never made would time out here."""
+    (skipped0, chosen0, alone), (skipped1, chosen1, _) = run_distributed(_stage_worker, 2, timeout=120)
+    assert alone == [1.0, 0.125]
+    assert (skipped0, skipped1) == (0, 1)
+    assert chosen0 == chosen1 == [0.5]
