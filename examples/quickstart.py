@@ -83,6 +83,9 @@ def main() -> None:
             for t, y in (batch(split, len(data)) for _ in range(10))
         ) / 10
     print(f"validation loss {val:.3f} ({val / math.log(2):.2f} bits/byte)")
+    if args.fraction == "auto":
+        chosen = sorted({(tuple(p.shape), f) for p, f in opt.fractions.items()})
+        print("fraction=auto chose (shape: f) " + ", ".join(f"{'x'.join(map(str, s))}: {f:g}" for s, f in chosen))
 
 
 if __name__ == "__main__":
