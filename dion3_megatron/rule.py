@@ -111,6 +111,8 @@ def select_rows(scores: torch.Tensor, fraction: float, num_heads: Optional[int] 
     """
     batch, n_rows = scores.shape
     k = selected_row_count(n_rows, fraction, num_heads)
+    if k == n_rows:  # every row (f = 1, the default's choice at most widths): what the sorts give, without them
+        return torch.arange(n_rows, device=scores.device).repeat(batch, 1)
     if num_heads is None:
         order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
         chosen = order[:, :k]
