@@ -115,7 +115,8 @@ def session(rank: int, world: int, tmp: str) -> dict:
     t = trainer(llama(), cfg, os.path.join(tmp, "default"))
     t.train()
     basic = t.model_wrapped.basic_optimizer
-    out["llama_default"] = {"losses": losses_of(t), "fractions": [basic.hyperparameters(g).fraction for g in basic.param_groups],
+    out["llama_default"] = {"losses": losses_of(t),
+                            "fractions": [basic.hyperparameters(g).fraction for g in basic.param_groups],
                             "chosen": basic.state_dict()["zero_auto_fractions"]}
     out["seconds"]["llama_default"] = time.time() - t0
     # Resume: 10 steps saving at 5; a new Trainer resumes from step 5 and must end where the first did.

@@ -241,8 +241,8 @@ def test_ranks_of_one_exchange_agree_on_the_largest_step_share():
 def _stage_worker(rank, world):
     # Pipeline-like ranks under the default fraction ("auto"): rank 1 holds only an AdamW tensor at
     # first and skips its first step (a non-finite gradient), rank 0 steps a matrix; at the third
-    # step rank 1 alone has a matrix added. Alone, rank 0 would keep every row of (512, 96) and rank 1 would take
-    # 1/8 of (1024, 64); agreed on the slowest numbers of both, each takes 1/2.
+    # step rank 1 alone has a matrix added. Alone, rank 0 would keep every row of (512, 96) and
+    # rank 1 would take 1/8 of (1024, 64); agreed on the slowest numbers of both, each takes 1/2.
     auto_fraction.measure = lambda device, dtype: [LAUNCH_BOUND, FLOP_BOUND][rank]
     auto_fraction.AUTO_TOKENS_PER_STEP = 0  # a spawned process: not restored
     gen = torch.Generator().manual_seed(rank)
