@@ -19,6 +19,7 @@ owns it), and extend that test where the new option needs a value of its own.
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import inspect
 import math
@@ -117,6 +118,23 @@ class Option:
         if self.kind == BETAS:
             return "two values in [0, 1)"
         raise AssertionError(f"unknown option kind {self.kind!r}")
+
+    def argparse_type(self):
+        """The ``type=`` of a command-line flag for a REAL or FRACTION ("auto" taken as it is): the
+        number, or argparse's error naming the option and the value."""
+        def parse(text: str) -> float | str:
+            if self.kind == FRACTION and text == AUTO:
+                return text
+            try:
+                value = float(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{self.name} must be a number, got {text!r}") from None
+            if not self.valid(value):
+                raise argparse.ArgumentTypeError(f"{self.name} must be {self.number_text(str)}, got {value}")
+            return value
+
+        parse.__name__ = self.name
+        return parse
 
     def valid(self, value: Any) -> bool:
         if value is None and self.default is None:

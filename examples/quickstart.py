@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--fraction", type=lambda v: v if v == "auto" else float(v), default=FRACTION.default,
+    parser.add_argument("--fraction", type=FRACTION.argparse_type(), default=FRACTION.default,
                         help=f"Dion3's f: {FRACTION.allowed()} (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=0.02)
     args = parser.parse_args()

@@ -68,22 +68,6 @@ def refuse_renamed(source: Any, where: str) -> None:
                              "revert the old patches/megatron-core-0.19-dion3.patch, apply the new one)")
 
 
-def _number(option: options.Option):
-    def parse(text: str) -> float | str:
-        if option.kind == options.FRACTION and text == options.AUTO:
-            return text
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{option.name} must be a number, got {text!r}") from None
-        if not option.valid(value):
-            raise argparse.ArgumentTypeError(f"{option.name} must be {option.number_text(str)}, got {value}")
-        return value
-
-    parse.__name__ = option.name
-    return parse
-
-
 class _Renamed(argparse.Action):
     """An old flag: refused, naming the new one."""
 
@@ -112,7 +96,7 @@ def _add(group, option: options.Option) -> None:
     elif option.kind == options.CHOICE:
         group.add_argument(flag(option.name), dest=dest, choices=option.choices, default=option.default, help=help)
     elif option.kind in (options.REAL, options.FRACTION):
-        group.add_argument(flag(option.name), dest=dest, type=_number(option), default=option.default,
+        group.add_argument(flag(option.name), dest=dest, type=option.argparse_type(), default=option.default,
                            metavar=option.name.upper(), help=help)
     else:
         raise AssertionError(f"no Megatron flag for an option of kind {option.kind!r} ({option.name})")
