@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import json
 import math
 import os
@@ -649,8 +650,14 @@ def plot(result: dict, png: str, families: list[str] | None = None) -> bool:
     fig.suptitle(f"{meta['params'] / 1e6:.1f}M-parameter byte GPT, {meta['tokens_per_run'] / 1e6:.0f}M tokens per run "
                  f"({meta['tokens_per_run'] / meta['params']:.1f} per parameter), {meta['device']}, torch {meta['torch']}")
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    # A 64-colour palette keeps a plot near 60 KB (~200 KB as RGBA): the tracked tree must stay small
+    # enough to travel to the GPU machine beside the CuTe DSL archive.
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
+    from PIL import Image  # a dependency of matplotlib
+
+    Image.open(buf).convert("RGB").quantize(colors=64, method=Image.Quantize.MEDIANCUT).save(png, optimize=True)
     return True
 
 
