@@ -44,7 +44,7 @@ def train(params, grads, lrs, cuda_graph, reload_at=None, **kwargs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("options", [{"fraction": 0.25}, {"fraction": "auto", "scale_mu_by_fraction": True, "num_heads": 4},
+@pytest.mark.parametrize("options", [{"fraction": 0.25}, {"fraction": "auto", "mu": 0.9, "scale_mu_by_fraction": True, "num_heads": 4},
                                      {"staleness": 1.0}])
 def test_dion3_graph_replay_equals_eager(generator, dtype, options):
     steps = 8
