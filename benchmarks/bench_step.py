@@ -1,11 +1,12 @@
 """Full optimizer step on one GPU: Dion3 (f = 1, 1/4, 1/8, "auto") vs a Muon step, 8 layers of 14B shapes.
 
 Per layer (14B with grouped-query attention): Q and O 5120x5120, K and V 1024x5120, SwiGLU gate
-and up 13824x5120, down 5120x13824. Muon: heavy-ball momentum and Keller-quintic NS5 in bf16 on
+and up 13824x5120, down 5120x13824. ``--model 350m``: the matrices the Megatron adapter makes of
+docs/megatron.md's 350M model (width 1024, ffn 2816, 4 query groups; use ``--layers 24``). Muon: heavy-ball momentum and Keller-quintic NS5 in bf16 on
 each matrix, one at a time, as Muon ships. Dion3: the torch optimizer (same-shape blocks batched,
 Gram NS with the kernels where they pay). Median of CUDA-event timings; ratios from one run.
 
-  python benchmarks/bench_step.py [--layers 8] [--json out.json]
+  python benchmarks/bench_step.py [--model 14b|350m] [--layers 8] [--json out.json]
   python benchmarks/bench_step.py --profile 0.25     # where one eager Dion3 step's GPU time goes
 """
 
@@ -19,7 +20,8 @@ from timing import cuda_median_ms
 
 from dion3_megatron import Dion3, kernels, ortho
 
-LAYER_14B = [(5120, 5120), (1024, 5120), (1024, 5120), (5120, 5120), (13824, 5120), (13824, 5120), (5120, 13824)]
+LAYERS = {"14b": [(5120, 5120), (1024, 5120), (1024, 5120), (5120, 5120), (13824, 5120), (13824, 5120), (5120, 13824)],
+          "350m": [(1024, 1024), (256, 1024), (256, 1024), (1024, 1024), (2816, 1024), (2816, 1024), (1024, 2816)]}
 
 
 class Muon:
@@ -45,17 +47,22 @@ def profile(params, fraction: float, rows: int = 25) -> None:
     for _ in range(3):
         opt.step()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         opt.step()
         torch.cuda.synchronize()
     events = prof.key_averages()
     total = sum(e.self_device_time_total for e in events) / 1e3
     print(f"one eager Dion3 step, f = {fraction}: {total:.1f} ms of GPU kernels")
     print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60))
+    print("by torch operator and input shapes (GPU time of the kernels each one launched):")
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by="device_time_total", row_limit=2 * rows,
+                                                             max_name_column_width=40, max_shapes_column_width=70))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(LAYERS), default="14b", help="whose layer shapes")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", type=float, default=None, metavar="FRACTION",
@@ -64,17 +71,18 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     params = []
     for _ in range(args.layers):
-        for shape in LAYER_14B:
+        for shape in LAYERS[args.model]:
             p = torch.nn.Parameter(torch.randn(shape, device="cuda", generator=gen) * 0.02)
             p.grad = torch.randn(shape, device="cuda", generator=gen)
             params.append(p)
     if args.profile is not None:
         profile(params, args.profile)
         return
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers}
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
+               "layers": args.layers}
     with kernels.using(kernels="torch"):  # Muon as it ships: plain torch matmuls, not our kernels
         results["muon_ms"] = timed(Muon(params).step)
-    print(f"{results['device']}, torch {results['torch']}: {args.layers} layers of 14B shapes "
+    print(f"{results['device']}, torch {results['torch']}: {args.layers} layers of {args.model} shapes "
           f"({sum(p.numel() for p in params) / 1e9:.2f}B params)")
     print(f"{'optimizer':<16}{'step ms':>10}{'vs muon':>9}")
     print(f"{'muon':<16}{results['muon_ms']:>10.2f}{1.0:>9.2f}")
