@@ -89,6 +89,16 @@ def _restore(out: torch.Tensor, transposed: bool, shape: torch.Size, dtype: torc
     return out.reshape(shape).to(dtype)
 
 
+def _left_times(mm, q: torch.Tensor, x: torch.Tensor, beta: float = 0.0) -> torch.Tensor:
+    """q @ x + beta * x for a symmetric q, in x's layout: a transposed view (a tall matrix's, from
+    :func:`_as_wide_batch`) comes back as one, computed as (x^T q + beta x^T)^T, so the tall
+    result needs no transposing copy later (the row kernels read whole rows)."""
+    if x.mT.is_contiguous() and not x.is_contiguous():
+        xt = x.mT
+        return mm.matmul(xt, q, 1.0, beta, xt if beta else None).mT
+    return mm.matmul(q, x, 1.0, beta, x if beta else None)
+
+
 def _add_identity(m: torch.Tensor, scale: float) -> torch.Tensor:
     m.diagonal(dim1=-2, dim2=-1).add_(scale)
     return m
@@ -118,7 +128,7 @@ def newton_schulz(
     for a, b, c in coefficients:
         gram = mm.gram(x, 1.0, 0.0, None)
         poly = mm.symmetric(gram, gram, c, b, gram)  # b A + c A^2
-        x = mm.matmul(poly, x, 1.0, a, x)  # a X + (b A + c A^2) X
+        x = _left_times(mm, poly, x, a)  # a X + (b A + c A^2) X
     return _restore(x, transposed, shape, out_dtype or g.dtype)
 
 
@@ -152,7 +162,7 @@ def gram_newton_schulz(
     q: Optional[torch.Tensor] = None
     for i, (a, b, c) in enumerate(coefficients):
         if i in restart_set and q is not None:
-            x = mm.matmul(q, x, 1.0, 0.0, None)
+            x = _left_times(mm, q, x)
             r = mm.gram(x, 1.0, 0.0, None)
             q = None
         # Z = b R + c R^2; a*I stays out of Z so half precision does not lose b R + c R^2 under it.
@@ -162,7 +172,7 @@ def gram_newton_schulz(
             rz = mm.symmetric(r, z, 1.0, a, r)  # (Z + aI) R
             r = mm.symmetric(z, rz, 1.0, a, rz)  # (Z + aI) R (Z + aI)
     assert q is not None
-    x = mm.matmul(q, x, 1.0, 0.0, None)
+    x = _left_times(mm, q, x)
     return _restore(x, transposed, shape, out_dtype or g.dtype)
 
 
