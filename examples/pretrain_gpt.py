@@ -82,7 +82,8 @@ def parse_args(argv=None):
                    help="the AdamW run; embeddings and output layer in every run (Megatron's --decoupled-lr)")
     o.add_argument("--weight-decay", type=float, default=0.01)
     o.add_argument("--clip-grad", type=float, default=1.0)
-    o.add_argument("--dion3-fraction", default=str(DION3_OPTIONS["fraction"].default),
+    o.add_argument("--dion3-fraction", type=DION3_OPTIONS["fraction"].argparse_type(),
+                   default=DION3_OPTIONS["fraction"].default,
                    help="Dion3's f: in (0, 1] (default: the library's, %(default)s), or 'auto' (chosen per matrix "
                         "from its shape and this machine's speed)")
     d = p.add_argument_group("data (default: the Python standard library's sources, byte-level)")
@@ -90,8 +91,9 @@ def parse_args(argv=None):
     d.add_argument("--data-path", help="Megatron indexed dataset prefix (PREFIX.bin / PREFIX.idx)")
     d.add_argument("--vocab-size", type=int, help="with --data-path (default: largest token id + 1)")
     d.add_argument("--max-tokens", type=int, default=8_000_000, help="read at most this many tokens")
+    p.error = lambda message: p.exit(2, f"{p.prog}: error: {message}\n")  # one line, as check_args' own
     args = p.parse_args(argv)
-    check_args(args, lambda message: p.exit(2, f"{p.prog}: error: {message}\n"))
+    check_args(args, p.error)
     return args
 
 
@@ -107,13 +109,6 @@ def check_args(args, fail) -> None:
     if bad or not names:
         fail(f"--optimizers: unknown {bad}; choose from {','.join(OPTIMIZERS)}")
     args.optimizers = names
-    fraction = DION3_OPTIONS["fraction"]
-    try:
-        args.dion3_fraction = "auto" if args.dion3_fraction == "auto" else float(args.dion3_fraction)
-    except ValueError:
-        pass  # refused below, as a string
-    if not fraction.valid(args.dion3_fraction):
-        fail(f"--dion3-fraction must be {fraction.allowed()}, got {args.dion3_fraction!r}")
     cuda = _use_cuda(args)
     if cuda and not torch.cuda.is_available():
         fail("--device cuda: no CUDA device is available")

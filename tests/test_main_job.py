@@ -186,7 +186,8 @@ def test_verdict_and_plot(tmp_path):
     (["--tp", "3"], "--tp 3 must divide the number of processes, 2"),
     (["--heads", "3", "--tp", "2"], "--tp 2 must divide --heads 3"),
     (["--global-batch", "3"], "--global-batch 3 must divide by the data-parallel size 2"),
-    (["--dion3-fraction", "0"], "--dion3-fraction must be in (0, 1] or 'auto', got 0.0"),
+    (["--dion3-fraction", "0"], "argument --dion3-fraction: fraction must be in (0.0, 1.0], got 0.0"),
+    (["--dion3-fraction", "half"], "argument --dion3-fraction: fraction must be a number, got 'half'"),
     (["--text-file", "/no/such/file"], "--text-file /no/such/file: no such file"),
     (["--data-path", "/no/such/prefix"], "--data-path /no/such/prefix: no /no/such/prefix.bin or /no/such/prefix.idx"),
 ])
