@@ -2,9 +2,10 @@
 
 Per layer (14B with grouped-query attention): Q and O 5120x5120, K and V 1024x5120, SwiGLU gate
 and up 13824x5120, down 5120x13824. ``--model 350m``: the matrices the Megatron adapter makes of
-docs/megatron.md's 350M model (width 1024, ffn 2816, 4 query groups; use ``--layers 24``). Muon: heavy-ball momentum and Keller-quintic NS5 in bf16 on
-each matrix, one at a time, as Muon ships. Dion3: the torch optimizer (same-shape blocks batched,
-Gram NS with the kernels where they pay). Median of CUDA-event timings; ratios from one run.
+docs/megatron.md's 350M model (width 1024, ffn 2816, 4 query groups; use ``--layers 24``).
+Muon: heavy-ball momentum and Keller-quintic NS5 in bf16 on each matrix, one at a time, as Muon
+ships. Dion3: the torch optimizer (same-shape blocks batched, Gram NS with the kernels where they
+pay). Median of CUDA-event timings; ratios from one run.
 
   python benchmarks/bench_step.py [--model 14b|350m] [--layers 8] [--json out.json]
   python benchmarks/bench_step.py --profile 0.25     # where one eager Dion3 step's GPU time goes
