@@ -152,11 +152,13 @@ def test_readme_example_command_runs_on_cpu():
     assert re.search(r"^ +vocab_size \.+ 32768$", log, re.M)  # NullTokenizer without --vocab-size
 
 
-def test_a_dp2_checkpoint_resumes_at_tp2(tmp_path):
+@pytest.mark.parametrize("fraction", ["0.5", "auto"])
+def test_a_dp2_checkpoint_resumes_at_tp2(tmp_path, fraction):
     """Saved at DP=2, loaded at TP=2 (Megatron's fully reshardable optimizer format, which its Adam
     part needs to change TP; a vocabulary that pads to the same size at both TP sizes): the resumed
-    run repeats the DP=2 run's loss and gradient norms, so the weights and Dion3's state resharded."""
-    same_padding = ["--vocab-size", "256", "--dist-ckpt-optim-fully-reshardable", "--dion3-fraction", "0.5"]
+    run repeats the DP=2 run's loss and gradient norms, so the weights and Dion3's state resharded;
+    with an explicit f and with the default, "auto"."""
+    same_padding = ["--vocab-size", "256", "--dist-ckpt-optim-fully-reshardable", "--dion3-fraction", fraction]
     full = str(tmp_path / "dp2")
     dp2 = iterations(pretrain(same_padding + ["--save", full]))
     tp2 = iterations(pretrain(same_padding + ["--tensor-model-parallel-size", "2", "--load", full,
