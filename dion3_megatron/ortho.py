@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .kernels.dispatch import get_backend
+from .kernels.dispatch import get_backend, transposed_view
 
 Coefficients = Sequence[tuple[float, float, float]]
 
@@ -93,7 +93,7 @@ def _left_times(mm, q: torch.Tensor, x: torch.Tensor, beta: float = 0.0) -> torc
     """q @ x + beta * x for a symmetric q, in x's layout: a transposed view (a tall matrix's, from
     :func:`_as_wide_batch`) comes back as one, computed as (x^T q + beta x^T)^T, so the tall
     result needs no transposing copy later (the row kernels read whole rows)."""
-    if x.mT.is_contiguous() and not x.is_contiguous():
+    if transposed_view(x):
         xt = x.mT
         return mm.matmul(xt, q, 1.0, beta, xt if beta else None).mT
     return mm.matmul(q, x, 1.0, beta, x if beta else None)

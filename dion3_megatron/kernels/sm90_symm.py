@@ -45,6 +45,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from . import config as kernel_config
 from .config import TILES, tile_count, tile_shape
+from .dispatch import transposed_view
 
 TILE_K = 64
 CLUSTER_M = {(256, 256): 2}  # CTAs per tile along M (one 128-row slice each); 1 for the others
@@ -507,11 +508,6 @@ def compiled(ab: torch.dtype, d: torch.dtype, c: Optional[torch.dtype], tile, st
     return fn
 
 
-def _m_major(t: torch.Tensor) -> bool:
-    """t (L, M, K) is the transposed view of a contiguous (L, K, M) tensor, and not K-major too."""
-    return t.mT.is_contiguous() and not t.is_contiguous()
-
-
 def symm_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -553,7 +549,7 @@ def symm_gemm(
     # Operands are read as they lie when both are K-major, or both M-major (a tall input's Gram: the
     # transposed view of a row-major matrix); anything else is made K-major first (a copy of a
     # 13824x5120 operand costs ~0.46 ms on an H200, 5% of the whole Gram NS), once for a Gram product.
-    m_major = m % 8 == 0 and _m_major(a) and _m_major(b)  # TMA: 16-byte strides
+    m_major = m % 8 == 0 and transposed_view(a) and transposed_view(b)  # TMA: 16-byte strides
     if not m_major:
         a = a.contiguous()
         b = a if same else b.contiguous()
