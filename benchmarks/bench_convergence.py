@@ -152,7 +152,7 @@ def named(cfg: dict) -> dict:
 
 def label(cfg: dict) -> str:
     text = LABELS[cfg["opt"]].format(f=fraction_text(cfg["f"])) if cfg["opt"] == "dion3" else LABELS[cfg["opt"]]
-    extras = {"mu": "mu {:g}", "mu_by_f": "mu^(1/f)", "lr_by_f": "lr/sqrt(f)", "stale": "staleness {:g}",
+    extras = {"mu": "mu {:g}", "mu_by_f": "mu^(1/f)", "lr_by_f": "lr/max(f, 1/4)", "stale": "staleness {:g}",
               "fwarm": "f=1 for {:.0%} of steps"}
     words = [extras[k].format(v) for k, v in sorted(cfg["options"].items())]
     if cfg["wd"] != DEFAULT_WD[cfg["opt"]]:

@@ -160,10 +160,11 @@ _UNIT = dict(low=0.0, high=1.0, high_open=True)  # [0, 1)
 _OPTIMIZER_WIDE = dict(hyperparameter=False, group_key=False)
 
 OPTIONS: tuple[Option, ...] = (
-    # The convergence protocol's best Dion3 lr at f = 1/4 was 0.02-0.04 at both sizes (0.01: 0.017
-    # worse); AdamW on embeddings at such an lr makes the loss spike, hence adamw_lr of its own.
-    Option("lr", REAL, 0.02, "learning rate of the Dion3 matrices (and of the AdamW tensors of a group that "
-           "mixes both)", front_ends=_NOT_MEGATRON, low=0.0),
+    # The convergence protocol's best Dion3 lr was 0.01 at f = 1 at both sizes; with
+    # scale_lr_by_fraction every other f then steps at its own best (0.02-0.04 at f = 1/4). AdamW on
+    # embeddings at such an lr makes the loss spike, hence adamw_lr of its own.
+    Option("lr", REAL, 0.01, "learning rate of the Dion3 matrices at f = 1 (see scale_lr_by_fraction; also the "
+           "lr of the AdamW tensors of a group that mixes both)", front_ends=_NOT_MEGATRON, low=0.0),
     Option("adamw_lr", REAL, 0.002, "learning rate of the AdamW groups (algorithm 'adamw'; under DeepSpeed also "
            "the < 2-D tensors of a plain parameter list) that set none of their own, > 0",
            front_ends=_NOT_MEGATRON, low=0.0, low_open=True, **_OPTIMIZER_WIDE),
@@ -180,8 +181,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("adjust_lr", CHOICE, "spectral_norm", "multiplier of the orthogonalized step's lr: spectral_norm = "
            "sqrt(rows/cols); rms_norm = 0.2 sqrt(max(rows, cols)) (AdamW lr/wd transfer)",
            choices=ADJUST_LR_CHOICES),
-    Option("scale_lr_by_fraction", BOOL, False, "multiply the Dion3 step by 1/sqrt(fraction) (keeps the step "
-           "norm as f shrinks)"),
+    Option("scale_lr_by_fraction", BOOL, True, "a matrix at fraction f steps and decays at lr / max(f, 1/4): lr is "
+           "f = 1's, and each f takes its measured best (2x lr at f = 1/2, 4x at f <= 1/4); False: lr at every f"),
     Option("scale_mu_by_fraction", BOOL, False, "the applied rows keep mu ** (1/fraction) of their momentum "
            "instead of mu: the memory of heavy-ball momentum with mu at every fraction (needs an explicit mu)"),
     Option("staleness", REAL, 1.0, "selection favours rows that waited: each row's L1 score times "

@@ -248,25 +248,29 @@ def normalize_rows(
     return ortho * row_scale.unsqueeze(-1), variance
 
 
-def update_scale(
-    n_rows: int,
-    n_cols: int,
-    adjust_lr: str = "spectral_norm",
-    fraction: float = 1.0,
-    scale_lr_by_fraction: bool = False,
-) -> float:
+def update_scale(n_rows: int, n_cols: int, adjust_lr: str = "spectral_norm") -> float:
     """Multiplier of lr for the orthogonalized step of an n_rows x n_cols matrix.
 
     spectral_norm: sqrt(rows / cols).  rms_norm: 0.2 sqrt(max(rows, cols)), which makes AdamW's
-    lr and weight decay transfer. Optionally 1/sqrt(f), keeping the step's norm as f shrinks.
+    lr and weight decay transfer.
     """
     if adjust_lr == "spectral_norm":
-        scale = math.sqrt(n_rows / n_cols)
-    elif adjust_lr == "rms_norm":
-        scale = 0.2 * math.sqrt(max(n_rows, n_cols))
-    else:
-        raise ValueError(f"adjust_lr must be one of {ADJUST_LR_CHOICES}, got {adjust_lr!r}")
-    return scale / math.sqrt(fraction) if scale_lr_by_fraction else scale
+        return math.sqrt(n_rows / n_cols)
+    if adjust_lr == "rms_norm":
+        return 0.2 * math.sqrt(max(n_rows, n_cols))
+    raise ValueError(f"adjust_lr must be one of {ADJUST_LR_CHOICES}, got {adjust_lr!r}")
+
+
+# With scale_lr_by_fraction a matrix at fraction f steps and decays at lr / max(f, 1/4): a row is
+# applied about once every 1 / f steps, so it takes 1 / f times f = 1's step, up to 4x. The
+# convergence protocol's best lr was 0.01 at f = 1, 0.02 at f = 1/2, 0.02-0.04 at f = 1/4 and 0.04
+# (not 0.08) at f = 1/8, at both sizes (docs/hyperparameters.md).
+FRACTION_LR_FLOOR = 0.25
+
+
+def fraction_lr_multiplier(fraction: float, scale_lr_by_fraction: bool) -> float:
+    """What lr is multiplied by for a matrix at ``fraction``: 1 / max(f, 1/4), or 1 when off."""
+    return 1 / max(fraction, FRACTION_LR_FLOOR) if scale_lr_by_fraction else 1.0
 
 
 @dataclass
@@ -283,7 +287,7 @@ class UpdateFactors:
 
     @staticmethod
     def of(lrs: list[float], weight_decays: list[float], scales: list[float]) -> "UpdateFactors":
-        """shrink = 1 - lr wd (base lr), coef = -lr * scale."""
+        """shrink = 1 - lr wd, coef = -lr * scale."""
         return UpdateFactors([1 - lr * wd for lr, wd in zip(lrs, weight_decays)],
                              [-lr * scale for lr, scale in zip(lrs, scales)])
 
@@ -303,8 +307,8 @@ class UpdateFactors:
 def update_factors(hps: Sequence[Dion3Hyperparameters], fraction: float, n_rows: int, n_cols: int) -> UpdateFactors:
     """The factors of n_rows x n_cols matrices with these settings (one each: lr, weight decay and
     the lr adjustment may differ between them), at ``fraction``."""
-    scales = [update_scale(n_rows, n_cols, hp.adjust_lr, fraction, hp.scale_lr_by_fraction) for hp in hps]
-    return UpdateFactors.of([hp.lr for hp in hps], [hp.weight_decay for hp in hps], scales)
+    lrs = [hp.lr * fraction_lr_multiplier(fraction, hp.scale_lr_by_fraction) for hp in hps]
+    return UpdateFactors.of(lrs, [hp.weight_decay for hp in hps], [update_scale(n_rows, n_cols, hp.adjust_lr) for hp in hps])
 
 
 def apply_rows(weights: list[torch.Tensor], rows: torch.Tensor | list[torch.Tensor],

@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--fraction", type=FRACTION.argparse_type(), default=FRACTION.default,
                         help=f"Dion3's f: {FRACTION.allowed()} (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--lr", type=float, default=BY_NAME["lr"].default)
     args = parser.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

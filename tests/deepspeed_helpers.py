@@ -254,8 +254,9 @@ def config(stage: int, ga: int = 1, clip: float = 0.5, dtype: str = "fp32", worl
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "gradient_accumulation_steps": ga,
         "gradient_clipping": clip,
-        # adamw_lr as lr: the few steps of these runs must move the AdamW tensors visibly too
-        "optimizer": {"type": "Dion3", "params": {"lr": 0.02, "adamw_lr": 0.02, "fraction": 0.5, "ns_dtype": "float64",
+        # f = 1/2 steps at 2 lr (scale_lr_by_fraction): 0.02, and adamw_lr as much, so that the few
+        # steps of these runs move the AdamW tensors visibly too
+        "optimizer": {"type": "Dion3", "params": {"lr": 0.01, "adamw_lr": 0.02, "fraction": 0.5, "ns_dtype": "float64",
                                                   **params}},
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10**9,

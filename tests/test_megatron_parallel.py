@@ -27,6 +27,8 @@ import warnings
 import pytest
 import torch
 
+from dion3_megatron import rule
+
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_utils import run_distributed  # noqa: E402
 
@@ -541,12 +543,20 @@ def test_moe_expert_tensor_parallel_equals_single_process(results):
     assert [(r["expert_shards"], r["expert_split"]) for r in per_rank] == [(24, ["cols", "rows"])] * 2
 
 
+def bf16_tolerance() -> float:
+    """bf16 forward/backward against the fp32 reference: loose, but a missing update is about 3x this.
+    It grows with the step: 2e-2 per unit of the lr multiplier (f = 1/4 steps at 4x lr)."""
+    import megatron_shim as ms
+
+    return 2e-2 * rule.fraction_lr_multiplier(ms.DION3["fraction"], ms.DION3.get("scale_lr_by_fraction", True))
+
+
 def test_bf16_layer_wise_keeps_replicas_identical(results):
     per_rank = _get(results, "bf16")
     for r in per_rank:
         assert r["replicas_equal"], "data-parallel replicas drifted apart"
         assert r["finite"]
-        assert r["dion3"] < 2e-2  # bf16 forward/backward: loose, but a missing update is ~6e-2
+        assert r["dion3"] < bf16_tolerance()
 
 
 def test_torch_dist_checkpoint_resume_and_reshard(results):
@@ -604,7 +614,7 @@ def test_a_bad_step_on_one_rank_is_skipped_whole_on_every_rank(results, layout):
         assert (r["clean_own_checks"], r["bad_own_checks"]) == (own_checks, own_checks // STEPS), (rank, r)
         assert r["next_ok"] and r["finite"]
         if "bf16" in layout:
-            assert r["dion3"] < 2e-2  # bf16 forward/backward, as in the bf16 test
+            assert r["dion3"] < bf16_tolerance()
         else:
             _check_against_reference([r])
     if layout == "nan_loss_dp":

@@ -50,18 +50,18 @@ def test_registered_parser_accepts_dion3_flags():
     import dion3_megatron.megatron  # noqa: F401
 
     args = _megatron_parser().parse_args(GOOD + ["--dion3-ns-method", "standard",
-                                                 "--dion3-scale-lr-by-fraction", "--dion3-adjust-lr", "rms_norm",
+                                                 "--dion3-no-scale-lr-by-fraction", "--dion3-adjust-lr", "rms_norm",
                                                  "--dion3-scale-mu-by-fraction", "--dion3-no-cuda-graph"])
     assert args.optimizer == "dion3"
     assert args.dion3_fraction == 0.125
     assert args.dion3_ns_method == "standard"
-    assert args.dion3_scale_lr_by_fraction is True and args.dion3_adjust_lr == "rms_norm"
+    assert args.dion3_scale_lr_by_fraction is False and args.dion3_adjust_lr == "rms_norm"
     assert args.dion3_scale_mu_by_fraction is True and args.dion3_cuda_graph is False
     assert _megatron_parser().parse_args(["--optimizer", "dion3", "--dion3-fraction", "auto"]).dion3_fraction == "auto"
     defaults = _megatron_parser().parse_args([])
     assert (defaults.dion3_fraction, defaults.dion3_mu, defaults.dion3_beta2) == ("auto", None, 0.95)
     assert defaults.dion3_split_qkv and defaults.dion3_split_glu and defaults.dion3_cuda_graph
-    assert defaults.dion3_scale_mu_by_fraction is False
+    assert defaults.dion3_scale_mu_by_fraction is False and defaults.dion3_scale_lr_by_fraction is True
 
 
 @pytest.mark.parametrize(

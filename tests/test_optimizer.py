@@ -125,12 +125,12 @@ def test_a_step_that_raises_changes_no_weight_counter_or_state(generator):
 
 
 def test_lrs_default_per_algorithm_and_a_groups_own_lr_wins():
-    """The matrices take lr (default 0.02), the AdamW tensors adamw_lr (default 0.002): the < 2-D
+    """The matrices take lr (default 0.01), the AdamW tensors adamw_lr (default 0.002): the < 2-D
     tensors of a plain list and AdamW groups without an lr, also ones added later; a group that
     mixes both keeps one lr (schedulers scale group["lr"] alone)."""
     matrix, bias, embed = (torch.nn.Parameter(torch.randn(*s)) for s in ((4, 4), (4,), (8, 4)))
     opt = Dion3([matrix, bias])
-    assert [(g["lr"], [p is matrix for p in g["params"]]) for g in opt.param_groups] == [(0.02, [True]), (0.002, [False])]
+    assert [(g["lr"], [p is matrix for p in g["params"]]) for g in opt.param_groups] == [(0.01, [True]), (0.002, [False])]
     opt = Dion3([{"params": [matrix], "algorithm": "dion3"}, {"params": [bias], "algorithm": "adamw", "lr": 0.001}],
                 lr=0.03, adamw_lr=0.004)
     opt.add_param_group({"params": [embed], "algorithm": "adamw"})

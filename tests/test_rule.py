@@ -56,7 +56,7 @@ def test_only_selected_rows_move_and_the_rest_accumulate(generator):
     chosen = torch.topk(g1.abs().sum(1), k).indices
     mask = torch.zeros(n, dtype=torch.bool)
     mask[chosen] = True
-    decayed = w0 * (1 - lr * wd)
+    decayed = w0 * (1 - lr * rule.fraction_lr_multiplier(f, True) * wd)  # the default scales the decay too
     assert torch.equal(p[~mask].detach(), decayed[~mask])
     assert (p[mask].detach() - decayed[mask]).abs().amax(dim=1).min() > 1e-4
     momentum = opt.state[p]["momentum"]
@@ -177,9 +177,13 @@ def test_selected_row_count():
 def test_update_scale_modes():
     assert rule.update_scale(64, 16) == pytest.approx(2.0)
     assert rule.update_scale(64, 16, "rms_norm") == pytest.approx(0.2 * 8)
-    assert rule.update_scale(64, 16, fraction=0.25, scale_lr_by_fraction=True) == pytest.approx(4.0)
     with pytest.raises(ValueError, match="adjust_lr"):
         rule.update_scale(4, 4, "max")
+
+
+def test_fraction_lr_multiplier_grows_as_one_over_f_up_to_four():
+    assert [rule.fraction_lr_multiplier(f, True) for f in (1.0, 0.5, 0.25, 0.125, 0.01)] == [1.0, 2.0, 4.0, 4.0, 4.0]
+    assert rule.fraction_lr_multiplier(0.125, False) == 1.0
 
 
 @pytest.mark.parametrize("adjust_lr,scale_by_f", [("spectral_norm", False), ("rms_norm", False), ("spectral_norm", True)])
@@ -196,7 +200,7 @@ def test_step_norm_follows_the_scale(adjust_lr, scale_by_f, generator):
     rows = torch.sort(torch.topk(g.abs().sum(1), k).indices).values
     # NorMuon keeps the orthogonalized block's Frobenius norm, so the step's norm is lr*scale*||O||.
     ortho_norm = ortho.gram_newton_schulz(g[rows].double(), dtype=torch.float64).norm()
-    expected = lr * rule.update_scale(n, m, adjust_lr, f, scale_by_f) * ortho_norm
+    expected = lr * rule.fraction_lr_multiplier(f, scale_by_f) * rule.update_scale(n, m, adjust_lr) * ortho_norm
     assert (p.detach() - w0).norm().item() == pytest.approx(expected.item(), rel=1e-5)
 
 

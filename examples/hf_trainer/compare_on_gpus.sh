@@ -12,7 +12,7 @@ STAGE=${STAGE:-1}
 mkdir -p "$RESULTS"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}   # DeepSpeed's op builder chokes on "9.0a"
 here=$(dirname "$0")
-declare -A LR=([dion3]=0.02 [muon]=0.02 [adamw]=0.002)
+declare -A LR=([dion3]=0.01 [muon]=0.02 [adamw]=0.002)
 for opt in ${OPTS:-dion3 muon adamw}; do
   config="$RESULTS/ds_config_${opt}_zero$STAGE.json"
   python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["zero_optimization"]["stage"] = int(sys.argv[2]);

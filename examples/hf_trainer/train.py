@@ -1,11 +1,11 @@
 """Hugging Face Trainer + DeepSpeed with Dion3: the optimizer comes from the DeepSpeed JSON config.
 
     deepspeed --num_gpus 1 examples/hf_trainer/train.py --deepspeed examples/hf_trainer/ds_config_dion3.json \
-        --output_dir out/dion3 --bf16 --learning_rate 0.02 --max_steps 200
+        --output_dir out/dion3 --bf16 --learning_rate 0.01 --max_steps 200
     # CPU, 2 ranks:
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 2 examples/hf_trainer/train.py \
         --deepspeed examples/hf_trainer/ds_config_dion3.json --output_dir out/cpu --use_cpu \
-        --learning_rate 0.02 --max_steps 20 --width 64 --layers 2 --seq 64
+        --learning_rate 0.01 --max_steps 20 --width 64 --layers 2 --seq 64
 
 The only Dion3-specific line is ``import dion3_megatron.deepspeed`` (it registers
 ``"type": "Dion3"`` and splits the flat parameter list Trainer hands DeepSpeed by module:

@@ -38,7 +38,7 @@ COMMON="$MODEL --group-query-attention --num-query-groups 4 --swiglu --disable-b
 # Each optimizer's flags (override with DION3_FLAGS, MUON_FLAGS, ADAM_FLAGS): the lrs of the one-GPU
 # records in docs/benchmarks.md; the embeddings and output layer take Adam at --decoupled-lr.
 declare -A FLAGS=(
-  [dion3]="${DION3_FLAGS:---optimizer dion3 --lr 0.02 --min-lr 0.002 --decoupled-lr 0.002 --decoupled-min-lr 0.0002}"
+  [dion3]="${DION3_FLAGS:---optimizer dion3 --lr 0.01 --min-lr 0.001 --decoupled-lr 0.002 --decoupled-min-lr 0.0002}"
   [muon]="${MUON_FLAGS:---optimizer muon --muon-scale-mode unit_rms_norm --lr 0.01 --min-lr 0.001 --decoupled-lr 0.002 --decoupled-min-lr 0.0002}"
   [adam]="${ADAM_FLAGS:---optimizer adam --lr 0.002 --min-lr 0.0002}")
 launch() {  # launch LOG FLAGS...: one run through the launcher (it registers Dion3; torchrun for > 1 GPU)
