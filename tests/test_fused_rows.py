@@ -69,6 +69,17 @@ CHECK = textwrap.dedent("""
             if r < n:
                 ref[r] += steps[0, i]
         assert torch.allclose(w, ref, atol=1e-6)
+        # half-precision steps (Newton-Schulz's fp16 result, as it comes) are read as fp32: the same
+        # update, bit for bit, as from their fp32 copy
+        batch, n, c, k = 2, 19, 70, 5
+        half_w = torch.randn(batch, n, c, generator=gen).to(device)
+        full_w = half_w.clone()
+        rows = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(batch)]).to(device)
+        steps = torch.randn(batch, k, c, generator=gen).to(torch.float16).to(device)
+        scale = torch.rand(batch, k, generator=gen).to(device)
+        apply_rows(list(half_w.unbind(0)), rows, steps, scale, [0.99, 0.9])
+        apply_rows(list(full_w.unbind(0)), rows, steps.float(), scale, [0.99, 0.9])
+        assert torch.equal(half_w, full_w)
         # take_selected: rows copied out exactly, decayed in place by mu (a number or one per matrix);
         # rows held elsewhere point at the padded zero row, more than once
         batch, n, c, k = 3, 29, 140, 8

@@ -60,7 +60,7 @@ def _apply_rows(w_ptr, w_stride, pos_ptr, step_ptr, scale_ptr, shrink_ptr, shrin
     pos = tl.load(pos_ptr + rows, mask=in_rows, other=-1)  # the row's place among the steps, or -1
     chosen = in_rows & (pos >= 0)
     step = tl.load(step_ptr + pos[:, None].to(tl.int64) * n_cols + cols[None, :],
-                   mask=inside & chosen[:, None], other=0.0)
+                   mask=inside & chosen[:, None], other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr + pos, mask=chosen, other=0.0)
     if SHRINK_ON_DEVICE:
         shrink = tl.load(shrink_ptr)
@@ -125,7 +125,8 @@ def apply_rows(weights: list[torch.Tensor], rows: torch.Tensor, steps: torch.Ten
     """For each b: weights[b] *= shrink[b]; weights[b][rows[b, i]] += row_scale[b, i] * steps[b, i].
 
     weights: B (n, c) matrices (see :func:`usable`); rows (B, k) distinct row indices per matrix,
-    or n for "no row here" (any number of times); steps (B, k, c) fp32; row_scale (B, k) fp32;
+    or n for "no row here" (any number of times); steps (B, k, c) fp32 or half precision (read as
+    fp32); row_scale (B, k) fp32;
     shrink: B numbers or a (B,) fp32 tensor.
     """
     batch, k = rows.shape
