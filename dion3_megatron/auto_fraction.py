@@ -1,11 +1,13 @@
 """``fraction="auto"``: f per matrix by the loss it costs against the time it saves
 (:func:`choose_fraction`), the time from a cost model of its step on the device's measured speed,
-and :func:`resolve_fractions`, which every front end asks for its matrices' f.
+and :func:`resolve_fractions`, which the Megatron and ZeRO front ends ask for their matrices' f
+(the torch class agrees the speeds itself, :func:`agree_per_dtype`).
 
 Three short timings per (device, dtype), once per process: a large matmul (FLOP/s), a tiny one
 (the fixed cost of a kernel, host overhead included) and a copy (memory bandwidth). The link
 bandwidth is assumed per backend, not measured. Ranks that step matrices together must choose
-the same f, so :func:`for_group` gives them all the slowest member's numbers.
+the same f, so :func:`for_group` and :func:`agree_per_dtype` give them all the slowest member's
+numbers.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .options import NS_DTYPES
 from .ortho import default_ns_dtype, ns_flops
 from .rule import Dion3Hyperparameters, selected_row_count
 
@@ -177,6 +180,39 @@ def for_group(device: torch.device, dtype: torch.dtype, group: Optional[dist.Pro
     dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
     flops, neg_launch, memory, link, neg_share = values.tolist()
     return DeviceSpeed(flops, -neg_launch, memory, link), -neg_share
+
+
+def slowest(a: DeviceSpeed, b: DeviceSpeed) -> DeviceSpeed:
+    """Each number of the two speeds at its slower value."""
+    return DeviceSpeed(min(a.matmul_flops, b.matmul_flops), max(a.launch_seconds, b.launch_seconds),
+                       min(a.memory_bytes_per_s, b.memory_bytes_per_s), min(a.link_bytes_per_s, b.link_bytes_per_s))
+
+
+def agree_per_dtype(local: Sequence[tuple[torch.device, torch.dtype]],
+                    group: Optional[dist.ProcessGroup]) -> dict[torch.dtype, DeviceSpeed]:
+    """The speed of every Newton-Schulz dtype that a member of ``group`` steps, agreed in ONE
+    collective whatever this rank holds (no dtype, one, or several on several devices), so that
+    every member makes the same call: each dtype at its slowest member's numbers (only the members
+    that step it count), with the link of the group's backend. local: the (device, dtype) pairs
+    this rank steps. Without a group of more than one rank: this rank's own measurements."""
+    mine: dict[torch.dtype, DeviceSpeed] = {}
+    for device, dtype in local:
+        speed = measure(device, dtype)
+        mine[dtype] = slowest(mine[dtype], speed) if dtype in mine else speed
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return mine
+    backend = str(dist.get_backend(group))
+    link = LINK_BYTES_PER_S.get(backend, LINK_BYTES_PER_S["gloo"])
+    order = list(NS_DTYPES.values())
+    values = torch.full((len(order), 3), math.inf, dtype=torch.float64)  # +inf: this rank has no say
+    for i, dtype in enumerate(order):
+        if dtype in mine:
+            values[i] = torch.tensor([mine[dtype].matmul_flops, -mine[dtype].launch_seconds, mine[dtype].memory_bytes_per_s])
+    on = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    values = values.to(on)
+    dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
+    return {dtype: DeviceSpeed(flops, -neg_launch, memory, link)
+            for dtype, (flops, neg_launch, memory) in zip(order, values.tolist()) if flops != math.inf}
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from . import auto_fraction, cuda_graph as cuda_graph_module, options, rule
 from .exchange import WholeMatrices, step_whole_matrices
 from .kernels import config as kernel_config
+from .ortho import default_ns_dtype
 from .rule import Dion3Hyperparameters
 
 ALGORITHMS = ("dion3", "adamw")
@@ -206,28 +207,32 @@ class Dion3(torch.optim.Optimizer):
         """Choose f for every not yet resolved matrix of the "auto" groups (:mod:`.auto_fraction`).
 
         Same-shape matrices are orthogonalized as one batch here, which the cost model counts.
-        Under torch.distributed the ranks agree on the device speed over the world, once, at this
-        optimizer's first step, whether or not a rank has matrices to choose for (a pipeline stage
-        may hold only AdamW tensors) and whether or not its step is then skipped; later choices (a
-        param group added, a checkpoint without them) reuse what was agreed: no rank ever waits in
-        a collective its peers do not make.
+        Under torch.distributed the ranks agree on the device speed of each Newton-Schulz dtype in
+        one collective over the world, at this optimizer's first step, whatever a rank holds (a
+        pipeline stage may hold only AdamW tensors, or groups of other dtypes than its peers') and
+        whether or not its step is then skipped; later choices (a param group added, a checkpoint
+        without them) use what was agreed: no rank ever waits in a collective its peers do not make.
         """
         auto_groups = [group for group in self.param_groups if group["fraction"] == options.AUTO]
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if self._agreed_speeds is None:
+            local = {(p.device, group["ns_dtype"] or default_ns_dtype(p.device))
+                     for group in auto_groups for p in group["params"][:1]}
+            self._agreed_speeds = auto_fraction.agree_per_dtype(sorted(local, key=str), dist.group.WORLD if distributed else None)
         todo = [(group, p) for group in auto_groups
                 for p in group["params"] if self.algorithm_of(group, p) == "dion3" and p not in self._auto_fractions]
-        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        joined = []
-        if self._agreed_speeds is None:
-            self._agreed_speeds = {}
-            joined = [(group["params"][0].device, self.hyperparameters(group), world)
-                      for group in auto_groups if group["params"]]
-        if not todo and not joined:
-            return
         shapes = Counter(matrix_shape(p) for _, p in todo for _ in range(matrix_count(p)))
-        requests = [auto_fraction.FractionRequest(matrix_shape(p), shapes[matrix_shape(p)], 1,
-                                                  self.hyperparameters(group), p.device, world) for group, p in todo]
-        for (_, p), fraction in zip(todo, auto_fraction.resolve_fractions(requests, joined, self._agreed_speeds)):
-            self._auto_fractions[p] = fraction
+        for group, p in todo:
+            hp = self.hyperparameters(group)
+            dtype = hp.ns_dtype or default_ns_dtype(p.device)
+            if dtype not in self._agreed_speeds:
+                if distributed:
+                    raise ValueError(f"fraction='auto' with ns_dtype={dtype}: no rank stepped a group of that dtype at "
+                                     "the first step, when the ranks agreed on the device's speed; give such groups "
+                                     "from the start, or set their fraction")
+                self._agreed_speeds[dtype] = auto_fraction.measure(p.device, dtype)
+            self._auto_fractions[p] = auto_fraction.choose_fraction(
+                *matrix_shape(p), self._agreed_speeds[dtype], 1, shapes[matrix_shape(p)], hp.ns_method, hp.num_heads)
 
     # ----------------------------------------------------------------------------------------
     # State.

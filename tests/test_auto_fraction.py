@@ -277,3 +277,37 @@ def test_ranks_without_matrices_or_with_a_skipped_first_step_still_agree_and_nev
     assert alone == [1.0, 0.125]
     assert (skipped0, skipped1) == (0, 1)
     assert chosen0 == chosen1 == [0.5]
+
+
+def _dtypes_worker(rank, world):
+    # Rank 0 steps "auto" groups of two Newton-Schulz dtypes, rank 1 one of them beside a group of
+    # fixed f: one collective each all the same, every dtype at the slower rank of those stepping it.
+    auto_fraction.measure = lambda device, dtype: [LAUNCH_BOUND, FLOP_BOUND][rank]
+    auto_fraction.AUTO_TOKENS_PER_STEP = 0  # a spawned process: not restored
+    gen = torch.Generator().manual_seed(rank)
+    shared = torch.nn.Parameter(torch.randn(1024, 64, generator=gen))
+    own = torch.nn.Parameter(torch.randn(512, 96, generator=gen))
+    first = {"params": [own]} if rank == 0 else {"params": [own], "fraction": 0.25}
+    opt = Dion3([first, {"params": [shared], "ns_dtype": torch.float64}], ns_dtype=torch.float32)
+    for _ in range(2):
+        for p in (shared, own):
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+        dist.all_reduce(torch.ones(1))  # the training loop's own collective
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(64, 32, generator=gen))], "ns_dtype": torch.bfloat16})
+    with pytest.raises(ValueError, match="ns_dtype=torch.bfloat16: no rank stepped a group of that dtype") as error:
+        opt.step()
+    expected = {"shared": auto_fraction.choose_fraction(1024, 64, auto_fraction.slowest(LAUNCH_BOUND, FLOP_BOUND)),
+                "own": auto_fraction.choose_fraction(512, 96, LAUNCH_BOUND) if rank == 0 else None}
+    return {name: opt.fractions.get(p) for name, p in (("shared", shared), ("own", own))}, expected, str(error.value)
+
+
+@pytest.mark.slow
+def test_ranks_with_groups_of_other_dtypes_agree_in_one_collective():
+    """A rank with more Newton-Schulz dtypes in its "auto" groups than its peer makes no extra
+    collective (its peer would wait in another, or pair it with the training loop's); a dtype that
+    no rank stepped at the first step is refused later, naming it."""
+    (chosen0, expected0, error0), (chosen1, expected1, _) = run_distributed(_dtypes_worker, 2, timeout=120)
+    assert chosen0 == expected0 and chosen1 == expected1
+    assert chosen0["shared"] == chosen1["shared"] and expected0["shared"] != expected0["own"]
+    assert "give such groups from the start" in error0
