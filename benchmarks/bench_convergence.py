@@ -52,6 +52,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -508,8 +509,9 @@ class Scheduler:
 # Reporting.
 
 
-def family_summary(runs: list[dict]) -> dict[str, dict]:
-    """Per family: its best lr, the runs there (all seeds), their mean final loss and timings."""
+def family_summary(runs: list[dict], device: Optional[str] = None) -> dict[str, dict]:
+    """Per family: its best lr, the runs there (all seeds), their mean final loss and timings (with
+    ``device``, of the runs on it alone: times of two GPUs do not mix)."""
     out = {}
     for fam in dict.fromkeys(r["family"] for r in runs):
         found = best_lr(runs, fam)
@@ -518,7 +520,8 @@ def family_summary(runs: list[dict]) -> dict[str, dict]:
         lr, edge = found
         at_best = [r for r in runs if r["family"] == fam and r["lr"] == lr and ok(r)]
         # Optimizer times measured alone only (records before that timed steps inside the pack).
-        timed = [r for r in runs if r["family"] == fam and ok(r) and r.get("opt_timing") == "alone"]
+        timed = [r for r in runs if r["family"] == fam and ok(r) and r.get("opt_timing") == "alone"
+                 and (device is None or r.get("device", device) == device)]
         out[fam] = {
             "label": at_best[0]["label"], "lr": lr, "edge": edge, "lrs": len(lr_table(runs, fam)),
             "finals": [r["final_val_loss"] for r in sorted(at_best, key=lambda r: r["seed"])],
@@ -538,13 +541,14 @@ def sort_key(fam: str) -> tuple:
 
 def format_tables(result: dict) -> str:
     runs, meta = result["runs"], result["meta"]
-    summary = family_summary(runs)
+    summary = family_summary(runs, meta["device"])
     muon = summary.get("muon")
     lines = [f"{meta['params'] / 1e6:.2f}M params ({meta['matrix_params'] / 1e6:.2f}M in block matrices), "
              f"{meta['tokens_per_run'] / 1e6:.1f}M tokens per run ({meta['tokens_per_run'] / meta['params']:.1f} per "
              f"parameter), corpus {meta['corpus_bytes']:,} bytes sha256 {meta['corpus_sha256'][:16]}",
              "best lr per family (* at an edge of the lrs tried); final = mean over the seeds at that lr; "
-             "opt ms: median over the family's runs of one optimizer step timed alone (-: none timed so); step ms: "
+             f"opt ms: median over the family's runs on the {meta['device']} of one optimizer step timed alone (-: none "
+             "timed so); step ms: "
              "one model alone (its forward+backward+clip, measured once per invocation, + opt ms)",
              f"{'family':<58}{'lr':>9} {'final':>8}{'vs Muon':>9}  {'seeds':<17}{'opt ms':>8}{'step ms':>9}"
              f"{'opt vs Muon':>12}{'lrs':>5}"]
@@ -609,7 +613,7 @@ def plot(result: dict, png: str, families: list[str] | None = None) -> bool:
         print("matplotlib not importable: no plot (use --plot-only JSON later)", file=sys.stderr)
         return False
     meta = result["meta"]
-    summary = family_summary(result["runs"])
+    summary = family_summary(result["runs"], meta["device"])
     fams = [f for f in sorted(summary, key=sort_key) if not families or f in families]
     tokens_per_step = meta["tokens_per_step"]
     fig, axes = plt.subplots(1, 3, figsize=(19, 5.6))
@@ -671,8 +675,9 @@ def load_results(paths: list[str]) -> dict | None:
         with open(path) as fh:
             result = json.load(fh)
         result["runs"] = [r for r in result["runs"] if not r.get("partial")]  # a killed pack's curves so far
-        for r in result["runs"]:  # records written before they carried their invocation's timing
+        for r in result["runs"]:  # records written before they carried their invocation's timing and device
             r.setdefault("forward_backward_ms", result["meta"].get("forward_backward_ms", math.nan))
+            r.setdefault("device", result["meta"].get("device"))
         if merged is None:
             merged = result
             merged["meta"]["commands"] = list(result["meta"].get("commands", [result["meta"]["command"]]))

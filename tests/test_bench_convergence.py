@@ -133,6 +133,14 @@ def test_scheduler_extends_the_lr_grid_until_the_best_is_interior_then_adds_seed
     assert summary["lr"] == 0.04 and not summary["edge"] and summary["final"] == pytest.approx(0.905)
 
 
+def test_optimizer_times_of_another_gpu_stay_out_of_the_summary():
+    runs = [dict(_finished(name, 0.9), opt_timing="alone", device=device, opt_ms=ms)
+            for name, device, ms in (("dion3:f=0.25:lr=0.02", "H200", 3.0), ("dion3:f=0.25:lr=0.04", "H100", 9.0),
+                                     ("dion3:f=0.25:lr=0.08", "H200", 5.0))]
+    assert bench.family_summary(runs, "H200")["dion3:f=0.25"]["opt_ms"] == 4.0
+    assert bench.family_summary(runs)["dion3:f=0.25"]["opt_ms"] == 5.0
+
+
 @pytest.mark.slow
 def test_smoke_run_merge_and_plot(tmp_path, capsys, source_tree):
     out = tmp_path / "conv.json"
