@@ -27,7 +27,7 @@ import warnings
 import pytest
 import torch
 
-from dion3_megatron import rule
+from dion3_megatron import options, rule
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_utils import run_distributed  # noqa: E402
@@ -548,7 +548,8 @@ def bf16_tolerance() -> float:
     It grows with the step: 2e-2 per unit of the lr multiplier (f = 1/4 steps at 4x lr)."""
     import megatron_shim as ms
 
-    return 2e-2 * rule.fraction_lr_multiplier(ms.DION3["fraction"], ms.DION3.get("scale_lr_by_fraction", True))
+    scaled = ms.DION3.get("scale_lr_by_fraction", options.BY_NAME["scale_lr_by_fraction"].default)
+    return 2e-2 * rule.fraction_lr_multiplier(ms.DION3["fraction"], scaled)
 
 
 def test_bf16_layer_wise_keeps_replicas_identical(results):
