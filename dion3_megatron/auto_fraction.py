@@ -165,6 +165,11 @@ def measure(device: torch.device, dtype: torch.dtype) -> DeviceSpeed:
     return _measured[key]
 
 
+def _link_of(group: dist.ProcessGroup) -> float:
+    """The all-to-all bandwidth assumed for ``group``'s backend (gloo's for an unknown one)."""
+    return LINK_BYTES_PER_S.get(str(dist.get_backend(group)), LINK_BYTES_PER_S["gloo"])
+
+
 def for_group(device: torch.device, dtype: torch.dtype, group: Optional[dist.ProcessGroup],
               step_share: float = 1.0) -> tuple[DeviceSpeed, float]:
     """This device's speed with the link of ``group``'s backend, and ``step_share``, agreed over the
@@ -174,7 +179,7 @@ def for_group(device: torch.device, dtype: torch.dtype, group: Optional[dist.Pro
     speed = measure(device, dtype)
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return speed, step_share
-    link = LINK_BYTES_PER_S.get(str(dist.get_backend(group)), LINK_BYTES_PER_S["gloo"])
+    link = _link_of(group)
     values = torch.tensor([speed.matmul_flops, -speed.launch_seconds, speed.memory_bytes_per_s, link, -step_share],
                           dtype=torch.float64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
@@ -201,15 +206,15 @@ def agree_per_dtype(local: Sequence[tuple[torch.device, torch.dtype]],
         mine[dtype] = slowest(mine[dtype], speed) if dtype in mine else speed
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return mine
-    backend = str(dist.get_backend(group))
-    link = LINK_BYTES_PER_S.get(backend, LINK_BYTES_PER_S["gloo"])
+    link = _link_of(group)
     order = list(NS_DTYPES.values())
     values = torch.full((len(order), 3), math.inf, dtype=torch.float64)  # +inf: this rank has no say
     for i, dtype in enumerate(order):
         if dtype in mine:
-            values[i] = torch.tensor([mine[dtype].matmul_flops, -mine[dtype].launch_seconds, mine[dtype].memory_bytes_per_s])
-    on = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    values = values.to(on)
+            speed = mine[dtype]
+            values[i] = torch.tensor([speed.matmul_flops, -speed.launch_seconds, speed.memory_bytes_per_s])
+    if str(dist.get_backend(group)) == "nccl":
+        values = values.to(torch.device("cuda", torch.cuda.current_device()))
     dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
     return {dtype: DeviceSpeed(flops, -neg_launch, memory, link)
             for dtype, (flops, neg_launch, memory) in zip(order, values.tolist()) if flops != math.inf}

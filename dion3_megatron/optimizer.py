@@ -218,7 +218,7 @@ class Dion3(torch.optim.Optimizer):
         if self._agreed_speeds is None:
             local = {(p.device, group["ns_dtype"] or default_ns_dtype(p.device))
                      for group in auto_groups for p in group["params"][:1]}
-            self._agreed_speeds = auto_fraction.agree_per_dtype(sorted(local, key=str), dist.group.WORLD if distributed else None)
+            self._agreed_speeds = auto_fraction.agree_per_dtype(list(local), dist.group.WORLD if distributed else None)
         todo = [(group, p) for group in auto_groups
                 for p in group["params"] if self.algorithm_of(group, p) == "dion3" and p not in self._auto_fractions]
         shapes = Counter(matrix_shape(p) for _, p in todo for _ in range(matrix_count(p)))

@@ -308,7 +308,8 @@ def update_factors(hps: Sequence[Dion3Hyperparameters], fraction: float, n_rows:
     """The factors of n_rows x n_cols matrices with these settings (one each: lr, weight decay and
     the lr adjustment may differ between them), at ``fraction``."""
     lrs = [hp.lr * fraction_lr_multiplier(fraction, hp.scale_lr_by_fraction) for hp in hps]
-    return UpdateFactors.of(lrs, [hp.weight_decay for hp in hps], [update_scale(n_rows, n_cols, hp.adjust_lr) for hp in hps])
+    scales = [update_scale(n_rows, n_cols, hp.adjust_lr) for hp in hps]
+    return UpdateFactors.of(lrs, [hp.weight_decay for hp in hps], scales)
 
 
 def apply_rows(weights: list[torch.Tensor], rows: torch.Tensor | list[torch.Tensor],

@@ -77,8 +77,8 @@ def parse_args(argv=None):
     m.add_argument("--steps", type=int)
     o = p.add_argument_group("optimizer")
     o.add_argument("--lr", type=float, default=DION3_OPTIONS["lr"].default,
-                   help="Dion3's matrices at f = 1 (f < 1 steps at up to 4x; the library's default, %(default)s), and norms, "
-                        "as Megatron does")
+                   help="Dion3's matrices at f = 1 (f < 1 steps at up to 4x; the library's default, "
+                        "%(default)s), and norms, as Megatron does")
     o.add_argument("--muon-lr", type=float, default=0.0025, help="the Muon run's matrices (and norms)")
     o.add_argument("--adam-lr", type=float, default=3e-3,
                    help="the AdamW run; embeddings and output layer in every run (Megatron's --decoupled-lr)")
