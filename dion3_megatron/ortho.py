@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .kernels import rows as row_kernels
 from .kernels.dispatch import get_backend, transposed_view
 
 Coefficients = Sequence[tuple[float, float, float]]
@@ -74,7 +75,13 @@ def _normalized(x: torch.Tensor, dtype: torch.dtype, norm_factor: float, eps: fl
 
     Without overflow for every finite x: ||x||_F overflows fp32 from about 1.8e19 although each
     entry is finite (the step would silently be zero), so the norm is taken of x / max|x|, whose
-    entries are at most 1, and eps is scaled alike."""
+    entries are at most 1, and eps is scaled alike. On CUDA with a half-precision result, the
+    Triton form (:func:`~dion3_megatron.kernels.triton_rows.normalized`) does the same in two passes
+    and no fp32 copy."""
+    if row_kernels.takes_block(x, dtype):
+        from .kernels import triton_rows
+
+        return triton_rows.normalized(x, dtype, norm_factor, eps)
     work = torch.float64 if x.dtype == torch.float64 or dtype == torch.float64 else torch.float32
     xw = x.to(work)
     peak = torch.linalg.vector_norm(xw, ord=float("inf"), dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(work).tiny)

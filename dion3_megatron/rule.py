@@ -25,7 +25,7 @@ import torch
 
 from . import options
 from .options import ADJUST_LR_CHOICES
-from .ortho import orthogonalize
+from .ortho import default_ns_dtype, orthogonalize
 
 # The largest gradient magnitude a step takes: its square is about the largest fp32 value, so
 # AdamW's second moment and a global gradient norm stay finite, and Dion3's momentum, a sum of such
@@ -224,11 +224,12 @@ def row_scales(
     """NorMuon as one multiplier per row: divide each row by its running RMS, then restore the
     block's Frobenius norm; the normalized block is ``ortho * row_scale[..., None]``.
 
-    ortho (B, k, c) fp32, variance_selected (B, k). Returns (row_scale (B, k), new variance rows).
+    ortho (B, k, c), fp32 or half precision (read as fp32), variance_selected (B, k). Returns
+    (row_scale (B, k), new variance rows).
     Both norms follow from the rows' sums of squares, so the block is read once and no block-size
     temporary is formed. scale: a number or (B,) tensor folded into every row's multiplier.
     """
-    squares = torch.linalg.vector_norm(ortho, dim=-1).square()
+    squares = torch.linalg.vector_norm(ortho, dim=-1, dtype=torch.promote_types(ortho.dtype, torch.float32)).square()
     variance = variance_selected * beta2 + squares / ortho.shape[-1] * (1 - beta2)
     inverse_rms = 1 / (variance.sqrt() + eps)
     before = squares.sum(dim=-1).sqrt()
@@ -318,7 +319,8 @@ def apply_rows(weights: list[torch.Tensor], rows: torch.Tensor | list[torch.Tens
     """The weight update: W_b *= shrink[b]; W_b[rows_b] += row_scale_b * steps_b, for 2-D weights
     (views are fine), each step rounded once to its weight's dtype.
 
-    Batched (same-shape (n, c) weights): rows (B, k), distinct per matrix; steps (B, k, c) fp32;
+    Batched (same-shape (n, c) weights): rows (B, k), distinct per matrix; steps (B, k, c) fp32 or
+    half precision (read as fp32);
     row_scale (B, k). Where the Triton row kernels run (:mod:`dion3_megatron.kernels.rows`) one
     pass over each weight; else a multi-tensor shrink, then ``index_add_``. With ``padded``, rows
     equal to n (any number of them) are skipped.
@@ -391,8 +393,12 @@ def normalize_and_apply(
 
 
 def orthogonalize_rows(selected: torch.Tensor, hp: Dion3Hyperparameters) -> torch.Tensor:
-    """Orthogonalize a (B, k, c) batch of selected rows; fp32 out."""
-    return orthogonalize(selected, hp.ns_method, hp.ns_dtype, out_dtype=torch.float32)
+    """Orthogonalize a (B, k, c) batch of selected rows. A half-precision result (fp16 on GPUs by
+    default) comes out as it is: NorMuon and the row update read it as fp32, the same values as an
+    fp32 copy would hold, without writing that copy; fp32 and fp64 Newton-Schulz give fp32."""
+    dtype = hp.ns_dtype or default_ns_dtype(selected.device)
+    half = dtype in (torch.float16, torch.bfloat16)
+    return orthogonalize(selected, hp.ns_method, dtype, out_dtype=dtype if half else torch.float32)
 
 
 # --------------------------------------------------------------------------------------------

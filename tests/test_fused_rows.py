@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # against decay * W exactly as torch rounds it, and the columns outside the views untouched.
 CHECK = textwrap.dedent("""
     import torch
-    from dion3_megatron.kernels.triton_rows import accumulate_and_score, apply_rows, take_selected
+    from dion3_megatron.kernels.triton_rows import accumulate_and_score, apply_rows, dense_matrices, normalized, take_selected
 
     def check(device, seed):
         # Triton's interpreter rounds fp32 -> bf16 toward zero (compiled kernels round to nearest
@@ -69,6 +69,17 @@ CHECK = textwrap.dedent("""
             if r < n:
                 ref[r] += steps[0, i]
         assert torch.allclose(w, ref, atol=1e-6)
+        # half-precision steps (Newton-Schulz's fp16 result, as it comes) are read as fp32: the same
+        # update, bit for bit, as from their fp32 copy
+        batch, n, c, k = 2, 19, 70, 5
+        half_w = torch.randn(batch, n, c, generator=gen).to(device)
+        full_w = half_w.clone()
+        rows = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(batch)]).to(device)
+        steps = torch.randn(batch, k, c, generator=gen).to(torch.float16).to(device)
+        scale = torch.rand(batch, k, generator=gen).to(device)
+        apply_rows(list(half_w.unbind(0)), rows, steps, scale, [0.99, 0.9])
+        apply_rows(list(full_w.unbind(0)), rows, steps.float(), scale, [0.99, 0.9])
+        assert torch.equal(half_w, full_w)
         # take_selected: rows copied out exactly, decayed in place by mu (a number or one per matrix);
         # rows held elsewhere point at the padded zero row, more than once
         batch, n, c, k = 3, 29, 140, 8
@@ -105,6 +116,24 @@ CHECK = textwrap.dedent("""
             assert torch.allclose(out, want.double().abs().sum(-1).float(), rtol=1e-5, atol=0), grad_dtype
             assert torch.equal(wide[:, :, :2], wide_before[:, :, :2])
             assert torch.equal(wide[:, :, 2 + c:], wide_before[:, :, 2 + c:])
+        # normalized: x / (f ||x||_F + eps) per matrix against float64, written in half precision in
+        # x's layout (row-major, and a tall matrix's transposed view); a zero matrix stays zero, and
+        # entries near fp32's largest (whose squares overflow) give the same result as small ones
+        for dtype, rel in ((torch.float16, 2 ** -10), (torch.bfloat16, 2 ** -7)):
+            for layout in ("rows", "columns"):
+                raw = torch.randn(3, 20, 300, generator=gen) if layout == "rows" else torch.randn(3, 300, 20, generator=gen).mT
+                x = raw.to(device)
+                x[1] *= 1e36
+                x[2] = 0
+                assert dense_matrices(x)
+                out = normalized(x, dtype, 1.05, 1e-7)
+                assert out.dtype == dtype and out.stride() == x.stride()
+                wide = x.double()
+                ref = wide / (1.05 * wide.flatten(1).norm(dim=1).view(-1, 1, 1) + 1e-7)
+                err = (out.double() - ref).abs() - rel * ref.abs()
+                assert err.max().item() <= 2 ** -24, (dtype, layout, err.max().item())
+                assert torch.equal(out[2], torch.zeros_like(out[2]))
+        assert not dense_matrices(torch.randn(2, 20, 300)[:, :, :100])
 """)
 
 

@@ -216,3 +216,32 @@ def test_adamw_path_matches_torch_adamw(generator):
         opt.step()
         ref_opt.step()
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-7)
+
+
+def test_half_precision_rows_go_on_as_they_are(generator, monkeypatch):
+    """Newton-Schulz in bf16: the orthogonalized rows reach NorMuon and the weights as bf16, and the
+    steps equal, bit for bit, the ones taken through an fp32 copy of them."""
+    shapes = [(24, 64), (64, 24), (24, 64), (40, 40)]
+    weights = [torch.randn(s, generator=generator) for s in shapes]
+    grads = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(3)]
+    original = rule.orthogonalize_rows
+
+    def run():
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        opt = Dion3(params, fraction=0.5, ns_dtype=torch.bfloat16)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        return params, opt
+
+    dtypes = []
+    monkeypatch.setattr(rule, "orthogonalize_rows", lambda s, hp: dtypes.append(original(s, hp)) or dtypes[-1])
+    half_params, half_opt = run()
+    assert {t.dtype for t in dtypes} == {torch.bfloat16}
+    monkeypatch.setattr(rule, "orthogonalize_rows", lambda s, hp: original(s, hp).float())
+    full_params, full_opt = run()
+    for half, full in zip(half_params, full_params):
+        assert torch.equal(half, full)
+        for key in ("momentum", "variance"):
+            assert torch.equal(half_opt.state[half][key], full_opt.state[full][key])

@@ -3,8 +3,9 @@
 The kernels run for CUDA weights when triton is installed, the kernel configuration in force
 allows them (:func:`.config.row_kernels_enabled`: kernels "auto" and fused_rows on, whose defaults
 DION3_KERNELS=0 and DION3_FUSED_ROWS=0 turn off), and a kernel builds on the device (tried once per
-process and device). :mod:`dion3_megatron.rule` asks
-:func:`takes` before each row-wise step; triton itself is imported only once the answer can be yes.
+process and device). :mod:`dion3_megatron.rule` asks :func:`takes` before each row-wise step, and
+:mod:`dion3_megatron.ortho` asks :func:`takes_block` before normalizing Newton-Schulz's input;
+triton itself is imported only once the answer can be yes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Sequence
 import torch
 
 from . import config
+
+HALF = (torch.float16, torch.bfloat16)
 
 
 def takes(weights: Sequence[torch.Tensor]) -> bool:
@@ -31,6 +34,16 @@ def takes(weights: Sequence[torch.Tensor]) -> bool:
 def takes_momentum(momentum: torch.Tensor, others: Sequence[torch.Tensor] = ()) -> bool:
     """The row kernels take this (B, n, c) fp32 momentum (and these other (n, c) matrices)."""
     return momentum.shape[0] > 0 and momentum.dtype == torch.float32 and takes([momentum[0], *others])
+
+
+def takes_block(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """The normalization kernel takes this (B, s, L) Newton-Schulz input, written in ``dtype``:
+    CUDA, a half-precision result, an input it reads, each matrix a dense block."""
+    if not x.is_cuda or not x.numel() or dtype not in HALF or x.dtype not in (torch.float32, *HALF) or not available():
+        return False
+    from . import triton_rows
+
+    return triton_rows.dense_matrices(x) and runs_on(x.device)
 
 
 def available() -> bool:

@@ -10,6 +10,9 @@ the rule functions they stand in for (whether they run: :mod:`.rows`).
 * :func:`take_selected`: copy out the selected rows of the momentum and decay them in place by mu
   (the torch form in :func:`dion3_megatron.rule.take_selected` gathers and scatters through an
   index per element).
+* :func:`normalized`: Newton-Schulz's input, each matrix divided by its Frobenius norm and written
+  in half precision, in two passes (the torch form in :func:`dion3_megatron.ortho._normalized`
+  writes an fp32 copy on the way: 10 bytes per fp32 element here against 22).
 
 A factor (shrink, mu) given as a number is a kernel argument; as a tensor (what a CUDA graph
 reads) it is loaded on the device. Floating-point contraction is off: shrink * W and the scaled
@@ -27,6 +30,8 @@ import triton
 import triton.language as tl
 
 BLOCK_ROWS, BLOCK_COLS = 16, 128
+NORM_BLOCK = 2048  # elements per program of the normalization's two passes
+FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # fp32's smallest normal: the peak of a zero block
 SCORE_ROWS, SCORE_COLS = 4, 512  # whole rows per program: more programs, each loops over the columns
 
 
@@ -60,7 +65,7 @@ def _apply_rows(w_ptr, w_stride, pos_ptr, step_ptr, scale_ptr, shrink_ptr, shrin
     pos = tl.load(pos_ptr + rows, mask=in_rows, other=-1)  # the row's place among the steps, or -1
     chosen = in_rows & (pos >= 0)
     step = tl.load(step_ptr + pos[:, None].to(tl.int64) * n_cols + cols[None, :],
-                   mask=inside & chosen[:, None], other=0.0)
+                   mask=inside & chosen[:, None], other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr + pos, mask=chosen, other=0.0)
     if SHRINK_ON_DEVICE:
         shrink = tl.load(shrink_ptr)
@@ -85,6 +90,32 @@ def _take_selected(m_ptr, m_batch_stride, m_row_stride, idx_ptr, out_ptr, mu_ptr
     tl.store(m_ptrs, value * mu, mask=inside)
 
 
+@triton.jit
+def _block_peak_and_squares(x_ptr, batch_stride, numel, peak_ptr, squares_ptr, BLOCK: tl.constexpr):
+    # per block of one matrix: its largest |x| and the sum of (x / that)^2 (each term <= 1: no overflow)
+    b = tl.program_id(0)
+    block = tl.program_id(1)
+    offsets = block * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + b.to(tl.int64) * batch_stride + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
+    peak = tl.max(tl.abs(x), axis=0)
+    unit = x / tl.maximum(peak, FP32_TINY)
+    at = b * tl.num_programs(1) + block
+    tl.store(peak_ptr + at, peak)
+    tl.store(squares_ptr + at, tl.sum(unit * unit, axis=0))
+
+
+@triton.jit
+def _scale_into(x_ptr, out_ptr, batch_stride, numel, peak_ptr, inverse_ptr, BLOCK: tl.constexpr):
+    # out = (x / peak) * inverse, rounded once to out's dtype
+    b = tl.program_id(0)
+    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < numel
+    at = b.to(tl.int64) * batch_stride + offsets
+    x = tl.load(x_ptr + at, mask=inside, other=0.0).to(tl.float32)
+    unit = (x / tl.load(peak_ptr + b)) * tl.load(inverse_ptr + b)
+    tl.store(out_ptr + at, unit.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=inside)
+
+
 def _device_of(t: torch.Tensor):
     """Triton launches on the current CUDA device: make it ``t``'s for the launch (matrices of one
     process may live on several GPUs). CPU tensors: Triton's interpreter, no device to set."""
@@ -97,6 +128,36 @@ def usable(weights: list[torch.Tensor]) -> bool:
         w.is_cuda and w.dim() == 2 and w.stride(1) == 1 and w.dtype in (torch.float32, torch.bfloat16, torch.float16)
         for w in weights
     )
+
+
+def dense_matrices(x: torch.Tensor) -> bool:
+    """x (B, s, L) holds each matrix in one dense block, row- or column-major, the blocks one after
+    another: what :func:`normalized` reads as flat memory."""
+    if x.dim() != 3:
+        return False
+    batch, s, length = x.shape
+    row_major = x.stride(2) == 1 and x.stride(1) == length
+    column_major = x.stride(1) == 1 and x.stride(2) == s
+    return (row_major or column_major) and (batch == 1 or x.stride(0) == s * length)
+
+
+def normalized(x: torch.Tensor, dtype: torch.dtype, norm_factor: float, eps: float) -> torch.Tensor:
+    """x / (norm_factor * ||x||_F + eps) per matrix of x (B, s, L) (see :func:`dense_matrices`),
+    written in ``dtype`` in x's layout. As the torch form, without overflow for any finite x: the
+    norm is taken of x / max|x| (per block, then combined), and eps is scaled alike."""
+    batch, s, length = x.shape
+    numel = s * length
+    blocks = triton.cdiv(numel, NORM_BLOCK)
+    peaks = torch.empty(batch, blocks, dtype=torch.float32, device=x.device)
+    squares = torch.empty_like(peaks)
+    out = torch.empty_like(x, dtype=dtype)  # x's strides: the same flat offsets
+    with _device_of(x):
+        _block_peak_and_squares[(batch, blocks)](x, numel, numel, peaks, squares, BLOCK=NORM_BLOCK)
+        peak = peaks.amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+        norm = (squares * (peaks / peak.unsqueeze(1)).square()).sum(dim=1).sqrt()
+        inverse = 1 / (norm * norm_factor + eps / peak)
+        _scale_into[(batch, blocks)](x, out, numel, numel, peak, inverse, BLOCK=NORM_BLOCK)
+    return out
 
 
 def probe(device: torch.device) -> None:
@@ -125,7 +186,8 @@ def apply_rows(weights: list[torch.Tensor], rows: torch.Tensor, steps: torch.Ten
     """For each b: weights[b] *= shrink[b]; weights[b][rows[b, i]] += row_scale[b, i] * steps[b, i].
 
     weights: B (n, c) matrices (see :func:`usable`); rows (B, k) distinct row indices per matrix,
-    or n for "no row here" (any number of times); steps (B, k, c) fp32; row_scale (B, k) fp32;
+    or n for "no row here" (any number of times); steps (B, k, c) fp32 or half precision (read as
+    fp32); row_scale (B, k) fp32;
     shrink: B numbers or a (B,) fp32 tensor.
     """
     batch, k = rows.shape
