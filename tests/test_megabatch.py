@@ -64,9 +64,10 @@ DEFAULT_STALENESS = BY_NAME["staleness"].default
 HP = dict(lr=0.02, mu=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, ns_dtype=torch.float32)
 
 
-def sharded_worker(rank, world, kind, shapes, fraction, seed, staleness=DEFAULT_STALENESS, steps=STEPS, mu=HP["mu"]):
+def sharded_worker(rank, world, kind, shapes, fraction, seed, staleness=DEFAULT_STALENESS, steps=STEPS, mu=HP["mu"],
+                   ns_dtype=HP["ns_dtype"]):
     weights, grads = matrices_and_grads(shapes, seed, steps)
-    hp = rule.Dion3Hyperparameters(fraction=fraction, staleness=staleness, **dict(HP, mu=mu))
+    hp = rule.Dion3Hyperparameters(fraction=fraction, staleness=staleness, **dict(HP, mu=mu, ns_dtype=ns_dtype))
     group = dist.new_group(list(range(world)))
     shards = []
     for j, (w, shape) in enumerate(zip(weights, shapes)):
@@ -101,10 +102,11 @@ def reassemble(pieces_per_rank, kind, shapes, world):
     return out
 
 
-def single_process(shapes, fraction, seed, staleness=DEFAULT_STALENESS, steps=STEPS, mu=HP["mu"]):
+def single_process(shapes, fraction, seed, staleness=DEFAULT_STALENESS, steps=STEPS, mu=HP["mu"],
+                   ns_dtype=HP["ns_dtype"]):
     weights, grads = matrices_and_grads(shapes, seed, steps)
     params = [torch.nn.Parameter(w) for w in weights]
-    opt = Dion3(params, fraction=fraction, staleness=staleness, **dict(HP, mu=mu))
+    opt = Dion3(params, fraction=fraction, staleness=staleness, **dict(HP, mu=mu, ns_dtype=ns_dtype))
     for step in range(steps):
         for p, g in zip(params, grads[step]):
             p.grad = g
@@ -173,6 +175,21 @@ def test_sharded_step_with_the_default_mu_at_one_eighth_equals_single_process(wo
     at_0_6 = single_process(SHAPES, 0.125, seed, DEFAULT_STALENESS, STALE_STEPS, 0.6)
     updates = lambda ws: [w - w0 for w, w0 in zip(ws, start)]  # noqa: E731
     assert max_relative_error(updates(at_0_6), updates(expected)) > 0.01
+
+
+@pytest.mark.parametrize("world,kind,fraction", [(2, "rows", 0.25), (2, "cols", 1.0), (4, "block_flat", 0.25)])
+@pytest.mark.slow
+def test_sharded_step_with_half_precision_newton_schulz_equals_single_process(world, kind, fraction):
+    """bf16 Newton-Schulz hands its result on in bf16 (no fp32 copy): every exchange must take it
+    as the single process does (on GPUs this is the default's path; on the CPU only when asked)."""
+    seed = torch.seed() % 2**31
+    pieces = run_distributed(sharded_worker, world, kind, SHAPES, fraction, seed, DEFAULT_STALENESS, STEPS, HP["mu"],
+                             torch.bfloat16)
+    got = reassemble(pieces, kind, SHAPES, world)
+    expected = single_process(SHAPES, fraction, seed, ns_dtype=torch.bfloat16)
+    assert max_relative_error(got, expected) <= 1e-5, f"seed={seed}"
+    # bf16 Newton-Schulz did run: its steps are not fp32's
+    assert max_relative_error(single_process(SHAPES, fraction, seed), expected) > 1e-4
 
 
 def test_unsharded_matrices_step_locally_like_the_optimizer():
