@@ -25,6 +25,7 @@ import torch
 
 from . import options
 from .options import ADJUST_LR_CHOICES
+from .kernels import rows as row_kernels
 from .ortho import default_ns_dtype, orthogonalize
 
 # The largest gradient magnitude a step takes: its square is about the largest fp32 value, so
@@ -90,7 +91,7 @@ def accumulate_and_score(momentum: torch.Tensor, grads: list[torch.Tensor],
     """
     if out is None:
         out = torch.empty(momentum.shape[:2], dtype=torch.float32, device=momentum.device)
-    if _row_kernels().takes_momentum(momentum, grads):
+    if row_kernels.takes_momentum(momentum, grads):
         from .kernels import triton_rows
 
         return triton_rows.accumulate_and_score(momentum, grads, out)
@@ -185,7 +186,7 @@ def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float | torch.T
     mu: a number, or one per matrix of the batch (B,). Where the Triton row kernels run
     (:mod:`dion3_megatron.kernels.rows`) one pass.
     """
-    if _row_kernels().takes_momentum(momentum):
+    if row_kernels.takes_momentum(momentum):
         from .kernels import triton_rows
 
         return triton_rows.take_selected(momentum, idx, mu)
@@ -335,7 +336,7 @@ def apply_rows(weights: list[torch.Tensor], rows: torch.Tensor | list[torch.Tens
             else:  # scale in the step's precision, then round once
                 weight.index_add_(0, idx, (step * coef).to(weight.dtype))
         return
-    if _row_kernels().takes(weights):
+    if row_kernels.takes(weights):
         from .kernels import triton_rows
 
         triton_rows.apply_rows(weights, rows, steps, row_scale, shrink)
@@ -360,13 +361,6 @@ def shrink_weights(weights: list[torch.Tensor], shrink: list[float] | torch.Tens
         for weight, s in zip(weights, shrink):
             if s != 1:
                 weight.mul_(s)
-
-
-def _row_kernels():
-    """The row kernels' dispatch, imported on first use (it imports the kernels package)."""
-    from .kernels import rows
-
-    return rows
 
 
 def normalize_and_apply(
