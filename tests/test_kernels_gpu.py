@@ -137,49 +137,6 @@ def test_several_ctas_per_sm_change_nothing_but_residency(cuda_gen, ctas_per_sm,
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("tile", [64, 128, "128x256", "256x256"])
-@pytest.mark.parametrize("operands", ["gram", "gram of a transposed view, + beta C", "symmetric product, + beta C"])
-@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
-def test_persistent_launch_equals_one_cta_per_tile(cuda_gen, tile, operands, out_dtype):
-    """More tiles than resident CTAs, so each CTA walks several, its epilogue staged in column
-    chunks beside the ring while the next tile loads: bit for bit the one-CTA-per-tile result."""
-    from dion3_megatron.kernels.sm90_symm import symm_gemm
-
-    b, m, k = 4, 2056, 520  # 324 tiles of 128 x 256 per launch against 132 SMs; K not a tile multiple
-    c, alpha, beta = None, 1.0, 0.0
-    if operands == "symmetric product, + beta C":
-        x, y = _commuting_pair(cuda_gen, b, m, torch.float16)
-        c, alpha, beta = x, 1.25, -0.5
-    else:
-        if operands == "gram":
-            x = _rand(cuda_gen, b, m, k, dtype=torch.float16) / k**0.25
-        else:
-            x = (_rand(cuda_gen, b, k, m, dtype=torch.float16) / k**0.25).mT
-            c0 = _rand(cuda_gen, b, m, m, dtype=torch.float64)
-            c, alpha, beta = (c0 + c0.mT).to(torch.float16), -0.75, 1.5
-        y = x
-    outs = [_poisoned((b, m, m), out_dtype) for _ in range(2)]
-    for out, persistent in zip(outs, (False, True)):
-        symm_gemm(x, y, alpha, beta, c, out=out, tile=tile, persistent=persistent)
-    assert torch.isfinite(outs[1]).all(), "an element the persistent launch never wrote"
-    assert torch.equal(outs[0], outs[1])
-    if operands != "symmetric product, + beta C":
-        xd = x.double()
-        ref = alpha * xd @ xd.mT + (beta * c.double() if c is not None else 0.0)
-        assert _rel(outs[1], ref) <= TOL[torch.float16]
-
-
-def test_persistent_launch_from_the_kernel_configuration(cuda_gen):
-    """KernelConfig(persistent=True) reaches the launch: Gram NS's products under it equal the
-    per-tile launch's bit for bit."""
-    x = _rand(cuda_gen, 2, 1032, 3096, dtype=torch.float32)
-    with kernels.using(routing="always"):
-        ref = ortho.orthogonalize(x.cuda(), "gram", torch.float16)
-    with kernels.using(routing="always", persistent=True):
-        got = ortho.orthogonalize(x.cuda(), "gram", torch.float16)
-    assert torch.equal(ref, got)
-
-
 def test_ctas_per_sm_a_tile_cannot_hold_is_refused():
     from dion3_megatron.kernels.sm90_symm import symm_gemm
 
