@@ -9,11 +9,13 @@ pay). Median of CUDA-event timings; ratios from one run.
 
   python benchmarks/bench_step.py [--model 14b|350m] [--layers 8] [--json out.json]
   python benchmarks/bench_step.py --profile 0.25     # where one eager Dion3 step's GPU time goes
+  python benchmarks/bench_step.py --kernel-config tile=128x256   # Dion3 under a kernel setting
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 
 import torch
@@ -61,6 +63,18 @@ def profile(params, fraction: float, rows: int = 25) -> None:
                                                              max_name_column_width=40, max_shapes_column_width=70))
 
 
+def kernel_setting(text: str) -> tuple[str, object]:
+    """'KEY=VALUE' for kernels.configure, VALUE read as a Python literal where it is one (True,
+    132), else as a string (128x256)."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--kernel-config takes KEY=VALUE, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(LAYERS), default="14b", help="whose layer shapes")
@@ -68,7 +82,11 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", type=float, default=None, metavar="FRACTION",
                         help="only profile one eager Dion3 step at this fraction")
+    parser.add_argument("--kernel-config", type=kernel_setting, action="append", default=[], metavar="KEY=VALUE",
+                        help="a kernels.KernelConfig field for the Dion3 steps (repeatable), e.g. tile=128x256")
     args = parser.parse_args()
+    settings = dict(args.kernel_config)
+    kernels.configure(**settings)  # Dion3's steps; Muon below runs on plain torch whatever is set
     gen = torch.Generator(device="cuda").manual_seed(0)
     params = []
     for _ in range(args.layers):
@@ -80,11 +98,11 @@ def main() -> None:
         profile(params, args.profile)
         return
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
-               "layers": args.layers}
+               "layers": args.layers, "kernel_config": {k: str(v) for k, v in settings.items()}}
     with kernels.using(kernels="torch"):  # Muon as it ships: plain torch matmuls, not our kernels
         results["muon_ms"] = timed(Muon(params).step)
     print(f"{results['device']}, torch {results['torch']}: {args.layers} layers of {args.model} shapes "
-          f"({sum(p.numel() for p in params) / 1e9:.2f}B params)")
+          f"({sum(p.numel() for p in params) / 1e9:.2f}B params); kernel config {kernels.current()}")
     print(f"{'optimizer':<16}{'step ms':>10}{'vs muon':>9}")
     print(f"{'muon':<16}{results['muon_ms']:>10.2f}{1.0:>9.2f}")
     for fraction in (1.0, 0.25, 0.125, "auto"):
