@@ -54,15 +54,12 @@ def cublas_peak(dtype) -> float:
 
 
 def kernel_choice(tile):
-    """'TILE[@CTAS][:p]' (CTAs per SM, e.g. 64@3; :p the persistent launch) -> (tile, ctas_per_sm,
-    persistent); None: the defaults (a tile without @ runs at its default CTAs per SM)."""
+    """'TILE' or 'TILE@CTAS' (CTAs per SM, e.g. 64@3) -> (tile, ctas_per_sm); None: the defaults
+    (a tile without @ runs at its default CTAs per SM)."""
     if tile is None:
-        return None, None, None
-    tile, _, launch = tile.partition(":")
-    if launch not in ("", "p"):
-        raise SystemExit(f"--tiles: a launch suffix must be ':p' (persistent), got {launch!r}")
+        return None, None
     shape, _, ctas = tile.partition("@")
-    return shape, int(ctas) if ctas else None, launch == "p"
+    return shape, int(ctas) if ctas else None
 
 
 def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
@@ -97,14 +94,13 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
         t_cub = timed(cub, n_sets, iters)
         best, per_tile = None, []
         for tile in tiles:
-            shape, ctas, persistent = kernel_choice(tile)
+            shape, ctas = kernel_choice(tile)
 
-            def ker(i, shape=shape, ctas=ctas, persistent=persistent):
-                launch = dict(out=outs[i], tile=shape, ctas_per_sm=ctas, persistent=persistent)
+            def ker(i, shape=shape, ctas=ctas):
                 if gram:
-                    symm_gemm(xs[i], ys[i], 1.0, 0.0, None, **launch)
+                    symm_gemm(xs[i], ys[i], 1.0, 0.0, None, out=outs[i], tile=shape, ctas_per_sm=ctas)
                 else:
-                    symm_gemm(xs[i], ys[i], 1.5, -0.5, xs[i], **launch)
+                    symm_gemm(xs[i], ys[i], 1.5, -0.5, xs[i], out=outs[i], tile=shape, ctas_per_sm=ctas)
 
             t = timed(ker, n_sets, iters)
             per_tile.append(f"{tile}: {t:.3f}")
@@ -150,8 +146,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="also the routing sweep")
     ap.add_argument("--tiles", default="", help="comma list of tiles to try, each TILE or TILE@CTAS (CTAs kept "
-                    "resident per SM; TILE alone: its default), :p for the persistent launch, e.g. 64@1,64,64@3,128x256,128x256:p "
-                    "(each and the best reported); "
+                    "resident per SM; TILE alone: its default), e.g. 64@1,64,64@3,128x256 (each and the best reported); "
                     "default: the automatic choice")
     ap.add_argument("--graph", action="store_true", help="time each call replayed from a CUDA graph")
     args = ap.parse_args()
