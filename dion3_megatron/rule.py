@@ -391,8 +391,7 @@ def orthogonalize_rows(selected: torch.Tensor, hp: Dion3Hyperparameters) -> torc
     default) comes out as it is: NorMuon and the row update read it as fp32, the same values as an
     fp32 copy would hold, without writing that copy; fp32 and fp64 Newton-Schulz give fp32."""
     dtype = hp.ns_dtype or default_ns_dtype(selected.device)
-    half = dtype in (torch.float16, torch.bfloat16)
-    return orthogonalize(selected, hp.ns_method, dtype, out_dtype=dtype if half else torch.float32)
+    return orthogonalize(selected, hp.ns_method, dtype, out_dtype=dtype if dtype in row_kernels.HALF else torch.float32)
 
 
 # --------------------------------------------------------------------------------------------
