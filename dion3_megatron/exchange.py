@@ -120,13 +120,19 @@ def _step_whole_eager(entries: list[WholeMatrices]) -> None:
         if hp.staleness:
             rule.age_rows(e.age, idx)
         mu = e.mu if e.mu is not None else rule.momentum_decay(hp, hp.fraction)
-        selected = rule.take_selected(e.momentum, idx, mu)
+        # every row selected (f = 1): the momentum itself is orthogonalized and decays after, so its
+        # rows are not copied out first
+        every_row = idx.shape[1] == e.momentum.shape[1]
+        selected = e.momentum if every_row else rule.take_selected(e.momentum, idx, mu)
         key = (tuple(selected.shape[1:]), selected.device, hp.ns_method, hp.ns_dtype)
-        batches.setdefault(key, []).append((e, idx, selected))
+        batches.setdefault(key, []).append((e, idx, selected, mu if every_row else None))
     for batch in batches.values():
         stacked = torch.cat([b[2] for b in batch]) if len(batch) > 1 else batch[0][2]
         ortho = rule.orthogonalize_rows(stacked, batch[0][0].hp).split([b[2].shape[0] for b in batch])
-        for (e, idx, _), block in zip(batch, ortho):
+        for e, _, _, later_mu in batch:
+            if later_mu is not None:
+                rule.decay_momentum(e.momentum, later_mu)
+        for (e, idx, _, _), block in zip(batch, ortho):
             weights = list(e.weight.unbind(0)) if torch.is_tensor(e.weight) else list(e.weight)
             factors = e.factors if e.factors is not None else _whole_factors(e)
             rule.normalize_and_apply(weights, e.variance, idx, block, e.hp.beta2, e.hp.eps, factors)

@@ -203,6 +203,12 @@ def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float | torch.T
     return selected
 
 
+def decay_momentum(momentum: torch.Tensor, mu: float | torch.Tensor) -> None:
+    """:func:`take_selected`'s decay of every row, for a caller that read the (B, n, c) momentum in
+    place: momentum *= mu (a number, or (B,): one per matrix)."""
+    momentum.mul_(mu if not torch.is_tensor(mu) else mu.view(-1, 1, 1))
+
+
 def take_rows(momentum: torch.Tensor, rows: torch.Tensor, mu: float | torch.Tensor,
               batch: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`take_selected` for rows scattered over a batch: momentum[batch, rows] copied out as

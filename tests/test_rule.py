@@ -44,6 +44,28 @@ def test_fraction_one_is_normuon_with_heavy_ball(generator):
         assert ((p.double() - e).norm() / e.norm()).item() <= 1e-6
 
 
+def test_fraction_one_orthogonalizes_the_momentum_itself_then_decays_it(generator, monkeypatch):
+    # no copy of the rows (take_selected is never asked); two groups of one shape with their own mu
+    # are orthogonalized as one batch and each still follows NorMuon with its heavy ball
+    def no_copy(*args, **kwargs):
+        raise AssertionError("f = 1 copied the momentum's rows out")
+
+    monkeypatch.setattr(rule, "take_selected", no_copy)
+    shape, mus = (24, 64), (0.9, 0.5)
+    weights = [torch.randn(shape, generator=generator) for _ in mus]
+    grads = [[torch.randn(shape, generator=generator) for _ in mus] for _ in range(3)]
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    groups = [dict(params=[p], mu=mu) for p, mu in zip(params, mus)]
+    opt = Dion3(groups, lr=0.05, fraction=1.0, beta2=0.95, weight_decay=0.1, ns_dtype=torch.float64)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    for i, mu in enumerate(mus):
+        (expected,) = normuon_reference([weights[i]], [[g[i]] for g in grads], 0.05, mu, 0.95, 0.1, 1e-8)
+        assert ((params[i].double() - expected).norm() / expected.norm()).item() <= 1e-6
+
+
 def test_only_selected_rows_move_and_the_rest_accumulate(generator):
     n, m, f, lr, wd, mu = 32, 48, 0.25, 0.1, 0.05, 0.9
     w0 = torch.randn(n, m, generator=generator)
