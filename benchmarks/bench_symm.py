@@ -54,12 +54,22 @@ def cublas_peak(dtype) -> float:
 
 
 def kernel_choice(tile):
-    """'TILE' or 'TILE@CTAS' (CTAs per SM, e.g. 64@3) -> (tile, ctas_per_sm); None: the defaults
-    (a tile without @ runs at its default CTAs per SM)."""
+    """'TILE[@CTAS][:p][:sN]' (CTAs per SM, e.g. 64@3; :p the persistent launch; :sN a pipeline of N
+    stages) -> (tile, ctas_per_sm, persistent, stages); None: the defaults (a tile without @ runs at
+    its default CTAs per SM)."""
     if tile is None:
-        return None, None
+        return None, None, None, None
+    tile, *launch = tile.split(":")
+    persistent, stages = False, None
+    for suffix in launch:
+        if suffix == "p":
+            persistent = True
+        elif suffix[:1] == "s" and suffix[1:].isdigit():
+            stages = int(suffix[1:])
+        else:
+            raise SystemExit(f"--tiles: a launch suffix must be ':p' (persistent) or ':sN' (N stages), got {suffix!r}")
     shape, _, ctas = tile.partition("@")
-    return shape, int(ctas) if ctas else None
+    return shape, int(ctas) if ctas else None, persistent, stages
 
 
 def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
@@ -94,13 +104,14 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
         t_cub = timed(cub, n_sets, iters)
         best, per_tile = None, []
         for tile in tiles:
-            shape, ctas = kernel_choice(tile)
+            shape, ctas, persistent, stages = kernel_choice(tile)
 
-            def ker(i, shape=shape, ctas=ctas):
+            def ker(i, shape=shape, ctas=ctas, persistent=persistent, stages=stages):
+                launch = dict(out=outs[i], tile=shape, ctas_per_sm=ctas, persistent=persistent, stages=stages)
                 if gram:
-                    symm_gemm(xs[i], ys[i], 1.0, 0.0, None, out=outs[i], tile=shape, ctas_per_sm=ctas)
+                    symm_gemm(xs[i], ys[i], 1.0, 0.0, None, **launch)
                 else:
-                    symm_gemm(xs[i], ys[i], 1.5, -0.5, xs[i], out=outs[i], tile=shape, ctas_per_sm=ctas)
+                    symm_gemm(xs[i], ys[i], 1.5, -0.5, xs[i], **launch)
 
             t = timed(ker, n_sets, iters)
             per_tile.append(f"{tile}: {t:.3f}")
@@ -146,7 +157,8 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="also the routing sweep")
     ap.add_argument("--tiles", default="", help="comma list of tiles to try, each TILE or TILE@CTAS (CTAs kept "
-                    "resident per SM; TILE alone: its default), e.g. 64@1,64,64@3,128x256 (each and the best reported); "
+                    "resident per SM; TILE alone: its default), :p for the persistent launch, :sN for N pipeline stages, e.g. 64@1,64,64@3,128x256,128x256:p,128x256:s3 "
+                    "(each and the best reported); "
                     "default: the automatic choice")
     ap.add_argument("--graph", action="store_true", help="time each call replayed from a CUDA graph")
     args = ap.parse_args()

@@ -137,6 +137,63 @@ def test_several_ctas_per_sm_change_nothing_but_residency(cuda_gen, ctas_per_sm,
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("tile", [64, 128, "128x256", "256x256"])
+@pytest.mark.parametrize("operands", ["gram", "gram of a transposed view, + beta C", "symmetric product, + beta C"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_persistent_launch_against_one_cta_per_tile(cuda_gen, tile, operands, dtype):
+    """More tiles than resident CTAs, so each CTA walks several and its idle warps store one tile
+    while its consumers compute the next: the per-tile launch's result (bit for bit without C;
+    with C, which the consumers add in registers, within a rounding of it), exactly symmetric."""
+    from dion3_megatron.kernels.sm90_symm import symm_gemm
+
+    b, m, k = 4, 2056, 520  # 324 tiles of 128 x 256 per launch against 132 SMs; K not a tile multiple
+    c, alpha, beta = None, 1.0, 0.0
+    if operands == "symmetric product, + beta C":
+        x, y = _commuting_pair(cuda_gen, b, m, dtype)
+        c, alpha, beta = x, 1.25, -0.5
+    else:
+        if operands == "gram":
+            x = _rand(cuda_gen, b, m, k, dtype=dtype) / k**0.25
+        else:
+            x = (_rand(cuda_gen, b, k, m, dtype=dtype) / k**0.25).mT
+            c0 = _rand(cuda_gen, b, m, m, dtype=torch.float64)
+            c, alpha, beta = (c0 + c0.mT).to(dtype), -0.75, 1.5
+        y = x
+    outs = [_poisoned((b, m, m), dtype) for _ in range(2)]
+    for out, persistent in zip(outs, (False, True)):
+        symm_gemm(x, y, alpha, beta, c, out=out, tile=tile, persistent=persistent)
+    assert torch.isfinite(outs[1]).all(), "an element the persistent launch never wrote"
+    assert torch.equal(outs[1], outs[1].mT)
+    if c is None:
+        assert torch.equal(outs[0], outs[1])
+    else:  # alpha * acc + beta * C may round once differently (fused or not)
+        ulp = torch.finfo(dtype).eps * outs[0].double().abs().clamp_min(1.0)
+        assert ((outs[1].double() - outs[0].double()).abs() <= ulp).all()
+    if operands != "symmetric product, + beta C":
+        xd = x.double()
+        ref = alpha * xd @ xd.mT + (beta * c.double() if c is not None else 0.0)
+        assert _rel(outs[1], ref) <= TOL[dtype]
+
+
+def test_persistent_launch_from_the_kernel_configuration(cuda_gen, monkeypatch):
+    """KernelConfig(persistent=True) reaches the launch: Gram NS under it runs the persistent
+    kernel and orthogonalizes as the per-tile launch does."""
+    from dion3_megatron.kernels import sm90_symm
+
+    launches = []
+    compiled = sm90_symm.compiled
+    monkeypatch.setattr(sm90_symm, "compiled", lambda *a, **kw: launches.append(a[-1]) or compiled(*a, **kw))
+    x = _rand(cuda_gen, 2, 1032, 3096, dtype=torch.float32)
+    with kernels.using(routing="always"):
+        ref = ortho.orthogonalize(x, "gram", torch.float16)
+    assert launches and not any(launches)
+    launches.clear()
+    with kernels.using(routing="always", persistent=True):
+        got = ortho.orthogonalize(x, "gram", torch.float16)
+    assert launches and all(launches)
+    assert _rel(got, ref.double()) <= 1e-2
+
+
 def test_ctas_per_sm_a_tile_cannot_hold_is_refused():
     from dion3_megatron.kernels.sm90_symm import symm_gemm
 

@@ -59,6 +59,10 @@ class KernelConfig:
     # 320 tiles: Gram NS 2.85 ms against 3.18 with cuBLAS, graphed).
     min_tiles: int = 132
     tile: Any = None  # symmetric-GEMM tile, any form tile_shape takes; None: modelled per shape (sm90_symm.default_tile)
+    # symmetric-GEMM launch: one CTA per SM walking the tiles, each tile stored by warps that do
+    # no MMAs while the next one computes (sm90_symm.SymmGemmSm90), instead of one CTA per tile
+    # whose consumers store it; off until measured faster
+    persistent: bool = False
     fused_rows: bool = True  # the Triton row kernels (kernels/rows.py) where kernels is "auto"
 
     def __post_init__(self) -> None:
@@ -69,8 +73,9 @@ class KernelConfig:
         value = self.min_tiles
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
             raise ValueError(f"min_tiles must be an int >= 0, got {value!r}")
-        if not isinstance(self.fused_rows, bool):
-            raise ValueError(f"fused_rows must be a bool, got {self.fused_rows!r}")
+        for name in ("fused_rows", "persistent"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.tile is not None:  # one spelling, hashable: a configuration can key a cache or a graph
             object.__setattr__(self, "tile", tile_shape(self.tile))
 

@@ -12,7 +12,8 @@ The kernel computes only the output tiles that meet the lower triangle and store
 D is written exactly once and D is exactly symmetric. beta * C is read from C's lower triangle only
 (C must be symmetric, as every addend of Gram NS is) and mirrored with the product.
 
-Structure (one CTA, or a cluster of two, per output tile, batched over grid z):
+Structure (one CTA, or a cluster of two, per output tile, batched over grid z; or persistent:
+one CTA per SM, each walking the batch's tiles in a fixed stride):
   * output tiles are tile_m x tile_n with tile_n = tile_m (64 or 128) or 2 * tile_m (128 x 256:
     fewer shared-memory reads per MMA, the shape fast GEMMs use); a wide tile that crosses the
     diagonal also covers some of the upper triangle, which it computes and drops;
@@ -24,7 +25,10 @@ Structure (one CTA, or a cluster of two, per output tile, batched over grid z):
     128 x 256 tiles move registers from the producer warpgroup to them with setmaxnreg);
   * epilogue: alpha * accumulators -> fp32 shared tile, which reuses the operand ring (free once
     the main loop is done) -> two passes of 16-byte global stores, the tile's rows (+ beta * C,
-    16-byte loads) and then its columns as rows of the transpose.
+    16-byte loads) and then its columns as rows of the transpose. A persistent launch hands the
+    stores to warps that do no MMAs (the producer warpgroup's warps 1-3): the consumers add
+    beta * C in registers, stage the tile in the output dtype in a buffer beside the ring and go
+    on to the next tile's MMAs while those warps store it (named barriers STAGED and FREE).
 
 This module imports cutlass at the top: import it only where nvidia-cutlass-dsl is installed
 (``dion3_megatron.kernels`` does that lazily).
@@ -49,6 +53,9 @@ from .dispatch import transposed_view
 
 TILE_K = 64
 CLUSTER_M = {(256, 256): 2}  # CTAs per tile along M (one 128-row slice each); 1 for the others
+STORE_THREADS = 96  # a persistent launch's storing warps: the producer warpgroup's warps 1-3
+STAGED, FREE = 2, 3  # named barriers of a persistent epilogue: the tile staged / the staging read
+D_PAD = 8  # a persistent launch's staging pitch tn + 8 elements: 16-byte rows, spread banks
 PAD = 4  # epilogue tile pitch tn + 4 floats: 16-byte rows, and no bank conflicts in either pass
 VEC = 8  # elements per vector store of D (16 bytes of a half-precision output)
 SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per block on sm_90
@@ -84,10 +91,19 @@ def smem_budget(ctas_per_sm: int = 1) -> int:
     return min(SMEM_BYTES, SMEM_PER_SM // ctas_per_sm - CTA_RESERVED) - BARRIER_BYTES
 
 
-def max_stages(tile_m: int, tile_n: int, ab_bytes: int = 2, ctas_per_sm: int = 1) -> int:
-    """Pipeline depth that fits in shared memory (the epilogue tile reuses the ring)."""
+def staging_bytes(tile_m: int, tile_n: int, d_bytes: int, persistent: bool) -> int:
+    """Shared memory of one CTA's epilogue tile: fp32 with pitch tile_n + PAD, reusing the ring;
+    with ``persistent`` the output dtype (``d_bytes`` per element) with pitch tile_n + D_PAD,
+    beside the ring."""
+    cta_m = tile_m // CLUSTER_M.get((tile_m, tile_n), 1)
+    return cta_m * (tile_n + D_PAD) * d_bytes if persistent else cta_m * (tile_n + PAD) * 4
+
+
+def max_stages(tile_m: int, tile_n: int, ab_bytes: int = 2, ctas_per_sm: int = 1, beside_ring: int = 0) -> int:
+    """Pipeline depth that fits in shared memory beside ``beside_ring`` bytes (a persistent
+    launch's staging tile; otherwise the epilogue tile reuses the ring)."""
     stage = (tile_m // CLUSTER_M.get((tile_m, tile_n), 1) + tile_n) * TILE_K * ab_bytes
-    return max(2, min(8, smem_budget(ctas_per_sm) // stage))
+    return max(2, min(8, (smem_budget(ctas_per_sm) - beside_ring) // stage))
 
 
 class SymmGemmSm90:
@@ -96,15 +112,21 @@ class SymmGemmSm90:
     and the operands' layout: K-major (rows of A and B contiguous), or with ``m_major`` M-major
     (columns contiguous: TMA loads them and the wgmma reads shared memory in that mode);
     ``ctas_per_sm``: how many CTAs the launch asks to keep resident per SM (shared memory and
-    registers are sized for that many; None: the tile's :data:`DEFAULT_CTAS_PER_SM`)."""
+    registers are sized for that many; None: the tile's :data:`DEFAULT_CTAS_PER_SM`);
+    ``persistent_ctas``: launch that many CTAs (as many as stay resident at once, a multiple of the
+    cluster size), each walking the tiles in a fixed stride, the stores handed to the producer
+    warpgroup's idle warps (None: one CTA, or cluster, per output tile, whose consumers store it)."""
 
     def __init__(self, ab, d, c=None, tile=128, stages: Optional[int] = None, m_major: bool = False,
-                 ctas_per_sm: Optional[int] = None):
+                 ctas_per_sm: Optional[int] = None, persistent_ctas: Optional[int] = None):
         self.m_major = m_major
         self.tile_m, self.tile_n = tile_shape(tile)
         self.ctas_per_sm = ctas_per_sm = checked_ctas_per_sm(self.tile_m, self.tile_n, ctas_per_sm)
         self.ab_dtype, self.d_dtype, self.c_dtype = ab, d, c
-        deepest = max_stages(self.tile_m, self.tile_n, ctas_per_sm=ctas_per_sm)
+        self.persistent_ctas = persistent_ctas
+        persistent = persistent_ctas is not None
+        staging = staging_bytes(self.tile_m, self.tile_n, d.width // 8, persistent)
+        deepest = max_stages(self.tile_m, self.tile_n, ctas_per_sm=ctas_per_sm, beside_ring=staging if persistent else 0)
         self.stages = stages or deepest
         if self.stages > deepest:
             raise ValueError(f"{self.stages} stages do not fit in shared memory at tile {tile} "
@@ -117,8 +139,8 @@ class SymmGemmSm90:
         self.threads = 128 + self.mma_threads
         self.split_registers = self.tile_n > 128  # 128 accumulator registers per consumer thread
         ring = self.stages * (self.cta_m + self.tile_n) * TILE_K * 2
-        self.ring_elems = max(ring, self.cta_m * (self.tile_n + PAD) * 4) // 2  # in 16-bit elements
-        if 2 * self.ring_elems > smem_budget(ctas_per_sm):
+        self.ring_elems = (ring if persistent else max(ring, staging)) // 2  # in 16-bit elements
+        if 2 * self.ring_elems + (staging if persistent else 0) > smem_budget(ctas_per_sm):
             raise ValueError(f"the epilogue tile does not fit in shared memory at tile {tile} "
                              f"with {ctas_per_sm} CTAs per SM")
 
@@ -176,17 +198,23 @@ class SymmGemmSm90:
             b_op, mB, cute.slice_(b_layout, (None, None, 0)), (tn, TILE_K), num_multicast=self.cluster_m
         )
         # The epilogue tile reuses sA and sB (adjacent: sA's size is a multiple of 1 KiB); sB
-        # is lengthened where the ring alone would be smaller than the epilogue tile.
+        # is lengthened where the ring alone would be smaller than the epilogue tile. A persistent
+        # launch stages the tile in sE beside the ring (a one-element stand-in otherwise).
         b_elems = self.ring_elems - cute.cosize(a_layout)
+        e_elems = tm * (tn + D_PAD) if self.persistent_ctas is not None else 1
 
         @cute.struct
         class Storage:
             bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             sA: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(a_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[ab_dtype, b_elems], 1024]
+            sE: cute.struct.Align[cute.struct.MemRange[self.d_dtype, e_elems], 128]
 
         self.storage = Storage
-        grid = (tile_count(m, self.tile_m, tn) * self.cluster_m, 1, batch)
+        if const_expr(self.persistent_ctas is None):
+            grid = (tile_count(m, self.tile_m, tn) * self.cluster_m, 1, batch)
+        else:  # CTAs beyond the tiles find none and exit
+            grid = (self.persistent_ctas, 1, 1)
         # several CTAs per SM: registers capped for that many (minctasm), the largest shared-memory carveout
         occupancy = {} if self.ctas_per_sm == 1 else dict(min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)
         self.kernel(tma_a, tA, tma_b, tB, mC, mD, alpha, beta, tiled_mma, a_layout, b_layout).launch(
@@ -214,6 +242,73 @@ class SymmGemmSm90:
         rem = t - p * (p + 1)
         return 2 * p + rem // (p + 1), rem % (p + 1)
 
+    @cute.jit
+    def tile_of(self, t: Int32, per_matrix: Int32, rank: Int32):
+        """Linear tile index over (batch, triangle) -> (this CTA's row block, column block, batch)."""
+        ti, tj = self.tile_coord(t % per_matrix)
+        return ti * self.cluster_m + rank, tj, t // per_matrix
+
+    @cute.jit
+    def store_tile(self, sD: cute.Tensor, mC: cute.Tensor, mD: cute.Tensor, beta: Float32,
+                   row0: Int32, col0: Int32, bz: Int32, tid: Int32, threads: cutlass.Constexpr[int],
+                   add_c: cutlass.Constexpr[bool]):
+        """Store the staged tile sD (tm x tn, alpha applied; fp32, or the output dtype) whose
+        top-left element is D[row0, col0], and its mirror, by ``threads`` threads (this one ``tid``).
+
+        Element (r, c) of the tile is stored at (r, c) if on or below the diagonal and at (c, r)
+        if below it: every element of D once, and D exactly symmetric even where rounding made the
+        operands commute only approximately (later products rely on B^T == B bit for bit). Both
+        passes store VEC consecutive elements of a row of D per thread (one 16-byte store where
+        the whole vector is on its side of the diagonal). With ``add_c`` beta * C is added in the
+        first pass, from C's lower triangle only, and the sum kept in sD for the mirrored second
+        pass (a persistent launch's consumers add it before staging)."""
+        tm, tn = self.cta_m, self.tile_n
+        m = mD.shape[0]
+        d_dtype = mD.element_type
+        rD = cute.make_rmem_tensor(VEC, d_dtype)
+        rC = cute.make_rmem_tensor(VEC, mC.element_type)
+        # pass 1: D[row0 + r, col0 + c : col0 + c + VEC] from sD[r, c : c + VEC]
+        per_row = tn // VEC
+        items = tm * per_row
+        for step in cutlass.range((items + threads - 1) // threads, unroll=4):
+            item = step * threads + tid
+            r, pv = item // per_row, item % per_row
+            gr, gc = row0 + r, col0 + pv * VEC
+            if item < items and gr < m and gc <= gr:
+                sv = cute.local_tile(sD[r, None], (VEC,), (pv,))
+                v = sv.load()
+                if const_expr(add_c):
+                    cute.autovec_copy(cute.local_tile(mC[gr, None, bz], (VEC,), (gc // VEC,)), rC)
+                    v = v + beta * rC.load().to(Float32)
+                    sv.store(v)
+                rD.store(v.to(d_dtype))
+                gD = cute.local_tile(mD[gr, None, bz], (VEC,), (gc // VEC,))
+                if gc + VEC - 1 <= gr:
+                    cute.autovec_copy(rD, gD)
+                else:
+                    for e in cutlass.range_constexpr(VEC):
+                        if gc + e <= gr:
+                            gD[e] = rD[e]
+        if const_expr(add_c):
+            cute.arch.barrier(barrier_id=1, number_of_threads=threads)
+        # pass 2: D[col0 + c, row0 + r : row0 + r + VEC] from sD[r : r + VEC, c]; consecutive
+        # threads take consecutive c, so their shared-memory reads are conflict-free
+        items = tn * (tm // VEC)
+        for step in cutlass.range((items + threads - 1) // threads, unroll=4):
+            item = step * threads + tid
+            c, r = item % tn, (item // tn) * VEC
+            gr, gc = row0 + r, col0 + c
+            if item < items and gr < m and gc < gr + VEC - 1:
+                for e in cutlass.range_constexpr(VEC):
+                    rD[e] = sD[r + e, c].to(d_dtype)
+                gD = cute.local_tile(mD[gc, None, bz], (VEC,), (gr // VEC,))
+                if gc < gr:
+                    cute.autovec_copy(rD, gD)
+                else:
+                    for e in cutlass.range_constexpr(VEC):
+                        if gc < gr + e:
+                            gD[e] = rD[e]
+
     @cute.kernel
     def kernel(
         self,
@@ -238,19 +333,30 @@ class SymmGemmSm90:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
 
-        # (ti, tj): this CTA's rows in units of tm, columns in units of tn
-        rank = Int32(0)  # CTA within the cluster: its 128-row slice of the tile
+        rank = Int32(0)  # CTA within the cluster: its 128-row slice of each tile
         if const_expr(self.cluster_m > 1):
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        ti, tj = self.tile_coord(Int32(bidx) // self.cluster_m)
-        ti = ti * self.cluster_m + rank
+        # The tiles this CTA computes, as linear indices over (batch, the triangle's tiles): one
+        # (bidz, bidx) of its own, or with a persistent launch every n_clusters-th from its cluster's.
+        m = mD.shape[0]
+        per_matrix = tile_count(m, self.tile_m, tn)
+        total = per_matrix * mD.shape[2]
+        first, stride = Int32(bidz) * per_matrix + Int32(bidx) // self.cluster_m, total
+        if const_expr(self.persistent_ctas is not None):
+            grid_x, _, _ = cute.arch.grid_dim()
+            first, stride = Int32(bidx) // self.cluster_m, Int32(grid_x) // self.cluster_m
 
         smem = SmemAllocator()
         st = smem.allocate(self.storage)
         sA = st.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sB = st.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
-        pitch = tn + PAD
-        sD = st.sA.get_tensor(cute.make_layout((tm, tn), stride=(pitch, 1)), dtype=Float32)
+        persistent = self.persistent_ctas is not None
+        # the epilogue tile: fp32 in the drained ring, or a persistent launch's, in the output dtype, beside it
+        if const_expr(persistent):
+            sD = st.sE.get_tensor(cute.make_layout((tm, tn), stride=(tn + D_PAD, 1)))
+        else:
+            sD = st.sA.get_tensor(cute.make_layout((tm, tn), stride=(tn + PAD, 1)), dtype=Float32)
+        staging_sync = self.mma_threads + STORE_THREADS  # the threads on STAGED and FREE
 
         a_stage = cute.slice_(a_layout, (None, None, 0))
         b_stage = cute.slice_(b_layout, (None, None, 0))
@@ -273,40 +379,51 @@ class SymmGemmSm90:
         )
 
         tile_mnk = (tm, tn, TILE_K)
-        gA = cute.local_tile(mA, tile_mnk, (ti, tj, None, bidz), proj=(1, None, 1))  # (tm, BK, kt)
-        gB = cute.local_tile(mB, tile_mnk, (ti, tj, None, bidz), proj=(None, 1, 1))  # (tn, BK, kt)
-        k_tiles = cute.size(gA, mode=[2])
+        k_tiles = cute.size(cute.local_tile(mA, tile_mnk, (0, 0, None, 0), proj=(1, None, 1)), mode=[2])
 
         if warp < 4:
             if const_expr(self.split_registers):
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                # ---------------- producer: TMA ring ----------------
-                tAsA, tAgA = cpasync.tma_partition(
-                    tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-                )
-                # each CTA of a cluster loads 1 / cluster_m of B and multicasts it to all of them
-                tBsB, tBgB = cpasync.tma_partition(
-                    tma_b, rank, cute.make_layout(self.cluster_m), cute.group_modes(sB, 0, 2),
-                    cute.group_modes(gB, 0, 2)
-                )
+                # ---------------- producer: TMA ring, across tiles ----------------
                 b_mask = cute.make_layout_image_mask(cluster, (rank, 0, 0), mode=0)
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                for k in cutlass.range(k_tiles, unroll=1):
-                    pipe.producer_acquire(prod)
-                    bar = pipe.producer_get_barrier(prod)
-                    cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
-                    if const_expr(self.cluster_m == 1):
-                        cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
-                    else:
-                        cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, prod.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
-                    pipe.producer_commit(prod)
-                    prod.advance()
+                for t in cutlass.range(first, total, stride, unroll=1):
+                    ti, tj, bz = self.tile_of(t, per_matrix, rank)
+                    gA = cute.local_tile(mA, tile_mnk, (ti, tj, None, bz), proj=(1, None, 1))  # (tm, BK, kt)
+                    gB = cute.local_tile(mB, tile_mnk, (ti, tj, None, bz), proj=(None, 1, 1))  # (tn, BK, kt)
+                    tAsA, tAgA = cpasync.tma_partition(
+                        tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+                    )
+                    # each CTA of a cluster loads 1 / cluster_m of B and multicasts it to all of them
+                    tBsB, tBgB = cpasync.tma_partition(
+                        tma_b, rank, cute.make_layout(self.cluster_m), cute.group_modes(sB, 0, 2),
+                        cute.group_modes(gB, 0, 2)
+                    )
+                    for k in cutlass.range(k_tiles, unroll=1):
+                        pipe.producer_acquire(prod)
+                        bar = pipe.producer_get_barrier(prod)
+                        cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
+                        if const_expr(self.cluster_m == 1):
+                            cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
+                        else:
+                            cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, prod.index)], tma_bar_ptr=bar,
+                                      mcast_mask=b_mask)
+                        pipe.producer_commit(prod)
+                        prod.advance()
+            if const_expr(persistent):
+                if warp > 0:
+                    # ---------------- storing warps: a persistent launch's epilogue ----------------
+                    for t in cutlass.range(first, total, stride, unroll=1):
+                        ti, tj, bz = self.tile_of(t, per_matrix, rank)
+                        cute.arch.barrier_arrive(barrier_id=FREE, number_of_threads=staging_sync)  # sD is read
+                        cute.arch.barrier(barrier_id=STAGED, number_of_threads=staging_sync)
+                        self.store_tile(sD, mC, mD, beta, ti * tm, tj * tn, bz, tidx - 32, STORE_THREADS, False)
 
         if warp >= 4:
             if const_expr(self.split_registers):
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            # ---------------- consumers: wgmma ----------------
+            # ---------------- consumers: wgmma, then the epilogue, tile after tile ----------------
             ct = tidx - 128
             thr_mma = tiled_mma.get_slice(ct)
             tCsA = thr_mma.partition_A(sA)
@@ -315,99 +432,65 @@ class SymmGemmSm90:
             tCrB = tiled_mma.make_fragment_B(tCsB)
             tCsD = thr_mma.partition_C(sD)
             acc = cute.make_rmem_tensor(tCsD.shape, Float32)
-            acc.fill(0.0)
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            tCcD = thr_mma.partition_C(cute.make_identity_tensor((tm, tn)))  # each element's (r, c)
             n_kb = cute.size(tCrA, mode=[2])
             rd = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            # each stage's barrier is polled once ahead (try_wait) while the MMAs before it run
-            ready = cutlass.Boolean(True)
-            if k_tiles > 0:
-                ready = pipe.consumer_try_wait(rd)
-            for k in cutlass.range(k_tiles, unroll=1):
-                pipe.consumer_wait(rd, ready)
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(n_kb):
-                    cute.gemm(
-                        tiled_mma,
-                        acc,
-                        tCrA[(None, None, kb, rd.index)],
-                        tCrB[(None, None, kb, rd.index)],
-                        acc,
-                    )
-                warpgroup.commit_group()
-                warpgroup.wait_group(1)
-                if k > 0:
+            for t in cutlass.range(first, total, stride, unroll=1):
+                ti, tj, bz = self.tile_of(t, per_matrix, rank)
+                acc.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                # each stage's barrier is polled once ahead (try_wait) while the MMAs before it run
+                ready = cutlass.Boolean(True)
+                if k_tiles > 0:
+                    ready = pipe.consumer_try_wait(rd)
+                for k in cutlass.range(k_tiles, unroll=1):
+                    pipe.consumer_wait(rd, ready)
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(n_kb):
+                        cute.gemm(
+                            tiled_mma,
+                            acc,
+                            tCrA[(None, None, kb, rd.index)],
+                            tCrB[(None, None, kb, rd.index)],
+                            acc,
+                        )
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)
+                    if k > 0:
+                        pipe.consumer_release(rel)
+                        rel.advance()
+                    rd.advance()
+                    ready = cutlass.Boolean(True)
+                    if k + 1 < k_tiles:
+                        ready = pipe.consumer_try_wait(rd)
+                warpgroup.wait_group(0)
+                if k_tiles > 0:
                     pipe.consumer_release(rel)
                     rel.advance()
-                rd.advance()
-                ready = cutlass.Boolean(True)
-                if k + 1 < k_tiles:
-                    ready = pipe.consumer_try_wait(rd)
-            warpgroup.wait_group(0)
-            if k_tiles > 0:
-                pipe.consumer_release(rel)
-            # sD reuses the ring: every warpgroup's MMAs must be done reading it.
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
 
-            # ---------------- epilogue ----------------
-            m = mD.shape[0]
-            row0 = ti * tm
-            col0 = tj * tn
-            d_dtype = mD.element_type
-            for e in cutlass.range(cute.size(acc), unroll_full=True):
-                tCsD[e] = acc[e] * alpha
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
-
-            # Element (r, c) of the tile is stored at (r, c) if on or below the diagonal and at
-            # (c, r) if below it: every element of D once, and D exactly symmetric even where
-            # rounding made the operands commute only approximately (later products rely on
-            # B^T == B bit for bit). Both passes store VEC consecutive elements of a row of D
-            # per thread (one 16-byte store where the whole vector is on its side of the
-            # diagonal). beta * C is added in the first pass, from C's lower triangle only, and
-            # the sum kept in sD for the mirrored second pass.
-            rD = cute.make_rmem_tensor(VEC, d_dtype)
-            rC = cute.make_rmem_tensor(VEC, mC.element_type)
-            # pass 1: D[row0 + r, col0 + c : col0 + c + VEC] from sD[r, c : c + VEC]
-            per_row = tn // VEC
-            rows_per_step = self.mma_threads // per_row
-            pr, pv = ct // per_row, ct % per_row
-            for step in cutlass.range(tm // rows_per_step, unroll=4):
-                r = step * rows_per_step + pr
-                gr, gc = row0 + r, col0 + pv * VEC
-                if gr < m and gc <= gr:
-                    sv = cute.local_tile(sD[r, None], (VEC,), (pv,))
-                    v = sv.load()
-                    if const_expr(self.has_c):
-                        cute.autovec_copy(cute.local_tile(mC[gr, None, bidz], (VEC,), (gc // VEC,)), rC)
-                        v = v + beta * rC.load().to(Float32)
-                        sv.store(v)
-                    rD.store(v.to(d_dtype))
-                    gD = cute.local_tile(mD[gr, None, bidz], (VEC,), (gc // VEC,))
-                    if gc + VEC - 1 <= gr:
-                        cute.autovec_copy(rD, gD)
-                    else:
-                        for e in cutlass.range_constexpr(VEC):
-                            if gc + e <= gr:
-                                gD[e] = rD[e]
-            if const_expr(self.has_c):
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
-            # pass 2: D[col0 + c, row0 + r : row0 + r + VEC] from sD[r : r + VEC, c]; consecutive
-            # threads take consecutive c, so their shared-memory reads are conflict-free
-            for step in cutlass.range(tn * (tm // VEC) // self.mma_threads, unroll=4):
-                item = step * self.mma_threads + ct
-                c, r = item % tn, (item // tn) * VEC
-                gr, gc = row0 + r, col0 + c
-                if gr < m and gc < gr + VEC - 1:
-                    for e in cutlass.range_constexpr(VEC):
-                        rD[e] = sD[r + e, c].to(d_dtype)
-                    gD = cute.local_tile(mD[gc, None, bidz], (VEC,), (gr // VEC,))
-                    if gc < gr:
-                        cute.autovec_copy(rD, gD)
-                    else:
-                        for e in cutlass.range_constexpr(VEC):
-                            if gc < gr + e:
-                                gD[e] = rD[e]
+                # ---------------- epilogue ----------------
+                row0, col0 = ti * tm, tj * tn
+                if const_expr(persistent):
+                    # stage alpha * acc + beta * C in the output dtype for the storing warps, once
+                    # they have read the previous tile, and go on to the next tile's MMAs
+                    # (in place: a second tile of registers for C would not fit beside acc)
+                    for e in cutlass.range_constexpr(cute.size(acc)):
+                        acc[e] = acc[e] * alpha
+                        if const_expr(self.has_c):
+                            r, c = tCcD[e]
+                            if row0 + r < m and col0 + c <= row0 + r:  # C's lower triangle only
+                                acc[e] = acc[e] + beta * mC[row0 + r, col0 + c, bz].to(Float32)
+                    cute.arch.barrier(barrier_id=FREE, number_of_threads=staging_sync)
+                    tCsD.store(acc.load().to(self.d_dtype))
+                    cute.arch.barrier_arrive(barrier_id=STAGED, number_of_threads=staging_sync)
+                else:
+                    # sD reuses the ring: every warpgroup's MMAs must be done reading it
+                    cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
+                    for e in cutlass.range(cute.size(acc), unroll_full=True):
+                        tCsD[e] = acc[e] * alpha
+                    cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
+                    self.store_tile(sD, mC, mD, beta, row0, col0, bz, ct, self.mma_threads, self.has_c)
 
         if const_expr(self.cluster_m > 1):
             # no CTA exits while a peer may still arrive on its barriers
@@ -430,6 +513,7 @@ _TORCH_TO_CUTLASS = {
 _COMPILED: dict = {}
 _STREAMS: dict = {}
 _SMS: dict = {}
+_RESIDENT: dict = {}
 
 
 def _ptr(t: torch.Tensor):
@@ -473,19 +557,39 @@ def default_tile(m: int, batch: int) -> tuple[int, int]:
     return min(TILES, key=cost)
 
 
+def resident_clusters(cluster_m: int) -> int:
+    """Clusters of ``cluster_m`` CTAs, one CTA per SM, that the current device keeps resident at
+    once: every SM for single CTAs; for pairs what its GPCs allow (an SM without a partner in its
+    GPC stays out), from the driver's occupancy query. Sizes a persistent grid: a cluster that
+    does not fit would start only when another had walked all its tiles."""
+    key = (torch.cuda.current_device(), cluster_m)
+    if key not in _RESIDENT:
+        if cluster_m == 1:
+            _RESIDENT[key] = _sm_count()
+        else:
+            from cutlass.utils import HardwareInfo
+
+            _RESIDENT[key] = HardwareInfo(torch.cuda.current_device()).get_max_active_clusters(cluster_m)
+    return _RESIDENT[key]
+
+
 def compiled(ab: torch.dtype, d: torch.dtype, c: Optional[torch.dtype], tile, stages: Optional[int] = None,
-             m_major: bool = False, ctas_per_sm: Optional[int] = None):
+             m_major: bool = False, ctas_per_sm: Optional[int] = None, persistent: bool = False):
     """The compiled kernel for one configuration (compiled on first use, then cached);
-    ctas_per_sm None: the tile's :data:`DEFAULT_CTAS_PER_SM`."""
+    ctas_per_sm None: the tile's :data:`DEFAULT_CTAS_PER_SM`; persistent: a grid of the CTAs that
+    stay resident (:func:`resident_clusters`), each walking tiles (see :class:`SymmGemmSm90`)."""
     shape = tile_shape(tile)
     ctas_per_sm = checked_ctas_per_sm(*shape, ctas_per_sm)
-    stages = stages or max_stages(*shape, ctas_per_sm=ctas_per_sm)
-    key = (ab, d, c, shape, stages, m_major, ctas_per_sm)
+    beside = staging_bytes(*shape, d.itemsize, persistent) if persistent else 0
+    stages = stages or max_stages(*shape, ctas_per_sm=ctas_per_sm, beside_ring=beside)
+    cluster_m = CLUSTER_M.get(shape, 1)
+    persistent_ctas = resident_clusters(cluster_m) * cluster_m * ctas_per_sm if persistent else None
+    key = (ab, d, c, shape, stages, m_major, ctas_per_sm, persistent_ctas)
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = SymmGemmSm90(
             _TORCH_TO_CUTLASS[ab], _TORCH_TO_CUTLASS[d], _TORCH_TO_CUTLASS[c] if c is not None else None, shape, stages,
-            m_major, ctas_per_sm,
+            m_major, ctas_per_sm, persistent_ctas,
         )
         dummy = lambda dt: make_ptr(_TORCH_TO_CUTLASS[dt], 0, cute.AddressSpace.gmem, assumed_align=16)  # noqa: E731
         from cutlass.runtime import make_fake_stream
@@ -519,6 +623,7 @@ def symm_gemm(
     stages: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
     ctas_per_sm: Optional[int] = None,
+    persistent: Optional[bool] = None,
 ) -> torch.Tensor:
     """D = alpha * a @ b^T + beta * c for a, b (L, M, K) fp16/bf16 with a @ b^T symmetric.
 
@@ -530,7 +635,9 @@ def symm_gemm(
     tile: one of :data:`TILES`, as 64, 128, 256, (128, 256) or "128x256" (default: the kernel
     configuration's tile, else :func:`default_tile`). ctas_per_sm: CTAs kept resident per SM
     (:data:`CTAS_PER_SM` lists what each tile allows; the pipeline gets shallower to fit; default:
-    :data:`DEFAULT_CTAS_PER_SM`).
+    :data:`DEFAULT_CTAS_PER_SM`). persistent: one CTA per SM walking the tiles, the stores by warps
+    that do no MMAs (default: the kernel configuration's ``persistent``); it stages the tile in the
+    output dtype, so a float32 ``out`` (twice the shared memory) always runs one CTA per tile.
     Returns (L, M, M) in out_dtype (default a's dtype), or writes ``out``.
     """
     same = b is a  # before unsqueeze makes two views of one tensor
@@ -560,7 +667,9 @@ def symm_gemm(
     has_c = c is not None and beta != 0.0
     if has_c:
         c = c.expand(batch, m, m).contiguous()
-    fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, tile or kernel_config.current().tile or default_tile(m, batch),
-                  stages, m_major, ctas_per_sm)
+    config = kernel_config.current()
+    persistent = (config.persistent if persistent is None else persistent) and out.dtype != torch.float32
+    fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, tile or config.tile or default_tile(m, batch),
+                  stages, m_major, ctas_per_sm, persistent)
     fn(_ptr(a), _ptr(b), _ptr(c if has_c else out), _ptr(out), m, k, batch, Float32(alpha), Float32(beta), _stream())
     return out.squeeze(0) if squeeze else out
