@@ -61,7 +61,8 @@ class KernelConfig:
     tile: Any = None  # symmetric-GEMM tile, any form tile_shape takes; None: modelled per shape (sm90_symm.default_tile)
     # symmetric-GEMM launch: one CTA per SM walking the tiles, each tile stored by warps that do
     # no MMAs while the next one computes (sm90_symm.SymmGemmSm90), instead of one CTA per tile
-    # whose consumers store it; off until measured faster
+    # whose consumers store it. Measured on an H200 (docs/benchmarks.md): the 14B-shape step 4.5%
+    # faster at f = 1, but Gram NS alone slower on 4096x16384 and 2048x8192, so off by default
     persistent: bool = False
     fused_rows: bool = True  # the Triton row kernels (kernels/rows.py) where kernels is "auto"
 
