@@ -573,14 +573,6 @@ def resident_clusters(cluster_m: int) -> int:
     return _RESIDENT[key]
 
 
-def more_than_one_wave(batch: int, m: int, shape: tuple[int, int], ctas_per_sm: Optional[int] = None) -> bool:
-    """Whether a launch of one CTA (or cluster) per output tile has more CTAs than stay resident at
-    once: only then does a persistent CTA have a next tile whose MMAs its stores can overlap."""
-    cluster_m = CLUSTER_M.get(shape, 1)
-    resident = resident_clusters(cluster_m) * cluster_m * checked_ctas_per_sm(*shape, ctas_per_sm)
-    return batch * tile_count(m, *shape) * cluster_m > resident
-
-
 def compiled(ab: torch.dtype, d: torch.dtype, c: Optional[torch.dtype], tile, stages: Optional[int] = None,
              m_major: bool = False, ctas_per_sm: Optional[int] = None, persistent: bool = False):
     """The compiled kernel for one configuration (compiled on first use, then cached);
@@ -644,8 +636,7 @@ def symm_gemm(
     configuration's tile, else :func:`default_tile`). ctas_per_sm: CTAs kept resident per SM
     (:data:`CTAS_PER_SM` lists what each tile allows; the pipeline gets shallower to fit; default:
     :data:`DEFAULT_CTAS_PER_SM`). persistent: one CTA per SM walking the tiles, the stores by warps
-    that do no MMAs (default: the kernel configuration's ``persistent``, and where that is None,
-    :func:`more_than_one_wave`); it stages the tile in the
+    that do no MMAs (default: the kernel configuration's ``persistent``); it stages the tile in the
     output dtype, so a float32 ``out`` (twice the shared memory) always runs one CTA per tile.
     Returns (L, M, M) in out_dtype (default a's dtype), or writes ``out``.
     """
@@ -677,12 +668,8 @@ def symm_gemm(
     if has_c:
         c = c.expand(batch, m, m).contiguous()
     config = kernel_config.current()
-    shape = tile_shape(tile or config.tile or default_tile(m, batch))
-    if persistent is None:
-        persistent = config.persistent
-    if persistent is None:
-        persistent = more_than_one_wave(batch, m, shape, ctas_per_sm)
-    persistent = persistent and out.dtype != torch.float32
-    fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, shape, stages, m_major, ctas_per_sm, persistent)
+    persistent = (config.persistent if persistent is None else persistent) and out.dtype != torch.float32
+    fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, tile or config.tile or default_tile(m, batch),
+                  stages, m_major, ctas_per_sm, persistent)
     fn(_ptr(a), _ptr(b), _ptr(c if has_c else out), _ptr(out), m, k, batch, Float32(alpha), Float32(beta), _stream())
     return out.squeeze(0) if squeeze else out
