@@ -61,11 +61,9 @@ class KernelConfig:
     tile: Any = None  # symmetric-GEMM tile, any form tile_shape takes; None: modelled per shape (sm90_symm.default_tile)
     # symmetric-GEMM launch: one CTA per SM walking the tiles, each tile stored by warps that do
     # no MMAs while the next one computes (sm90_symm.SymmGemmSm90), instead of one CTA per tile
-    # whose consumers store it. None: where one CTA per tile would take at least two waves of
-    # CTAs (sm90_symm.persistent_pays; a CTA then walks several tiles). Measured on an H200
-    # (docs/benchmarks.md): forced on, the 14B-shape step 4.5% faster at f = 1; the products of
-    # 2+ waves faster, a batch of 8 x 1024^2 (1.2 waves) slower
-    persistent: Optional[bool] = None
+    # whose consumers store it. Measured on an H200 (docs/benchmarks.md): the 14B-shape step 4.5%
+    # faster at f = 1, but Gram NS alone slower on 4096x16384 and 2048x8192, so off by default
+    persistent: bool = False
     fused_rows: bool = True  # the Triton row kernels (kernels/rows.py) where kernels is "auto"
 
     def __post_init__(self) -> None:
@@ -76,10 +74,9 @@ class KernelConfig:
         value = self.min_tiles
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
             raise ValueError(f"min_tiles must be an int >= 0, got {value!r}")
-        if not isinstance(self.fused_rows, bool):
-            raise ValueError(f"fused_rows must be a bool, got {self.fused_rows!r}")
-        if self.persistent is not None and not isinstance(self.persistent, bool):
-            raise ValueError(f"persistent must be a bool or None, got {self.persistent!r}")
+        for name in ("fused_rows", "persistent"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.tile is not None:  # one spelling, hashable: a configuration can key a cache or a graph
             object.__setattr__(self, "tile", tile_shape(self.tile))
 
