@@ -129,10 +129,9 @@ def _step_whole_eager(entries: list[WholeMatrices]) -> None:
     for batch in batches.values():
         stacked = torch.cat([b[2] for b in batch]) if len(batch) > 1 else batch[0][2]
         ortho = rule.orthogonalize_rows(stacked, batch[0][0].hp).split([b[2].shape[0] for b in batch])
-        for e, _, _, later_mu in batch:
-            if later_mu is not None:
+        for (e, idx, _, later_mu), block in zip(batch, ortho):
+            if later_mu is not None:  # the orthogonalization has read it
                 rule.decay_momentum(e.momentum, later_mu)
-        for (e, idx, _, _), block in zip(batch, ortho):
             weights = list(e.weight.unbind(0)) if torch.is_tensor(e.weight) else list(e.weight)
             factors = e.factors if e.factors is not None else _whole_factors(e)
             rule.normalize_and_apply(weights, e.variance, idx, block, e.hp.beta2, e.hp.eps, factors)

@@ -191,7 +191,7 @@ def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float | torch.T
 
         return triton_rows.take_selected(momentum, idx, mu)
     batch, n, c = momentum.shape
-    decay = mu if not torch.is_tensor(mu) else mu.view(-1, 1, 1)
+    decay = _per_matrix(mu)
     if momentum.is_contiguous():  # whole rows by row number: one index read per row, not per element
         rows = (idx + torch.arange(batch, device=idx.device).unsqueeze(-1) * n).view(-1)
         flat = momentum.view(batch * n, c)
@@ -206,7 +206,12 @@ def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float | torch.T
 def decay_momentum(momentum: torch.Tensor, mu: float | torch.Tensor) -> None:
     """:func:`take_selected`'s decay of every row, for a caller that read the (B, n, c) momentum in
     place: momentum *= mu (a number, or (B,): one per matrix)."""
-    momentum.mul_(mu if not torch.is_tensor(mu) else mu.view(-1, 1, 1))
+    momentum.mul_(_per_matrix(mu))
+
+
+def _per_matrix(mu: float | torch.Tensor) -> float | torch.Tensor:
+    """mu as a factor of a (B, n, c) batch: a number as it is, one per matrix (B,) as (B, 1, 1)."""
+    return mu if not torch.is_tensor(mu) else mu.view(-1, 1, 1)
 
 
 def take_rows(momentum: torch.Tensor, rows: torch.Tensor, mu: float | torch.Tensor,

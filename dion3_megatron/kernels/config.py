@@ -62,7 +62,8 @@ class KernelConfig:
     # symmetric-GEMM launch: one CTA per SM walking the tiles, each tile stored by warps that do
     # no MMAs while the next one computes (sm90_symm.SymmGemmSm90), instead of one CTA per tile
     # whose consumers store it. Measured on an H200 (docs/benchmarks.md): the 14B-shape step 4.5%
-    # faster at f = 1, but Gram NS alone slower on 4096x16384 and 2048x8192, so off by default
+    # faster at f = 1, but a product that fills the GPU less than twice slower (8 x 1024^2 1.5x),
+    # so off by default until a rule for it is measured (one is parked)
     persistent: bool = False
     fused_rows: bool = True  # the Triton row kernels (kernels/rows.py) where kernels is "auto"
 
