@@ -96,14 +96,13 @@ def _restore(out: torch.Tensor, transposed: bool, shape: torch.Size, dtype: torc
     return out.reshape(shape).to(dtype)
 
 
-def _left_times(mm, q: torch.Tensor, x: torch.Tensor, beta: float = 0.0) -> torch.Tensor:
-    """q @ x + beta * x for a symmetric q, in x's layout: a transposed view (a tall matrix's, from
-    :func:`_as_wide_batch`) comes back as one, computed as (x^T q + beta x^T)^T, so the tall
-    result needs no transposing copy later (the row kernels read whole rows)."""
+def _left_times(mm, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """q @ x for a symmetric q, in x's layout: a transposed view (a tall matrix's, from
+    :func:`_as_wide_batch`) comes back as one, computed as (x^T q)^T, so the tall result needs no
+    transposing copy later (the row kernels read whole rows)."""
     if transposed_view(x):
-        xt = x.mT
-        return mm.matmul(xt, q, 1.0, beta, xt if beta else None).mT
-    return mm.matmul(q, x, 1.0, beta, x if beta else None)
+        return mm.matmul(x.mT, q).mT
+    return mm.matmul(q, x)
 
 
 def _add_identity(m: torch.Tensor, scale: float) -> torch.Tensor:
@@ -134,8 +133,10 @@ def newton_schulz(
     mm = get_backend(x)
     for a, b, c in coefficients:
         gram = mm.gram(x, 1.0, 0.0, None)
-        poly = mm.symmetric(gram, gram, c, b, gram)  # b A + c A^2
-        x = _left_times(mm, poly, x, a)  # a X + (b A + c A^2) X
+        # a I + b A + c A^2, so that X's update is one product: a X + (b A + c A^2) X as a
+        # cuBLAS addend would first copy X (torch's baddbmm), a pass over the whole batch
+        poly = _add_identity(mm.symmetric(gram, gram, c, b, gram), a)
+        x = _left_times(mm, poly, x)
     return _restore(x, transposed, shape, out_dtype or g.dtype)
 
 

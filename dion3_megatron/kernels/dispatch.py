@@ -47,7 +47,7 @@ class MatmulBackend:
     gram(x, alpha, beta, c)          = alpha * x @ x^T + beta * c       (result symmetric)
     symmetric(a, b, alpha, beta, c)  = alpha * a @ b + beta * c         (a, b symmetric and commuting,
                                                                          so the result is symmetric)
-    matmul(a, b, alpha, beta, c)     = alpha * a @ b + beta * c         (general)
+    matmul(a, b)                     = a @ b                             (general)
     A kernel backend may compute one triangle for ``gram`` and ``symmetric`` and mirror it.
     """
 
@@ -56,10 +56,10 @@ class MatmulBackend:
     symmetric: Callable[
         [torch.Tensor, torch.Tensor, float, float, Optional[torch.Tensor]], torch.Tensor
     ]
-    matmul: Callable[[torch.Tensor, torch.Tensor, float, float, Optional[torch.Tensor]], torch.Tensor]
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-TORCH_BACKEND = MatmulBackend("torch", _torch_gram, _torch_matmul, _torch_matmul)
+TORCH_BACKEND = MatmulBackend("torch", _torch_gram, _torch_matmul, torch.matmul)
 
 _BACKENDS: dict[str, MatmulBackend] = {TORCH_BACKEND.name: TORCH_BACKEND}
 # name -> selector(x): claims an operand (s x L batch) for its backend, or returns None.
