@@ -8,7 +8,8 @@ Side by side in one run, on the same fp32 inputs:
   * gram-torch:  dion3_megatron.ortho.gram_newton_schulz on the "torch" backend (cuBLAS);
   * gram-kern:   the same with auto dispatch (kernels where they pay, torch elsewhere), or with
                  --routing always on the "cutedsl" backend for every product the kernels take;
-  * gram-kern-p: gram-kern with the symmetric GEMM's persistent launch (KernelConfig.persistent);
+  * gram-kern-p / gram-kern-t: gram-kern with the symmetric GEMM's persistent launch everywhere /
+                 one CTA per tile everywhere (KernelConfig.persistent True / False; gram-kern: the default);
   * gram-quack:  the same Gram NS with quack-kernels' gemm_symmetric for every symmetric product
                  (benchmarks/quack_backend.py), where quack imports: the kernels compared alone.
 Square matrices take standard NS with the Polar Express schedule on either backend (the Gram
@@ -73,7 +74,9 @@ def variants(routing: str, quack: bool) -> dict:
            # "auto": what the optimizer runs (kernels where they pay, plain torch otherwise); "always"
            # routing forces the kernel backend onto every product it can take.
            "gram-kern": under(backend=None if routing == "measured" else backend.BACKEND_NAME)}
-    out["gram-kern-p"] = under(backend=None if routing == "measured" else backend.BACKEND_NAME, persistent=True)
+    for suffix, persistent in (("p", True), ("t", False)):
+        out[f"gram-kern-{suffix}"] = under(backend=None if routing == "measured" else backend.BACKEND_NAME,
+                                           persistent=persistent)
     if quack:
         out["gram-quack"] = under(backend=quack_backend.NAME)
     return out
@@ -114,7 +117,8 @@ def main():
     print(f"GPU {props.name}; torch {torch.__version__}; cuBLAS peak {peak / 1e12:.0f} TFLOP/s (bf16 8192^3)")
     print(f"routing: {args.routing}; {'CUDA-graph replays' if args.graph else 'eager calls'}")
     names = list(funcs)
-    ratios = [("kern vs muon", "muon"), ("kern vs gram-torch", "gram-torch"), ("kern vs kern-p", "gram-kern-p")]
+    ratios = [("kern vs muon", "muon"), ("kern vs gram-torch", "gram-torch"), ("kern vs kern-p", "gram-kern-p"),
+              ("kern vs kern-t", "gram-kern-t")]
     if "gram-quack" in funcs:
         ratios.append(("kern vs quack", "gram-quack"))
     print("| shape | " + " | ".join(f"{n} ms" for n in names) + " | " + " | ".join(r for r, _ in ratios)

@@ -84,7 +84,7 @@ def test_routing_rules():
     assert backend.routes_to_kernel(1, 64, 64, torch.float16)
     with pytest.raises(ValueError, match="min_tiles must be an int >= 0, got -1"):
         kernels.configure(min_tiles=-1)
-    with pytest.raises(ValueError, match="persistent must be a bool, got 1"):
+    with pytest.raises(ValueError, match="persistent must be a bool or None, got 1"):
         kernels.configure(persistent=1)
 
 

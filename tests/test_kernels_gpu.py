@@ -184,7 +184,7 @@ def test_persistent_launch_from_the_kernel_configuration(cuda_gen, monkeypatch):
     compiled = sm90_symm.compiled
     monkeypatch.setattr(sm90_symm, "compiled", lambda *a, **kw: launches.append(a[-1]) or compiled(*a, **kw))
     x = _rand(cuda_gen, 2, 1032, 3096, dtype=torch.float32)
-    with kernels.using(routing="always"):
+    with kernels.using(routing="always", persistent=False):
         ref = ortho.orthogonalize(x, "gram", torch.float16)
     assert launches and not any(launches)
     launches.clear()
@@ -192,6 +192,23 @@ def test_persistent_launch_from_the_kernel_configuration(cuda_gen, monkeypatch):
         got = ortho.orthogonalize(x, "gram", torch.float16)
     assert launches and all(launches)
     assert _rel(got, ref.double()) <= 1e-2
+
+
+def test_the_default_launch_is_persistent_from_two_waves(cuda_gen, monkeypatch):
+    """KernelConfig(persistent=None), the default: one CTA per tile where the tiles take less
+    than two waves, the persistent launch from two on."""
+    from dion3_megatron.kernels import sm90_symm
+
+    launches = []
+    compiled = sm90_symm.compiled
+    monkeypatch.setattr(sm90_symm, "compiled", lambda *a, **kw: launches.append(a[-1]) or compiled(*a, **kw))
+    for batch, m in ((1, 512), (8, 4096)):
+        x = _rand(cuda_gen, batch, m, 256, dtype=torch.float16)
+        out = sm90_symm.symm_gemm(x, x)
+        assert launches[-1] == sm90_symm.persistent_pays(batch, m, sm90_symm.default_tile(m, batch))
+        xd = x.double()
+        assert _rel(out, xd @ xd.mT) <= TOL[torch.float16]
+    assert launches == [False, True]  # 1 tile of 512^2; 8 x 136 tiles of 4096^2 at 256 x 256 (or more)
 
 
 def test_ctas_per_sm_a_tile_cannot_hold_is_refused():

@@ -61,10 +61,11 @@ class KernelConfig:
     tile: Any = None  # symmetric-GEMM tile, any form tile_shape takes; None: modelled per shape (sm90_symm.default_tile)
     # symmetric-GEMM launch: one CTA per SM walking the tiles, each tile stored by warps that do
     # no MMAs while the next one computes (sm90_symm.SymmGemmSm90), instead of one CTA per tile
-    # whose consumers store it. Measured on an H200 (docs/benchmarks.md): the 14B-shape step 4.5%
-    # faster at f = 1, but a product that fills the GPU less than twice slower (8 x 1024^2 1.5x),
-    # so off by default until a rule for it is measured (one is parked)
-    persistent: bool = False
+    # whose consumers store it. None: where one CTA per tile would take at least two waves of
+    # CTAs (sm90_symm.persistent_pays; a CTA then walks several tiles). Measured on an H200
+    # (docs/benchmarks.md): the products of 2+ waves faster, a batch of 8 x 1024^2 (1.2 waves)
+    # slower; with this rule the 14B-shape step 3.1% faster at f = 1 than with False
+    persistent: Optional[bool] = None
     fused_rows: bool = True  # the Triton row kernels (kernels/rows.py) where kernels is "auto"
 
     def __post_init__(self) -> None:
@@ -75,9 +76,10 @@ class KernelConfig:
         value = self.min_tiles
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
             raise ValueError(f"min_tiles must be an int >= 0, got {value!r}")
-        for name in ("fused_rows", "persistent"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.fused_rows, bool):
+            raise ValueError(f"fused_rows must be a bool, got {self.fused_rows!r}")
+        if self.persistent is not None and not isinstance(self.persistent, bool):
+            raise ValueError(f"persistent must be a bool or None, got {self.persistent!r}")
         if self.tile is not None:  # one spelling, hashable: a configuration can key a cache or a graph
             object.__setattr__(self, "tile", tile_shape(self.tile))
 

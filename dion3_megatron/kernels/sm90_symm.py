@@ -573,6 +573,20 @@ def resident_clusters(cluster_m: int) -> int:
     return _RESIDENT[key]
 
 
+PERSISTENT_MIN_WAVES = 2
+
+
+def persistent_pays(batch: int, m: int, shape: tuple[int, int], ctas_per_sm: Optional[int] = None) -> bool:
+    """Whether a launch of one CTA (or cluster) per output tile would take at least
+    PERSISTENT_MIN_WAVES waves of resident CTAs: only then does a persistent CTA walk several tiles,
+    each one's stores overlapping the next one's MMAs. Measured on an H200 (docs/benchmarks.md):
+    persistent won every product of 2 waves or more (4096^2 to 8 x 4096x16384), tied 16 x 1024^2
+    (2.4 waves) and lost 8 x 1024^2 (1.2 waves: 0.117 against 0.079 ms)."""
+    cluster_m = CLUSTER_M.get(shape, 1)
+    resident = resident_clusters(cluster_m) * cluster_m * checked_ctas_per_sm(*shape, ctas_per_sm)
+    return batch * tile_count(m, *shape) * cluster_m >= PERSISTENT_MIN_WAVES * resident
+
+
 def compiled(ab: torch.dtype, d: torch.dtype, c: Optional[torch.dtype], tile, stages: Optional[int] = None,
              m_major: bool = False, ctas_per_sm: Optional[int] = None, persistent: bool = False):
     """The compiled kernel for one configuration (compiled on first use, then cached);
@@ -636,7 +650,8 @@ def symm_gemm(
     configuration's tile, else :func:`default_tile`). ctas_per_sm: CTAs kept resident per SM
     (:data:`CTAS_PER_SM` lists what each tile allows; the pipeline gets shallower to fit; default:
     :data:`DEFAULT_CTAS_PER_SM`). persistent: one CTA per SM walking the tiles, the stores by warps
-    that do no MMAs (default: the kernel configuration's ``persistent``); it stages the tile in the
+    that do no MMAs (default: the kernel configuration's ``persistent``, and where that is None,
+    :func:`persistent_pays`); it stages the tile in the
     output dtype, so a float32 ``out`` (twice the shared memory) always runs one CTA per tile.
     Returns (L, M, M) in out_dtype (default a's dtype), or writes ``out``.
     """
@@ -668,8 +683,12 @@ def symm_gemm(
     if has_c:
         c = c.expand(batch, m, m).contiguous()
     config = kernel_config.current()
-    persistent = (config.persistent if persistent is None else persistent) and out.dtype != torch.float32
-    fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, tile or config.tile or default_tile(m, batch),
-                  stages, m_major, ctas_per_sm, persistent)
+    shape = tile_shape(tile or config.tile or default_tile(m, batch))
+    if persistent is None:
+        persistent = config.persistent
+    if persistent is None:
+        persistent = persistent_pays(batch, m, shape, ctas_per_sm)
+    persistent = persistent and out.dtype != torch.float32
+    fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, shape, stages, m_major, ctas_per_sm, persistent)
     fn(_ptr(a), _ptr(b), _ptr(c if has_c else out), _ptr(out), m, k, batch, Float32(alpha), Float32(beta), _stream())
     return out.squeeze(0) if squeeze else out
