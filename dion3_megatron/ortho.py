@@ -133,8 +133,8 @@ def newton_schulz(
     mm = get_backend(x)
     for a, b, c in coefficients:
         gram = mm.gram(x, 1.0, 0.0, None)
-        # a I + b A + c A^2, so that X's update is one product: a X + (b A + c A^2) X as a
-        # cuBLAS addend would first copy X (torch's baddbmm), a pass over the whole batch
+        # a I + b A + c A^2: X's update is then one product; with a X as an addend, torch's
+        # baddbmm would first copy X into its result (a pass over the whole batch)
         poly = _add_identity(mm.symmetric(gram, gram, c, b, gram), a)
         x = _left_times(mm, poly, x)
     return _restore(x, transposed, shape, out_dtype or g.dtype)
