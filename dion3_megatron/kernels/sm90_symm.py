@@ -573,6 +573,13 @@ def resident_clusters(cluster_m: int) -> int:
     return _RESIDENT[key]
 
 
+def persistent_ctas(shape: tuple[int, int], ctas_per_sm: Optional[int] = None) -> int:
+    """The CTAs of a persistent launch at tile ``shape``: as many as stay resident at once (whole
+    clusters, ``ctas_per_sm`` per SM), which is also one wave of a launch of one CTA per tile."""
+    cluster_m = CLUSTER_M.get(shape, 1)
+    return resident_clusters(cluster_m) * cluster_m * checked_ctas_per_sm(*shape, ctas_per_sm)
+
+
 PERSISTENT_MIN_WAVES = 2
 
 
@@ -582,28 +589,26 @@ def persistent_pays(batch: int, m: int, shape: tuple[int, int], ctas_per_sm: Opt
     each one's stores overlapping the next one's MMAs. Measured on an H200 (docs/benchmarks.md):
     persistent won every product of 2 waves or more (4096^2 to 8 x 4096x16384), tied 16 x 1024^2
     (2.4 waves) and lost 8 x 1024^2 (1.2 waves: 0.117 against 0.079 ms)."""
-    cluster_m = CLUSTER_M.get(shape, 1)
-    resident = resident_clusters(cluster_m) * cluster_m * checked_ctas_per_sm(*shape, ctas_per_sm)
-    return batch * tile_count(m, *shape) * cluster_m >= PERSISTENT_MIN_WAVES * resident
+    ctas_per_tile = CLUSTER_M.get(shape, 1)
+    return batch * tile_count(m, *shape) * ctas_per_tile >= PERSISTENT_MIN_WAVES * persistent_ctas(shape, ctas_per_sm)
 
 
 def compiled(ab: torch.dtype, d: torch.dtype, c: Optional[torch.dtype], tile, stages: Optional[int] = None,
              m_major: bool = False, ctas_per_sm: Optional[int] = None, persistent: bool = False):
     """The compiled kernel for one configuration (compiled on first use, then cached);
     ctas_per_sm None: the tile's :data:`DEFAULT_CTAS_PER_SM`; persistent: a grid of the CTAs that
-    stay resident (:func:`resident_clusters`), each walking tiles (see :class:`SymmGemmSm90`)."""
+    stay resident (:func:`persistent_ctas`), each walking tiles (see :class:`SymmGemmSm90`)."""
     shape = tile_shape(tile)
     ctas_per_sm = checked_ctas_per_sm(*shape, ctas_per_sm)
     beside = staging_bytes(*shape, d.itemsize, persistent) if persistent else 0
     stages = stages or max_stages(*shape, ctas_per_sm=ctas_per_sm, beside_ring=beside)
-    cluster_m = CLUSTER_M.get(shape, 1)
-    persistent_ctas = resident_clusters(cluster_m) * cluster_m * ctas_per_sm if persistent else None
-    key = (ab, d, c, shape, stages, m_major, ctas_per_sm, persistent_ctas)
+    grid = persistent_ctas(shape, ctas_per_sm) if persistent else None
+    key = (ab, d, c, shape, stages, m_major, ctas_per_sm, grid)
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = SymmGemmSm90(
             _TORCH_TO_CUTLASS[ab], _TORCH_TO_CUTLASS[d], _TORCH_TO_CUTLASS[c] if c is not None else None, shape, stages,
-            m_major, ctas_per_sm, persistent_ctas,
+            m_major, ctas_per_sm, grid,
         )
         dummy = lambda dt: make_ptr(_TORCH_TO_CUTLASS[dt], 0, cute.AddressSpace.gmem, assumed_align=16)  # noqa: E731
         from cutlass.runtime import make_fake_stream
