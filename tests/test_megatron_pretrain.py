@@ -91,10 +91,12 @@ def assert_same_checkpoint(a: dict, b: dict) -> None:
             assert repr(x) == repr(y), f"{key}: {repr(x)[:200]} != {repr(y)[:200]}"
 
 
-def assert_layer_wise_layout(log: str, dp: int, fraction: str) -> None:
+def assert_layer_wise_layout(log: str, buffers: list[tuple[int, int]], fraction: str) -> None:
     """The layout docs/megatron.md describes: DDP reduce-scatters into the layer-wise layout (every
-    one of the 8 block matrices whole in one data-parallel shard), Dion3 is the layer-wise optimizer."""
-    assert f"Layerwise param layout: 8 params, 1 buckets, dp_size={dp}" in log
+    block matrix whole in one data-parallel shard: one buffer of (matrices, DP size) per entry of
+    ``buffers``), Dion3 is the layer-wise optimizer."""
+    for matrices, dp in buffers:
+        assert f"Layerwise param layout: {matrices} params, 1 buckets, dp_size={dp}" in log
     assert "Using reduce-scatter for gradient reductions" in log
     assert "Using all-reduce for gradient reductions" not in log
     assert "Using LayerWiseDistributedOptimizer for dion3" in log
@@ -103,24 +105,38 @@ def assert_layer_wise_layout(log: str, dp: int, fraction: str) -> None:
     assert re.search(rf"dion3_fraction \.+ {re.escape(fraction)}$", log, re.M)  # the flag reached Megatron's args
 
 
-@pytest.mark.parametrize("layout,fraction", [("dp2", "0.5"), ("tp2", "0.5"), ("dp2", None)])
+# The two blocks' matrices: QKV, the projection, fc1 and fc2. With MoE (4 experts, top 2, expert
+# parallel over both ranks: an expert data-parallel size of 1) each block has QKV, the projection and
+# the router at DP=2, and each rank's 2 experts' fc1 and fc2 in a buffer of its own.
+MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
+       "--moe-token-dispatcher-type", "allgather", "--moe-ffn-hidden-size", "64",
+       "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0"]
+LAYOUTS = {"dp2": ([], [(8, 2)]), "tp2": (["--tensor-model-parallel-size", "2"], [(8, 1)]),
+           "ep2": (MOE, [(6, 2), (8, 1)])}
+
+
+@pytest.mark.parametrize("layout,fraction", [("dp2", "0.5"), ("tp2", "0.5"), ("ep2", None)])
 def test_pretrain_dion3_layout_and_exact_resume(tmp_path, layout, fraction):
-    """No --dion3-fraction is the default, "auto": the ranks choose f at the first step, by a share
-    of the model's matrices of about 1/DP each, and the resumed run steps with the choices the
-    checkpoint holds."""
-    parallel = ["--tensor-model-parallel-size", "2"] if layout == "tp2" else []
+    """No --dion3-fraction is the default, "auto": the ranks choose f at the first step, by the
+    share of the matrices whose forward and backward a rank computes that it steps, and the resumed
+    run steps with the choices the checkpoint holds. The MoE run is Megatron's expert parallelism
+    through the same loop: the experts' Dion3 state is saved and resumed with the rest."""
+    parallel, buffers = LAYOUTS[layout]
     if fraction is None:
         fraction = "auto"
     else:
-        parallel += ["--dion3-fraction", fraction]
+        parallel = parallel + ["--dion3-fraction", fraction]
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
 
     log = pretrain(parallel + ["--save", full])
-    assert_layer_wise_layout(log, dp=1 if layout == "tp2" else 2, fraction=fraction)
+    assert_layer_wise_layout(log, buffers, fraction=fraction)
     if fraction == "auto":
         chose = re.search(r"Dion3 fraction=auto chose \(rows x cols: f\) (.*); this rank steps ([0-9.]+) of", log)
         assert chose, log[-3000:]
-        assert 0.3 <= float(chose.group(2)) <= 0.7  # layer-wise ZeRO-1 at DP=2: about half the matrices
+        # DP=2: about half the matrices; EP=2: its own experts (2/3 of its matrices' elements) and
+        # about half the rest
+        low, high = (0.75, 0.92) if layout == "ep2" else (0.3, 0.7)
+        assert low <= float(chose.group(2)) <= high
     losses = iterations(log)
     assert sorted(losses) == [1, 2, 3, 4]
     assert float(losses[4][0]) < float(losses[1][0])  # (a running mean from iteration 2 on, see below)
@@ -135,7 +151,8 @@ def test_pretrain_dion3_layout_and_exact_resume(tmp_path, layout, fraction):
     assert again[4][1] == losses[4][1]  # grad norm
     checkpoint_4 = checkpoint(os.path.join(full, "iter_0000004"))
     assert any(k.startswith("chained_1.optimizer.distributed") for k in checkpoint_4)  # Adam: DistributedOptimizer
-    assert any(".optimizer.state.momentum." in k for k in checkpoint_4)  # Dion3's state
+    momentum = [k for k in checkpoint_4 if ".optimizer.state.momentum." in k]  # Dion3's state
+    assert momentum and (layout != "ep2" or any(".experts." in k for k in momentum))
     assert_same_checkpoint(checkpoint_4, checkpoint(os.path.join(resumed, "iter_0000004")))
 
 
