@@ -3,11 +3,12 @@
 examples/megatron_lm_pretrain_gpt.py (the same calls, synthetic data) through the launcher, on CPU
 through examples/megatron_cpu.py.
 
-For DP=2 and TP=2: the layout pretrain() builds (the layer-wise ZeRO-1 layout, gradients
-reduce-scattered, Adam in Megatron's byte-sharded DistributedOptimizer); and a run saved at
-iteration 2 (torch_dist) and resumed from there with --load ends, at iteration 4, with a checkpoint
-equal, tensor for tensor (weights, Dion3's and Adam's state, Adam's step), to the uninterrupted
-run's, after the same losses and gradient norms.
+For DP=2, TP=2 and MoE at EP=2: the layout pretrain() builds (the layer-wise ZeRO-1 layout,
+gradients reduce-scattered, Adam in Megatron's byte-sharded DistributedOptimizer); and a run saved
+at iteration 2 (torch_dist) and resumed from there with --load ends, at iteration 4, with a
+checkpoint equal, tensor for tensor (weights, Dion3's and Adam's state, Adam's step), to the
+uninterrupted run's, after the same losses and gradient norms. A checkpoint saved at DP=2 resumes
+at TP=2, and one saved at PP=2 at DP=2.
 """
 
 from __future__ import annotations
@@ -111,17 +112,19 @@ def assert_layer_wise_layout(log: str, buffers: list[tuple[int, int]], fraction:
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
        "--moe-token-dispatcher-type", "allgather", "--moe-ffn-hidden-size", "64",
        "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0"]
-LAYOUTS = {"dp2": ([], [(8, 2)]), "tp2": (["--tensor-model-parallel-size", "2"], [(8, 1)]),
-           "ep2": (MOE, [(6, 2), (8, 1)])}
+LAYOUTS = {"dp2": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"],
+           "ep2": MOE}
 
 
-@pytest.mark.parametrize("layout,fraction", [("dp2", "0.5"), ("tp2", "0.5"), ("ep2", None)])
-def test_pretrain_dion3_layout_and_exact_resume(tmp_path, layout, fraction):
+# buffers: the layer-wise buffers pretrain() logs, as (matrices, DP size)
+@pytest.mark.parametrize("layout,fraction,buffers", [("dp2", "0.5", [(8, 2)]), ("tp2", "0.5", [(8, 1)]),
+                                                     ("ep2", None, [(6, 2), (8, 1)])])
+def test_pretrain_dion3_layout_and_exact_resume(tmp_path, layout, fraction, buffers):
     """No --dion3-fraction is the default, "auto": the ranks choose f at the first step, by the
     share of the matrices whose forward and backward a rank computes that it steps, and the resumed
     run steps with the choices the checkpoint holds. The MoE run is Megatron's expert parallelism
     through the same loop: the experts' Dion3 state is saved and resumed with the rest."""
-    parallel, buffers = LAYOUTS[layout]
+    parallel = LAYOUTS[layout]
     if fraction is None:
         fraction = "auto"
     else:
@@ -169,18 +172,19 @@ def test_readme_example_command_runs_on_cpu():
     assert re.search(r"^ +vocab_size \.+ 32768$", log, re.M)  # NullTokenizer without --vocab-size
 
 
-@pytest.mark.parametrize("fraction", ["0.5", "auto"])
-def test_a_dp2_checkpoint_resumes_at_tp2(tmp_path, fraction):
-    """Saved at DP=2, loaded at TP=2 (Megatron's fully reshardable optimizer format, which its Adam
-    part needs to change TP; a vocabulary that pads to the same size at both TP sizes): the resumed
-    run repeats the DP=2 run's loss and gradient norms, so the weights and Dion3's state resharded;
-    with an explicit f and with the default, "auto"."""
+@pytest.mark.parametrize("saved,loaded,fraction", [("dp2", "tp2", "0.5"), ("dp2", "tp2", "auto"),
+                                                    ("pp2", "dp2", "0.5")])
+def test_a_checkpoint_resumes_in_another_layout(tmp_path, saved, loaded, fraction):
+    """Saved at DP=2 and loaded at TP=2, or saved at PP=2 and loaded at DP=2 (Megatron's fully
+    reshardable optimizer format, which its Adam part needs to change layout; a vocabulary that
+    pads to the same size at both TP sizes): the resumed run repeats the first run's loss and
+    gradient norms, so the weights and Dion3's state resharded; with an explicit f and with the
+    default, "auto"."""
     same_padding = ["--vocab-size", "256", "--dist-ckpt-optim-fully-reshardable", "--dion3-fraction", fraction]
-    full = str(tmp_path / "dp2")
-    dp2 = iterations(pretrain(same_padding + ["--save", full]))
-    tp2 = iterations(pretrain(same_padding + ["--tensor-model-parallel-size", "2", "--load", full,
-                                              "--ckpt-step", "2"]))
-    assert sorted(tp2) == [3, 4]
-    assert float(tp2[3][0]) == pytest.approx(float(dp2[3][0]), rel=1e-5)  # iteration 3: same weights
+    full = str(tmp_path / saved)
+    first = iterations(pretrain(same_padding + LAYOUTS[saved] + ["--save", full]))
+    resumed = iterations(pretrain(same_padding + LAYOUTS[loaded] + ["--load", full, "--ckpt-step", "2"]))
+    assert sorted(resumed) == [3, 4]
+    assert float(resumed[3][0]) == pytest.approx(float(first[3][0]), rel=1e-5)  # iteration 3: same weights
     for i in (3, 4):  # iteration 4's gradients follow Dion3's step 3, which used the loaded state
-        assert float(tp2[i][1]) == pytest.approx(float(dp2[i][1]), rel=1e-3), (i, tp2, dp2)
+        assert float(resumed[i][1]) == pytest.approx(float(first[i][1]), rel=1e-3), (i, resumed, first)
