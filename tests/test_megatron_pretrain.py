@@ -106,9 +106,7 @@ def assert_layer_wise_layout(log: str, buffers: list[tuple[int, int]], fraction:
     assert re.search(rf"dion3_fraction \.+ {re.escape(fraction)}$", log, re.M)  # the flag reached Megatron's args
 
 
-# The two blocks' matrices: QKV, the projection, fc1 and fc2. With MoE (4 experts, top 2, expert
-# parallel over both ranks: an expert data-parallel size of 1) each block has QKV, the projection and
-# the router at DP=2, and each rank's 2 experts' fc1 and fc2 in a buffer of its own.
+# MoE: 4 experts, top 2, expert parallel over both ranks (an expert data-parallel size of 1).
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
        "--moe-token-dispatcher-type", "allgather", "--moe-ffn-hidden-size", "64",
        "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0"]
@@ -116,7 +114,9 @@ LAYOUTS = {"dp2": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--p
            "ep2": MOE}
 
 
-# buffers: the layer-wise buffers pretrain() logs, as (matrices, DP size)
+# buffers: the layer-wise buffers pretrain() logs, as (matrices, DP size). Dense: the two blocks'
+# QKV, projection, fc1 and fc2 in one. MoE: their QKV, projection and router at DP=2, and each
+# rank's 2 experts' fc1 and fc2 in a buffer of their own.
 @pytest.mark.parametrize("layout,fraction,buffers", [("dp2", "0.5", [(8, 2)]), ("tp2", "0.5", [(8, 1)]),
                                                      ("ep2", None, [(6, 2), (8, 1)])])
 def test_pretrain_dion3_layout_and_exact_resume(tmp_path, layout, fraction, buffers):
