@@ -118,7 +118,8 @@ LAYOUTS = {"dp2": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--p
 # QKV, projection, fc1 and fc2 in one. MoE: their QKV, projection and router at DP=2, and each
 # rank's 2 experts' fc1 and fc2 in a buffer of their own.
 @pytest.mark.parametrize("layout,fraction,buffers", [("dp2", "0.5", [(8, 2)]), ("tp2", "0.5", [(8, 1)]),
-                                                     ("ep2", None, [(6, 2), (8, 1)])])
+                                                     ("ep2", None, [(6, 2), (8, 1)])],
+                         ids=["dp2-0.5", "tp2-0.5", "ep2-auto"])
 def test_pretrain_dion3_layout_and_exact_resume(tmp_path, layout, fraction, buffers):
     """No --dion3-fraction is the default, "auto": the ranks choose f at the first step, by the
     share of the matrices whose forward and backward a rank computes that it steps, and the resumed
