@@ -239,8 +239,8 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
             core_optimizer.HAVE_EMERGING_OPTIMIZERS = saved
         return out
 
-    def dp():
-        out, chunks, opt, _ = parallel()
+    def dp(layer_wise=True):
+        out, chunks, opt, _ = parallel(layer_wise=layer_wise)
         (dion3,) = _find_dion3(opt)
         names = sorted(dion3.layout_of(p).name for g in dion3.param_groups for p in g["params"])
         gathered = [None] * world
@@ -464,7 +464,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         finally:
             wrappers.usable_on_every_rank = original
 
-    for name, fn in (("dp", dp), ("dp_overlap", dp_overlap), ("tp", tp), ("pp", pp), ("moe", moe), ("moe_etp", moe_etp), ("bf16", bf16), ("checkpoint", checkpoint), ("auto_resume", auto_resume),
+    for name, fn in (("dp", dp), ("dp_plain", lambda: dp(layer_wise=False)), ("dp_overlap", dp_overlap), ("tp", tp), ("pp", pp), ("moe", moe), ("moe_etp", moe_etp), ("bf16", bf16), ("checkpoint", checkpoint), ("auto_resume", auto_resume),
                      ("clip", clip_and_schedule), ("registry", registry),
                      ("stale_dp", stale), ("stale_tp", lambda: stale(tp=2)),
                      ("stale_checkpoint", lambda: checkpoint(1.0, ckpt_dir + "_stale")),
@@ -506,6 +506,16 @@ def test_dp2_layer_wise_zero1_equals_single_process(results):
     assert not set(owned[0]) & set(owned[1]), f"matrices stepped on both ranks: {set(owned[0]) & set(owned[1])}"
     assert len(owned[0]) + len(owned[1]) == 8  # 2 layers x (qkv, proj, fc1, fc2)
     assert all(r["state_rows"] > 0 for r in per_rank)
+    assert all(r["replicas_equal"] for r in per_rank), "data-parallel replicas drifted apart"
+
+
+def test_dp2_without_the_distributed_optimizer_steps_every_matrix_on_every_rank(results):
+    # No --use-distributed-optimizer: DDP all-reduces the gradients and each data-parallel rank steps
+    # every matrix itself, Dion3's state replicated; the math is the single process's all the same.
+    per_rank = _get(results, "dp_plain")
+    _check_against_reference(per_rank)
+    owned = per_rank[0]["owned"]
+    assert owned[0] == owned[1] and len(owned[0]) == 8, owned
     assert all(r["replicas_equal"] for r in per_rank), "data-parallel replicas drifted apart"
 
 
