@@ -10,7 +10,7 @@ the same initial weights on the same global batches (fp32, dropout off).
 
 Tolerances after 3 steps at lr 0.02 (each step moves a weight by ~1e-2; a wrong row choice, a
 missed or per-shard orthogonalization moves it by >= 1e-3):
-  * Dion3 matrices: 5e-6 absolute (fp32 reduction order only; measured ~1e-6);
+  * Dion3 matrices: 1e-5 absolute (fp32 reduction order only; measured up to 4.7e-6);
   * AdamW params: 2e-4 (Megatron's own torch AdamW: its normalized first step turns fp32
     summation-order noise on near-zero gradients into visible differences; measured ~4e-5).
 """
@@ -35,7 +35,7 @@ from dist_utils import run_distributed  # noqa: E402
 pytestmark = pytest.mark.slow  # every test reads the results of one multi-process run
 
 LR = 0.02
-MATRIX_TOL = 5e-6
+MATRIX_TOL = 1e-5  # the noise was 1e-6 under earlier torch builds, 4.7e-6 (MoE, EP=2) under 2.14.1
 ADAM_TOL = 2e-4
 STEPS = 3
 
