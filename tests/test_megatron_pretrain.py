@@ -116,19 +116,20 @@ LAYOUTS = {"dp2": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--p
 
 # buffers: the layer-wise buffers pretrain() logs, as (matrices, DP size). Dense: the two blocks'
 # QKV, projection, fc1 and fc2 in one. MoE: their QKV, projection and router at DP=2, and each
-# rank's 2 experts' fc1 and fc2 in a buffer of their own.
-@pytest.mark.parametrize("layout,fraction,buffers", [("dp2", "0.5", [(8, 2)]), ("tp2", "0.5", [(8, 1)]),
-                                                     ("ep2", None, [(6, 2), (8, 1)])],
+# rank's 2 experts' fc1 and fc2 in a buffer of their own. share: the range of the share of its
+# matrices "auto" logs that a rank steps; at EP=2 its own experts (2/3 of its matrices' elements)
+# and about half the rest.
+@pytest.mark.parametrize("layout,fraction,buffers,share", [("dp2", "0.5", [(8, 2)], None),
+                                                           ("tp2", "0.5", [(8, 1)], None),
+                                                           ("ep2", "auto", [(6, 2), (8, 1)], (0.75, 0.92))],
                          ids=["dp2-0.5", "tp2-0.5", "ep2-auto"])
-def test_pretrain_dion3_layout_and_exact_resume(tmp_path, layout, fraction, buffers):
+def test_pretrain_dion3_layout_and_exact_resume(tmp_path, layout, fraction, buffers, share):
     """No --dion3-fraction is the default, "auto": the ranks choose f at the first step, by the
     share of the matrices whose forward and backward a rank computes that it steps, and the resumed
     run steps with the choices the checkpoint holds. The MoE run is Megatron's expert parallelism
     through the same loop: the experts' Dion3 state is saved and resumed with the rest."""
     parallel = LAYOUTS[layout]
-    if fraction is None:
-        fraction = "auto"
-    else:
+    if fraction != "auto":  # "auto" is the default: no flag
         parallel = parallel + ["--dion3-fraction", fraction]
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
 
@@ -137,10 +138,7 @@ def test_pretrain_dion3_layout_and_exact_resume(tmp_path, layout, fraction, buff
     if fraction == "auto":
         chose = re.search(r"Dion3 fraction=auto chose \(rows x cols: f\) (.*); this rank steps ([0-9.]+) of", log)
         assert chose, log[-3000:]
-        # DP=2: about half the matrices; EP=2: its own experts (2/3 of its matrices' elements) and
-        # about half the rest
-        low, high = (0.75, 0.92) if layout == "ep2" else (0.3, 0.7)
-        assert low <= float(chose.group(2)) <= high
+        assert share[0] <= float(chose.group(2)) <= share[1]
     losses = iterations(log)
     assert sorted(losses) == [1, 2, 3, 4]
     assert float(losses[4][0]) < float(losses[1][0])  # (a running mean from iteration 2 on, see below)
