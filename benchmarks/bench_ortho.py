@@ -2,6 +2,9 @@
 
     python benchmarks/bench_ortho.py [--iters N] [--routing measured|always] [--graph]
     python benchmarks/bench_ortho.py --profile 13824x5120     # GPU time by kernel, one call each
+    ncu --clock-control none --profile-from-start off --nvtx --csv --page details \
+        python benchmarks/bench_ortho.py --profile 13824x5120 --ncu --only gram-kern,gram-quack
+                                                               # hardware counters of each kernel
 
 Side by side in one run, on the same fp32 inputs:
   * muon:        Keller Jordan's quintic standard NS, 5 steps, bf16, plain torch (as Muon ships);
@@ -82,13 +85,24 @@ def variants(routing: str, quack: bool) -> dict:
     return out
 
 
-def profile(shape: tuple[int, int], funcs: dict, rows: int = 15) -> None:
-    """GPU time by kernel of one call of each variant (eager, so every kernel is listed)."""
+def profile(shape: tuple[int, int], funcs: dict, rows: int = 15, ncu: bool = False) -> None:
+    """GPU time by kernel of one call of each variant (eager, so every kernel is listed). With
+    ``ncu`` the call runs between cudaProfilerStart and Stop, in an NVTX range named after the
+    variant, for Nsight Compute (``ncu --profile-from-start off --nvtx``) in place of torch's profiler:
+    the compilation and warm-up calls stay outside what it profiles."""
     g = torch.randn(*shape, device="cuda")
     for name, fn in funcs.items():
         for _ in range(3):
             fn(g)
         torch.cuda.synchronize()
+        if ncu:
+            torch.cuda.profiler.start()
+            with torch.cuda.nvtx.range(name):
+                fn(g)
+                torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            print(f"{name}: one call between cudaProfilerStart and Stop, NVTX range {name!r}", flush=True)
+            continue
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fn(g)
             torch.cuda.synchronize()
@@ -104,11 +118,23 @@ def main():
     ap.add_argument("--routing", default="measured", choices=["measured", "always"])
     ap.add_argument("--graph", action="store_true", help="time each call replayed from a CUDA graph")
     ap.add_argument("--profile", default=None, metavar="RxC", help="only the GPU time by kernel at this shape")
+    ap.add_argument("--ncu", action="store_true", help="with --profile: for Nsight Compute instead of torch's "
+                    "profiler (one call of each variant between cudaProfilerStart and Stop; see the usage above)")
+    ap.add_argument("--only", default=None, metavar="NAMES", help="with --profile: comma list of the variants to "
+                    "profile (default: all)")
     args = ap.parse_args()
+    for flag in ("ncu", "only"):
+        if getattr(args, flag) and not args.profile:
+            ap.error(f"--{flag} needs --profile RxC")
     kernels.configure(routing=args.routing)
     funcs = variants(args.routing, quack_backend.register())
+    if args.only:
+        unknown = sorted(set(args.only.split(",")) - set(funcs))
+        if unknown:
+            ap.error(f"--only: unknown variant(s) {unknown}; this run has {sorted(funcs)}")
+        funcs = {name: funcs[name] for name in args.only.split(",")}
     if args.profile:
-        profile(tuple(int(v) for v in args.profile.split("x")), funcs)
+        profile(tuple(int(v) for v in args.profile.split("x")), funcs, ncu=args.ncu)
         return
     n = 8192
     p = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
