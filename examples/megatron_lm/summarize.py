@@ -6,7 +6,9 @@ Reads what Megatron-LM prints with ``--log-interval N --timing-log-level 1``: th
 (lm loss, elapsed time per iteration) and, after each, the timers averaged over the interval
 (the ``optimizer`` row's max across ranks). The means leave out the first two logs (iteration 1
 and the first interval: compilation, warm-up, CUDA-graph capture). A run ``X_resumed.log`` next to ``X.log`` is the same run resumed from a checkpoint:
-the first iteration it logs must show the loss the uninterrupted run logged there.
+the first iteration it logs must show the loss the uninterrupted run logged there. Resumed at another
+tensor-parallel size (Megatron's argument dump says which) the sums run in another order, so the
+summary gives the relative difference of the two losses instead.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): (\S+) \|.*? lm loss: (\S+) \|")
 OPTIMIZER_TIMER = re.compile(r"^\s+optimizer \.+: \(([\d.]+), ([\d.]+)\)")
 OPTIMIZER_NAME = re.compile(r"^\s+optimizer \.+ (\w+)\s*$")
+TENSOR_PARALLEL = re.compile(r"^\s+tensor_model_parallel_size \.+ (\d+)\s*$")
 LAYOUT = re.compile(r"Using (reduce-scatter|all-reduce) for gradient reductions")
 RESUMED = "_resumed"
 WARM_UP_LOGS = 2  # logged iterations left out of the means
@@ -39,6 +42,7 @@ class Run:
     name: str
     optimizer: str = "?"
     layout: str = "?"
+    tensor_parallel: int | None = None  # from Megatron's argument dump
     intervals: list[Interval] = field(default_factory=list)
 
     def mean(self, attribute: str) -> float | None:
@@ -55,6 +59,8 @@ def parse(name: str, text: str) -> Run:
             run.intervals[-1].optimizer_ms = float(match[2])
         elif match := OPTIMIZER_NAME.match(line):
             run.optimizer = match[1]
+        elif match := TENSOR_PARALLEL.match(line):
+            run.tensor_parallel = int(match[1])
         elif match := LAYOUT.search(line):
             run.layout = match[1]
     return run
@@ -84,20 +90,26 @@ def table(runs: list[Run]) -> str:
 
 
 def resume_verdicts(runs: list[Run]) -> list[str]:
-    """For each X_resumed next to X: does its first logged iteration show X's loss there?"""
+    """For each X_resumed next to X: does its first logged iteration show X's loss there? (At
+    another tensor-parallel size: how far from it, relatively.)"""
     full = {r.name: r for r in runs}
     verdicts = []
     for r in runs:
         if not r.name.endswith(RESUMED) or r.name[: -len(RESUMED)] not in full or not r.intervals:
             continue
         first = r.intervals[0]
-        before = {i.iteration: i.loss for i in full[r.name[: -len(RESUMED)]].intervals}
+        saved = full[r.name[: -len(RESUMED)]]
+        before = {i.iteration: i.loss for i in saved.intervals}
         if first.iteration not in before:
             verdicts.append(f"{r.name}: iteration {first.iteration} was not logged by the uninterrupted run")
+            continue
+        said = f"{r.name}: iteration {first.iteration} lm loss {first.loss} vs {before[first.iteration]} uninterrupted"
+        if r.tensor_parallel != saved.tensor_parallel:
+            relative = abs(float(first.loss) / float(before[first.iteration]) - 1)
+            verdicts.append(f"{said}, resumed at TP={r.tensor_parallel} from TP={saved.tensor_parallel}: "
+                            f"relative difference {relative:.1e} (another layout sums in another order)")
         else:
-            same = before[first.iteration] == first.loss
-            verdicts.append(f"{r.name}: iteration {first.iteration} lm loss {first.loss} vs {before[first.iteration]} "
-                            f"uninterrupted: {'identical' if same else 'DIFFERENT'}")
+            verdicts.append(f"{said}: {'identical' if before[first.iteration] == first.loss else 'DIFFERENT'}")
     return verdicts
 
 
