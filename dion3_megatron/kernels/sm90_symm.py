@@ -606,29 +606,36 @@ def compiled(ab: torch.dtype, d: torch.dtype, c: Optional[torch.dtype], tile, st
     key = (ab, d, c, shape, stages, m_major, ctas_per_sm, grid)
     fn = _COMPILED.get(key)
     if fn is None:
-        kernel = SymmGemmSm90(
+        fn = _COMPILED[key] = compile_kernel(SymmGemmSm90(
             _TORCH_TO_CUTLASS[ab], _TORCH_TO_CUTLASS[d], _TORCH_TO_CUTLASS[c] if c is not None else None, shape, stages,
             m_major, ctas_per_sm, grid,
-        )
-        dummy = lambda dt: make_ptr(_TORCH_TO_CUTLASS[dt], 0, cute.AddressSpace.gmem, assumed_align=16)  # noqa: E731
-        from cutlass.runtime import make_fake_stream
-
-        fn = cute.compile(
-            kernel,
-            dummy(ab),
-            dummy(ab),
-            dummy(c or d),
-            dummy(d),
-            8,
-            8,
-            1,
-            Float32(1.0),
-            Float32(0.0),
-            make_fake_stream(),
-            options="--gpu-arch sm_90a",
-        )
-        _COMPILED[key] = fn
+        ))
     return fn
+
+
+def compile_kernel(kernel: SymmGemmSm90):
+    """``cute.compile`` of one configuration for sm_90a. The pointers, sizes, scalars and stream
+    are the launch's arguments, so stand-ins serve here, and no GPU is needed: a machine with
+    nvidia-cutlass-dsl and no GPU compiles it too (tests/test_kernels_compile.py)."""
+    from cutlass.runtime import make_fake_stream
+
+    def dummy(dtype):
+        return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
+
+    return cute.compile(
+        kernel,
+        dummy(kernel.ab_dtype),
+        dummy(kernel.ab_dtype),
+        dummy(kernel.c_dtype or kernel.d_dtype),
+        dummy(kernel.d_dtype),
+        8,
+        8,
+        1,
+        Float32(1.0),
+        Float32(0.0),
+        make_fake_stream(),
+        options="--gpu-arch sm_90a",
+    )
 
 
 def symm_gemm(
