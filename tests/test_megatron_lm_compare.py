@@ -3,13 +3,12 @@ logs (tests/data/megatron_lm: excerpts of the H200 run in docs/benchmarks.md, tw
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from script_helpers import run_recording_python
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "megatron_lm"
@@ -58,14 +57,8 @@ def test_a_run_resumed_at_another_tensor_parallel_size_is_given_its_relative_dif
         "relative difference 1.0e-04 (another layout sums in another order)"]
 
 
-def run_script(tmp_path, env: dict) -> subprocess.CompletedProcess:
-    """compare_on_gpus.sh with a python3 on PATH that only records its arguments (one line per call
-    in tmp_path/launched)."""
-    run_env = dict(os.environ, RESULTS=str(tmp_path / "results"), PATH=f"{tmp_path}:{os.environ['PATH']}", **env)
-    (tmp_path / "python3").write_text(f"#!/bin/sh\necho \"$*\" >> {tmp_path}/launched\n")
-    (tmp_path / "python3").chmod(0o755)
-    return subprocess.run(["bash", str(EXAMPLE / "compare_on_gpus.sh")], env=run_env, capture_output=True, text=True,
-                          timeout=60)
+def run_script(tmp_path, env: dict):
+    return run_recording_python(EXAMPLE / "compare_on_gpus.sh", tmp_path, env)
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

@@ -3,17 +3,23 @@
 # model and data; one JSON summary per optimizer in $RESULTS (default: results/hf).
 # usage: [GPUS=1] [STAGE=1] [OPTS="dion3 muon adamw"] examples/hf_trainer/compare_on_gpus.sh
 #        [extra train.py / TrainingArguments flags, e.g. --max_steps 300]
-# GPUS: processes (one per GPU); STAGE: the ZeRO stage (1 or 2) written into a copy of each
-# ds_config_*.json; OPTS picks the optimizers (one per call keeps each run short).
+# GPUS: processes (one per GPU); STAGE: the ZeRO stage (0, 1 or 2: Dion3's) written into a copy of
+# each ds_config_*.json; OPTS picks the optimizers (one per call keeps each run short).
 set -uo pipefail
 RESULTS=${RESULTS:-results/hf}
 GPUS=${GPUS:-1}
 STAGE=${STAGE:-1}
+OPTS=${OPTS:-dion3 muon adamw}
+declare -A LR=([dion3]=0.01 [muon]=0.02 [adamw]=0.002)
+case $STAGE in 0|1|2) ;; *) echo "STAGE must be 0, 1 or 2 (the ZeRO stages Dion3 supports), got $STAGE" >&2; exit 2 ;; esac
+[ "$GPUS" -ge 1 ] 2>/dev/null || { echo "GPUS must be a number of GPUs, got $GPUS" >&2; exit 2; }
+for opt in $OPTS; do
+  [ -n "${LR[$opt]:-}" ] || { echo "OPTS: unknown optimizer $opt (dion3, muon, adamw)" >&2; exit 2; }
+done
 mkdir -p "$RESULTS"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}   # DeepSpeed's op builder chokes on "9.0a"
 here=$(dirname "$0")
-declare -A LR=([dion3]=0.01 [muon]=0.02 [adamw]=0.002)
-for opt in ${OPTS:-dion3 muon adamw}; do
+for opt in $OPTS; do
   config="$RESULTS/ds_config_${opt}_zero$STAGE.json"
   python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["zero_optimization"]["stage"] = int(sys.argv[2]);
 json.dump(c, open(sys.argv[3], "w"), indent=1)' "$here/ds_config_$opt.json" "$STAGE" "$config" || exit 1

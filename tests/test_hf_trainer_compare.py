@@ -1,0 +1,35 @@
+"""examples/hf_trainer/compare_on_gpus.sh: its checks of its input, and what each run is given
+(the runs themselves are the Trainer path tests/test_hf_trainer.py covers on CPU)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from script_helpers import run_recording_python
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer" / "compare_on_gpus.sh"
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"STAGE": "3"}, "STAGE must be 0, 1 or 2 (the ZeRO stages Dion3 supports), got 3"),
+    ({"OPTS": "dion3 lion"}, "OPTS: unknown optimizer lion (dion3, muon, adamw)"),
+    ({"GPUS": "two"}, "GPUS must be a number of GPUs, got two"),
+], ids=["stage", "opts", "gpus"])
+def test_script_refuses_bad_settings_before_running_anything(tmp_path, env, message):
+    out = run_recording_python(SCRIPT, tmp_path, env)
+    assert out.returncode == 2 and message in out.stderr, (out.returncode, out.stderr)
+    assert not (tmp_path / "launched").exists() and not (tmp_path / "results").exists()
+
+
+def test_each_optimizer_runs_at_its_lr_under_the_zero_stage_asked_for(tmp_path):
+    # (its exit status is the last run's grep for a SUMMARY line, which a recording python3 never prints)
+    run_recording_python(SCRIPT, tmp_path, {"GPUS": "2", "STAGE": "2", "OPTS": "dion3 adamw"})
+    calls = (tmp_path / "launched").read_text().splitlines()
+    runs = [call for call in calls if "torch.distributed.run" in call]  # the others write the configs
+    assert len(runs) == 2
+    for run, opt, lr in zip(runs, ("dion3", "adamw"), ("0.01", "0.002")):
+        config = tmp_path / "results" / f"ds_config_{opt}_zero2.json"
+        assert f"--deepspeed {config} " in run and f"--learning_rate {lr} " in run and "--nproc_per_node 2 " in run
