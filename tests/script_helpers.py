@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
+
+import pytest
+
+needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
 def run_recording_python(script: Path, tmp_path: Path, env: dict) -> subprocess.CompletedProcess:

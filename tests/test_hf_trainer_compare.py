@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-from script_helpers import run_recording_python
+from script_helpers import needs_bash, run_recording_python
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer" / "compare_on_gpus.sh"
-pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+pytestmark = needs_bash
 
 
 @pytest.mark.parametrize("env, message", [
