@@ -26,9 +26,11 @@ one CTA per SM, each walking the batch's tiles in a fixed stride):
   * epilogue: alpha * accumulators -> fp32 shared tile, which reuses the operand ring (free once
     the main loop is done) -> two passes of 16-byte global stores, the tile's rows (+ beta * C,
     16-byte loads) and then its columns as rows of the transpose. A persistent launch hands the
-    stores to warps that do no MMAs (the producer warpgroup's warps 1-3): the consumers add
-    beta * C in registers, stage the tile in the output dtype in a buffer beside the ring and go
-    on to the next tile's MMAs while those warps store it (named barriers STAGED and FREE).
+    stores to warps that do no MMAs (the producer warpgroup's warps 1-3): the consumers stage the
+    tile in the output dtype in a buffer beside the ring and go on to the next tile's MMAs while
+    those warps store it (named barriers STAGED and FREE); those warps then load the next tile's
+    C into that buffer with 16-byte loads while the consumers compute it, so that the consumers
+    add beta * C from shared memory, not from global memory between two main loops.
 
 This module imports cutlass at the top: import it only where nvidia-cutlass-dsl is installed
 (``dion3_megatron.kernels`` does that lazily).
@@ -54,7 +56,9 @@ from .dispatch import transposed_view
 TILE_K = 64
 CLUSTER_M = {(256, 256): 2}  # CTAs per tile along M (one 128-row slice each); 1 for the others
 STORE_THREADS = 96  # a persistent launch's storing warps: the producer warpgroup's warps 1-3
-STAGED, FREE = 2, 3  # named barriers of a persistent epilogue: the tile staged / the staging read
+# named barriers of a persistent epilogue: the tile staged / the staging read (and, with C, the
+# next tile's C in it) / the storing warps done reading it (before they load C over it)
+STAGED, FREE, STORED = 2, 3, 4
 D_PAD = 8  # a persistent launch's staging pitch tn + 8 elements: 16-byte rows, spread banks
 PAD = 4  # epilogue tile pitch tn + 4 floats: 16-byte rows, and no bank conflicts in either pass
 VEC = 8  # elements per vector store of D (16 bytes of a half-precision output)
@@ -249,6 +253,33 @@ class SymmGemmSm90:
         return ti * self.cluster_m + rank, tj, t // per_matrix
 
     @cute.jit
+    def stage_c(self, sD: cute.Tensor, mC: cute.Tensor, row0: Int32, col0: Int32, bz: Int32, tid: Int32,
+                threads: cutlass.Constexpr[int]):
+        """Load the tile of C whose top-left element is C[row0, col0] into sD (tm x tn, C's dtype,
+        which is the output's), by ``threads`` threads (this one ``tid``): VEC consecutive elements
+        of a row per thread, one 16-byte load where the whole vector is in C's lower triangle. Only
+        the lower triangle is read (as in :meth:`store_tile`); elements above the diagonal or
+        below the last row, which no store uses, are zero."""
+        tm, tn = self.cta_m, self.tile_n
+        m = mC.shape[0]
+        rC = cute.make_rmem_tensor(VEC, mC.element_type)
+        per_row = tn // VEC
+        items = tm * per_row
+        for step in cutlass.range((items + threads - 1) // threads, unroll=4):
+            item = step * threads + tid
+            r, pv = item // per_row, item % per_row
+            gr, gc = row0 + r, col0 + pv * VEC
+            if item < items:
+                if gr < m and gc + VEC - 1 <= gr:
+                    cute.autovec_copy(cute.local_tile(mC[gr, None, bz], (VEC,), (gc // VEC,)), rC)
+                else:
+                    rC.fill(0.0)
+                    for e in cutlass.range_constexpr(VEC):
+                        if gr < m and gc + e <= gr:
+                            rC[e] = mC[gr, gc + e, bz]
+                cute.local_tile(sD[r, None], (VEC,), (pv,)).store(rC.load())
+
+    @cute.jit
     def store_tile(self, sD: cute.Tensor, mC: cute.Tensor, mD: cute.Tensor, beta: Float32,
                    row0: Int32, col0: Int32, bz: Int32, tid: Int32, threads: cutlass.Constexpr[int],
                    add_c: cutlass.Constexpr[bool]):
@@ -416,9 +447,13 @@ class SymmGemmSm90:
                     # ---------------- storing warps: a persistent launch's epilogue ----------------
                     for t in cutlass.range(first, total, stride, unroll=1):
                         ti, tj, bz = self.tile_of(t, per_matrix, rank)
+                        if const_expr(self.has_c):  # this tile's C, while the consumers compute it
+                            self.stage_c(sD, mC, ti * tm, tj * tn, bz, tidx - 32, STORE_THREADS)
                         cute.arch.barrier_arrive(barrier_id=FREE, number_of_threads=staging_sync)  # sD is read
                         cute.arch.barrier(barrier_id=STAGED, number_of_threads=staging_sync)
                         self.store_tile(sD, mC, mD, beta, ti * tm, tj * tn, bz, tidx - 32, STORE_THREADS, False)
+                        if const_expr(self.has_c):  # every storing warp done with sD before C goes over it
+                            cute.arch.barrier(barrier_id=STORED, number_of_threads=STORE_THREADS)
 
         if warp >= 4:
             if const_expr(self.split_registers):
@@ -432,7 +467,6 @@ class SymmGemmSm90:
             tCrB = tiled_mma.make_fragment_B(tCsB)
             tCsD = thr_mma.partition_C(sD)
             acc = cute.make_rmem_tensor(tCsD.shape, Float32)
-            tCcD = thr_mma.partition_C(cute.make_identity_tensor((tm, tn)))  # each element's (r, c)
             n_kb = cute.size(tCrA, mode=[2])
             rd = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -472,16 +506,15 @@ class SymmGemmSm90:
                 # ---------------- epilogue ----------------
                 row0, col0 = ti * tm, tj * tn
                 if const_expr(persistent):
-                    # stage alpha * acc + beta * C in the output dtype for the storing warps, once
-                    # they have read the previous tile, and go on to the next tile's MMAs
-                    # (in place: a second tile of registers for C would not fit beside acc)
+                    # once the storing warps have read the previous tile (and put this one's C in
+                    # sD), stage alpha * acc + beta * C in the output dtype for them, element by
+                    # element in place (a second tile of registers would not fit beside acc), and go
+                    # on to the next tile's MMAs
+                    cute.arch.barrier(barrier_id=FREE, number_of_threads=staging_sync)
                     for e in cutlass.range_constexpr(cute.size(acc)):
                         acc[e] = acc[e] * alpha
                         if const_expr(self.has_c):
-                            r, c = tCcD[e]
-                            if row0 + r < m and col0 + c <= row0 + r:  # C's lower triangle only
-                                acc[e] = acc[e] + beta * mC[row0 + r, col0 + c, bz].to(Float32)
-                    cute.arch.barrier(barrier_id=FREE, number_of_threads=staging_sync)
+                            acc[e] = acc[e] + beta * tCsD[e].to(Float32)
                     tCsD.store(acc.load().to(self.d_dtype))
                     cute.arch.barrier_arrive(barrier_id=STAGED, number_of_threads=staging_sync)
                 else:
@@ -663,8 +696,9 @@ def symm_gemm(
     (:data:`CTAS_PER_SM` lists what each tile allows; the pipeline gets shallower to fit; default:
     :data:`DEFAULT_CTAS_PER_SM`). persistent: one CTA per SM walking the tiles, the stores by warps
     that do no MMAs (default: the kernel configuration's ``persistent``, and where that is None,
-    :func:`persistent_pays`); it stages the tile in the
-    output dtype, so a float32 ``out`` (twice the shared memory) always runs one CTA per tile.
+    :func:`persistent_pays`); it stages the tile, and C, in the output dtype, so a float32
+    ``out`` (twice the shared memory), or a C of another dtype than ``out``'s, always runs one CTA
+    per tile.
     Returns (L, M, M) in out_dtype (default a's dtype), or writes ``out``.
     """
     same = b is a  # before unsqueeze makes two views of one tensor
@@ -700,7 +734,7 @@ def symm_gemm(
         persistent = config.persistent
     if persistent is None:
         persistent = persistent_pays(batch, m, shape, ctas_per_sm)
-    persistent = persistent and out.dtype != torch.float32
+    persistent = persistent and out.dtype != torch.float32 and (not has_c or c.dtype == out.dtype)
     fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, shape, stages, m_major, ctas_per_sm, persistent)
     fn(_ptr(a), _ptr(b), _ptr(c if has_c else out), _ptr(out), m, k, batch, Float32(alpha), Float32(beta), _stream())
     return out.squeeze(0) if squeeze else out
