@@ -253,6 +253,15 @@ class SymmGemmSm90:
         return ti * self.cluster_m + rank, tj, t // per_matrix
 
     @cute.jit
+    def row_vector(self, item: Int32, row0: Int32, col0: Int32):
+        """The item-th vector of VEC elements of a tile walked row by row (the tile's top-left
+        element at [row0, col0]): (item, its row r in the tile, its index pv in the row, and its
+        first element's row and column in the matrix)."""
+        per_row = self.tile_n // VEC
+        r, pv = item // per_row, item % per_row
+        return item, r, pv, row0 + r, col0 + pv * VEC
+
+    @cute.jit
     def stage_c(self, sD: cute.Tensor, mC: cute.Tensor, row0: Int32, col0: Int32, bz: Int32, tid: Int32,
                 threads: cutlass.Constexpr[int]):
         """Load the tile of C whose top-left element is C[row0, col0] into sD (tm x tn, C's dtype,
@@ -260,15 +269,11 @@ class SymmGemmSm90:
         of a row per thread, one 16-byte load where the whole vector is in C's lower triangle. Only
         the lower triangle is read (as in :meth:`store_tile`); elements above the diagonal or
         below the last row, which no store uses, are zero."""
-        tm, tn = self.cta_m, self.tile_n
         m = mC.shape[0]
         rC = cute.make_rmem_tensor(VEC, mC.element_type)
-        per_row = tn // VEC
-        items = tm * per_row
+        items = self.cta_m * (self.tile_n // VEC)
         for step in cutlass.range((items + threads - 1) // threads, unroll=4):
-            item = step * threads + tid
-            r, pv = item // per_row, item % per_row
-            gr, gc = row0 + r, col0 + pv * VEC
+            item, r, pv, gr, gc = self.row_vector(step * threads + tid, row0, col0)
             if item < items:
                 if gr < m and gc + VEC - 1 <= gr:
                     cute.autovec_copy(cute.local_tile(mC[gr, None, bz], (VEC,), (gc // VEC,)), rC)
@@ -299,12 +304,9 @@ class SymmGemmSm90:
         rD = cute.make_rmem_tensor(VEC, d_dtype)
         rC = cute.make_rmem_tensor(VEC, mC.element_type)
         # pass 1: D[row0 + r, col0 + c : col0 + c + VEC] from sD[r, c : c + VEC]
-        per_row = tn // VEC
-        items = tm * per_row
+        items = tm * (tn // VEC)
         for step in cutlass.range((items + threads - 1) // threads, unroll=4):
-            item = step * threads + tid
-            r, pv = item // per_row, item % per_row
-            gr, gc = row0 + r, col0 + pv * VEC
+            item, r, pv, gr, gc = self.row_vector(step * threads + tid, row0, col0)
             if item < items and gr < m and gc <= gr:
                 sv = cute.local_tile(sD[r, None], (VEC,), (pv,))
                 v = sv.load()
