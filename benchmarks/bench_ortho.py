@@ -2,6 +2,7 @@
 
     python benchmarks/bench_ortho.py [--iters N] [--routing measured|always] [--graph]
     python benchmarks/bench_ortho.py --profile 13824x5120     # GPU time by kernel, one call each
+    python benchmarks/bench_ortho.py --graph --kernel-config tile_group=8   # under a kernel setting
     ncu --clock-control none --profile-from-start off --nvtx --csv --page details \
         python benchmarks/bench_ortho.py --profile 13824x5120 --ncu --only gram-kern,gram-quack
                                                                # hardware counters of each kernel
@@ -28,6 +29,7 @@ import sys
 from pathlib import Path
 
 import torch
+from kernel_settings import add_kernel_config_option
 from timing import cuda_median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -122,11 +124,12 @@ def main():
                     "profiler (one call of each variant between cudaProfilerStart and Stop; see the usage above)")
     ap.add_argument("--only", default=None, metavar="NAMES", help="with --profile: comma list of the variants to "
                     "profile (default: all)")
+    add_kernel_config_option(ap, "every variant on our kernels")
     args = ap.parse_args()
     for flag in ("ncu", "only"):
         if getattr(args, flag) and not args.profile:
             ap.error(f"--{flag} needs --profile RxC")
-    kernels.configure(routing=args.routing)
+    kernels.configure(routing=args.routing, **dict(args.kernel_config))
     funcs = variants(args.routing, quack_backend.register())
     if args.only:
         unknown = sorted(set(args.only.split(",")) - set(funcs))

@@ -15,10 +15,10 @@ pay). Median of CUDA-event timings; ratios from one run.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 
 import torch
+from kernel_settings import add_kernel_config_option
 from timing import cuda_median_ms
 
 from dion3_megatron import Dion3, kernels, ortho
@@ -63,18 +63,6 @@ def profile(params, fraction: float, rows: int = 25) -> None:
                                                              max_name_column_width=40, max_shapes_column_width=70))
 
 
-def kernel_setting(text: str) -> tuple[str, object]:
-    """'KEY=VALUE' for kernels.configure, VALUE read as a Python literal where it is one (True,
-    132), else as a string (128x256)."""
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"--kernel-config takes KEY=VALUE, got {text!r}")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(LAYERS), default="14b", help="whose layer shapes")
@@ -82,8 +70,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", type=float, default=None, metavar="FRACTION",
                         help="only profile one eager Dion3 step at this fraction")
-    parser.add_argument("--kernel-config", type=kernel_setting, action="append", default=[], metavar="KEY=VALUE",
-                        help="a kernels.KernelConfig field for the Dion3 steps (repeatable), e.g. tile=128x256")
+    add_kernel_config_option(parser, "the Dion3 steps")
     args = parser.parse_args()
     settings = dict(args.kernel_config)
     kernels.configure(**settings)  # Dion3's steps; Muon below runs on plain torch whatever is set

@@ -23,6 +23,7 @@ from timing import cuda_median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dion3_megatron import kernels  # noqa: E402
 from dion3_megatron.kernels.sm90_symm import checked_ctas_per_sm, default_tile, symm_gemm  # noqa: E402
 from quack_backend import quack_gemm_symmetric  # noqa: E402
 
@@ -55,22 +56,24 @@ def cublas_peak(dtype) -> float:
 
 
 def kernel_choice(tile):
-    """'TILE[@CTAS][:p][:sN]' (CTAs per SM, e.g. 64@3; :p the persistent launch; :sN a pipeline of N
-    stages) -> (tile, ctas_per_sm, persistent, stages); None: the defaults (a tile without @ runs at
-    its default CTAs per SM)."""
+    """'TILE[@CTAS][:p][:sN][:gN]' (CTAs per SM, e.g. 64@3; :p the persistent launch; :sN a pipeline of
+    N stages; :gN a tile order in bands of N block rows, KernelConfig.tile_group) -> (tile,
+    ctas_per_sm, persistent, stages, tile_group); None: the defaults (a tile without @ runs at its
+    default CTAs per SM)."""
     if tile is None:
-        return None, None, None, None
+        return None, None, None, None, kernels.current().tile_group
     tile, *launch = tile.split(":")
-    persistent, stages = False, None
+    persistent, stages, group = False, None, kernels.current().tile_group
     for suffix in launch:
         if suffix == "p":
             persistent = True
-        elif suffix[:1] == "s" and suffix[1:].isdigit():
-            stages = int(suffix[1:])
+        elif suffix[:1] in ("s", "g") and suffix[1:].isdigit():
+            stages, group = (int(suffix[1:]), group) if suffix[0] == "s" else (stages, int(suffix[1:]))
         else:
-            raise SystemExit(f"--tiles: a launch suffix must be ':p' (persistent) or ':sN' (N stages), got {suffix!r}")
+            raise SystemExit("--tiles: a launch suffix must be ':p' (persistent), ':sN' (N stages) or ':gN' "
+                             f"(bands of N block rows), got {suffix!r}")
     shape, _, ctas = tile.partition("@")
-    return shape, int(ctas) if ctas else None, persistent, stages
+    return shape, int(ctas) if ctas else None, persistent, stages, group
 
 
 def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
@@ -105,14 +108,15 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
         t_cub = timed(cub, n_sets, iters)
         best, per_tile = None, []
         for tile in tiles:
-            shape, ctas, persistent, stages = kernel_choice(tile)
+            shape, ctas, persistent, stages, group = kernel_choice(tile)
 
-            def ker(i, shape=shape, ctas=ctas, persistent=persistent, stages=stages):
+            def ker(i, shape=shape, ctas=ctas, persistent=persistent, stages=stages, group=group):
                 launch = dict(out=outs[i], tile=shape, ctas_per_sm=ctas, persistent=persistent, stages=stages)
-                if gram:
-                    symm_gemm(xs[i], ys[i], 1.0, 0.0, None, **launch)
-                else:
-                    symm_gemm(xs[i], ys[i], 1.5, -0.5, xs[i], **launch)
+                with kernels.using(tile_group=group):
+                    if gram:
+                        symm_gemm(xs[i], ys[i], 1.0, 0.0, None, **launch)
+                    else:
+                        symm_gemm(xs[i], ys[i], 1.5, -0.5, xs[i], **launch)
 
             t = timed(ker, n_sets, iters)
             per_tile.append(f"{tile}: {t:.3f}")
@@ -164,7 +168,8 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="also the routing sweep")
     ap.add_argument("--tiles", default="", help="comma list of tiles to try, each TILE or TILE@CTAS (CTAs kept "
-                    "resident per SM; TILE alone: its default), :p for the persistent launch, :sN for N pipeline stages, e.g. 64@1,64,64@3,128x256,128x256:p,128x256:s3 "
+                    "resident per SM; TILE alone: its default), :p for the persistent launch, :sN for N pipeline stages, "
+                    ":gN for a tile order in bands of N block rows, e.g. 64@1,64,64@3,128x256,128x256:p,128x256:s3,128x256:p:g8 "
                     "(each and the best reported); "
                     "default: the automatic choice")
     ap.add_argument("--graph", action="store_true", help="time each call replayed from a CUDA graph")

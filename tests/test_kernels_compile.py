@@ -31,6 +31,13 @@ def test_the_kernel_compiles_without_a_gpu(tile, ctas_per_sm, launch, operands):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tile", [(128, 128), (128, 256), (256, 256)])
+def test_the_row_by_row_tile_order_compiles_without_a_gpu(tile):
+    kernel = sm90_symm.SymmGemmSm90(F16, F16, F16, tile, None, False, 1, SMS, tile_group=1)
+    assert len(sm90_symm.compile_kernel(kernel).kernel_info) == 1
+
+
+@pytest.mark.slow
 def test_a_bf16_kernel_with_a_float32_result_compiles_without_a_gpu():
     kernel = sm90_symm.SymmGemmSm90(BF16, cutlass.Float32, cutlass.Float32, (128, 256))
     assert len(sm90_symm.compile_kernel(kernel).kernel_info) == 1

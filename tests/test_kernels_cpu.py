@@ -86,6 +86,9 @@ def test_routing_rules():
         kernels.configure(min_tiles=-1)
     with pytest.raises(ValueError, match="persistent must be a bool or None, got 1"):
         kernels.configure(persistent=1)
+    for bad in (0, "8", True):
+        with pytest.raises(ValueError, match=f"tile_group must be an int >= 1, got {bad!r}"):
+            kernels.configure(tile_group=bad)
 
 
 def test_a_cpu_operand_never_imports_cutlass(monkeypatch):

@@ -175,6 +175,26 @@ def test_persistent_launch_against_one_cta_per_tile(cuda_gen, tile, operands, dt
         assert _rel(outs[1], ref) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("tile", [64, 128, "128x256", "256x256"])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_banded_tile_order_changes_nothing_but_the_order(cuda_gen, tile, persistent):
+    """KernelConfig.tile_group reorders the tiles (bands of block rows, a last band shorter, with
+    an odd count of 128-row blocks the half row last): every tile is computed once, as in the
+    row-by-row order, so the result is the same bit for bit, with C too."""
+    from dion3_megatron.kernels.sm90_symm import symm_gemm
+
+    b, m = 2, 2056  # 17 row blocks of 128: bands of 3 leave short ones at every tile
+    x, y = _commuting_pair(cuda_gen, b, m, torch.float16)
+    outs = []
+    for group in (1, 3, 8):
+        out = _poisoned((b, m, m), torch.float16)
+        with kernels.using(tile_group=group):
+            symm_gemm(x, y, 1.25, -0.5, x, out=out, tile=tile, persistent=persistent)
+        outs.append(out)
+    assert torch.isfinite(outs[0]).all(), "an element the row-by-row order never wrote"
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+
+
 def test_persistent_launch_from_the_kernel_configuration(cuda_gen, monkeypatch):
     """KernelConfig(persistent=True) reaches the launch: Gram NS under it runs the persistent
     kernel and orthogonalizes as the per-tile launch does."""

@@ -23,6 +23,11 @@ KERNELS = ("auto", "torch")
 ROUTINGS = ("measured", "always")
 TILES = ((64, 64), (128, 128), (128, 256), (256, 256))  # (tile_m, tile_n) of the symmetric GEMM kernels
 ROUTING_TILE = (128, 256)  # the tile the routing counts in (the kernel's usual one; see KernelConfig)
+# Block rows per band of the symmetric GEMM's tile order (sm90_symm.SymmGemmSm90.block_coord): the
+# CTAs running at once share their operand panels in L2; 1: the triangle row by row. Measured on an
+# H200 (docs/benchmarks.md): 8 cut the DRAM traffic of Gram NS's products by about a third and
+# the symmetric products' time by up to 8% (8192^2 X X^T at 128 x 256 tiles), the whole step unchanged.
+DEFAULT_TILE_GROUP = 8
 
 
 def tile_count(m, tile_m: int, tile_n: int):
@@ -46,6 +51,13 @@ def tile_shape(tile) -> tuple[int, int]:
     return shape
 
 
+def checked_tile_group(value: Any) -> int:
+    """``value`` if it is a valid tile_group (an int >= 1), else a ValueError naming it."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(f"tile_group must be an int >= 1, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     kernels: str = "auto"
@@ -67,6 +79,7 @@ class KernelConfig:
     # slower; with this rule the 14B-shape step 3.1% faster at f = 1 than with False
     persistent: Optional[bool] = None
     fused_rows: bool = True  # the Triton row kernels (kernels/rows.py) where kernels is "auto"
+    tile_group: int = DEFAULT_TILE_GROUP  # block rows per band of the symmetric GEMM's tile order
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
@@ -78,6 +91,7 @@ class KernelConfig:
             raise ValueError(f"min_tiles must be an int >= 0, got {value!r}")
         if not isinstance(self.fused_rows, bool):
             raise ValueError(f"fused_rows must be a bool, got {self.fused_rows!r}")
+        checked_tile_group(self.tile_group)
         if self.persistent is not None and not isinstance(self.persistent, bool):
             raise ValueError(f"persistent must be a bool or None, got {self.persistent!r}")
         if self.tile is not None:  # one spelling, hashable: a configuration can key a cache or a graph

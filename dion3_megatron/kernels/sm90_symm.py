@@ -119,11 +119,14 @@ class SymmGemmSm90:
     registers are sized for that many; None: the tile's :data:`DEFAULT_CTAS_PER_SM`);
     ``persistent_ctas``: launch that many CTAs (as many as stay resident at once, a multiple of the
     cluster size), each walking the tiles in a fixed stride, the stores handed to the producer
-    warpgroup's idle warps (None: one CTA, or cluster, per output tile, whose consumers store it)."""
+    warpgroup's idle warps (None: one CTA, or cluster, per output tile, whose consumers store it);
+    ``tile_group``: the block rows of a band of the tile order (:meth:`block_coord`)."""
 
     def __init__(self, ab, d, c=None, tile=128, stages: Optional[int] = None, m_major: bool = False,
-                 ctas_per_sm: Optional[int] = None, persistent_ctas: Optional[int] = None):
+                 ctas_per_sm: Optional[int] = None, persistent_ctas: Optional[int] = None,
+                 tile_group: int = kernel_config.DEFAULT_TILE_GROUP):
         self.m_major = m_major
+        self.tile_group = kernel_config.checked_tile_group(tile_group)
         self.tile_m, self.tile_n = tile_shape(tile)
         self.ctas_per_sm = ctas_per_sm = checked_ctas_per_sm(self.tile_m, self.tile_n, ctas_per_sm)
         self.ab_dtype, self.d_dtype, self.c_dtype = ab, d, c
@@ -227,29 +230,61 @@ class SymmGemmSm90:
 
     # ---------------------------------------------------------------------------------------
     @cute.jit
-    def tile_coord(self, t: Int32):
-        """Linear block index -> output tile (row block i, column block j), row by row."""
-        if const_expr(self.tile_n == self.tile_m):
-            # row i holds i + 1 tiles and starts at i (i + 1) / 2
-            i = Int32((cute.math.sqrt(Float32(8 * t + 1)) - Float32(1.0)) * Float32(0.5))
-            if (i + 1) * (i + 2) // 2 <= t:
-                i = i + 1
-            if i * (i + 1) // 2 > t:
-                i = i - 1
-            return i, t - i * (i + 1) // 2
-        # rows 2p and 2p + 1 hold p + 1 tiles each; the pair starts at p (p + 1)
-        p = Int32((cute.math.sqrt(Float32(4 * t + 1)) - Float32(1.0)) * Float32(0.5))
-        if (p + 1) * (p + 2) <= t:
-            p = p + 1
-        if p * (p + 1) > t:
-            p = p - 1
-        rem = t - p * (p + 1)
-        return 2 * p + rem // (p + 1), rem % (p + 1)
+    def triangle_coord(self, t: Int32):
+        """Linear index -> (row i, column j) of a lower triangle walked row by row (row i holds
+        i + 1 entries and starts at i (i + 1) / 2)."""
+        i = Int32((cute.math.sqrt(Float32(8 * t + 1)) - Float32(1.0)) * Float32(0.5))
+        if (i + 1) * (i + 2) // 2 <= t:
+            i = i + 1
+        if i * (i + 1) // 2 > t:
+            i = i - 1
+        return i, t - i * (i + 1) // 2
 
     @cute.jit
-    def tile_of(self, t: Int32, per_matrix: Int32, rank: Int32):
-        """Linear tile index over (batch, triangle) -> (this CTA's row block, column block, batch)."""
-        ti, tj = self.tile_coord(t % per_matrix)
+    def block_coord(self, t: Int32, blocks: Int32):
+        """Linear index -> (row, column) of a square block in the lower triangle of blocks x blocks,
+        walked band by band, a band being ``tile_group`` block rows (every band after the previous
+        one): first the columns left of the band's diagonal, column by column (consecutive blocks
+        share a column panel and the band's row panels, so CTAs running at once reuse each other's
+        operands in L2), then the band's own triangle row by row. A group of 1 is the triangle
+        row by row."""
+        group = self.tile_group
+        i, _ = self.triangle_coord(t)  # the block row t has in the row-by-row walk: the same band
+        r0 = i // group * group
+        rows = blocks - r0
+        if rows > group:
+            rows = group
+        idx = t - r0 * (r0 + 1) // 2
+        row, col = r0 + idx % rows, idx // rows
+        if idx >= rows * r0:
+            a, b = self.triangle_coord(idx - rows * r0)
+            row, col = r0 + a, r0 + b
+        return row, col
+
+    @cute.jit
+    def tile_coord(self, t: Int32, m: Int32):
+        """Linear index -> output tile (row block i, column block j) of an m x m result, in the
+        banded order of :meth:`block_coord` over tile_n x tile_n blocks: a 128 x 256 tile is half
+        a block (its two halves consecutive); with an odd count of 128-row blocks, the last row's
+        half blocks come last."""
+        rows = (m + self.tile_m - 1) // self.tile_m
+        i, j = Int32(0), Int32(0)
+        if const_expr(self.tile_n == self.tile_m):
+            i, j = self.block_coord(t, rows)
+        else:
+            pairs = rows // 2
+            if t >= pairs * (pairs + 1):
+                i, j = 2 * pairs, t - pairs * (pairs + 1)
+            else:
+                bi, bj = self.block_coord(t // 2, pairs)
+                i, j = 2 * bi + t % 2, bj
+        return i, j
+
+    @cute.jit
+    def tile_of(self, t: Int32, per_matrix: Int32, m: Int32, rank: Int32):
+        """Linear tile index over (batch, triangle) of m x m results -> (this CTA's row block,
+        column block, batch)."""
+        ti, tj = self.tile_coord(t % per_matrix, m)
         return ti * self.cluster_m + rank, tj, t // per_matrix
 
     @cute.jit
@@ -422,7 +457,7 @@ class SymmGemmSm90:
                 b_mask = cute.make_layout_image_mask(cluster, (rank, 0, 0), mode=0)
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 for t in cutlass.range(first, total, stride, unroll=1):
-                    ti, tj, bz = self.tile_of(t, per_matrix, rank)
+                    ti, tj, bz = self.tile_of(t, per_matrix, m, rank)
                     gA = cute.local_tile(mA, tile_mnk, (ti, tj, None, bz), proj=(1, None, 1))  # (tm, BK, kt)
                     gB = cute.local_tile(mB, tile_mnk, (ti, tj, None, bz), proj=(None, 1, 1))  # (tn, BK, kt)
                     tAsA, tAgA = cpasync.tma_partition(
@@ -448,7 +483,7 @@ class SymmGemmSm90:
                 if warp > 0:
                     # ---------------- storing warps: a persistent launch's epilogue ----------------
                     for t in cutlass.range(first, total, stride, unroll=1):
-                        ti, tj, bz = self.tile_of(t, per_matrix, rank)
+                        ti, tj, bz = self.tile_of(t, per_matrix, m, rank)
                         if const_expr(self.has_c):  # this tile's C, while the consumers compute it
                             self.stage_c(sD, mC, ti * tm, tj * tn, bz, tidx - 32, STORE_THREADS)
                         cute.arch.barrier_arrive(barrier_id=FREE, number_of_threads=staging_sync)  # sD is read
@@ -473,7 +508,7 @@ class SymmGemmSm90:
             rd = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             for t in cutlass.range(first, total, stride, unroll=1):
-                ti, tj, bz = self.tile_of(t, per_matrix, rank)
+                ti, tj, bz = self.tile_of(t, per_matrix, m, rank)
                 acc.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 # each stage's barrier is polled once ahead (try_wait) while the MMAs before it run
@@ -629,21 +664,23 @@ def persistent_pays(batch: int, m: int, shape: tuple[int, int], ctas_per_sm: Opt
 
 
 def compiled(ab: torch.dtype, d: torch.dtype, c: Optional[torch.dtype], tile, stages: Optional[int] = None,
-             m_major: bool = False, ctas_per_sm: Optional[int] = None, persistent: bool = False):
+             m_major: bool = False, ctas_per_sm: Optional[int] = None, persistent: bool = False,
+             tile_group: int = kernel_config.DEFAULT_TILE_GROUP):
     """The compiled kernel for one configuration (compiled on first use, then cached);
     ctas_per_sm None: the tile's :data:`DEFAULT_CTAS_PER_SM`; persistent: a grid of the CTAs that
-    stay resident (:func:`persistent_ctas`), each walking tiles (see :class:`SymmGemmSm90`)."""
+    stay resident (:func:`persistent_ctas`), each walking tiles; tile_group: the tile order's band
+    (see :class:`SymmGemmSm90`)."""
     shape = tile_shape(tile)
     ctas_per_sm = checked_ctas_per_sm(*shape, ctas_per_sm)
     beside = staging_bytes(*shape, d.itemsize, persistent) if persistent else 0
     stages = stages or max_stages(*shape, ctas_per_sm=ctas_per_sm, beside_ring=beside)
     grid = persistent_ctas(shape, ctas_per_sm) if persistent else None
-    key = (ab, d, c, shape, stages, m_major, ctas_per_sm, grid)
+    key = (ab, d, c, shape, stages, m_major, ctas_per_sm, grid, tile_group)
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = compile_kernel(SymmGemmSm90(
             _TORCH_TO_CUTLASS[ab], _TORCH_TO_CUTLASS[d], _TORCH_TO_CUTLASS[c] if c is not None else None, shape, stages,
-            m_major, ctas_per_sm, grid,
+            m_major, ctas_per_sm, grid, tile_group,
         ))
     return fn
 
@@ -737,6 +774,7 @@ def symm_gemm(
     if persistent is None:
         persistent = persistent_pays(batch, m, shape, ctas_per_sm)
     persistent = persistent and out.dtype != torch.float32 and (not has_c or c.dtype == out.dtype)
-    fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, shape, stages, m_major, ctas_per_sm, persistent)
+    fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, shape, stages, m_major, ctas_per_sm, persistent,
+                  tile_group=config.tile_group)
     fn(_ptr(a), _ptr(b), _ptr(c if has_c else out), _ptr(out), m, k, batch, Float32(alpha), Float32(beta), _stream())
     return out.squeeze(0) if squeeze else out
