@@ -651,14 +651,24 @@ def persistent_ctas(shape: tuple[int, int], ctas_per_sm: Optional[int] = None) -
 
 
 PERSISTENT_MIN_WAVES = 2
+# A persistent CTA's storing warps also load the next tile's C while its consumers compute it: a
+# short main loop leaves them behind. Measured on an H200 (docs/benchmarks.md): with C, 16 x 1024^2
+# products (K = 1024) took 0.115 ms persistent against 0.078 before the C prefetch (when one CTA per
+# tile tied the persistent launch), and Gram NS of 16 x 1024x5120 2.64 ms persistent against 2.30
+# one CTA per tile; 4096^2 and 5120^2 (K = 4096, 5120) ran faster persistent.
+PERSISTENT_MIN_K_WITH_C = 2048
 
 
-def persistent_pays(batch: int, m: int, shape: tuple[int, int], ctas_per_sm: Optional[int] = None) -> bool:
+def persistent_pays(batch: int, m: int, k: int, shape: tuple[int, int], has_c: bool = False,
+                    ctas_per_sm: Optional[int] = None) -> bool:
     """Whether a launch of one CTA (or cluster) per output tile would take at least
     PERSISTENT_MIN_WAVES waves of resident CTAs: only then does a persistent CTA walk several tiles,
     each one's stores overlapping the next one's MMAs. Measured on an H200 (docs/benchmarks.md):
     persistent won every product of 2 waves or more (4096^2 to 8 x 4096x16384), tied 16 x 1024^2
-    (2.4 waves) and lost 8 x 1024^2 (1.2 waves: 0.117 against 0.079 ms)."""
+    (2.4 waves) and lost 8 x 1024^2 (1.2 waves: 0.117 against 0.079 ms). With C, not below
+    PERSISTENT_MIN_K_WITH_C."""
+    if has_c and k < PERSISTENT_MIN_K_WITH_C:
+        return False
     ctas_per_tile = CLUSTER_M.get(shape, 1)
     return batch * tile_count(m, *shape) * ctas_per_tile >= PERSISTENT_MIN_WAVES * persistent_ctas(shape, ctas_per_sm)
 
@@ -772,7 +782,7 @@ def symm_gemm(
     if persistent is None:
         persistent = config.persistent
     if persistent is None:
-        persistent = persistent_pays(batch, m, shape, ctas_per_sm)
+        persistent = persistent_pays(batch, m, k, shape, has_c, ctas_per_sm)
     persistent = persistent and out.dtype != torch.float32 and (not has_c or c.dtype == out.dtype)
     fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, shape, stages, m_major, ctas_per_sm, persistent,
                   tile_group=config.tile_group)
