@@ -1,6 +1,7 @@
 """X @ X^T and symmetric products: CuTe DSL kernel vs torch.matmul (cuBLAS), side by side.
 
     python benchmarks/bench_symm.py [--dtype bf16|fp16] [--sweep] [--iters N] [--graph]
+    python benchmarks/bench_symm.py --dtype fp16 --sweep --tiles 128x128:p,128x256:p,256x256:p --fit
 
 Every row times cuBLAS and the kernel in the same process on the same inputs (rotating among
 several input sets so small problems are not served from L2). The FLOP floor counts the
@@ -9,12 +10,15 @@ peak measured in this run (8192^3 product). quack-kernels' gemm_symmetric is tim
 imports, on both tables (the symmetric product with its addend, as benchmarks/quack_backend.py runs
 Gram NS on it). ``--graph`` times every call replayed from a CUDA graph, as inside the optimizer's
 graphed step: the kernels' GPU time without the host's cost per call (the crossovers below which
-products stay on cuBLAS were measured eager).
+products stay on cuBLAS were measured eager). ``--fit``: the relative tile throughputs that the
+tile model (sm90_symm.TILE_THROUGHPUT) would need to match this run's per-tile times, and per shape
+the tile the model picks today, with them, and the fastest.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -24,7 +28,10 @@ from timing import cuda_median_ms
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dion3_megatron import kernels  # noqa: E402
-from dion3_megatron.kernels.sm90_symm import checked_ctas_per_sm, default_tile, symm_gemm  # noqa: E402
+from dion3_megatron.kernels.config import tile_shape  # noqa: E402
+from dion3_megatron.kernels.sm90_symm import (  # noqa: E402
+    TILE_THROUGHPUT, checked_ctas_per_sm, default_tile, modelled_tile_time, symm_gemm,
+)
 from quack_backend import quack_gemm_symmetric  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -106,7 +113,7 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
                 torch.baddbmm(xs[i], xs[i], ys[i], beta=-0.5, alpha=1.5, out=outs[i])
 
         t_cub = timed(cub, n_sets, iters)
-        best, per_tile = None, []
+        best, per_tile, by_shape = None, [], {}
         for tile in tiles:
             shape, ctas, persistent, stages, group = kernel_choice(tile)
 
@@ -120,6 +127,9 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
 
             t = timed(ker, n_sets, iters)
             per_tile.append(f"{tile}: {t:.3f}")
+            if shape is not None:
+                key = tile_shape(shape)
+                by_shape[key] = min(t, by_shape.get(key, t))
             if best is None or t < best[0]:
                 best = (t, tile)
         t_ker, tile = best
@@ -150,8 +160,55 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
         if len(per_tile) > 1:
             line += f" ms per tile: {', '.join(per_tile)}"
         print(line, flush=True)
-        rows.append((b, m, k, t_cub, t_ker))
+        rows.append((b, m, by_shape))
     return rows
+
+
+def fit_tile_throughputs(rows, sms: int) -> None:
+    """Print the throughput per tile shape (relative to the first one measured everywhere) that
+    makes sm90_symm.modelled_tile_time proportional to this run's times: per shape, each tile's
+    modelled time at throughput 1 over its measured time, relative to the reference tile's, and the
+    geometric mean over the shapes; then per shape the fastest tile against the model's picks."""
+    rows = [(b, m, times) for b, m, times in rows if len(times) > 1]
+    common = [t for t in rows[0][2] if all(t in times for _, _, times in rows)] if rows else []
+    if not common:
+        print("\n--fit: needs two or more --tiles measured on every shape")
+        return
+    ref = common[0]
+
+    def unit(b, m, shape, ms):  # modelled time at throughput 1 per measured ms
+        return modelled_tile_time(m, b, shape, 1.0, sms) / ms
+
+    fitted = {}
+    for shape in rows[0][2]:
+        logs = [math.log(unit(b, m, shape, times[shape]) / unit(b, m, ref, times[ref]))
+                for b, m, times in rows if shape in times]
+        fitted[shape] = math.exp(sum(logs) / len(logs))
+
+    def pick(b, m, times, throughput):
+        return min(times, key=lambda shape: modelled_tile_time(m, b, shape, throughput[shape], sms))
+
+    def name(shape):
+        return "x".join(map(str, shape))
+
+    scale = TILE_THROUGHPUT[ref]
+    print("\n## Tile throughputs fitted to this run (relative; the model's reference tile at its value)")
+    print("| tile | fitted | sm90_symm.TILE_THROUGHPUT |\n|---|---|---|")
+    for shape, value in fitted.items():
+        print(f"| {name(shape)} | {value * scale:.3f} | {TILE_THROUGHPUT[shape]:.3f} |")
+    print("\n| shape | fastest ms | the model's pick today, ms | with the fitted throughputs, ms |\n|---|---|---|---|")
+    losses = {"today": [], "fitted": []}
+    for b, m, times in rows:
+        best = min(times, key=times.get)
+        cells = []
+        for label, throughput in (("today", TILE_THROUGHPUT), ("fitted", fitted)):
+            chosen = pick(b, m, times, throughput)
+            losses[label].append(times[chosen] / times[best])
+            cells.append(f"{name(chosen)} {times[chosen]:.3f}")
+        print(f"| {b}x{m} | {name(best)} {times[best]:.3f} | " + " | ".join(cells) + " |")
+    for label, values in losses.items():
+        print(f"{label}: the picks take {max(values):.3f}x the fastest at worst, "
+              f"{math.exp(sum(map(math.log, values)) / len(values)):.3f}x on geometric mean")
 
 
 def overhead(dtype):
@@ -173,6 +230,8 @@ def main():
                     "(each and the best reported); "
                     "default: the automatic choice")
     ap.add_argument("--graph", action="store_true", help="time each call replayed from a CUDA graph")
+    ap.add_argument("--fit", action="store_true", help="fit the tile model's throughputs to the --tiles "
+                    "measured (every table's shapes)")
     args = ap.parse_args()
     global GRAPH
     GRAPH = args.graph
@@ -187,10 +246,13 @@ def main():
     print(f"cuBLAS peak (8192^3, {args.dtype}): {peak / 1e12:.0f} TFLOP/s; "
           f"{'CUDA-graph replays' if GRAPH else 'eager calls'}")
     overhead(dtype)
-    run_rows("X @ X^T", GRAM_SHAPES, dtype, peak, args.iters, gram=True, tiles=tiles)
-    run_rows("1.5 P @ Q - 0.5 P, P and Q symmetric, commuting (cuBLAS: baddbmm)", SYMM_SHAPES, dtype, peak, args.iters, gram=False, tiles=tiles)
+    rows = run_rows("X @ X^T", GRAM_SHAPES, dtype, peak, args.iters, gram=True, tiles=tiles)
+    rows += run_rows("1.5 P @ Q - 0.5 P, P and Q symmetric, commuting (cuBLAS: baddbmm)", SYMM_SHAPES, dtype, peak,
+                     args.iters, gram=False, tiles=tiles)
     if args.sweep:
-        run_rows("routing sweep, X @ X^T", SWEEP, dtype, peak, args.iters, gram=True, tiles=tiles)
+        rows += run_rows("routing sweep, X @ X^T", SWEEP, dtype, peak, args.iters, gram=True, tiles=tiles)
+    if args.fit:
+        fit_tile_throughputs(rows, props.multi_processor_count)
 
 
 if __name__ == "__main__":

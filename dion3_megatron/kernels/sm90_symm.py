@@ -614,17 +614,19 @@ def _sm_count() -> int:
 TILE_THROUGHPUT = {(64, 64): 0.55, (128, 128): 0.9, (128, 256): 0.95, (256, 256): 1.0}
 
 
+def modelled_tile_time(m: int, batch: int, shape: tuple[int, int], throughput: float, sms: int) -> float:
+    """A product's modelled time at tile ``shape`` (arbitrary units): waves of CTAs over ``sms`` SMs
+    times one CTA's tile area over its relative ``throughput``."""
+    ctas = batch * tile_count(m, *shape) * CLUSTER_M.get(shape, 1)
+    return -(-ctas // sms) * shape[0] * shape[1] / CLUSTER_M.get(shape, 1) / throughput
+
+
 @functools.lru_cache(maxsize=None)
 def default_tile(m: int, batch: int) -> tuple[int, int]:
-    """The tile shape with the least modelled time: waves of tiles times a tile's time. Wide
-    tiles run faster per element, but fewer of them can leave SMs idle in the last wave."""
+    """The tile shape with the least modelled time (TILE_THROUGHPUT): waves of tiles times a tile's
+    time. Wide tiles run faster per element, but fewer of them can leave SMs idle in the last wave."""
     sms = _sm_count()
-
-    def cost(shape):
-        ctas = batch * tile_count(m, *shape) * CLUSTER_M.get(shape, 1)
-        return -(-ctas // sms) * shape[0] * shape[1] / CLUSTER_M.get(shape, 1) / TILE_THROUGHPUT[shape]
-
-    return min(TILES, key=cost)
+    return min(TILES, key=lambda shape: modelled_tile_time(m, batch, shape, TILE_THROUGHPUT[shape], sms))
 
 
 def resident_clusters(cluster_m: int) -> int:
