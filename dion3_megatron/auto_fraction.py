@@ -46,7 +46,15 @@ AUTO_LOSS_PER_LOG_TIME = 0.06
 AUTO_TOKENS_PER_STEP = 32768
 NS_KERNELS = {"gram": 30, "standard": 20}  # kernels per orthogonalization call, shared by its batch
 PER_MATRIX_KERNELS = 20  # kernels per matrix whatever f is: scores, top-k, gathers, NorMuon, update
-BYTES_PER_ENTRY = 24  # element-wise traffic of the step per matrix entry (momentum, grad, weight, scores)
+# Element-wise traffic of the step per matrix entry, over n_rows + k rows. Counted from the kernels
+# the step runs (fp32 momentum, gradient and weight; twenty-ninth session): every entry 20 bytes (M += G
+# with the row scores: 12; the weight update pass: 8), every selected entry 26 (the rows taken out and
+# decayed: 12; Newton-Schulz's input scaled to half precision: 10; NorMuon's and the update's reads of
+# the result: 4), 22 at f = 1 (decayed in place: 8). That is 42-48 n c at f = 1 and 26.5-30 n c at
+# 1/4. With the counted figures in place of 24, choose_fraction picks the same f for the 14B and 350M
+# shapes, 2048^2, 8192^2 and 4096x16384 both ways, at 1 rank (batches of 1 and 8) and 8 (64), with an
+# H200's speeds assumed (650 TFLOP/s, 8 us a launch, 3.8 TB/s): 24 stays, the simpler form.
+BYTES_PER_ENTRY = 24
 WIRE_BYTES_PER_ENTRY = 8  # fp32 there and back through the two all-to-alls
 
 
