@@ -74,8 +74,10 @@ def kernel_choice(tile):
     for suffix in launch:
         if suffix == "p":
             persistent = True
-        elif suffix[:1] in ("s", "g") and suffix[1:].isdigit():
-            stages, group = (int(suffix[1:]), group) if suffix[0] == "s" else (stages, int(suffix[1:]))
+        elif suffix[:1] == "s" and suffix[1:].isdigit():
+            stages = int(suffix[1:])
+        elif suffix[:1] == "g" and suffix[1:].isdigit():
+            group = int(suffix[1:])
         else:
             raise SystemExit("--tiles: a launch suffix must be ':p' (persistent), ':sN' (N stages) or ':gN' "
                              f"(bands of N block rows), got {suffix!r}")
@@ -168,7 +170,8 @@ def fit_tile_throughputs(rows, sms: int) -> None:
     """Print the throughput per tile shape (relative to the first one measured everywhere) that
     makes sm90_symm.modelled_tile_time proportional to this run's times: per shape, each tile's
     modelled time at throughput 1 over its measured time, relative to the reference tile's, and the
-    geometric mean over the shapes; then per shape the fastest tile against the model's picks."""
+    geometric mean over the shapes; then per shape the fastest tile against the model's picks. A
+    tile shape measured in several launches (128x256 and 128x256:p) counts by its fastest."""
     rows = [(b, m, times) for b, m, times in rows if len(times) > 1]
     common = [t for t in rows[0][2] if all(t in times for _, _, times in rows)] if rows else []
     if not common:
