@@ -7,7 +7,7 @@
         python benchmarks/bench_ortho.py --profile 13824x5120 --ncu --only gram-kern,gram-quack
                                                                # hardware counters of each kernel
 
-Side by side in one run, on the same fp32 inputs:
+Side by side in one run, on the same fp32 inputs, their timed runs interleaved (timing.py):
   * muon:        Keller Jordan's quintic standard NS, 5 steps, bf16, plain torch (as Muon ships);
   * gram-torch:  dion3_megatron.ortho.gram_newton_schulz on the "torch" backend (cuBLAS);
   * gram-kern:   the same with auto dispatch (kernels where they pay, torch elsewhere), or with
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 from kernel_settings import add_kernel_config_option
-from timing import cuda_median_ms
+from timing import cuda_median_ms, cuda_median_ms_interleaved
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -62,8 +62,7 @@ def muon_ns5(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor
     return x
 
 
-def timed(fn, n_sets: int, iters: int, graph: bool = False) -> float:
-    return cuda_median_ms(fn, n_sets, iters, reps=5, warmup=2, graph=graph)
+REPS = 7  # timed runs of each variant, interleaved across the variants (timing.cuda_median_ms_interleaved)
 
 
 def variants(routing: str, quack: bool) -> dict:
@@ -141,7 +140,7 @@ def main():
         return
     n = 8192
     p = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    peak = 2 * n**3 / (timed(lambda i: p @ p, 1, 10) * 1e-3)
+    peak = 2 * n**3 / (cuda_median_ms(lambda i: p @ p, 1, 10) * 1e-3)
     props = torch.cuda.get_device_properties(0)
     print(f"GPU {props.name}; torch {torch.__version__}; cuBLAS peak {peak / 1e12:.0f} TFLOP/s (bf16 8192^3)")
     print(f"routing: {args.routing}; {'CUDA-graph replays' if args.graph else 'eager calls'}")
@@ -157,7 +156,8 @@ def main():
     for b, r, c in SHAPES:
         n_sets = 2
         gs = [torch.randn(b, r, c, device="cuda").squeeze(0) for _ in range(n_sets)]
-        ms = {name: timed(lambda i, fn=fn: fn(gs[i]), n_sets, args.iters, args.graph) for name, fn in funcs.items()}
+        ms = cuda_median_ms_interleaved({name: lambda i, fn=fn: fn(gs[i]) for name, fn in funcs.items()}, n_sets,
+                                        args.iters, reps=REPS, warmup=2, graph=args.graph)
         s, length = min(r, c), max(r, c)
         ms["floor"] = b * ortho.ns_flops(s, length, "standard" if r == c else "gram") / peak * 1e3
         for key, v in ms.items():

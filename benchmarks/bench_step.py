@@ -5,7 +5,8 @@ and up 13824x5120, down 5120x13824. ``--model 350m``: the matrices the Megatron 
 docs/megatron.md's 350M model (width 1024, ffn 2816, 4 query groups; use ``--layers 24``).
 Muon: heavy-ball momentum and Keller-quintic NS5 in bf16 on each matrix, one at a time, as Muon
 ships. Dion3: the torch optimizer (same-shape blocks batched, Gram NS with the kernels where they
-pay). Median of CUDA-event timings; ratios from one run.
+pay). Median of CUDA-event timings, every optimizer's timed steps interleaved with the others';
+ratios from one run.
 
   python benchmarks/bench_step.py [--model 14b|350m] [--layers 8] [--json out.json]
   python benchmarks/bench_step.py --profile 0.25     # where one eager Dion3 step's GPU time goes
@@ -19,7 +20,7 @@ import json
 
 import torch
 from kernel_settings import add_kernel_config_option
-from timing import cuda_median_ms
+from timing import cuda_median_ms_interleaved
 
 from dion3_megatron import Dion3, kernels, ortho
 
@@ -40,8 +41,12 @@ class Muon:
             p.add_(update.to(p.dtype), alpha=-self.lr * max(1.0, p.shape[0] / p.shape[1]) ** 0.5)
 
 
-def timed(step, iters=10, warmup=3):
-    return cuda_median_ms(lambda i: step(), reps=iters, warmup=warmup)
+def under_torch(step):
+    """``step`` on plain torch matmuls, whatever kernel configuration is set (Muon as it ships)."""
+    def run():
+        with kernels.using(kernels="torch"):
+            step()
+    return run
 
 
 def profile(params, fraction: float, rows: int = 25) -> None:
@@ -86,17 +91,20 @@ def main() -> None:
         return
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
                "layers": args.layers, "kernel_config": {k: str(v) for k, v in settings.items()}}
-    with kernels.using(kernels="torch"):  # Muon as it ships: plain torch matmuls, not our kernels
-        results["muon_ms"] = timed(Muon(params).step)
+    fractions = (1.0, 0.25, 0.125, "auto")
+    optimizers = {fraction: Dion3(params, fraction=fraction) for fraction in fractions}
+    steps = {"muon_ms": under_torch(Muon(params).step)}
+    steps.update({f"dion3_{fraction}": opt.step for fraction, opt in optimizers.items()})
+    results.update(cuda_median_ms_interleaved({name: lambda i, step=step: step() for name, step in steps.items()},
+                                              reps=10, warmup=3))
     print(f"{results['device']}, torch {results['torch']}: {args.layers} layers of {args.model} shapes "
           f"({sum(p.numel() for p in params) / 1e9:.2f}B params); kernel config {kernels.current()}")
     print(f"{'optimizer':<16}{'step ms':>10}{'vs muon':>9}")
     print(f"{'muon':<16}{results['muon_ms']:>10.2f}{1.0:>9.2f}")
-    for fraction in (1.0, 0.25, 0.125, "auto"):
-        opt = Dion3(params, fraction=fraction)
-        ms = timed(opt.step)
-        results[f"dion3_{fraction}"] = ms
-        print(f"{'dion3 f=' + str(fraction):<16}{ms:>10.2f}{results['muon_ms'] / ms:>9.2f}")
+    for fraction in fractions:
+        step_ms = results[f"dion3_{fraction}"]
+        print(f"{'dion3 f=' + str(fraction):<16}{step_ms:>10.2f}{results['muon_ms'] / step_ms:>9.2f}")
+    opt = optimizers["auto"]
     chosen = {f"{p.shape[0]}x{p.shape[1]}": f for p, f in opt.fractions.items()}
     results["auto_fractions"] = chosen
     print("auto chose " + ", ".join(f"{shape}: {f}" for shape, f in chosen.items()))

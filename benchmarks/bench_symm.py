@@ -1,10 +1,11 @@
 """X @ X^T and symmetric products: CuTe DSL kernel vs torch.matmul (cuBLAS), side by side.
 
     python benchmarks/bench_symm.py [--dtype bf16|fp16] [--sweep] [--iters N] [--graph]
-    python benchmarks/bench_symm.py --dtype fp16 --sweep --tiles 128x128:p,128x256:p,256x256:p --fit
+    python benchmarks/bench_symm.py --dtype fp16 --sweep --graph --tiles 128x128,128x128:p,256x256:p --fit
 
-Every row times cuBLAS and the kernel in the same process on the same inputs (rotating among
-several input sets so small problems are not served from L2). The FLOP floor counts the
+Every row times cuBLAS, the kernel (each of --tiles) and quack in the same process on the same
+inputs, their timed runs interleaved so that the unlocked clocks' drift reaches all alike
+(rotating among several input sets so small problems are not served from L2). The FLOP floor counts the
 symmetric product at half cost (M^2 K per batch element, multiply-add = 2 FLOPs) at the cuBLAS
 peak measured in this run (8192^3 product). quack-kernels' gemm_symmetric is timed where it
 imports, on both tables (the symmetric product with its addend, as benchmarks/quack_backend.py runs
@@ -12,7 +13,8 @@ Gram NS on it). ``--graph`` times every call replayed from a CUDA graph, as insi
 graphed step: the kernels' GPU time without the host's cost per call (the crossovers below which
 products stay on cuBLAS were measured eager). ``--fit``: the relative tile throughputs that the
 tile model (sm90_symm.TILE_THROUGHPUT) would need to match this run's per-tile times, and per shape
-the tile the model picks today, with them, and the fastest.
+the tile the model picks today, with them, and the fastest (with ``--graph``, so that the host's
+cost per call, which dominates small products eager, stays out of the fit).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 from pathlib import Path
 
 import torch
-from timing import cuda_median_ms
+from timing import cuda_median_ms, cuda_median_ms_interleaved
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -50,15 +52,17 @@ SWEEP = [(1, m, k) for m in (512, 1024, 2048, 3072, 4096) for k in (m, 4 * m)] +
 GRAPH = False  # --graph
 
 
-def timed(fn, n_sets: int, iters: int) -> float:
-    """Median ms per call: 7 reps of ``iters`` calls rotating over ``n_sets`` inputs."""
-    return cuda_median_ms(fn, n_sets, iters, reps=7, warmup=3, graph=GRAPH)
+def timed(fns: dict, n_sets: int, iters: int) -> dict:
+    """name -> median ms per call: 7 reps of ``iters`` calls rotating over ``n_sets`` inputs, the
+    variants' reps interleaved."""
+    return cuda_median_ms_interleaved(fns, n_sets, iters, reps=7, warmup=3, graph=GRAPH)
+
 
 def cublas_peak(dtype) -> float:
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=dtype)
     b = torch.randn(n, n, device="cuda", dtype=dtype)
-    ms = timed(lambda i: torch.matmul(a, b), 1, 10)
+    ms = cuda_median_ms(lambda i: torch.matmul(a, b), 1, 10, reps=7, warmup=3)
     return 2 * n**3 / (ms * 1e-3)
 
 
@@ -114,21 +118,39 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
             else:  # the Gram NS form: alpha * P @ Q + beta * P
                 torch.baddbmm(xs[i], xs[i], ys[i], beta=-0.5, alpha=1.5, out=outs[i])
 
-        t_cub = timed(cub, n_sets, iters)
+        def ker(i, shape, ctas, persistent, stages, group):
+            launch = dict(out=outs[i], tile=shape, ctas_per_sm=ctas, persistent=persistent, stages=stages)
+            with kernels.using(tile_group=group):
+                if gram:
+                    symm_gemm(xs[i], ys[i], 1.0, 0.0, None, **launch)
+                else:
+                    symm_gemm(xs[i], ys[i], 1.5, -0.5, xs[i], **launch)
+
+        def quack_call(i):  # as benchmarks/quack_backend.py calls it: A (M, K), B (K, M), C (M, M)
+            p, q = (xs[i][0], ys[i][0]) if b == 1 else (xs[i], ys[i])
+            if gram:
+                quack(p, p.mT)
+            else:
+                quack(p, q.mT, C=p, alpha=1.5, beta=-0.5)
+
+        variants = {"cuBLAS": cub}
+        variants.update({tile: lambda i, choice=kernel_choice(tile): ker(i, *choice) for tile in tiles})
+        if quack is not None:
+            variants["quack"] = quack_call
+        try:
+            ms = timed(variants, n_sets, iters)
+        except Exception as exc:  # noqa: BLE001 - quack's kernel failing on a shape it does not take
+            if quack is None:
+                raise
+            print(f"quack failed ({type(exc).__name__}: {exc}); this shape without it", flush=True)
+            del variants["quack"]
+            ms = timed(variants, n_sets, iters)
+        t_cub = ms["cuBLAS"]
         best, per_tile, by_shape = None, [], {}
         for tile in tiles:
-            shape, ctas, persistent, stages, group = kernel_choice(tile)
-
-            def ker(i, shape=shape, ctas=ctas, persistent=persistent, stages=stages, group=group):
-                launch = dict(out=outs[i], tile=shape, ctas_per_sm=ctas, persistent=persistent, stages=stages)
-                with kernels.using(tile_group=group):
-                    if gram:
-                        symm_gemm(xs[i], ys[i], 1.0, 0.0, None, **launch)
-                    else:
-                        symm_gemm(xs[i], ys[i], 1.5, -0.5, xs[i], **launch)
-
-            t = timed(ker, n_sets, iters)
+            t = ms[tile]
             per_tile.append(f"{tile}: {t:.3f}")
+            shape = kernel_choice(tile)[0]
             if shape is not None:
                 key = tile_shape(shape)
                 by_shape[key] = min(t, by_shape.get(key, t))
@@ -146,19 +168,10 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
             f"| {name} (tile {chosen}) | {t_cub:.3f} | {t_ker:.3f} | "
             f"{t_cub / t_ker:.2f}x | {floor:.3f} | {t_ker / floor:.2f} |"
         )
-        if quack is not None:
-            def quack_call(i):  # as benchmarks/quack_backend.py calls it: A (M, K), B (K, M), C (M, M)
-                p, q = (xs[i][0], ys[i][0]) if b == 1 else (xs[i], ys[i])
-                if gram:
-                    quack(p, p.mT)
-                else:
-                    quack(p, q.mT, C=p, alpha=1.5, beta=-0.5)
-
-            try:
-                t_q = timed(quack_call, n_sets, iters)
-                line += f" {t_q:.3f} | {t_cub / t_q:.2f}x |"
-            except Exception as exc:  # noqa: BLE001
-                line += f" failed ({type(exc).__name__}) | |"
+        if "quack" in ms:
+            line += f" {ms['quack']:.3f} | {t_cub / ms['quack']:.2f}x |"
+        elif quack is not None:
+            line += " failed | |"
         if len(per_tile) > 1:
             line += f" ms per tile: {', '.join(per_tile)}"
         print(line, flush=True)
@@ -217,8 +230,9 @@ def fit_tile_throughputs(rows, sms: int) -> None:
 def overhead(dtype):
     x = torch.randn(1, 128, 128, device="cuda", dtype=dtype)
     out = torch.empty(1, 128, 128, device="cuda", dtype=dtype)
-    t_k = timed(lambda i: symm_gemm(x, x, 1.0, 0.0, None, out=out), 1, 200)
-    t_c = timed(lambda i: torch.matmul(x, x.mT, out=out), 1, 200)
+    ms = cuda_median_ms_interleaved({"kernel": lambda i: symm_gemm(x, x, 1.0, 0.0, None, out=out),
+                                     "cuBLAS": lambda i: torch.matmul(x, x.mT, out=out)}, 1, 200, reps=7, warmup=3)
+    t_k, t_c = ms["kernel"], ms["cuBLAS"]
     print(f"\nper-call time on a 128x128x128 product (launch + host overhead): kernel {t_k * 1e3:.1f} us, cuBLAS {t_c * 1e3:.1f} us")
 
 

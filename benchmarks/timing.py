@@ -28,19 +28,41 @@ def cuda_median_ms(fn: Callable[[int], object], n_sets: int = 1, iters: int = 1,
     rotating ``i`` over ``n_sets`` input sets (so repeated calls do not just measure the cache).
     ``graph``: each ``fn(i)`` captured in a CUDA graph and replayed (the host's launch cost out, as
     inside a graphed optimizer step)."""
+    return cuda_median_ms_interleaved({"": fn}, n_sets, iters, reps, warmup, graph)[""]
+
+
+def cuda_median_ms_interleaved(fns: dict[str, Callable[[int], object]], n_sets: int = 1, iters: int = 1,
+                               reps: int = 5, warmup: int = 2, graph: bool = False) -> dict[str, float]:
+    """:func:`cuda_median_ms` of several variants, their timed runs interleaved (rep 1 of each,
+    then rep 2 of each, ..., the order rotated every rep) so that a drift of the unlocked clocks
+    reaches every variant alike: timed one after another, two variants running the same kernels
+    differed by up to 9% (H200, docs/benchmarks.md). Returns name -> median ms per call."""
     if graph:
-        replays = [graphed(lambda i=i: fn(i)) for i in range(n_sets)]
-        return cuda_median_ms(lambda i: replays[i](), n_sets, iters, reps, warmup)
-    for i in range(warmup):
-        fn(i % n_sets)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(iters):
+        fns = {name: _replays(fn, n_sets) for name, fn in fns.items()}
+    for fn in fns.values():
+        for i in range(warmup):
             fn(i % n_sets)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps):
+        shift = rep % len(names)  # each variant takes each place in the round: no one always runs first
+        for name in names[shift:] + names[:shift]:
+            times[name].append(_timed_run(fns[name], n_sets, iters))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _replays(fn: Callable[[int], object], n_sets: int) -> Callable[[int], None]:
+    replays = [graphed(lambda i=i: fn(i)) for i in range(n_sets)]
+    return lambda i: replays[i]()
+
+
+def _timed_run(fn: Callable[[int], object], n_sets: int, iters: int) -> float:
+    """Milliseconds per call of ``iters`` calls of ``fn(i)``, rotating over ``n_sets``, by CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(iters):
+        fn(i % n_sets)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
