@@ -216,7 +216,7 @@ def test_persistent_launch_from_the_kernel_configuration(cuda_gen, monkeypatch):
 
 def test_the_default_launch_is_persistent_from_two_waves(cuda_gen, monkeypatch):
     """KernelConfig(persistent=None), the default: one CTA per tile where the tiles take less
-    than two waves, the persistent launch from two on; with C, only from K = 2048."""
+    than two waves, the persistent launch from two on, with C as without, at any K."""
     from dion3_megatron.kernels import sm90_symm
 
     launches = []
@@ -225,15 +225,15 @@ def test_the_default_launch_is_persistent_from_two_waves(cuda_gen, monkeypatch):
     for batch, m in ((1, 512), (8, 4096)):
         x = _rand(cuda_gen, batch, m, 256, dtype=torch.float16)
         out = sm90_symm.symm_gemm(x, x)
-        assert launches[-1] == sm90_symm.persistent_pays(batch, m, 256, sm90_symm.default_tile(m, batch))
+        assert launches[-1] == sm90_symm.persistent_pays(batch, m, sm90_symm.default_tile(m, batch))
         xd = x.double()
         assert _rel(out, xd @ xd.mT) <= TOL[torch.float16]
     assert launches == [False, True]  # 1 tile of 512^2; 8 x 136 tiles of 4096^2 at 256 x 256 (or more)
-    for k in (1024, 2048):  # a symmetric product's shape, with C: persistent from K = 2048
+    for k in (1024, 2048):  # a symmetric product's shape, with C: persistent at a short K too
         x = _rand(cuda_gen, 8, 4096, k, dtype=torch.float16)
         c = _rand(cuda_gen, 8, 4096, 4096, dtype=torch.float16)
         sm90_symm.symm_gemm(x, x, 1.0, 0.5, c + c.mT)
-    assert launches[-2:] == [False, True]
+    assert launches[-2:] == [True, True]
 
 
 def test_ctas_per_sm_a_tile_cannot_hold_is_refused():

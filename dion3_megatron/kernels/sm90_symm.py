@@ -28,9 +28,10 @@ one CTA per SM, each walking the batch's tiles in a fixed stride):
     16-byte loads) and then its columns as rows of the transpose. A persistent launch hands the
     stores to warps that do no MMAs (the producer warpgroup's warps 1-3): the consumers stage the
     tile in the output dtype in a buffer beside the ring and go on to the next tile's MMAs while
-    those warps store it (named barriers STAGED and FREE); those warps then load the next tile's
-    C into that buffer with 16-byte loads while the consumers compute it, so that the consumers
-    add beta * C from shared memory, not from global memory between two main loops.
+    those warps store it (named barriers STAGED and FREE); one of those warps then starts a TMA
+    copy of the next tile's C into that buffer (swizzled as TMA writes it; mbarrier c_full) while
+    the consumers compute it, so that the consumers add beta * C from shared memory, not from
+    global memory between two main loops.
 
 This module imports cutlass at the top: import it only where nvidia-cutlass-dsl is installed
 (``dion3_megatron.kernels`` does that lazily).
@@ -57,7 +58,7 @@ TILE_K = 64
 CLUSTER_M = {(256, 256): 2}  # CTAs per tile along M (one 128-row slice each); 1 for the others
 STORE_THREADS = 96  # a persistent launch's storing warps: the producer warpgroup's warps 1-3
 # named barriers of a persistent epilogue: the tile staged / the staging read (and, with C, the
-# next tile's C in it) / the storing warps done reading it (before they load C over it)
+# next tile's C on its way) / the storing warps done reading it (before C's TMA copy goes over it)
 STAGED, FREE, STORED = 2, 3, 4
 D_PAD = 8  # a persistent launch's staging pitch tn + 8 elements: 16-byte rows, spread banks
 PAD = 4  # epilogue tile pitch tn + 4 floats: 16-byte rows, and no bank conflicts in either pass
@@ -139,6 +140,10 @@ class SymmGemmSm90:
             raise ValueError(f"{self.stages} stages do not fit in shared memory at tile {tile} "
                              f"with {ctas_per_sm} CTAs per SM")
         self.has_c = c is not None
+        # A persistent launch's C comes by TMA into the staging tile (so it must be the output dtype)
+        self.c_by_tma = persistent and self.has_c
+        if self.c_by_tma and c is not d:
+            raise ValueError(f"a persistent launch stages C in the output dtype {d}, got C in {c}")
         self.cluster_m = CLUSTER_M.get((self.tile_m, self.tile_n), 1)
         self.cta_m = self.tile_m // self.cluster_m  # rows of the tile one CTA computes
         self.n_mma_wg = self.cta_m // 64
@@ -206,16 +211,24 @@ class SymmGemmSm90:
         )
         # The epilogue tile reuses sA and sB (adjacent: sA's size is a multiple of 1 KiB); sB
         # is lengthened where the ring alone would be smaller than the epilogue tile. A persistent
-        # launch stages the tile in sE beside the ring (a one-element stand-in otherwise).
+        # launch stages the tile in sE beside the ring (a one-element stand-in otherwise): rows
+        # padded to spread banks, or with C swizzled, the layout C's TMA copy writes.
         b_elems = self.ring_elems - cute.cosize(a_layout)
-        e_elems = tm * (tn + D_PAD) if self.persistent_ctas is not None else 1
+        e_layout = cute.make_layout((tm, tn), stride=(tn + D_PAD, 1))
+        tma_c, tC = tma_a, tA  # stand-ins unless C comes by TMA
+        if const_expr(self.c_by_tma):
+            e_layout = cute.slice_(sm90.make_smem_layout_epi(self.d_dtype, LayoutEnum.ROW_MAJOR, (tm, tn), 1),
+                                   (None, None, 0))
+            tma_c, tC = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mC, e_layout, (tm, tn))
+        e_elems = cute.cosize(e_layout) if self.persistent_ctas is not None else 1
 
         @cute.struct
         class Storage:
             bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            c_full: cute.struct.MemRange[cutlass.Int64, 1]  # persistent, with C: the tile's C is in sE
             sA: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(a_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[ab_dtype, b_elems], 1024]
-            sE: cute.struct.Align[cute.struct.MemRange[self.d_dtype, e_elems], 128]
+            sE: cute.struct.Align[cute.struct.MemRange[self.d_dtype, e_elems], 1024]
 
         self.storage = Storage
         if const_expr(self.persistent_ctas is None):
@@ -224,7 +237,8 @@ class SymmGemmSm90:
             grid = (self.persistent_ctas, 1, 1)
         # several CTAs per SM: registers capped for that many (minctasm), the largest shared-memory carveout
         occupancy = {} if self.ctas_per_sm == 1 else dict(min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)
-        self.kernel(tma_a, tA, tma_b, tB, mC, mD, alpha, beta, tiled_mma, a_layout, b_layout).launch(
+        self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, mC, mD, alpha, beta, tiled_mma, a_layout, b_layout,
+                    e_layout).launch(
             grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_m, 1, 1), stream=stream, **occupancy
         )
 
@@ -297,29 +311,6 @@ class SymmGemmSm90:
         return item, r, pv, row0 + r, col0 + pv * VEC
 
     @cute.jit
-    def stage_c(self, sD: cute.Tensor, mC: cute.Tensor, row0: Int32, col0: Int32, bz: Int32, tid: Int32,
-                threads: cutlass.Constexpr[int]):
-        """Load the tile of C whose top-left element is C[row0, col0] into sD (tm x tn, C's dtype,
-        which is the output's), by ``threads`` threads (this one ``tid``): VEC consecutive elements
-        of a row per thread, one 16-byte load where the whole vector is in C's lower triangle. Only
-        the lower triangle is read (as in :meth:`store_tile`); elements above the diagonal or
-        below the last row, which no store uses, are zero."""
-        m = mC.shape[0]
-        rC = cute.make_rmem_tensor(VEC, mC.element_type)
-        items = self.cta_m * (self.tile_n // VEC)
-        for step in cutlass.range((items + threads - 1) // threads, unroll=4):
-            item, r, pv, gr, gc = self.row_vector(step * threads + tid, row0, col0)
-            if item < items:
-                if gr < m and gc + VEC - 1 <= gr:
-                    cute.autovec_copy(cute.local_tile(mC[gr, None, bz], (VEC,), (gc // VEC,)), rC)
-                else:
-                    rC.fill(0.0)
-                    for e in cutlass.range_constexpr(VEC):
-                        if gr < m and gc + e <= gr:
-                            rC[e] = mC[gr, gc + e, bz]
-                cute.local_tile(sD[r, None], (VEC,), (pv,)).store(rC.load())
-
-    @cute.jit
     def store_tile(self, sD: cute.Tensor, mC: cute.Tensor, mD: cute.Tensor, beta: Float32,
                    row0: Int32, col0: Int32, bz: Int32, tid: Int32, threads: cutlass.Constexpr[int],
                    add_c: cutlass.Constexpr[bool]):
@@ -384,6 +375,8 @@ class SymmGemmSm90:
         mA: cute.Tensor,
         tma_b: cute.CopyAtom,
         mB: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        mC_tma: cute.Tensor,
         mC: cute.Tensor,
         mD: cute.Tensor,
         alpha: Float32,
@@ -391,6 +384,7 @@ class SymmGemmSm90:
         tiled_mma: cute.TiledMma,
         a_layout: cute.ComposedLayout,
         b_layout: cute.ComposedLayout,
+        e_layout,
     ):
         tm, tn = self.cta_m, self.tile_n
         tidx, _, _ = cute.arch.thread_idx()
@@ -400,6 +394,8 @@ class SymmGemmSm90:
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
+            if const_expr(self.c_by_tma):
+                cpasync.prefetch_descriptor(tma_c)
 
         rank = Int32(0)  # CTA within the cluster: its 128-row slice of each tile
         if const_expr(self.cluster_m > 1):
@@ -420,8 +416,10 @@ class SymmGemmSm90:
         sB = st.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
         persistent = self.persistent_ctas is not None
         # the epilogue tile: fp32 in the drained ring, or a persistent launch's, in the output dtype, beside it
-        if const_expr(persistent):
-            sD = st.sE.get_tensor(cute.make_layout((tm, tn), stride=(tn + D_PAD, 1)))
+        if const_expr(self.c_by_tma):
+            sD = st.sE.get_tensor(e_layout.outer, swizzle=e_layout.inner)
+        elif const_expr(persistent):
+            sD = st.sE.get_tensor(e_layout)
         else:
             sD = st.sA.get_tensor(cute.make_layout((tm, tn), stride=(tn + PAD, 1)), dtype=Float32)
         staging_sync = self.mma_threads + STORE_THREADS  # the threads on STAGED and FREE
@@ -429,6 +427,11 @@ class SymmGemmSm90:
         a_stage = cute.slice_(a_layout, (None, None, 0))
         b_stage = cute.slice_(b_layout, (None, None, 0))
         tx_bytes = cute.size_in_bytes(self.ab_dtype, a_stage) + cute.size_in_bytes(self.ab_dtype, b_stage)
+        c_full = st.c_full.data_ptr()
+        if const_expr(self.c_by_tma):
+            if warp == 1:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(c_full, 1)  # one arrival: the thread that starts the copy
         cluster = cute.make_layout((self.cluster_m, 1, 1))
         multicast = self.cluster_m > 1
         # One release per consumer warp; with multicast, one per warp and per CTA that B went to (the
@@ -482,10 +485,18 @@ class SymmGemmSm90:
             if const_expr(persistent):
                 if warp > 0:
                     # ---------------- storing warps: a persistent launch's epilogue ----------------
+                    c_bytes = cute.size_in_bytes(self.d_dtype, e_layout)
                     for t in cutlass.range(first, total, stride, unroll=1):
                         ti, tj, bz = self.tile_of(t, per_matrix, m, rank)
-                        if const_expr(self.has_c):  # this tile's C, while the consumers compute it
-                            self.stage_c(sD, mC, ti * tm, tj * tn, bz, tidx - 32, STORE_THREADS)
+                        if const_expr(self.has_c):  # this tile's C by TMA, while the consumers compute it
+                            if warp == 1:
+                                with cute.arch.elect_one():
+                                    cute.arch.mbarrier_arrive_and_expect_tx(c_full, c_bytes)
+                                gC = cute.local_tile(mC_tma, (tm, tn), (ti, tj, bz))
+                                tCsC, tCgC = cpasync.tma_partition(
+                                    tma_c, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), cute.group_modes(gC, 0, 2)
+                                )
+                                cute.copy(tma_c, tCgC, tCsC, tma_bar_ptr=c_full)
                         cute.arch.barrier_arrive(barrier_id=FREE, number_of_threads=staging_sync)  # sD is read
                         cute.arch.barrier(barrier_id=STAGED, number_of_threads=staging_sync)
                         self.store_tile(sD, mC, mD, beta, ti * tm, tj * tn, bz, tidx - 32, STORE_THREADS, False)
@@ -507,6 +518,7 @@ class SymmGemmSm90:
             n_kb = cute.size(tCrA, mode=[2])
             rd = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            c_phase = Int32(0)  # parity of c_full's next completion
             for t in cutlass.range(first, total, stride, unroll=1):
                 ti, tj, bz = self.tile_of(t, per_matrix, m, rank)
                 acc.fill(0.0)
@@ -548,11 +560,16 @@ class SymmGemmSm90:
                     # element in place (a second tile of registers would not fit beside acc), and go
                     # on to the next tile's MMAs
                     cute.arch.barrier(barrier_id=FREE, number_of_threads=staging_sync)
+                    if const_expr(self.has_c):
+                        cute.arch.mbarrier_wait(c_full, c_phase)
+                        c_phase = c_phase ^ 1
                     for e in cutlass.range_constexpr(cute.size(acc)):
                         acc[e] = acc[e] * alpha
                         if const_expr(self.has_c):
                             acc[e] = acc[e] + beta * tCsD[e].to(Float32)
                     tCsD.store(acc.load().to(self.d_dtype))
+                    if const_expr(self.has_c):  # these writes before the next tile's C lands by TMA
+                        cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier_arrive(barrier_id=STAGED, number_of_threads=staging_sync)
                 else:
                     # sD reuses the ring: every warpgroup's MMAs must be done reading it
@@ -653,24 +670,15 @@ def persistent_ctas(shape: tuple[int, int], ctas_per_sm: Optional[int] = None) -
 
 
 PERSISTENT_MIN_WAVES = 2
-# A persistent CTA's storing warps also load the next tile's C while its consumers compute it: a
-# short main loop leaves them behind. Measured on an H200 (docs/benchmarks.md): with C, 16 x 1024^2
-# products (K = 1024) took 0.115 ms persistent against 0.078 before the C prefetch (when one CTA per
-# tile tied the persistent launch), and Gram NS of 16 x 1024x5120 2.64 ms persistent against 2.30
-# one CTA per tile; 4096^2 and 5120^2 (K = 4096, 5120) ran faster persistent.
-PERSISTENT_MIN_K_WITH_C = 2048
 
 
-def persistent_pays(batch: int, m: int, k: int, shape: tuple[int, int], has_c: bool = False,
-                    ctas_per_sm: Optional[int] = None) -> bool:
+def persistent_pays(batch: int, m: int, shape: tuple[int, int], ctas_per_sm: Optional[int] = None) -> bool:
     """Whether a launch of one CTA (or cluster) per output tile would take at least
     PERSISTENT_MIN_WAVES waves of resident CTAs: only then does a persistent CTA walk several tiles,
     each one's stores overlapping the next one's MMAs. Measured on an H200 (docs/benchmarks.md):
-    persistent won every product of 2 waves or more (4096^2 to 8 x 4096x16384), tied 16 x 1024^2
-    (2.4 waves) and lost 8 x 1024^2 (1.2 waves: 0.117 against 0.079 ms). With C, not below
-    PERSISTENT_MIN_K_WITH_C."""
-    if has_c and k < PERSISTENT_MIN_K_WITH_C:
-        return False
+    persistent won every product of 2 waves or more (4096^2 to 8 x 4096x16384; with C since C comes
+    by TMA, K = 1024 too: 16 x 1024^2 0.059 against 0.069 ms) and lost 8 x 1024^2 without C (1.2
+    waves: 0.117 against 0.079 ms)."""
     ctas_per_tile = CLUSTER_M.get(shape, 1)
     return batch * tile_count(m, *shape) * ctas_per_tile >= PERSISTENT_MIN_WAVES * persistent_ctas(shape, ctas_per_sm)
 
@@ -784,7 +792,7 @@ def symm_gemm(
     if persistent is None:
         persistent = config.persistent
     if persistent is None:
-        persistent = persistent_pays(batch, m, k, shape, has_c, ctas_per_sm)
+        persistent = persistent_pays(batch, m, shape, ctas_per_sm)
     persistent = persistent and out.dtype != torch.float32 and (not has_c or c.dtype == out.dtype)
     fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, shape, stages, m_major, ctas_per_sm, persistent,
                   tile_group=config.tile_group)
