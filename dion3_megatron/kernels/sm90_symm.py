@@ -9,8 +9,10 @@ Both products of Gram Newton-Schulz have this form:
                                                  "B" operand, and P Q is symmetric.
 The kernel computes only the output tiles that meet the lower triangle and stores each element
 (r, c) with r >= c twice, at (r, c) and at (c, r) (a diagonal element once), so every element of
-D is written exactly once and D is exactly symmetric. beta * C is read from C's lower triangle only
-(C must be symmetric, as every addend of Gram NS is) and mirrored with the product.
+D is written exactly once and D is exactly symmetric. beta * C is taken from C's lower triangle only
+(C must be symmetric, as every addend of Gram NS is) and mirrored with the product (a persistent
+launch's TMA copy of a tile that crosses the diagonal also reads the part above it, which no
+store uses).
 
 Structure (one CTA, or a cluster of two, per output tile, batched over grid z; or persistent:
 one CTA per SM, each walking the batch's tiles in a fixed stride):
