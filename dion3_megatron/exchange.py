@@ -50,6 +50,9 @@ class WholeMatrices:
     mu: Optional[float | torch.Tensor] = None  # the applied rows' decay, or (B,) on the device; default: hp's
     factors: Optional[rule.UpdateFactors] = None  # default: from hps
     age: Optional[torch.Tensor] = None  # (B, n) steps since each row was applied: needed when hp.staleness
+    # the caller's accumulation left the momentum decayed (rule.folded_decay): the step, which
+    # selects every row, orthogonalizes it as it is and does not decay it again
+    momentum_decayed: bool = False
 
     def __post_init__(self) -> None:
         if self.hps is not None and self.mu is None:  # their mus may differ: the caller keeps the device copy
@@ -70,7 +73,7 @@ class WholeMatrices:
                 tuple(self.variance.stride()), weights,
                 tuple(g.data_ptr() for g in self.grads) if self.grads is not None else None,
                 self.scores.data_ptr() if self.scores is not None else None,
-                self.age.data_ptr() if self.age is not None else None,
+                self.age.data_ptr() if self.age is not None else None, self.momentum_decayed,
                 cuda_graph_module.baked_settings(self.hp),
                 tuple(cuda_graph_module.baked_settings(hp) for hp in self.hps) if self.hps is not None else None)
 
@@ -110,8 +113,11 @@ def _step_whole_eager(entries: list[WholeMatrices]) -> None:
     batches: dict[tuple, list] = {}
     for e in entries:
         hp = e.hp
+        decayed = e.momentum_decayed
         if e.grads is not None:
-            scores = rule.accumulate_and_score(e.momentum, e.grads, out=e.scores)
+            decay = rule.folded_decay(hp, e.momentum.shape[1], e.mu)
+            scores = rule.accumulate_and_score(e.momentum, e.grads, out=e.scores, decay=decay)
+            decayed = decay is not None
         else:
             scores = e.scores if e.scores is not None else rule.row_scores(e.momentum)
         if hp.staleness:
@@ -123,9 +129,11 @@ def _step_whole_eager(entries: list[WholeMatrices]) -> None:
         # every row selected (f = 1): the momentum itself is orthogonalized and decays after, so its
         # rows are not copied out first
         every_row = idx.shape[1] == e.momentum.shape[1]
+        if decayed and not every_row:
+            raise RuntimeError("the momentum came decayed for a step that does not select every row")
         selected = e.momentum if every_row else rule.take_selected(e.momentum, idx, mu)
         key = (tuple(selected.shape[1:]), selected.device, hp.ns_method, hp.ns_dtype)
-        batches.setdefault(key, []).append((e, idx, selected, mu if every_row else None))
+        batches.setdefault(key, []).append((e, idx, selected, mu if every_row and not decayed else None))
     for batch in batches.values():
         stacked = torch.cat([b[2] for b in batch]) if len(batch) > 1 else batch[0][2]
         ortho = rule.orthogonalize_rows(stacked, batch[0][0].hp).split([b[2].shape[0] for b in batch])

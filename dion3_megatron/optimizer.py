@@ -424,12 +424,13 @@ class Dion3(torch.optim.Optimizer):
                 self._init_state(self.param_groups[key[0]], p)
             bucket = self._bucket(key, params, with_age=settings[key].staleness > 0)
             # outside the graph: gradients are new tensors every step
+            decay = rule.folded_decay(settings[key], bucket.momentum.shape[1])
             rule.accumulate_and_score(bucket.momentum, [g for p in params for g in matrix_values(p.grad).unbind(0)],
-                                      out=bucket.scores)
+                                      out=bucket.scores, decay=decay)
             copied += [p for p in params if not p.is_contiguous()]
             weights = [w for p in params for w in matrix_view(self._contiguous_weight(p)).unbind(0)]
             matrices.append(WholeMatrices(weights, bucket.momentum, bucket.variance, settings[key],
-                                          scores=bucket.scores, age=bucket.age))
+                                          scores=bucket.scores, age=bucket.age, momentum_decayed=decay is not None))
         step_whole_matrices(matrices, self._graph if self.cuda_graph else None)
         for p in copied:
             p.copy_(self._copies[p])

@@ -104,15 +104,15 @@ CHECK = textwrap.dedent("""
         # of every new row to within fp32 rounding (more than one column block); the columns outside
         # the momentum's views untouched
         batch, n, c = 2, 13, 1100
-        for grad_dtype in (torch.float32, torch.bfloat16):
+        for grad_dtype, decay in ((torch.float32, None), (torch.bfloat16, None), (torch.float32, 0.9)):
             wide = torch.randn(batch, n, c + 6, generator=gen).to(device)
             wide_before = wide.clone()
             momentum = wide[:, :, 2:2 + c]
             grads = [torch.randn(n, c, generator=gen).to(grad_dtype).to(device) for _ in range(batch)]
             out = torch.full((batch, n), float("nan")).to(device)
-            accumulate_and_score(momentum, grads, out)
+            accumulate_and_score(momentum, grads, out, decay)
             want = wide_before[:, :, 2:2 + c] + torch.stack(grads).float()
-            assert torch.equal(momentum, want), grad_dtype
+            assert torch.equal(momentum, want if decay is None else want * decay), grad_dtype  # the scores: before it
             assert torch.allclose(out, want.double().abs().sum(-1).float(), rtol=1e-5, atol=0), grad_dtype
             assert torch.equal(wide[:, :, :2], wide_before[:, :, :2])
             assert torch.equal(wide[:, :, 2 + c:], wide_before[:, :, 2 + c:])

@@ -1,5 +1,6 @@
 """The Dion3 rule: NorMuon at fraction 1, row selection, error feedback, lr scaling."""
 
+import dataclasses
 import math
 
 import pytest
@@ -177,6 +178,44 @@ def test_accumulate_and_score_adds_the_gradients_and_scores_rows_by_l1(generator
     assert scores is out
     assert torch.equal(momentum, before + torch.stack([g.float() for g in grads]))
     assert torch.allclose(scores.double(), momentum.double().abs().sum(-1), rtol=1e-6, atol=0)
+
+
+def test_a_folded_decay_leaves_the_momentum_decayed_and_scores_it_before(generator):
+    momentum = torch.randn(2, 5, 9, generator=generator)
+    grads = [torch.randn(5, 9, generator=generator) for _ in range(2)]
+    summed = momentum + torch.stack(grads)
+    scores = rule.accumulate_and_score(momentum, grads, decay=0.75)
+    assert torch.equal(momentum, summed * 0.75)
+    assert torch.allclose(scores.double(), summed.double().abs().sum(-1), rtol=1e-6, atol=0)
+
+
+def test_the_decay_folds_only_into_a_step_that_selects_every_row():
+    hp = rule.Dion3Hyperparameters(fraction=1.0, mu=0.9)
+    assert rule.folded_decay(hp, 12) == 0.9
+    assert rule.folded_decay(dataclasses.replace(hp, fraction=0.25), 12) is None  # some rows stay out
+    assert rule.folded_decay(dataclasses.replace(hp, mu=0.0), 12) is None  # nothing left to orthogonalize
+    assert rule.folded_decay(hp, 12, mu=torch.full((3,), 0.9)) is None  # one per matrix, on the device
+
+
+def test_fraction_one_decays_the_momentum_in_the_accumulation_pass(generator, monkeypatch):
+    """mu * (M + G) is orthogonalized, not M + G (the same up to rounding: orthogonalization does not
+    see the scale), and no pass of its own decays the momentum; with mu = 0 it still does, after."""
+    shape = (24, 64)
+    for mu, passes in ((0.9, 0), (0.0, 2)):
+        calls = []
+        monkeypatch.setattr(rule, "decay_momentum", lambda m, factor, calls=calls: calls.append(factor) or m.mul_(factor))
+        weight = torch.randn(shape, generator=generator)
+        grads = [torch.randn(shape, generator=generator) for _ in range(2)]
+        param = torch.nn.Parameter(weight.clone())
+        opt = Dion3([param], lr=0.05, fraction=1.0, mu=mu, beta2=0.95, weight_decay=0.1, ns_dtype=torch.float64)
+        for g in grads:
+            param.grad = g.clone()
+            opt.step()
+        assert len(calls) == passes
+        (expected,) = normuon_reference([weight], [[g] for g in grads], 0.05, mu, 0.95, 0.1, 1e-8)
+        assert ((param.double() - expected).norm() / expected.norm()).item() <= 1e-6
+        assert torch.allclose(opt.state[param]["momentum"].double(),
+                              sum(mu ** (len(grads) - i) * g.double() for i, g in enumerate(grads)), rtol=1e-6, atol=1e-7)
 
 
 def test_ties_break_by_index():

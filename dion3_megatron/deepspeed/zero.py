@@ -309,13 +309,15 @@ class ZeroGroupPlan:
                                  for _, count, n, _ in self.whole]
         for i, (offset, count, n, m) in enumerate(self.whole):
             view = [t.narrow(0, offset, count * n * m).view(count, n, m) for t in (flat, grad, exp_avg, *per_row)]
-            # here, not in a graph: ZeRO's gradient partition is a new tensor every step
-            scores = rule.accumulate_and_score(view[2], list(view[1].unbind(0)), out=self.whole_scores[i])
             fraction = self.whole_fractions[i] if hp.fraction == options.AUTO else hp.fraction
             if fraction not in with_fraction:
                 with_fraction[fraction] = hp if fraction == hp.fraction else dataclasses.replace(hp, fraction=fraction)
+            # here, not in a graph: ZeRO's gradient partition is a new tensor every step
+            decay = rule.folded_decay(with_fraction[fraction], n)
+            scores = rule.accumulate_and_score(view[2], list(view[1].unbind(0)), out=self.whole_scores[i], decay=decay)
             entries.append(WholeMatrices(view[0], view[2], view[3][..., 0], with_fraction[fraction], scores=scores,
-                                         age=view[4][..., 0] if hp.staleness else None))
+                                         age=view[4][..., 0] if hp.staleness else None,
+                                         momentum_decayed=decay is not None))
 
         def spread() -> None:  # each row's variance (and age), repeated over the row (the slice's layout)
             for offset, count, n, m in self.whole:

@@ -6,7 +6,8 @@ the rule functions they stand in for (whether they run: :mod:`.rows`).
   :func:`dion3_megatron.rule.apply_rows` takes a multi-tensor multiply, then ``index_add_``
   on the scaled steps). The step is added in fp32 and rounded to the weight's dtype once.
 * :func:`accumulate_and_score`: M += G and the L1 norm of every row of the new M, one pass (the
-  torch form in :func:`dion3_megatron.rule.accumulate_and_score` adds, then reads M again).
+  torch form in :func:`dion3_megatron.rule.accumulate_and_score` adds, then reads M again), M
+  left decayed where the rule folds the decay in.
 * :func:`take_selected`: copy out the selected rows of the momentum and decay them in place by mu
   (the torch form in :func:`dion3_megatron.rule.take_selected` gathers and scatters through an
   index per element).
@@ -24,6 +25,7 @@ import it only where triton is present (:mod:`.rows` does that lazily).
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 import triton
@@ -36,7 +38,7 @@ SCORE_ROWS, SCORE_COLS = 4, 512  # whole rows per program: more programs, each l
 
 
 @triton.jit
-def _accumulate_and_score(m_ptr, m_stride, g_ptr, g_stride, score_ptr, n_rows, n_cols,
+def _accumulate_and_score(m_ptr, m_stride, g_ptr, g_stride, score_ptr, decay, n_rows, n_cols,
                    COL_BLOCKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # COL_BLOCKS is a constant: older Triton interpreters cannot loop over a runtime bound
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -48,7 +50,7 @@ def _accumulate_and_score(m_ptr, m_stride, g_ptr, g_stride, score_ptr, n_rows, n
         m_ptrs = m_ptr + rows[:, None].to(tl.int64) * m_stride + cols[None, :]
         g = tl.load(g_ptr + rows[:, None].to(tl.int64) * g_stride + cols[None, :], mask=inside, other=0.0)
         m = tl.load(m_ptrs, mask=inside, other=0.0) + g.to(tl.float32)
-        tl.store(m_ptrs, m, mask=inside)
+        tl.store(m_ptrs, m * decay, mask=inside)  # decay 1: m itself
         total += tl.abs(m)
     tl.store(score_ptr + rows, tl.sum(total, axis=1), mask=in_rows)
 
@@ -166,8 +168,10 @@ def probe(device: torch.device) -> None:
     accumulate_and_score(momentum, [torch.ones(2, 3, device=device)], torch.empty(1, 2, device=device))
 
 
-def accumulate_and_score(momentum: torch.Tensor, grads: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """For each b: momentum[b] += grads[b]; out[b] = the L1 norm of every row of the new momentum[b].
+def accumulate_and_score(momentum: torch.Tensor, grads: list[torch.Tensor], out: torch.Tensor,
+                         decay: Optional[float] = None) -> torch.Tensor:
+    """For each b: momentum[b] += grads[b]; out[b] = the L1 norm of every row of the new momentum[b];
+    with ``decay``, momentum[b] is then multiplied by it (in the same pass).
 
     momentum (B, n, c) fp32 and grads B (n, c) (see :func:`usable`); out (B, n) fp32, contiguous.
     The scores sum in another order than torch's norm: equal to within fp32 rounding.
@@ -176,8 +180,9 @@ def accumulate_and_score(momentum: torch.Tensor, grads: list[torch.Tensor], out:
     grid = (triton.cdiv(n, SCORE_ROWS),)
     with _device_of(momentum):
         for b, grad in enumerate(grads):
-            _accumulate_and_score[grid](momentum[b], momentum.stride(1), grad, grad.stride(0), out[b], n, c,
-                                 COL_BLOCKS=triton.cdiv(c, SCORE_COLS), BLOCK_R=SCORE_ROWS, BLOCK_C=SCORE_COLS)
+            _accumulate_and_score[grid](momentum[b], momentum.stride(1), grad, grad.stride(0), out[b],
+                                        1.0 if decay is None else decay, n, c, COL_BLOCKS=triton.cdiv(c, SCORE_COLS),
+                                        BLOCK_R=SCORE_ROWS, BLOCK_C=SCORE_COLS)
     return out
 
 
