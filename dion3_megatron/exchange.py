@@ -195,6 +195,19 @@ def _sub_batch_mu(sg: ShapeGroup, sub: _SubBatch, device: torch.device) -> float
     return sub.mu_on_device
 
 
+def _folded_decay(sg: ShapeGroup, mu: float | torch.Tensor) -> Optional[float]:
+    """:func:`rule.folded_decay` for a group's matrices: the decay their accumulation takes when the
+    step selects every row, as the single process's does (so both orthogonalize mu * (M + G))."""
+    hp = sg.hp if sg.hp.fraction == sg.fraction else dataclasses.replace(sg.hp, fraction=sg.fraction)
+    return rule.folded_decay(hp, sg.key.shape[0], mu)
+
+
+def _take_decay(sg: ShapeGroup, mu: float | torch.Tensor) -> float | torch.Tensor:
+    """The decay the selected rows take as they are copied out: mu, or 1 where the accumulation
+    has already decayed them (:func:`_folded_decay`)."""
+    return 1.0 if _folded_decay(sg, mu) is not None else mu
+
+
 @dataclass(eq=False)
 class _Route:
     """Where a sub-batch's matrices go in the static exchange (fixed for the plan's life):
@@ -367,8 +380,9 @@ class _BlockExchange(Exchange):
         device = sg.shards[0].weight.device
         scores = torch.zeros(len(sg.shards), sg.key.shape[0], dtype=torch.float32, device=device)
         for sub in self.subs:
+            decay = _folded_decay(sg, _sub_batch_mu(sg, sub, device))
             block = rule.accumulate_and_score(sub.momentum, [sg.shards[j].grad.view(sub.momentum.shape[1:])
-                                                             for j in sub.index])
+                                                             for j in sub.index], decay=decay)
             if sub.age is not None:
                 block = rule.staleness_boost(block, sub.age, sg.hp.staleness, sg.fraction)
             mine = sub.rect[sg.rank]
@@ -496,7 +510,7 @@ class StaticExchange(_BlockExchange):
             if sub.sharding.kind == "rows":  # rows another rank holds point at the zero row
                 mask = (local >= 0) & (local < rows)
                 local = torch.where(mask, local, rows)
-            pieces = rule.take_selected(sub.momentum_padded, local, _sub_batch_mu(sg, sub, device))
+            pieces = rule.take_selected(sub.momentum_padded, local, _take_decay(sg, _sub_batch_mu(sg, sub, device)))
             variances = torch.gather(sub.variance_padded, 1, local)
             if mask is not None:
                 variances = variances * mask
@@ -609,7 +623,7 @@ class PlannedExchange(_BlockExchange):
         send_parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
         for sub in subs:
             h = held[id(sub)]
-            pieces = rule.take_rows(sub.momentum, h.local_rows, _sub_batch_mu(sg, sub, device), h.batch)
+            pieces = rule.take_rows(sub.momentum, h.local_rows, _take_decay(sg, _sub_batch_mu(sg, sub, device)), h.batch)
             variances = sub.variance[h.batch, h.variance_rows]
             for d, (piece, v) in enumerate(zip(pieces.split(h.per_dest), variances.split(h.per_dest))):
                 send_parts[d] += [piece.reshape(-1)] + ([v] if sub.provides[me] else [])
@@ -682,6 +696,9 @@ class GeneralExchange(Exchange):
         for j, shard in enumerate(sg.shards):
             for rect in sg.rects[j][sg.rank]:
                 scores[j, rect.r0 : rect.r1] += rule.row_scores(rect.view(shard.state["momentum"])[None])[0]
+            decay = _folded_decay(sg, rule.momentum_decay(shard.hp, sg.fraction))
+            if decay is not None:  # as rule.accumulate_and_score folds it
+                shard.state["momentum"].mul_(decay)
             if sg.hp.staleness:
                 r0, r1 = sg.spans[j][sg.rank]
                 scores[j, r0:r1] = rule.staleness_boost(scores[j, r0:r1], shard.state["row_age"], sg.hp.staleness,
@@ -710,7 +727,7 @@ class GeneralExchange(Exchange):
             send_parts[owner].append(shard.state["variance"][layout.provided_rows(j)])
             for t, rect in enumerate(rects[j][me]):
                 piece = rule.take_rows(rect.view(momentum), layout.rect_rows(j, t),
-                                       rule.momentum_decay(shard.hp, sg.fraction))
+                                       _take_decay(sg, rule.momentum_decay(shard.hp, sg.fraction)))
                 send_parts[owner].append(piece.reshape(-1))
         recv_sizes = [layout.forward_size(q) for q in range(world)]
         owned = self.owned()
