@@ -126,8 +126,8 @@ def _step_whole_eager(entries: list[WholeMatrices]) -> None:
         if hp.staleness:
             rule.age_rows(e.age, idx)
         mu = e.mu if e.mu is not None else rule.momentum_decay(hp, hp.fraction)
-        # every row selected (f = 1): the momentum itself is orthogonalized and decays after, so its
-        # rows are not copied out first
+        # every row selected (f = 1): the momentum itself is orthogonalized, its rows not copied out
+        # first; it decays after, unless its accumulation already did (rule.folded_decay)
         every_row = idx.shape[1] == e.momentum.shape[1]
         if decayed and not every_row:
             raise RuntimeError("the momentum came decayed for a step that does not select every row")
