@@ -41,14 +41,6 @@ class Muon:
             p.add_(update.to(p.dtype), alpha=-self.lr * max(1.0, p.shape[0] / p.shape[1]) ** 0.5)
 
 
-def under_torch(step):
-    """``step`` on plain torch matmuls, whatever kernel configuration is set (Muon as it ships)."""
-    def run():
-        with kernels.using(kernels="torch"):
-            step()
-    return run
-
-
 def profile(params, fraction: float, rows: int = 25) -> None:
     """GPU time of one eager Dion3 step (no CUDA graph, so every kernel is listed), by kernel."""
     opt = Dion3(params, fraction=fraction, cuda_graph=False)
@@ -93,10 +85,15 @@ def main() -> None:
                "layers": args.layers, "kernel_config": {k: str(v) for k, v in settings.items()}}
     fractions = (1.0, 0.25, 0.125, "auto")
     optimizers = {fraction: Dion3(params, fraction=fraction) for fraction in fractions}
-    steps = {"muon_ms": under_torch(Muon(params).step)}
-    steps.update({f"dion3_{fraction}": opt.step for fraction, opt in optimizers.items()})
-    results.update(cuda_median_ms_interleaved({name: lambda i, step=step: step() for name, step in steps.items()},
-                                              reps=10, warmup=3))
+    muon = Muon(params)
+
+    def muon_step(i: int) -> None:  # Muon as it ships: plain torch matmuls, whatever kernel config is set
+        with kernels.using(kernels="torch"):
+            muon.step()
+
+    steps = {"muon_ms": muon_step}
+    steps.update({f"dion3_{fraction}": lambda i, opt=opt: opt.step() for fraction, opt in optimizers.items()})
+    results.update(cuda_median_ms_interleaved(steps, reps=10, warmup=3))
     print(f"{results['device']}, torch {results['torch']}: {args.layers} layers of {args.model} shapes "
           f"({sum(p.numel() for p in params) / 1e9:.2f}B params); kernel config {kernels.current()}")
     print(f"{'optimizer':<16}{'step ms':>10}{'vs muon':>9}")

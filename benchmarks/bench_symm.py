@@ -133,8 +133,9 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
             else:
                 quack(p, q.mT, C=p, alpha=1.5, beta=-0.5)
 
+        choices = {tile: kernel_choice(tile) for tile in tiles}
         variants = {"cuBLAS": cub}
-        variants.update({tile: lambda i, choice=kernel_choice(tile): ker(i, *choice) for tile in tiles})
+        variants.update({tile: lambda i, choice=choice: ker(i, *choice) for tile, choice in choices.items()})
         if quack is not None:
             variants["quack"] = quack_call
         try:
@@ -150,7 +151,7 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
         for tile in tiles:
             t = ms[tile]
             per_tile.append(f"{tile}: {t:.3f}")
-            shape = kernel_choice(tile)[0]
+            shape = choices[tile][0]
             if shape is not None:
                 key = tile_shape(shape)
                 by_shape[key] = min(t, by_shape.get(key, t))

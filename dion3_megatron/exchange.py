@@ -195,11 +195,15 @@ def _sub_batch_mu(sg: ShapeGroup, sub: _SubBatch, device: torch.device) -> float
     return sub.mu_on_device
 
 
+def _group_hp(sg: ShapeGroup) -> Dion3Hyperparameters:
+    """The group's settings with its fraction resolved (a number where the option is "auto")."""
+    return sg.hp if sg.hp.fraction == sg.fraction else dataclasses.replace(sg.hp, fraction=sg.fraction)
+
+
 def _folded_decay(sg: ShapeGroup, mu: float | torch.Tensor) -> Optional[float]:
     """:func:`rule.folded_decay` for a group's matrices: the decay their accumulation takes when the
     step selects every row, as the single process's does (so both orthogonalize mu * (M + G))."""
-    hp = sg.hp if sg.hp.fraction == sg.fraction else dataclasses.replace(sg.hp, fraction=sg.fraction)
-    return rule.folded_decay(hp, sg.key.shape[0], mu)
+    return rule.folded_decay(_group_hp(sg), sg.key.shape[0], mu)
 
 
 def _take_decay(sg: ShapeGroup, mu: float | torch.Tensor) -> float | torch.Tensor:
@@ -458,7 +462,7 @@ class WholeExchange(_BlockExchange):
         (``factors`` as device tensors inside a graph of the engine's whole step)."""
         sg = self.sg
         n, m = sg.key.shape
-        hp = sg.hp if sg.hp.fraction == sg.fraction else dataclasses.replace(sg.hp, fraction=sg.fraction)
+        hp = _group_hp(sg)
         return [WholeMatrices([sg.shards[j].weight.view(n, m) for j in sub.index], sub.momentum, sub.variance, hp,
                               grads=[sg.shards[j].grad.view(n, m) for j in sub.index],
                               hps=[sg.shards[j].hp for j in sub.index], mu=_sub_batch_mu(sg, sub, sub.momentum.device),
