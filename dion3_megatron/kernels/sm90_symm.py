@@ -33,7 +33,9 @@ one CTA per SM, each walking the batch's tiles in a fixed stride):
     those warps store it (named barriers STAGED and FREE); one of those warps then starts a TMA
     copy of the next tile's C into that buffer (swizzled as TMA writes it; mbarrier c_full) while
     the consumers compute it, so that the consumers add beta * C from shared memory, not from
-    global memory between two main loops.
+    global memory between two main loops. With a square tile per CTA (64 x 64, 128 x 128) the
+    consumers also stage its transpose, and a tile below the diagonal goes out as two TMA copies
+    (the block and its mirror) that one elected thread starts; diagonal tiles keep the two passes.
 
 This module imports cutlass at the top: import it only where nvidia-cutlass-dsl is installed
 (``dion3_megatron.kernels`` does that lazily).
@@ -101,9 +103,11 @@ def smem_budget(ctas_per_sm: int = 1) -> int:
 def staging_bytes(tile_m: int, tile_n: int, d_bytes: int, persistent: bool) -> int:
     """Shared memory of one CTA's epilogue tile: fp32 with pitch tile_n + PAD, reusing the ring;
     with ``persistent`` the output dtype (``d_bytes`` per element) with pitch tile_n + D_PAD,
-    beside the ring."""
+    beside the ring; for a square tile, whose stores are TMA copies, the tile and its transpose."""
     cta_m = tile_m // CLUSTER_M.get((tile_m, tile_n), 1)
-    return cta_m * (tile_n + D_PAD) * d_bytes if persistent else cta_m * (tile_n + PAD) * 4
+    if not persistent:
+        return cta_m * (tile_n + PAD) * 4
+    return 2 * cta_m * tile_n * d_bytes if cta_m == tile_n else cta_m * (tile_n + D_PAD) * d_bytes
 
 
 def max_stages(tile_m: int, tile_n: int, ab_bytes: int = 2, ctas_per_sm: int = 1, beside_ring: int = 0) -> int:
@@ -148,6 +152,9 @@ class SymmGemmSm90:
             raise ValueError(f"a persistent launch stages C in the output dtype {d}, got C in {c}")
         self.cluster_m = CLUSTER_M.get((self.tile_m, self.tile_n), 1)
         self.cta_m = self.tile_m // self.cluster_m  # rows of the tile one CTA computes
+        # A persistent CTA's square tile goes out by TMA, staged twice: as computed and transposed
+        # (the mirror block); a wider one (128 x 256) would not leave room for the ring
+        self.d_by_tma = persistent and self.cta_m == self.tile_n
         self.n_mma_wg = self.cta_m // 64
         self.mma_threads = 128 * self.n_mma_wg
         self.threads = 128 + self.mma_threads
@@ -217,12 +224,16 @@ class SymmGemmSm90:
         # padded to spread banks, or with C swizzled, the layout C's TMA copy writes.
         b_elems = self.ring_elems - cute.cosize(a_layout)
         e_layout = cute.make_layout((tm, tn), stride=(tn + D_PAD, 1))
-        tma_c, tC = tma_a, tA  # stand-ins unless C comes by TMA
-        if const_expr(self.c_by_tma):
+        tma_c, tC, tma_d, tD = tma_a, tA, tma_a, tA  # stand-ins unless C comes, or D goes, by TMA
+        if const_expr(self.c_by_tma or self.d_by_tma):
             e_layout = cute.slice_(sm90.make_smem_layout_epi(self.d_dtype, LayoutEnum.ROW_MAJOR, (tm, tn), 1),
                                    (None, None, 0))
+        if const_expr(self.c_by_tma):
             tma_c, tC = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mC, e_layout, (tm, tn))
+        if const_expr(self.d_by_tma):
+            tma_d, tD = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mD, e_layout, (tm, tn))
         e_elems = cute.cosize(e_layout) if self.persistent_ctas is not None else 1
+        t_elems = cute.cosize(e_layout) if self.d_by_tma else 1
 
         @cute.struct
         class Storage:
@@ -231,6 +242,7 @@ class SymmGemmSm90:
             sA: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(a_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[ab_dtype, b_elems], 1024]
             sE: cute.struct.Align[cute.struct.MemRange[self.d_dtype, e_elems], 1024]
+            sT: cute.struct.Align[cute.struct.MemRange[self.d_dtype, t_elems], 1024]  # the transpose, D by TMA
 
         self.storage = Storage
         if const_expr(self.persistent_ctas is None):
@@ -239,7 +251,7 @@ class SymmGemmSm90:
             grid = (self.persistent_ctas, 1, 1)
         # several CTAs per SM: registers capped for that many (minctasm), the largest shared-memory carveout
         occupancy = {} if self.ctas_per_sm == 1 else dict(min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)
-        self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, mC, mD, alpha, beta, tiled_mma, a_layout, b_layout,
+        self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, tma_d, tD, mC, mD, alpha, beta, tiled_mma, a_layout, b_layout,
                     e_layout).launch(
             grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_m, 1, 1), stream=stream, **occupancy
         )
@@ -313,6 +325,15 @@ class SymmGemmSm90:
         return item, r, pv, row0 + r, col0 + pv * VEC
 
     @cute.jit
+    def copy_out(self, tma_d: cute.CopyAtom, staged: cute.Tensor, mD_tma: cute.Tensor, i: Int32, j: Int32, bz: Int32):
+        """Start the TMA copy of the staged tile to D's block (i, j) of matrix bz."""
+        gD = cute.local_tile(mD_tma, (self.cta_m, self.tile_n), (i, j, bz))
+        tDsD, tDgD = cpasync.tma_partition(
+            tma_d, 0, cute.make_layout(1), cute.group_modes(staged, 0, 2), cute.group_modes(gD, 0, 2)
+        )
+        cute.copy(tma_d, tDsD, tDgD)
+
+    @cute.jit
     def store_tile(self, sD: cute.Tensor, mC: cute.Tensor, mD: cute.Tensor, beta: Float32,
                    row0: Int32, col0: Int32, bz: Int32, tid: Int32, threads: cutlass.Constexpr[int],
                    add_c: cutlass.Constexpr[bool]):
@@ -379,6 +400,8 @@ class SymmGemmSm90:
         mB: cute.Tensor,
         tma_c: cute.CopyAtom,
         mC_tma: cute.Tensor,
+        tma_d: cute.CopyAtom,
+        mD_tma: cute.Tensor,
         mC: cute.Tensor,
         mD: cute.Tensor,
         alpha: Float32,
@@ -398,6 +421,8 @@ class SymmGemmSm90:
             cpasync.prefetch_descriptor(tma_b)
             if const_expr(self.c_by_tma):
                 cpasync.prefetch_descriptor(tma_c)
+            if const_expr(self.d_by_tma):
+                cpasync.prefetch_descriptor(tma_d)
 
         rank = Int32(0)  # CTA within the cluster: its 128-row slice of each tile
         if const_expr(self.cluster_m > 1):
@@ -418,8 +443,14 @@ class SymmGemmSm90:
         sB = st.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
         persistent = self.persistent_ctas is not None
         # the epilogue tile: fp32 in the drained ring, or a persistent launch's, in the output dtype, beside it
-        if const_expr(self.c_by_tma):
+        # D by TMA: sT is the mirror block as its TMA copy reads it (the tile transposed), sT_view
+        # the same memory indexed as the tile, (r, c) at sT's (c, r), which the consumers write
+        sD = sT = sT_view = None
+        if const_expr(self.c_by_tma or self.d_by_tma):
             sD = st.sE.get_tensor(e_layout.outer, swizzle=e_layout.inner)
+            if const_expr(self.d_by_tma):
+                sT = st.sT.get_tensor(e_layout.outer, swizzle=e_layout.inner)
+                sT_view = st.sT.get_tensor(cute.select(e_layout.outer, mode=[1, 0]), swizzle=e_layout.inner)
         elif const_expr(persistent):
             sD = st.sE.get_tensor(e_layout)
         else:
@@ -490,6 +521,9 @@ class SymmGemmSm90:
                     c_bytes = cute.size_in_bytes(self.d_dtype, e_layout)
                     for t in cutlass.range(first, total, stride, unroll=1):
                         ti, tj, bz = self.tile_of(t, per_matrix, m, rank)
+                        if const_expr(self.d_by_tma):
+                            if warp == 1:  # the previous tile's TMA copies done reading the staging
+                                cute.arch.cp_async_bulk_wait_group(0, read=True)
                         if const_expr(self.has_c):  # this tile's C by TMA, while the consumers compute it
                             if warp == 1:
                                 with cute.arch.elect_one():
@@ -501,9 +535,22 @@ class SymmGemmSm90:
                                 cute.copy(tma_c, tCgC, tCsC, tma_bar_ptr=c_full)
                         cute.arch.barrier_arrive(barrier_id=FREE, number_of_threads=staging_sync)  # sD is read
                         cute.arch.barrier(barrier_id=STAGED, number_of_threads=staging_sync)
-                        self.store_tile(sD, mC, mD, beta, ti * tm, tj * tn, bz, tidx - 32, STORE_THREADS, False)
+                        if const_expr(self.d_by_tma):
+                            if ti != tj:  # below the diagonal: the block and its mirror, two TMA copies
+                                if warp == 1:  # one thread: bulk groups are per thread
+                                    with cute.arch.elect_one():
+                                        self.copy_out(tma_d, sD, mD_tma, ti, tj, bz)
+                                        self.copy_out(tma_d, sT, mD_tma, tj, ti, bz)
+                                        cute.arch.cp_async_bulk_commit_group()
+                            else:
+                                self.store_tile(sD, mC, mD, beta, ti * tm, tj * tn, bz, tidx - 32, STORE_THREADS, False)
+                        else:
+                            self.store_tile(sD, mC, mD, beta, ti * tm, tj * tn, bz, tidx - 32, STORE_THREADS, False)
                         if const_expr(self.has_c):  # every storing warp done with sD before C goes over it
                             cute.arch.barrier(barrier_id=STORED, number_of_threads=STORE_THREADS)
+                    if const_expr(self.d_by_tma):
+                        if warp == 1:  # the staging stays allocated until the last copy has read it
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
         if warp >= 4:
             if const_expr(self.split_registers):
@@ -516,6 +563,7 @@ class SymmGemmSm90:
             tCrA = tiled_mma.make_fragment_A(tCsA)
             tCrB = tiled_mma.make_fragment_B(tCsB)
             tCsD = thr_mma.partition_C(sD)
+            tCsT = thr_mma.partition_C(sT_view) if const_expr(self.d_by_tma) else None
             acc = cute.make_rmem_tensor(tCsD.shape, Float32)
             n_kb = cute.size(tCrA, mode=[2])
             rd = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -569,8 +617,11 @@ class SymmGemmSm90:
                         acc[e] = acc[e] * alpha
                         if const_expr(self.has_c):
                             acc[e] = acc[e] + beta * tCsD[e].to(Float32)
-                    tCsD.store(acc.load().to(self.d_dtype))
-                    if const_expr(self.has_c):  # these writes before the next tile's C lands by TMA
+                    staged = acc.load().to(self.d_dtype)
+                    tCsD.store(staged)
+                    if const_expr(self.d_by_tma):
+                        tCsT.store(staged)
+                    if const_expr(self.c_by_tma or self.d_by_tma):  # these writes before TMA copies touch them
                         cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier_arrive(barrier_id=STAGED, number_of_threads=staging_sync)
                 else:
