@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dion3_megatron import kernels  # noqa: E402
 from dion3_megatron.kernels.config import tile_shape  # noqa: E402
 from dion3_megatron.kernels.sm90_symm import (  # noqa: E402
-    TILE_THROUGHPUT, checked_ctas_per_sm, default_tile, modelled_tile_time, symm_gemm,
+    TILE_THROUGHPUT, checked_ctas_per_sm, default_tile, modelled_tile_time, stream_k_pays, symm_gemm,
 )
 from quack_backend import quack_gemm_symmetric  # noqa: E402
 
@@ -40,8 +40,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 # (batch, M, K): the issue's X @ X^T shapes
 GRAM_SHAPES = [(1, 1024, 5120), (1, 4096, 4096), (1, 4096, 16384), (1, 8192, 8192), (8, 4096, 16384)]
-# symmetric s x s products of Gram NS (K = s) for the 14B shapes and a sweep for routing
-SYMM_SHAPES = [(1, 1024, 1024), (1, 5120, 5120), (1, 4096, 4096), (8, 1024, 1024), (16, 1024, 1024)]
+# symmetric s x s products of Gram NS (K = s) for the issue's shapes and a sweep for routing
+SYMM_SHAPES = [(1, 1024, 1024), (1, 2048, 2048), (1, 5120, 5120), (1, 4096, 4096), (8, 1024, 1024), (16, 1024, 1024)]
 SWEEP = [(1, m, k) for m in (512, 1024, 2048, 3072, 4096) for k in (m, 4 * m)] + [
     (1, 3456, 5120), (1, 5120, 13824), (1, 6144, 6144), (1, 12288, 4096)] + [
     (b, 1024, 5120) for b in (2, 4, 8, 16)] + [
@@ -67,26 +67,28 @@ def cublas_peak(dtype) -> float:
 
 
 def kernel_choice(tile):
-    """'TILE[@CTAS][:p][:sN][:gN]' (CTAs per SM, e.g. 64@3; :p the persistent launch; :sN a pipeline of
-    N stages; :gN a tile order in bands of N block rows, KernelConfig.tile_group) -> (tile,
-    ctas_per_sm, persistent, stages, tile_group); None: the defaults (a tile without @ runs at its
-    default CTAs per SM)."""
-    if tile is None:
-        return None, None, None, None, kernels.current().tile_group
+    """'TILE[@CTAS][:p][:k][:sN][:gN]' (CTAs per SM, e.g. 64@3; :p the persistent launch; :k the
+    persistent launch with stream-K; :sN a pipeline of N stages; :gN a tile order in bands of N
+    block rows, KernelConfig.tile_group) -> (tile, ctas_per_sm, persistent, stages, tile_group,
+    stream_k); None or 'auto': the automatic choice (a tile without @ runs at its default CTAs per SM)."""
+    if tile is None or tile == "auto":
+        return None, None, None, None, kernels.current().tile_group, None
     tile, *launch = tile.split(":")
-    persistent, stages, group = False, None, kernels.current().tile_group
+    persistent, stages, group, stream_k = False, None, kernels.current().tile_group, False
     for suffix in launch:
         if suffix == "p":
             persistent = True
+        elif suffix == "k":
+            persistent = stream_k = True
         elif suffix[:1] == "s" and suffix[1:].isdigit():
             stages = int(suffix[1:])
         elif suffix[:1] == "g" and suffix[1:].isdigit():
             group = int(suffix[1:])
         else:
-            raise SystemExit("--tiles: a launch suffix must be ':p' (persistent), ':sN' (N stages) or ':gN' "
+            raise SystemExit("--tiles: a launch suffix must be ':p' (persistent), ':k' (stream-K), ':sN' (N stages) or ':gN' "
                              f"(bands of N block rows), got {suffix!r}")
     shape, _, ctas = tile.partition("@")
-    return shape, int(ctas) if ctas else None, persistent, stages, group
+    return shape, int(ctas) if ctas else None, persistent, stages, group, stream_k
 
 
 def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
@@ -118,8 +120,9 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
             else:  # the Gram NS form: alpha * P @ Q + beta * P
                 torch.baddbmm(xs[i], xs[i], ys[i], beta=-0.5, alpha=1.5, out=outs[i])
 
-        def ker(i, shape, ctas, persistent, stages, group):
-            launch = dict(out=outs[i], tile=shape, ctas_per_sm=ctas, persistent=persistent, stages=stages)
+        def ker(i, shape, ctas, persistent, stages, group, stream_k):
+            launch = dict(out=outs[i], tile=shape, ctas_per_sm=ctas, persistent=persistent, stages=stages,
+                          stream_k=stream_k)
             with kernels.using(tile_group=group):
                 if gram:
                     symm_gemm(xs[i], ys[i], 1.0, 0.0, None, **launch)
@@ -160,9 +163,10 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
         t_ker, tile = best
         floor = b * m * m * k / peak * 1e3  # half of 2 M^2 K
         name = f"{b}x{m}x{k}" if b > 1 else f"{m}x{k}"
-        if tile is None:
-            shape = default_tile(m, b)
-            chosen = "x".join(map(str, shape)) + f"@{checked_ctas_per_sm(*shape, None)}"
+        if choices[tile][0] is None:  # the automatic choice: its tile, and :k where it splits along K
+            shape = default_tile(m, b, k)
+            chosen = ("auto " if tile else "") + "x".join(map(str, shape)) + f"@{checked_ctas_per_sm(*shape, None)}"
+            chosen += ":k" if stream_k_pays(b, m, k, shape) else ""
         else:
             chosen = tile
         line = (
@@ -243,7 +247,8 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="also the routing sweep")
     ap.add_argument("--tiles", default="", help="comma list of tiles to try, each TILE or TILE@CTAS (CTAs kept "
-                    "resident per SM; TILE alone: its default), :p for the persistent launch, :sN for N pipeline stages, "
+                    "resident per SM; TILE alone: its default), :p for the persistent launch, :k for it with stream-K, "
+                    ":sN for N pipeline stages, "
                     ":gN for a tile order in bands of N block rows, e.g. 64@1,64,64@3,128x256,128x256:p,128x256:s3,128x256:p:g8 "
                     "(each and the best reported); "
                     "default: the automatic choice")

@@ -41,3 +41,19 @@ def test_the_row_by_row_tile_order_compiles_without_a_gpu(tile):
 def test_a_bf16_kernel_with_a_float32_result_compiles_without_a_gpu():
     kernel = sm90_symm.SymmGemmSm90(BF16, cutlass.Float32, cutlass.Float32, (128, 256))
     assert len(sm90_symm.compile_kernel(kernel).kernel_info) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tile", [(128, 128), (128, 256)])
+@pytest.mark.parametrize("operands", ["gram", "+ beta C", "M-major + beta C"])
+def test_the_stream_k_launch_compiles_without_a_gpu(tile, operands):
+    c = F16 if "C" in operands else None
+    kernel = sm90_symm.SymmGemmSm90(F16, F16, c, tile, None, operands.startswith("M-major"), 1, SMS, stream_k=True)
+    assert len(sm90_symm.compile_kernel(kernel).kernel_info) == 1
+
+
+def test_stream_k_needs_a_persistent_launch_of_single_ctas():
+    with pytest.raises(ValueError, match="stream_k needs a persistent launch of single CTAs"):
+        sm90_symm.SymmGemmSm90(F16, F16, None, (256, 256), None, False, 1, SMS, stream_k=True)
+    with pytest.raises(ValueError, match="stream_k needs a persistent launch of single CTAs"):
+        sm90_symm.SymmGemmSm90(F16, F16, None, (128, 128), stream_k=True)

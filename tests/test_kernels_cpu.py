@@ -68,7 +68,9 @@ def test_routing_rules():
     assert not backend.routes_to_kernel(1, 64, 64, torch.float16)  # tiny: cuBLAS
     # by the tiles the batch fills (one wave of 132 SMs), whatever the batch's split
     assert not backend.routes_to_kernel(1, 1024, 5120, torch.float16)  # 20 tiles
-    assert not backend.routes_to_kernel(1, 2048, 8192, torch.float16)  # 72: lost 0.88x
+    assert backend.routes_to_kernel(1, 2048, 8192, torch.float16)  # 72, but 2048 wide: stream-K won 1.18x
+    assert backend.routes_to_kernel(1, 2048, 2048, torch.float16)
+    assert not backend.routes_to_kernel(1, 1536, 6144, torch.float16)  # 42, narrower than min_width
     assert not backend.routes_to_kernel(4, 1024, 5120, torch.float16)  # 80
     assert backend.routes_to_kernel(1, 3072, 3072, torch.float16)  # 156: won 1.02x
     assert backend.routes_to_kernel(16, 1024, 5120, torch.float16)  # 320
@@ -82,10 +84,16 @@ def test_routing_rules():
     # The thresholds are the configuration's.
     kernels.configure(routing="measured", min_tiles=1)
     assert backend.routes_to_kernel(1, 64, 64, torch.float16)
-    with pytest.raises(ValueError, match="min_tiles must be an int >= 0, got -1"):
-        kernels.configure(min_tiles=-1)
-    with pytest.raises(ValueError, match="persistent must be a bool or None, got 1"):
-        kernels.configure(persistent=1)
+    kernels.configure(routing="measured", min_tiles=132, stream_k=False)  # no stream-K: by the tiles alone
+    assert not backend.routes_to_kernel(1, 2048, 8192, torch.float16)
+    kernels.configure(routing="measured", stream_k=None, min_width=1024)
+    assert backend.routes_to_kernel(1, 1024, 5120, torch.float16)
+    for name in ("min_tiles", "min_width"):
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 0, got -1"):
+            kernels.configure(**{name: -1})
+    for name in ("persistent", "stream_k"):
+        with pytest.raises(ValueError, match=f"{name} must be a bool or None, got 1"):
+            kernels.configure(**{name: 1})
     for bad in (0, "8", True):
         with pytest.raises(ValueError, match=f"tile_group must be an int >= 1, got {bad!r}"):
             kernels.configure(tile_group=bad)

@@ -137,6 +137,26 @@ def test_several_ctas_per_sm_change_nothing_but_residency(cuda_gen, ctas_per_sm,
     assert torch.equal(outs[0], outs[1])
 
 
+def _launch_operands(gen, operands, b, m, k, dtype):
+    """(x, y, c, alpha, beta) of a launch test: a Gram product; the Gram of a transposed view with
+    an addend; or a product of two commuting symmetric m x m matrices with an addend."""
+    if operands == "symmetric product, + beta C":
+        x, y = _commuting_pair(gen, b, m, dtype)
+        return x, y, x, 1.25, -0.5
+    if operands == "gram":
+        x = _rand(gen, b, m, k, dtype=dtype) / k**0.25
+        return x, x, None, 1.0, 0.0
+    x = (_rand(gen, b, k, m, dtype=dtype) / k**0.25).mT
+    c0 = _rand(gen, b, m, m, dtype=torch.float64)
+    return x, x, (c0 + c0.mT).to(dtype), -0.75, 1.5
+
+
+def _check_gram(out, x, c, alpha, beta, dtype):
+    xd = x.double()
+    ref = alpha * xd @ xd.mT + (beta * c.double() if c is not None else 0.0)
+    assert _rel(out, ref) <= TOL[dtype]
+
+
 @pytest.mark.parametrize("tile", [64, 128, "128x256", "256x256"])
 @pytest.mark.parametrize("operands", ["gram", "gram of a transposed view, + beta C", "symmetric product, + beta C"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -147,18 +167,7 @@ def test_persistent_launch_against_one_cta_per_tile(cuda_gen, tile, operands, dt
     from dion3_megatron.kernels.sm90_symm import symm_gemm
 
     b, m, k = 4, 2056, 520  # 324 tiles of 128 x 256 per launch against 132 SMs; K not a tile multiple
-    c, alpha, beta = None, 1.0, 0.0
-    if operands == "symmetric product, + beta C":
-        x, y = _commuting_pair(cuda_gen, b, m, dtype)
-        c, alpha, beta = x, 1.25, -0.5
-    else:
-        if operands == "gram":
-            x = _rand(cuda_gen, b, m, k, dtype=dtype) / k**0.25
-        else:
-            x = (_rand(cuda_gen, b, k, m, dtype=dtype) / k**0.25).mT
-            c0 = _rand(cuda_gen, b, m, m, dtype=torch.float64)
-            c, alpha, beta = (c0 + c0.mT).to(dtype), -0.75, 1.5
-        y = x
+    x, y, c, alpha, beta = _launch_operands(cuda_gen, operands, b, m, k, dtype)
     outs = [_poisoned((b, m, m), dtype) for _ in range(2)]
     for out, persistent in zip(outs, (False, True)):
         symm_gemm(x, y, alpha, beta, c, out=out, tile=tile, persistent=persistent)
@@ -170,9 +179,48 @@ def test_persistent_launch_against_one_cta_per_tile(cuda_gen, tile, operands, dt
         ulp = torch.finfo(dtype).eps * outs[0].double().abs().clamp_min(1.0)
         assert ((outs[1].double() - outs[0].double()).abs() <= ulp).all()
     if operands != "symmetric product, + beta C":
-        xd = x.double()
-        ref = alpha * xd @ xd.mT + (beta * c.double() if c is not None else 0.0)
-        assert _rel(outs[1], ref) <= TOL[dtype]
+        _check_gram(outs[1], x, c, alpha, beta, dtype)
+
+
+# (batch, m, k) at 128 x 128 tiles against 132 SMs: 10 tiles of 64 K blocks (each split in about
+# 13 parts); 136 tiles (all split, in two parts at most); 612 tiles (3 whole waves, then the split
+# ones), K not a multiple of the 64-wide K block; 3 x 36 tiles of a 1000-wide result
+STREAM_K_SHAPES = [(1, 512, 4096), (1, 2048, 2048), (4, 2056, 520), (3, 1000, 1032)]
+
+
+@pytest.mark.parametrize("tile", [64, 128, "128x256"])
+@pytest.mark.parametrize("shape", STREAM_K_SHAPES)
+@pytest.mark.parametrize("operands", ["gram", "gram of a transposed view, + beta C", "symmetric product, + beta C"])
+def test_stream_k_against_one_cta_per_tile(cuda_gen, tile, shape, operands):
+    """The persistent launch with the last waves' tiles split along K: every element written,
+    exactly symmetric, within a rounding of the per-tile launch (a split tile's parts are summed
+    in another order), and the same bit for bit in a second launch (the parts are added in a
+    fixed order, and each launch leaves the flags down for the next)."""
+    from dion3_megatron.kernels.sm90_symm import symm_gemm
+
+    dtype = torch.float16
+    b, m, k = shape
+    x, y, c, alpha, beta = _launch_operands(cuda_gen, operands, b, m, k, dtype)
+    outs = [_poisoned((b, m, m), dtype) for _ in range(3)]
+    for out, stream_k in zip(outs, (False, True, True)):
+        symm_gemm(x, y, alpha, beta, c, out=out, tile=tile, persistent=stream_k, stream_k=stream_k)
+    assert torch.isfinite(outs[1]).all(), "an element the stream-K launch never wrote"
+    assert torch.equal(outs[1], outs[1].mT)
+    assert torch.equal(outs[2], outs[1])
+    ulp = torch.finfo(dtype).eps * outs[0].double().abs().clamp_min(1.0)
+    assert ((outs[1].double() - outs[0].double()).abs() <= ulp).all()
+    if operands != "symmetric product, + beta C":
+        _check_gram(outs[1], x, c, alpha, beta, dtype)
+
+
+def test_stream_k_where_the_launch_cannot_take_it_is_refused():
+    from dion3_megatron.kernels.sm90_symm import symm_gemm
+
+    x = torch.randn(512, 256, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="stream_k needs the persistent launch of a single-CTA tile"):
+        symm_gemm(x, x, tile="256x256", persistent=True, stream_k=True)
+    with pytest.raises(ValueError, match="stream_k needs the persistent launch of a single-CTA tile"):
+        symm_gemm(x, x, tile=128, persistent=False, stream_k=True)
 
 
 @pytest.mark.parametrize("tile", [64, 128, "128x256", "256x256"])
@@ -180,7 +228,8 @@ def test_persistent_launch_against_one_cta_per_tile(cuda_gen, tile, operands, dt
 def test_a_banded_tile_order_changes_nothing_but_the_order(cuda_gen, tile, persistent):
     """KernelConfig.tile_group reorders the tiles (bands of block rows, a last band shorter, with
     an odd count of 128-row blocks the half row last): every tile is computed once, as in the
-    row-by-row order, so the result is the same bit for bit, with C too."""
+    row-by-row order, so the result is the same bit for bit, with C too (without stream-K, whose
+    split points, and so its roundings, move with the order)."""
     from dion3_megatron.kernels.sm90_symm import symm_gemm
 
     b, m = 2, 2056  # 17 row blocks of 128: bands of 3 leave short ones at every tile
@@ -189,7 +238,7 @@ def test_a_banded_tile_order_changes_nothing_but_the_order(cuda_gen, tile, persi
     for group in (1, 3, 8):
         out = _poisoned((b, m, m), torch.float16)
         with kernels.using(tile_group=group):
-            symm_gemm(x, y, 1.25, -0.5, x, out=out, tile=tile, persistent=persistent)
+            symm_gemm(x, y, 1.25, -0.5, x, out=out, tile=tile, persistent=persistent, stream_k=False)
         outs.append(out)
     assert torch.isfinite(outs[0]).all(), "an element the row-by-row order never wrote"
     assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
@@ -225,7 +274,7 @@ def test_the_default_launch_is_persistent_from_two_waves(cuda_gen, monkeypatch):
     for batch, m in ((1, 512), (8, 4096)):
         x = _rand(cuda_gen, batch, m, 256, dtype=torch.float16)
         out = sm90_symm.symm_gemm(x, x)
-        assert launches[-1] == sm90_symm.persistent_pays(batch, m, sm90_symm.default_tile(m, batch))
+        assert launches[-1] == sm90_symm.persistent_pays(batch, m, sm90_symm.default_tile(m, batch, 256))
         xd = x.double()
         assert _rel(out, xd @ xd.mT) <= TOL[torch.float16]
     assert launches == [False, True]  # 1 tile of 512^2; 8 x 136 tiles of 4096^2 at 256 x 256 (or more)

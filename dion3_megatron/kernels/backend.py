@@ -50,14 +50,16 @@ def kernel_capable_device(t: torch.Tensor) -> bool:
 
 def routes_to_kernel(batch: int, m: int, k: int, dtype: torch.dtype) -> bool:
     """Whether a (batch, m, k) symmetric product goes to the kernel (shape and dtype only): with
-    the configuration's routing "measured", only those that fill the GPU (``KernelConfig.min_tiles``):
-    smaller ones measured slower than cuBLAS."""
+    the configuration's routing "measured", only those that fill the GPU (``KernelConfig.min_tiles``),
+    or with stream-K at least ``KernelConfig.min_width`` wide: smaller ones measured slower than cuBLAS."""
     if dtype not in (torch.float16, torch.bfloat16):
         return False
     if m % 8 or k % 8:  # TMA needs 16-byte row strides
         return False
     config = kernel_config.current()
     if config.routing == "always":
+        return True
+    if config.stream_k is not False and m >= config.min_width:
         return True
     return batch * kernel_config.tile_count(m, *kernel_config.ROUTING_TILE) >= config.min_tiles
 

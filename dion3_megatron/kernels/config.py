@@ -70,6 +70,12 @@ class KernelConfig:
     # 2048 x 8192, 72 tiles: 0.88x), from one on it won (3072^2, 156 tiles: 1.02x; 16 x 1024 x 5120,
     # 320 tiles: Gram NS 2.85 ms against 3.18 with cuBLAS, graphed).
     min_tiles: int = 132
+    # Below min_tiles, a single product at least min_width wide goes to the kernel too where
+    # stream-K may run (stream_k not False), which spreads its one wave's tiles over every SM along
+    # K. Measured (H200, graphed, docs/benchmarks.md "Stream-K"): 2048 x 8192 X X^T 1.18x of cuBLAS,
+    # the 2048^2 products of Gram NS with their addend 1.16x (72 tiles each); 1024-wide products
+    # stay slower (1024 x 5120 0.75x).
+    min_width: int = 2048
     tile: Any = None  # symmetric-GEMM tile, any form tile_shape takes; None: modelled per shape (sm90_symm.default_tile)
     # symmetric-GEMM launch: one CTA per SM walking the tiles, each tile stored by warps that do
     # no MMAs while the next one computes (sm90_symm.SymmGemmSm90), instead of one CTA per tile
@@ -78,6 +84,11 @@ class KernelConfig:
     # (docs/benchmarks.md): the products of 2+ waves faster, a batch of 8 x 1024^2 (1.2 waves)
     # slower; with this rule the 14B-shape step 3.1% faster at f = 1 than with False
     persistent: Optional[bool] = None
+    # stream-K: a persistent launch of single-CTA tiles that splits the tiles of its last waves
+    # along K among all its CTAs (sm90_symm.SymmGemmSm90). None: where the last wave would leave
+    # SMs idle and it measured faster (sm90_symm.stream_k_pays), the launch then persistent; True:
+    # wherever the launch can take it; False: never.
+    stream_k: Optional[bool] = None
     fused_rows: bool = True  # the Triton row kernels (kernels/rows.py) where kernels is "auto"
     tile_group: int = DEFAULT_TILE_GROUP  # block rows per band of the symmetric GEMM's tile order
 
@@ -86,14 +97,17 @@ class KernelConfig:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
-        value = self.min_tiles
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-            raise ValueError(f"min_tiles must be an int >= 0, got {value!r}")
+        for name in ("min_tiles", "min_width"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if not isinstance(self.fused_rows, bool):
             raise ValueError(f"fused_rows must be a bool, got {self.fused_rows!r}")
         checked_tile_group(self.tile_group)
-        if self.persistent is not None and not isinstance(self.persistent, bool):
-            raise ValueError(f"persistent must be a bool or None, got {self.persistent!r}")
+        for name in ("persistent", "stream_k"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool or None, got {value!r}")
         if self.tile is not None:  # one spelling, hashable: a configuration can key a cache or a graph
             object.__setattr__(self, "tile", tile_shape(self.tile))
 

@@ -36,6 +36,11 @@ one CTA per SM, each walking the batch's tiles in a fixed stride):
     global memory between two main loops. With a square tile per CTA (64 x 64, 128 x 128) the
     consumers also stage its transpose, and a tile below the diagonal goes out as two TMA copies
     (the block and its mirror) that one elected thread starts; diagonal tiles keep the two passes.
+  * stream-K (a persistent launch of single CTAs): where the tiles would leave the last wave part
+    empty, the tiles of the last one or two waves are split along K, each CTA taking an even,
+    contiguous share of their K blocks after its whole tiles. A split tile's later parts leave fp32
+    partial sums in a workspace (one slot and one flag per CTA); the CTA with its K block 0 adds
+    them, in CTA order, and stores the tile.
 
 This module imports cutlass at the top: import it only where nvidia-cutlass-dsl is installed
 (``dion3_megatron.kernels`` does that lazily).
@@ -64,6 +69,7 @@ STORE_THREADS = 96  # a persistent launch's storing warps: the producer warpgrou
 # named barriers of a persistent epilogue: the tile staged / the staging read (and, with C, the
 # next tile's C on its way) / the storing warps done reading it (before C's TMA copy goes over it)
 STAGED, FREE, STORED = 2, 3, 4
+SPLIT = 5  # named barrier of the consumers around a stream-K tile's partial sums
 D_PAD = 8  # a persistent launch's staging pitch tn + 8 elements: 16-byte rows, spread banks
 PAD = 4  # epilogue tile pitch tn + 4 floats: 16-byte rows, and no bank conflicts in either pass
 VEC = 8  # elements per vector store of D (16 bytes of a half-precision output)
@@ -127,11 +133,13 @@ class SymmGemmSm90:
     ``persistent_ctas``: launch that many CTAs (as many as stay resident at once, a multiple of the
     cluster size), each walking the tiles in a fixed stride, the stores handed to the producer
     warpgroup's idle warps (None: one CTA, or cluster, per output tile, whose consumers store it);
-    ``tile_group``: the block rows of a band of the tile order (:meth:`block_coord`)."""
+    ``tile_group``: the block rows of a band of the tile order (:meth:`block_coord`);
+    ``stream_k``: a persistent launch that splits the tiles of its last waves along K among all
+    its CTAs (:meth:`work_item`), so that no SM idles in a last, partial wave."""
 
     def __init__(self, ab, d, c=None, tile=128, stages: Optional[int] = None, m_major: bool = False,
                  ctas_per_sm: Optional[int] = None, persistent_ctas: Optional[int] = None,
-                 tile_group: int = kernel_config.DEFAULT_TILE_GROUP):
+                 tile_group: int = kernel_config.DEFAULT_TILE_GROUP, stream_k: bool = False):
         self.m_major = m_major
         self.tile_group = kernel_config.checked_tile_group(tile_group)
         self.tile_m, self.tile_n = tile_shape(tile)
@@ -152,6 +160,11 @@ class SymmGemmSm90:
             raise ValueError(f"a persistent launch stages C in the output dtype {d}, got C in {c}")
         self.cluster_m = CLUSTER_M.get((self.tile_m, self.tile_n), 1)
         self.cta_m = self.tile_m // self.cluster_m  # rows of the tile one CTA computes
+        self.stream_k = stream_k
+        self.workspace_ctas = persistent_ctas or 1  # stream-K's slots of partial sums and flags
+        if stream_k and not (persistent and self.cluster_m == 1):
+            raise ValueError(f"stream_k needs a persistent launch of single CTAs, got tile {tile} "
+                             f"with persistent_ctas={persistent_ctas}")
         # A persistent CTA's square tile goes out by TMA, staged twice: as computed and transposed
         # (the mirror block); a wider one (128 x 256) would not leave room for the ring
         self.d_by_tma = persistent and self.cta_m == self.tile_n
@@ -173,6 +186,8 @@ class SymmGemmSm90:
         pB: cute.Pointer,  # as pA
         pC: cute.Pointer,  # (L, M, M) row-major (ignored unless has_c)
         pD: cute.Pointer,  # (L, M, M) row-major
+        pW: cute.Pointer,  # float32, stream-K: a tile of partial sums per CTA (ignored otherwise)
+        pF: cute.Pointer,  # int32, stream-K: one flag per CTA, 1 while its partial sums wait, else 0
         m: Int32,
         k: Int32,
         batch: Int32,
@@ -195,6 +210,12 @@ class SymmGemmSm90:
         mC = mD
         if const_expr(self.has_c):
             mC = cute.make_tensor(pC, cute.make_layout((m, m, batch), stride=(ldd, 1, ldd * m)))
+        # a CTA's partial sums as its consumer threads hold them: element e of thread t at (e, t),
+        # so that a warp's stores of one element are contiguous
+        per_thread = tm * tn // self.mma_threads
+        mW = cute.make_tensor(pW, cute.make_layout((per_thread, self.mma_threads, self.workspace_ctas),
+                                                   stride=(self.mma_threads, 1, per_thread * self.mma_threads)))
+        mF = cute.make_tensor(pF, cute.make_layout(self.workspace_ctas))
 
         tile_mnk = (tm, tn, TILE_K)
         major, gmem_order = OperandMajorMode.K, LayoutEnum.ROW_MAJOR
@@ -251,8 +272,8 @@ class SymmGemmSm90:
             grid = (self.persistent_ctas, 1, 1)
         # several CTAs per SM: registers capped for that many (minctasm), the largest shared-memory carveout
         occupancy = {} if self.ctas_per_sm == 1 else dict(min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)
-        self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, tma_d, tD, mC, mD, alpha, beta, tiled_mma, a_layout, b_layout,
-                    e_layout).launch(
+        self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, tma_d, tD, mC, mD, mW, mF, alpha, beta, tiled_mma, a_layout,
+                    b_layout, e_layout).launch(
             grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_m, 1, 1), stream=stream, **occupancy
         )
 
@@ -314,6 +335,85 @@ class SymmGemmSm90:
         column block, batch)."""
         ti, tj = self.tile_coord(t % per_matrix, m)
         return ti * self.cluster_m + rank, tj, t // per_matrix
+
+    @cute.jit
+    def split_start(self, cta: Int32, base: Int32, rem: Int32):
+        """The first K block, counted over the split tiles, of CTA ``cta``'s share: ``base`` blocks
+        each, one more for the first ``rem`` CTAs."""
+        return cta * base + cutlass.min(cta, rem)
+
+    @cute.jit
+    def split_owner(self, unit: Int32, base: Int32, rem: Int32):
+        """The CTA whose share (:meth:`split_start`) holds K block ``unit`` of the split tiles."""
+        cta = unit // (base + 1)
+        if unit >= rem * (base + 1):
+            cta = rem + (unit - rem * (base + 1)) // cutlass.max(base, 1)
+        return cta
+
+    @cute.jit
+    def stream_k_split(self, total: Int32, k_tiles: Int32, ctas: Int32, cta: Int32):
+        """How a stream-K launch shares ``total`` tiles among ``ctas`` CTAs: whole tiles, strided,
+        for all but the last one or two waves (none if the tiles fill whole waves), whose K blocks
+        are then split evenly, each CTA taking a contiguous range of them (so each split tile has
+        at most a few parts, and most two). Returns (this CTA's whole tiles, the first split tile,
+        base, rem of :meth:`split_start`, this CTA's work items)."""
+        split_from = total
+        if total % ctas != 0:
+            split_from = cutlass.max(total // ctas - 1, 0) * ctas
+        whole = split_from // ctas
+        units = (total - split_from) * k_tiles
+        base, rem = units // ctas, units % ctas
+        start, end = self.split_start(cta, base, rem), self.split_start(cta + 1, base, rem)
+        items = whole
+        if end > start:
+            items = whole + (end + k_tiles - 1) // k_tiles - start // k_tiles
+        return whole, split_from, base, rem, items
+
+    @cute.jit
+    def work_item(self, w: Int32, first: Int32, stride: Int32, whole: Int32, split_from: Int32, base: Int32,
+                  rem: Int32, k_tiles: Int32, cta: Int32):
+        """This CTA's ``w``-th work item: (linear tile index, its K blocks [k0, k1)). Tiles
+        ``first``, ``first + stride``, ... whole; with stream-K, after ``whole`` of them, the
+        parts of the split tiles in this CTA's share (:meth:`stream_k_split`)."""
+        t, k0, k1 = first + w * stride, Int32(0), k_tiles
+        if const_expr(self.stream_k):
+            if w >= whole:
+                start, end = self.split_start(cta, base, rem), self.split_start(cta + 1, base, rem)
+                st = start // k_tiles + (w - whole)  # among the split tiles
+                t = split_from + st
+                k0 = cutlass.max(start - st * k_tiles, 0)
+                k1 = cutlass.min(end - st * k_tiles, k_tiles)
+        return t, k0, k1
+
+    @cute.jit
+    def exchange_partial_sums(self, acc: cute.Tensor, mW: cute.Tensor, mF: cute.Tensor, t: Int32, k0: Int32,
+                              k1: Int32, k_tiles: Int32, ct: Int32, split_from: Int32, base: Int32, rem: Int32,
+                              cta: Int32):
+        """Stream-K, by the consumers after a work item's MMAs: a later part of a split tile
+        (``k0 > 0``) leaves its partial sums in this CTA's slot of the workspace and raises the
+        CTA's flag; the part with K block 0, whose CTA stores the tile, adds the partial sums of
+        the CTAs that hold the tile's other parts, in CTA order (the same sum in every launch),
+        each once its flag is up, and lowers the flag for the next launch. The later parts come
+        first in their CTAs' shares and wait for nothing, so the wait ends once they are resident."""
+        if k0 > 0:
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                mW[e, ct, cta] = acc[e]
+            cute.arch.barrier(barrier_id=SPLIT, number_of_threads=self.mma_threads)
+            if ct == 0:  # every consumer's stores before the flag, at GPU scope
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.store(mF.iterator + cta, Int32(1), sem="relaxed", scope="gpu")
+        elif k1 < k_tiles:
+            st = t - split_from  # among the split tiles
+            last = self.split_owner(st * k_tiles + k_tiles - 1, base, rem)
+            for q in cutlass.range(self.split_owner(st * k_tiles + k1, base, rem), last + 1, unroll=1):
+                if ct == 0:  # the acquiring load also drops this SM's L1 copies of the workspace
+                    flag = cute.arch.load(mF.iterator + q, Int32, sem="acquire", scope="gpu")
+                    while flag == 0:
+                        flag = cute.arch.load(mF.iterator + q, Int32, sem="acquire", scope="gpu")
+                    cute.arch.store(mF.iterator + q, Int32(0), sem="relaxed", scope="gpu")
+                cute.arch.barrier(barrier_id=SPLIT, number_of_threads=self.mma_threads)
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    acc[e] = acc[e] + mW[e, ct, q]
 
     @cute.jit
     def row_vector(self, item: Int32, row0: Int32, col0: Int32):
@@ -404,6 +504,8 @@ class SymmGemmSm90:
         mD_tma: cute.Tensor,
         mC: cute.Tensor,
         mD: cute.Tensor,
+        mW: cute.Tensor,
+        mF: cute.Tensor,
         alpha: Float32,
         beta: Float32,
         tiled_mma: cute.TiledMma,
@@ -436,6 +538,14 @@ class SymmGemmSm90:
         if const_expr(self.persistent_ctas is not None):
             grid_x, _, _ = cute.arch.grid_dim()
             first, stride = Int32(bidx) // self.cluster_m, Int32(grid_x) // self.cluster_m
+        tile_mnk = (tm, tn, TILE_K)
+        k_tiles = cute.size(cute.local_tile(mA, tile_mnk, (0, 0, None, 0), proj=(1, None, 1)), mode=[2])
+        # work items (work_item): whole tiles, and with stream-K the parts of the split ones
+        items = (total - first + stride - 1) // stride
+        whole, split_from, base, rem = items, total, Int32(0), Int32(0)
+        if const_expr(self.stream_k):
+            whole, split_from, base, rem, items = self.stream_k_split(total, k_tiles, stride, first)
+        work = (first, stride, whole, split_from, base, rem, k_tiles, first)  # the last: this CTA's slot
 
         smem = SmemAllocator()
         st = smem.allocate(self.storage)
@@ -482,9 +592,6 @@ class SymmGemmSm90:
             enable_multicast_signaling=multicast,
         )
 
-        tile_mnk = (tm, tn, TILE_K)
-        k_tiles = cute.size(cute.local_tile(mA, tile_mnk, (0, 0, None, 0), proj=(1, None, 1)), mode=[2])
-
         if warp < 4:
             if const_expr(self.split_registers):
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -492,7 +599,8 @@ class SymmGemmSm90:
                 # ---------------- producer: TMA ring, across tiles ----------------
                 b_mask = cute.make_layout_image_mask(cluster, (rank, 0, 0), mode=0)
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                for t in cutlass.range(first, total, stride, unroll=1):
+                for w in cutlass.range(items, unroll=1):
+                    t, k0, k1 = self.work_item(w, *work)
                     ti, tj, bz = self.tile_of(t, per_matrix, m, rank)
                     gA = cute.local_tile(mA, tile_mnk, (ti, tj, None, bz), proj=(1, None, 1))  # (tm, BK, kt)
                     gB = cute.local_tile(mB, tile_mnk, (ti, tj, None, bz), proj=(None, 1, 1))  # (tn, BK, kt)
@@ -504,7 +612,7 @@ class SymmGemmSm90:
                         tma_b, rank, cute.make_layout(self.cluster_m), cute.group_modes(sB, 0, 2),
                         cute.group_modes(gB, 0, 2)
                     )
-                    for k in cutlass.range(k_tiles, unroll=1):
+                    for k in cutlass.range(k0, k1, unroll=1):
                         pipe.producer_acquire(prod)
                         bar = pipe.producer_get_barrier(prod)
                         cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
@@ -519,35 +627,39 @@ class SymmGemmSm90:
                 if warp > 0:
                     # ---------------- storing warps: a persistent launch's epilogue ----------------
                     c_bytes = cute.size_in_bytes(self.d_dtype, e_layout)
-                    for t in cutlass.range(first, total, stride, unroll=1):
-                        ti, tj, bz = self.tile_of(t, per_matrix, m, rank)
-                        if const_expr(self.d_by_tma):
-                            if warp == 1:  # the previous tile's TMA copies done reading the staging
-                                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                        if const_expr(self.has_c):  # this tile's C by TMA, while the consumers compute it
-                            if warp == 1:
-                                with cute.arch.elect_one():
-                                    cute.arch.mbarrier_arrive_and_expect_tx(c_full, c_bytes)
-                                gC = cute.local_tile(mC_tma, (tm, tn), (ti, tj, bz))
-                                tCsC, tCgC = cpasync.tma_partition(
-                                    tma_c, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), cute.group_modes(gC, 0, 2)
-                                )
-                                cute.copy(tma_c, tCgC, tCsC, tma_bar_ptr=c_full)
-                        cute.arch.barrier_arrive(barrier_id=FREE, number_of_threads=staging_sync)  # sD is read
-                        cute.arch.barrier(barrier_id=STAGED, number_of_threads=staging_sync)
-                        if const_expr(self.d_by_tma):
-                            if ti != tj:  # below the diagonal: the block and its mirror, two TMA copies
-                                if warp == 1:  # one thread: bulk groups are per thread
+                    for w in cutlass.range(items, unroll=1):
+                        t, k0, k1 = self.work_item(w, *work)
+                        if k0 == 0:  # a later part of a split tile goes to the workspace, not here
+                            ti, tj, bz = self.tile_of(t, per_matrix, m, rank)
+                            if const_expr(self.d_by_tma):
+                                if warp == 1:  # the previous tile's TMA copies done reading the staging
+                                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                            if const_expr(self.has_c):  # this tile's C by TMA, while the consumers compute it
+                                if warp == 1:
                                     with cute.arch.elect_one():
-                                        self.copy_out(tma_d, sD, mD_tma, ti, tj, bz)
-                                        self.copy_out(tma_d, sT, mD_tma, tj, ti, bz)
-                                        cute.arch.cp_async_bulk_commit_group()
+                                        cute.arch.mbarrier_arrive_and_expect_tx(c_full, c_bytes)
+                                    gC = cute.local_tile(mC_tma, (tm, tn), (ti, tj, bz))
+                                    tCsC, tCgC = cpasync.tma_partition(
+                                        tma_c, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2),
+                                        cute.group_modes(gC, 0, 2)
+                                    )
+                                    cute.copy(tma_c, tCgC, tCsC, tma_bar_ptr=c_full)
+                            cute.arch.barrier_arrive(barrier_id=FREE, number_of_threads=staging_sync)  # sD is read
+                            cute.arch.barrier(barrier_id=STAGED, number_of_threads=staging_sync)
+                            if const_expr(self.d_by_tma):
+                                if ti != tj:  # below the diagonal: the block and its mirror, two TMA copies
+                                    if warp == 1:  # one thread: bulk groups are per thread
+                                        with cute.arch.elect_one():
+                                            self.copy_out(tma_d, sD, mD_tma, ti, tj, bz)
+                                            self.copy_out(tma_d, sT, mD_tma, tj, ti, bz)
+                                            cute.arch.cp_async_bulk_commit_group()
+                                else:
+                                    self.store_tile(sD, mC, mD, beta, ti * tm, tj * tn, bz, tidx - 32, STORE_THREADS,
+                                                    False)
                             else:
                                 self.store_tile(sD, mC, mD, beta, ti * tm, tj * tn, bz, tidx - 32, STORE_THREADS, False)
-                        else:
-                            self.store_tile(sD, mC, mD, beta, ti * tm, tj * tn, bz, tidx - 32, STORE_THREADS, False)
-                        if const_expr(self.has_c):  # every storing warp done with sD before C goes over it
-                            cute.arch.barrier(barrier_id=STORED, number_of_threads=STORE_THREADS)
+                            if const_expr(self.has_c):  # every storing warp done with sD before C goes over it
+                                cute.arch.barrier(barrier_id=STORED, number_of_threads=STORE_THREADS)
                     if const_expr(self.d_by_tma):
                         if warp == 1:  # the staging stays allocated until the last copy has read it
                             cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -569,15 +681,16 @@ class SymmGemmSm90:
             rd = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             c_phase = Int32(0)  # parity of c_full's next completion
-            for t in cutlass.range(first, total, stride, unroll=1):
+            for w in cutlass.range(items, unroll=1):
+                t, k0, k1 = self.work_item(w, *work)
                 ti, tj, bz = self.tile_of(t, per_matrix, m, rank)
                 acc.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 # each stage's barrier is polled once ahead (try_wait) while the MMAs before it run
                 ready = cutlass.Boolean(True)
-                if k_tiles > 0:
+                if k1 > k0:
                     ready = pipe.consumer_try_wait(rd)
-                for k in cutlass.range(k_tiles, unroll=1):
+                for k in cutlass.range(k0, k1, unroll=1):
                     pipe.consumer_wait(rd, ready)
                     warpgroup.fence()
                     for kb in cutlass.range_constexpr(n_kb):
@@ -590,47 +703,50 @@ class SymmGemmSm90:
                         )
                     warpgroup.commit_group()
                     warpgroup.wait_group(1)
-                    if k > 0:
+                    if k > k0:
                         pipe.consumer_release(rel)
                         rel.advance()
                     rd.advance()
                     ready = cutlass.Boolean(True)
-                    if k + 1 < k_tiles:
+                    if k + 1 < k1:
                         ready = pipe.consumer_try_wait(rd)
                 warpgroup.wait_group(0)
-                if k_tiles > 0:
+                if k1 > k0:
                     pipe.consumer_release(rel)
                     rel.advance()
+                if const_expr(self.stream_k):
+                    self.exchange_partial_sums(acc, mW, mF, t, k0, k1, k_tiles, ct, split_from, base, rem, first)
 
-                # ---------------- epilogue ----------------
-                row0, col0 = ti * tm, tj * tn
-                if const_expr(persistent):
-                    # once the storing warps have read the previous tile (and put this one's C in
-                    # sD), stage alpha * acc + beta * C in the output dtype for them, element by
-                    # element in place (a second tile of registers would not fit beside acc), and go
-                    # on to the next tile's MMAs
-                    cute.arch.barrier(barrier_id=FREE, number_of_threads=staging_sync)
-                    if const_expr(self.has_c):
-                        cute.arch.mbarrier_wait(c_full, c_phase)
-                        c_phase = c_phase ^ 1
-                    for e in cutlass.range_constexpr(cute.size(acc)):
-                        acc[e] = acc[e] * alpha
+                # ---------------- epilogue: the tile's, by the CTA holding its K block 0 ----------------
+                if k0 == 0:
+                    row0, col0 = ti * tm, tj * tn
+                    if const_expr(persistent):
+                        # once the storing warps have read the previous tile (and put this one's C in
+                        # sD), stage alpha * acc + beta * C in the output dtype for them, element by
+                        # element in place (a second tile of registers would not fit beside acc), and go
+                        # on to the next tile's MMAs
+                        cute.arch.barrier(barrier_id=FREE, number_of_threads=staging_sync)
                         if const_expr(self.has_c):
-                            acc[e] = acc[e] + beta * tCsD[e].to(Float32)
-                    staged = acc.load().to(self.d_dtype)
-                    tCsD.store(staged)
-                    if const_expr(self.d_by_tma):
-                        tCsT.store(staged)
-                    if const_expr(self.c_by_tma or self.d_by_tma):  # these writes before TMA copies touch them
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.barrier_arrive(barrier_id=STAGED, number_of_threads=staging_sync)
-                else:
-                    # sD reuses the ring: every warpgroup's MMAs must be done reading it
-                    cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
-                    for e in cutlass.range(cute.size(acc), unroll_full=True):
-                        tCsD[e] = acc[e] * alpha
-                    cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
-                    self.store_tile(sD, mC, mD, beta, row0, col0, bz, ct, self.mma_threads, self.has_c)
+                            cute.arch.mbarrier_wait(c_full, c_phase)
+                            c_phase = c_phase ^ 1
+                        for e in cutlass.range_constexpr(cute.size(acc)):
+                            acc[e] = acc[e] * alpha
+                            if const_expr(self.has_c):
+                                acc[e] = acc[e] + beta * tCsD[e].to(Float32)
+                        staged = acc.load().to(self.d_dtype)
+                        tCsD.store(staged)
+                        if const_expr(self.d_by_tma):
+                            tCsT.store(staged)
+                        if const_expr(self.c_by_tma or self.d_by_tma):  # these writes before TMA copies touch them
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.barrier_arrive(barrier_id=STAGED, number_of_threads=staging_sync)
+                    else:
+                        # sD reuses the ring: every warpgroup's MMAs must be done reading it
+                        cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
+                        for e in cutlass.range(cute.size(acc), unroll_full=True):
+                            tCsD[e] = acc[e] * alpha
+                        cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
+                        self.store_tile(sD, mC, mD, beta, row0, col0, bz, ct, self.mma_threads, self.has_c)
 
         if const_expr(self.cluster_m > 1):
             # no CTA exits while a peer may still arrive on its barriers
@@ -649,15 +765,18 @@ _TORCH_TO_CUTLASS = {
     torch.float16: cutlass.Float16,
     torch.bfloat16: cutlass.BFloat16,
     torch.float32: cutlass.Float32,
+    torch.int32: cutlass.Int32,
 }
 _COMPILED: dict = {}
 _STREAMS: dict = {}
+_WORKSPACES: dict = {}
 _SMS: dict = {}
 _RESIDENT: dict = {}
 
 
-def _ptr(t: torch.Tensor):
-    return make_ptr(_TORCH_TO_CUTLASS[t.dtype], t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
+def _ptr(t: torch.Tensor, dtype: Optional[torch.dtype] = None):
+    """``t``'s data as a kernel argument, typed as ``dtype`` (a stand-in the kernel never reads) or its own."""
+    return make_ptr(_TORCH_TO_CUTLASS[dtype or t.dtype], t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
 
 def _stream():
@@ -668,6 +787,19 @@ def _stream():
 
         s = _STREAMS[handle] = cuda_driver.CUstream(handle)
     return s
+
+
+def split_workspace(ctas: int, tile_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stream-K's workspace on the current device and stream: a float32 tile of partial sums per
+    CTA, and an int32 flag per CTA, zero between launches (each launch lowers the flags it raised).
+    One per stream, since the launches on a stream run one after another; first made on a stream
+    that a CUDA graph captures, its zeroing is captured too (harmless: the flags are zero then)."""
+    key = (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws[0].numel() < ctas * tile_elems or ws[1].numel() < ctas:
+        ws = _WORKSPACES[key] = (torch.empty(ctas * tile_elems, dtype=torch.float32, device="cuda"),
+                                 torch.zeros(ctas, dtype=torch.int32, device="cuda"))
+    return ws
 
 
 def _sm_count() -> int:
@@ -684,19 +816,24 @@ def _sm_count() -> int:
 TILE_THROUGHPUT = {(64, 64): 0.55, (128, 128): 0.9, (128, 256): 0.95, (256, 256): 1.0}
 
 
-def modelled_tile_time(m: int, batch: int, shape: tuple[int, int], throughput: float, sms: int) -> float:
+def modelled_tile_time(m: int, batch: int, shape: tuple[int, int], throughput: float, sms: int,
+                       split: bool = False) -> float:
     """A product's modelled time at tile ``shape`` (arbitrary units): waves of CTAs over ``sms`` SMs
-    times one CTA's tile area over its relative ``throughput``."""
+    (whole waves; with ``split``, stream-K's, the fraction) times one CTA's tile area over its
+    relative ``throughput``."""
     ctas = batch * tile_count(m, *shape) * CLUSTER_M.get(shape, 1)
-    return -(-ctas // sms) * shape[0] * shape[1] / CLUSTER_M.get(shape, 1) / throughput
+    waves = ctas / sms if split else -(-ctas // sms)
+    return waves * shape[0] * shape[1] / CLUSTER_M.get(shape, 1) / throughput
 
 
 @functools.lru_cache(maxsize=None)
-def default_tile(m: int, batch: int) -> tuple[int, int]:
+def default_tile(m: int, batch: int, k: int, split_allowed: bool = True) -> tuple[int, int]:
     """The tile shape with the least modelled time (TILE_THROUGHPUT): waves of tiles times a tile's
-    time. Wide tiles run faster per element, but fewer of them can leave SMs idle in the last wave."""
+    time. Wide tiles run faster per element, but fewer of them can leave SMs idle in the last wave,
+    unless stream-K (where ``split_allowed`` and :func:`stream_k_pays`) spreads that wave's tiles."""
     sms = _sm_count()
-    return min(TILES, key=lambda shape: modelled_tile_time(m, batch, shape, TILE_THROUGHPUT[shape], sms))
+    return min(TILES, key=lambda shape: modelled_tile_time(
+        m, batch, shape, TILE_THROUGHPUT[shape], sms, split_allowed and stream_k_pays(batch, m, k, shape)))
 
 
 def resident_clusters(cluster_m: int) -> int:
@@ -736,24 +873,54 @@ def persistent_pays(batch: int, m: int, shape: tuple[int, int], ctas_per_sm: Opt
     return batch * tile_count(m, *shape) * ctas_per_tile >= PERSISTENT_MIN_WAVES * persistent_ctas(shape, ctas_per_sm)
 
 
+# Stream-K where the tiles fill under SPLIT_MAX_FILL of the waves a persistent launch takes, K is
+# at most SPLIT_MAX_K and each CTA's share of the split tiles is at least SPLIT_MIN_BLOCKS K blocks.
+# Measured on an H200 (graphed, docs/benchmarks.md "Stream-K"): faster where the waves were 0.52-0.89
+# full (2048^2 with C 0.031 against 0.034 ms persistent, 2048 x 8192 X X^T 0.080 against 0.101,
+# 8 x 1024 x 5120 0.104 against 0.117, 5120^2 with C 0.250 against 0.268); slower at K = 12288
+# (3072 x 12288, 0.76 full: 0.255 against 0.247; the CTAs, each at another K offset, share less of
+# the operands in L2), where the last wave was nearly full (3456 x 5120, 0.95: 0.127 against 0.116)
+# and where a CTA's share was short (16 x 1024^2 with C, 22 blocks: 0.059 against 0.057; 1024^2, 4:
+# 0.018 against 0.013).
+SPLIT_MAX_FILL = 0.9
+# 128 x 256 split lost to 128 x 128 split wherever the model would pick it (5120^2 with C 0.286 against
+# 0.250 ms, 4096^2 0.150 against 0.133), 64 x 64 was not measured: both split only when asked
+SPLIT_TILES = ((128, 128),)
+SPLIT_MAX_K = 8192
+SPLIT_MIN_BLOCKS = 32
+
+
+def stream_k_pays(batch: int, m: int, k: int, shape: tuple[int, int], ctas_per_sm: Optional[int] = None) -> bool:
+    """Whether the stream-K launch is expected to beat the persistent and per-tile ones (see
+    SPLIT_MAX_FILL): single-CTA tiles whose last wave would leave SMs idle."""
+    if shape not in SPLIT_TILES or k > SPLIT_MAX_K:
+        return False
+    ctas = persistent_ctas(shape, ctas_per_sm)
+    tiles = batch * tile_count(m, *shape)
+    waves = -(-tiles // ctas)
+    split_tiles = tiles - max(waves - 2, 0) * ctas  # the last one or two waves' (SymmGemmSm90.stream_k_split)
+    k_blocks = -(-k // TILE_K)
+    return tiles < SPLIT_MAX_FILL * waves * ctas and split_tiles * k_blocks >= SPLIT_MIN_BLOCKS * ctas
+
+
 def compiled(ab: torch.dtype, d: torch.dtype, c: Optional[torch.dtype], tile, stages: Optional[int] = None,
              m_major: bool = False, ctas_per_sm: Optional[int] = None, persistent: bool = False,
-             tile_group: int = kernel_config.DEFAULT_TILE_GROUP):
+             tile_group: int = kernel_config.DEFAULT_TILE_GROUP, stream_k: bool = False):
     """The compiled kernel for one configuration (compiled on first use, then cached);
     ctas_per_sm None: the tile's :data:`DEFAULT_CTAS_PER_SM`; persistent: a grid of the CTAs that
-    stay resident (:func:`persistent_ctas`), each walking tiles; tile_group: the tile order's band
-    (see :class:`SymmGemmSm90`)."""
+    stay resident (:func:`persistent_ctas`), each walking tiles; tile_group: the tile order's band;
+    stream_k: the persistent launch splits its last waves' tiles along K (see :class:`SymmGemmSm90`)."""
     shape = tile_shape(tile)
     ctas_per_sm = checked_ctas_per_sm(*shape, ctas_per_sm)
     beside = staging_bytes(*shape, d.itemsize, persistent) if persistent else 0
     stages = stages or max_stages(*shape, ctas_per_sm=ctas_per_sm, beside_ring=beside)
     grid = persistent_ctas(shape, ctas_per_sm) if persistent else None
-    key = (ab, d, c, shape, stages, m_major, ctas_per_sm, grid, tile_group)
+    key = (ab, d, c, shape, stages, m_major, ctas_per_sm, grid, tile_group, stream_k)
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = compile_kernel(SymmGemmSm90(
             _TORCH_TO_CUTLASS[ab], _TORCH_TO_CUTLASS[d], _TORCH_TO_CUTLASS[c] if c is not None else None, shape, stages,
-            m_major, ctas_per_sm, grid, tile_group,
+            m_major, ctas_per_sm, grid, tile_group, stream_k,
         ))
     return fn
 
@@ -773,6 +940,8 @@ def compile_kernel(kernel: SymmGemmSm90):
         dummy(kernel.ab_dtype),
         dummy(kernel.c_dtype or kernel.d_dtype),
         dummy(kernel.d_dtype),
+        dummy(Float32),
+        dummy(Int32),
         8,
         8,
         1,
@@ -795,6 +964,7 @@ def symm_gemm(
     out: Optional[torch.Tensor] = None,
     ctas_per_sm: Optional[int] = None,
     persistent: Optional[bool] = None,
+    stream_k: Optional[bool] = None,
 ) -> torch.Tensor:
     """D = alpha * a @ b^T + beta * c for a, b (L, M, K) fp16/bf16 with a @ b^T symmetric.
 
@@ -810,7 +980,11 @@ def symm_gemm(
     that do no MMAs (default: the kernel configuration's ``persistent``, and where that is None,
     :func:`persistent_pays`); it stages the tile, and C, in the output dtype, so a float32
     ``out`` (twice the shared memory), or a C of another dtype than ``out``'s, always runs one CTA
-    per tile.
+    per tile. stream_k: the persistent launch, its last waves' tiles split along K among all its
+    CTAs (single-CTA tiles: not 256 x 256; the fp32 sums of a split tile's parts are added in a
+    fixed order, so the result is the same in every launch, within a rounding of the unsplit one);
+    default: the kernel configuration's ``stream_k`` (True: where the launch can take it), and
+    where that is None, :func:`stream_k_pays` unless the launch was made one CTA per tile.
     Returns (L, M, M) in out_dtype (default a's dtype), or writes ``out``.
     """
     same = b is a  # before unsqueeze makes two views of one tensor
@@ -841,13 +1015,29 @@ def symm_gemm(
     if has_c:
         c = c.expand(batch, m, m).contiguous()
     config = kernel_config.current()
-    shape = tile_shape(tile or config.tile or default_tile(m, batch))
+    shape = tile_shape(tile or config.tile or default_tile(m, batch, k, config.stream_k is not False))
     if persistent is None:
         persistent = config.persistent
+    # the persistent launch stages the tile, and C, in the output dtype
+    can_persist = out.dtype != torch.float32 and (not has_c or c.dtype == out.dtype)
+    can_split = can_persist and persistent is not False and CLUSTER_M.get(shape, 1) == 1
+    if stream_k and not can_split:
+        raise ValueError(f"stream_k needs the persistent launch of a single-CTA tile; this product (tile "
+                         f"{shape[0]}x{shape[1]}, out {out.dtype}, C {c.dtype if has_c else None}, persistent "
+                         f"{persistent}) cannot take it")
+    if stream_k is None:
+        stream_k = config.stream_k
+        if stream_k is None:
+            stream_k = can_split and stream_k_pays(batch, m, k, shape, ctas_per_sm)
+        stream_k = stream_k and can_split
     if persistent is None:
-        persistent = persistent_pays(batch, m, shape, ctas_per_sm)
-    persistent = persistent and out.dtype != torch.float32 and (not has_c or c.dtype == out.dtype)
+        persistent = stream_k or persistent_pays(batch, m, shape, ctas_per_sm)
+    persistent = persistent and can_persist
     fn = compiled(a.dtype, out.dtype, c.dtype if has_c else None, shape, stages, m_major, ctas_per_sm, persistent,
-                  tile_group=config.tile_group)
-    fn(_ptr(a), _ptr(b), _ptr(c if has_c else out), _ptr(out), m, k, batch, Float32(alpha), Float32(beta), _stream())
+                  tile_group=config.tile_group, stream_k=stream_k)
+    workspace, flags = out, out  # stand-ins unless stream-K
+    if stream_k:
+        workspace, flags = split_workspace(persistent_ctas(shape, ctas_per_sm), shape[0] * shape[1])
+    fn(_ptr(a), _ptr(b), _ptr(c if has_c else out), _ptr(out), _ptr(workspace, torch.float32),
+       _ptr(flags, torch.int32), m, k, batch, Float32(alpha), Float32(beta), _stream())
     return out.squeeze(0) if squeeze else out
