@@ -57,3 +57,25 @@ def test_stream_k_needs_a_persistent_launch_of_single_ctas():
         sm90_symm.SymmGemmSm90(F16, F16, None, (256, 256), None, False, 1, SMS, stream_k=True)
     with pytest.raises(ValueError, match="stream_k needs a persistent launch of single CTAs"):
         sm90_symm.SymmGemmSm90(F16, F16, None, (128, 128), stream_k=True)
+
+
+def test_stream_k_where_the_last_wave_would_leave_sms_idle(monkeypatch):
+    """The automatic choice (sm90_symm.stream_k_pays and the tile model), at an H200's SM count:
+    split where the tiles leave the last wave part empty, with a long enough share per CTA."""
+    monkeypatch.setattr(sm90_symm, "_sm_count", lambda: SMS)
+    monkeypatch.setattr(sm90_symm, "resident_clusters", lambda cluster_m: SMS // cluster_m)
+    pays = sm90_symm.stream_k_pays
+    assert pays(1, 2048, 2048, (128, 128))  # 136 tiles: a second wave of 4
+    assert pays(1, 5120, 5120, (128, 128))  # 820: 7 waves 0.89 full
+    assert not pays(1, 4096, 4096, (128, 128))  # 528: 4 whole waves
+    assert not pays(1, 3456, 5120, (128, 128))  # 378: 0.95 full
+    assert not pays(1, 3072, 12288, (128, 128))  # K above SPLIT_MAX_K
+    assert not pays(16, 1024, 1024, (128, 128))  # a CTA's share of 22 K blocks
+    assert not pays(1, 2048, 2048, (128, 256)) and not pays(1, 2048, 2048, (256, 256))
+    sm90_symm.default_tile.cache_clear()
+    try:
+        assert sm90_symm.default_tile(2048, 1, 8192) == (128, 128)  # split: 1.03 waves, not 2
+        assert sm90_symm.default_tile(2048, 1, 8192, split_allowed=False) == (64, 64)
+        assert sm90_symm.default_tile(5120, 1, 5120) == (128, 128)
+    finally:
+        sm90_symm.default_tile.cache_clear()
