@@ -85,8 +85,8 @@ def kernel_choice(tile):
         elif suffix[:1] == "g" and suffix[1:].isdigit():
             group = int(suffix[1:])
         else:
-            raise SystemExit("--tiles: a launch suffix must be ':p' (persistent), ':k' (stream-K), ':sN' (N stages) or ':gN' "
-                             f"(bands of N block rows), got {suffix!r}")
+            raise SystemExit("--tiles: a launch suffix must be ':p' (persistent), ':k' (stream-K), ':sN' (N stages) "
+                             f"or ':gN' (bands of N block rows), got {suffix!r}")
     shape, _, ctas = tile.partition("@")
     return shape, int(ctas) if ctas else None, persistent, stages, group, stream_k
 

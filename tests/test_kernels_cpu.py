@@ -71,6 +71,7 @@ def test_routing_rules():
     assert backend.routes_to_kernel(1, 2048, 8192, torch.float16)  # 72, but 2048 wide: stream-K won 1.18x
     assert backend.routes_to_kernel(1, 2048, 2048, torch.float16)
     assert not backend.routes_to_kernel(1, 1536, 6144, torch.float16)  # 42, narrower than min_width
+    assert not backend.routes_to_kernel(1, 2048, 16384, torch.float16)  # K beyond what stream-K splits
     assert not backend.routes_to_kernel(4, 1024, 5120, torch.float16)  # 80
     assert backend.routes_to_kernel(1, 3072, 3072, torch.float16)  # 156: won 1.02x
     assert backend.routes_to_kernel(16, 1024, 5120, torch.float16)  # 320

@@ -51,7 +51,8 @@ def kernel_capable_device(t: torch.Tensor) -> bool:
 def routes_to_kernel(batch: int, m: int, k: int, dtype: torch.dtype) -> bool:
     """Whether a (batch, m, k) symmetric product goes to the kernel (shape and dtype only): with
     the configuration's routing "measured", only those that fill the GPU (``KernelConfig.min_tiles``),
-    or with stream-K at least ``KernelConfig.min_width`` wide: smaller ones measured slower than cuBLAS."""
+    or, where stream-K may split them, at least ``KernelConfig.min_width`` wide: smaller ones measured
+    slower than cuBLAS."""
     if dtype not in (torch.float16, torch.bfloat16):
         return False
     if m % 8 or k % 8:  # TMA needs 16-byte row strides
@@ -59,7 +60,7 @@ def routes_to_kernel(batch: int, m: int, k: int, dtype: torch.dtype) -> bool:
     config = kernel_config.current()
     if config.routing == "always":
         return True
-    if config.stream_k is not False and m >= config.min_width:
+    if config.stream_k is not False and m >= config.min_width and k <= kernel_config.SPLIT_MAX_K:
         return True
     return batch * kernel_config.tile_count(m, *kernel_config.ROUTING_TILE) >= config.min_tiles
 

@@ -28,6 +28,9 @@ ROUTING_TILE = (128, 256)  # the tile the routing counts in (the kernel's usual 
 # H200 (docs/benchmarks.md): 8 cut the DRAM traffic of Gram NS's products by about a third and
 # the symmetric products' time by up to 8% (8192^2 X X^T at 128 x 256 tiles), the whole step unchanged.
 DEFAULT_TILE_GROUP = 8
+# The longest K that stream-K splits (sm90_symm.stream_k_pays): at K = 12288 it lost (3072 x 12288,
+# 0.255 against 0.247 ms persistent; the CTAs, each at another K offset, share less of the operand in L2)
+SPLIT_MAX_K = 8192
 
 
 def tile_count(m, tile_m: int, tile_n: int):
@@ -70,11 +73,11 @@ class KernelConfig:
     # 2048 x 8192, 72 tiles: 0.88x), from one on it won (3072^2, 156 tiles: 1.02x; 16 x 1024 x 5120,
     # 320 tiles: Gram NS 2.85 ms against 3.18 with cuBLAS, graphed).
     min_tiles: int = 132
-    # Below min_tiles, a single product at least min_width wide goes to the kernel too where
-    # stream-K may run (stream_k not False), which spreads its one wave's tiles over every SM along
-    # K. Measured (H200, graphed, docs/benchmarks.md "Stream-K"): 2048 x 8192 X X^T 1.18x of cuBLAS,
-    # the 2048^2 products of Gram NS with their addend 1.16x (72 tiles each); 1024-wide products
-    # stay slower (1024 x 5120 0.75x).
+    # Below min_tiles, a product at least min_width wide goes to the kernel too where stream-K may
+    # run (stream_k not False, K at most SPLIT_MAX_K), which spreads its one wave's tiles over every
+    # SM along K. Measured (H200, graphed, docs/benchmarks.md "D by TMA, and stream-K"): 2048 x 8192
+    # X X^T 1.13-1.15x of cuBLAS, the 2048^2 products of Gram NS with their addend 1.16-1.17x (72
+    # tiles each); 1024-wide products stay slower (1024 x 5120 0.72-0.75x).
     min_width: int = 2048
     tile: Any = None  # symmetric-GEMM tile, any form tile_shape takes; None: modelled per shape (sm90_symm.default_tile)
     # symmetric-GEMM launch: one CTA per SM walking the tiles, each tile stored by warps that do

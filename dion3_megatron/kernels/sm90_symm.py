@@ -60,7 +60,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from . import config as kernel_config
-from .config import TILES, tile_count, tile_shape
+from .config import SPLIT_MAX_K, TILES, tile_count, tile_shape
 from .dispatch import transposed_view
 
 TILE_K = 64
@@ -874,19 +874,17 @@ def persistent_pays(batch: int, m: int, shape: tuple[int, int], ctas_per_sm: Opt
 
 
 # Stream-K where the tiles fill under SPLIT_MAX_FILL of the waves a persistent launch takes, K is
-# at most SPLIT_MAX_K and each CTA's share of the split tiles is at least SPLIT_MIN_BLOCKS K blocks.
-# Measured on an H200 (graphed, docs/benchmarks.md "Stream-K"): faster where the waves were 0.52-0.89
-# full (2048^2 with C 0.031 against 0.034 ms persistent, 2048 x 8192 X X^T 0.080 against 0.101,
-# 8 x 1024 x 5120 0.104 against 0.117, 5120^2 with C 0.250 against 0.268); slower at K = 12288
-# (3072 x 12288, 0.76 full: 0.255 against 0.247; the CTAs, each at another K offset, share less of
-# the operands in L2), where the last wave was nearly full (3456 x 5120, 0.95: 0.127 against 0.116)
-# and where a CTA's share was short (16 x 1024^2 with C, 22 blocks: 0.059 against 0.057; 1024^2, 4:
-# 0.018 against 0.013).
+# at most config.SPLIT_MAX_K and each CTA's share of the split tiles is at least SPLIT_MIN_BLOCKS K
+# blocks. Measured on an H200 (graphed, docs/benchmarks.md "D by TMA, and stream-K"): faster where
+# the waves were 0.52-0.89 full (2048^2 with C 0.031 against 0.034 ms persistent, 2048 x 8192 X X^T
+# 0.080 against 0.101, 8 x 1024 x 5120 0.104 against 0.117, 5120^2 with C 0.250 against 0.268);
+# slower at K = 12288 (see SPLIT_MAX_K), where the last wave was nearly full (3456 x 5120, 0.95:
+# 0.127 against 0.116) and where a CTA's share was short (16 x 1024^2 with C, 22 blocks: 0.059
+# against 0.057; 1024^2, 4: 0.018 against 0.013).
 SPLIT_MAX_FILL = 0.9
 # 128 x 256 split lost to 128 x 128 split wherever the model would pick it (5120^2 with C 0.286 against
 # 0.250 ms, 4096^2 0.150 against 0.133), 64 x 64 was not measured: both split only when asked
 SPLIT_TILES = ((128, 128),)
-SPLIT_MAX_K = 8192
 SPLIT_MIN_BLOCKS = 32
 
 
