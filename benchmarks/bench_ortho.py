@@ -109,7 +109,7 @@ def profile(shape: tuple[int, int], funcs: dict, rows: int = 15, ncu: bool = Fal
             torch.cuda.synchronize()
         events = prof.key_averages()
         total = sum(e.self_device_time_total for e in events) / 1e3
-        print(f"\n{name}, {shape[0]}x{shape[1]}: {total:.3f} ms of GPU kernels")
+        print(f"\n{name}, {'x'.join(map(str, shape))}: {total:.3f} ms of GPU kernels")
         print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
 
 
@@ -118,7 +118,8 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--routing", default="measured", choices=["measured", "always"])
     ap.add_argument("--graph", action="store_true", help="time each call replayed from a CUDA graph")
-    ap.add_argument("--profile", default=None, metavar="RxC", help="only the GPU time by kernel at this shape")
+    ap.add_argument("--profile", default=None, metavar="RxC", help="only the GPU time by kernel at this shape "
+                    "(BxRxC: a batch of B)")
     ap.add_argument("--ncu", action="store_true", help="with --profile: for Nsight Compute instead of torch's "
                     "profiler (one call of each variant between cudaProfilerStart and Stop; see the usage above)")
     ap.add_argument("--only", default=None, metavar="NAMES", help="with --profile: comma list of the variants to "
