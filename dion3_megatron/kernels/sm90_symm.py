@@ -354,9 +354,10 @@ class SymmGemmSm90:
     def stream_k_split(self, total: Int32, k_tiles: Int32, ctas: Int32, cta: Int32):
         """How a stream-K launch shares ``total`` tiles among ``ctas`` CTAs: whole tiles, strided,
         for all but the last one or two waves (none if the tiles fill whole waves), whose K blocks
-        are then split evenly, each CTA taking a contiguous range of them (so each split tile has
-        at most a few parts, and most two). Returns (this CTA's whole tiles, the first split tile,
-        base, rem of :meth:`split_start`, this CTA's work items)."""
+        are then split evenly, each CTA taking a contiguous range of them (a split tile has as many
+        parts as CTAs share it: two or three where there are more split tiles than CTAs, more where
+        there are fewer). Returns (this CTA's whole tiles, the first split tile, base, rem of
+        :meth:`split_start`, this CTA's work items)."""
         split_from = total
         if total % ctas != 0:
             split_from = cutlass.max(total // ctas - 1, 0) * ctas
