@@ -111,6 +111,18 @@ def profile(shape: tuple[int, int], funcs: dict, rows: int = 15, ncu: bool = Fal
         total = sum(e.self_device_time_total for e in events) / 1e3
         print(f"\n{name}, {'x'.join(map(str, shape))}: {total:.3f} ms of GPU kernels")
         print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
+        launches = sorted(prof.events(), key=lambda e: e.time_range.start)
+        print("launches in order, us: " + ", ".join(
+            f"{short_kernel_name(e.name)} {e.device_time_total:.1f}" for e in launches if e.device_time_total > 0))
+
+
+def short_kernel_name(name: str) -> str:
+    """A kernel's name cut to what tells the launches of one Gram NS apart."""
+    for marker, short in (("SymmGemmSm90", "ours"), ("GemmSymmetric", "quack"), ("nvjet", "cuBLAS"),
+                          ("Memcpy", "copy")):
+        if marker in name:
+            return short
+    return name.split("<")[0].split("(")[0].removeprefix("void ").split("::")[-1][:28]
 
 
 def main():
@@ -118,6 +130,8 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--routing", default="measured", choices=["measured", "always"])
     ap.add_argument("--graph", action="store_true", help="time each call replayed from a CUDA graph")
+    ap.add_argument("--shapes", default=None, metavar="RxC,...", help="comma list of the shapes to time (BxRxC: a "
+                    "batch of B) instead of the issue's seven")
     ap.add_argument("--profile", default=None, metavar="RxC", help="only the GPU time by kernel at this shape "
                     "(BxRxC: a batch of B)")
     ap.add_argument("--ncu", action="store_true", help="with --profile: for Nsight Compute instead of torch's "
@@ -154,7 +168,11 @@ def main():
           + " | floor ms | kern / floor |")
     print("|---" * (len(names) + len(ratios) + 3) + "|")
     total = dict.fromkeys([*names, "floor"], 0.0)
-    for b, r, c in SHAPES:
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in ("1x" + spec if spec.count("x") == 1 else spec).split("x"))
+                  for spec in args.shapes.split(",")]
+    for b, r, c in shapes:
         n_sets = 2
         gs = [torch.randn(b, r, c, device="cuda").squeeze(0) for _ in range(n_sets)]
         ms = cuda_median_ms_interleaved({name: lambda i, fn=fn: fn(gs[i]) for name, fn in funcs.items()}, n_sets,

@@ -38,8 +38,8 @@ from quack_backend import quack_gemm_symmetric  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-# (batch, M, K): the issue's X @ X^T shapes
-GRAM_SHAPES = [(1, 1024, 5120), (1, 4096, 4096), (1, 4096, 16384), (1, 8192, 8192), (8, 4096, 16384)]
+# (batch, M, K): the issue's X @ X^T shapes, the last the K/V batch's Gram
+GRAM_SHAPES = [(1, 1024, 5120), (1, 4096, 4096), (1, 4096, 16384), (1, 8192, 8192), (8, 4096, 16384), (16, 1024, 5120)]
 # symmetric s x s products of Gram NS (K = s) for the issue's shapes and a sweep for routing
 SYMM_SHAPES = [(1, 1024, 1024), (1, 2048, 2048), (1, 5120, 5120), (1, 4096, 4096), (8, 1024, 1024), (16, 1024, 1024)]
 SWEEP = [(1, m, k) for m in (512, 1024, 2048, 3072, 4096) for k in (m, 4 * m)] + [
@@ -92,6 +92,8 @@ def kernel_choice(tile):
 
 
 def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
+    if not shapes:
+        return []
     quack = quack_gemm_symmetric()
     print(f"\n## {title} ({str(dtype).split('.')[-1]})")
     hdr = "| shape | cuBLAS ms | kernel ms | kernel vs cuBLAS | floor ms | kernel / floor |"
@@ -241,6 +243,17 @@ def overhead(dtype):
     print(f"\nper-call time on a 128x128x128 product (launch + host overhead): kernel {t_k * 1e3:.1f} us, cuBLAS {t_c * 1e3:.1f} us")
 
 
+def chosen_shapes(spec: str) -> tuple[list, list]:
+    """--shapes: the X @ X^T and the symmetric products' (batch, M, K)."""
+    gram, symm = [], []
+    for item in spec.split(","):
+        kind, _, dims = item.partition(":")
+        if kind not in ("gram", "symm") or len(dims.split("x")) != 3:
+            raise SystemExit(f"--shapes: {item!r} is not gram:BxMxK or symm:BxMxK")
+        (gram if kind == "gram" else symm).append(tuple(int(d) for d in dims.split("x")))
+    return gram, symm
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
@@ -253,6 +266,9 @@ def main():
                     "(each and the best reported); "
                     "default: the automatic choice")
     ap.add_argument("--graph", action="store_true", help="time each call replayed from a CUDA graph")
+    ap.add_argument("--shapes", default="", help="comma list of BxMxK to time instead of the tables' shapes, "
+                    "each prefixed gram: (X @ X^T) or symm: (the symmetric product, K = M), e.g. "
+                    "gram:16x1024x5120,symm:16x1024x1024")
     ap.add_argument("--fit", action="store_true", help="fit the tile model's throughputs to the --tiles "
                     "measured (every table's shapes)")
     args = ap.parse_args()
@@ -269,8 +285,9 @@ def main():
     print(f"cuBLAS peak (8192^3, {args.dtype}): {peak / 1e12:.0f} TFLOP/s; "
           f"{'CUDA-graph replays' if GRAPH else 'eager calls'}")
     overhead(dtype)
-    rows = run_rows("X @ X^T", GRAM_SHAPES, dtype, peak, args.iters, gram=True, tiles=tiles)
-    rows += run_rows("1.5 P @ Q - 0.5 P, P and Q symmetric, commuting (cuBLAS: baddbmm)", SYMM_SHAPES, dtype, peak,
+    gram_shapes, symm_shapes = chosen_shapes(args.shapes) if args.shapes else (GRAM_SHAPES, SYMM_SHAPES)
+    rows = run_rows("X @ X^T", gram_shapes, dtype, peak, args.iters, gram=True, tiles=tiles)
+    rows += run_rows("1.5 P @ Q - 0.5 P, P and Q symmetric, commuting (cuBLAS: baddbmm)", symm_shapes, dtype, peak,
                      args.iters, gram=False, tiles=tiles)
     if args.sweep:
         rows += run_rows("routing sweep, X @ X^T", SWEEP, dtype, peak, args.iters, gram=True, tiles=tiles)
