@@ -18,7 +18,8 @@ SMS = 132  # an H200's: a persistent grid is one CTA per SM
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tile, ctas_per_sm", [((64, 64), 2), ((128, 128), 1), ((128, 256), 1), ((256, 256), 1)])
+@pytest.mark.parametrize("tile, ctas_per_sm", [((64, 64), 2), ((128, 128), 1), ((128, 256), 1), ((256, 128), 1),
+                                               ((256, 256), 1)])
 @pytest.mark.parametrize("launch", ["per tile", "persistent"])
 @pytest.mark.parametrize("operands", ["gram", "+ beta C", "M-major + beta C"])
 def test_the_kernel_compiles_without_a_gpu(tile, ctas_per_sm, launch, operands):
@@ -31,7 +32,7 @@ def test_the_kernel_compiles_without_a_gpu(tile, ctas_per_sm, launch, operands):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tile", [(128, 128), (128, 256), (256, 256)])
+@pytest.mark.parametrize("tile", [(128, 128), (128, 256), (256, 128), (256, 256)])
 def test_the_row_by_row_tile_order_compiles_without_a_gpu(tile):
     kernel = sm90_symm.SymmGemmSm90(F16, F16, F16, tile, None, False, 1, SMS, tile_group=1)
     assert len(sm90_symm.compile_kernel(kernel).kernel_info) == 1
@@ -64,6 +65,7 @@ def test_stream_k_where_the_last_wave_would_leave_sms_idle(monkeypatch):
     split where the tiles leave the last wave part empty, with a long enough share per CTA."""
     monkeypatch.setattr(sm90_symm, "_sm_count", lambda: SMS)
     monkeypatch.setattr(sm90_symm, "resident_clusters", lambda cluster_m: SMS // cluster_m)
+    monkeypatch.setattr(sm90_symm, "_l2_bytes", lambda: 50 * 2**20)
     pays = sm90_symm.stream_k_pays
     assert pays(1, 2048, 2048, (128, 128))  # 136 tiles: a second wave of 4
     assert pays(1, 5120, 5120, (128, 128))  # 820: 7 waves 0.89 full
@@ -79,3 +81,24 @@ def test_stream_k_where_the_last_wave_would_leave_sms_idle(monkeypatch):
         assert sm90_symm.default_tile(5120, 1, 5120) == (128, 128)
     finally:
         sm90_symm.default_tile.cache_clear()
+
+
+def test_the_256x128_cluster_where_an_operand_overflows_half_the_l2(monkeypatch):
+    """The tile model at an H200's SM count and L2 (50 MiB): 256 x 128 (two 128 x 128 CTAs sharing
+    B) for the K/V batch's products and the wide Gram, not where the operands fit in L2, and not
+    where 128 x 128 fills whole waves or stream-K evens out the last one."""
+    monkeypatch.setattr(sm90_symm, "_sm_count", lambda: SMS)
+    monkeypatch.setattr(sm90_symm, "resident_clusters", lambda cluster_m: SMS // cluster_m)
+    monkeypatch.setattr(sm90_symm, "_l2_bytes", lambda: 50 * 2**20)
+    sm90_symm.default_tile.cache_clear()
+    try:
+        tile = sm90_symm.default_tile
+        assert tile(1024, 16, 5120) == (256, 128) and tile(1024, 16, 1024) == (256, 128)
+        assert tile(5120, 1, 13824) == (256, 128)
+        assert tile(1024, 8, 1024) == (128, 128)  # 16 MiB operands: fits
+        assert tile(4096, 1, 16384) == (128, 128)  # 4 whole waves
+        assert tile(5120, 1, 5120) == (128, 128) and sm90_symm.stream_k_pays(1, 5120, 5120, (128, 128))
+        assert not sm90_symm.stream_k_pays(16, 1024, 5120, (256, 128))  # clusters never split
+    finally:
+        sm90_symm.default_tile.cache_clear()
+

@@ -164,3 +164,14 @@ def test_the_kernels_option_reaches_the_row_kernels_and_the_graph_key(monkeypatc
     with kernels.using(kernels="torch"):
         graph.run("same key", ran.append, [1.0], torch.device("cpu"))
     assert graph.calls == 1 and len(ran) == 2
+
+
+@pytest.mark.parametrize("tile", kernels.config.TILES)
+def test_tile_count_is_the_tiles_that_meet_the_lower_triangle(tile):
+    """config.tile_count, which sizes the kernels' grids and tile orders, against a count of every
+    tile_m x tile_n tile that holds an element (r, c) with r >= c, odd counts of 128-row blocks too."""
+    tile_m, tile_n = tile
+    for m in (64, 128, 136, 1000, 1024, 1152, 2056, 2176):
+        rows, cols = -(-m // tile_m), -(-m // tile_n)
+        brute = sum(tile_n * j <= min(tile_m * i + tile_m, m) - 1 for i in range(rows) for j in range(cols))
+        assert kernels.config.tile_count(m, tile_m, tile_n) == brute, (m, tile)

@@ -59,7 +59,7 @@ SHAPES = [(1, 256, 512), (1, 1000, 3000), (3, 520, 1032), (2, 136, 72), (1, 72, 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("tile", [64, 128, "128x256", "256x256"])
+@pytest.mark.parametrize("tile", [64, 128, "128x256", "256x128", "256x256"])
 def test_gram_vs_fp64(cuda_gen, dtype, shape, tile):
     from dion3_megatron.kernels.sm90_symm import symm_gemm
 
@@ -74,7 +74,7 @@ def test_gram_vs_fp64(cuda_gen, dtype, shape, tile):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 256, 512), (1, 1000, 3000), (3, 520, 1032), (2, 136, 72), (2, 1288, 640)])
-@pytest.mark.parametrize("tile", [64, 128, "128x256", "256x256"])
+@pytest.mark.parametrize("tile", [64, 128, "128x256", "256x128", "256x256"])
 def test_gram_of_a_transposed_operand_reads_it_in_place(cuda_gen, dtype, shape, tile, monkeypatch):
     """The tall input's Gram: X^T X of a row-major (L, K, M) X, passed as the (L, M, K) view X^T,
     runs on the M-major kernel without a copy, with + beta * C."""
@@ -98,7 +98,7 @@ def test_gram_of_a_transposed_operand_reads_it_in_place(cuda_gen, dtype, shape, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("out_dtype", [torch.float32, None])
 @pytest.mark.parametrize("shape", [(1, 1000, 3000), (3, 520, 1032)])
-@pytest.mark.parametrize("tile", [None, "128x256", "256x256"])
+@pytest.mark.parametrize("tile", [None, "128x256", "256x128", "256x256"])
 def test_gram_alpha_beta_c(cuda_gen, dtype, out_dtype, shape, tile):
     from dion3_megatron.kernels.sm90_symm import symm_gemm
 
@@ -157,7 +157,7 @@ def _check_gram(out, x, c, alpha, beta, dtype):
     assert _rel(out, ref) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("tile", [64, 128, "128x256", "256x256"])
+@pytest.mark.parametrize("tile", [64, 128, "128x256", "256x128", "256x256"])
 @pytest.mark.parametrize("operands", ["gram", "gram of a transposed view, + beta C", "symmetric product, + beta C"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_persistent_launch_against_one_cta_per_tile(cuda_gen, tile, operands, dtype):
@@ -223,7 +223,7 @@ def test_stream_k_where_the_launch_cannot_take_it_is_refused():
         symm_gemm(x, x, tile=128, persistent=False, stream_k=True)
 
 
-@pytest.mark.parametrize("tile", [64, 128, "128x256", "256x256"])
+@pytest.mark.parametrize("tile", [64, 128, "128x256", "256x128", "256x256"])
 @pytest.mark.parametrize("persistent", [False, True])
 def test_a_banded_tile_order_changes_nothing_but_the_order(cuda_gen, tile, persistent):
     """KernelConfig.tile_group reorders the tiles (bands of block rows, a last band shorter, with
@@ -304,7 +304,7 @@ def _commuting_pair(gen, b, m, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 512), (1, 1000), (4, 264), (2, 1288)])
 @pytest.mark.parametrize("with_c", [False, True])
-@pytest.mark.parametrize("tile", [None, "128x256", "256x256"])
+@pytest.mark.parametrize("tile", [None, "128x256", "256x128", "256x256"])
 def test_symmetric_product_vs_fp64(cuda_gen, dtype, shape, with_c, tile):
     from dion3_megatron.kernels.sm90_symm import symm_gemm
 

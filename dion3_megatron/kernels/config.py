@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Optional
 
 KERNELS = ("auto", "torch")
 ROUTINGS = ("measured", "always")
-TILES = ((64, 64), (128, 128), (128, 256), (256, 256))  # (tile_m, tile_n) of the symmetric GEMM kernels
+TILES = ((64, 64), (128, 128), (128, 256), (256, 128), (256, 256))  # (tile_m, tile_n) of the symmetric GEMM kernels
 ROUTING_TILE = (128, 256)  # the tile the routing counts in (the kernel's usual one; see KernelConfig)
 # Block rows per band of the symmetric GEMM's tile order (sm90_symm.SymmGemmSm90.block_coord): the
 # CTAs running at once share their operand panels in L2; 1: the triangle row by row. Measured on an
@@ -34,12 +34,17 @@ SPLIT_MAX_K = 8192
 
 
 def tile_count(m, tile_m: int, tile_n: int):
-    """Output tiles that meet the lower triangle of an m x m result: row block i has
-    i // (tile_n / tile_m) + 1 of them (column block j covers columns [j tile_n, (j + 1) tile_n)).
-    Python ints on the host, Int32 inside kernels."""
+    """Output tiles that meet the lower triangle of an m x m result (column block j covers columns
+    [j tile_n, (j + 1) tile_n)): row block i has i + 1 of them for a square tile, i // 2 + 1 for a
+    128 x 256 one, and 2 i + 2 for a 256 x 128 one (with an odd count of 128-row blocks, the last
+    block row, 128 rows high, 2 i + 1). Python ints on the host, Int32 inside kernels."""
     rows = (m + tile_m - 1) // tile_m
     if tile_n == tile_m:
         return rows * (rows + 1) // 2
+    if tile_m == 2 * tile_n:
+        blocks = (m + tile_n - 1) // tile_n  # of 128 rows
+        pairs = blocks // 2
+        return pairs * (pairs + 1) + (blocks % 2) * (2 * pairs + 1)
     pairs = rows // 2
     return pairs * (pairs + 1) + (rows % 2) * (pairs + 1)
 

@@ -20,7 +20,10 @@ one CTA per SM, each walking the batch's tiles in a fixed stride):
     fewer shared-memory reads per MMA, the shape fast GEMMs use); a wide tile that crosses the
     diagonal also covers some of the upper triangle, which it computes and drops;
   * 256 x 256 tiles are a cluster of two CTAs, each 128 x 256, that share the B operand: each
-    loads half of it and multicasts it to both (half the L2 traffic for B);
+    loads half of it and multicasts it to both (half the L2 traffic for B); 256 x 128 tiles the
+    same with 128 x 128 per CTA (a square CTA tile, so its stores go by TMA): three quarters of
+    128 x 128's L2 traffic. A 256 x 128 tile's column block on the diagonal's right puts its top CTA
+    above the diagonal: that CTA computes (its B half is the other's too) and stores nothing;
   * warpgroup 0, warp 0: TMA producer (bulk tensor copies of A and B k-slices into a multi-stage
     shared-memory ring, completion on mbarriers);
   * warpgroups 1..n: wgmma consumers, fp32 accumulators in registers (64 rows per warpgroup;
@@ -64,7 +67,7 @@ from .config import SPLIT_MAX_K, TILES, tile_count, tile_shape
 from .dispatch import transposed_view
 
 TILE_K = 64
-CLUSTER_M = {(256, 256): 2}  # CTAs per tile along M (one 128-row slice each); 1 for the others
+CLUSTER_M = {(256, 256): 2, (256, 128): 2}  # CTAs per tile along M (one 128-row slice each); 1 for the others
 STORE_THREADS = 96  # a persistent launch's storing warps: the producer warpgroup's warps 1-3
 # named barriers of a persistent epilogue: the tile staged / the staging read (and, with C, the
 # next tile's C on its way) / the storing warps done reading it (before C's TMA copy goes over it)
@@ -82,7 +85,7 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg split of the 128 x 256 conf
 # overlap another's main loop. Only 64 x 64 (192 threads, 32 accumulators each) has registers to
 # spare: two CTAs of 128 x 128 (384 threads) leave 80 registers per thread, and ptxas needs 90 for
 # its wgmma; 128 x 256 and 256 x 256 take the whole register file (setmaxnreg).
-CTAS_PER_SM = {(64, 64): (1, 2, 3, 4), (128, 128): (1,), (128, 256): (1,), (256, 256): (1,)}
+CTAS_PER_SM = {(64, 64): (1, 2, 3, 4), (128, 128): (1,), (128, 256): (1,), (256, 128): (1,), (256, 256): (1,)}
 # What a launch asks for unless told: measured side by side on an H200 (docs/benchmarks.md,
 # "CTAs per SM for the 64 x 64 tile"), two CTAs of 64 x 64 per SM beat one on every product the tile model
 # gives that tile (512-2048 wide: 1024 x 5120 0.023 against 0.029 ms, 1024^2 0.009 against 0.012);
@@ -314,12 +317,19 @@ class SymmGemmSm90:
     def tile_coord(self, t: Int32, m: Int32):
         """Linear index -> output tile (row block i, column block j) of an m x m result, in the
         banded order of :meth:`block_coord` over tile_n x tile_n blocks: a 128 x 256 tile is half
-        a block (its two halves consecutive); with an odd count of 128-row blocks, the last row's
-        half blocks come last."""
+        a block (its two halves consecutive), and so is a 256 x 128 tile (its two column halves);
+        with an odd count of 128-row blocks, the last row's tiles come last."""
         rows = (m + self.tile_m - 1) // self.tile_m
         i, j = Int32(0), Int32(0)
         if const_expr(self.tile_n == self.tile_m):
             i, j = self.block_coord(t, rows)
+        elif const_expr(self.tile_m == 2 * self.tile_n):
+            pairs = (m + self.tile_n - 1) // self.tile_n // 2
+            if t >= pairs * (pairs + 1):
+                i, j = pairs, t - pairs * (pairs + 1)
+            else:
+                bi, bj = self.block_coord(t // 2, pairs)
+                i, j = bi, 2 * bj + t % 2
         else:
             pairs = rows // 2
             if t >= pairs * (pairs + 1):
@@ -648,13 +658,13 @@ class SymmGemmSm90:
                             cute.arch.barrier_arrive(barrier_id=FREE, number_of_threads=staging_sync)  # sD is read
                             cute.arch.barrier(barrier_id=STAGED, number_of_threads=staging_sync)
                             if const_expr(self.d_by_tma):
-                                if ti != tj:  # below the diagonal: the block and its mirror, two TMA copies
+                                if ti > tj:  # below the diagonal: the block and its mirror, two TMA copies
                                     if warp == 1:  # one thread: bulk groups are per thread
                                         with cute.arch.elect_one():
                                             self.copy_out(tma_d, sD, mD_tma, ti, tj, bz)
                                             self.copy_out(tma_d, sT, mD_tma, tj, ti, bz)
                                             cute.arch.cp_async_bulk_commit_group()
-                                else:
+                                elif ti == tj:  # (above it, a 256 x 128 tile's top CTA: nothing)
                                     self.store_tile(sD, mC, mD, beta, ti * tm, tj * tn, bz, tidx - 32, STORE_THREADS,
                                                     False)
                             else:
@@ -772,6 +782,7 @@ _COMPILED: dict = {}
 _STREAMS: dict = {}
 _WORKSPACES: dict = {}
 _SMS: dict = {}
+_L2_BYTES: dict = {}
 _RESIDENT: dict = {}
 
 
@@ -810,20 +821,37 @@ def _sm_count() -> int:
     return _SMS[dev]
 
 
+def _l2_bytes() -> int:
+    dev = torch.cuda.current_device()
+    if dev not in _L2_BYTES:
+        _L2_BYTES[dev] = torch.cuda.get_device_properties(dev).L2_cache_size
+    return _L2_BYTES[dev]
+
+
 # Relative throughput of one SM per tile shape (wider tiles read less shared memory per MMA,
 # clusters half the L2 traffic of B), fitted to a side-by-side sweep of every tile on an H200
-# (docs/benchmarks.md, "Kernels"): with these the model picks the fastest tile, or one within
-# 3% of it, on every shape of the sweep.
-TILE_THROUGHPUT = {(64, 64): 0.55, (128, 128): 0.9, (128, 256): 0.95, (256, 256): 1.0}
+# (docs/benchmarks.md, "Kernels"; 256 x 128 "A cluster of 128 x 128 CTAs"): with these the model
+# picks the fastest tile, or one within 3% of it, on every shape of the sweep.
+TILE_THROUGHPUT = {(64, 64): 0.55, (128, 128): 0.9, (128, 256): 0.95, (256, 128): 0.927, (256, 256): 1.0}
+# Tiles offered only where an operand (batch x m x k) is over half the L2 cache. 256 x 128, a
+# cluster of two 128 x 128 CTAs that share B (three quarters of 128 x 128's L2 traffic), won there
+# on an H200 (16 x 1024^2 with C, 32 MiB operands: 0.054-0.056 ms against 0.055-0.057 for 128 x 128;
+# 16 x 1024 x 5120 X X^T 0.182 against 0.190-0.196; 5120 x 13824 0.626 against 0.704) and lost
+# where its operands fit (8 x 1024^2 with C, 16 MiB: 0.041 against 0.036).
+L2_BOUND_TILES = ((256, 128),)
+# A stream-K launch's time, in waves, is its fraction of waves plus this: its partial sums' round
+# trip. Measured on an H200, it lies between 0.49 (16 x 1024 x 5120 X X^T: split 128 x 128 0.190-0.194
+# ms against 256 x 128 0.182) and 0.58 (5120^2 with C: split 0.250-0.253 against 0.252-0.261).
+SPLIT_WAVE_COST = 0.5
 
 
 def modelled_tile_time(m: int, batch: int, shape: tuple[int, int], throughput: float, sms: int,
                        split: bool = False) -> float:
     """A product's modelled time at tile ``shape`` (arbitrary units): waves of CTAs over ``sms`` SMs
-    (whole waves; with ``split``, stream-K's, the fraction) times one CTA's tile area over its
-    relative ``throughput``."""
+    (whole waves; with ``split``, stream-K's, the fraction plus :data:`SPLIT_WAVE_COST`) times one
+    CTA's tile area over its relative ``throughput``."""
     ctas = batch * tile_count(m, *shape) * CLUSTER_M.get(shape, 1)
-    waves = ctas / sms if split else -(-ctas // sms)
+    waves = ctas / sms + SPLIT_WAVE_COST if split else -(-ctas // sms)
     return waves * shape[0] * shape[1] / CLUSTER_M.get(shape, 1) / throughput
 
 
@@ -831,9 +859,12 @@ def modelled_tile_time(m: int, batch: int, shape: tuple[int, int], throughput: f
 def default_tile(m: int, batch: int, k: int, split_allowed: bool = True) -> tuple[int, int]:
     """The tile shape with the least modelled time (TILE_THROUGHPUT): waves of tiles times a tile's
     time. Wide tiles run faster per element, but fewer of them can leave SMs idle in the last wave,
-    unless stream-K (where ``split_allowed`` and :func:`stream_k_pays`) spreads that wave's tiles."""
+    unless stream-K (where ``split_allowed`` and :func:`stream_k_pays`) spreads that wave's tiles.
+    :data:`L2_BOUND_TILES` only where an operand is over half the L2 cache."""
     sms = _sm_count()
-    return min(TILES, key=lambda shape: modelled_tile_time(
+    l2_bound = batch * m * k * 2 > _l2_bytes() // 2  # fp16 / bf16 operands
+    offered = [shape for shape in TILES if l2_bound or shape not in L2_BOUND_TILES]
+    return min(offered, key=lambda shape: modelled_tile_time(
         m, batch, shape, TILE_THROUGHPUT[shape], sms, split_allowed and stream_k_pays(batch, m, k, shape)))
 
 
@@ -980,7 +1011,7 @@ def symm_gemm(
     :func:`persistent_pays`); it stages the tile, and C, in the output dtype, so a float32
     ``out`` (twice the shared memory), or a C of another dtype than ``out``'s, always runs one CTA
     per tile. stream_k: the persistent launch, its last waves' tiles split along K among all its
-    CTAs (single-CTA tiles: not 256 x 256; the fp32 sums of a split tile's parts are added in a
+    CTAs (single-CTA tiles: not the clusters 256 x 256 and 256 x 128; the fp32 sums of a split tile's parts are added in a
     fixed order, so the result is the same in every launch, within a rounding of the unsplit one);
     default: the kernel configuration's ``stream_k`` (True: where the launch can take it), and
     where that is None, :func:`stream_k_pays` unless the launch was made one CTA per tile.
