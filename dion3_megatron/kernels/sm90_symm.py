@@ -840,8 +840,11 @@ TILE_THROUGHPUT = {(64, 64): 0.55, (128, 128): 0.9, (128, 256): 0.95, (256, 128)
 # where its operands fit (8 x 1024^2 with C, 16 MiB: 0.041 against 0.036).
 L2_BOUND_TILES = ((256, 128),)
 # A stream-K launch's time, in waves, is its fraction of waves plus this: its partial sums' round
-# trip. Measured on an H200, it lies between 0.49 (16 x 1024 x 5120 X X^T: split 128 x 128 0.190-0.194
-# ms against 256 x 128 0.182) and 0.58 (5120^2 with C: split 0.250-0.253 against 0.252-0.261).
+# trip. Measured on an H200 (time per wave from the same product's persistent launch), split 128 x 128
+# took 6.21 + 0.5 waves on 5120^2 with C (0.250-0.253 ms, 7 waves 0.262-0.268), 4.36 + 0.5 on
+# 16 x 1024 x 5120 X X^T (0.190-0.194, 5 waves 0.196), 2.18 + 0.5 on 8 x 1024 x 5120 (0.099-0.104,
+# 3 waves 0.116) and 1.03 + 0.5 on 2048 x 8192 (0.077-0.080, 2 waves 0.101); against 256 x 128 the
+# first two bound it to 0.49-0.58.
 SPLIT_WAVE_COST = 0.5
 
 
