@@ -101,4 +101,3 @@ def test_the_256x128_cluster_where_an_operand_overflows_half_the_l2(monkeypatch)
         assert not sm90_symm.stream_k_pays(16, 1024, 5120, (256, 128))  # clusters never split
     finally:
         sm90_symm.default_tile.cache_clear()
-

@@ -1014,8 +1014,9 @@ def symm_gemm(
     :func:`persistent_pays`); it stages the tile, and C, in the output dtype, so a float32
     ``out`` (twice the shared memory), or a C of another dtype than ``out``'s, always runs one CTA
     per tile. stream_k: the persistent launch, its last waves' tiles split along K among all its
-    CTAs (single-CTA tiles: not the clusters 256 x 256 and 256 x 128; the fp32 sums of a split tile's parts are added in a
-    fixed order, so the result is the same in every launch, within a rounding of the unsplit one);
+    CTAs (single-CTA tiles: not the clusters 256 x 256 and 256 x 128; the fp32 sums of a split
+    tile's parts are added in a fixed order, so the result is the same in every launch, within a
+    rounding of the unsplit one);
     default: the kernel configuration's ``stream_k`` (True: where the launch can take it), and
     where that is None, :func:`stream_k_pays` unless the launch was made one CTA per tile.
     Returns (L, M, M) in out_dtype (default a's dtype), or writes ``out``.
