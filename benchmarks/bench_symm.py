@@ -191,7 +191,9 @@ def fit_tile_throughputs(rows, sms: int) -> None:
     makes sm90_symm.modelled_tile_time proportional to this run's times: per shape, each tile's
     modelled time at throughput 1 over its measured time, relative to the reference tile's, and the
     geometric mean over the shapes; then per shape the fastest tile against the model's picks. A
-    tile shape measured in several launches (128x256 and 128x256:p) counts by its fastest."""
+    tile shape measured in several launches (128x256 and 128x256:p) counts by its fastest. The picks
+    here are the whole-wave model's alone, among the tiles measured: default_tile also counts
+    stream-K's waves (SPLIT_WAVE_COST) and offers L2_BOUND_TILES only to operands over half the L2."""
     rows = [(b, m, times) for b, m, times in rows if len(times) > 1]
     common = [t for t in rows[0][2] if all(t in times for _, _, times in rows)] if rows else []
     if not common:

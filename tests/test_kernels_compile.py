@@ -60,12 +60,20 @@ def test_stream_k_needs_a_persistent_launch_of_single_ctas():
         sm90_symm.SymmGemmSm90(F16, F16, None, (128, 128), stream_k=True)
 
 
-def test_stream_k_where_the_last_wave_would_leave_sms_idle(monkeypatch):
-    """The automatic choice (sm90_symm.stream_k_pays and the tile model), at an H200's SM count:
-    split where the tiles leave the last wave part empty, with a long enough share per CTA."""
+@pytest.fixture
+def h200(monkeypatch):
+    """The tile model at an H200's SM count and L2 cache (50 MiB), its cached picks made afresh."""
     monkeypatch.setattr(sm90_symm, "_sm_count", lambda: SMS)
     monkeypatch.setattr(sm90_symm, "resident_clusters", lambda cluster_m: SMS // cluster_m)
     monkeypatch.setattr(sm90_symm, "_l2_bytes", lambda: 50 * 2**20)
+    sm90_symm.default_tile.cache_clear()
+    yield
+    sm90_symm.default_tile.cache_clear()
+
+
+def test_stream_k_where_the_last_wave_would_leave_sms_idle(h200):
+    """The automatic choice (sm90_symm.stream_k_pays and the tile model), at an H200's SM count:
+    split where the tiles leave the last wave part empty, with a long enough share per CTA."""
     pays = sm90_symm.stream_k_pays
     assert pays(1, 2048, 2048, (128, 128))  # 136 tiles: a second wave of 4
     assert pays(1, 5120, 5120, (128, 128))  # 820: 7 waves 0.89 full
@@ -74,30 +82,19 @@ def test_stream_k_where_the_last_wave_would_leave_sms_idle(monkeypatch):
     assert not pays(1, 3072, 12288, (128, 128))  # K above SPLIT_MAX_K
     assert not pays(16, 1024, 1024, (128, 128))  # a CTA's share of 22 K blocks
     assert not pays(1, 2048, 2048, (128, 256)) and not pays(1, 2048, 2048, (256, 256))
-    sm90_symm.default_tile.cache_clear()
-    try:
-        assert sm90_symm.default_tile(2048, 1, 8192) == (128, 128)  # split: 1.03 waves, not 2
-        assert sm90_symm.default_tile(2048, 1, 8192, split_allowed=False) == (64, 64)
-        assert sm90_symm.default_tile(5120, 1, 5120) == (128, 128)
-    finally:
-        sm90_symm.default_tile.cache_clear()
+    assert sm90_symm.default_tile(2048, 1, 8192) == (128, 128)  # split: 1.03 waves, not 2
+    assert sm90_symm.default_tile(2048, 1, 8192, split_allowed=False) == (64, 64)
+    assert sm90_symm.default_tile(5120, 1, 5120) == (128, 128)
 
 
-def test_the_256x128_cluster_where_an_operand_overflows_half_the_l2(monkeypatch):
+def test_the_256x128_cluster_where_an_operand_overflows_half_the_l2(h200):
     """The tile model at an H200's SM count and L2 (50 MiB): 256 x 128 (two 128 x 128 CTAs sharing
     B) for the K/V batch's products and the wide Gram, not where the operands fit in L2, and not
     where 128 x 128 fills whole waves or stream-K evens out the last one."""
-    monkeypatch.setattr(sm90_symm, "_sm_count", lambda: SMS)
-    monkeypatch.setattr(sm90_symm, "resident_clusters", lambda cluster_m: SMS // cluster_m)
-    monkeypatch.setattr(sm90_symm, "_l2_bytes", lambda: 50 * 2**20)
-    sm90_symm.default_tile.cache_clear()
-    try:
-        tile = sm90_symm.default_tile
-        assert tile(1024, 16, 5120) == (256, 128) and tile(1024, 16, 1024) == (256, 128)
-        assert tile(5120, 1, 13824) == (256, 128)
-        assert tile(1024, 8, 1024) == (128, 128)  # 16 MiB operands: fits
-        assert tile(4096, 1, 16384) == (128, 128)  # 4 whole waves
-        assert tile(5120, 1, 5120) == (128, 128) and sm90_symm.stream_k_pays(1, 5120, 5120, (128, 128))
-        assert not sm90_symm.stream_k_pays(16, 1024, 5120, (256, 128))  # clusters never split
-    finally:
-        sm90_symm.default_tile.cache_clear()
+    tile = sm90_symm.default_tile
+    assert tile(1024, 16, 5120) == (256, 128) and tile(1024, 16, 1024) == (256, 128)
+    assert tile(5120, 1, 13824) == (256, 128)
+    assert tile(1024, 8, 1024) == (128, 128)  # 16 MiB operands: fits
+    assert tile(4096, 1, 16384) == (128, 128)  # 4 whole waves
+    assert tile(5120, 1, 5120) == (128, 128) and sm90_symm.stream_k_pays(1, 5120, 5120, (128, 128))
+    assert not sm90_symm.stream_k_pays(16, 1024, 5120, (256, 128))  # clusters never split

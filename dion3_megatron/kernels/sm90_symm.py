@@ -781,8 +781,7 @@ _TORCH_TO_CUTLASS = {
 _COMPILED: dict = {}
 _STREAMS: dict = {}
 _WORKSPACES: dict = {}
-_SMS: dict = {}
-_L2_BYTES: dict = {}
+_DEVICE_PROPERTIES: dict = {}
 _RESIDENT: dict = {}
 
 
@@ -814,18 +813,20 @@ def split_workspace(ctas: int, tile_elems: int) -> tuple[torch.Tensor, torch.Ten
     return ws
 
 
+def _device_property(name: str) -> int:
+    """The current device's property ``name`` (of torch.cuda.get_device_properties), read once per device."""
+    key = (torch.cuda.current_device(), name)
+    if key not in _DEVICE_PROPERTIES:
+        _DEVICE_PROPERTIES[key] = getattr(torch.cuda.get_device_properties(key[0]), name)
+    return _DEVICE_PROPERTIES[key]
+
+
 def _sm_count() -> int:
-    dev = torch.cuda.current_device()
-    if dev not in _SMS:
-        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return _SMS[dev]
+    return _device_property("multi_processor_count")
 
 
 def _l2_bytes() -> int:
-    dev = torch.cuda.current_device()
-    if dev not in _L2_BYTES:
-        _L2_BYTES[dev] = torch.cuda.get_device_properties(dev).L2_cache_size
-    return _L2_BYTES[dev]
+    return _device_property("L2_cache_size")
 
 
 # Relative throughput of one SM per tile shape (wider tiles read less shared memory per MMA,
