@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .kernels import config as kernel_config
 from .kernels import rows as row_kernels
 from .kernels.dispatch import get_backend, transposed_view
 
@@ -114,6 +115,7 @@ def _add_identity(m: torch.Tensor, scale: float) -> torch.Tensor:
 # The two iterations.
 
 
+@kernel_config.pinned()  # one read of the kernel configuration for all its products
 def newton_schulz(
     g: torch.Tensor,
     coefficients: Optional[Coefficients] = None,
@@ -140,6 +142,7 @@ def newton_schulz(
     return _restore(x, transposed, shape, out_dtype or g.dtype)
 
 
+@kernel_config.pinned()
 def gram_newton_schulz(
     g: torch.Tensor,
     coefficients: Optional[Coefficients] = None,

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dion3_megatron import kernels, ortho
-from dion3_megatron.kernels import backend, dispatch
+from dion3_megatron.kernels import dispatch
+from dion3_megatron.kernels.symm import backend, heuristics
 
 
 @pytest.fixture(autouse=True)
@@ -63,32 +64,36 @@ def test_cpu_products_never_route_to_kernels(generator):
     assert torch.allclose(r, x.float() @ x.float().mT)
 
 
+def routes(batch, m, k, dtype):
+    return heuristics.routes_to_kernel(batch, m, k, dtype, kernels.current())
+
+
 def test_routing_rules():
     kernels.configure(routing="measured")
-    assert not backend.routes_to_kernel(1, 64, 64, torch.float16)  # tiny: cuBLAS
+    assert not routes(1, 64, 64, torch.float16)  # tiny: cuBLAS
     # by the tiles the batch fills (one wave of 132 SMs), whatever the batch's split
-    assert not backend.routes_to_kernel(1, 1024, 5120, torch.float16)  # 20 tiles
-    assert backend.routes_to_kernel(1, 2048, 8192, torch.float16)  # 72, but 2048 wide: stream-K won 1.18x
-    assert backend.routes_to_kernel(1, 2048, 2048, torch.float16)
-    assert not backend.routes_to_kernel(1, 1536, 6144, torch.float16)  # 42, narrower than min_width
-    assert not backend.routes_to_kernel(1, 2048, 16384, torch.float16)  # K beyond what stream-K splits
-    assert not backend.routes_to_kernel(4, 1024, 5120, torch.float16)  # 80
-    assert backend.routes_to_kernel(1, 3072, 3072, torch.float16)  # 156: won 1.02x
-    assert backend.routes_to_kernel(16, 1024, 5120, torch.float16)  # 320
-    assert backend.routes_to_kernel(16, 1024, 1024, torch.float16)  # the batch's symmetric products
-    assert backend.routes_to_kernel(2, 2048, 2048, torch.float16)  # 144
-    assert not backend.routes_to_kernel(1, 8192, 8192, torch.float32)  # fp32: no kernel
-    assert not backend.routes_to_kernel(1, 8190, 8192, torch.float16)  # unaligned rows
+    assert not routes(1, 1024, 5120, torch.float16)  # 20 tiles
+    assert routes(1, 2048, 8192, torch.float16)  # 72, but 2048 wide: stream-K won 1.18x
+    assert routes(1, 2048, 2048, torch.float16)
+    assert not routes(1, 1536, 6144, torch.float16)  # 42, narrower than min_width
+    assert not routes(1, 2048, 16384, torch.float16)  # K beyond what stream-K splits
+    assert not routes(4, 1024, 5120, torch.float16)  # 80
+    assert routes(1, 3072, 3072, torch.float16)  # 156: won 1.02x
+    assert routes(16, 1024, 5120, torch.float16)  # 320
+    assert routes(16, 1024, 1024, torch.float16)  # the batch's symmetric products
+    assert routes(2, 2048, 2048, torch.float16)  # 144
+    assert not routes(1, 8192, 8192, torch.float32)  # fp32: no kernel
+    assert not routes(1, 8190, 8192, torch.float16)  # unaligned rows
     kernels.configure(routing="always")
-    assert backend.routes_to_kernel(1, 64, 64, torch.float16)
-    assert not backend.routes_to_kernel(1, 64, 60, torch.float16)
+    assert routes(1, 64, 64, torch.float16)
+    assert not routes(1, 64, 60, torch.float16)
     # The thresholds are the configuration's.
     kernels.configure(routing="measured", min_tiles=1)
-    assert backend.routes_to_kernel(1, 64, 64, torch.float16)
+    assert routes(1, 64, 64, torch.float16)
     kernels.configure(routing="measured", min_tiles=132, stream_k=False)  # no stream-K: by the tiles alone
-    assert not backend.routes_to_kernel(1, 2048, 8192, torch.float16)
+    assert not routes(1, 2048, 8192, torch.float16)
     kernels.configure(routing="measured", stream_k=None, min_width=1024)
-    assert backend.routes_to_kernel(1, 1024, 5120, torch.float16)
+    assert routes(1, 1024, 5120, torch.float16)
     for name in ("min_tiles", "min_width"):
         with pytest.raises(ValueError, match=f"{name} must be an int >= 0, got -1"):
             kernels.configure(**{name: -1})
@@ -103,9 +108,11 @@ def test_routing_rules():
 def test_a_cpu_operand_never_imports_cutlass(monkeypatch):
     """The kernel backend is registered at import; cutlass is imported only when a kernel runs."""
     # (a test that compiles the kernel may have imported it already in this process)
-    monkeypatch.delitem(sys.modules, "dion3_megatron.kernels.sm90_symm", raising=False)
+    for module in ("kernel", "launch"):
+        monkeypatch.delitem(sys.modules, f"dion3_megatron.kernels.symm.{module}", raising=False)
     assert ortho.get_backend(torch.zeros(1, 4, 8)) is kernels.TORCH_BACKEND
-    assert "cutedsl" in dispatch._BACKENDS and "dion3_megatron.kernels.sm90_symm" not in sys.modules
+    assert "cutedsl" in dispatch._BACKENDS
+    assert not {"dion3_megatron.kernels.symm.kernel", "dion3_megatron.kernels.symm.launch"} & set(sys.modules)
 
 
 def test_environment_variables_are_defaults_read_at_each_use(monkeypatch):
@@ -168,10 +175,53 @@ def test_the_kernels_option_reaches_the_row_kernels_and_the_graph_key(monkeypatc
 
 @pytest.mark.parametrize("tile", kernels.config.TILES)
 def test_tile_count_is_the_tiles_that_meet_the_lower_triangle(tile):
-    """config.tile_count, which sizes the kernels' grids and tile orders, against a count of every
+    """heuristics.tile_count, which sizes the kernels' grids and tile orders, against a count of every
     tile_m x tile_n tile that holds an element (r, c) with r >= c, odd counts of 128-row blocks too."""
     tile_m, tile_n = tile
     for m in (64, 128, 136, 1000, 1024, 1152, 2056, 2176):
         rows, cols = -(-m // tile_m), -(-m // tile_n)
         brute = sum(tile_n * j <= min(tile_m * i + tile_m, m) - 1 for i in range(rows) for j in range(cols))
-        assert kernels.config.tile_count(m, tile_m, tile_n) == brute, (m, tile)
+        assert heuristics.tile_count(m, tile_m, tile_n) == brute, (m, tile)
+
+
+SMS = 132  # an H200's
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    """The tile model at an H200's SM count and L2 cache (50 MiB), its cached picks made afresh."""
+    monkeypatch.setattr(heuristics, "sm_count", lambda: SMS)
+    monkeypatch.setattr(heuristics, "resident_clusters", lambda cluster_m: SMS // cluster_m)
+    monkeypatch.setattr(heuristics, "l2_bytes", lambda: 50 * 2**20)
+    heuristics.default_tile.cache_clear()
+    yield
+    heuristics.default_tile.cache_clear()
+
+
+def test_stream_k_where_the_last_wave_would_leave_sms_idle(h200):
+    """The automatic choice (heuristics.stream_k_pays and the tile model), at an H200's SM count:
+    split where the tiles leave the last wave part empty, with a long enough share per CTA."""
+    pays = heuristics.stream_k_pays
+    assert pays(1, 2048, 2048, (128, 128))  # 136 tiles: a second wave of 4
+    assert pays(1, 5120, 5120, (128, 128))  # 820: 7 waves 0.89 full
+    assert not pays(1, 4096, 4096, (128, 128))  # 528: 4 whole waves
+    assert not pays(1, 3456, 5120, (128, 128))  # 378: 0.95 full
+    assert not pays(1, 3072, 12288, (128, 128))  # K above SPLIT_MAX_K
+    assert not pays(16, 1024, 1024, (128, 128))  # a CTA's share of 22 K blocks
+    assert not pays(1, 2048, 2048, (128, 256)) and not pays(1, 2048, 2048, (256, 256))
+    assert heuristics.default_tile(2048, 1, 8192) == (128, 128)  # split: 1.03 waves, not 2
+    assert heuristics.default_tile(2048, 1, 8192, split_allowed=False) == (64, 64)
+    assert heuristics.default_tile(5120, 1, 5120) == (128, 128)
+
+
+def test_the_256x128_cluster_where_an_operand_overflows_half_the_l2(h200):
+    """The tile model at an H200's SM count and L2 (50 MiB): 256 x 128 (two 128 x 128 CTAs sharing
+    B) for the K/V batch's products and the wide Gram, not where the operands fit in L2, and not
+    where 128 x 128 fills whole waves or stream-K evens out the last one."""
+    tile = heuristics.default_tile
+    assert tile(1024, 16, 5120) == (256, 128) and tile(1024, 16, 1024) == (256, 128)
+    assert tile(5120, 1, 13824) == (256, 128)
+    assert tile(1024, 8, 1024) == (128, 128)  # 16 MiB operands: fits
+    assert tile(4096, 1, 16384) == (128, 128)  # 4 whole waves
+    assert tile(5120, 1, 5120) == (128, 128) and heuristics.stream_k_pays(1, 5120, 5120, (128, 128))
+    assert not heuristics.stream_k_pays(16, 1024, 5120, (256, 128))  # clusters never split

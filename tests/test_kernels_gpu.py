@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dion3_megatron import kernels, ortho
-from dion3_megatron.kernels import backend
+from dion3_megatron.kernels.symm import backend
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +21,7 @@ def _skip_unless_kernels():
         pytest.skip("needs a CUDA GPU")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("kernels need a Hopper (sm_90) GPU")
-    if not backend.cutlass_available():
+    if not backend.kernels_installed():
         pytest.skip("needs nvidia-cutlass-dsl")
 
 
@@ -61,7 +61,7 @@ SHAPES = [(1, 256, 512), (1, 1000, 3000), (3, 520, 1032), (2, 136, 72), (1, 72, 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("tile", [64, 128, "128x256", "256x128", "256x256"])
 def test_gram_vs_fp64(cuda_gen, dtype, shape, tile):
-    from dion3_megatron.kernels.sm90_symm import symm_gemm
+    from dion3_megatron.kernels.symm.launch import symm_gemm
 
     b, m, k = shape
     x = _rand(cuda_gen, b, m, k, dtype=dtype) / k**0.25
@@ -78,7 +78,7 @@ def test_gram_vs_fp64(cuda_gen, dtype, shape, tile):
 def test_gram_of_a_transposed_operand_reads_it_in_place(cuda_gen, dtype, shape, tile, monkeypatch):
     """The tall input's Gram: X^T X of a row-major (L, K, M) X, passed as the (L, M, K) view X^T,
     runs on the M-major kernel without a copy, with + beta * C."""
-    from dion3_megatron.kernels import sm90_symm
+    from dion3_megatron.kernels.symm import launch as sm90_symm
 
     b, m, k = shape
     xt = (_rand(cuda_gen, b, k, m, dtype=dtype) / k**0.25).mT
@@ -100,7 +100,7 @@ def test_gram_of_a_transposed_operand_reads_it_in_place(cuda_gen, dtype, shape, 
 @pytest.mark.parametrize("shape", [(1, 1000, 3000), (3, 520, 1032)])
 @pytest.mark.parametrize("tile", [None, "128x256", "256x128", "256x256"])
 def test_gram_alpha_beta_c(cuda_gen, dtype, out_dtype, shape, tile):
-    from dion3_megatron.kernels.sm90_symm import symm_gemm
+    from dion3_megatron.kernels.symm.launch import symm_gemm
 
     b, m, k = shape
     x = _rand(cuda_gen, b, m, k, dtype=dtype) / k**0.25
@@ -120,7 +120,7 @@ def test_gram_alpha_beta_c(cuda_gen, dtype, out_dtype, shape, tile):
 @pytest.mark.parametrize("m_major", [False, True])
 def test_several_ctas_per_sm_change_nothing_but_residency(cuda_gen, ctas_per_sm, m_major):
     # A shallower pipeline, the same k order: bit for bit the result of one CTA per SM.
-    from dion3_megatron.kernels.sm90_symm import symm_gemm
+    from dion3_megatron.kernels.symm.launch import symm_gemm
 
     b, m, k = 3, 520, 1032
     if m_major:  # the transposed view of a row-major (b, k, m): read in place
@@ -164,7 +164,7 @@ def test_persistent_launch_against_one_cta_per_tile(cuda_gen, tile, operands, dt
     """More tiles than resident CTAs, so each CTA walks several and its idle warps store one tile
     while its consumers compute the next: the per-tile launch's result (bit for bit without C;
     with C, which the consumers add in registers, within a rounding of it), exactly symmetric."""
-    from dion3_megatron.kernels.sm90_symm import symm_gemm
+    from dion3_megatron.kernels.symm.launch import symm_gemm
 
     b, m, k = 4, 2056, 520  # 324 tiles of 128 x 256 per launch against 132 SMs; K not a tile multiple
     x, y, c, alpha, beta = _launch_operands(cuda_gen, operands, b, m, k, dtype)
@@ -196,7 +196,7 @@ def test_stream_k_against_one_cta_per_tile(cuda_gen, tile, shape, operands):
     exactly symmetric, within a rounding of the per-tile launch (a split tile's parts are summed
     in another order), and the same bit for bit in a second launch (the parts are added in a
     fixed order, and each launch leaves the flags down for the next)."""
-    from dion3_megatron.kernels.sm90_symm import symm_gemm
+    from dion3_megatron.kernels.symm.launch import symm_gemm
 
     dtype = torch.float16
     b, m, k = shape
@@ -214,7 +214,7 @@ def test_stream_k_against_one_cta_per_tile(cuda_gen, tile, shape, operands):
 
 
 def test_stream_k_where_the_launch_cannot_take_it_is_refused():
-    from dion3_megatron.kernels.sm90_symm import symm_gemm
+    from dion3_megatron.kernels.symm.launch import symm_gemm
 
     x = torch.randn(512, 256, device="cuda", dtype=torch.float16)
     with pytest.raises(ValueError, match="stream_k needs the persistent launch of a single-CTA tile"):
@@ -230,7 +230,7 @@ def test_a_banded_tile_order_changes_nothing_but_the_order(cuda_gen, tile, persi
     an odd count of 128-row blocks the half row last): every tile is computed once, as in the
     row-by-row order, so the result is the same bit for bit, with C too (without stream-K, whose
     split points, and so its roundings, move with the order)."""
-    from dion3_megatron.kernels.sm90_symm import symm_gemm
+    from dion3_megatron.kernels.symm.launch import symm_gemm
 
     b, m = 2, 2056  # 17 row blocks of 128: bands of 3 leave short ones at every tile
     x, y = _commuting_pair(cuda_gen, b, m, torch.float16)
@@ -247,10 +247,11 @@ def test_a_banded_tile_order_changes_nothing_but_the_order(cuda_gen, tile, persi
 def test_persistent_launch_from_the_kernel_configuration(cuda_gen, monkeypatch):
     """KernelConfig(persistent=True) reaches the launch: Gram NS under it runs the persistent
     kernel and orthogonalizes as the per-tile launch does."""
-    from dion3_megatron.kernels import sm90_symm
+    from dion3_megatron.kernels.symm import heuristics, launch as sm90_symm
 
-    launches = []
+    launches = []  # the persistent flag of each launch decided (the cache emptied: every one is)
     compiled = sm90_symm.compiled
+    monkeypatch.setattr(sm90_symm, "_LAUNCHES", {})
     monkeypatch.setattr(sm90_symm, "compiled", lambda *a, **kw: launches.append(a[-1]) or compiled(*a, **kw))
     x = _rand(cuda_gen, 2, 1032, 3096, dtype=torch.float32)
     with kernels.using(routing="always", persistent=False):
@@ -266,15 +267,16 @@ def test_persistent_launch_from_the_kernel_configuration(cuda_gen, monkeypatch):
 def test_the_default_launch_is_persistent_from_two_waves(cuda_gen, monkeypatch):
     """KernelConfig(persistent=None), the default: one CTA per tile where the tiles take less
     than two waves, the persistent launch from two on, with C as without, at any K."""
-    from dion3_megatron.kernels import sm90_symm
+    from dion3_megatron.kernels.symm import heuristics, launch as sm90_symm
 
-    launches = []
+    launches = []  # the persistent flag of each launch decided (the cache emptied: every one is)
     compiled = sm90_symm.compiled
+    monkeypatch.setattr(sm90_symm, "_LAUNCHES", {})
     monkeypatch.setattr(sm90_symm, "compiled", lambda *a, **kw: launches.append(a[-1]) or compiled(*a, **kw))
     for batch, m in ((1, 512), (8, 4096)):
         x = _rand(cuda_gen, batch, m, 256, dtype=torch.float16)
         out = sm90_symm.symm_gemm(x, x)
-        assert launches[-1] == sm90_symm.persistent_pays(batch, m, sm90_symm.default_tile(m, batch, 256))
+        assert launches[-1] == heuristics.persistent_pays(batch, m, heuristics.default_tile(m, batch, 256))
         xd = x.double()
         assert _rel(out, xd @ xd.mT) <= TOL[torch.float16]
     assert launches == [False, True]  # 1 tile of 512^2; 8 x 136 tiles of 4096^2 at 256 x 256 (or more)
@@ -286,7 +288,7 @@ def test_the_default_launch_is_persistent_from_two_waves(cuda_gen, monkeypatch):
 
 
 def test_ctas_per_sm_a_tile_cannot_hold_is_refused():
-    from dion3_megatron.kernels.sm90_symm import symm_gemm
+    from dion3_megatron.kernels.symm.launch import symm_gemm
 
     x = torch.randn(256, 256, device="cuda", dtype=torch.float16)
     with pytest.raises(ValueError, match="ctas_per_sm at tile 128x256 must be one of"):
@@ -306,7 +308,7 @@ def _commuting_pair(gen, b, m, dtype):
 @pytest.mark.parametrize("with_c", [False, True])
 @pytest.mark.parametrize("tile", [None, "128x256", "256x128", "256x256"])
 def test_symmetric_product_vs_fp64(cuda_gen, dtype, shape, with_c, tile):
-    from dion3_megatron.kernels.sm90_symm import symm_gemm
+    from dion3_megatron.kernels.symm.launch import symm_gemm
 
     b, m = shape
     p, q = _commuting_pair(cuda_gen, b, m, dtype)

@@ -4,7 +4,7 @@ Newton-Schulz, Triton row kernels (:mod:`.rows`), and one configuration for both
 Importing this package is always safe: nvidia-cutlass-dsl is imported only when a kernel first
 runs. On import it registers the ``"cutedsl"`` matmul backend with :mod:`.dispatch`, whose
 selector claims CUDA operands on Hopper GPUs when the DSL is installed; each product then goes
-to a kernel only where it measured faster than cuBLAS (see :mod:`.backend`), and to torch
+to a kernel only where it measured faster than cuBLAS (see :mod:`.symm`), and to torch
 elsewhere. ``configure(kernels="torch")`` (or a Dion3 optimizer's ``kernels="torch"`` for its
 steps, or ``DION3_KERNELS=0`` as the default) runs plain torch; ``configure(backend="cutedsl")``
 forces this backend (which still falls back to torch for operands its kernels cannot take);
@@ -13,17 +13,18 @@ forces this backend (which still falls back to torch for operands its kernels ca
 
 from __future__ import annotations
 
-from .backend import (
-    BACKEND_NAME,
-    KERNEL_BACKEND,
-    cutlass_available,
-    kernel_capable_device,
-    register,
-    routes_to_kernel,
-    select,
+from .config import (
+    KernelConfig,
+    configure,
+    current,
+    from_environment,
+    pinned,
+    row_kernels_enabled,
+    scoped_step,
+    using,
 )
-from .config import KernelConfig, configure, current, from_environment, row_kernels_enabled, scoped_step, using
 from .dispatch import TORCH_BACKEND, MatmulBackend, get_backend, register_backend
+from .symm.backend import BACKEND_NAME, KERNEL_BACKEND, kernel_capable_device, kernels_installed, register, select
 
 register()
 
@@ -35,13 +36,13 @@ __all__ = [
     "TORCH_BACKEND",
     "configure",
     "current",
-    "cutlass_available",
     "from_environment",
     "get_backend",
     "kernel_capable_device",
+    "kernels_installed",
+    "pinned",
     "register",
     "register_backend",
-    "routes_to_kernel",
     "row_kernels_enabled",
     "scoped_step",
     "select",

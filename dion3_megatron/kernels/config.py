@@ -22,31 +22,11 @@ from typing import Any, Callable, Iterator, Optional
 KERNELS = ("auto", "torch")
 ROUTINGS = ("measured", "always")
 TILES = ((64, 64), (128, 128), (128, 256), (256, 128), (256, 256))  # (tile_m, tile_n) of the symmetric GEMM kernels
-ROUTING_TILE = (128, 256)  # the tile the routing counts in (the kernel's usual one; see KernelConfig)
-# Block rows per band of the symmetric GEMM's tile order (sm90_symm.SymmGemmSm90.block_coord): the
-# CTAs running at once share their operand panels in L2; 1: the triangle row by row. Measured on an
-# H200 (docs/benchmarks.md): 8 cut the DRAM traffic of Gram NS's products by about a third and
-# the symmetric products' time by up to 8% (8192^2 X X^T at 128 x 256 tiles), the whole step unchanged.
+# Block rows per band of the symmetric GEMM's tile order (symm.kernel.SymmGemmSm90.block_coord): the
+# CTAs running at once share their operand panels in L2; 1: the triangle row by row. 8 cut the DRAM
+# traffic of Gram NS's products by about a third and the symmetric products' time by up to 8%
+# (8192^2 X X^T at 128 x 256 tiles), the whole step unchanged.
 DEFAULT_TILE_GROUP = 8
-# The longest K that stream-K splits (sm90_symm.stream_k_pays): at K = 12288 it lost (3072 x 12288,
-# 0.255 against 0.247 ms persistent; the CTAs, each at another K offset, share less of the operand in L2)
-SPLIT_MAX_K = 8192
-
-
-def tile_count(m, tile_m: int, tile_n: int):
-    """Output tiles that meet the lower triangle of an m x m result (column block j covers columns
-    [j tile_n, (j + 1) tile_n)): row block i has i + 1 of them for a square tile, i // 2 + 1 for a
-    128 x 256 one, and 2 i + 2 for a 256 x 128 one (with an odd count of 128-row blocks, the last
-    block row, 128 rows high, 2 i + 1). Python ints on the host, Int32 inside kernels."""
-    rows = (m + tile_m - 1) // tile_m
-    if tile_n == tile_m:
-        return rows * (rows + 1) // 2
-    if tile_m == 2 * tile_n:
-        blocks = (m + tile_n - 1) // tile_n  # of 128 rows
-        pairs = blocks // 2
-        return pairs * (pairs + 1) + (blocks % 2) * (2 * pairs + 1)
-    pairs = rows // 2
-    return pairs * (pairs + 1) + (rows % 2) * (pairs + 1)
 
 
 def tile_shape(tile) -> tuple[int, int]:
@@ -72,29 +52,28 @@ class KernelConfig:
     backend: Optional[str] = None  # a registered matmul backend forced for every product (kernels.dispatch)
     routing: str = "measured"  # "always": every product the symmetric kernels can take (tests, benchmarks)
     # A product goes to the kernel when it fills the GPU: batch x its output tiles that meet the
-    # lower triangle (counted in 128 x 256 tiles, ROUTING_TILE) at least min_tiles, one wave of an
-    # H200's 132 SMs. Measured (H200, CuTe DSL 4.8.1, torch 2.11 cuBLAS; docs/benchmarks.md
-    # "Kernels"): below a wave the kernel lost to cuBLAS's full product (1024 x 5120, 20 tiles;
+    # lower triangle (counted in 128 x 256 tiles, symm.heuristics.ROUTING_TILE) at least min_tiles, one wave of an
+    # H200's 132 SMs. Measured (H200, CuTe DSL 4.8.1, torch 2.11 cuBLAS): below a wave the kernel lost to cuBLAS's full product (1024 x 5120, 20 tiles;
     # 2048 x 8192, 72 tiles: 0.88x), from one on it won (3072^2, 156 tiles: 1.02x; 16 x 1024 x 5120,
     # 320 tiles: Gram NS 2.85 ms against 3.18 with cuBLAS, graphed).
     min_tiles: int = 132
     # Below min_tiles, a product at least min_width wide goes to the kernel too where stream-K may
-    # run (stream_k not False, K at most SPLIT_MAX_K), which spreads its one wave's tiles over every
-    # SM along K. Measured (H200, graphed, docs/benchmarks.md "D by TMA, and stream-K"): 2048 x 8192
+    # run (stream_k not False, K at most symm.heuristics.SPLIT_MAX_K), which spreads its one wave's tiles over every
+    # SM along K. Measured (H200, graphed): 2048 x 8192
     # X X^T 1.13-1.15x of cuBLAS, the 2048^2 products of Gram NS with their addend 1.16-1.17x (72
     # tiles each); 1024-wide products stay slower (1024 x 5120 0.72-0.75x).
     min_width: int = 2048
-    tile: Any = None  # symmetric-GEMM tile, any form tile_shape takes; None: modelled per shape (sm90_symm.default_tile)
+    tile: Any = None  # symmetric-GEMM tile, any form tile_shape takes; None: modelled per shape (symm.heuristics.default_tile)
     # symmetric-GEMM launch: one CTA per SM walking the tiles, each tile stored by warps that do
-    # no MMAs while the next one computes (sm90_symm.SymmGemmSm90), instead of one CTA per tile
+    # no MMAs while the next one computes (symm.kernel.SymmGemmSm90), instead of one CTA per tile
     # whose consumers store it. None: where one CTA per tile would take at least two waves of
-    # CTAs (sm90_symm.persistent_pays; a CTA then walks several tiles). Measured on an H200
-    # (docs/benchmarks.md): the products of 2+ waves faster, a batch of 8 x 1024^2 (1.2 waves)
+    # CTAs (symm.heuristics.persistent_pays; a CTA then walks several tiles). Measured on an H200:
+    # the products of 2+ waves faster, a batch of 8 x 1024^2 (1.2 waves)
     # slower; with this rule the 14B-shape step 3.1% faster at f = 1 than with False
     persistent: Optional[bool] = None
     # stream-K: a persistent launch of single-CTA tiles that splits the tiles of its last waves
-    # along K among all its CTAs (sm90_symm.SymmGemmSm90). None: where the last wave would leave
-    # SMs idle and it measured faster (sm90_symm.stream_k_pays), the launch then persistent; True:
+    # along K among all its CTAs (symm.kernel.SymmGemmSm90). None: where the last wave would leave
+    # SMs idle and it measured faster (symm.heuristics.stream_k_pays), the launch then persistent; True:
     # wherever the launch can take it; False: never.
     stream_k: Optional[bool] = None
     fused_rows: bool = True  # the Triton row kernels (kernels/rows.py) where kernels is "auto"
@@ -118,6 +97,11 @@ class KernelConfig:
                 raise ValueError(f"{name} must be a bool or None, got {value!r}")
         if self.tile is not None:  # one spelling, hashable: a configuration can key a cache or a graph
             object.__setattr__(self, "tile", tile_shape(self.tile))
+        # hashed once: every kernel launch looks its configuration up in a cache
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 def from_environment() -> KernelConfig:
@@ -158,15 +142,30 @@ def configure(config: Optional[KernelConfig] = None, **changes: Any) -> KernelCo
 
 
 @contextlib.contextmanager
-def using(config: Optional[KernelConfig] = None, **changes: Any) -> Iterator[KernelConfig]:
-    """A block (this thread only) under ``config``, or the current configuration with ``changes``."""
-    scoped = _checked(dataclasses.replace(config or current(), **changes))
+def _in_force(config: KernelConfig) -> Iterator[KernelConfig]:
+    """A block (this thread only) under ``config``."""
     stack = _scoped.__dict__.setdefault("stack", [])
-    stack.append(scoped)
+    stack.append(config)
     try:
-        yield scoped
+        yield config
     finally:
         stack.pop()
+
+
+@contextlib.contextmanager
+def pinned() -> Iterator[KernelConfig]:
+    """A block (this thread only) under the configuration in force now, read once: every read
+    inside returns it at the cost of a thread-local lookup, without consulting the environment
+    (an orthogonalization reads it for each of its products). Also a decorator: ``@pinned()``."""
+    with _in_force(current()) as config:
+        yield config
+
+
+@contextlib.contextmanager
+def using(config: Optional[KernelConfig] = None, **changes: Any) -> Iterator[KernelConfig]:
+    """A block (this thread only) under ``config``, or the current configuration with ``changes``."""
+    with _in_force(_checked(dataclasses.replace(config or current(), **changes))) as scoped:
+        yield scoped
 
 
 def _checked(config: KernelConfig) -> KernelConfig:
@@ -187,13 +186,11 @@ def row_kernels_enabled() -> bool:
 
 def scoped_step(step: Callable) -> Callable:
     """Decorator of an optimizer's ``step``: run it under the optimizer's ``kernels`` option
-    ("auto" | "torch"; None leaves the configuration in force), and only it."""
+    ("auto" | "torch"; None: the configuration in force, :func:`pinned` for the step), and only it."""
 
     @functools.wraps(step)
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        if self.kernels is None:
-            return step(self, *args, **kwargs)
-        with using(kernels=self.kernels):
+        with pinned() if self.kernels is None else using(kernels=self.kernels):
             return step(self, *args, **kwargs)
 
     return run
