@@ -134,6 +134,12 @@ CHECK = textwrap.dedent("""
                 assert err.max().item() <= 2 ** -24, (dtype, layout, err.max().item())
                 assert torch.equal(out[2], torch.zeros_like(out[2]))
         assert not dense_matrices(torch.randn(2, 20, 300)[:, :, :100])
+        if device == "cuda":  # more blocks per matrix than one step of the program between the passes takes
+            x = torch.randn(2, 1536, 2048, generator=gen).to(device)
+            x[1] *= 1e30  # whose squares overflow fp32
+            out = normalized(x, torch.float16, 1.0, 1e-7)
+            ref = x.double() / (x.double().flatten(1).norm(dim=1).view(-1, 1, 1) + 1e-7)
+            assert ((out.double() - ref).abs() - 2 ** -10 * ref.abs()).max().item() <= 2 ** -24
 """)
 
 

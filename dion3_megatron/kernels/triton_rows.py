@@ -12,7 +12,7 @@ the rule functions they stand in for (whether they run: :mod:`.rows`).
   (the torch form in :func:`dion3_megatron.rule.take_selected` gathers and scatters through an
   index per element).
 * :func:`normalized`: Newton-Schulz's input, each matrix divided by its Frobenius norm and written
-  in half precision, in two passes (the torch form in :func:`dion3_megatron.ortho._normalized`
+  in half precision, in two passes and a small kernel between them (the torch form in :func:`dion3_megatron.ortho._normalized`
   writes an fp32 copy on the way: 10 bytes per fp32 element here against 22).
 
 A factor (shrink, mu) given as a number is a kernel argument; as a tensor (what a CUDA graph
@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 BLOCK_ROWS, BLOCK_COLS = 16, 128
-NORM_BLOCK = 2048  # elements per program of the normalization's two passes
+NORM_BLOCK = 2048  # elements per program of the normalization's two passes over the matrices
+COMBINE_BLOCK = 1024  # block results per step of the one program per matrix between them
 FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # fp32's smallest normal: the peak of a zero block
 SCORE_ROWS, SCORE_COLS = 4, 512  # whole rows per program: more programs, each loops over the columns
 
@@ -107,14 +108,38 @@ def _block_peak_and_squares(x_ptr, batch_stride, numel, peak_ptr, squares_ptr, B
 
 
 @triton.jit
-def _scale_into(x_ptr, out_ptr, batch_stride, numel, peak_ptr, inverse_ptr, BLOCK: tl.constexpr):
-    # out = (x / peak) * inverse, rounded once to out's dtype
+def _matrix_peak_and_inverse(peak_ptr, squares_ptr, blocks, norm_factor, eps, LOOPS: tl.constexpr,
+                             BLOCK: tl.constexpr):
+    # per matrix, from its blocks' peaks and sums: its largest |x| (fp32's smallest normal for a zero
+    # matrix), and 1 / (norm_factor * ||x / peak||_F + eps / peak), written over its first block's pair
+    b = tl.program_id(0)
+    row = b.to(tl.int64) * blocks
+    peak = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(LOOPS):
+        at = i * BLOCK + tl.arange(0, BLOCK)
+        peak = tl.maximum(peak, tl.load(peak_ptr + row + at, mask=at < blocks, other=0.0))
+    peak = tl.maximum(tl.max(peak, axis=0), FP32_TINY)
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(LOOPS):
+        at = i * BLOCK + tl.arange(0, BLOCK)
+        inside = at < blocks
+        ratio = tl.load(peak_ptr + row + at, mask=inside, other=0.0) / peak
+        total += tl.load(squares_ptr + row + at, mask=inside, other=0.0) * (ratio * ratio)
+    norm = tl.sqrt(tl.sum(total, axis=0))
+    tl.debug_barrier()  # all of its threads have read the row before its first pair is overwritten
+    tl.store(peak_ptr + row, peak)
+    tl.store(squares_ptr + row, 1.0 / (norm * norm_factor + eps / peak))
+
+
+@triton.jit
+def _scale_into(x_ptr, out_ptr, batch_stride, numel, peak_ptr, inverse_ptr, blocks, BLOCK: tl.constexpr):
+    # out = (x / peak) * inverse (matrix b's, at [b * blocks]), rounded once to out's dtype
     b = tl.program_id(0)
     offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < numel
     at = b.to(tl.int64) * batch_stride + offsets
     x = tl.load(x_ptr + at, mask=inside, other=0.0).to(tl.float32)
-    unit = (x / tl.load(peak_ptr + b)) * tl.load(inverse_ptr + b)
+    unit = (x / tl.load(peak_ptr + b * blocks)) * tl.load(inverse_ptr + b * blocks)
     tl.store(out_ptr + at, unit.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=inside)
 
 
@@ -155,10 +180,10 @@ def normalized(x: torch.Tensor, dtype: torch.dtype, norm_factor: float, eps: flo
     out = torch.empty_like(x, dtype=dtype)  # x's strides: the same flat offsets
     with _device_of(x):
         _block_peak_and_squares[(batch, blocks)](x, numel, numel, peaks, squares, BLOCK=NORM_BLOCK)
-        peak = peaks.amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
-        norm = (squares * (peaks / peak.unsqueeze(1)).square()).sum(dim=1).sqrt()
-        inverse = 1 / (norm * norm_factor + eps / peak)
-        _scale_into[(batch, blocks)](x, out, numel, numel, peak, inverse, BLOCK=NORM_BLOCK)
+        _matrix_peak_and_inverse[(batch,)](peaks, squares, blocks, norm_factor, eps,
+                                           LOOPS=triton.cdiv(blocks, COMBINE_BLOCK), BLOCK=COMBINE_BLOCK)
+        # each matrix's peak and inverse now lead its row of peaks and squares
+        _scale_into[(batch, blocks)](x, out, numel, numel, peaks, squares, blocks, BLOCK=NORM_BLOCK)
     return out
 
 
