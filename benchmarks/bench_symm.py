@@ -12,7 +12,7 @@ imports, on both tables (the symmetric product with its addend, as benchmarks/qu
 Gram NS on it). ``--graph`` times every call replayed from a CUDA graph, as inside the optimizer's
 graphed step: the kernels' GPU time without the host's cost per call (the crossovers below which
 products stay on cuBLAS were measured eager). ``--fit``: the relative tile throughputs that the
-tile model (sm90_symm.TILE_THROUGHPUT) would need to match this run's per-tile times, and per shape
+tile model (heuristics.TILE_THROUGHPUT) would need to match this run's per-tile times, and per shape
 the tile the model picks today, with them, and the fastest (with ``--graph``, so that the host's
 cost per call, which dominates small products eager, stays out of the fit).
 """
@@ -31,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dion3_megatron import kernels  # noqa: E402
 from dion3_megatron.kernels.config import tile_shape  # noqa: E402
-from dion3_megatron.kernels.sm90_symm import (  # noqa: E402
-    TILE_THROUGHPUT, checked_ctas_per_sm, default_tile, modelled_tile_time, stream_k_pays, symm_gemm,
+from dion3_megatron.kernels.symm.heuristics import (  # noqa: E402
+    TILE_THROUGHPUT, checked_ctas_per_sm, default_tile, modelled_tile_time, stream_k_pays,
 )
+from dion3_megatron.kernels.symm.launch import symm_gemm  # noqa: E402
 from quack_backend import quack_gemm_symmetric  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -188,7 +189,7 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
 
 def fit_tile_throughputs(rows, sms: int) -> None:
     """Print the throughput per tile shape (relative to the first one measured everywhere) that
-    makes sm90_symm.modelled_tile_time proportional to this run's times: per shape, each tile's
+    makes heuristics.modelled_tile_time proportional to this run's times: per shape, each tile's
     modelled time at throughput 1 over its measured time, relative to the reference tile's, and the
     geometric mean over the shapes; then per shape the fastest tile against the model's picks. A
     tile shape measured in several launches (128x256 and 128x256:p) counts by its fastest. The picks
@@ -218,7 +219,7 @@ def fit_tile_throughputs(rows, sms: int) -> None:
 
     scale = TILE_THROUGHPUT[ref]
     print("\n## Tile throughputs fitted to this run (relative; the model's reference tile at its value)")
-    print("| tile | fitted | sm90_symm.TILE_THROUGHPUT |\n|---|---|---|")
+    print("| tile | fitted | heuristics.TILE_THROUGHPUT |\n|---|---|---|")
     for shape, value in fitted.items():
         print(f"| {name(shape)} | {value * scale:.3f} | {TILE_THROUGHPUT[shape]:.3f} |")
     print("\n| shape | fastest ms | the model's pick today, ms | with the fitted throughputs, ms |\n|---|---|---|---|")
@@ -237,12 +238,19 @@ def fit_tile_throughputs(rows, sms: int) -> None:
 
 
 def overhead(dtype):
+    """Per-call time of a product too small to occupy the GPU: back to back, eager, the host's cost
+    per call (our launch, cuBLAS's, quack's) is what the events measure."""
     x = torch.randn(1, 128, 128, device="cuda", dtype=dtype)
     out = torch.empty(1, 128, 128, device="cuda", dtype=dtype)
-    ms = cuda_median_ms_interleaved({"kernel": lambda i: symm_gemm(x, x, 1.0, 0.0, None, out=out),
-                                     "cuBLAS": lambda i: torch.matmul(x, x.mT, out=out)}, 1, 200, reps=7, warmup=3)
-    t_k, t_c = ms["kernel"], ms["cuBLAS"]
-    print(f"\nper-call time on a 128x128x128 product (launch + host overhead): kernel {t_k * 1e3:.1f} us, cuBLAS {t_c * 1e3:.1f} us")
+    fns = {"kernel": lambda i: symm_gemm(x, x, 1.0, 0.0, None, out=out),
+           "kernel + beta C": lambda i: symm_gemm(x, x, 1.0, 0.5, out, out=out),
+           "cuBLAS": lambda i: torch.matmul(x, x.mT, out=out)}
+    quack = quack_gemm_symmetric()
+    if quack is not None:
+        fns["quack"] = lambda i: quack(x[0], x[0].mT, out=out[0], alpha=1.0, beta=1.0)
+    ms = cuda_median_ms_interleaved(fns, 1, 200, reps=7, warmup=3)
+    print("\nper-call time of a 128x128x128 product, eager (the host's cost per call): "
+          + ", ".join(f"{name} {t * 1e3:.1f} us" for name, t in ms.items()))
 
 
 def chosen_shapes(spec: str) -> tuple[list, list]:

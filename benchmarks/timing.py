@@ -36,9 +36,9 @@ def cuda_median_ms_interleaved(fns: dict[str, Callable[[int], object]], n_sets: 
     """:func:`cuda_median_ms` of several variants, their timed runs interleaved (rep 1 of each,
     then rep 2 of each, ..., the order rotated every rep) so that a drift of the unlocked clocks
     reaches every variant alike: timed one after another, two variants running the same kernels
-    differed by up to 9% (H200, docs/benchmarks.md). Returns name -> median ms per call."""
+    differed by up to 9% (H200). Returns name -> median ms per call."""
     if graph:
-        fns = {name: _replays(fn, n_sets) for name, fn in fns.items()}
+        fns = {name: graph_replays(fn, n_sets) for name, fn in fns.items()}
     for fn in fns.values():
         for i in range(warmup):
             fn(i % n_sets)
@@ -52,7 +52,8 @@ def cuda_median_ms_interleaved(fns: dict[str, Callable[[int], object]], n_sets: 
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def _replays(fn: Callable[[int], object], n_sets: int) -> Callable[[int], None]:
+def graph_replays(fn: Callable[[int], object], n_sets: int) -> Callable[[int], None]:
+    """``fn(i)`` for each of the ``n_sets`` inputs captured in its own CUDA graph; returns i -> its replay."""
     replays = [graphed(lambda i=i: fn(i)) for i in range(n_sets)]
     return lambda i: replays[i]()
 
