@@ -349,15 +349,14 @@ def test_script_help_through_the_launcher_prints_megatrons_flags_and_dion3s(tmp_
 def test_megatron_extra_brings_what_megatrons_muon_imports():
     """`pip install .[megatron]` brings emerging-optimizers and absl-py (Megatron's --optimizer muon
     imports both), and nothing named apex (the PyPI package of that name is not NVIDIA's)."""
-    import ast
     import importlib.metadata
+    import tomllib
 
     from packaging.requirements import Requirement
 
-    tree = ast.parse(open(os.path.join(REPO, "setup.py")).read())
-    (extras,) = [node.value for node in tree.body if isinstance(node, ast.Assign)
-                 and getattr(node.targets[0], "id", None) == "EXTRAS"]
-    megatron = {Requirement(r).name: Requirement(r) for r in ast.literal_eval(extras)["megatron"]}
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    megatron = {Requirement(r).name: Requirement(r) for r in extras["megatron"]}
     assert {"megatron-core", "emerging-optimizers", "absl-py"} <= set(megatron)
     assert not any("apex" in name for name in megatron)
     for name in ("megatron-core", "emerging-optimizers", "absl-py"):  # what this environment runs
