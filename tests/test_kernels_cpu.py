@@ -225,3 +225,50 @@ def test_the_256x128_cluster_where_an_operand_overflows_half_the_l2(h200):
     assert tile(4096, 1, 16384) == (128, 128)  # 4 whole waves
     assert tile(5120, 1, 5120) == (128, 128) and heuristics.stream_k_pays(1, 5120, 5120, (128, 128))
     assert not heuristics.stream_k_pays(16, 1024, 5120, (256, 128))  # clusters never split
+
+
+@pytest.fixture
+def capable(monkeypatch):
+    """The kernel backend on CPU tensors as on a Hopper GPU: every operand capable, launches
+    recorded instead of compiled (what a launch is decided from, not what it computes)."""
+    from dion3_megatron.kernels.symm import launch
+
+    decided = []
+    monkeypatch.setattr(backend, "kernel_capable_device", lambda t: True)
+    monkeypatch.setattr(backend, "_CHOICES", {})
+    monkeypatch.setattr(launch, "launch_for", lambda *key: decided.append(key) or ("launch", key))
+    return decided
+
+
+def test_each_kind_of_product_is_decided_once(capable, generator):
+    """The backend decides a product's route once per kind (shape, strides, dtypes, device, kernel
+    configuration): a launch on the operands as they lie, the general path, or torch."""
+    kernels.configure(routing="measured")
+    x = torch.randn(1, 2048, 8192, generator=generator).half()
+    c = torch.randn(1, 2048, 2048, generator=generator).half()
+    assert backend._choice(x, None) == ("launch", (1, 2048, 8192, torch.float16, torch.float16, None, False))
+    assert backend._choice(x.clone(), None) is backend._choice(x, None) and len(capable) == 1  # cached
+    assert backend._choice(c, c)[1][5] == torch.float16  # with an addend
+    tall = torch.randn(1, 8192, 2048, generator=generator).half().mT  # a tall input's Gram: read in place
+    assert backend._choice(tall, None)[1][-1] is True
+    assert backend._choice(c, c.mT.contiguous().mT) == backend.GENERAL  # an addend laid out otherwise: copied
+    assert backend._choice(c, c.float()) is None  # an addend of another dtype: torch
+    small = torch.randn(1, 1024, 5120, generator=generator).half()
+    assert backend._choice(small, None) is None  # 20 tiles: torch
+    with kernels.using(routing="always"):  # a new configuration decides anew
+        assert backend._choice(small, None)[0] == "launch"
+    assert backend._choice(x.float(), None) is None  # fp32: no kernel
+
+
+def test_the_dsl_without_tvm_ffi_leaves_the_kernels_off(monkeypatch):
+    present = {"cutlass", "cutlass.cute"}
+    monkeypatch.setattr(backend, "_importable", lambda name: name in present)
+    backend.kernels_installed.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="apache-tvm-ffi is not"):
+            assert not backend.kernels_installed()
+        backend.kernels_installed.cache_clear()
+        present.add("tvm_ffi")
+        assert backend.kernels_installed()
+    finally:
+        backend.kernels_installed.cache_clear()

@@ -247,7 +247,7 @@ def test_a_banded_tile_order_changes_nothing_but_the_order(cuda_gen, tile, persi
 def test_persistent_launch_from_the_kernel_configuration(cuda_gen, monkeypatch):
     """KernelConfig(persistent=True) reaches the launch: Gram NS under it runs the persistent
     kernel and orthogonalizes as the per-tile launch does."""
-    from dion3_megatron.kernels.symm import heuristics, launch as sm90_symm
+    from dion3_megatron.kernels.symm import launch as sm90_symm
 
     launches = []  # the persistent flag of each launch decided (the cache emptied: every one is)
     compiled = sm90_symm.compiled

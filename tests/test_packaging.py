@@ -32,13 +32,15 @@ DISTRIBUTIONS = {
     "deepspeed": "deepspeed",
     "transformers": "transformers",
     "cutlass": "nvidia-cutlass-dsl",
+    "tvm_ffi": "apache-tvm-ffi",
     "triton": "triton",
     "packaging": "packaging",
     "ruff": "ruff",
 }
 # Distributions the tests import that [test] leaves to something else, and what brings them.
 BROUGHT_OTHERWISE = {
-    "nvidia-cutlass-dsl": "kernels",  # the [kernels] extra (Hopper GPUs); the tests of its kernels skip without it
+    "nvidia-cutlass-dsl": "kernels",
+    "apache-tvm-ffi": "kernels",  # the [kernels] extra (Hopper GPUs); the tests of its kernels skip without it
     "triton": "torch",  # a requirement of torch's Linux wheels
     "packaging": "pytest",  # a requirement of pytest
 }

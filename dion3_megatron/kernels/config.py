@@ -52,16 +52,19 @@ class KernelConfig:
     backend: Optional[str] = None  # a registered matmul backend forced for every product (kernels.dispatch)
     routing: str = "measured"  # "always": every product the symmetric kernels can take (tests, benchmarks)
     # A product goes to the kernel when it fills the GPU: batch x its output tiles that meet the
-    # lower triangle (counted in 128 x 256 tiles, symm.heuristics.ROUTING_TILE) at least min_tiles, one wave of an
-    # H200's 132 SMs. Measured (H200, CuTe DSL 4.8.1, torch 2.11 cuBLAS): below a wave the kernel lost to cuBLAS's full product (1024 x 5120, 20 tiles;
-    # 2048 x 8192, 72 tiles: 0.88x), from one on it won (3072^2, 156 tiles: 1.02x; 16 x 1024 x 5120,
-    # 320 tiles: Gram NS 2.85 ms against 3.18 with cuBLAS, graphed).
+    # lower triangle (counted in 128 x 256 tiles, symm.heuristics.ROUTING_TILE) at least min_tiles,
+    # one wave of an H200's 132 SMs. Measured (H200, CuTe DSL 4.8.1, torch 2.11 cuBLAS): below a wave
+    # the kernel lost to cuBLAS's full product (1024 x 5120, 20 tiles; 2048 x 8192, 72 tiles: 0.88x),
+    # from one on it won (3072^2, 156 tiles: 1.02x; 16 x 1024 x 5120, 320 tiles: Gram NS 2.85 ms
+    # against 3.18 with cuBLAS, graphed).
     min_tiles: int = 132
     # Below min_tiles, a product at least min_width wide goes to the kernel too where stream-K may
-    # run (stream_k not False, K at most symm.heuristics.SPLIT_MAX_K), which spreads its one wave's tiles over every
-    # SM along K. Measured (H200, graphed): 2048 x 8192
-    # X X^T 1.13-1.15x of cuBLAS, the 2048^2 products of Gram NS with their addend 1.16-1.17x (72
-    # tiles each); 1024-wide products stay slower (1024 x 5120 0.72-0.75x).
+    # run (stream_k not False, K at most symm.heuristics.SPLIT_MAX_K), which spreads its one wave's
+    # tiles over every SM along K. Measured (H200, graphed): 2048 x 8192 X X^T 1.13-1.15x of cuBLAS,
+    # the 2048^2 products of Gram NS with their addend 1.16-1.17x (72 tiles each); 1024-wide
+    # products stay slower (1024 x 5120 0.72-0.75x). The same routing holds eager: there the
+    # kernel's launch costs less host time than cuBLAS's, and each routed product measured at
+    # least as fast as cuBLAS (benchmarks/results/eager-launch-h200.md).
     min_width: int = 2048
     tile: Any = None  # symmetric-GEMM tile, any form tile_shape takes; None: modelled per shape (symm.heuristics.default_tile)
     # symmetric-GEMM launch: one CTA per SM walking the tiles, each tile stored by warps that do
