@@ -360,7 +360,8 @@ def test_install_blocks_name_declared_extras():
     assert blocks and any(b.path.name == "README.md" for b in blocks)
     problems = [p for b in blocks for p in install_problems(b, extras)]
     assert not problems, "\n".join(problems)
-    bad = Block(ROOT / "README.md", 1, "bash", "install", 'pip install -e ".[megatron,kernal]"\nrm -rf /tmp/x')
+    misspelled = "kernal"
+    bad = Block(ROOT / "README.md", 1, "bash", "install", f'pip install -e ".[megatron,{misspelled}]"\nrm -rf /tmp/x')
     found = [p.split(": ", 1)[1] for p in install_problems(bad, extras)]
     assert len(found) == 2 and found[0].startswith("extra [kernal] is not declared"), found
     assert found[1] == "not an install command: rm -rf /tmp/x", found
