@@ -25,6 +25,7 @@ from .config import (
 )
 from .dispatch import TORCH_BACKEND, MatmulBackend, get_backend, register_backend
 from .symm.backend import BACKEND_NAME, KERNEL_BACKEND, kernel_capable_device, kernels_installed, register, select
+from .symm.heuristics import routes_to_kernel
 
 register()
 
@@ -43,6 +44,7 @@ __all__ = [
     "pinned",
     "register",
     "register_backend",
+    "routes_to_kernel",
     "row_kernels_enabled",
     "scoped_step",
     "select",

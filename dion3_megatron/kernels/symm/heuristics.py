@@ -67,11 +67,14 @@ def checked_ctas_per_sm(tile_m: int, tile_n: int, ctas_per_sm: Optional[int]) ->
 # Routing: which products go to the kernel.
 
 
-def routes_to_kernel(batch: int, m: int, k: int, dtype: torch.dtype, config: KernelConfig) -> bool:
-    """Whether a (batch, m, k) symmetric product goes to the kernel (shape and dtype only): with
-    the configuration's routing "measured", only those that fill the GPU (``KernelConfig.min_tiles``),
-    or, where stream-K may split them, at least ``KernelConfig.min_width`` wide: smaller ones measured
-    slower than cuBLAS."""
+def routes_to_kernel(batch: int, m: int, k: int, dtype: torch.dtype, config: Optional[KernelConfig] = None) -> bool:
+    """Whether a (batch, m, k) symmetric product goes to the kernel (shape and dtype only) under
+    ``config`` (default: the one in force): with routing "measured", only those that fill the GPU
+    (``KernelConfig.min_tiles``), or, where stream-K may split them, at least
+    ``KernelConfig.min_width`` wide: smaller ones measured slower than cuBLAS, graphed and eager.
+    Eager and captured calls route alike, so a step replayed from a CUDA graph computes what its
+    eager warm-up computed, bit for bit."""
+    config = config or kernel_config.current()
     if dtype not in (torch.float16, torch.bfloat16):
         return False
     if m % 8 or k % 8:  # TMA needs 16-byte row strides
