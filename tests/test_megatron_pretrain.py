@@ -195,6 +195,7 @@ def test_cpu_command_on_two_ranks_learns_and_validation_loss_falls():
     assert float(losses[6][0]) < float(losses[1][0]) - 0.3, losses  # (a running mean from iteration 2 on)
     validation = {int(i): float(loss) for i, loss in VALIDATION.findall(log)}
     assert sorted(validation) == [3, 6] and validation[6] < validation[3] - 0.1, validation
+    assert "CPU RNG state changed" not in log  # the CPU shim's forked generator is the CPU one: no false alarm
 
 
 # DP=2 -> TP=2 at "auto" (f = 1 here) and PP=2 -> DP=2 at 0.5 (rows selected): between them both
