@@ -159,6 +159,10 @@ class Dion3(torch.optim.Optimizer):
             params = [{"params": ps, "algorithm": None if name == "dion3" else name}
                       for name, ps in by_algorithm.items() if ps]
         super().__init__(params, {**{k: settings[k] for k in groups}, "algorithm": None})
+        if not any(self.algorithm_of(g, p) == "dion3" for g in self.param_groups for p in g["params"]):
+            count = sum(len(g["params"]) for g in self.param_groups)
+            warnings.warn(f"{type(self).__name__}: none of the {count} parameters is a matrix for Dion3 (a tensor of "
+                          ">= 2 dims outside algorithm='adamw' groups): every parameter will take AdamW", stacklevel=2)
 
     # ----------------------------------------------------------------------------------------
     # Groups and validation.
