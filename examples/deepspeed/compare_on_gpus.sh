@@ -12,8 +12,15 @@ fi
 mkdir -p "$RESULTS"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}   # DeepSpeed's op builder chokes on "9.0a"
 here=$(dirname "$0")
+failed=()
 for opt in dion3 muon adamw; do
   timeout ${PER_RUN_TIMEOUT:-300} python3 -m torch.distributed.run --standalone --nproc_per_node "$GPUS" \
     "$here/train_gpt.py" --config "$here/ds_config_$opt.json" --json "$RESULTS/$opt.json" "$@" \
     2>&1 | grep -v "WARNING\|INFO\|UserWarning\|warnings.warn" | tee "$RESULTS/$opt.log" | tail -n 12
+  status=${PIPESTATUS[0]}
+  [ "$status" = 0 ] || failed+=("$opt (exit $status; $RESULTS/$opt.log)")
 done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "compare_on_gpus.sh: ${#failed[@]} run(s) failed: ${failed[*]}" >&2
+  exit 1
+fi

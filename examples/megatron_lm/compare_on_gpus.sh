@@ -57,10 +57,13 @@ declare -A FLAGS=(
   [dion3]="${DION3_FLAGS:---optimizer dion3 --lr 0.01 --min-lr 0.001 --decoupled-lr 0.002 --decoupled-min-lr 0.0002}"
   [muon]="${MUON_FLAGS:---optimizer muon --muon-scale-mode unit_rms_norm --lr 0.01 --min-lr 0.001 --decoupled-lr 0.002 --decoupled-min-lr 0.0002}"
   [adam]="${ADAM_FLAGS:---optimizer adam --lr 0.002 --min-lr 0.0002}")
+failed=()  # the logs of the runs that exited with an error
 launch() {  # launch LOG TP FLAGS...: one run through the launcher (it registers Dion3; torchrun for > 1 GPU)
   local log=$1 tp=$2; shift 2
   timeout "${PER_RUN_TIMEOUT:-1800}" python3 -m torch.distributed.run --standalone --nproc-per-node "$GPUS" \
     -m dion3_megatron.megatron.launch "$SCRIPT" $COMMON --tensor-model-parallel-size "$tp" "$@" > "$log" 2>&1
+  local status=$?
+  [ "$status" = 0 ] || failed+=("$log (exit $status)")
   grep -h "Error\|error:" "$log" | tail -n 3
 }
 OPTS=${OPTS:-dion3 muon adam}
@@ -80,3 +83,9 @@ for opt in $OPTS; do
   fi
 done
 python3 "$here/summarize.py" "$RESULTS"/*.log
+summarized=$?
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "compare_on_gpus.sh: ${#failed[@]} run(s) failed: ${failed[*]}" >&2
+  exit 1
+fi
+exit $summarized

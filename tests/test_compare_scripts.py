@@ -1,0 +1,29 @@
+"""The three compare_on_gpus.sh scripts (Megatron-LM, DeepSpeed, Hugging Face Trainer), run with a
+python3 that only records its arguments: a failed run fails the script."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from script_helpers import needs_bash, run_recording_python
+
+pytestmark = needs_bash
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+# script -> the settings of a short run of two optimizers on one GPU
+SETTINGS = {"megatron_lm": {"OPTS": "dion3 adam", "ITERS": "40"}, "deepspeed": {"GPUS": "1"},
+            "hf_trainer": {"GPUS": "1", "OPTS": "dion3 adamw"}}
+
+
+@pytest.mark.parametrize("example", SETTINGS)
+def test_the_script_fails_when_a_run_fails_and_succeeds_when_none_does(tmp_path, example):
+    script = EXAMPLES / example / "compare_on_gpus.sh"
+    failing, passing = tmp_path / "failing", tmp_path / "passing"
+    failing.mkdir()
+    passing.mkdir()
+    out = run_recording_python(script, failing, SETTINGS[example], runs_exit=3)
+    assert out.returncode == 1, (out.returncode, out.stderr)
+    assert "run(s) failed: " in out.stderr and "dion3" in out.stderr and "exit 3" in out.stderr, out.stderr
+    out = run_recording_python(script, passing, SETTINGS[example])
+    assert out.returncode == 0, (out.returncode, out.stderr)
