@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Train the example GPT with ZeRO-1 bf16 on all local GPUs with Dion3, DeepSpeed's Muon and AdamW;
-# write one JSON summary per optimizer to $RESULTS (default: results/).
+# write one JSON summary per optimizer to $RESULTS (default: runs/deepspeed).
 # usage: examples/deepspeed/compare_on_gpus.sh [extra train_gpt.py args, e.g. --steps 60]
 set -uo pipefail
-RESULTS=${RESULTS:-results}
+RESULTS=${RESULTS:-runs/deepspeed}
 GPUS=${GPUS:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 if ! [ "$GPUS" -ge 1 ] 2>/dev/null; then
   echo "compare_on_gpus.sh: needs CUDA GPUs (found GPUS=$GPUS); on CPU, run train_gpt.py --cpu over gloo as examples/deepspeed/README.md shows" >&2

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Hugging Face Trainer + DeepSpeed, bf16: Dion3, DeepSpeed's Muon and AdamW on the same Llama-style
-# model and data; one JSON summary per optimizer in $RESULTS (default: results/hf).
+# model and data; one JSON summary per optimizer in $RESULTS (default: runs/hf_trainer).
 # usage: [GPUS=1] [STAGE=1] [OPTS="dion3 muon adamw"] examples/hf_trainer/compare_on_gpus.sh
 #        [extra train.py / TrainingArguments flags, e.g. --max_steps 300]
 # GPUS: processes (one per GPU); STAGE: the ZeRO stage (0, 1 or 2: Dion3's) written into a copy of
 # each ds_config_*.json; OPTS picks the optimizers (one per call keeps each run short).
 set -uo pipefail
-RESULTS=${RESULTS:-results/hf}
+RESULTS=${RESULTS:-runs/hf_trainer}
 GPUS=${GPUS:-1}
 STAGE=${STAGE:-1}
 OPTS=${OPTS:-dion3 muon adamw}

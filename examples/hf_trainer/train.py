@@ -1,10 +1,10 @@
 """Hugging Face Trainer + DeepSpeed with Dion3: the optimizer comes from the DeepSpeed JSON config.
 
     deepspeed --num_gpus 1 examples/hf_trainer/train.py --deepspeed examples/hf_trainer/ds_config_dion3.json \
-        --output_dir out/dion3 --bf16 --learning_rate 0.01 --max_steps 200
+        --bf16 --learning_rate 0.01 --max_steps 200
     # CPU, 2 ranks:
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 2 examples/hf_trainer/train.py \
-        --deepspeed examples/hf_trainer/ds_config_dion3.json --output_dir out/cpu --use_cpu \
+        --deepspeed examples/hf_trainer/ds_config_dion3.json --use_cpu \
         --learning_rate 0.01 --max_steps 20 --width 64 --layers 2 --seq 64
 
 The only Dion3-specific line is ``import dion3_megatron.deepspeed`` (it registers
@@ -14,8 +14,9 @@ flag is Trainer's own (``TrainingArguments``). The model is built from a config 
 download): a Llama-style model (``--model llama``) or GPT-2 (``--model gpt2``; its ``Conv1D``
 layers are converted with ``conv1d_as_linear`` so that Dion3 takes them, unless
 ``--keep_conv1d``). Bytes of the running Python's standard library are the corpus (vocab 256, no
-tokenizer). At the end rank 0 prints one JSON line: final loss, median iteration time, median
-time of the optimizer's own step() and the rest.
+tokenizer). Trainer's ``--output_dir`` defaults to runs/hf_trainer. At the end rank 0 prints one
+JSON line: final loss, median iteration time, median time of the optimizer's own step() and the
+rest.
 """
 
 from __future__ import annotations
@@ -124,13 +125,16 @@ class WrapOnTrainBegin(TrainerCallback):
 
 
 def main() -> None:
-    margs, targs = HfArgumentParser((ModelArguments, TrainingArguments)).parse_args_into_dataclasses()
+    parser = HfArgumentParser((ModelArguments, TrainingArguments))
+    parser.set_defaults(output_dir=os.path.join("runs", "hf_trainer"))  # Trainer's own: trainer_output
+    margs, targs = parser.parse_args_into_dataclasses()
     if targs.report_to in (None, "all", ["all"]):
         targs.report_to = []
     torch.manual_seed(targs.seed)
     model = build_model(margs)
     timing, ref = Timing(), []
-    trainer = Trainer(model=model, args=targs, train_dataset=Bytes(margs.seq, margs.corpus_bytes), callbacks=[timing])
+    trainer = Trainer(model=model, args=targs, train_dataset=Bytes(margs.seq, margs.corpus_bytes),
+                      callbacks=[timing])
     ref.append(trainer)
     trainer.add_callback(WrapOnTrainBegin(ref, timing))
     trainer.train()

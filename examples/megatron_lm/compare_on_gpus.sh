@@ -11,11 +11,11 @@
 # RESUME_TP: the resumed run's tensor-parallel size, on the same GPUs and global batch (e.g. GPUS=2 TP=1
 # RESUME_TP=2: a DP=2 checkpoint loaded at TP=2; both runs then save with --dist-ckpt-optim-fully-reshardable).
 # Extra flags go to every run (e.g. --dion3-fraction 0.125, --seq-length 2048); logs go to $RESULTS
-# (default results/megatron_lm); PER_RUN_TIMEOUT (s, default 1800) bounds each run.
+# (default runs/megatron_lm); PER_RUN_TIMEOUT (s, default 1800) bounds each run.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
-RESULTS=${RESULTS:-results/megatron_lm}
+RESULTS=${RESULTS:-runs/megatron_lm}
 GPUS=${GPUS:-1}
 TP=${TP:-1}
 ITERS=${ITERS:-300}
