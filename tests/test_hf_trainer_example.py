@@ -4,6 +4,7 @@ AdamW): what the example itself adds to Trainer, its defaults and its summary li
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -38,3 +39,10 @@ def run(tmp_path_factory) -> tuple[Path, str]:
 def test_output_goes_under_runs_by_default(run):
     cwd, _ = run
     assert os.listdir(cwd) == ["runs"] and (cwd / "runs" / "hf_trainer" / "checkpoint-3").is_dir()
+
+
+def test_summary_has_the_final_loss_without_logging_steps(run):
+    _, out = run
+    summary = json.loads(out.split("SUMMARY ", 1)[1].splitlines()[0])
+    assert summary["steps"] == 3 and 0 < summary["final_loss"] < 6  # about ln 256 = 5.5 after 3 steps
+    assert summary["final_loss_steps"] == 3  # Trainer logs every 500 steps by default: the mean since the start
