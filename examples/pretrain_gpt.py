@@ -47,52 +47,65 @@ OPTIMIZERS = ("dion3", "adam", "muon")
 TIMING_WARMUP = 5  # optimizer steps left out of the step time: Dion3 plans (and may capture a CUDA graph) first
 
 
+def _by_device(key: str) -> str:
+    return f"(default: {CPU_DEFAULTS[key]} on CPU, {GPU_DEFAULTS[key]} on GPUs)"
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     g = p.add_argument_group("run")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: CUDA (NCCL) when available, else CPU (gloo)")
+                   help="auto: CUDA (NCCL) when available, else CPU (gloo) (default: %(default)s)")
     g.add_argument("--nproc", type=int, default=None,
                    help="processes to start when not under torchrun (default: one per GPU, or 2 on CPU)")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size; data-parallel = world / tp")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size; data-parallel = world / tp (default: %(default)s)")
     g.add_argument("--compare", action="store_true", help="train Dion3, AdamW and Muon on the same data and steps")
     g.add_argument("--optimizers", default=None,
                    help=f"comma-separated subset of {','.join(OPTIMIZERS)} (default: dion3, or all with --compare)")
     g.add_argument("--out-dir", default=os.path.join("runs", "pretrain_gpt"),
                    help="every run writes its results here: compare.json and compare.png with --compare, else "
-                        "<optimizers>.json / .png (e.g. dion3.json)")
-    g.add_argument("--log-interval", type=int, default=None, help="log loss and tokens/s every N steps")
-    g.add_argument("--eval-interval", type=int, default=None, help="validation loss every N steps (and at the end)")
-    g.add_argument("--eval-batches", type=int, default=4, help="global batches in each validation pass")
+                        "<optimizers>.json / .png, e.g. dion3.json (default: %(default)s)")
+    g.add_argument("--log-interval", type=int, default=None,
+                   help="log loss and tokens/s every N steps (default: a tenth of the steps)")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="validation loss every N steps, and at the end (default: a fifth of the steps)")
+    g.add_argument("--eval-batches", type=int, default=4,
+                   help="global batches in each validation pass (default: %(default)s)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not a terminal)")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=int, default=1234,
+                   help="seed of the weights' initialization and of the training windows (default: %(default)s)")
     m = p.add_argument_group("model and batch (defaults depend on the device: CPU tiny, GPU small)")
-    m.add_argument("--layers", type=int)
-    m.add_argument("--hidden", type=int)
-    m.add_argument("--heads", type=int)
-    m.add_argument("--ffn", type=int, help="SwiGLU hidden size")
-    m.add_argument("--seq-length", type=int)
-    m.add_argument("--global-batch", type=int, help="sequences per step, split over data-parallel ranks")
-    m.add_argument("--steps", type=int)
+    m.add_argument("--layers", type=int, help=f"transformer layers {_by_device('layers')}")
+    m.add_argument("--hidden", type=int, help=f"hidden size {_by_device('hidden')}")
+    m.add_argument("--heads", type=int, help=f"attention heads {_by_device('heads')}")
+    m.add_argument("--ffn", type=int, help=f"SwiGLU hidden size {_by_device('ffn')}")
+    m.add_argument("--seq-length", type=int, help=f"tokens per sequence {_by_device('seq_length')}")
+    m.add_argument("--global-batch", type=int,
+                   help=f"sequences per step, split over data-parallel ranks {_by_device('global_batch')}")
+    m.add_argument("--steps", type=int, help=f"optimizer steps {_by_device('steps')}")
     o = p.add_argument_group("optimizer")
     o.add_argument("--lr", type=float, default=DION3_OPTIONS["lr"].default,
-                   help="Dion3's matrices at f = 1 (f < 1 steps at up to 4x; the library's default, "
-                        "%(default)s), and norms, as Megatron does")
-    o.add_argument("--muon-lr", type=float, default=0.0025, help="the Muon run's matrices (and norms)")
+                   help="Dion3's matrices at f = 1 (f < 1 steps at up to 4x), and norms, as Megatron does "
+                        "(default: the library's, %(default)s)")
+    o.add_argument("--muon-lr", type=float, default=0.0025,
+                   help="the Muon run's matrices (and norms) (default: %(default)s)")
     o.add_argument("--adam-lr", type=float, default=3e-3,
-                   help="the AdamW run; embeddings and output layer in every run (Megatron's --decoupled-lr)")
-    o.add_argument("--weight-decay", type=float, default=0.01)
-    o.add_argument("--clip-grad", type=float, default=1.0)
+                   help="the AdamW run; embeddings and output layer in every run, Megatron's --decoupled-lr "
+                        "(default: %(default)s)")
+    o.add_argument("--weight-decay", type=float, default=0.01, help="decoupled weight decay (default: %(default)s)")
+    o.add_argument("--clip-grad", type=float, default=1.0,
+                   help="gradient clipping: the global norm's limit, 0 for none (default: %(default)s)")
     o.add_argument("--dion3-fraction", type=DION3_OPTIONS["fraction"].argparse_type(),
                    default=DION3_OPTIONS["fraction"].default,
-                   help="Dion3's f: in (0, 1] (default: the library's, %(default)s), or 'auto' (chosen per matrix "
-                        "from its shape and this machine's speed)")
+                   help="Dion3's f: in (0, 1], or 'auto', chosen per matrix from its shape and this machine's "
+                        "speed (default: the library's, %(default)s)")
     d = p.add_argument_group("data (default: the Python standard library's sources, byte-level)")
     d.add_argument("--text-file", help="train on this text file, byte-level (vocab 256)")
     d.add_argument("--data-path", help="Megatron indexed dataset prefix (PREFIX.bin / PREFIX.idx)")
     d.add_argument("--vocab-size", type=int, help="with --data-path (default: largest token id + 1)")
-    d.add_argument("--max-tokens", type=int, default=8_000_000, help="read at most this many tokens")
+    d.add_argument("--max-tokens", type=int, default=8_000_000,
+                   help="read at most this many tokens (default: %(default)s)")
     p.error = lambda message: p.exit(2, f"{p.prog}: error: {message}\n")  # one line, as check_args' own
     args = p.parse_args(argv)
     check_args(args, p.error)

@@ -181,6 +181,28 @@ def test_verdict_and_plot(tmp_path):
     assert "moving mean over 2 steps" in by_step.get_legend().get_title().get_text()
 
 
+def test_help_gives_every_flag_a_text_and_its_default_once(capsys):
+    job = load_job()
+    with pytest.raises(SystemExit) as exit_info:
+        job.parse_args(["--help"])
+    assert exit_info.value.code == 0
+    helps: dict[str, str] = {}  # flag -> its help text
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith("  -"):  # a flag, and maybe the start of its help
+            flag, _, text = line.strip().partition("  ")
+            current = flag.split()[0].rstrip(",")
+            helps[current] = text.strip()
+        elif line.startswith("    ") and helps:  # the help, continued
+            helps[current] = f"{helps[current]} {line.strip()}".strip()
+    assert {"--layers", "--hidden", "--heads", "--ffn", "--seq-length", "--global-batch", "--steps", "--seed",
+            "--weight-decay", "--clip-grad", "--lr", "--dion3-fraction"} <= set(helps)
+    for flag, text in helps.items():
+        assert text, f"{flag} has no help"
+        assert text.count("(default") <= 1, f"{flag}: {text}"
+    assert helps["--layers"] == "transformer layers (default: 4 on CPU, 8 on GPUs)"
+    assert helps["--lr"].endswith("(default: the library's, 0.01)")
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--steps", "0"], "--steps must be at least 1, got 0"),
     (["--tp", "3"], "--tp 3 must divide the number of processes, 2"),
