@@ -2,7 +2,7 @@
 """Train a small Megatron-Core GPT with Dion3: the dion3-megatron main job.
 
     python examples/pretrain_gpt.py                  # CPU: starts 2 processes over gloo (DP=2); ~70 s
-    python examples/pretrain_gpt.py --tp 2           # CPU, tensor parallel instead
+    python examples/pretrain_gpt.py --tp 2 --query-groups 2   # CPU, tensor parallel instead
     python examples/pretrain_gpt.py --compare        # Dion3, AdamW and Muon: table, verdict, PNG plot, JSON
     python examples/pretrain_gpt.py --text-file my.txt          # byte-level, any text file
     python examples/pretrain_gpt.py --data-path /data/my_text_document --vocab-size 50304  # Megatron indexed data
@@ -79,6 +79,9 @@ def parse_args(argv=None):
     m.add_argument("--layers", type=int, help=f"transformer layers {_by_device('layers')}")
     m.add_argument("--hidden", type=int, help=f"hidden size {_by_device('hidden')}")
     m.add_argument("--heads", type=int, help=f"attention heads {_by_device('heads')}")
+    m.add_argument("--query-groups", type=int,
+                   help="key/value head groups (GQA): a divisor of --heads and a multiple of --tp (default: "
+                        "--heads / 4 where 4 divides it, else --heads)")
     m.add_argument("--ffn", type=int, help=f"SwiGLU hidden size {_by_device('ffn')}")
     m.add_argument("--seq-length", type=int, help=f"tokens per sequence {_by_device('seq_length')}")
     m.add_argument("--global-batch", type=int,
@@ -130,8 +133,8 @@ def check_args(args, fail) -> None:
     for key, value in (GPU_DEFAULTS if cuda else CPU_DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    for key in ("nproc", "tp", "layers", "hidden", "heads", "ffn", "seq_length", "global_batch", "steps",
-                "eval_batches", "max_tokens", "log_interval", "eval_interval", "vocab_size"):
+    for key in ("nproc", "tp", "layers", "hidden", "heads", "query_groups", "ffn", "seq_length", "global_batch",
+                "steps", "eval_batches", "max_tokens", "log_interval", "eval_interval", "vocab_size"):
         value = getattr(args, key)
         if value is not None and value < 1:
             fail(f"--{key.replace('_', '-')} must be at least 1, got {value}")
@@ -140,6 +143,17 @@ def check_args(args, fail) -> None:
         fail(f"--tp {args.tp} must divide the number of processes, {world}")
     if args.heads % args.tp:
         fail(f"--tp {args.tp} must divide --heads {args.heads}")
+    # Megatron splits the query groups over the tensor-parallel ranks: the model never changes with --tp.
+    source = "--query-groups" if args.query_groups is not None else f"--heads {args.heads} / 4"
+    if args.query_groups is None:
+        args.query_groups = args.heads // 4 if args.heads % 4 == 0 else args.heads
+    if args.heads % args.query_groups:
+        fail(f"--query-groups {args.query_groups} must divide --heads {args.heads}")
+    if args.query_groups % args.tp:
+        fits = next(g for g in range(args.tp, args.heads + 1, args.tp) if args.heads % g == 0)
+        fail(f"--tp {args.tp} must divide the query groups, {args.query_groups} ({source}): give --query-groups "
+             f"{fits} (a multiple of --tp {args.tp} that divides --heads {args.heads}), also at TP=1 for the "
+             "same model")
     if args.global_batch % (world // args.tp):
         fail(f"--global-batch {args.global_batch} must divide by the data-parallel size {world // args.tp} "
              f"({world} processes / --tp {args.tp})")
@@ -276,10 +290,10 @@ def build(args, name: str, vocab: int, device: torch.device, cuda: bool):
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
     dtype = torch.bfloat16 if cuda else torch.float32  # bf16 is slow on CPU
-    groups = args.heads // 4 if args.heads % 4 == 0 and (args.heads // 4) % args.tp == 0 else args.heads  # GQA
     config = TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, num_query_groups=groups,
-        ffn_hidden_size=args.ffn, kv_channels=args.hidden // args.heads, use_cpu_initialization=True,
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        num_query_groups=args.query_groups, ffn_hidden_size=args.ffn, kv_channels=args.hidden // args.heads,
+        use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
         tensor_model_parallel_size=args.tp, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         add_bias_linear=False, bf16=cuda, params_dtype=dtype, pipeline_dtype=dtype, normalization="RMSNorm",
