@@ -220,9 +220,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if argv else 2)
     if not any(a == "--distributed-backend" or a.startswith("--distributed-backend=") for a in argv):
         argv += ["--distributed-backend", "gloo"]
-    allow_pretrain()
     from dion3_megatron.megatron import launch
 
+    launch.check_arguments(argv[1:])  # a bad Dion3 value stops here, before the CPU patches and Megatron's start
+    allow_pretrain()
     launch.main(argv)
 
 

@@ -88,7 +88,7 @@ def parse_args(argv=None):
                    help=f"sequences per step, split over data-parallel ranks {_by_device('global_batch')}")
     m.add_argument("--steps", type=int, help=f"optimizer steps {_by_device('steps')}")
     o = p.add_argument_group("optimizer")
-    o.add_argument("--lr", type=float, default=DION3_OPTIONS["lr"].default,
+    o.add_argument("--lr", type=DION3_OPTIONS["lr"].argparse_type(), default=DION3_OPTIONS["lr"].default,
                    help="Dion3's matrices at f = 1 (f < 1 steps at up to 4x), and norms, as Megatron does "
                         "(default: the library's, %(default)s)")
     o.add_argument("--muon-lr", type=float, default=0.0025,
@@ -96,7 +96,8 @@ def parse_args(argv=None):
     o.add_argument("--adam-lr", type=float, default=3e-3,
                    help="the AdamW run; embeddings and output layer in every run, Megatron's --decoupled-lr "
                         "(default: %(default)s)")
-    o.add_argument("--weight-decay", type=float, default=0.01, help="decoupled weight decay (default: %(default)s)")
+    o.add_argument("--weight-decay", type=DION3_OPTIONS["weight_decay"].argparse_type(), default=0.01,
+                   help="decoupled weight decay (default: %(default)s)")
     o.add_argument("--clip-grad", type=float, default=1.0,
                    help="gradient clipping: the global norm's limit, 0 for none (default: %(default)s)")
     o.add_argument("--dion3-fraction", type=DION3_OPTIONS["fraction"].argparse_type(),
@@ -138,6 +139,10 @@ def check_args(args, fail) -> None:
         value = getattr(args, key)
         if value is not None and value < 1:
             fail(f"--{key.replace('_', '-')} must be at least 1, got {value}")
+    for key in ("muon_lr", "adam_lr", "clip_grad"):
+        value = getattr(args, key)
+        if not (math.isfinite(value) and value >= 0):
+            fail(f"--{key.replace('_', '-')} must be a finite number >= 0, got {value}")
     world = int(os.environ.get("WORLD_SIZE", 0)) or args.nproc or (torch.cuda.device_count() if cuda else 2)
     if world % args.tp:
         fail(f"--tp {args.tp} must divide the number of processes, {world}")

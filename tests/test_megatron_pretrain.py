@@ -216,3 +216,19 @@ def test_a_checkpoint_resumes_in_another_layout(tmp_path, saved, loaded, fractio
     assert float(resumed[3][0]) == pytest.approx(float(first[3][0]), rel=1e-5)  # iteration 3: same weights
     for i in (3, 4):  # iteration 4's gradients follow Dion3's step 3, which used the loaded state
         assert float(resumed[i][1]) == pytest.approx(float(first[i][1]), rel=1e-3), (i, resumed, first)
+
+
+@pytest.mark.parametrize("launcher", ["launch", "cpu"])
+def test_a_bad_dion3_value_stops_both_ranks_before_megatron_starts_said_once(launcher):
+    """--lr -1 with --optimizer dion3, under torchrun with 2 ranks: one line naming the flag and the
+    value, before Megatron parses its arguments (no argument dump), let alone builds a model."""
+    entry = ["-m", "dion3_megatron.megatron.launch"] if launcher == "launch" else [CPU]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           *entry, SCRIPT, *TINY, "--lr", "-1"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("argument --lr: lr must be a finite number >= 0.0, got -1.0") == 1, out[-3000:]
+    assert "arguments ----" not in out and "building GPT model" not in out, out[-3000:]
