@@ -131,7 +131,7 @@ def main():
     ap.add_argument("--routing", default="measured", choices=["measured", "always"])
     ap.add_argument("--graph", action="store_true", help="time each call replayed from a CUDA graph")
     ap.add_argument("--shapes", default=None, metavar="RxC,...", help="comma list of the shapes to time (BxRxC: a "
-                    "batch of B) instead of the issue's seven")
+                    "batch of B) instead of the default seven")
     ap.add_argument("--profile", default=None, metavar="RxC", help="only the GPU time by kernel at this shape "
                     "(BxRxC: a batch of B)")
     ap.add_argument("--ncu", action="store_true", help="with --profile: for Nsight Compute instead of torch's "

@@ -217,7 +217,8 @@ RENAMED = {"ns": "ns_method"}
 
 # Options that were tried and removed, with the value that made each a no-op: a checkpoint whose
 # param groups hold another value was trained by a rule this version no longer has.
-RETIRED = {"row_step_as_full": False}  # lost in the convergence protocol (docs/benchmarks.md)
+# row_step_as_full lost in the convergence protocol (benchmarks/results/measurement-log.md).
+RETIRED = {"row_step_as_full": False}
 
 
 # Names carried over from other optimizers, with what Dion3 calls them: the unknown-name error of
