@@ -1,6 +1,6 @@
 """Convergence benchmark: Dion3 against Muon, NorMuon and AdamW on a byte-level GPT.
 
-The protocol (docs/benchmarks.md, "Convergence"): a corpus of the installation's own source code
+The protocol (benchmarks/results/measurement-log.md, "Convergence"): a corpus of the installation's own source code
 that is never repeated within a run (benchmarks/convergence_corpus.py, its SHA-256 recorded), two
 model sizes (``--size small``: 10.6M block-matrix parameters; ``--size medium``: 48.3M), at least
 ``--tokens-per-param`` (10) tokens per parameter, the same initial weights per seed, the same data
@@ -85,7 +85,7 @@ SIZES = {
     # A CPU screening proxy of the protocol (0.47M parameters, 2,284 steps; a pack of 6 in ~20 min on
     # 2 cores with --device cpu --no-bf16 --stdlib-only): it reproduces the protocol's large effects,
     # but the difference between two settings paired by seed moves by 0.01-0.05 from seed to seed:
-    # pair three seeds or more (docs/benchmarks.md, "What is left for issue 18").
+    # pair three seeds or more.
     "proxy": dict(layers=2, hidden=128, heads=4, ffn=352, seq=64, batch=32),
 }
 TARGETS = {0.25: 0.01, 0.125: 0.02}  # Dion3 f: allowed final validation loss above Muon's (mean of seeds)

@@ -101,8 +101,8 @@ def main() -> None:
     for fraction in fractions:
         step_ms = results[f"dion3_{fraction}"]
         print(f"{'dion3 f=' + str(fraction):<16}{step_ms:>10.2f}{results['muon_ms'] / step_ms:>9.2f}")
-    opt = optimizers["auto"]
-    chosen = {f"{p.shape[0]}x{p.shape[1]}": f for p, f in opt.fractions.items()}
+    fractions_chosen = optimizers["auto"].fractions
+    chosen = {f"{p.shape[0]}x{p.shape[1]}": fractions_chosen[p] for p in params if p in fractions_chosen}
     results["auto_fractions"] = chosen
     print("auto chose " + ", ".join(f"{shape}: {f}" for shape, f in chosen.items()))
     if args.json:

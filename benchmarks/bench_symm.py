@@ -39,9 +39,9 @@ from quack_backend import quack_gemm_symmetric  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-# (batch, M, K): the X @ X^T shapes, the last the K/V batch's Gram
+# (batch, M, K): the X @ X^T shapes of 14B-class matrices, the last the K/V batch's Gram
 GRAM_SHAPES = [(1, 1024, 5120), (1, 4096, 4096), (1, 4096, 16384), (1, 8192, 8192), (8, 4096, 16384), (16, 1024, 5120)]
-# symmetric s x s products of Gram NS (K = s) for the shapes and a sweep for routing
+# symmetric s x s products of Gram NS (K = s) for those shapes and a sweep for routing
 SYMM_SHAPES = [(1, 1024, 1024), (1, 2048, 2048), (1, 5120, 5120), (1, 4096, 4096), (8, 1024, 1024), (16, 1024, 1024)]
 SWEEP = [(1, m, k) for m in (512, 1024, 2048, 3072, 4096) for k in (m, 4 * m)] + [
     (1, 3456, 5120), (1, 5120, 13824), (1, 6144, 6144), (1, 12288, 4096)] + [

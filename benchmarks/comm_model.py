@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from dion3_megatron.ortho import ns_flops
 from dion3_megatron.exchange import STATIC_ROW_BLOCKS_MAX_WORLD
 
-# Measured on 2 x H200 (NVLink) with NCCL, torch 2.11 (../shared/DESIGN.md 6): a 4 KB all-to-all
+# Measured on 2 x H200 (NVLink) with NCCL, torch 2.11: a 4 KB all-to-all
 # takes 43 us; 512 MB moves in 0.94 ms. Sustained NS rate: plain-torch Keller NS5 on 5120 x 13824
 # ran 13.9 ms for 8.6 TFLOP of dense matmul (~620 TFLOP/s).
 ALPHA_S = 43e-6

@@ -4,8 +4,7 @@ Registered under the name "quack", it runs our Gram Newton-Schulz (``dion3_megat
 with quack's ``gemm_symmetric`` for the symmetric products (X X^T, and P @ Q of two commuting
 symmetric matrices) and cuBLAS for the rest, exactly as our "cutedsl" backend splits them. The
 same algorithm on two kernel libraries: a difference in time is the kernels', not the schedule's.
-quack is measured where it is installed (DESIGN.md 6: a second call on a warm device machine),
-never vendored.
+quack is measured where it is installed, never vendored.
 """
 
 from __future__ import annotations

@@ -29,8 +29,9 @@ from .rule import Dion3Hyperparameters, selected_row_count
 
 AUTO_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
 AUTO_MIN_ROWS = 128  # quality floor: fewer selected rows than this lost to f = 1 in our runs
-# The exchange rate between loss and time, from the convergence protocol (docs/benchmarks.md,
-# byte-level GPTs at 10 tokens per parameter, every family at its best lr):
+# The exchange rate between loss and time, from the convergence protocol
+# (benchmarks/results/measurement-log.md, byte-level GPTs at 10 tokens per parameter, every family at
+# its best lr):
 # at equal tokens f costs about AUTO_LOSS_PER_WAITING_ROW_SHARE * (1/f - 1) nats of final validation
 # loss against f = 1, each at its default mu (10.8M: f = 1 0.6954, f = 1/4 0.7088, f = 1/8 0.7210, two
 # seeds each: 0.0045 and 0.0037 per unit; 48.7M: f = 1 0.5550, f = 1/4 0.5653, f = 1/8 0.5725, two
@@ -47,7 +48,7 @@ AUTO_TOKENS_PER_STEP = 32768
 NS_KERNELS = {"gram": 30, "standard": 20}  # kernels per orthogonalization call, shared by its batch
 PER_MATRIX_KERNELS = 20  # kernels per matrix whatever f is: scores, top-k, gathers, NorMuon, update
 # Element-wise traffic of the step per matrix entry, over n_rows + k rows. Counted from the kernels
-# the step runs (fp32 momentum, gradient and weight; twenty-ninth session): every entry 20 bytes (M += G
+# the step runs (fp32 momentum, gradient and weight): every entry 20 bytes (M += G
 # with the row scores: 12; the weight update pass: 8), every selected entry 26 (the rows taken out and
 # decayed: 12; Newton-Schulz's input scaled to half precision: 10; NorMuon's and the update's reads of
 # the result: 4), 22 at f = 1 (decayed in place: 8). That is 42-48 n c at f = 1 and 26.5-30 n c at

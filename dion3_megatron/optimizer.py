@@ -87,6 +87,29 @@ def announce_skipped_step(skipped_so_far: int, where: str = "") -> None:
     )
 
 
+class Fractions(dict):
+    """What ``fraction="auto"`` chose, ``{parameter name: f}``: the names of named parameters, else
+    ``"group i / param j"``. A parameter tensor works as a key too (``fractions[p]``, ``p in
+    fractions``, ``fractions.get(p)``)."""
+
+    def __init__(self, chosen: dict[torch.Tensor, float], names: dict[torch.Tensor, str]) -> None:
+        super().__init__((names[p], f) for p, f in chosen.items())
+        self._names = names
+
+    def _key(self, key: Any) -> Any:
+        """A parameter's name (None for a tensor that is not a parameter); a name as it is."""
+        return self._names.get(key) if isinstance(key, torch.Tensor) else key
+
+    def __getitem__(self, key: Any) -> float:
+        return super().__getitem__(self._key(key))
+
+    def __contains__(self, key: Any) -> bool:
+        return super().__contains__(self._key(key))
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return super().get(self._key(key), default)
+
+
 @dataclass
 class _Bucket:
     """Same-shape matrices of one param group whose Dion3 state lives in two buffers, so that
@@ -114,9 +137,9 @@ class Dion3(torch.optim.Optimizer):
     """Dion3: top-fraction row selection, Gram Newton-Schulz, NorMuon normalization, error feedback.
 
     Args:
-        params: parameters or param groups. A group may set ``algorithm`` ("dion3" | "adamw") and
-            any option below but ``kernels`` and ``cuda_graph``; ``fraction`` and ``num_heads`` may
-            differ per group.
+        params: parameters (or ``named_parameters()``) or param groups. A group may set
+            ``algorithm`` ("dion3" | "adamw") and any option below but ``kernels`` and
+            ``cuda_graph``; ``fraction`` and ``num_heads`` may differ per group.
         **settings: the options below (keyword only; declared in :mod:`dion3_megatron.options`).
 
     ``fraction="auto"`` is chosen per matrix at the first step by :mod:`dion3_megatron.auto_fraction` from its
@@ -154,11 +177,15 @@ class Dion3(torch.optim.Optimizer):
         self._split_from_plain_list = bool(params) and not isinstance(params[0], dict)
         if self._split_from_plain_list:  # the AdamW tensors in a group of their own, at adamw_lr
             by_algorithm: dict[str, list] = {"dion3": [], "adamw": []}
-            for p in params:
-                by_algorithm[self.algorithm_of({"algorithm": None}, p)].append(p)
+            for p in params:  # a tensor, or (name, tensor) from named_parameters()
+                by_algorithm[self.algorithm_of({"algorithm": None}, p[1] if isinstance(p, tuple) else p)].append(p)
             params = [{"params": ps, "algorithm": None if name == "dion3" else name}
                       for name, ps in by_algorithm.items() if ps]
         super().__init__(params, {**{k: settings[k] for k in groups}, "algorithm": None})
+        if not any(self.algorithm_of(g, p) == "dion3" for g in self.param_groups for p in g["params"]):
+            count = sum(len(g["params"]) for g in self.param_groups)
+            warnings.warn(f"{type(self).__name__}: none of the {count} parameters is a matrix for Dion3 (a tensor of "
+                          ">= 2 dims outside algorithm='adamw' groups): every parameter will take AdamW", stacklevel=2)
 
     # ----------------------------------------------------------------------------------------
     # Groups and validation.
@@ -199,9 +226,16 @@ class Dion3(torch.optim.Optimizer):
         return Dion3Hyperparameters(**{k: group[k] for k in Dion3Hyperparameters.__dataclass_fields__})
 
     @property
-    def fractions(self) -> dict[torch.Tensor, float]:
-        """The f each matrix of a ``fraction="auto"`` group uses (filled at the first step)."""
-        return dict(self._auto_fractions)
+    def fractions(self) -> Fractions:
+        """The f each matrix of a ``fraction="auto"`` group uses (filled at the first step), by
+        parameter name (given as ``named_parameters()``), else ``"group i / param j"``; a
+        parameter tensor works as a key too."""
+        names = {}
+        for gi, group in enumerate(self.param_groups):
+            given = group.get("param_names")
+            for j, p in enumerate(group["params"]):
+                names[p] = given[j] if given else f"group {gi} / param {j}"
+        return Fractions(self._auto_fractions, names)
 
     def _resolve_auto_fractions(self) -> None:
         """Choose f for every not yet resolved matrix of the "auto" groups (:mod:`.auto_fraction`).

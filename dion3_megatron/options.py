@@ -25,7 +25,7 @@ import inspect
 import math
 import textwrap
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -217,7 +217,33 @@ RENAMED = {"ns": "ns_method"}
 
 # Options that were tried and removed, with the value that made each a no-op: a checkpoint whose
 # param groups hold another value was trained by a rule this version no longer has.
-RETIRED = {"row_step_as_full": False}  # lost in the convergence protocol (docs/benchmarks.md)
+# row_step_as_full lost in the convergence protocol (benchmarks/results/measurement-log.md).
+RETIRED = {"row_step_as_full": False}
+
+
+# Names carried over from other optimizers, with what Dion3 calls them: the unknown-name error of
+# every front end (keyword argument, DeepSpeed config key) gives the hint. A name that is an option
+# of the front end never gets here (betas is one everywhere but Megatron).
+HINTS = {
+    "momentum": "Dion3 calls its momentum 'mu'",
+    "beta1": "Dion3 calls its momentum 'mu' (AdamW's are 'betas')",
+    "betas": "Dion3 calls its momentum 'mu'; Megatron's Adam takes --adam-beta1 / --adam-beta2",
+    "nesterov": "Dion3 uses heavy-ball momentum with error feedback; there is no Nesterov option",
+    "dampening": "Dion3 adds every gradient to its momentum in full; 'mu' sets what the applied rows keep",
+    "adam_lr": "Dion3 calls it 'adamw_lr'",
+    "ns_steps": "Dion3 runs 5 Polar Express steps; choose the method with 'ns_method'",
+    "rank_fraction": "did you mean 'fraction'?",
+}
+
+
+def unknown_name_hint(name: str, known: Iterable[str], hints: Optional[dict[str, str]] = None) -> Optional[str]:
+    """What to tell the user who gave ``name``, not one of ``known``: its entry in ``hints``
+    (default :data:`HINTS`), else the closest known name, else None."""
+    hint = (HINTS if hints is None else hints).get(name)
+    if hint is None:
+        close = difflib.get_close_matches(str(name), list(known), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else None
+    return hint
 
 
 def options_for(front_end: str) -> tuple[Option, ...]:
@@ -249,9 +275,8 @@ def settings(where: str, front_end: str, given: dict[str, Any]) -> dict[str, Any
     known = defaults_for(front_end)
     for name in given:
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise TypeError(f"{where} got an unexpected keyword argument {name!r}{hint}")
+            hint = unknown_name_hint(name, known)
+            raise TypeError(f"{where} got an unexpected keyword argument {name!r}" + (f" ({hint})" if hint else ""))
     return {**known, **given}
 
 

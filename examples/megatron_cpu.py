@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import warnings
 
@@ -178,6 +179,11 @@ def install() -> None:
 
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    # The tracker's fork() warns when the CPU generator changed inside it, a check that assumes the
+    # forked (CUDA) generator is another one. Here it is the CPU generator itself, so every random
+    # draw inside a fork (each dropout) would warn; fork() still restores the state on exit.
+    logging.getLogger(mrandom.__name__).addFilter(
+        lambda record: record.getMessage() != "CPU RNG state changed within GPU RNG context")
 
     # Megatron's Adam here is torch's AdamW, whose checkpoint resume under the distributed
     # optimizer the library mends (for GPUs without apex or Transformer Engine too).
@@ -214,9 +220,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if argv else 2)
     if not any(a == "--distributed-backend" or a.startswith("--distributed-backend=") for a in argv):
         argv += ["--distributed-backend", "gloo"]
-    allow_pretrain()
     from dion3_megatron.megatron import launch
 
+    launch.check_arguments(argv[1:])  # a bad Dion3 value stops here, before the CPU patches and Megatron's start
+    allow_pretrain()
     launch.main(argv)
 
 

@@ -11,11 +11,11 @@ It makes the calls Megatron-LM's own ``pretrain_gpt.py`` (branch core_r0.19.0) m
 ``megatron.training.pretrain`` with the model config (no model provider), so ``pretrain()`` builds
 the model, DDP and the optimizer exactly as it does for that script. Only the data differ: a
 learnable synthetic language (each token follows a fixed random successor with probability 0.75,
-else uniform), generated per sample index so every rank agrees without a data pipeline or a
-tokenizer file. ``--tokenizer-type`` defaults to NullTokenizer and ``--vocab-size`` to 32768
-(the synthetic language's alphabet). Run it through the launcher (which registers Dion3 and skips
-the ``make`` of Megatron's dataset helpers that the megatron-core wheel ships compiled), on CPU
-(gloo) through ``examples/megatron_cpu.py``.
+else uniform; training, validation and test are different samples of it), generated per sample
+index so every rank agrees without a data pipeline or a tokenizer file. ``--tokenizer-type``
+defaults to NullTokenizer and ``--vocab-size`` to 32768 (the synthetic language's alphabet). Run it
+through the launcher (which registers Dion3 and skips the ``make`` of Megatron's dataset helpers
+that the megatron-core wheel ships compiled), on CPU (gloo) through ``examples/megatron_cpu.py``.
 """
 
 from __future__ import annotations
@@ -31,15 +31,18 @@ VOCAB = 32768  # --vocab-size unless given
 
 
 class SyntheticLanguage(torch.utils.data.Dataset):
-    def __init__(self, samples: int, seq: int, vocab: int, seed: int) -> None:
-        self.samples, self.seq, self.vocab, self.seed = samples, seq, vocab, seed
+    """``samples`` sequences of one language (its successor table drawn from ``seed``); ``split``
+    draws other sequences of the same language (train, validation and test: 0, 1, 2)."""
+
+    def __init__(self, samples: int, seq: int, vocab: int, seed: int, split: int = 0) -> None:
+        self.samples, self.seq, self.vocab, self.seed, self.split = samples, seq, vocab, seed, split
         self.successor = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
 
     def __len__(self) -> int:
         return self.samples
 
     def __getitem__(self, index: int) -> dict:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        g = torch.Generator().manual_seed(((self.seed * 3 + self.split) << 32) + index)  # one stream per sample
         tokens = torch.empty(self.seq + 1, dtype=torch.long)
         tokens[0] = torch.randint(0, self.vocab, (1,), generator=g)
         noise = torch.randint(0, self.vocab, (self.seq,), generator=g)
@@ -52,8 +55,8 @@ class SyntheticLanguage(torch.utils.data.Dataset):
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
     args = get_args()
-    return [SyntheticLanguage(max(int(n), 1), args.seq_length, args.padded_vocab_size, args.seed + i)
-            for i, n in enumerate(train_val_test_num_samples)]
+    return [SyntheticLanguage(max(int(n), 1), args.seq_length, args.padded_vocab_size, args.seed, split)
+            for split, n in enumerate(train_val_test_num_samples)]
 
 
 train_valid_test_datasets_provider.is_distributed = True

@@ -2,7 +2,7 @@
 """Train a small Megatron-Core GPT with Dion3: the dion3-megatron main job.
 
     python examples/pretrain_gpt.py                  # CPU: starts 2 processes over gloo (DP=2); ~70 s
-    python examples/pretrain_gpt.py --tp 2           # CPU, tensor parallel instead
+    python examples/pretrain_gpt.py --tp 2 --query-groups 2   # CPU, tensor parallel instead
     python examples/pretrain_gpt.py --compare        # Dion3, AdamW and Muon: table, verdict, PNG plot, JSON
     python examples/pretrain_gpt.py --text-file my.txt          # byte-level, any text file
     python examples/pretrain_gpt.py --data-path /data/my_text_document --vocab-size 50304  # Megatron indexed data
@@ -47,52 +47,69 @@ OPTIMIZERS = ("dion3", "adam", "muon")
 TIMING_WARMUP = 5  # optimizer steps left out of the step time: Dion3 plans (and may capture a CUDA graph) first
 
 
+def _by_device(key: str) -> str:
+    return f"(default: {CPU_DEFAULTS[key]} on CPU, {GPU_DEFAULTS[key]} on GPUs)"
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     g = p.add_argument_group("run")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: CUDA (NCCL) when available, else CPU (gloo)")
+                   help="auto: CUDA (NCCL) when available, else CPU (gloo) (default: %(default)s)")
     g.add_argument("--nproc", type=int, default=None,
                    help="processes to start when not under torchrun (default: one per GPU, or 2 on CPU)")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size; data-parallel = world / tp")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size; data-parallel = world / tp (default: %(default)s)")
     g.add_argument("--compare", action="store_true", help="train Dion3, AdamW and Muon on the same data and steps")
     g.add_argument("--optimizers", default=None,
                    help=f"comma-separated subset of {','.join(OPTIMIZERS)} (default: dion3, or all with --compare)")
     g.add_argument("--out-dir", default=os.path.join("runs", "pretrain_gpt"),
                    help="every run writes its results here: compare.json and compare.png with --compare, else "
-                        "<optimizers>.json / .png (e.g. dion3.json)")
-    g.add_argument("--log-interval", type=int, default=None, help="log loss and tokens/s every N steps")
-    g.add_argument("--eval-interval", type=int, default=None, help="validation loss every N steps (and at the end)")
-    g.add_argument("--eval-batches", type=int, default=4, help="global batches in each validation pass")
+                        "<optimizers>.json / .png, e.g. dion3.json (default: %(default)s)")
+    g.add_argument("--log-interval", type=int, default=None,
+                   help="log loss and tokens/s every N steps (default: a tenth of the steps)")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="validation loss every N steps, and at the end (default: a fifth of the steps)")
+    g.add_argument("--eval-batches", type=int, default=4,
+                   help="global batches in each validation pass (default: %(default)s)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not a terminal)")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=int, default=1234,
+                   help="seed of the weights' initialization and of the training windows (default: %(default)s)")
     m = p.add_argument_group("model and batch (defaults depend on the device: CPU tiny, GPU small)")
-    m.add_argument("--layers", type=int)
-    m.add_argument("--hidden", type=int)
-    m.add_argument("--heads", type=int)
-    m.add_argument("--ffn", type=int, help="SwiGLU hidden size")
-    m.add_argument("--seq-length", type=int)
-    m.add_argument("--global-batch", type=int, help="sequences per step, split over data-parallel ranks")
-    m.add_argument("--steps", type=int)
+    m.add_argument("--layers", type=int, help=f"transformer layers {_by_device('layers')}")
+    m.add_argument("--hidden", type=int, help=f"hidden size {_by_device('hidden')}")
+    m.add_argument("--heads", type=int, help=f"attention heads {_by_device('heads')}")
+    m.add_argument("--query-groups", type=int,
+                   help="key/value head groups (GQA): a divisor of --heads and a multiple of --tp (default: "
+                        "--heads / 4 where 4 divides it, else --heads)")
+    m.add_argument("--ffn", type=int, help=f"SwiGLU hidden size {_by_device('ffn')}")
+    m.add_argument("--seq-length", type=int, help=f"tokens per sequence {_by_device('seq_length')}")
+    m.add_argument("--global-batch", type=int,
+                   help=f"sequences per step, split over data-parallel ranks {_by_device('global_batch')}")
+    m.add_argument("--steps", type=int, help=f"optimizer steps {_by_device('steps')}")
     o = p.add_argument_group("optimizer")
-    o.add_argument("--lr", type=float, default=DION3_OPTIONS["lr"].default,
-                   help="Dion3's matrices at f = 1 (f < 1 steps at up to 4x; the library's default, "
-                        "%(default)s), and norms, as Megatron does")
-    o.add_argument("--muon-lr", type=float, default=0.0025, help="the Muon run's matrices (and norms)")
+    o.add_argument("--lr", type=DION3_OPTIONS["lr"].argparse_type(), default=DION3_OPTIONS["lr"].default,
+                   help="Dion3's matrices at f = 1 (f < 1 steps at up to 4x), and norms, as Megatron does "
+                        "(default: the library's, %(default)s)")
+    o.add_argument("--muon-lr", type=float, default=0.0025,
+                   help="the Muon run's matrices (and norms) (default: %(default)s)")
     o.add_argument("--adam-lr", type=float, default=3e-3,
-                   help="the AdamW run; embeddings and output layer in every run (Megatron's --decoupled-lr)")
-    o.add_argument("--weight-decay", type=float, default=0.01)
-    o.add_argument("--clip-grad", type=float, default=1.0)
+                   help="the AdamW run; embeddings and output layer in every run, Megatron's --decoupled-lr "
+                        "(default: %(default)s)")
+    o.add_argument("--weight-decay", type=DION3_OPTIONS["weight_decay"].argparse_type(), default=0.01,
+                   help="decoupled weight decay (default: %(default)s)")
+    o.add_argument("--clip-grad", type=float, default=1.0,
+                   help="gradient clipping: the global norm's limit, 0 for none (default: %(default)s)")
     o.add_argument("--dion3-fraction", type=DION3_OPTIONS["fraction"].argparse_type(),
                    default=DION3_OPTIONS["fraction"].default,
-                   help="Dion3's f: in (0, 1] (default: the library's, %(default)s), or 'auto' (chosen per matrix "
-                        "from its shape and this machine's speed)")
+                   help="Dion3's f: in (0, 1], or 'auto', chosen per matrix from its shape and this machine's "
+                        "speed (default: the library's, %(default)s)")
     d = p.add_argument_group("data (default: the Python standard library's sources, byte-level)")
     d.add_argument("--text-file", help="train on this text file, byte-level (vocab 256)")
     d.add_argument("--data-path", help="Megatron indexed dataset prefix (PREFIX.bin / PREFIX.idx)")
     d.add_argument("--vocab-size", type=int, help="with --data-path (default: largest token id + 1)")
-    d.add_argument("--max-tokens", type=int, default=8_000_000, help="read at most this many tokens")
+    d.add_argument("--max-tokens", type=int, default=8_000_000,
+                   help="read at most this many tokens (default: %(default)s)")
     p.error = lambda message: p.exit(2, f"{p.prog}: error: {message}\n")  # one line, as check_args' own
     args = p.parse_args(argv)
     check_args(args, p.error)
@@ -117,16 +134,31 @@ def check_args(args, fail) -> None:
     for key, value in (GPU_DEFAULTS if cuda else CPU_DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    for key in ("nproc", "tp", "layers", "hidden", "heads", "ffn", "seq_length", "global_batch", "steps",
-                "eval_batches", "max_tokens", "log_interval", "eval_interval", "vocab_size"):
+    for key in ("nproc", "tp", "layers", "hidden", "heads", "query_groups", "ffn", "seq_length", "global_batch",
+                "steps", "eval_batches", "max_tokens", "log_interval", "eval_interval", "vocab_size"):
         value = getattr(args, key)
         if value is not None and value < 1:
             fail(f"--{key.replace('_', '-')} must be at least 1, got {value}")
+    for key in ("muon_lr", "adam_lr", "clip_grad"):
+        value = getattr(args, key)
+        if not (math.isfinite(value) and value >= 0):
+            fail(f"--{key.replace('_', '-')} must be a finite number >= 0, got {value}")
     world = int(os.environ.get("WORLD_SIZE", 0)) or args.nproc or (torch.cuda.device_count() if cuda else 2)
     if world % args.tp:
         fail(f"--tp {args.tp} must divide the number of processes, {world}")
     if args.heads % args.tp:
         fail(f"--tp {args.tp} must divide --heads {args.heads}")
+    # Megatron splits the query groups over the tensor-parallel ranks: the model never changes with --tp.
+    source = "--query-groups" if args.query_groups is not None else f"--heads {args.heads} / 4"
+    if args.query_groups is None:
+        args.query_groups = args.heads // 4 if args.heads % 4 == 0 else args.heads
+    if args.heads % args.query_groups:
+        fail(f"--query-groups {args.query_groups} must divide --heads {args.heads}")
+    if args.query_groups % args.tp:
+        fits = next(g for g in range(args.tp, args.heads + 1, args.tp) if args.heads % g == 0)
+        fail(f"--tp {args.tp} must divide the query groups, {args.query_groups} ({source}): give --query-groups "
+             f"{fits} (a multiple of --tp {args.tp} that divides --heads {args.heads}), also at TP=1 for the "
+             "same model")
     if args.global_batch % (world // args.tp):
         fail(f"--global-batch {args.global_batch} must divide by the data-parallel size {world // args.tp} "
              f"({world} processes / --tp {args.tp})")
@@ -263,10 +295,10 @@ def build(args, name: str, vocab: int, device: torch.device, cuda: bool):
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
     dtype = torch.bfloat16 if cuda else torch.float32  # bf16 is slow on CPU
-    groups = args.heads // 4 if args.heads % 4 == 0 and (args.heads // 4) % args.tp == 0 else args.heads  # GQA
     config = TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, num_query_groups=groups,
-        ffn_hidden_size=args.ffn, kv_channels=args.hidden // args.heads, use_cpu_initialization=True,
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        num_query_groups=args.query_groups, ffn_hidden_size=args.ffn, kv_channels=args.hidden // args.heads,
+        use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
         tensor_model_parallel_size=args.tp, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         add_bias_linear=False, bf16=cuda, params_dtype=dtype, pipeline_dtype=dtype, normalization="RMSNorm",

@@ -84,7 +84,8 @@ def main() -> None:
         ) / 10
     print(f"validation loss {val:.3f} ({val / math.log(2):.2f} bits/byte)")
     if args.fraction == "auto":
-        chosen = sorted({(tuple(p.shape), f) for p, f in opt.fractions.items()})
+        fractions = opt.fractions  # {name: f}; a parameter works as a key too
+        chosen = sorted({(tuple(p.shape), fractions[p]) for p in hidden})
         print("fraction=auto chose (shape: f) " + ", ".join(f"{'x'.join(map(str, s))}: {f:g}" for s, f in chosen))
 
 

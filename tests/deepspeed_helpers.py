@@ -370,6 +370,12 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
     p = {k: params_of(e) for k, (e, _) in runs.items()}
     out["diff"] = {k: max_diff(p[k], p["s0" if "ga" not in k else "s0_ga"]) for k in p if not k.startswith("s0")}
     out["moved"] = max_diff(p["s0"], initial)
+    # "type": "dion3", the spelling of Megatron's --optimizer dion3: the same optimizer, the same steps.
+    lower_case = config(1, world=world)
+    lower_case["optimizer"]["type"] = "dion3"
+    engine = make_engine(lower_case)
+    train(engine, 4)
+    out["lower_case_type"] = (type(_basic(engine)).__name__, max_diff(params_of(engine), p["s1"]))
     out["norms"] = runs["s1"][1]["norms"] + runs["s2_ga"][1]["norms"]
     out["state"] = _state_vs_stage0(runs["s2"][0], runs["s0"][0])
     flat_opt = _basic(runs["s1"][0])

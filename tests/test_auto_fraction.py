@@ -136,6 +136,23 @@ def test_optimizer_auto_equals_the_resolved_fixed_fractions(monkeypatch, generat
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_fractions_print_parameter_names_and_a_parameter_still_finds_its_f(monkeypatch, step_time_only):
+    monkeypatch.setattr(auto_fraction, "measure", lambda device, dtype: FLOP_BOUND)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 512), torch.nn.Linear(64, 1024, bias=False))
+    for params, names in ((model.named_parameters(), ["0.weight", "1.weight"]),
+                          (model.parameters(), ["group 0 / param 0", "group 0 / param 1"])):  # bias: group 1, AdamW
+        opt = Dion3(params, fraction="auto", ns_dtype=torch.float32)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        assert repr(opt.fractions) == repr(dict(zip(names, [0.25, 0.125])))  # no tensor data
+        assert opt.fractions[model[0].weight] == 0.25 and model[1].weight in opt.fractions
+        assert model[0].bias not in opt.fractions and opt.fractions.get(model[0].bias, "AdamW") == "AdamW"
+        resumed = Dion3(model.parameters(), fraction="auto", ns_dtype=torch.float32)
+        resumed.load_state_dict(opt.state_dict())
+        assert list(resumed.fractions.values()) == [0.25, 0.125]
+
+
 @pytest.mark.slow
 def test_a_resume_keeps_the_saved_choices_on_a_machine_of_another_speed(monkeypatch, generator, step_time_only):
     # Resumed where the device measures differently, fraction="auto" must not choose again.

@@ -23,6 +23,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples" / "deepspeed
 def test_registration_exposes_the_class_where_deepspeed_looks():
     assert dion3_ds.register() is DeepSpeedDion3
     assert torch.optim.Dion3 is DeepSpeedDion3  # DeepSpeed: getattr(torch.optim, config "type")
+    assert torch.optim.dion3 is DeepSpeedDion3  # the spelling of Megatron's --optimizer dion3
     from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
 
     assert ZERO_SUPPORTED_OPTIMIZERS.count(DeepSpeedDion3) == 1

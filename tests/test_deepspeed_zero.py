@@ -48,6 +48,10 @@ def test_zero1_and_zero2_equal_zero0_fp32(two_ranks):
         assert out["straddling"][run] >= 1, out["straddling"]  # the comparison covers straddling matrices
 
 
+def test_config_type_in_lower_case_builds_dion3(two_ranks):
+    assert two_ranks[0]["lower_case_type"] == ("DeepSpeedDion3", 0.0)
+
+
 def test_auto_fraction_under_zero1_equals_zero0(two_ranks):
     out = two_ranks[0]
     # The test model's matrices have fewer rows than the auto floor: every path must choose f = 1.

@@ -105,7 +105,8 @@ def test_tp2_indexed_dataset(tmp_path):
         builder.add_item(doc)
         builder.end_document()
     builder.finalize(prefix + ".idx")
-    out = run_job(["--tp", "2", "--data-path", prefix, "--lr", "0.03", "--dion3-fraction", "auto"], cwd=tmp_path)
+    out = run_job(["--tp", "2", "--query-groups", "4", "--data-path", prefix, "--lr", "0.03",
+                   "--dion3-fraction", "auto"], cwd=tmp_path)
     assert "Megatron indexed dataset" in out and "vocab 300" in out and "TP=2 DP=1" in out
     # Said once, by the job (not the library's log line too); 64-row matrices: below the floor, f = 1.
     assert out.count("auto chose") == 1 and "Dion3: fraction=auto chose f=1 on every matrix (rows x cols: 64x64" in out
@@ -132,6 +133,15 @@ def test_text_file_and_default_corpus(tmp_path):
     assert job.parse_args(["--compare"]).optimizers == ["dion3", "adam", "muon"]
     with pytest.raises(SystemExit):
         job.parse_args(["--optimizers", "sgd"])
+
+
+def test_the_model_is_the_same_at_every_tp():
+    """GQA: --heads / 4 query groups unless --query-groups says otherwise, whatever --tp."""
+    job = load_job()
+    assert job.parse_args(["--device", "cpu"]).query_groups == 1
+    assert job.parse_args(["--device", "cpu", "--heads", "8", "--tp", "2"]).query_groups == 2
+    assert job.parse_args(["--device", "cpu", "--tp", "2", "--query-groups", "2"]).query_groups == 2
+    assert job.parse_args(["--device", "cpu", "--heads", "6"]).query_groups == 6  # 4 does not divide 6: one head each
 
 
 def fake_run(name: str, label: str, val: float, ms: float, steps: int = 100) -> dict:
@@ -181,11 +191,39 @@ def test_verdict_and_plot(tmp_path):
     assert "moving mean over 2 steps" in by_step.get_legend().get_title().get_text()
 
 
+def test_help_gives_every_flag_a_text_and_its_default_once(capsys):
+    job = load_job()
+    with pytest.raises(SystemExit) as exit_info:
+        job.parse_args(["--help"])
+    assert exit_info.value.code == 0
+    helps: dict[str, str] = {}  # flag -> its help text
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith("  -"):  # a flag, and maybe the start of its help
+            flag, _, text = line.strip().partition("  ")
+            current = flag.split()[0].rstrip(",")
+            helps[current] = text.strip()
+        elif line.startswith("    ") and helps:  # the help, continued
+            helps[current] = f"{helps[current]} {line.strip()}".strip()
+    assert {"--layers", "--hidden", "--heads", "--ffn", "--seq-length", "--global-batch", "--steps", "--seed",
+            "--weight-decay", "--clip-grad", "--lr", "--dion3-fraction"} <= set(helps)
+    for flag, text in helps.items():
+        assert text, f"{flag} has no help"
+        assert text.count("(default") <= 1, f"{flag}: {text}"
+    assert helps["--layers"] == "transformer layers (default: 4 on CPU, 8 on GPUs)"
+    assert helps["--lr"].endswith("(default: the library's, 0.01)")
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--steps", "0"], "--steps must be at least 1, got 0"),
     (["--tp", "3"], "--tp 3 must divide the number of processes, 2"),
     (["--heads", "3", "--tp", "2"], "--tp 2 must divide --heads 3"),
+    (["--tp", "2"], "--tp 2 must divide the query groups, 1 (--heads 4 / 4): give --query-groups 2 (a multiple of "
+                    "--tp 2 that divides --heads 4), also at TP=1 for the same model"),
+    (["--heads", "8", "--query-groups", "3"], "--query-groups 3 must divide --heads 8"),
     (["--global-batch", "3"], "--global-batch 3 must divide by the data-parallel size 2"),
+    (["--lr", "-1"], "argument --lr: lr must be a finite number >= 0.0, got -1.0"),
+    (["--weight-decay", "nan"], "argument --weight-decay: weight_decay must be a finite number >= 0.0, got nan"),
+    (["--adam-lr", "-0.1"], "--adam-lr must be a finite number >= 0, got -0.1"),
     (["--dion3-fraction", "0"], "argument --dion3-fraction: fraction must be in (0.0, 1.0], got 0.0"),
     (["--dion3-fraction", "half"], "argument --dion3-fraction: fraction must be a number, got 'half'"),
     (["--text-file", "/no/such/file"], "--text-file /no/such/file: no such file"),

@@ -171,6 +171,33 @@ def test_readme_example_command_runs_on_cpu():
     assert re.search(r"^ +vocab_size \.+ 32768$", log, re.M)  # NullTokenizer without --vocab-size
 
 
+# examples/megatron_lm_pretrain_gpt.py with the README's flags on 2 CPU ranks. DP=2 needs the global
+# batch to divide into micro-batches over both ranks: --micro-batch-size 4 --global-batch-size 8
+# (which also runs on one process, as 2 accumulated micro-batches).
+CPU_COMMAND = ["--optimizer", "dion3", "--use-distributed-optimizer", "--bf16", "--lr", "0.01",
+               "--decoupled-lr", "0.002", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
+               "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "4",
+               "--global-batch-size", "8", "--train-iters", "100", "--eval-interval", "50", "--eval-iters", "2",
+               "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+               "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-persist-layer-norm"]
+VALIDATION = re.compile(r"validation loss at iteration\s+(\d+) \| lm loss value: (\S+)")
+
+
+def test_cpu_command_on_two_ranks_learns_and_validation_loss_falls():
+    """The command, shortened (6 iterations, validation at 3 and 6; a 512-token language, whose
+    successor pairs a few steps can learn): training and validation, samples of one language, fall."""
+    argv = list(CPU_COMMAND)
+    for flag, value in (("--train-iters", "6"), ("--eval-interval", "3"), ("--eval-iters", "1")):
+        argv[argv.index(flag) + 1] = value
+    log = on_cpu([SCRIPT, *argv, "--vocab-size", "512", "--log-interval", "1"])
+    losses = iterations(log)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    assert float(losses[6][0]) < float(losses[1][0]) - 0.3, losses  # (a running mean from iteration 2 on)
+    validation = {int(i): float(loss) for i, loss in VALIDATION.findall(log)}
+    assert sorted(validation) == [3, 6] and validation[6] < validation[3] - 0.1, validation
+    assert "CPU RNG state changed" not in log  # the CPU shim's forked generator is the CPU one: no false alarm
+
+
 # DP=2 -> TP=2 at "auto" (f = 1 here) and PP=2 -> DP=2 at 0.5 (rows selected): between them both
 # resharding paths and both kinds of state; the shim's checkpoint scenarios check DP=2 -> TP=2 of
 # f < 1 state bit for bit (tests/test_megatron_parallel.py), without a ~35 s pretrain() pair.
@@ -189,3 +216,19 @@ def test_a_checkpoint_resumes_in_another_layout(tmp_path, saved, loaded, fractio
     assert float(resumed[3][0]) == pytest.approx(float(first[3][0]), rel=1e-5)  # iteration 3: same weights
     for i in (3, 4):  # iteration 4's gradients follow Dion3's step 3, which used the loaded state
         assert float(resumed[i][1]) == pytest.approx(float(first[i][1]), rel=1e-3), (i, resumed, first)
+
+
+@pytest.mark.parametrize("launcher", ["launch", "cpu"])
+def test_a_bad_dion3_value_stops_both_ranks_before_megatron_starts_said_once(launcher):
+    """--lr -1 with --optimizer dion3, under torchrun with 2 ranks: one line naming the flag and the
+    value, before Megatron parses its arguments (no argument dump), let alone builds a model."""
+    entry = ["-m", "dion3_megatron.megatron.launch"] if launcher == "launch" else [CPU]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           *entry, SCRIPT, *TINY, "--lr", "-1"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("argument --lr: lr must be a finite number >= 0.0, got -1.0") == 1, out[-3000:]
+    assert "arguments ----" not in out and "building GPT model" not in out, out[-3000:]

@@ -186,6 +186,23 @@ def test_registration_mends_torch_adams_resume_where_megatron_falls_back_to_it()
     assert out.stdout.split() == ["True", "True", "True"], out.stdout
 
 
+def test_launcher_checks_the_dion3_values_first_and_leaves_other_optimizers_lr_alone(monkeypatch, capsys):
+    from dion3_megatron.megatron.launch import check_arguments
+
+    monkeypatch.delenv("RANK", raising=False)
+    check_arguments(["--optimizer", "adam", "--lr", "-1"])  # Megatron's Adam: Megatron's to check
+    check_arguments(["--optimizer", "dion3", "--lr", "0.01", "--lr-decay-style", "cosine", "--num-layers", "4"])
+    with pytest.raises(SystemExit) as exit_info:
+        check_arguments(["--num-layers", "4", "--optimizer=dion3", "--weight-decay", "-1"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("python -m dion3_megatron.megatron.launch: error: argument --weight-decay: "
+                                       "weight_decay must be a finite number >= 0.0, got -1.0\n")
+    monkeypatch.setenv("RANK", "1")  # torchrun's other ranks exit alike, silently
+    with pytest.raises(SystemExit):
+        check_arguments(["--dion3-fraction", "0"])
+    assert capsys.readouterr().err == ""
+
+
 def test_launcher_without_torchrun_gives_a_one_process_world_and_leaves_torchruns_alone():
     from dion3_megatron.megatron.launch import single_process_world
 

@@ -2,6 +2,7 @@
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -144,6 +145,20 @@ def test_lrs_default_per_algorithm_and_a_groups_own_lr_wins():
     with pytest.raises(ValueError, match=r"1 param groups, the optimizer has 2 .*\[\{'params': params\}\]"):
         Dion3([matrix, bias]).load_state_dict(mixed.state_dict())
     Dion3([{"params": [matrix, bias]}]).load_state_dict(mixed.state_dict())
+
+
+def test_a_model_without_matrices_warns_once_that_every_parameter_takes_adamw():
+    norm = torch.nn.LayerNorm(8)
+    with pytest.warns(UserWarning) as record:
+        Dion3(norm.parameters())
+    assert [str(w.message) for w in record] == [
+        "Dion3: none of the 2 parameters is a matrix for Dion3 (a tensor of >= 2 dims outside algorithm='adamw' "
+        "groups): every parameter will take AdamW"]
+    with pytest.warns(UserWarning, match="none of the 1 parameters .* every parameter will take AdamW"):
+        Dion3([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "algorithm": "adamw"}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Dion3(torch.nn.Linear(4, 4).parameters())  # a matrix: no warning
 
 
 def test_fraction_and_algorithm_per_group(generator):

@@ -58,6 +58,34 @@ def test_torch_constructor_takes_exactly_the_torch_options():
         Dion3([torch.nn.Parameter(torch.zeros(4, 4))], fractoin=0.5)
 
 
+@pytest.mark.parametrize("name, words", [("momentum", "(Dion3 calls its momentum 'mu')"),
+                                         ("nesterov", "there is no Nesterov option"),
+                                         ("beta1", "Dion3 calls its momentum 'mu'"),
+                                         ("adam_lr", "Dion3 calls it 'adamw_lr'")])
+def test_names_of_other_optimizers_get_the_dion3_name_in_every_front_end(name, words):
+    """One table of hints (options.HINTS): the torch class's unknown keyword, Megatron's class's, and
+    the DeepSpeed config's unknown key say what Dion3 calls it."""
+    with pytest.raises(TypeError, match=f"Dion3 got an unexpected keyword argument '{name}' .*{re.escape(words)}"):
+        Dion3([torch.nn.Parameter(torch.zeros(4, 4))], **{name: 0.9})
+    from deepspeed_helpers import import_keeping_environment
+
+    with pytest.raises(ValueError, match=f"unknown key\\(s\\) '{name}' .*{re.escape(words)}"):
+        import_keeping_environment("dion3_megatron.deepspeed").normalize_params({name: 0.9})
+    if importlib.util.find_spec("megatron") is not None:
+        from dion3_megatron.megatron.optimizer import MegatronDion3
+
+        with pytest.raises(TypeError, match=f"MegatronDion3 got an unexpected keyword argument '{name}' .*"
+                                            f"{re.escape(words)}"):
+            MegatronDion3([torch.nn.Parameter(torch.zeros(4, 4))], **{name: 0.9})
+
+
+def test_betas_where_not_an_option_and_typos_get_a_hint():
+    assert options.unknown_name_hint("betas", options.defaults_for(options.MEGATRON)).startswith(
+        "Dion3 calls its momentum 'mu'")
+    assert options.unknown_name_hint("fractoin", options.defaults_for(options.TORCH)) == "did you mean 'fraction'?"
+    assert options.unknown_name_hint("zzz", options.defaults_for(options.TORCH)) is None
+
+
 @pytest.mark.parametrize("option", options.options_for(options.TORCH), ids=lambda o: o.name)
 def test_torch_refuses_what_the_spec_refuses(option):
     with pytest.raises(ValueError, match=f"{option.name} must be"):

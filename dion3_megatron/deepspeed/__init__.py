@@ -2,8 +2,9 @@
 
 ``import dion3_megatron.deepspeed`` (or calling :func:`register`) is all a training script needs:
 
-* exposes :class:`DeepSpeedDion3` as ``torch.optim.Dion3``, which is where DeepSpeed 0.19 looks up
-  a config ``type`` it does not know (the name is case-sensitive);
+* exposes :class:`DeepSpeedDion3` as ``torch.optim.Dion3`` and ``torch.optim.dion3``, which is
+  where DeepSpeed 0.19 looks up a config ``type`` it does not know (case-sensitively): ``"Dion3"``
+  and ``"dion3"`` (the spelling of Megatron's ``--optimizer dion3``) both work;
 * lists it among ZeRO's supported optimizers (no ``zero_allow_untested_optimizer`` needed);
 * splits the parameters DeepSpeed was given by module (:func:`.groups.engine_param_groups`, using
   the engine's model): embeddings, the output head and anything tied to it, norms and vectors
@@ -49,11 +50,11 @@ def _check_deepspeed_version() -> None:
 
 
 def register() -> type:
-    """Make ``"type": "Dion3"`` work in DeepSpeed configs; idempotent. Returns the class."""
+    """Make ``"type": "Dion3"`` (or ``"dion3"``) work in DeepSpeed configs; idempotent. Returns the class."""
     global _REGISTERED
     import torch
 
-    torch.optim.Dion3 = DeepSpeedDion3
+    torch.optim.Dion3 = torch.optim.dion3 = DeepSpeedDion3
     if _REGISTERED:
         return DeepSpeedDion3
     try:

@@ -9,7 +9,6 @@ as a string ("float16", "bfloat16", "float32", "float64").
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 from .. import options
@@ -19,17 +18,13 @@ WHERE = 'DeepSpeed config "optimizer": {"type": "Dion3", "params": ...}'
 # key -> what it means (also the error message's list of allowed keys).
 ALLOWED = {option.name: option.help for option in options.options_for(options.DEEPSPEED)}
 
-# Keys people carry over from other optimizers' configs, with what to use instead.
+# Keys of DeepSpeed's own optimizer configs, with what to use instead (and the hints every front
+# end gives, options.HINTS).
 HINTS = {
-    "momentum": "Dion3 calls its momentum 'mu'",
-    "adam_lr": "Dion3 calls it 'adamw_lr'",
-    "beta1": "Dion3 calls its momentum 'mu' (AdamW's are 'betas')",
-    "nesterov": "Dion3 uses heavy-ball momentum with error feedback; there is no Nesterov option",
-    "ns_steps": "Dion3 runs 5 Polar Express steps; choose the method with 'ns_method'",
+    **options.HINTS,
     "max_grad_norm": "use DeepSpeed's top-level 'gradient_clipping'",
     "torch_adam": "the AdamW half of Dion3 is built in; remove 'torch_adam'",
     "adam_w_mode": "the AdamW half of Dion3 is always decoupled (AdamW); remove 'adam_w_mode'",
-    "rank_fraction": "did you mean 'fraction'?",
     "selection": "row selection is global (top-k over the whole matrix) under ZeRO, so every stage gives the same result",
 }
 
@@ -67,10 +62,7 @@ def normalize_params(params: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         lines = []
         for k in unknown:
-            hint = HINTS.get(k)
-            if hint is None:
-                close = difflib.get_close_matches(str(k), ALLOWED, n=1)
-                hint = f"did you mean {close[0]!r}?" if close else None
+            hint = options.unknown_name_hint(k, ALLOWED, HINTS)
             lines.append(f"{k!r}" + (f" ({hint})" if hint else ""))
         raise ValueError(
             f"{WHERE}: unknown key(s) {', '.join(lines)}. Allowed keys: "

@@ -92,6 +92,30 @@ def single_process_world(environ: MutableMapping[str, str]) -> None:
         environ.setdefault(name, value)
 
 
+def check_arguments(args: list[str]) -> None:
+    """Check a script's Dion3 arguments before it starts: the ``--dion3-*`` values, and with
+    ``--optimizer dion3`` ``--lr`` and ``--weight-decay`` (which Dion3 takes), by the option spec.
+    Megatron-LM would take them only after its imports and process group, on every rank; a bad one
+    exits here with one line naming the flag and the value, printed by the first rank alone."""
+    from .. import options
+    from .arguments import OPTIMIZER_NAME, add_dion3_arguments
+
+    parser = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)
+    parser.add_argument("--optimizer")
+
+    def error(message: str) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{PROG}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+    parser.error = error
+    add_dion3_arguments(parser)
+    if parser.parse_known_args(args)[0].optimizer == OPTIMIZER_NAME:  # another optimizer's --lr is Megatron's
+        for name in ("lr", "weight_decay"):
+            parser.add_argument(f"--{name.replace('_', '-')}", type=options.BY_NAME[name].argparse_type())
+        parser.parse_known_args(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -106,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     if not os.path.isfile(script):
         print(f"{PROG}: no such script: {script}", file=sys.stderr)
         raise SystemExit(2)
+    check_arguments(args)
     from . import register
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as python SCRIPT (a tree beside it wins)

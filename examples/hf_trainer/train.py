@@ -1,10 +1,10 @@
 """Hugging Face Trainer + DeepSpeed with Dion3: the optimizer comes from the DeepSpeed JSON config.
 
     deepspeed --num_gpus 1 examples/hf_trainer/train.py --deepspeed examples/hf_trainer/ds_config_dion3.json \
-        --output_dir out/dion3 --bf16 --learning_rate 0.01 --max_steps 200
+        --bf16 --learning_rate 0.01 --max_steps 200
     # CPU, 2 ranks:
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 2 examples/hf_trainer/train.py \
-        --deepspeed examples/hf_trainer/ds_config_dion3.json --output_dir out/cpu --use_cpu \
+        --deepspeed examples/hf_trainer/ds_config_dion3.json --use_cpu \
         --learning_rate 0.01 --max_steps 20 --width 64 --layers 2 --seq 64
 
 The only Dion3-specific line is ``import dion3_megatron.deepspeed`` (it registers
@@ -14,8 +14,10 @@ flag is Trainer's own (``TrainingArguments``). The model is built from a config 
 download): a Llama-style model (``--model llama``) or GPT-2 (``--model gpt2``; its ``Conv1D``
 layers are converted with ``conv1d_as_linear`` so that Dion3 takes them, unless
 ``--keep_conv1d``). Bytes of the running Python's standard library are the corpus (vocab 256, no
-tokenizer). At the end rank 0 prints one JSON line: final loss, median iteration time, median
-time of the optimizer's own step() and the rest.
+tokenizer). Trainer's ``--output_dir`` defaults to runs/hf_trainer. At the end rank 0 prints one
+JSON line: the final loss (Trainer's loss logged at the last step: the mean over the steps since
+the previous log, ``final_loss_steps`` of them), median iteration time, median time of the
+optimizer's own step() and the rest.
 """
 
 from __future__ import annotations
@@ -113,6 +115,15 @@ class Timing(TrainerCallback):
         self.optimizer_ms.append(self.optimizer_step.take() * 1e3)
 
 
+class LogLastStep(TrainerCallback):
+    """Have Trainer log the loss at the last step too (it logs every --logging_steps, 500 by
+    default), so that the summary has a final loss whatever the interval."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            control.should_log = True
+
+
 class WrapOnTrainBegin(TrainerCallback):
     def __init__(self, trainer_ref: list, timing: Timing) -> None:
         self.trainer_ref, self.timing = trainer_ref, timing
@@ -124,18 +135,22 @@ class WrapOnTrainBegin(TrainerCallback):
 
 
 def main() -> None:
-    margs, targs = HfArgumentParser((ModelArguments, TrainingArguments)).parse_args_into_dataclasses()
+    parser = HfArgumentParser((ModelArguments, TrainingArguments))
+    parser.set_defaults(output_dir=os.path.join("runs", "hf_trainer"))  # Trainer's own: trainer_output
+    margs, targs = parser.parse_args_into_dataclasses()
     if targs.report_to in (None, "all", ["all"]):
         targs.report_to = []
     torch.manual_seed(targs.seed)
     model = build_model(margs)
     timing, ref = Timing(), []
-    trainer = Trainer(model=model, args=targs, train_dataset=Bytes(margs.seq, margs.corpus_bytes), callbacks=[timing])
+    trainer = Trainer(model=model, args=targs, train_dataset=Bytes(margs.seq, margs.corpus_bytes),
+                      callbacks=[timing, LogLastStep()])
     ref.append(trainer)
     trainer.add_callback(WrapOnTrainBegin(ref, timing))
     trainer.train()
     if trainer.is_world_process_zero():
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        logged = [h for h in trainer.state.log_history if "loss" in h]
+        losses = [h["loss"] for h in logged]
         warm = slice(min(5, len(timing.iter_ms) - 1), None)
         config = targs.deepspeed
         if isinstance(config, str):
@@ -145,8 +160,9 @@ def main() -> None:
             "optimizer": ((config or {}).get("optimizer") or {}).get("type", "Trainer's own"),
             "model": {**dataclasses.asdict(margs), "params": sum(p.numel() for p in model.parameters())},
             "steps": len(timing.iter_ms),
-            "final_loss": losses[-1] if losses else None,
-            "final_loss_mean_last10": statistics.mean(losses[-10:]) if losses else None,
+            "final_loss": losses[-1],
+            "final_loss_steps": logged[-1]["step"] - (logged[-2]["step"] if len(logged) > 1 else 0),
+            "final_loss_mean_last10": statistics.mean(losses[-10:]),
             "median_iter_ms": statistics.median(timing.iter_ms[warm]),
             "median_optimizer_step_ms": statistics.median(timing.optimizer_ms[warm]),
             "world": targs.world_size,

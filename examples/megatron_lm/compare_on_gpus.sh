@@ -11,11 +11,11 @@
 # RESUME_TP: the resumed run's tensor-parallel size, on the same GPUs and global batch (e.g. GPUS=2 TP=1
 # RESUME_TP=2: a DP=2 checkpoint loaded at TP=2; both runs then save with --dist-ckpt-optim-fully-reshardable).
 # Extra flags go to every run (e.g. --dion3-fraction 0.125, --seq-length 2048); logs go to $RESULTS
-# (default results/megatron_lm); PER_RUN_TIMEOUT (s, default 1800) bounds each run.
+# (default runs/megatron_lm); PER_RUN_TIMEOUT (s, default 1800) bounds each run.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
-RESULTS=${RESULTS:-results/megatron_lm}
+RESULTS=${RESULTS:-runs/megatron_lm}
 GPUS=${GPUS:-1}
 TP=${TP:-1}
 ITERS=${ITERS:-300}
@@ -52,15 +52,18 @@ COMMON="$MODEL --group-query-attention --num-query-groups 4 --swiglu --disable-b
   --logging-level 20 --tokenizer-type NullTokenizer --vocab-size 32768"
 [ "$(basename "$SCRIPT")" = pretrain_gpt.py ] && COMMON="$COMMON --mock-data"
 # Each optimizer's flags (override with DION3_FLAGS, MUON_FLAGS, ADAM_FLAGS): the lrs of the one-GPU
-# records in docs/benchmarks.md; the embeddings and output layer take Adam at --decoupled-lr.
+# records in benchmarks/results/measurement-log.md; the embeddings and output layer take Adam at --decoupled-lr.
 declare -A FLAGS=(
   [dion3]="${DION3_FLAGS:---optimizer dion3 --lr 0.01 --min-lr 0.001 --decoupled-lr 0.002 --decoupled-min-lr 0.0002}"
   [muon]="${MUON_FLAGS:---optimizer muon --muon-scale-mode unit_rms_norm --lr 0.01 --min-lr 0.001 --decoupled-lr 0.002 --decoupled-min-lr 0.0002}"
   [adam]="${ADAM_FLAGS:---optimizer adam --lr 0.002 --min-lr 0.0002}")
+failed=()  # the logs of the runs that exited with an error
 launch() {  # launch LOG TP FLAGS...: one run through the launcher (it registers Dion3; torchrun for > 1 GPU)
   local log=$1 tp=$2; shift 2
   timeout "${PER_RUN_TIMEOUT:-1800}" python3 -m torch.distributed.run --standalone --nproc-per-node "$GPUS" \
     -m dion3_megatron.megatron.launch "$SCRIPT" $COMMON --tensor-model-parallel-size "$tp" "$@" > "$log" 2>&1
+  local status=$?
+  [ "$status" = 0 ] || failed+=("$log (exit $status)")
   grep -h "Error\|error:" "$log" | tail -n 3
 }
 OPTS=${OPTS:-dion3 muon adam}
@@ -80,3 +83,9 @@ for opt in $OPTS; do
   fi
 done
 python3 "$here/summarize.py" "$RESULTS"/*.log
+summarized=$?
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "compare_on_gpus.sh: ${#failed[@]} run(s) failed: ${failed[*]}" >&2
+  exit 1
+fi
+exit $summarized

@@ -1,6 +1,6 @@
 """The logs of compare_on_gpus.sh as one table: Megatron's ``optimizer`` timer and the loss per run.
 
-    python examples/megatron_lm/summarize.py results/megatron_lm/*.log
+    python examples/megatron_lm/summarize.py runs/megatron_lm/*.log
 
 Reads what Megatron-LM prints with ``--log-interval N --timing-log-level 1``: the iteration lines
 (lm loss, elapsed time per iteration) and, after each, the timers averaged over the interval
