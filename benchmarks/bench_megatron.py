@@ -160,7 +160,8 @@ def run(args, name, device, tp, fraction):
             losses.append((step, round(loss.item() / dist.get_world_size(), 4)))
     params = sum(p.numel() for p in model.parameters())
     dist.all_reduce(t := torch.tensor(float(params), device=device))  # sum of TP shards (norms counted tp times)
-    result = dict(optimizer=name, tp=tp, dp=dp, overlap_param_gather=args.overlap_param_gather, layers=args.layers, hidden=args.hidden, steps=args.steps, lr=lr,
+    result = dict(optimizer=name, tp=tp, dp=dp, overlap_param_gather=args.overlap_param_gather, layers=args.layers,
+                  hidden=args.hidden, steps=args.steps, lr=lr,
                   params=int(t.item()) // dp, losses=losses,
                   opt_step_ms=round(1e3 * statistics.median(step_times), 2) if step_times else None,
                   train_step_ms=round(1e3 * statistics.median(total), 2) if total else None)

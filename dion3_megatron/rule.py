@@ -176,7 +176,7 @@ def age_piece_rows(age: torch.Tensor, idx: torch.Tensor, first: int) -> None:
 # Error feedback: the applied rows leave the momentum, decayed by mu; the rest stay whole.
 
 
-# mu when none is given: this at f = 1/4, the convergence protocol's best there (docs/hyperparameters.md)
+# mu when none is given: this at f = 1/4, the convergence protocol's best there (docs/tuning.md)
 MU_AT_QUARTER = 0.6
 
 
@@ -186,7 +186,7 @@ def momentum_decay(hp: Dion3Hyperparameters, fraction: float) -> float:
     keeps the memory of heavy-ball momentum with mu (what f = 1 has) at any f.
 
     With mu None, MU_AT_QUARTER ** (1 / (4 f)): the memory per step that mu 0.6 has at f = 1/4, at
-    any f (0.36 at f = 1/8, 0.88 at f = 1; measured against 0.6 in docs/hyperparameters.md)."""
+    any f (0.36 at f = 1/8, 0.88 at f = 1; measured against 0.6: docs/tuning.md)."""
     if hp.mu is None:
         return MU_AT_QUARTER ** (1 / (4 * fraction))
     return hp.mu ** (1 / fraction) if hp.scale_mu_by_fraction else hp.mu
@@ -295,7 +295,7 @@ def update_scale(n_rows: int, n_cols: int, adjust_lr: str = "spectral_norm") -> 
 # With scale_lr_by_fraction a matrix at fraction f steps and decays at lr / max(f, 1/4): a row is
 # applied about once every 1 / f steps, so it takes 1 / f times f = 1's step, up to 4x. The
 # convergence protocol's best lr was 0.01 at f = 1, 0.02 at f = 1/2, 0.02-0.04 at f = 1/4 and 0.04
-# (not 0.08) at f = 1/8, at both sizes (docs/hyperparameters.md).
+# (not 0.08) at f = 1/8, at both sizes (docs/tuning.md).
 FRACTION_LR_FLOOR = 0.25
 
 

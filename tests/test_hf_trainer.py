@@ -37,7 +37,8 @@ def _falls(losses: list, by: float) -> bool:
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_llama_hidden_matrices_take_dion3_embedding_untied_head_and_norms_adamw(session, stage):
-    print(session[0]["seconds"], {k: [round(x, 3) for x in v["losses"]] for k, v in session[0].items() if isinstance(v, dict) and "split" in v})
+    print(session[0]["seconds"], {k: [round(x, 3) for x in v["losses"]] for k, v in session[0].items()
+                                  if isinstance(v, dict) and "split" in v})
     run = session[0][f"llama_zero{stage}"]
     assert run["zero"] == "DeepSpeedZeroOptimizer"
     split = _by_algorithm(run["split"])

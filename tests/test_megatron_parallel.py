@@ -464,7 +464,9 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         finally:
             wrappers.usable_on_every_rank = original
 
-    for name, fn in (("dp", dp), ("dp_plain", lambda: dp(layer_wise=False)), ("dp_overlap", dp_overlap), ("tp", tp), ("pp", pp), ("moe", moe), ("moe_etp", moe_etp), ("bf16", bf16), ("checkpoint", checkpoint), ("auto_resume", auto_resume),
+    for name, fn in (("dp", dp), ("dp_plain", lambda: dp(layer_wise=False)), ("dp_overlap", dp_overlap), ("tp", tp),
+                     ("pp", pp), ("moe", moe), ("moe_etp", moe_etp), ("bf16", bf16), ("checkpoint", checkpoint),
+                     ("auto_resume", auto_resume),
                      ("clip", clip_and_schedule), ("registry", registry),
                      ("stale_dp", stale), ("stale_tp", lambda: stale(tp=2)),
                      ("stale_checkpoint", lambda: checkpoint(1.0, ckpt_dir + "_stale")),

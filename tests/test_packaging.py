@@ -160,11 +160,15 @@ def test_test_extra_brings_what_the_tests_import():
     assert "accelerate" in names(EXTRAS["test"])
 
 
-def test_ruff_configuration_is_the_one_described():
+def test_ruff_holds_every_file_to_its_line_length():
+    """The line length is one the code meets: E501 (in "E") applies to every file, none exempted."""
     ruff = PYPROJECT["tool"]["ruff"]
-    assert ruff["target-version"] == "py312" and ruff["line-length"] == 120
-    assert ruff["lint"]["select"] == ["E", "F", "W"]
-    assert ruff["lint"]["pycodestyle"]["max-line-length"] == 140
+    assert ruff["target-version"] == "py312" and "E" in ruff["lint"]["select"]
+    assert "pycodestyle" not in ruff["lint"]  # no second, longer limit for E501
+    assert not any("E501" in rules or "E" in rules for rules in ruff["lint"]["per-file-ignores"].values())
+    longest = max(len(line) for folder in ("dion3_megatron", "tests", "examples", "benchmarks", "tools")
+                  for path in (ROOT / folder).rglob("*.py") for line in path.read_text(encoding="utf-8").splitlines())
+    assert longest <= ruff["line-length"]
     for path in ruff["lint"]["per-file-ignores"]:
         assert (ROOT / path).is_file(), f"per-file-ignores names a file that is gone: {path}"
 

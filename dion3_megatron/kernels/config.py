@@ -64,7 +64,7 @@ class KernelConfig:
     # the 2048^2 products of Gram NS with their addend 1.16-1.17x (72 tiles each); 1024-wide
     # products stay slower (1024 x 5120 0.72-0.75x). The same routing holds eager: there the
     # kernel's launch costs less host time than cuBLAS's, and each routed product measured at
-    # least as fast as cuBLAS (benchmarks/results/eager-launch-h200.md).
+    # least as fast as cuBLAS (benchmarks/bench_eager.py; benchmarks/results/eager-launch-h200.json).
     min_width: int = 2048
     tile: Any = None  # symmetric-GEMM tile, any form tile_shape takes; None: modelled per shape (symm.heuristics.default_tile)
     # symmetric-GEMM launch: one CTA per SM walking the tiles, each tile stored by warps that do

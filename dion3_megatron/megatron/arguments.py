@@ -55,7 +55,7 @@ def warn_if_adam_takes_the_dion3_lr(args: Any) -> None:
     if getattr(args, "decoupled_lr", None) is None and lr is not None and lr > ADAM_LR_LIMIT:
         warnings.warn(f"--optimizer dion3 --lr {lr} without --decoupled-lr: Megatron's Adam steps the embeddings "
                       f"and the output layer at lr {lr} too, more than suits Adam there (above {ADAM_LR_LIMIT}); "
-                      "pass --decoupled-lr, e.g. 0.002 (docs/hyperparameters.md)", stacklevel=2)
+                      "pass --decoupled-lr, e.g. 0.002 (docs/tuning.md, What takes AdamW)", stacklevel=2)
 
 
 def refuse_renamed(source: Any, where: str) -> None:

@@ -5,8 +5,9 @@
 Reads what Megatron-LM prints with ``--log-interval N --timing-log-level 1``: the iteration lines
 (lm loss, elapsed time per iteration) and, after each, the timers averaged over the interval
 (the ``optimizer`` row's max across ranks). The means leave out the first two logs (iteration 1
-and the first interval: compilation, warm-up, CUDA-graph capture). A run ``X_resumed.log`` next to ``X.log`` is the same run resumed from a checkpoint:
-the first iteration it logs must show the loss the uninterrupted run logged there. Resumed at another
+and the first interval: compilation, warm-up, CUDA-graph capture). A run ``X_resumed.log`` next to
+``X.log`` is the same run resumed from a checkpoint: the first iteration it logs must show the loss
+the uninterrupted run logged there. Resumed at another
 tensor-parallel size (Megatron's argument dump says which) the sums run in another order, so the
 summary gives the relative difference of the two losses instead.
 """
