@@ -15,6 +15,7 @@ Three tables, each measured side by side in one run (timed runs interleaved, tim
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -107,6 +108,7 @@ def boundary() -> None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     props = torch.cuda.get_device_properties(0)
     print(f"GPU {props.name}; torch {torch.__version__}")
     host_cost()

@@ -231,12 +231,10 @@ def test_the_256x128_cluster_where_an_operand_overflows_half_the_l2(h200):
 def capable(monkeypatch):
     """The kernel backend on CPU tensors as on a Hopper GPU: every operand capable, launches
     recorded instead of compiled (what a launch is decided from, not what it computes)."""
-    from dion3_megatron.kernels.symm import launch
-
     decided = []
     monkeypatch.setattr(backend, "kernel_capable_device", lambda t: True)
     monkeypatch.setattr(backend, "_CHOICES", {})
-    monkeypatch.setattr(launch, "launch_for", lambda *key: decided.append(key) or ("launch", key))
+    monkeypatch.setattr(backend, "_launch_for", lambda *key: decided.append(key) or ("launch", key))
     return decided
 
 

@@ -96,9 +96,14 @@ def _choose(x: torch.Tensor, c: Optional[torch.Tensor], config: kernel_config.Ke
     m_major = m % 8 == 0 and transposed_view(x)
     if not (x.is_contiguous() or m_major) or (c is not None and (c.shape != (batch, m, m) or not c.is_contiguous())):
         return GENERAL
-    from .launch import launch_for  # imports cutlass
+    return _launch_for(batch, m, k, x.dtype, x.dtype, None if c is None else c.dtype, m_major)
 
-    return launch_for(batch, m, k, x.dtype, x.dtype, None if c is None else c.dtype, m_major)
+
+def _launch_for(*key):
+    """:func:`.launch.launch_for` (imported when a product first goes to the kernel: it imports cutlass)."""
+    from .launch import launch_for
+
+    return launch_for(*key)
 
 
 def _run(a: torch.Tensor, b: torch.Tensor, alpha: float, beta: float, c: Optional[torch.Tensor], choice):
