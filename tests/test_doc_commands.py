@@ -642,33 +642,34 @@ def check_gpu_blocks(blocks: list[Block]) -> list[str]:
     return check.finish()
 
 
+# A made-up block of GPU commands with one mistake each, checked beside the real ones (one run of
+# every script's --help and of Megatron's parser serves both): the check must catch every mistake.
+BROKEN_GPU_COMMANDS = (
+    "python -m dion3_megatron.megatron.launch Megatron-LM/pretrain_gpt.py --optimizer dion3 --num-layer 4\n"
+    "torchrun --nproc-per-node 2 benchmarks/bench_megatron.py --tp 2 --optimiser dion3\n"
+    "torchrun --nproc-pre-node 2 benchmarks/bench_megatron.py\n"
+    "STEPS=3 bash examples/megatron_lm/compare_on_gpus.sh\n"
+    "deepspeed --num_gpus 2 examples/deepspeed/train_gpt.py --config c.json --step 5\n"
+    "python benchmarks/bench_nothing.py\n"
+    "patch -p1 -d Megatron-LM < patches/nothing.patch\n")
+BROKEN_MISTAKES = ["--num-layer", "--optimiser", "torchrun's flags", "does not read $STEPS", "'--step'",
+                   "bench_nothing.py: no such file", "nothing.patch"]
+
+
 @pytest.mark.slow
 def test_gpu_commands_name_scripts_and_flags_that_exist():
     blocks = blocks_marked("gpu")
     assert len(blocks) >= 10 and any(LAUNCHER in b.text for b in blocks)
-    problems = check_gpu_blocks(blocks)
-    assert not problems, "\n".join(problems)
+    broken = Block(ROOT / "broken-commands.md", 1, "bash", "gpu", BROKEN_GPU_COMMANDS)
+    problems = check_gpu_blocks([*blocks, broken])
+    caught = [p for p in problems if p.startswith(broken.where)]
+    assert not [p for p in problems if p not in caught], "\n".join(problems)
+    for word in BROKEN_MISTAKES:  # the check can fail: each planted mistake is caught, once
+        assert any(word in p for p in caught), (word, caught)
+    assert len(caught) == len(BROKEN_MISTAKES), caught
     launcher = subprocess.run([sys.executable, "-m", LAUNCHER, "--help"], cwd=ROOT, env=environment(),
                               capture_output=True, text=True, timeout=120)
     assert launcher.returncode == 0 and "--dion3-fraction" in launcher.stdout, launcher.stderr[-2000:]
     for block in blocks:  # every --dion3-* flag a doc shows is one the launcher's --help lists
         for flag in re.findall(r"--dion3-[a-z-]+", block.text):
             assert flag in launcher.stdout, (block.where, flag)
-
-
-@pytest.mark.slow
-def test_the_gpu_check_fails_on_a_misspelled_flag():
-    readme = ROOT / "README.md"
-    text = ("python -m dion3_megatron.megatron.launch Megatron-LM/pretrain_gpt.py --optimizer dion3 --num-layer 4\n"
-            "torchrun --nproc-per-node 2 benchmarks/bench_megatron.py --tp 2 --optimiser dion3\n"
-            "torchrun --nproc-pre-node 2 benchmarks/bench_megatron.py\n"
-            "STEPS=3 bash examples/megatron_lm/compare_on_gpus.sh\n"
-            "deepspeed --num_gpus 2 examples/deepspeed/train_gpt.py --config c.json --step 5\n"
-            "python benchmarks/bench_nothing.py\n"
-            "patch -p1 -d Megatron-LM < patches/nothing.patch\n")
-    problems = check_gpu_blocks([Block(readme, 1, "bash", "gpu", text)])
-    expected = ["--num-layer", "--optimiser", "torchrun's flags", "does not read $STEPS", "'--step'",
-                "bench_nothing.py: no such file", "nothing.patch"]
-    for word in expected:
-        assert any(word in p for p in problems), (word, problems)
-    assert len(problems) == len(expected), problems
