@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import quack_backend  # noqa: E402 - imports the package
 
-from dion3_megatron import kernels, ortho  # noqa: E402
+from dion3_megatron import kernels  # noqa: E402
+from dion3_megatron.core import ortho
 from dion3_megatron.kernels.dispatch import TORCH_BACKEND  # noqa: E402
 from dion3_megatron.kernels.symm import backend, heuristics  # noqa: E402
 

@@ -22,8 +22,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from dion3_megatron import kernels, ortho, rule
-from dion3_megatron.megabatch import Dion3Engine, MatrixShard, Sharding
+from dion3_megatron import kernels
+from dion3_megatron.core import ortho
+from dion3_megatron.core import rule
+from dion3_megatron.engine import Dion3Engine, MatrixShard, Sharding
 
 
 class CollectiveCounter:

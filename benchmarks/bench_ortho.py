@@ -10,7 +10,7 @@ each timed eager and replayed from a CUDA graph, side by side in one run.
 
 Side by side in one run, on the same fp32 inputs, their timed runs interleaved (timing.py):
   * muon:        Keller Jordan's quintic standard NS, 5 steps, bf16, plain torch (as Muon ships);
-  * gram-torch:  dion3_megatron.ortho.gram_newton_schulz on the "torch" backend (cuBLAS);
+  * gram-torch:  dion3_megatron.core.ortho.gram_newton_schulz on the "torch" backend (cuBLAS);
   * gram-kern:   the same with auto dispatch (kernels where they pay, torch elsewhere), or with
                  --routing always on the "cutedsl" backend for every product the kernels take;
   * gram-kern-p / gram-kern-t (with --launch-variants): gram-kern with the symmetric GEMM's
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import quack_backend  # noqa: E402 - imports the package
 
-from dion3_megatron import ortho  # noqa: E402
+from dion3_megatron.core import ortho
 from dion3_megatron import kernels  # noqa: E402
 from dion3_megatron.kernels.symm import backend  # noqa: E402
 

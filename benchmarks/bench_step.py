@@ -22,7 +22,8 @@ import torch
 from kernel_settings import add_kernel_config_option
 from timing import cuda_median_ms_interleaved
 
-from dion3_megatron import Dion3, kernels, ortho
+from dion3_megatron import Dion3, kernels
+from dion3_megatron.core import ortho
 
 LAYERS = {"14b": [(5120, 5120), (1024, 5120), (1024, 5120), (5120, 5120), (13824, 5120), (13824, 5120), (5120, 13824)],
           "350m": [(1024, 1024), (256, 1024), (256, 1024), (1024, 1024), (2816, 1024), (2816, 1024), (1024, 2816)]}

@@ -18,7 +18,8 @@ import json
 import torch
 from timing import cuda_median_ms
 
-from dion3_megatron import Dion3, kernels, ortho
+from dion3_megatron import Dion3, kernels
+from dion3_megatron.core import ortho
 
 
 def muon_step(weight, grad, momentum, lr=0.02, mu=0.95):

@@ -23,8 +23,8 @@ import json
 import math
 from dataclasses import dataclass
 
-from dion3_megatron.ortho import ns_flops
-from dion3_megatron.exchange import STATIC_ROW_BLOCKS_MAX_WORLD
+from dion3_megatron.core.ortho import ns_flops
+from dion3_megatron.engine.static import STATIC_ROW_BLOCKS_MAX_WORLD
 
 # Measured on 2 x H200 (NVLink) with NCCL, torch 2.11: a 4 KB all-to-all
 # takes 43 us; 512 MB moves in 0.94 ms. Sustained NS rate: plain-torch Keller NS5 on 5120 x 13824

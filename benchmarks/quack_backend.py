@@ -1,6 +1,6 @@
 """quack-kernels' symmetric GEMM as a MatmulBackend, for side-by-side benchmarks only.
 
-Registered under the name "quack", it runs our Gram Newton-Schulz (``dion3_megatron.ortho``)
+Registered under the name "quack", it runs our Gram Newton-Schulz (``dion3_megatron.core.ortho``)
 with quack's ``gemm_symmetric`` for the symmetric products (X X^T, and P @ Q of two commuting
 symmetric matrices) and cuBLAS for the rest, exactly as our "cutedsl" backend splits them. The
 same algorithm on two kernel libraries: a difference in time is the kernels', not the schedule's.

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from dion3_megatron import exchange, megabatch
+from dion3_megatron.engine import Dion3Engine, exchange, general, planned, static
 
 TIMES: dict[str, list[float]] = collections.defaultdict(list)
 PROFILE_CALL = int(os.environ.get("STEP_PHASES_PROFILE_CALL", "10"))
@@ -103,13 +103,13 @@ def report(title: str) -> None:
 
 
 def engine_phases() -> None:
-    profile_one_call(megabatch.Dion3Engine, "step")
-    timed(megabatch.Dion3Engine, "step", "  engine.step")
-    timed(exchange._BlockExchange, "score", "    accumulate + score (per shape group)")
-    timed(exchange.GeneralExchange, "score", "    accumulate + score, general path (per shape group)")
-    timed(exchange.StaticExchange, "step", "    exchange + update, static sizes (per group)")
-    timed(exchange.PlannedExchange, "step", "    exchange + update, row/col blocks (per group)")
-    timed(exchange.GeneralExchange, "step", "    exchange + update, general path (per group)")
+    profile_one_call(Dion3Engine, "step")
+    timed(Dion3Engine, "step", "  engine.step")
+    timed(exchange.BlockExchange, "score", "    accumulate + score (per shape group)")
+    timed(general.GeneralExchange, "score", "    accumulate + score, general path (per shape group)")
+    timed(static.StaticExchange, "step", "    exchange + update, static sizes (per group)")
+    timed(planned.PlannedExchange, "step", "    exchange + update, row/col blocks (per group)")
+    timed(general.GeneralExchange, "step", "    exchange + update, general path (per group)")
 
 
 def megatron_phases() -> None:

@@ -5,7 +5,7 @@ Import :class:`Dion3` for plain PyTorch; ``dion3_megatron.megatron`` and
 """
 
 from .optimizer import Dion3
-from .rule import Dion3Hyperparameters
+from .core.rule import Dion3Hyperparameters
 
 __all__ = ["Dion3", "Dion3Hyperparameters"]
 __version__ = "0.1.0"

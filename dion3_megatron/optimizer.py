@@ -4,7 +4,7 @@ Matrices (>= 2-D) take the Dion3 rule, everything else AdamW, unless a param gro
 ``algorithm="dion3"`` or ``algorithm="adamw"``. A 3-D tensor is a batch of matrices (MoE experts);
 4-D and larger (conv weights) flatten to (out, rest). The selected rows of every matrix whose
 selected block has the same shape are orthogonalized as one batch: the single-process form of
-megabatching. The math itself lives in :mod:`dion3_megatron.rule`.
+megabatching. The math itself lives in :mod:`dion3_megatron.core.rule`.
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from . import auto_fraction, cuda_graph as cuda_graph_module, options, rule
-from .exchange import WholeMatrices, step_whole_matrices
+from . import options
+from .core import cost_model, rule
+from .engine import cuda_graph as cuda_graph_module, fractions
+from .engine.local import WholeMatrices, step_whole_matrices
 from .kernels import config as kernel_config
-from .ortho import default_ns_dtype
-from .rule import Dion3Hyperparameters
+from .core.ortho import default_ns_dtype
+from .core.rule import Dion3Hyperparameters
 
 ALGORITHMS = ("dion3", "adamw")
 
@@ -142,7 +144,7 @@ class Dion3(torch.optim.Optimizer):
             ``cuda_graph``; ``fraction`` and ``num_heads`` may differ per group.
         **settings: the options below (keyword only; declared in :mod:`dion3_megatron.options`).
 
-    ``fraction="auto"`` is chosen per matrix at the first step by :mod:`dion3_megatron.auto_fraction` from its
+    ``fraction="auto"`` is chosen per matrix at the first step by :mod:`dion3_megatron.engine.fractions` from its
     shape and this device's measured speed (see :attr:`fractions`). Under torch.distributed every
     rank must step that first step together (as DDP does): all take the slowest rank's speed and
     agree. ``cuda_graph``: on one CUDA device the Dion3 part of the step (after the momentum
@@ -238,7 +240,7 @@ class Dion3(torch.optim.Optimizer):
         return Fractions(self._auto_fractions, names)
 
     def _resolve_auto_fractions(self) -> None:
-        """Choose f for every not yet resolved matrix of the "auto" groups (:mod:`.auto_fraction`).
+        """Choose f for every not yet resolved matrix of the "auto" groups (:mod:`.engine.fractions`, :mod:`.core.cost_model`).
 
         Same-shape matrices are orthogonalized as one batch here, which the cost model counts.
         Under torch.distributed the ranks agree on the device speed of each Newton-Schulz dtype in
@@ -252,7 +254,7 @@ class Dion3(torch.optim.Optimizer):
         if self._agreed_speeds is None:
             local = {(p.device, group["ns_dtype"] or default_ns_dtype(p.device))
                      for group in auto_groups for p in group["params"][:1]}
-            self._agreed_speeds = auto_fraction.agree_per_dtype(list(local), dist.group.WORLD if distributed else None)
+            self._agreed_speeds = fractions.agree_per_dtype(list(local), dist.group.WORLD if distributed else None)
         todo = [(group, p) for group in auto_groups
                 for p in group["params"] if self.algorithm_of(group, p) == "dion3" and p not in self._auto_fractions]
         shapes = Counter(matrix_shape(p) for _, p in todo for _ in range(matrix_count(p)))
@@ -264,8 +266,8 @@ class Dion3(torch.optim.Optimizer):
                     raise ValueError(f"fraction='auto' with ns_dtype={dtype}: no rank stepped a group of that dtype at "
                                      "the first step, when the ranks agreed on the device's speed; give such groups "
                                      "from the start, or set their fraction")
-                self._agreed_speeds[dtype] = auto_fraction.measure(p.device, dtype)
-            self._auto_fractions[p] = auto_fraction.choose_fraction(
+                self._agreed_speeds[dtype] = fractions.measure(p.device, dtype)
+            self._auto_fractions[p] = cost_model.choose_fraction(
                 *matrix_shape(p), self._agreed_speeds[dtype], 1, shapes[matrix_shape(p)], hp.ns_method, hp.num_heads)
 
     # ----------------------------------------------------------------------------------------
@@ -325,9 +327,9 @@ class Dion3(torch.optim.Optimizer):
         params = list(self._param_indices())
         auto_fractions = {}
         for pid, f in state_dict.get("auto_fractions", {}).items():
-            if not (isinstance(pid, int) and 0 <= pid < len(params) and f in auto_fraction.AUTO_FRACTIONS):
+            if not (isinstance(pid, int) and 0 <= pid < len(params) and f in cost_model.AUTO_FRACTIONS):
                 raise ValueError(f"checkpoint auto_fractions: param {pid!r} with fraction {f!r} is not a parameter "
-                                 f"index below {len(params)} with one of {auto_fraction.AUTO_FRACTIONS}")
+                                 f"index below {len(params)} with one of {cost_model.AUTO_FRACTIONS}")
             auto_fractions[params[pid]] = f
         new_state: dict[torch.Tensor, dict] = {}
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):

@@ -10,7 +10,7 @@ The front ends are derived from :data:`OPTIONS`:
   ``_kwargs_from_config`` reads a prefixed config;
 * DeepSpeed: the keys of ``"optimizer": {"type": "Dion3", "params": {...}}``
   (:mod:`dion3_megatron.deepspeed.config`);
-* :class:`dion3_megatron.rule.Dion3Hyperparameters`: its defaults.
+* :class:`dion3_megatron.core.rule.Dion3Hyperparameters`: its defaults.
 
 tests/test_options.py checks that every front end carries exactly its options with these
 defaults and ranges. To add an option: declare it here, use it in the rule (or the front end that

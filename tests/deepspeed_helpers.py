@@ -464,25 +464,26 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
 
     # fraction="auto" resumed where the device measures another speed: the saved choices, bit-identical.
     t0 = time.time()
-    from dion3_megatron import auto_fraction
+    from dion3_megatron.core import cost_model
+    from dion3_megatron.engine import fractions
 
-    min_rows, measure, tokens = auto_fraction.AUTO_MIN_ROWS, auto_fraction.measure, auto_fraction.AUTO_TOKENS_PER_STEP
-    auto_fraction.AUTO_MIN_ROWS = 1  # the test model's matrices have <= 20 rows: let the speed decide
-    auto_fraction.AUTO_TOKENS_PER_STEP = 0  # and the step be the whole iteration
+    min_rows, measure, tokens = cost_model.AUTO_MIN_ROWS, fractions.measure, cost_model.AUTO_TOKENS_PER_STEP
+    cost_model.AUTO_MIN_ROWS = 1  # the test model's matrices have <= 20 rows: let the speed decide
+    cost_model.AUTO_TOKENS_PER_STEP = 0  # and the step be the whole iteration
     try:
-        auto_fraction.measure = lambda device, dtype: auto_fraction.DeviceSpeed(1e6, 0.0, 1e30, 1e30)  # slow matmuls: f = 1/8
+        fractions.measure = lambda device, dtype: cost_model.DeviceSpeed(1e6, 0.0, 1e30, 1e30)  # slow matmuls: f = 1/8
         engine = make_engine(config(2, world=world, fraction="auto"))
         train(engine, 3)
         engine.save_checkpoint(os.path.join(tmp, "auto_ckpt"), tag="step3")
         train(engine, 2, start=3)
         out["auto_resume_chosen"] = _basic(engine).state_dict().get("zero_auto_fractions")
-        auto_fraction.measure = lambda device, dtype: auto_fraction.DeviceSpeed(1e30, 1.0, 1e30, 1e30)  # slow launches: f = 1
+        fractions.measure = lambda device, dtype: cost_model.DeviceSpeed(1e30, 1.0, 1e30, 1e30)  # slow launches: f = 1
         resumed_engine = make_engine(config(2, world=world, fraction="auto"), seed=1)
         resumed_engine.load_checkpoint(os.path.join(tmp, "auto_ckpt"), tag="step3")
         train(resumed_engine, 2, start=3)
         out["auto_resume_diff"] = max_diff(params_of(resumed_engine), params_of(engine))
     finally:
-        auto_fraction.AUTO_MIN_ROWS, auto_fraction.measure, auto_fraction.AUTO_TOKENS_PER_STEP = min_rows, measure, tokens
+        cost_model.AUTO_MIN_ROWS, fractions.measure, cost_model.AUTO_TOKENS_PER_STEP = min_rows, measure, tokens
     out["seconds"]["auto_resume"] = time.time() - t0
 
     # bf16: ZeRO-1 trains and stays close to ZeRO-0 bf16.

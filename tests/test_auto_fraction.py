@@ -7,48 +7,49 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dion3_megatron import Dion3, auto_fraction, rule
-from dion3_megatron.megabatch import Dion3Engine, MatrixShard, Sharding
+from dion3_megatron import Dion3
+from dion3_megatron.core import cost_model, rule
+from dion3_megatron.engine import Dion3Engine, MatrixShard, Sharding, fractions
 from dist_utils import run_distributed
 
-FAST = auto_fraction.DeviceSpeed(matmul_flops=5e14, launch_seconds=1e-5, memory_bytes_per_s=4e12, link_bytes_per_s=1e11)
-LAUNCH_BOUND = auto_fraction.DeviceSpeed(1e30, 1.0, 1e30, 1e30)  # only the fixed cost per call counts
-FLOP_BOUND = auto_fraction.DeviceSpeed(1e6, 0.0, 1e30, 1e30)  # only the matmul FLOPs count
-H200_LIKE = auto_fraction.DeviceSpeed(matmul_flops=4e14, launch_seconds=6e-6, memory_bytes_per_s=3e12, link_bytes_per_s=1e11)
+FAST = cost_model.DeviceSpeed(matmul_flops=5e14, launch_seconds=1e-5, memory_bytes_per_s=4e12, link_bytes_per_s=1e11)
+LAUNCH_BOUND = cost_model.DeviceSpeed(1e30, 1.0, 1e30, 1e30)  # only the fixed cost per call counts
+FLOP_BOUND = cost_model.DeviceSpeed(1e6, 0.0, 1e30, 1e30)  # only the matmul FLOPs count
+H200_LIKE = cost_model.DeviceSpeed(matmul_flops=4e14, launch_seconds=6e-6, memory_bytes_per_s=3e12, link_bytes_per_s=1e11)
 
 
 @pytest.fixture
 def step_time_only(monkeypatch):
     """No forward and backward beside the optimizer's step: its time is the whole iteration."""
-    monkeypatch.setattr(auto_fraction, "AUTO_TOKENS_PER_STEP", 0)
+    monkeypatch.setattr(cost_model, "AUTO_TOKENS_PER_STEP", 0)
 
 
 @pytest.mark.parametrize("speed", [FAST, LAUNCH_BOUND, FLOP_BOUND])
 def test_choice_is_a_candidate_above_the_row_floor(speed, generator):
     for _ in range(40):
         rows, cols = (int(v) for v in torch.randint(1, 6000, (2,), generator=generator))
-        f = auto_fraction.choose_fraction(rows, cols, speed, batch=int(torch.randint(1, 50, (), generator=generator)))
-        assert f in auto_fraction.AUTO_FRACTIONS
-        assert rule.selected_row_count(rows, f) >= min(auto_fraction.AUTO_MIN_ROWS, rows)
+        f = cost_model.choose_fraction(rows, cols, speed, batch=int(torch.randint(1, 50, (), generator=generator)))
+        assert f in cost_model.AUTO_FRACTIONS
+        assert rule.selected_row_count(rows, f) >= min(cost_model.AUTO_MIN_ROWS, rows)
 
 
 def test_f_is_1_where_the_model_dominates_the_iteration_and_smaller_where_the_step_does():
     # The convergence protocol's shapes (10.8M and 48.7M) on an H200-like speed: f = 1, below Muon's loss.
     for rows, cols in [(384, 384), (1024, 384), (384, 1024), (640, 640), (1664, 640), (640, 1664)]:
-        assert auto_fraction.choose_fraction(rows, cols, H200_LIKE, batch=10) == 1.0, (rows, cols)
+        assert cost_model.choose_fraction(rows, cols, H200_LIKE, batch=10) == 1.0, (rows, cols)
     # 14B shapes: the square and wide products pay for f < 1, none for the loss of 1/8; the tall one
     # (whose Gram NS at f = 1 runs on its 5120 columns) and the K/V keep every row.
-    assert auto_fraction.choose_fraction(5120, 13824, H200_LIKE, batch=16) == 0.5
-    assert auto_fraction.choose_fraction(5120, 5120, H200_LIKE, batch=16) == 0.5
-    assert auto_fraction.choose_fraction(13824, 5120, H200_LIKE, batch=16) == 1.0
-    assert auto_fraction.choose_fraction(1024, 5120, H200_LIKE, batch=16) == 1.0
+    assert cost_model.choose_fraction(5120, 13824, H200_LIKE, batch=16) == 0.5
+    assert cost_model.choose_fraction(5120, 5120, H200_LIKE, batch=16) == 0.5
+    assert cost_model.choose_fraction(13824, 5120, H200_LIKE, batch=16) == 1.0
+    assert cost_model.choose_fraction(1024, 5120, H200_LIKE, batch=16) == 1.0
 
 
 def test_the_fewest_rows_the_floor_allows_when_slow_matmuls_are_the_whole_iteration(step_time_only):
-    assert auto_fraction.choose_fraction(auto_fraction.AUTO_MIN_ROWS, 512, FLOP_BOUND) == 1.0
-    assert auto_fraction.choose_fraction(4096, 4096, FLOP_BOUND) == 0.125
+    assert cost_model.choose_fraction(cost_model.AUTO_MIN_ROWS, 512, FLOP_BOUND) == 1.0
+    assert cost_model.choose_fraction(4096, 4096, FLOP_BOUND) == 0.125
     # floor: 1024 rows at 1/8 would select 128 rows, the minimum; 512 rows need 1/4
-    assert auto_fraction.choose_fraction(512, 4096, FLOP_BOUND) == 0.25
+    assert cost_model.choose_fraction(512, 4096, FLOP_BOUND) == 0.25
 
 
 def test_more_tokens_per_step_never_lower_f(monkeypatch, generator):
@@ -57,8 +58,8 @@ def test_more_tokens_per_step_never_lower_f(monkeypatch, generator):
         batch = int(torch.randint(1, 50, (), generator=generator))
         chosen = []
         for tokens in (0, 1024, 32768, 1 << 20):
-            monkeypatch.setattr(auto_fraction, "AUTO_TOKENS_PER_STEP", tokens)
-            chosen.append(auto_fraction.choose_fraction(rows, cols, H200_LIKE, batch=batch))
+            monkeypatch.setattr(cost_model, "AUTO_TOKENS_PER_STEP", tokens)
+            chosen.append(cost_model.choose_fraction(rows, cols, H200_LIKE, batch=batch))
         assert chosen == sorted(chosen), (rows, cols, batch, chosen)
         assert chosen[-1] == 1.0  # a model that long makes the step's savings worth no loss
 
@@ -66,44 +67,44 @@ def test_more_tokens_per_step_never_lower_f(monkeypatch, generator):
 def test_a_rank_that_steps_a_share_of_the_matrices_keeps_more_rows():
     # Megatron's layer-wise ZeRO-1 at DP=8: each rank steps 1/8 of the matrices it runs forward
     # and backward, so the step is a smaller share of its iteration.
-    assert auto_fraction.choose_fraction(5120, 13824, H200_LIKE, batch=16) == 0.5
-    assert auto_fraction.choose_fraction(5120, 13824, H200_LIKE, batch=16, step_share=1 / 8) == 1.0
+    assert cost_model.choose_fraction(5120, 13824, H200_LIKE, batch=16) == 0.5
+    assert cost_model.choose_fraction(5120, 13824, H200_LIKE, batch=16, step_share=1 / 8) == 1.0
     for n, m in [(5120, 5120), (2048, 8192), (8192, 2048)]:
-        shares = [auto_fraction.choose_fraction(n, m, H200_LIKE, batch=8, step_share=s) for s in (1.0, 0.5, 0.125)]
+        shares = [cost_model.choose_fraction(n, m, H200_LIKE, batch=8, step_share=s) for s in (1.0, 0.5, 0.125)]
         assert shares == sorted(shares), (n, m, shares)
 
 
 def test_the_choice_has_the_lowest_modelled_loss(generator):
     for _ in range(40):
         rows, cols = (int(v) for v in torch.randint(128, 16384, (2,), generator=generator))
-        f = auto_fraction.choose_fraction(rows, cols, H200_LIKE, batch=8)
-        change = {g: auto_fraction.modelled_loss_change(rows, cols, g, H200_LIKE, batch=8)
-                  for g in auto_fraction.AUTO_FRACTIONS if rule.selected_row_count(rows, g) >= 128}
+        f = cost_model.choose_fraction(rows, cols, H200_LIKE, batch=8)
+        change = {g: cost_model.modelled_loss_change(rows, cols, g, H200_LIKE, batch=8)
+                  for g in cost_model.AUTO_FRACTIONS if rule.selected_row_count(rows, g) >= 128}
         assert change[1.0] == 0.0 and change[f] == min(change.values())
 
 
 def test_free_rows_are_taken_when_the_step_is_launch_bound(step_time_only):
-    assert auto_fraction.choose_fraction(4096, 4096, LAUNCH_BOUND) == 1.0
-    assert auto_fraction.choose_fraction(4096, 4096, FAST) < 1.0
+    assert cost_model.choose_fraction(4096, 4096, LAUNCH_BOUND) == 1.0
+    assert cost_model.choose_fraction(4096, 4096, FAST) < 1.0
 
 
 def test_a_slow_link_lowers_the_fraction_at_larger_world_sizes(step_time_only):
-    slow_link = auto_fraction.DeviceSpeed(1e30, 1e-4, 1e30, 1e6)
-    assert auto_fraction.choose_fraction(4096, 4096, slow_link, world=1, batch=8) == 1.0
-    assert auto_fraction.choose_fraction(4096, 4096, slow_link, world=8, batch=8) == 0.125
+    slow_link = cost_model.DeviceSpeed(1e30, 1e-4, 1e30, 1e6)
+    assert cost_model.choose_fraction(4096, 4096, slow_link, world=1, batch=8) == 1.0
+    assert cost_model.choose_fraction(4096, 4096, slow_link, world=8, batch=8) == 0.125
 
 
 def test_modelled_cost_grows_with_the_fraction(generator):
     for _ in range(20):
         rows, cols = (int(v) for v in torch.randint(64, 8000, (2,), generator=generator))
-        costs = [auto_fraction.estimated_step_seconds(rows, cols, f, FAST, world=4, batch=6) for f in sorted(auto_fraction.AUTO_FRACTIONS)]
+        costs = [cost_model.estimated_step_seconds(rows, cols, f, FAST, world=4, batch=6) for f in sorted(cost_model.AUTO_FRACTIONS)]
         assert costs == sorted(costs)
 
 
 def test_measured_speed_is_positive_and_cached():
-    speed = auto_fraction.measure(torch.device("cpu"), torch.float32)
+    speed = fractions.measure(torch.device("cpu"), torch.float32)
     assert all(v > 0 for v in (speed.matmul_flops, speed.launch_seconds, speed.memory_bytes_per_s))
-    assert auto_fraction.measure(torch.device("cpu"), torch.float32) is speed
+    assert fractions.measure(torch.device("cpu"), torch.float32) is speed
 
 
 def test_bad_fraction_strings_are_refused():
@@ -113,7 +114,7 @@ def test_bad_fraction_strings_are_refused():
 
 @pytest.mark.slow
 def test_optimizer_auto_equals_the_resolved_fixed_fractions(monkeypatch, generator, step_time_only):
-    monkeypatch.setattr(auto_fraction, "measure", lambda device, dtype: FLOP_BOUND)
+    monkeypatch.setattr(fractions, "measure", lambda device, dtype: FLOP_BOUND)
     shapes = [(64, 48), (512, 96), (512, 96), (1024, 64), (3, 256, 40)]
     weights = [torch.randn(s, generator=generator) for s in shapes]
     grads = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(3)]
@@ -137,7 +138,7 @@ def test_optimizer_auto_equals_the_resolved_fixed_fractions(monkeypatch, generat
 
 
 def test_fractions_print_parameter_names_and_a_parameter_still_finds_its_f(monkeypatch, step_time_only):
-    monkeypatch.setattr(auto_fraction, "measure", lambda device, dtype: FLOP_BOUND)
+    monkeypatch.setattr(fractions, "measure", lambda device, dtype: FLOP_BOUND)
     model = torch.nn.Sequential(torch.nn.Linear(96, 512), torch.nn.Linear(64, 1024, bias=False))
     for params, names in ((model.named_parameters(), ["0.weight", "1.weight"]),
                           (model.parameters(), ["group 0 / param 0", "group 0 / param 1"])):  # bias: group 1, AdamW
@@ -166,14 +167,14 @@ def test_a_resume_keeps_the_saved_choices_on_a_machine_of_another_speed(monkeypa
                 p.grad = g.clone()
             opt.step()
 
-    monkeypatch.setattr(auto_fraction, "measure", lambda device, dtype: FLOP_BOUND)
+    monkeypatch.setattr(fractions, "measure", lambda device, dtype: FLOP_BOUND)
     params = [torch.nn.Parameter(w.clone()) for w in weights]
     opt = Dion3(params, lr=0.02, fraction="auto", ns_dtype=torch.float32)
     run(params, opt, grads[:2])
     saved = copy.deepcopy(opt.state_dict())
     saved_weights = [p.detach().clone() for p in params]
     run(params, opt, grads[2:])
-    monkeypatch.setattr(auto_fraction, "measure", lambda device, dtype: LAUNCH_BOUND)  # would choose f = 1
+    monkeypatch.setattr(fractions, "measure", lambda device, dtype: LAUNCH_BOUND)  # would choose f = 1
     resumed = [torch.nn.Parameter(w) for w in saved_weights]
     other = Dion3(resumed, lr=0.02, fraction="auto", ns_dtype=torch.float32)
     other.load_state_dict(saved)
@@ -186,8 +187,8 @@ def test_a_resume_keeps_the_saved_choices_on_a_machine_of_another_speed(monkeypa
 def _engine_worker(rank, world, shapes, seed):
     # Each rank measures a different speed: alone, rank 0 would take 1/4 of (512, 64)'s rows and
     # rank 1 all of them.
-    auto_fraction.measure = lambda device, dtype: [FLOP_BOUND, LAUNCH_BOUND][rank]
-    auto_fraction.AUTO_TOKENS_PER_STEP = 0  # the step is the whole iteration (a spawned process: not restored)
+    fractions.measure = lambda device, dtype: [FLOP_BOUND, LAUNCH_BOUND][rank]
+    cost_model.AUTO_TOKENS_PER_STEP = 0  # the step is the whole iteration (a spawned process: not restored)
     gen = torch.Generator().manual_seed(seed)
     weights = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
@@ -204,22 +205,22 @@ def _engine_worker(rank, world, shapes, seed):
             b = shard.sharding.bounds
             shard.grad = g[b[rank]:b[rank + 1]].clone()
         engine.step()
-    fractions = {sg.key[0]: sg.fraction for sg in engine.plan}
-    return fractions, [s.weight for s in shards], weights, grads
+    chosen = {sg.key[0]: sg.fraction for sg in engine.plan}
+    return chosen, [s.weight for s in shards], weights, grads
 
 
 @pytest.mark.slow
 def test_engine_ranks_agree_on_the_slowest_speed_and_match_the_single_process_rule(step_time_only):
     shapes = [(512, 64), (512, 64), (1024, 32)]
-    assert auto_fraction.choose_fraction(512, 64, FLOP_BOUND, world=2, batch=2) == 0.25
-    assert auto_fraction.choose_fraction(512, 64, LAUNCH_BOUND, world=2, batch=2) == 1.0
+    assert cost_model.choose_fraction(512, 64, FLOP_BOUND, world=2, batch=2) == 0.25
+    assert cost_model.choose_fraction(512, 64, LAUNCH_BOUND, world=2, batch=2) == 1.0
     results = run_distributed(_engine_worker, 2, shapes, 7)
     (fractions0, pieces0, weights, grads), (fractions1, pieces1, _, _) = results
     assert fractions0 == fractions1
-    slowest = auto_fraction.DeviceSpeed(FLOP_BOUND.matmul_flops, LAUNCH_BOUND.launch_seconds, 1e30,
-                                        auto_fraction.LINK_BYTES_PER_S["gloo"])
+    slowest = cost_model.DeviceSpeed(FLOP_BOUND.matmul_flops, LAUNCH_BOUND.launch_seconds, 1e30,
+                                     fractions.LINK_BYTES_PER_S["gloo"])
     for (n, m), f in fractions0.items():
-        assert f == auto_fraction.choose_fraction(n, m, slowest, world=2, batch=shapes.count((n, m)))
+        assert f == cost_model.choose_fraction(n, m, slowest, world=2, batch=shapes.count((n, m)))
     assert fractions0[(512, 64)] == 0.5  # neither rank's own choice
     params = [torch.nn.Parameter(w.clone()) for w in weights]
     reference = Dion3([{"params": [p], "fraction": fractions0[tuple(p.shape)]} for p in params],
@@ -235,9 +236,9 @@ def test_engine_ranks_agree_on_the_slowest_speed_and_match_the_single_process_ru
 def _share_worker(rank, world):
     # The ranks of one exchange step shares of their models that differ: alone, rank 0 (share 1)
     # would take 1/4 of (512, 64)'s rows and rank 1 (share 0.1) 1/2; they must agree.
-    auto_fraction.measure = lambda device, dtype: FLOP_BOUND
-    auto_fraction.AUTO_TOKENS_PER_STEP = 10  # a spawned process: not restored
-    alone = [auto_fraction.choose_fraction(512, 64, FLOP_BOUND, world=2, batch=1, step_share=s) for s in (1.0, 0.1)]
+    fractions.measure = lambda device, dtype: FLOP_BOUND
+    cost_model.AUTO_TOKENS_PER_STEP = 10  # a spawned process: not restored
+    alone = [cost_model.choose_fraction(512, 64, FLOP_BOUND, world=2, batch=1, step_share=s) for s in (1.0, 0.1)]
     group = dist.new_group(list(range(world)))
     hp = rule.Dion3Hyperparameters(lr=0.02, fraction="auto", ns_dtype=torch.float32)
     sharding = Sharding.even_rows(512, world)
@@ -260,8 +261,8 @@ def _stage_worker(rank, world):
     # first and skips its first step (a non-finite gradient), rank 0 steps a matrix; at the third
     # step rank 1 alone has a matrix added. Alone, rank 0 would keep every row of (512, 96) and
     # rank 1 would take 1/8 of (1024, 64); agreed on the slowest numbers of both, each takes 1/2.
-    auto_fraction.measure = lambda device, dtype: [LAUNCH_BOUND, FLOP_BOUND][rank]
-    auto_fraction.AUTO_TOKENS_PER_STEP = 0  # a spawned process: not restored
+    fractions.measure = lambda device, dtype: [LAUNCH_BOUND, FLOP_BOUND][rank]
+    cost_model.AUTO_TOKENS_PER_STEP = 0  # a spawned process: not restored
     gen = torch.Generator().manual_seed(rank)
     bias = torch.nn.Parameter(torch.randn(96, generator=gen))
     params = [torch.nn.Parameter(torch.randn(512, 96, generator=gen)), bias] if rank == 0 else [bias]
@@ -282,7 +283,7 @@ def _stage_worker(rank, world):
     if rank == 1:
         opt.add_param_group({"params": [late]})
     step()
-    alone = [auto_fraction.choose_fraction(512, 96, LAUNCH_BOUND), auto_fraction.choose_fraction(1024, 64, FLOP_BOUND)]
+    alone = [cost_model.choose_fraction(512, 96, LAUNCH_BOUND), cost_model.choose_fraction(1024, 64, FLOP_BOUND)]
     return opt.skipped_steps, sorted(opt.fractions.values()), alone
 
 
@@ -299,8 +300,8 @@ def test_ranks_without_matrices_or_with_a_skipped_first_step_still_agree_and_nev
 def _dtypes_worker(rank, world):
     # Rank 0 steps "auto" groups of two Newton-Schulz dtypes, rank 1 one of them beside a group of
     # fixed f: one collective each all the same, every dtype at the slower rank of those stepping it.
-    auto_fraction.measure = lambda device, dtype: [LAUNCH_BOUND, FLOP_BOUND][rank]
-    auto_fraction.AUTO_TOKENS_PER_STEP = 0  # a spawned process: not restored
+    fractions.measure = lambda device, dtype: [LAUNCH_BOUND, FLOP_BOUND][rank]
+    cost_model.AUTO_TOKENS_PER_STEP = 0  # a spawned process: not restored
     gen = torch.Generator().manual_seed(rank)
     shared = torch.nn.Parameter(torch.randn(1024, 64, generator=gen))
     own = torch.nn.Parameter(torch.randn(512, 96, generator=gen))
@@ -314,8 +315,8 @@ def _dtypes_worker(rank, world):
     opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(64, 32, generator=gen))], "ns_dtype": torch.bfloat16})
     with pytest.raises(ValueError, match="ns_dtype=torch.bfloat16: no rank stepped a group of that dtype") as error:
         opt.step()
-    expected = {"shared": auto_fraction.choose_fraction(1024, 64, auto_fraction.slowest(LAUNCH_BOUND, FLOP_BOUND)),
-                "own": auto_fraction.choose_fraction(512, 96, LAUNCH_BOUND) if rank == 0 else None}
+    expected = {"shared": cost_model.choose_fraction(1024, 64, fractions.slowest(LAUNCH_BOUND, FLOP_BOUND)),
+                "own": cost_model.choose_fraction(512, 96, LAUNCH_BOUND) if rank == 0 else None}
     return {name: opt.fractions.get(p) for name, p in (("shared", shared), ("own", own))}, expected, str(error.value)
 
 

@@ -5,10 +5,12 @@ import dataclasses
 import pytest
 import torch
 
-from dion3_megatron import Dion3, cuda_graph, rule
-from dion3_megatron.exchange import WholeMatrices, step_whole_matrices
+from dion3_megatron import Dion3
+from dion3_megatron.engine import cuda_graph
+from dion3_megatron.core import rule
+from dion3_megatron.engine.local import WholeMatrices, step_whole_matrices
 from dion3_megatron.kernels import rows as kernel_rows
-from dion3_megatron.megabatch import Dion3Engine, MatrixShard, Sharding
+from dion3_megatron.engine import Dion3Engine, MatrixShard, Sharding
 
 pytestmark = pytest.mark.gpu
 

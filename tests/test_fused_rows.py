@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dion3_megatron import rule
+from dion3_megatron.core import rule
 from dion3_megatron.kernels import rows as row_kernels
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,8 @@ import sys
 import pytest
 import torch
 
-from dion3_megatron import kernels, ortho
+from dion3_megatron import kernels
+from dion3_megatron.core import ortho
 from dion3_megatron.kernels import dispatch
 from dion3_megatron.kernels.symm import backend, heuristics
 
@@ -149,7 +150,7 @@ def test_an_optimizers_kernels_option_holds_for_its_steps_only(monkeypatch, gene
 
 
 def test_the_kernels_option_reaches_the_row_kernels_and_the_graph_key(monkeypatch):
-    from dion3_megatron import cuda_graph
+    from dion3_megatron.engine import cuda_graph
     from dion3_megatron.kernels import rows
 
     monkeypatch.setattr(rows, "_triton_installed", lambda: True)

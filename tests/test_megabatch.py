@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dion3_megatron import Dion3, rule
-from dion3_megatron.megabatch import Dion3Engine, MatrixShard, Sharding
+from dion3_megatron import Dion3
+from dion3_megatron.core import rule
+from dion3_megatron.engine import Dion3Engine, MatrixShard, Sharding
 from dion3_megatron.options import BY_NAME
 from dist_utils import run_distributed
 

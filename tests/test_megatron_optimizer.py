@@ -213,9 +213,10 @@ def test_non_finite_gradient_skips_the_step(generator):
 
 
 def test_auto_fraction_choices_survive_a_resume_on_a_machine_of_another_speed(monkeypatch, generator):
-    from dion3_megatron import auto_fraction
+    from dion3_megatron.core import cost_model
+    from dion3_megatron.engine import fractions
 
-    flop_bound, launch_bound = auto_fraction.DeviceSpeed(1e6, 0.0, 1e30, 1e30), auto_fraction.DeviceSpeed(1e30, 1.0, 1e30, 1e30)
+    flop_bound, launch_bound = cost_model.DeviceSpeed(1e6, 0.0, 1e30, 1e30), cost_model.DeviceSpeed(1e30, 1.0, 1e30, 1e30)
     shapes = {"layers.0.mlp.linear_fc2.weight": (512, 64), "layers.0.self_attention.linear_proj.weight": (1024, 32)}
     weights = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
     grads = [{name: torch.randn(shape, generator=generator) for name, shape in shapes.items()} for _ in range(4)]
@@ -231,13 +232,13 @@ def test_auto_fraction_choices_survive_a_resume_on_a_machine_of_another_speed(mo
                 p.grad = step_grads[name].clone()
             opt.step()
 
-    monkeypatch.setattr(auto_fraction, "AUTO_TOKENS_PER_STEP", 0)  # the step is the whole iteration
-    monkeypatch.setattr(auto_fraction, "measure", lambda device, dtype: flop_bound)
+    monkeypatch.setattr(cost_model, "AUTO_TOKENS_PER_STEP", 0)  # the step is the whole iteration
+    monkeypatch.setattr(fractions, "measure", lambda device, dtype: flop_bound)
     params, opt = build(weights)
     run(params, opt, grads[:2])
     saved, saved_weights = opt.state_dict(), {name: p.detach().clone() for name, p in params.items()}
     run(params, opt, grads[2:])
-    monkeypatch.setattr(auto_fraction, "measure", lambda device, dtype: launch_bound)  # would choose f = 1
+    monkeypatch.setattr(fractions, "measure", lambda device, dtype: launch_bound)  # would choose f = 1
     resumed, other = build(saved_weights)
     other.load_state_dict(saved)
     run(resumed, other, grads[2:])
@@ -293,7 +294,7 @@ def test_a_checkpoint_from_before_the_option_loads_with_every_row_at_age_zero(ge
 
 @pytest.mark.parametrize("fraction", [0.5, "auto"])
 def test_fractions_of_names_each_logical_matrix_with_the_f_its_steps_use(generator, fraction):
-    from dion3_megatron.auto_fraction import AUTO_FRACTIONS
+    from dion3_megatron.core.cost_model import AUTO_FRACTIONS
 
     params, names = _params(generator)
     opt = _megatron(params, names)
@@ -311,7 +312,7 @@ def test_fractions_of_names_each_logical_matrix_with_the_f_its_steps_use(generat
 def test_auto_weighs_the_share_of_the_model_s_matrices_this_rank_steps(monkeypatch, generator):
     """Under the layer-wise ZeRO-1 a rank steps some of the model's matrices: fraction="auto" is told
     which share of them (by elements; embeddings and the output layer, Adam's, not counted)."""
-    from dion3_megatron import auto_fraction
+    from dion3_megatron.core import cost_model
 
     model = torch.nn.Module()
     model.fc1 = torch.nn.Parameter(torch.randn(64, 32, generator=generator))
@@ -320,8 +321,8 @@ def test_auto_weighs_the_share_of_the_model_s_matrices_this_rank_steps(monkeypat
     model.embedding = torch.nn.Parameter(torch.randn(100, 32, generator=generator))
     model.embedding.is_embedding_or_output_parameter = True
     shares = []
-    choose = auto_fraction.choose_fraction
-    monkeypatch.setattr(auto_fraction, "choose_fraction",
+    choose = cost_model.choose_fraction
+    monkeypatch.setattr(cost_model, "choose_fraction",
                         lambda *a, **kw: shares.append(a[7] if len(a) > 7 else kw.get("step_share", 1.0)) or choose(*a, **kw))
     opt = MegatronDion3([{"params": [model.fc1, model.proj]}], lr=0.02, fraction="auto", model_chunks=[model])
     for p in (model.fc1, model.proj):

@@ -27,7 +27,8 @@ import warnings
 import pytest
 import torch
 
-from dion3_megatron import options, rule
+from dion3_megatron import options
+from dion3_megatron.core import rule
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_utils import run_distributed  # noqa: E402
@@ -367,14 +368,15 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         # fraction="auto" at DP=2, each rank measuring another speed (rank 0 slow matmuls: few rows;
         # rank 1 slow launches: all rows); resumed from torch_dist with the speeds swapped, the
         # saved choices (of both ranks) must be kept: bit-identical to the uninterrupted run.
-        from dion3_megatron import auto_fraction
+        from dion3_megatron.core import cost_model
+        from dion3_megatron.engine import fractions
 
-        speeds = [auto_fraction.DeviceSpeed(1e6, 0.0, 1e30, 1e30), auto_fraction.DeviceSpeed(1e30, 1.0, 1e30, 1e30)]
-        measure, min_rows, tokens = auto_fraction.measure, auto_fraction.AUTO_MIN_ROWS, auto_fraction.AUTO_TOKENS_PER_STEP
-        auto_fraction.AUTO_MIN_ROWS = 8  # the tiny model's matrices have <= 128 rows: let the speed decide
-        auto_fraction.AUTO_TOKENS_PER_STEP = 0  # and its step be the whole iteration
+        speeds = [cost_model.DeviceSpeed(1e6, 0.0, 1e30, 1e30), cost_model.DeviceSpeed(1e30, 1.0, 1e30, 1e30)]
+        measure, min_rows, tokens = fractions.measure, cost_model.AUTO_MIN_ROWS, cost_model.AUTO_TOKENS_PER_STEP
+        cost_model.AUTO_MIN_ROWS = 8  # the tiny model's matrices have <= 128 rows: let the speed decide
+        cost_model.AUTO_TOKENS_PER_STEP = 0  # and its step be the whole iteration
         try:
-            auto_fraction.measure = lambda device, dtype: speeds[rank]
+            fractions.measure = lambda device, dtype: speeds[rank]
             ms.init_parallel()
             cfg = ms.tiny_config()
             chunks, opt, sched = ms.make_parallel(cfg, dense_init, fraction="auto")
@@ -385,7 +387,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
                 ms.train_step(chunks, opt, sched, b)
             straight = _full_state(chunks[0].module, cfg)
             chosen = _find_dion3(opt)[0].state_dict().get("auto_fractions")
-            auto_fraction.measure = lambda device, dtype: speeds[1 - rank]
+            fractions.measure = lambda device, dtype: speeds[1 - rank]
             ms.init_parallel()
             cfg = ms.tiny_config()
             chunks, opt, sched = ms.make_parallel(cfg, dense_init, fraction="auto")
@@ -395,7 +397,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
             resumed = _full_state(chunks[0].module, cfg)
             return {"chosen": chosen, "resume_max_diff": max((resumed[k] - straight[k]).abs().max().item() for k in straight)}
         finally:
-            auto_fraction.measure, auto_fraction.AUTO_MIN_ROWS, auto_fraction.AUTO_TOKENS_PER_STEP = measure, min_rows, tokens
+            fractions.measure, cost_model.AUTO_MIN_ROWS, cost_model.AUTO_TOKENS_PER_STEP = measure, min_rows, tokens
 
     def dp_overlap():
         return parallel(overlap=True)[0]

@@ -7,7 +7,8 @@ import warnings
 import pytest
 import torch
 
-from dion3_megatron import Dion3, rule
+from dion3_megatron import Dion3
+from dion3_megatron.core import rule
 from dion3_megatron import optimizer as optimizer_module
 
 

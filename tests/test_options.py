@@ -12,7 +12,8 @@ import re
 import pytest
 import torch
 
-from dion3_megatron import Dion3, options, rule
+from dion3_megatron import Dion3, options
+from dion3_megatron.core import rule
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MEGATRON_PATCH = ROOT / "patches" / "megatron-core-0.19-dion3.patch"

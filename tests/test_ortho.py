@@ -4,7 +4,8 @@ precision, and routes products through the backend hook."""
 import pytest
 import torch
 
-from dion3_megatron import kernels, ortho
+from dion3_megatron import kernels
+from dion3_megatron.core import ortho
 
 PE_GRAM = ortho.polar_express_coefficients(ortho.GRAM_SAFETY)
 

@@ -14,7 +14,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import quack_backend  # noqa: E402
-from dion3_megatron import kernels, ortho  # noqa: E402
+from dion3_megatron import kernels  # noqa: E402
+from dion3_megatron.core import ortho  # noqa: E402
 
 
 def test_gram_newton_schulz_on_the_quack_backend_equals_torch(generator):

@@ -6,7 +6,9 @@ import math
 import pytest
 import torch
 
-from dion3_megatron import Dion3, ortho, rule
+from dion3_megatron import Dion3
+from dion3_megatron.core import ortho
+from dion3_megatron.core import rule
 
 
 def normuon_reference(weights, grads_per_step, lr, mu, beta2, wd, eps):

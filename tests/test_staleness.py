@@ -5,8 +5,9 @@ import copy
 import pytest
 import torch
 
-from dion3_megatron import Dion3, rule
-from dion3_megatron.megabatch import Dion3Engine, MatrixShard, Sharding
+from dion3_megatron import Dion3
+from dion3_megatron.core import rule
+from dion3_megatron.engine import Dion3Engine, MatrixShard, Sharding
 
 
 def test_boost_and_ageing_follow_the_formula(generator):

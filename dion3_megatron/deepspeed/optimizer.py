@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from .. import auto_fraction, options
+from .. import options
+from ..core import cost_model
 from ..kernels import config as kernel_config
 from ..optimizer import Dion3, usable_on_every_rank
 from . import zero
@@ -97,9 +98,9 @@ class DeepSpeedDion3(Dion3):
         saved = state_dict.get("zero_auto_fractions", {})
         for gi, choices in saved.items():
             values = list(choices["whole"] or []) + list(choices["pieces"].values())
-            if any(f not in auto_fraction.AUTO_FRACTIONS for f in values):
+            if any(f not in cost_model.AUTO_FRACTIONS for f in values):
                 raise ValueError(f"checkpoint zero_auto_fractions: param group {gi} has fractions {values}, "
-                                 f"not all in {auto_fraction.AUTO_FRACTIONS}")
+                                 f"not all in {cost_model.AUTO_FRACTIONS}")
         super().load_state_dict(state_dict)
         self._saved_zero_fractions = dict(saved)
         self._zero_plans.clear()  # rebuilt at the next step (by every rank), with these choices

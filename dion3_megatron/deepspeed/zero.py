@@ -9,7 +9,7 @@ the process group its slices span (``_dp_group``: the expert-data-parallel group
 parameters). From these the adapter describes each matrix that straddles ranks to the engine as
 a ``Sharding.flat(bounds)`` piece (element ranges of the row-major matrix) and lets the engine do
 its Dion3 step; a matrix that lies whole in one rank's slice is stepped by that rank alone
-(``exchange.step_whole_matrices`` on views of the slice, no communication); parameters that are not
+(``engine.local.step_whole_matrices`` on views of the slice, no communication); parameters that are not
 matrices take AdamW element by element on the slice. With a Megatron-style ``mpu`` (tensor
 parallelism), a weight marked ``tensor_model_parallel`` is one row or column block of a logical
 matrix; every rank's slice of every block goes to the engine as a ``Sharding.block_flat`` piece
@@ -42,8 +42,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .. import auto_fraction, cuda_graph, megabatch, options, rule
-from ..exchange import WholeMatrices, step_whole_matrices
+from .. import options
+from ..core import rule
+from ..engine import Dion3Engine, MatrixShard, Sharding, cuda_graph, fractions
+from ..engine.local import WholeMatrices, step_whole_matrices
 from ..optimizer import Dion3
 
 def is_zero_linked(p: torch.Tensor) -> bool:
@@ -176,7 +178,7 @@ class ZeroGroupPlan:
                         self._add_whole(offset, n, m)
                     continue
                 name = f"group{index}.param{j}" + (f".matrix{e}" if p.dim() == 3 else "")
-                self._add_piece(name, offset, hi - lo, lo, m, (n, m), megabatch.Sharding.flat(mbounds),
+                self._add_piece(name, offset, hi - lo, lo, m, (n, m), Sharding.flat(mbounds),
                                 self.group_pg, opt.hyperparameters(group))
         self.adamw_runs = _merge_runs(adamw_runs)
         # What fraction="auto" chose (saved in checkpoints, so a resume does not measure again):
@@ -212,16 +214,16 @@ class ZeroGroupPlan:
         shape = (n * blocks, m) if split == "rows" else (n, m * blocks)
         offset = hp_start + (lo - lp_lo) if hi > lo else 0
         self._add_piece(name, offset, hi - lo, lo, m, shape,
-                        megabatch.Sharding.block_flat(split, bounds, tensor_parallel.places),
+                        Sharding.block_flat(split, bounds, tensor_parallel.places),
                         tensor_parallel.group, opt.hyperparameters(group))
 
     def _add_piece(self, name: str, offset: int, length: int, first: int, row_width: int, shape: tuple[int, int],
-                   sharding: megabatch.Sharding, process_group, hp: rule.Dion3Hyperparameters) -> None:
+                   sharding: Sharding, process_group, hp: rule.Dion3Hyperparameters) -> None:
         """A piece for the engine: ``length`` elements of the slice from ``offset``, which are
         elements [first, first + length) of a row-major matrix ``row_width`` wide (the logical
         matrix, or its TP block)."""
         counts, firsts = _touched_rows(first, first + length, row_width, self.flat.device)
-        shard = megabatch.MatrixShard(
+        shard = MatrixShard(
             name=name,
             weight=self.flat.narrow(0, offset, length),
             grad=self.flat.narrow(0, offset, length),  # replaced by the real gradient each step
@@ -247,7 +249,7 @@ class ZeroGroupPlan:
             for key in ("variance", "row_age") if hp.staleness else ("variance",):
                 piece.shard.state[key] = torch.zeros(piece.row_counts.numel(), dtype=torch.float32,
                                                      device=exp_avg.device)
-        self.engine = megabatch.Dion3Engine([p.shard for p in self.pieces], cuda_graph=self.use_graph,
+        self.engine = Dion3Engine([p.shard for p in self.pieces], cuda_graph=self.use_graph,
                                             check_group=self.check_group)
         if self.auto:
             self.piece_fractions = {s.name: sg.fraction for sg in self.engine.plan for s in sg.shards}
@@ -334,9 +336,9 @@ class ZeroGroupPlan:
         for _, count, n, m in self.whole:
             matrices[n, m] += count
         device = self.flat.device
-        requests = [auto_fraction.FractionRequest((n, m), matrices[n, m], 1, hp, device, self.group_pg)
+        requests = [fractions.FractionRequest((n, m), matrices[n, m], 1, hp, device, self.group_pg)
                     for _, _, n, m in self.whole]
-        return auto_fraction.resolve_fractions(requests, joined=[(device, hp, self.group_pg)])
+        return fractions.resolve_fractions(requests, joined=[(device, hp, self.group_pg)])
 
     def _add_whole(self, offset: int, n: int, m: int) -> None:
         if self.whole:

@@ -1,6 +1,6 @@
 """Which backend runs the matrix products of (Gram) Newton-Schulz.
 
-The orthogonalization (:mod:`dion3_megatron.ortho`) asks :func:`get_backend` for the backend of
+The orthogonalization (:mod:`dion3_megatron.core.ortho`) asks :func:`get_backend` for the backend of
 each operand; GPU kernels register a backend and a selector here (:mod:`.backend`). The choice
 follows the kernel configuration (:mod:`.config`) in force at the call: kernels "torch" means
 plain torch; a forced ``backend`` runs every product; otherwise the registered selectors decide.

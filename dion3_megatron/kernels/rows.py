@@ -3,8 +3,8 @@
 The kernels run for CUDA weights when triton is installed, the kernel configuration in force
 allows them (:func:`.config.row_kernels_enabled`: kernels "auto" and fused_rows on, whose defaults
 DION3_KERNELS=0 and DION3_FUSED_ROWS=0 turn off), and a kernel builds on the device (tried once per
-process and device). :mod:`dion3_megatron.rule` asks :func:`takes` before each row-wise step, and
-:mod:`dion3_megatron.ortho` asks :func:`takes_block` before normalizing Newton-Schulz's input;
+process and device). :mod:`dion3_megatron.core.rule` asks :func:`takes` before each row-wise step, and
+:mod:`dion3_megatron.core.ortho` asks :func:`takes_block` before normalizing Newton-Schulz's input;
 triton itself is imported only once the answer can be yes.
 """
 

@@ -3,16 +3,16 @@ the rule functions they stand in for (whether they run: :mod:`.rows`).
 
 * :func:`apply_rows`: W = shrink * W, plus each selected row's step times its scale: every row
   shrunk and the selected ones updated in one pass (the torch form in
-  :func:`dion3_megatron.rule.apply_rows` takes a multi-tensor multiply, then ``index_add_``
+  :func:`dion3_megatron.core.rule.apply_rows` takes a multi-tensor multiply, then ``index_add_``
   on the scaled steps). The step is added in fp32 and rounded to the weight's dtype once.
 * :func:`accumulate_and_score`: M += G and the L1 norm of every row of the new M, one pass (the
-  torch form in :func:`dion3_megatron.rule.accumulate_and_score` adds, then reads M again), M
+  torch form in :func:`dion3_megatron.core.rule.accumulate_and_score` adds, then reads M again), M
   left decayed where the rule folds the decay in.
 * :func:`take_selected`: copy out the selected rows of the momentum and decay them in place by mu
-  (the torch form in :func:`dion3_megatron.rule.take_selected` gathers and scatters through an
+  (the torch form in :func:`dion3_megatron.core.rule.take_selected` gathers and scatters through an
   index per element).
 * :func:`normalized`: Newton-Schulz's input, each matrix divided by its Frobenius norm and written
-  in half precision, in two passes and a small kernel between them (the torch form in :func:`dion3_megatron.ortho._normalized`
+  in half precision, in two passes and a small kernel between them (the torch form in :func:`dion3_megatron.core.ortho._normalized`
   writes an fp32 copy on the way: 10 bytes per fp32 element here against 22).
 
 A factor (shrink, mu) given as a number is a kernel argument; as a tensor (what a CUDA graph

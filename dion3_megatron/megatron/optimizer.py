@@ -9,8 +9,8 @@ owners) and wraps this optimizer for bf16 (fp32 main params).
 Every parameter is described once (:class:`ParamLayout`): which logical matrices it holds and how
 they are split over tensor parallelism. A fused QKV weight holds Q, K and V (interleaved per query
 group); a SwiGLU ``linear_fc1`` holds gate and up; everything else holds one matrix. Each logical
-matrix becomes one :class:`~dion3_megatron.megabatch.MatrixShard`; the megabatch engine then does
-the whole Dion3 step (math from :mod:`dion3_megatron.rule`), orthogonalizing whole logical matrices
+matrix becomes one :class:`~dion3_megatron.engine.MatrixShard`; the megabatch engine then does
+the whole Dion3 step (math from :mod:`dion3_megatron.core.rule`), orthogonalizing whole logical matrices
 across the tensor-parallel group, never per-shard blocks.
 
 State layout (documented choice). Per logical matrix the engine keeps ``momentum`` (fp32, the
@@ -37,11 +37,12 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import auto_fraction, options
+from .. import options
+from ..core import cost_model
 from ..kernels import config as kernel_config
 from ..optimizer import announce_skipped_step, usable_on_every_rank
-from ..megabatch import Dion3Engine, MatrixShard, Sharding
-from ..rule import Dion3Hyperparameters
+from ..engine import Dion3Engine, MatrixShard, Sharding
+from ..core.rule import Dion3Hyperparameters
 from .arguments import DION3_DEFAULTS, OPTIONS, check_dion3_values, config_field, refuse_renamed
 
 logger = logging.getLogger(__name__)
@@ -530,9 +531,9 @@ class MegatronDion3(torch.optim.Optimizer):
         out: dict[str, float] = {}
         for rank in sorted(saved, key=lambda r: (r != me, r)):
             for name, f in saved[rank].items():
-                if f not in auto_fraction.AUTO_FRACTIONS:
+                if f not in cost_model.AUTO_FRACTIONS:
                     raise ValueError(f"checkpoint auto_fractions: {name} on rank {rank} has fraction {f!r}, "
-                                     f"not one of {auto_fraction.AUTO_FRACTIONS}")
+                                     f"not one of {cost_model.AUTO_FRACTIONS}")
                 out.setdefault(name, f)
         return out
 

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import rule
+from ..core import rule
 from ..optimizer import announce_skipped_step, usable_on_every_rank
 from .optimizer import MegatronDion3
 

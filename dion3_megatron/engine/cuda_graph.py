@@ -18,9 +18,9 @@ from typing import Callable, Hashable, Optional
 
 import torch
 
-from . import rule
-from .kernels import config as kernel_config
-from .rule import UpdateFactors
+from ..core import rule
+from ..core.rule import UpdateFactors
+from ..kernels import config as kernel_config
 
 WARMUP_CALLS = 2  # eager calls with a key before it is captured (lazy initialization happens there)
 

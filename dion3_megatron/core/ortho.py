@@ -16,9 +16,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .kernels import config as kernel_config
-from .kernels import rows as row_kernels
-from .kernels.dispatch import get_backend, transposed_view
+from ..kernels import config as kernel_config
+from ..kernels import rows as row_kernels
+from ..kernels.dispatch import get_backend, transposed_view
 
 Coefficients = Sequence[tuple[float, float, float]]
 

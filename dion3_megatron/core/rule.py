@@ -23,9 +23,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import options
-from .options import ADJUST_LR_CHOICES
-from .kernels import rows as row_kernels
+from .. import options
+from ..kernels import rows as row_kernels
+from ..options import ADJUST_LR_CHOICES
 from .ortho import default_ns_dtype, orthogonalize
 
 # The largest gradient magnitude a step takes: its square is about the largest fp32 value, so
@@ -43,7 +43,7 @@ class Dion3Hyperparameters:
     defaults are declared in :mod:`dion3_megatron.options`)."""
 
     lr: float = _DEFAULT["lr"]
-    fraction: float | str = _DEFAULT["fraction"]  # or "auto": resolved per matrix by auto_fraction()
+    fraction: float | str = _DEFAULT["fraction"]  # or "auto": resolved per matrix (engine.fractions)
     mu: Optional[float] = _DEFAULT["mu"]  # None: by the fraction (see momentum_decay())
     beta2: float = _DEFAULT["beta2"]
     weight_decay: float = _DEFAULT["weight_decay"]
@@ -64,7 +64,7 @@ class Dion3Hyperparameters:
 def selected_row_count(n_rows: int, fraction: float, num_heads: Optional[int] = None) -> int:
     """Rows selected per matrix: max(1, ceil(f * rows)), taken per head when num_heads is given."""
     if not isinstance(fraction, (int, float)):
-        raise ValueError(f"fraction must be a number here, got {fraction!r} ('auto' is resolved by auto_fraction)")
+        raise ValueError(f"fraction must be a number here, got {fraction!r} ('auto' is resolved before the rule runs)")
     if num_heads is None:
         return max(1, math.ceil(fraction * n_rows))
     if n_rows % num_heads:
@@ -309,7 +309,7 @@ class UpdateFactors:
     """Per matrix of a batch: W *= shrink (1 - lr wd), then W[rows] += coef * step (coef = -lr scale).
 
     Lists of numbers, or (B,) fp32 tensors on the weights' device: what a captured CUDA graph
-    reads, refreshed before every replay (see :mod:`dion3_megatron.cuda_graph`). Both forms give
+    reads, refreshed before every replay (see :mod:`dion3_megatron.engine.cuda_graph`). Both forms give
     bit-identical updates in :func:`normalize_and_apply`.
     """
 

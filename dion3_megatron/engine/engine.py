@@ -1,18 +1,18 @@
 """Megabatching: one Dion3 step for sharded matrices, a constant number of collectives per shape.
 
 Every matrix the step touches is grouped by logical shape (and the settings that must agree for
-one batched orthogonalization: :mod:`dion3_megatron.plan`). Over a process group of W ranks:
+one batched orthogonalization: :mod:`.plan`). Over a process group of W ranks:
 
 1. row scores where the rows live (partial L1 norms of column pieces add up): ONE all-reduce for
    all shape groups, then one copy of the chosen rows to the host for the groups planned there;
-   per shape group, through its exchange (:mod:`dion3_megatron.exchange`):
+   per shape group, through its exchange (:func:`exchange_for`; :mod:`.exchange`):
 2. the same top-k rows chosen on every rank; each rank packs its pieces of the selected rows
    (and the row variances it keeps) for the owner of each matrix (matrix j -> rank j mod W):
    ONE all-to-all assembles whole k x n_cols blocks on the owners;
-3. the owner orthogonalizes all its blocks as one batch and normalizes them (rule.py);
+3. the owner orthogonalizes all its blocks as one batch and normalizes them (:mod:`..core.rule`);
 4. ONE all-to-all sends every rank its pieces of the result, and each applies the update.
 
-Only selected rows travel, so traffic also shrinks with the fraction f. All math is in rule.py;
+Only selected rows travel, so traffic also shrinks with the fraction f. All math is in :mod:`..core`;
 the engine and its exchanges move tensors.
 """
 
@@ -24,12 +24,25 @@ from typing import Callable, Hashable, Optional
 import torch
 import torch.distributed as dist
 
-from . import cuda_graph as cuda_graph_module, options, rule
-from .exchange import Exchange, Traffic, WholeExchange, exchange_for
-from .plan import (MatrixShard, Rect, ShapeGroup, Sharding, build_plan, check_plan_matches, group_ranks,
-                   resolve_fractions)
+from .. import options
+from ..core import rule
+from . import cuda_graph as cuda_graph_module
+from .exchange import Exchange, Traffic
+from .general import GeneralExchange
+from .local import WholeExchange
+from .plan import ShapeGroup, build_plan, check_plan_matches, group_ranks, resolve_fractions
+from .planned import PlannedExchange
+from .sharding import MatrixShard
+from .static import StaticExchange, static_exchange
 
-__all__ = ["Dion3Engine", "MatrixShard", "Rect", "ShapeGroup", "Sharding"]  # the engine and what it takes
+
+def exchange_for(sg: ShapeGroup, traffic: Traffic) -> Exchange:
+    """The exchange a group takes: whole on one rank, else by how its matrices are split."""
+    if not sg.blockwise:
+        return GeneralExchange(sg, traffic)
+    if sg.world == 1:
+        return WholeExchange(sg, traffic)
+    return (StaticExchange if static_exchange(sg) else PlannedExchange)(sg, traffic)
 
 
 @dataclass(eq=False)
@@ -51,7 +64,7 @@ class Dion3Engine:
     check_group: ranks that construct their engines together (default: the world), containing
     every process group the shards span; construction is collective over it, as the plan is
     checked on it (:func:`~.plan.check_plan_matches`). step_share: the share of the model's
-    matrices this rank steps (for fraction="auto": :func:`~.auto_fraction.modelled_loss_change`).
+    matrices this rank steps (for fraction="auto": :func:`~dion3_megatron.core.cost_model.modelled_loss_change`).
     """
 
     def __init__(self, shards: list[MatrixShard], cuda_graph: bool = True,
