@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from dion3_megatron import Dion3, auto_fraction, rule
 from dion3_megatron.megabatch import Dion3Engine, MatrixShard, Sharding
-from dist_utils import run_distributed
+from support.dist_utils import run_distributed
 
 FAST = auto_fraction.DeviceSpeed(matmul_flops=5e14, launch_seconds=1e-5, memory_bytes_per_s=4e12, link_bytes_per_s=1e11)
 LAUNCH_BOUND = auto_fraction.DeviceSpeed(1e30, 1.0, 1e30, 1e30)  # only the fixed cost per call counts

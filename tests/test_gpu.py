@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from dion3_megatron import Dion3, rule
 from dion3_megatron.megabatch import Dion3Engine, MatrixShard, Sharding
-from dist_utils import run_distributed
+from support.dist_utils import run_distributed
 
 pytestmark = pytest.mark.gpu
 

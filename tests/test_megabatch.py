@@ -10,7 +10,7 @@ import torch.distributed as dist
 from dion3_megatron import Dion3, rule
 from dion3_megatron.megabatch import Dion3Engine, MatrixShard, Sharding
 from dion3_megatron.options import BY_NAME
-from dist_utils import run_distributed
+from support.dist_utils import run_distributed
 
 STEPS = 3
 

@@ -4,17 +4,11 @@ the backend equals the torch backend's, and both symmetric products reach it."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import quack_backend  # noqa: E402
-from dion3_megatron import kernels, ortho  # noqa: E402
+from benchmarks import quack_backend
+from dion3_megatron import kernels, ortho
 
 
 def test_gram_newton_schulz_on_the_quack_backend_equals_torch(generator):
