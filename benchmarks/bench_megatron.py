@@ -2,16 +2,17 @@
 
     torchrun --nproc-per-node 2 benchmarks/bench_megatron.py --tp 2,1 --optimizers dion3,dion3@0.125,muon,adam
 
-Megatron-Core's own pieces as ``pretrain()`` wires them: GPTModel (local spec), DDP with the
-layer-wise ZeRO-1 layout (``--use-distributed-optimizer``), ``get_megatron_optimizer``, the lr
-scheduler, ``forward_backward_func``; bf16 with fp32 main params. The layout is Megatron's
-``wrap_model_chunks_with_ddp``: for dion3 the one ``megatron.training.pretrain()`` builds (either
-path; docs/megatron.md, ZeRO-1), for adam Megatron's DistributedOptimizer; for muon the one
-``pretrain()`` builds for a model-provider script (Megatron-LM's pretrain_gpt.py, a model-config
-script, gives muon the legacy all-reduce path instead). Data: a learnable synthetic
-language (each token mostly follows a fixed random successor), identical for every optimizer.
-Prints one JSON line per optimizer (rank 0): losses every ``--log-every`` steps and the median
-optimizer-step time (``optimizer.step()`` between two CUDA synchronizations).
+Megatron-Core's own pieces as ``pretrain()`` wires them: GPTModel (local spec;
+examples/small_gpt.py), DDP with the layer-wise ZeRO-1 layout (``--use-distributed-optimizer``),
+``get_megatron_optimizer``, the lr scheduler, ``forward_backward_func``; bf16 with fp32 main
+params. The layout is Megatron's ``wrap_model_chunks_with_ddp``: for dion3 the one
+``megatron.training.pretrain()`` builds (either path; docs/megatron.md, ZeRO-1), for adam
+Megatron's DistributedOptimizer; for muon the one ``pretrain()`` builds for a model-provider script
+(Megatron-LM's pretrain_gpt.py, a model-config script, gives muon the legacy all-reduce path
+instead). Data: a learnable synthetic language (each token mostly follows a fixed random
+successor), identical for every optimizer. Prints one JSON line per optimizer (rank 0): losses
+every ``--log-every`` steps and the median optimizer-step time (``optimizer.step()`` between two
+CUDA synchronizations).
 """
 
 from __future__ import annotations
@@ -22,9 +23,16 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from examples.small_gpt import megatron_config, megatron_gpt  # noqa: E402
 
 
 def parse(argv=None):
@@ -72,29 +80,19 @@ def synthetic_batch(gen, batch, seq, vocab, successor, device):
 def run(args, name, device, tp, fraction):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
     from megatron.training.training import wrap_model_chunks_with_ddp
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
-    config = TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-        num_query_groups=args.heads // 4, ffn_hidden_size=args.ffn, kv_channels=args.hidden // args.heads,
-        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-        gradient_accumulation_fusion=False, tensor_model_parallel_size=tp, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16, normalization="RMSNorm", init_method_std=0.02,
-    )
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=args.vocab, max_sequence_length=args.seq,
-                     position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    config = megatron_config(layers=args.layers, hidden=args.hidden, heads=args.heads, query_groups=args.heads // 4,
+                             ffn=args.ffn, tp=tp, dtype=torch.bfloat16)
+    model = megatron_gpt(config, args.vocab, args.seq)
     model.to(device)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
                                                overlap_grad_reduce=args.overlap_param_gather,
@@ -181,8 +179,7 @@ def run(args, name, device, tp, fraction):
 def main(argv=None):
     args = parse(argv)
     if args.cpu:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-        from megatron_cpu import install
+        from examples.megatron_cpu import install
 
         install()
         dist.init_process_group("gloo")

@@ -9,12 +9,12 @@
     torchrun --nproc-per-node 8 examples/pretrain_gpt.py --tp 2 # GPUs: NCCL, one process per GPU
 
 Megatron-Core's own pieces, wired as ``megatron.training.pretrain()`` wires them: GPTModel (local
-layer spec), DDP with the layer-wise ZeRO-1 layout, ``get_megatron_optimizer`` with
-``optimizer="dion3"`` (the entry that ``import dion3_megatron.megatron`` registers, exactly what
-``--optimizer dion3 --use-distributed-optimizer`` selects), the lr scheduler and
-``forward_backward_func``. Without ``torchrun`` the script starts its own processes: one per GPU
-when CUDA is available, else ``--nproc`` (2) CPU processes over gloo with
-``examples/megatron_cpu.py``.
+layer spec, built by ``examples/small_gpt.py``), DDP with the layer-wise ZeRO-1 layout,
+``get_megatron_optimizer`` with ``optimizer="dion3"`` (the entry that ``import
+dion3_megatron.megatron`` registers, exactly what ``--optimizer dion3 --use-distributed-optimizer``
+selects), the lr scheduler and ``forward_backward_func``. Without ``torchrun`` the script starts
+its own processes: one per GPU when CUDA is available, else ``--nproc`` (2) CPU processes over gloo
+with ``examples/megatron_cpu.py``.
 
 Data (byte-level unless --data-path): by default the running Python's standard-library sources
 (no download); random windows of ``--seq-length + 1`` tokens, the same for every optimizer; the
@@ -39,6 +39,7 @@ from dion3_megatron.options import BY_NAME as DION3_OPTIONS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' own modules, also when imported by path
 from compare_report import LABELS, report  # noqa: E402
+from small_gpt import megatron_config, megatron_gpt  # noqa: E402
 from stdlib_text import byte_tokens, stdlib_bytes  # noqa: E402
 
 CPU_DEFAULTS = dict(layers=4, hidden=128, heads=4, ffn=352, seq_length=128, global_batch=16, steps=400)
@@ -282,31 +283,20 @@ class Batches:
 def build(args, name: str, vocab: int, device: torch.device, cuda: bool):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
     from megatron.training.training import wrap_model_chunks_with_ddp
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
-    dtype = torch.bfloat16 if cuda else torch.float32  # bf16 is slow on CPU
-    config = TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-        num_query_groups=args.query_groups, ffn_hidden_size=args.ffn, kv_channels=args.hidden // args.heads,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=args.tp, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        add_bias_linear=False, bf16=cuda, params_dtype=dtype, pipeline_dtype=dtype, normalization="RMSNorm",
-        init_method_std=0.02,
-    )
+    config = megatron_config(layers=args.layers, hidden=args.hidden, heads=args.heads, query_groups=args.query_groups,
+                             ffn=args.ffn, tp=args.tp,
+                             dtype=torch.bfloat16 if cuda else torch.float32)  # bf16 is slow on CPU
     padded_vocab = math.ceil(vocab / (128 * args.tp)) * 128 * args.tp
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=padded_vocab, max_sequence_length=args.seq_length,
-                     position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    model = megatron_gpt(config, padded_vocab, args.seq_length)
     model.to(device)
     # Emerging optimizers (dion3, muon) get Megatron's layer-wise ZeRO-1, as --use-distributed-optimizer
     # gives them in pretrain(). In fp32, Megatron 0.19's layer-wise wrapper chains Muon's raw torch

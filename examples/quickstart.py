@@ -1,6 +1,7 @@
 """Train a small byte-level transformer with Dion3 on CPU (or a GPU when present) and print the loss.
 
-The corpus is the running Python's own standard-library sources: nothing to download.
+The model is examples/small_gpt.py's GPT; the corpus is the running Python's own standard-library
+sources: nothing to download.
 Usage: python examples/quickstart.py [--steps 200] [--fraction auto|0.25|...]
 """
 
@@ -12,26 +13,10 @@ import torch
 
 from dion3_megatron import Dion3
 from dion3_megatron.options import BY_NAME
-from stdlib_text import stdlib_tokens  # examples/stdlib_text.py, beside this script
+from small_gpt import GPT  # examples/small_gpt.py and examples/stdlib_text.py, beside this script
+from stdlib_text import stdlib_tokens
 
 FRACTION = BY_NAME["fraction"]
-
-
-class TinyGPT(torch.nn.Module):
-    def __init__(self, width: int = 128, layers: int = 2, heads: int = 4, context: int = 128):
-        super().__init__()
-        self.embed = torch.nn.Embedding(256, width)
-        self.position = torch.nn.Parameter(torch.randn(context, width) * 0.02)
-        layer = torch.nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
-        self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.norm = torch.nn.LayerNorm(width)
-        self.head = torch.nn.Linear(width, 256, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        n = tokens.shape[1]
-        mask = torch.nn.Transformer.generate_square_subsequent_mask(n, device=tokens.device)
-        h = self.embed(tokens) + self.position[:n]
-        return self.head(self.norm(self.blocks(h, mask=mask, is_causal=True)))
 
 
 def main() -> None:
@@ -48,7 +33,7 @@ def main() -> None:
     torch.manual_seed(0)
     data = stdlib_tokens(4_000_000).to(device)
     split = int(0.95 * len(data))
-    model = TinyGPT(context=args.context).to(device)
+    model = GPT(width=128, layers=2, heads=4, context=args.context).to(device)
     # Hidden-layer matrices take Dion3; embeddings, the output head and 1-D params take AdamW.
     hidden = [p for n, p in model.named_parameters() if n.startswith("blocks") and p.dim() >= 2]
     hidden_ids = {id(p) for p in hidden}
@@ -59,18 +44,16 @@ def main() -> None:
         fraction=args.fraction,
     )
 
-    def batch(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(lo: int, hi: int) -> torch.Tensor:
+        """``--batch`` random windows of context + 1 bytes of data[lo:hi]."""
         starts = torch.randint(lo, hi - args.context - 1, (args.batch,), device=device)
-        rows = starts[:, None] + torch.arange(args.context + 1, device=device)
-        chunk = data[rows]
-        return chunk[:, :-1], chunk[:, 1:]
+        return data[starts[:, None] + torch.arange(args.context + 1, device=device)]
 
     print(f"Dion3 fraction={args.fraction} on {device}: {sum(p.numel() for p in model.parameters())/1e6:.2f}M params, "
           f"{len(data)/1e6:.1f}M bytes of stdlib source")
     start = time.time()
     for step in range(1, args.steps + 1):
-        tokens, targets = batch(0, split)
-        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        loss = model(batch(0, split))  # the mean cross-entropy of each next byte
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -78,10 +61,7 @@ def main() -> None:
             rate = step * args.batch * args.context / (time.time() - start)
             print(f"step {step:4d}  loss {loss.item():.3f}  ({rate:,.0f} tokens/s)", flush=True)
     with torch.no_grad():
-        val = sum(
-            torch.nn.functional.cross_entropy(model(t).flatten(0, 1), y.flatten()).item()
-            for t, y in (batch(split, len(data)) for _ in range(10))
-        ) / 10
+        val = sum(model(batch(split, len(data))).item() for _ in range(10)) / 10
     print(f"validation loss {val:.3f} ({val / math.log(2):.2f} bits/byte)")
     if args.fraction == "auto":
         fractions = opt.fractions  # {name: f}; a parameter works as a key too

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from dion3_megatron import Dion3
 from dion3_megatron.core import cost_model, rule
 from dion3_megatron.engine import Dion3Engine, MatrixShard, Sharding, fractions
-from dist_utils import run_distributed
+from support.dist_utils import run_distributed
 
 FAST = cost_model.DeviceSpeed(matmul_flops=5e14, launch_seconds=1e-5, memory_bytes_per_s=4e12, link_bytes_per_s=1e11)
 LAUNCH_BOUND = cost_model.DeviceSpeed(1e30, 1.0, 1e30, 1e30)  # only the fixed cost per call counts

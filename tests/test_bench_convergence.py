@@ -5,20 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import bench_convergence as bench  # noqa: E402
-from benchmarks import convergence_corpus as corpus_lib  # noqa: E402
-from benchmarks.convergence_model import GPT, pack_loss  # noqa: E402
+from benchmarks import bench_convergence as bench
+from benchmarks import convergence_corpus as corpus_lib
+from benchmarks.convergence_model import GPT, pack_loss
 
 TINY = ["--device", "cpu", "--layers", "2", "--hidden", "32", "--heads", "4", "--ffn", "64", "--seq", "32",
         "--batch", "8", "--steps", "8", "--eval-every", "4", "--eval-batches", "2",

@@ -1,17 +1,8 @@
 """The communication model: Dion3's rounds are constant in depth, its bytes scale with f."""
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 
-spec = importlib.util.spec_from_file_location(
-    "comm_model", pathlib.Path(__file__).parents[1] / "benchmarks" / "comm_model.py"
-)
-comm_model = importlib.util.module_from_spec(spec)
-sys.modules["comm_model"] = comm_model  # dataclasses look their module up there
-spec.loader.exec_module(comm_model)
+from benchmarks import comm_model
 
 
 @pytest.mark.parametrize(

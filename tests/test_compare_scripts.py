@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from script_helpers import needs_bash, run_recording_python
+from support.script_helpers import needs_bash, run_recording_python
 
 pytestmark = needs_bash
 

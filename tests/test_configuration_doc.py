@@ -97,7 +97,7 @@ def test_pytorch_column_is_what_dion3_takes():
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 def test_deepspeed_column_is_json_the_config_accepts():
-    from deepspeed_helpers import import_keeping_environment
+    from support.deepspeed_helpers import import_keeping_environment
 
     dion3_ds = import_keeping_environment("dion3_megatron.deepspeed")
     for name, row in rows().items():

@@ -9,7 +9,7 @@ import pathlib
 import pytest
 import torch
 
-from deepspeed_helpers import import_keeping_environment
+from support.deepspeed_helpers import import_keeping_environment
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("needs deepspeed", allow_module_level=True)

@@ -11,7 +11,7 @@ import importlib.util
 
 import pytest
 
-from dist_utils import run_distributed
+from support.dist_utils import run_distributed
 
 pytestmark = pytest.mark.slow  # every test reads the results of one multi-process run
 
@@ -28,14 +28,14 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_ranks(workdir):
-    import deepspeed_helpers as h
+    from support import deepspeed_helpers as h
 
     return run_distributed(h.session_two_ranks, 2, str(workdir))
 
 
 @pytest.fixture(scope="module")
 def four_ranks(workdir, two_ranks):  # loads the universal checkpoint the 2-rank session wrote
-    import deepspeed_helpers as h
+    from support import deepspeed_helpers as h
 
     return run_distributed(h.session_four_ranks, 4, str(workdir))
 

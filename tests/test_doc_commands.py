@@ -395,7 +395,6 @@ def test_python_blocks_compile():
 
 
 def test_json_blocks_parse_and_a_dion3_block_uses_dion3_keys():
-    sys.path.insert(0, str(ROOT))
     from dion3_megatron import options
 
     allowed = {o.name for o in options.options_for(options.DEEPSPEED)}

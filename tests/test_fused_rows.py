@@ -281,7 +281,7 @@ def static_exchange_with_row_kernels(rank, world, fused, seed):
 @pytest.mark.slow
 def test_static_exchange_with_row_kernels_equals_the_torch_forms_bit_for_bit(monkeypatch):
     pytest.importorskip("triton")
-    from dist_utils import run_distributed
+    from support.dist_utils import run_distributed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read by triton when the spawned ranks import it
     seed = torch.seed() % 2**31

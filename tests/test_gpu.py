@@ -9,7 +9,7 @@ import torch.distributed as dist
 from dion3_megatron import Dion3
 from dion3_megatron.core import rule
 from dion3_megatron.engine import Dion3Engine, MatrixShard, Sharding
-from dist_utils import run_distributed
+from support.dist_utils import run_distributed
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,7 @@ import importlib.util
 
 import pytest
 
-from dist_utils import run_distributed
+from support.dist_utils import run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ if importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("tr
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    import hf_trainer_helpers as hh
+    from support import hf_trainer_helpers as hh
 
     return run_distributed(hh.session, 2, str(tmp_path_factory.mktemp("hf")), timeout=600)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from script_helpers import needs_bash, run_recording_python
+from support.script_helpers import needs_bash, run_recording_python
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer" / "compare_on_gpus.sh"
 pytestmark = needs_bash

@@ -5,7 +5,6 @@ other data sources (Megatron indexed dataset with TP=2, a text file)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -33,11 +32,10 @@ def run_job(args, cwd, timeout=120):
 
 
 def load_job():
-    """examples/pretrain_gpt.py as a module (its examples/ directory then on sys.path)."""
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_example", SCRIPT)
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
-    return job
+    """examples/pretrain_gpt.py as a module."""
+    from examples import pretrain_gpt
+
+    return pretrain_gpt
 
 
 def numbers(line: str) -> list[float]:
@@ -173,8 +171,7 @@ def test_compare_reports_skipped_muon(tmp_path, monkeypatch, capsys):
 
 
 def test_verdict_and_plot(tmp_path):
-    load_job()
-    import compare_report as cr
+    from examples import compare_report as cr
 
     dion3, muon = fake_run("dion3", "Dion3", 3.25, 8.0), fake_run("muon", "Muon", 3.2, 2.0)
     muon["mode"] = "DDP"

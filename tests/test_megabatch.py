@@ -11,7 +11,7 @@ from dion3_megatron import Dion3
 from dion3_megatron.core import rule
 from dion3_megatron.engine import Dion3Engine, MatrixShard, Sharding
 from dion3_megatron.options import BY_NAME
-from dist_utils import run_distributed
+from support.dist_utils import run_distributed
 
 STEPS = 3
 

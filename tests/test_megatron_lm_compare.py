@@ -3,18 +3,16 @@ logs (tests/data/megatron_lm: excerpts of an H200 run recorded in benchmarks/res
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-from script_helpers import needs_bash, run_recording_python
+from support.script_helpers import needs_bash, run_recording_python
+
+from examples.megatron_lm import summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "megatron_lm"
 LOGS = Path(__file__).resolve().parent / "data" / "megatron_lm"
-sys.path.insert(0, str(EXAMPLE))
-
-import summarize  # noqa: E402
 
 
 def test_summary_reads_megatrons_optimizer_timer_and_loss():

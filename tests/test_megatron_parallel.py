@@ -18,7 +18,6 @@ missed or per-shard orthogonalization moves it by >= 1e-3):
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 import traceback
@@ -30,8 +29,7 @@ import torch
 from dion3_megatron import options
 from dion3_megatron.core import rule
 
-sys.path.insert(0, os.path.dirname(__file__))
-from dist_utils import run_distributed  # noqa: E402
+from support.dist_utils import run_distributed
 
 pytestmark = pytest.mark.slow  # every test reads the results of one multi-process run
 
@@ -46,7 +44,7 @@ def _is_dion3_param(name: str, p: torch.Tensor) -> bool:
 
 
 def _diffs(model, expected: dict, config) -> dict[str, float]:
-    import megatron_shim as ms
+    from support import megatron_shim as ms
 
     worst = {"dion3": 0.0, "adamw": 0.0, "moved": float("inf")}
     for name, p in model.named_parameters():
@@ -95,7 +93,7 @@ def _snapshot(model, opt) -> dict[str, torch.Tensor]:
 
 def _full_state(model, config) -> dict[str, torch.Tensor]:
     """Unsharded params of a TP=PP=EP=1 model, keyed by the reference's names."""
-    import megatron_shim as ms
+    from support import megatron_shim as ms
 
     return {ms.local_name_to_global(n, config): p.detach().clone().float() for n, p in model.named_parameters()}
 
@@ -149,7 +147,7 @@ def _load(chunks, opt, path, dion3_only: bool = False):
 
 
 def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
-    import megatron_shim as ms
+    from support import megatron_shim as ms
 
     ms.install()
     import dion3_megatron.megatron  # noqa: F401 - registers optimizer='dion3'
@@ -560,7 +558,7 @@ def test_moe_expert_tensor_parallel_equals_single_process(results):
 def bf16_tolerance() -> float:
     """bf16 forward/backward against the fp32 reference: loose, but a missing update is about 3x this.
     It grows with the step: 2e-2 per unit of the lr multiplier (f = 1/4 steps at 4x lr)."""
-    import megatron_shim as ms
+    from support import megatron_shim as ms
 
     scaled = ms.DION3.get("scale_lr_by_fraction", options.BY_NAME["scale_lr_by_fraction"].default)
     return 2e-2 * rule.fraction_lr_multiplier(ms.DION3["fraction"], scaled)

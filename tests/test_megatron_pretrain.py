@@ -161,8 +161,7 @@ def test_pretrain_dion3_layout_and_exact_resume(tmp_path, layout, fraction, buff
 def test_readme_example_command_runs_on_cpu():
     """README's examples/megatron_lm_pretrain_gpt.py command as written (bf16, the default NullTokenizer
     and vocabulary), through the CPU runner it names, for 2 iterations instead of 100."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from test_megatron_registration import readme_megatron_commands
+    from support.readme import readme_megatron_commands
 
     argv = readme_megatron_commands()["examples/megatron_lm_pretrain_gpt.py"]
     argv[argv.index("--train-iters") + 1] = "2"

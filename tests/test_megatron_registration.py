@@ -11,6 +11,7 @@ import textwrap
 import warnings
 
 import pytest
+from support.readme import readme_megatron_commands
 
 pytest.importorskip("megatron.core")
 
@@ -219,7 +220,7 @@ _PATCHED_CHECK = textwrap.dedent(
     """
     import os, sys, tempfile
     import torch
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{repo!r}, {tests!r}]  # the repository (examples/) and tests/ (support/)
     import megatron.core
     assert megatron.core.__file__.startswith({tree!r}), megatron.core.__file__
     from megatron.training import arguments
@@ -242,7 +243,7 @@ _PATCHED_CHECK = textwrap.dedent(
 
     # Build and step the optimizer from the patched tree (1 process, gloo, fp32, layer-wise).
     import torch.distributed as dist
-    import megatron_shim as ms
+    from support import megatron_shim as ms
     ms.install()
     dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
     ms.init_parallel()
@@ -300,7 +301,7 @@ def test_patch_applies_to_installed_megatron_and_patched_parser_accepts_dion3(tm
     assert applied.returncode == 0, applied.stdout + applied.stderr
     assert "FAILED" not in applied.stdout and "fuzz" not in applied.stdout, applied.stdout
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
-    check = _PATCHED_CHECK.format(tests=os.path.join(REPO, "tests"), tree=str(tree), good=GOOD)
+    check = _PATCHED_CHECK.format(repo=REPO, tests=os.path.join(REPO, "tests"), tree=str(tree), good=GOOD)
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=240,
                          cwd=tmp_path, env=env)
     assert out.returncode == 0 and "PATCHED_OK" in out.stdout, (out.stdout[-2000:], out.stderr[-4000:])
@@ -381,21 +382,6 @@ def test_megatron_extra_brings_what_megatrons_muon_imports():
     from megatron.core.optimizer import emerging_optimizers
 
     assert emerging_optimizers.HAVE_EMERGING_OPTIMIZERS and "muon" in emerging_optimizers._EMERGING_OPTIMIZERS
-
-
-def readme_megatron_commands() -> dict[str, list[str]]:
-    """The commands of README.md's Megatron section: script -> its arguments (after the launcher)."""
-    import re
-    import shlex
-
-    text = open(os.path.join(REPO, "README.md")).read()
-    section = text[text.index("## Megatron-LM / Megatron-Core"):text.index("## DeepSpeed")]
-    commands = {}
-    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
-        words = shlex.split(block.replace("\\\n", " "))
-        assert words[:3] == ["python", "-m", "dion3_megatron.megatron.launch"], words[:4]
-        commands[words[3]] = words[4:]
-    return commands
 
 
 def test_readme_megatron_commands_parse():

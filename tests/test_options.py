@@ -68,7 +68,7 @@ def test_names_of_other_optimizers_get_the_dion3_name_in_every_front_end(name, w
     the DeepSpeed config's unknown key say what Dion3 calls it."""
     with pytest.raises(TypeError, match=f"Dion3 got an unexpected keyword argument '{name}' .*{re.escape(words)}"):
         Dion3([torch.nn.Parameter(torch.zeros(4, 4))], **{name: 0.9})
-    from deepspeed_helpers import import_keeping_environment
+    from support.deepspeed_helpers import import_keeping_environment
 
     with pytest.raises(ValueError, match=f"unknown key\\(s\\) '{name}' .*{re.escape(words)}"):
         import_keeping_environment("dion3_megatron.deepspeed").normalize_params({name: 0.9})
@@ -109,7 +109,7 @@ def test_scale_mu_by_fraction_without_a_mu_is_refused_in_each_front_end():
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 def test_deepspeed_keys_are_the_deepspeed_options():
-    from deepspeed_helpers import import_keeping_environment
+    from support.deepspeed_helpers import import_keeping_environment
 
     dion3_ds = import_keeping_environment("dion3_megatron.deepspeed")
     CONFIG_KEYS, DeepSpeedDion3, normalize_params = dion3_ds.CONFIG_KEYS, dion3_ds.DeepSpeedDion3, dion3_ds.normalize_params

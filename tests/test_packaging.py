@@ -139,8 +139,8 @@ def imported_modules(path: pathlib.Path) -> set[str]:
 
 def test_test_extra_brings_what_the_tests_import():
     local = {p.stem for folder in ("tests", "examples", "benchmarks", "tools") for p in (ROOT / folder).rglob("*.py")}
-    local |= {"dion3_megatron", "tests", "examples", "benchmarks", "tools"}
-    imported = set().union(*(imported_modules(p) for p in (ROOT / "tests").glob("*.py")))
+    local |= {"dion3_megatron", "tests", "support", "examples", "benchmarks", "tools"}
+    imported = set().union(*(imported_modules(p) for p in (ROOT / "tests").rglob("*.py")))  # support/ too
     third_party = sorted(m for m in imported if m not in sys.stdlib_module_names and m not in local)
     assert {"torch", "pytest", "numpy", "megatron", "deepspeed", "transformers"} <= set(third_party)
     unmapped = [m for m in third_party if m not in DISTRIBUTIONS]
@@ -156,7 +156,7 @@ def test_test_extra_brings_what_the_tests_import():
             assert dist in names(EXTRAS[by]), (dist, by)
         else:  # a requirement of a distribution [test] brings
             assert by in brought and dist in names(importlib.metadata.requires(by) or []), (dist, by)
-    # Hugging Face's Trainer (tests/hf_trainer_helpers.py) needs accelerate, which the tests never import.
+    # Hugging Face's Trainer (tests/support/hf_trainer_helpers.py) needs accelerate, which the tests never import.
     assert "accelerate" in names(EXTRAS["test"])
 
 

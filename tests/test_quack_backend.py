@@ -4,18 +4,11 @@ the backend equals the torch backend's, and both symmetric products reach it."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import quack_backend  # noqa: E402
-from dion3_megatron import kernels  # noqa: E402
-from dion3_megatron.core import ortho  # noqa: E402
+from benchmarks import quack_backend
+from dion3_megatron import kernels
+from dion3_megatron.core import ortho
 
 
 def test_gram_newton_schulz_on_the_quack_backend_equals_torch(generator):

@@ -4,7 +4,8 @@
     # CPU: DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 2 examples/deepspeed/train_gpt.py \
     #        --config examples/deepspeed/ds_config_dion3.json --cpu --width 64 --layers 2 --seq 64 --steps 20
 
-The only Dion3-specific line is ``import dion3_megatron.deepspeed`` (it registers
+The model is ``examples/small_gpt.py``'s GPT. The only Dion3-specific line is
+``import dion3_megatron.deepspeed`` (it registers
 ``"type": "Dion3"``); ``param_groups`` puts embeddings, the output head, norms and biases on
 AdamW, as DeepSpeed's Muon does. The corpus is the running Python's standard-library sources.
 Prints the loss, the iteration time, the forward and backward times (the backward holds ZeRO's
@@ -24,54 +25,15 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 import deepspeed
 
 import dion3_megatron.deepspeed as dion3_deepspeed  # registers "type": "Dion3"
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/: the shared modules
+from small_gpt import GPT  # noqa: E402
 from step_timer import StepTimer  # noqa: E402
 from stdlib_text import stdlib_tokens  # noqa: E402
-
-
-class Block(torch.nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = torch.nn.LayerNorm(width)
-        self.q = torch.nn.Linear(width, width, bias=False)  # Q, K, V separate: each is its own matrix
-        self.k = torch.nn.Linear(width, width, bias=False)
-        self.v = torch.nn.Linear(width, width, bias=False)
-        self.proj = torch.nn.Linear(width, width, bias=False)
-        self.norm2 = torch.nn.LayerNorm(width)
-        self.fc1 = torch.nn.Linear(width, 4 * width, bias=False)
-        self.fc2 = torch.nn.Linear(4 * width, width, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        h = self.norm1(x)
-        q, k, v = (f(h).view(b, t, self.heads, d // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
-
-
-class GPT(torch.nn.Module):
-    def __init__(self, width: int, layers: int, heads: int, context: int) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(256, width)
-        self.embed_position = torch.nn.Embedding(context, width)
-        self.blocks = torch.nn.ModuleList(Block(width, heads) for _ in range(layers))
-        self.norm = torch.nn.LayerNorm(width)
-        self.lm_head = torch.nn.Linear(width, 256, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens[:, :-1]) + self.embed_position.weight[: tokens.shape[1] - 1]
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.norm(x)).float()
-        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
 def main() -> None:

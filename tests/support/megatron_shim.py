@@ -1,15 +1,13 @@
 """Test helpers for the Megatron tests: a tiny GPT on CPU, the single-process reference, and
-Megatron's training step. The CPU shim itself is ``examples/megatron_cpu.py`` (the main job's)."""
+Megatron's training step. The CPU shim itself is ``examples/megatron_cpu.py`` (the main job's), the
+GPT the examples' (``examples/small_gpt.py``)."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from megatron_cpu import install  # noqa: E402, F401 - the tests call megatron_shim.install()
+from examples.megatron_cpu import install  # noqa: F401 - the tests call megatron_shim.install()
+from examples.small_gpt import megatron_config, megatron_gpt
 
 # ------------------------------------------------------------------------------------------------
 # A tiny GPT on CPU for the Megatron tests (call install() first).
@@ -30,36 +28,20 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None)
 
 
 def tiny_config(tp: int = 1, pp: int = 1, ep: int = 1, bf16: bool = False, num_experts: int | None = None, **kw):
-    import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
-
-    base = dict(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-        kv_channels=16, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-        gradient_accumulation_fusion=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32, normalization="RMSNorm",
-        sequence_parallel=False, init_method_std=0.05,
-    )
+    """The small GPT at 2 layers of width 64 (4 heads, 2 query groups); ``kw`` sets other fields."""
+    more = dict(pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, sequence_parallel=False)
     if num_experts:
-        base.update(num_moe_experts=num_experts, moe_router_topk=2, moe_ffn_hidden_size=64,
+        more.update(num_moe_experts=num_experts, moe_router_topk=2, moe_ffn_hidden_size=64,
                     moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
                     moe_router_load_balancing_type="none")
-    base.update(kw)
-    return TransformerConfig(**base)
+    more.update(kw)
+    return megatron_config(layers=2, hidden=64, heads=4, query_groups=2, ffn=128, tp=tp,
+                           dtype=torch.bfloat16 if bf16 else torch.float32, init_std=0.05, **more)
 
 
 def build_gpt(config, seed: int = 7):
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
     torch.manual_seed(seed)
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                    position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    return megatron_gpt(config, VOCAB, SEQ)
 
 
 def batches(steps: int, global_batch: int, seed: int = 99):

@@ -1,6 +1,6 @@
 """DeepSpeed on CPU for the tests: gloo, no op builds, a tiny model whose matrices straddle ZeRO slices.
 
-The session functions run in spawned workers (tests/dist_utils.run_distributed). Importing this
+The session functions run in spawned workers (support.dist_utils.run_distributed). Importing this
 module changes nothing: the environment (DS_ACCELERATOR=cpu, no torch.compile) is set and
 DeepSpeed imported by :func:`init`, in the worker, so the pytest process and the other tests'
 workers never see it.

@@ -1,6 +1,6 @@
 """Hugging Face Trainer + DeepSpeed on CPU for the tests: tiny random-init models, no downloads.
 
-The session runs in spawned workers (tests/dist_utils.run_distributed, gloo); the environment
+The session runs in spawned workers (support.dist_utils.run_distributed, gloo); the environment
 (DS_ACCELERATOR=cpu, no torch.compile, no shared-memory op build) is set by
 ``deepspeed_helpers.init`` there, never in the pytest process.
 """
@@ -95,7 +95,7 @@ def losses_of(t) -> list[float]:
 
 
 def session(rank: int, world: int, tmp: str) -> dict:
-    import deepspeed_helpers as h
+    from support import deepspeed_helpers as h
 
     h.init()
     out: dict[str, Any] = {"seconds": {}}

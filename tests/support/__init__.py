@@ -1,0 +1,11 @@
+"""What the tests share (``from support import dist_utils``; pytest puts tests/ on sys.path, and
+tests/conftest.py the repository root, so that the examples and benchmarks import as
+``examples.X`` and ``benchmarks.X``). Importing a module here changes nothing in the process:
+
+- ``dist_utils``: run a test function on N processes (gloo, or NCCL on GPUs).
+- ``megatron_shim``: a tiny Megatron-Core GPT on CPU, the single-process reference, a training step.
+- ``deepspeed_helpers``: DeepSpeed on CPU: tiny models, engines, the multi-rank sessions.
+- ``hf_trainer_helpers``: Hugging Face Trainer + DeepSpeed on CPU: tiny models, the session.
+- ``script_helpers``: the examples' shell scripts run with a python3 that records its arguments.
+- ``readme``: the commands README.md shows.
+"""
