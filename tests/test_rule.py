@@ -216,8 +216,9 @@ def test_fraction_one_decays_the_momentum_in_the_accumulation_pass(generator, mo
         assert len(calls) == passes
         (expected,) = normuon_reference([weight], [[g] for g in grads], 0.05, mu, 0.95, 0.1, 1e-8)
         assert ((param.double() - expected).norm() / expected.norm()).item() <= 1e-6
+        # fp32 sums of O(1) values: where they cancel, the rounding of the terms (~1e-7 each) is left
         assert torch.allclose(opt.state[param]["momentum"].double(),
-                              sum(mu ** (len(grads) - i) * g.double() for i, g in enumerate(grads)), rtol=1e-6, atol=1e-7)
+                              sum(mu ** (len(grads) - i) * g.double() for i, g in enumerate(grads)), rtol=1e-6, atol=1e-6)
 
 
 def test_ties_break_by_index():

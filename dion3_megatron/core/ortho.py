@@ -80,7 +80,7 @@ def _normalized(x: torch.Tensor, dtype: torch.dtype, norm_factor: float, eps: fl
     Triton form (:func:`~dion3_megatron.kernels.triton_rows.normalized`) does the same in two passes
     and no fp32 copy."""
     if row_kernels.takes_block(x, dtype):
-        from .kernels import triton_rows
+        from ..kernels import triton_rows
 
         return triton_rows.normalized(x, dtype, norm_factor, eps)
     work = torch.float64 if x.dtype == torch.float64 or dtype == torch.float64 else torch.float32

@@ -93,7 +93,7 @@ def accumulate_and_score(momentum: torch.Tensor, grads: list[torch.Tensor],
     if out is None:
         out = torch.empty(momentum.shape[:2], dtype=torch.float32, device=momentum.device)
     if row_kernels.takes_momentum(momentum, grads):
-        from .kernels import triton_rows
+        from ..kernels import triton_rows
 
         return triton_rows.accumulate_and_score(momentum, grads, out, decay)
     torch._foreach_add_(list(momentum.unbind(0)), grads)
@@ -205,7 +205,7 @@ def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float | torch.T
     (:mod:`dion3_megatron.kernels.rows`) one pass.
     """
     if row_kernels.takes_momentum(momentum):
-        from .kernels import triton_rows
+        from ..kernels import triton_rows
 
         return triton_rows.take_selected(momentum, idx, mu)
     batch, n, c = momentum.shape
@@ -366,7 +366,7 @@ def apply_rows(weights: list[torch.Tensor], rows: torch.Tensor | list[torch.Tens
                 weight.index_add_(0, idx, (step * coef).to(weight.dtype))
         return
     if row_kernels.takes(weights):
-        from .kernels import triton_rows
+        from ..kernels import triton_rows
 
         triton_rows.apply_rows(weights, rows, steps, row_scale, shrink)
         return
