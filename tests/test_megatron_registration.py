@@ -1,5 +1,5 @@
 """Registration of ``--optimizer dion3``: registry entry, argparse flags, launcher, source patch (all through
-dion3_megatron.megatron.register)."""
+dion3_megatron.megatron.register; what it changes: tests/test_compat.py)."""
 
 from __future__ import annotations
 
@@ -33,12 +33,14 @@ def test_register_is_idempotent_and_fills_the_registry():
     from megatron.core.optimizer import emerging_optimizers as eo
 
     entry = eo._EMERGING_OPTIMIZERS["dion3"]
+    from dion3_megatron import compat
+
     factory = core_optimizer._get_megatron_emerging_optimizer
     for _ in range(3):
         assert dm.register() is True  # megatron.training is importable here
     assert eo._EMERGING_OPTIMIZERS["dion3"] is entry
     assert core_optimizer._get_megatron_emerging_optimizer is factory  # not wrapped twice
-    assert not getattr(factory.__wrapped__, "_dion3_wrapped", False)
+    assert compat.is_patched(factory) and not compat.is_patched(factory.__wrapped__)
     assert entry.optimizer_cls is dm.MegatronDion3
     assert entry.config_to_kwargs is dm.config_to_kwargs and entry.init_state_fn is dm.init_state_fn
     # Embeddings / output layer / non-2-D params go to Megatron's Adam, as for Muon.
@@ -232,8 +234,9 @@ _PATCHED_CHECK = textwrap.dedent(
     sys.argv = ["pretrain_gpt.py"] + {good!r}
     args = arguments.parse_args()
     assert (args.optimizer, args.dion3_fraction) == ("dion3", 0.125), args
+    from dion3_megatron import compat
     assert "dion3" in emerging_optimizers._EMERGING_OPTIMIZERS
-    assert getattr(core_optimizer._get_megatron_emerging_optimizer, "_dion3_wrapped", False)
+    assert compat.is_patched(core_optimizer._get_megatron_emerging_optimizer)
     from megatron.training.training import get_megatron_optimizer_config
     for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
         setattr(args, name, torch.float32)  # what validate_args would convert them to
@@ -258,7 +261,7 @@ _PATCHED_CHECK = textwrap.dedent(
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from dion3_megatron.megatron import multi_tensor, torch_adam
     assert clip_grads.l2_norm_impl is multi_tensor.foreach_l2_norm, clip_grads.l2_norm_impl
-    assert getattr(DistributedOptimizer, torch_adam._MARK, False) == torch_adam.megatron_adam_is_torch()
+    assert compat.is_patched(DistributedOptimizer.state_dict) == torch_adam.megatron_adam_is_torch()
 
     # pretrain()'s model-config path wraps a Dion3 run's model in the layer-wise layout.
     from types import SimpleNamespace
@@ -266,7 +269,7 @@ _PATCHED_CHECK = textwrap.dedent(
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training import global_vars
     from megatron.training.models import dist_utils
-    assert getattr(dist_utils._ddp_wrap, "_dion3_wrapped", False)
+    assert compat.is_patched(dist_utils._ddp_wrap)
     global_vars._GLOBAL_ARGS = SimpleNamespace(optimizer="dion3", use_layer_wise_distributed_optimizer=True,
                                                use_layer_wise_param_layout=True)
     (chunk,) = dist_utils._ddp_wrap([ms.build_gpt(cfg)], False, DistributedDataParallelConfig(), False,

@@ -1,7 +1,9 @@
 """Dion3 for Megatron-Core / Megatron-LM 0.19: ``--optimizer dion3``.
 
-:func:`register` is the one entry point: importing this package calls it, and so do the launcher
-and a Megatron tree patched with patches/megatron-core-0.19-dion3.patch. Then either
+:func:`register` is the one entry point: it applies every change this package makes to Megatron,
+each listed with its reason and the upstream version in :data:`dion3_megatron.compat.MEGATRON`.
+Importing this package calls it, and so do the launcher and a Megatron tree patched with
+patches/megatron-core-0.19-dion3.patch. Then either
 
 * Megatron-LM: ``python -m dion3_megatron.megatron.launch pretrain_gpt.py --optimizer dion3 ...``
   (or ``import dion3_megatron.megatron`` at the top of your training script), or
