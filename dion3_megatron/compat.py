@@ -1,4 +1,5 @@
-"""Every attribute of Megatron-Core, Megatron-LM and DeepSpeed that dion3_megatron replaces or adds.
+"""Every attribute of Megatron-Core, Megatron-LM and DeepSpeed (and of ``torch.optim``, where DeepSpeed
+looks optimizers up) that dion3_megatron replaces or adds.
 
 A behaviour of those frameworks that is not listed here is stock. The lists below are the code
 that changes them: :func:`apply_megatron` (run by :func:`dion3_megatron.megatron.register`) and
@@ -69,6 +70,10 @@ _TORCH_ADAM = "dion3_megatron.megatron.torch_adam"
 _MULTI_TENSOR = "dion3_megatron.megatron.multi_tensor"
 _DS = "dion3_megatron.deepspeed"
 
+# Megatron fell back to torch's AdamW (no apex, no Transformer Engine); to its per-tensor loops.
+_TORCH_ADAM_FALLBACK = dict(when=WITHOUT_APEX_OR_TE, only_if=f"{_TORCH_ADAM}:megatron_adam_is_torch")
+_LOOP_FALLBACK = dict(when=WITHOUT_APEX_OR_TE, only_if=f"{_MULTI_TENSOR}:is_local_fallback")
+
 MEGATRON: tuple[Patch, ...] = (
     Patch("megatron.core.optimizer.emerging_optimizers:_EMERGING_OPTIMIZERS['dion3']", f"{_REGISTRY}:dion3_entry",
           "the registry entry Megatron's optimizer factory reads for optimizer='dion3': MegatronDion3, its "
@@ -84,25 +89,25 @@ MEGATRON: tuple[Patch, ...] = (
           f"{_TORCH_ADAM}:set_main_param_and_optimizer_states",
           "torch AdamW's resume under the distributed optimizer: the loaders copied back the 'step' of before "
           "the load (bias corrections restart) or looked for a 'step' the checkpoint never holds (KeyError)",
-          MCORE_019, when=WITHOUT_APEX_OR_TE, only_if=f"{_TORCH_ADAM}:megatron_adam_is_torch"),
+          MCORE_019, **_TORCH_ADAM_FALLBACK),
     Patch("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict", f"{_TORCH_ADAM}:state_dict",
           "torch AdamW before its first step has no 'step', which state_dict() asserts it finds (load_checkpoint "
           "builds the state dict to load into from a fresh optimizer)",
-          MCORE_019, when=WITHOUT_APEX_OR_TE, only_if=f"{_TORCH_ADAM}:megatron_adam_is_torch"),
+          MCORE_019, **_TORCH_ADAM_FALLBACK),
     Patch("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict",
           f"{_TORCH_ADAM}:load_state_dict",
           "load_state_dict() hands every parameter the same 'step' tensor, which torch AdamW increments once per "
           "parameter and step: the bias corrections ran ahead",
-          MCORE_019, when=WITHOUT_APEX_OR_TE, only_if=f"{_TORCH_ADAM}:megatron_adam_is_torch"),
+          MCORE_019, **_TORCH_ADAM_FALLBACK),
     Patch("megatron.core.optimizer.clip_grads:l2_norm_impl", f"{_MULTI_TENSOR}:foreach_form",
           "the gradient norm as torch foreach ops: Megatron's loop synchronizes the device once per gradient",
-          MCORE_019, when=WITHOUT_APEX_OR_TE, only_if=f"{_MULTI_TENSOR}:is_local_fallback"),
+          MCORE_019, **_LOOP_FALLBACK),
     Patch("megatron.core.optimizer.clip_grads:multi_tensor_scale_impl", f"{_MULTI_TENSOR}:foreach_form",
           "gradient clipping as torch foreach ops (bit-identical): Megatron's loop allocates a temporary per tensor",
-          MCORE_019, when=WITHOUT_APEX_OR_TE, only_if=f"{_MULTI_TENSOR}:is_local_fallback"),
+          MCORE_019, **_LOOP_FALLBACK),
     Patch("megatron.core.optimizer.optimizer:multi_tensor_scale_impl", f"{_MULTI_TENSOR}:foreach_form",
           "the main-to-model parameter copies as torch foreach ops (bit-identical)",
-          MCORE_019, when=WITHOUT_APEX_OR_TE, only_if=f"{_MULTI_TENSOR}:is_local_fallback"),
+          MCORE_019, **_LOOP_FALLBACK),
     Patch("megatron.training.arguments:add_megatron_arguments", f"{_REGISTRY}:megatron_arguments",
           "Megatron-LM's parser gets 'dion3' among --optimizer's choices and the --dion3-* group, and its --help "
           "works (0.19.2 has a help string with a bare '%' that argparse cannot format)",

@@ -58,7 +58,10 @@ def emerging_optimizer_factory(factory):
     ``HAVE_EMERGING_OPTIMIZERS`` (the emerging-optimizers package) for every emerging optimizer,
     which Dion3 does not use, and builds the layer-wise ZeRO-1 wrapper and the outer chain from
     ``LayerWiseDistributedOptimizer`` and ``ChainedOptimizer``, here Dion3's subclasses (fp32
-    support, a bad step skipped whole: see :mod:`.wrappers`). Other optimizers: Megatron's factory."""
+    support, a bad step skipped whole: see :mod:`.wrappers`). Other optimizers: Megatron's factory.
+
+    The registry entry alone cannot do this: the factory checks ``HAVE_EMERGING_OPTIMIZERS`` before
+    it reads the entry, and an entry carries the optimizer class, not the wrappers around it."""
 
     @functools.wraps(factory)
     def build(config, *args, **kwargs):
