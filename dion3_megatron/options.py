@@ -5,7 +5,7 @@ The front ends are derived from :data:`OPTIONS`:
 * the torch optimizer: ``Dion3(params, **settings)`` takes the options whose front ends include
   ``"torch"``, with these defaults, and checks them (and every param group) with :func:`check`;
 * Megatron: ``--dion3-<name>`` flags (:mod:`dion3_megatron.megatron.arguments`), ``dion3_<name>``
-  fields of Megatron's ``OptimizerConfig`` (and of ``patches/megatron-core-0.19-dion3.patch``), and
+  attributes of Megatron's ``OptimizerConfig``, and
   the ``MegatronDion3`` keyword arguments of the same names, read as Megatron-Core's
   ``_kwargs_from_config`` reads a prefixed config;
 * DeepSpeed: the keys of ``"optimizer": {"type": "Dion3", "params": {...}}``

@@ -90,8 +90,10 @@ def test_a_matrix_outside_the_model_is_split_by_its_dims_and_logged(caplog):
 def test_the_config_route_is_installed_on_the_engine():
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    assert getattr(DeepSpeedEngine._configure_basic_optimizer, "_dion3_split", False)
-    assert getattr(DeepSpeedEngine._do_optimizer_sanity_check, "_dion3_guard", False)
+    from dion3_megatron import compat
+
+    assert compat.is_patched(DeepSpeedEngine._configure_basic_optimizer)
+    assert compat.is_patched(DeepSpeedEngine._do_optimizer_sanity_check)
 
 
 # Importing transformers takes over a second.

@@ -1,4 +1,6 @@
-"""patches/deepspeed-0.19-dion3.patch applies to DeepSpeed 0.19 and makes "dion3" a built-in optimizer name."""
+"""patches/deepspeed-0.19-dion3.patch applies to DeepSpeed 0.19 and makes deepspeed.initialize register Dion3
+(dion3_megatron.deepspeed.register, the entry point of the import): a config's "type": "Dion3" works in a
+script that never imports dion3_megatron."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ SCRIPT = textwrap.dedent(
                "zero_optimization": {"stage": kw.pop("stage", 1)}}
         return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
     engine = build()
+    out["registered"] = "dion3_megatron.deepspeed" in sys.modules
     out["name"] = engine.optimizer_name()
     out["basic"] = type(engine.basic_optimizer).__name__
     out["algorithms"] = [g["algorithm"] for g in engine.basic_optimizer.param_groups]
@@ -70,14 +73,13 @@ def patched(tmp_path_factory):
 
 
 def test_patch_applies_cleanly_and_is_not_yet_applied_upstream(patched):
-    text = (patched / "deepspeed" / "runtime" / "config.py").read_text()
-    assert "DION3_OPTIMIZER = 'dion3'" in text
-    original = (pathlib.Path(importlib.util.find_spec("deepspeed").origin).parent / "runtime" / "config.py").read_text()
-    assert "DION3_OPTIMIZER" not in original
+    call = "dion3_megatron.deepspeed.register()"
+    assert call in (patched / "deepspeed" / "__init__.py").read_text()
+    assert call not in (pathlib.Path(importlib.util.find_spec("deepspeed").origin).parent / "__init__.py").read_text()
 
 
 @pytest.mark.slow
-def test_patched_deepspeed_builds_dion3_without_registration(patched):
+def test_patched_deepspeed_builds_dion3_from_a_script_that_does_not_import_it(patched):
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=f"{patched}{os.pathsep}{ROOT}", RANK="0", WORLD_SIZE="1",
                LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     result = subprocess.run([sys.executable, "-c", SCRIPT, str(patched)], env=env, capture_output=True, text=True,
@@ -87,9 +89,9 @@ def test_patched_deepspeed_builds_dion3_without_registration(patched):
     import json
 
     out = json.loads(lines[0][len("RESULT"):])
-    assert out["name"] == "dion3"  # a built-in name now (lower-cased by DeepSpeed's config)
+    assert out["registered"] and out["name"] == "Dion3"
     assert out["basic"] == "DeepSpeedDion3"
-    assert out["algorithms"] == ["dion3", "adamw"]  # the patch splits the flat list by module too
+    assert out["algorithms"] == ["dion3", "adamw"]  # split by module, as after the import
     assert out["moved"] > 0
     assert "'momentum'" in out["unknown"] and "'mu'" in out["unknown"]
     assert "ZeRO stages 0, 1 and 2" in out["stage3"]

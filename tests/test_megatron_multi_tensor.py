@@ -58,9 +58,11 @@ def test_registration_installs_them_where_megatron_has_only_its_loops():
     check = textwrap.dedent("""
         from megatron.core.optimizer import clip_grads, optimizer
         import dion3_megatron.megatron
+        from dion3_megatron import compat
         from dion3_megatron.megatron import multi_tensor as mt
         print(clip_grads.l2_norm_impl is mt.foreach_l2_norm, clip_grads.multi_tensor_scale_impl is mt.foreach_scale,
-              optimizer.multi_tensor_scale_impl is mt.foreach_scale, mt.install())
+              optimizer.multi_tensor_scale_impl is mt.foreach_scale,
+              compat.apply_megatron()["megatron.core.optimizer.clip_grads:l2_norm_impl"])
     """)
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]

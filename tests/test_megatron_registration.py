@@ -1,4 +1,5 @@
-"""Registration of ``--optimizer dion3``: registry entry, argparse flags, launcher, source patch."""
+"""Registration of ``--optimizer dion3``: registry entry, argparse flags, launcher, source patch (all through
+dion3_megatron.megatron.register; what it changes: tests/test_compat.py)."""
 
 from __future__ import annotations
 
@@ -32,12 +33,14 @@ def test_register_is_idempotent_and_fills_the_registry():
     from megatron.core.optimizer import emerging_optimizers as eo
 
     entry = eo._EMERGING_OPTIMIZERS["dion3"]
+    from dion3_megatron import compat
+
     factory = core_optimizer._get_megatron_emerging_optimizer
     for _ in range(3):
         assert dm.register() is True  # megatron.training is importable here
     assert eo._EMERGING_OPTIMIZERS["dion3"] is entry
     assert core_optimizer._get_megatron_emerging_optimizer is factory  # not wrapped twice
-    assert not getattr(factory.__wrapped__, "_dion3_wrapped", False)
+    assert compat.is_patched(factory) and not compat.is_patched(factory.__wrapped__)
     assert entry.optimizer_cls is dm.MegatronDion3
     assert entry.config_to_kwargs is dm.config_to_kwargs and entry.init_state_fn is dm.init_state_fn
     # Embeddings / output layer / non-2-D params go to Megatron's Adam, as for Muon.
@@ -224,17 +227,16 @@ _PATCHED_CHECK = textwrap.dedent(
     import megatron.core
     assert megatron.core.__file__.startswith({tree!r}), megatron.core.__file__
     from megatron.training import arguments
+    import megatron.core.optimizer as core_optimizer
+    from megatron.core.optimizer import emerging_optimizers
+    assert "dion3_megatron.megatron" not in sys.modules and "dion3" not in emerging_optimizers._EMERGING_OPTIMIZERS
+    # parse_args() registers Dion3 first: --optimizer dion3 and the --dion3-* flags parse.
     sys.argv = ["pretrain_gpt.py"] + {good!r}
     args = arguments.parse_args()
     assert (args.optimizer, args.dion3_fraction) == ("dion3", 0.125), args
-    from megatron.core.optimizer import OptimizerConfig, emerging_optimizers
-    import megatron.core.optimizer as core_optimizer
-    import dataclasses
-    fields = {{f.name for f in dataclasses.fields(OptimizerConfig)}}
-    assert {{"dion3_fraction", "dion3_mu", "dion3_ns_method"}} <= fields, fields
-    # Registered by the patched tree itself, not by dion3_megatron's monkeypatching.
+    from dion3_megatron import compat
     assert "dion3" in emerging_optimizers._EMERGING_OPTIMIZERS
-    assert not getattr(core_optimizer._get_megatron_emerging_optimizer, "_dion3_wrapped", False)
+    assert compat.is_patched(core_optimizer._get_megatron_emerging_optimizer)
     from megatron.training.training import get_megatron_optimizer_config
     for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
         setattr(args, name, torch.float32)  # what validate_args would convert them to
@@ -254,13 +256,12 @@ _PATCHED_CHECK = textwrap.dedent(
     ms.train_step(chunks, opt, sched, ms.batches(1, 2)[0])
     moved = max((p.detach() - before[n]).abs().max().item() for n, p in chunks[0].module.named_parameters())
     assert moved > 1e-3, moved
-    assert not getattr(core_optimizer._get_megatron_emerging_optimizer, "_dion3_wrapped", False)
-    # Building Dion3 installed the no-apex/TE fixes that registration would have.
+    # Registration applied the no-apex/TE fixes too.
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from dion3_megatron.megatron import multi_tensor, torch_adam
     assert clip_grads.l2_norm_impl is multi_tensor.foreach_l2_norm, clip_grads.l2_norm_impl
-    assert getattr(DistributedOptimizer, torch_adam._MARK, False) == torch_adam.megatron_adam_is_torch()
+    assert compat.is_patched(DistributedOptimizer.state_dict) == torch_adam.megatron_adam_is_torch()
 
     # pretrain()'s model-config path wraps a Dion3 run's model in the layer-wise layout.
     from types import SimpleNamespace
@@ -268,7 +269,7 @@ _PATCHED_CHECK = textwrap.dedent(
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training import global_vars
     from megatron.training.models import dist_utils
-    assert not getattr(dist_utils._ddp_wrap, "_dion3_wrapped", False)
+    assert compat.is_patched(dist_utils._ddp_wrap)
     global_vars._GLOBAL_ARGS = SimpleNamespace(optimizer="dion3", use_layer_wise_distributed_optimizer=True,
                                                use_layer_wise_param_layout=True)
     (chunk,) = dist_utils._ddp_wrap([ms.build_gpt(cfg)], False, DistributedDataParallelConfig(), False,
@@ -282,10 +283,28 @@ _PATCHED_CHECK = textwrap.dedent(
     """
 )
 
+# Megatron-Core alone: get_megatron_optimizer() registers Dion3 first (it then fails on the empty
+# model list, after registering).
+_PATCHED_CORE_CHECK = textwrap.dedent(
+    """
+    import sys
+    import megatron.core
+    assert megatron.core.__file__.startswith({tree!r}), megatron.core.__file__
+    from megatron.core.optimizer import OptimizerConfig, emerging_optimizers, get_megatron_optimizer
+    assert "dion3_megatron.megatron" not in sys.modules and "dion3" not in emerging_optimizers._EMERGING_OPTIMIZERS
+    try:
+        get_megatron_optimizer(OptimizerConfig(optimizer="dion3"), [])
+    except IndexError:
+        pass
+    assert "dion3" in emerging_optimizers._EMERGING_OPTIMIZERS
+    print("PATCHED_OK")
+    """
+)
+
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("patch") is None and shutil.which("git") is None, reason="needs patch or git")
-def test_patch_applies_to_installed_megatron_and_patched_parser_accepts_dion3(tmp_path):
+def test_patch_applies_to_installed_megatron_and_the_patched_tree_registers_dion3(tmp_path):
     import megatron.core
 
     installed = os.path.dirname(os.path.dirname(os.path.dirname(megatron.core.__file__)))
@@ -301,10 +320,11 @@ def test_patch_applies_to_installed_megatron_and_patched_parser_accepts_dion3(tm
     assert applied.returncode == 0, applied.stdout + applied.stderr
     assert "FAILED" not in applied.stdout and "fuzz" not in applied.stdout, applied.stdout
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
-    check = _PATCHED_CHECK.format(repo=REPO, tests=os.path.join(REPO, "tests"), tree=str(tree), good=GOOD)
-    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=240,
-                         cwd=tmp_path, env=env)
-    assert out.returncode == 0 and "PATCHED_OK" in out.stdout, (out.stdout[-2000:], out.stderr[-4000:])
+    for check in (_PATCHED_CHECK.format(repo=REPO, tests=os.path.join(REPO, "tests"), tree=str(tree), good=GOOD),
+                  _PATCHED_CORE_CHECK.format(tree=str(tree))):
+        out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=240,
+                             cwd=tmp_path, env=env)
+        assert out.returncode == 0 and "PATCHED_OK" in out.stdout, (out.stdout[-2000:], out.stderr[-4000:])
 
 
 def test_megatron_help_survives_its_bare_percent_and_lists_the_dion3_flags():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
-import pathlib
 import re
 
 import pytest
@@ -15,9 +14,6 @@ import torch
 from dion3_megatron import Dion3, options
 from dion3_megatron.core import rule
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-MEGATRON_PATCH = ROOT / "patches" / "megatron-core-0.19-dion3.patch"
-DEEPSPEED_PATCH = ROOT / "patches" / "deepspeed-0.19-dion3.patch"
 
 # A value out of range (or of the wrong type) for each kind, to see every front end refuse it.
 _BAD = {options.REAL: float("nan"), options.FRACTION: 1.5, options.BOOL: "false", options.CHOICE: "nearby",
@@ -119,9 +115,6 @@ def test_deepspeed_keys_are_the_deepspeed_options():
     for option in options.options_for(options.DEEPSPEED):
         with pytest.raises(ValueError, match=f"{option.name} must be"):
             normalize_params({option.name: _BAD[option.kind]})
-    # The patched DeepSpeed hands the config's params to the same class, so to the same checks.
-    assert "optimizer = DeepSpeedDion3(engine_param_groups(self.module, model_parameters), **optimizer_parameters)" \
-        in DEEPSPEED_PATCH.read_text()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
@@ -151,51 +144,3 @@ def test_megatron_flags_config_fields_and_kwargs_are_the_megatron_options():
     for old, new in options.RENAMED.items():
         with pytest.raises(ValueError, match=f"dion3_{old} was renamed dion3_{new}"):
             optimizer.config_to_kwargs(SimpleNamespace(lr=None, weight_decay=0.1, **{f"dion3_{old}": "x"}), [], None)
-
-
-_ANNOTATION = {options.REAL: "float", options.FRACTION: "Union[float, str]", options.BOOL: "bool",
-               options.CHOICE: "str"}
-
-
-def _annotation(option: options.Option) -> str:
-    return f"Optional[{_ANNOTATION[option.kind]}]" if option.default is None else _ANNOTATION[option.kind]
-
-
-def optimizer_config_fields() -> list[str]:
-    """The OptimizerConfig fields the Megatron patch adds, as the spec has them (patch lines)."""
-    lines = ["+    # Dion3 (dion3_megatron; --optimizer dion3)."]
-    for option in options.options_for(options.MEGATRON):
-        lines += [f"+    dion3_{option.name}: {_annotation(option)} = {option.default!r}",
-                  f'+    """{option.help[0].upper()}{option.help[1:]}."""', "+"]
-    return lines
-
-
-def test_megatron_patch_declares_the_spec_fields():
-    patch = MEGATRON_PATCH.read_text().splitlines()
-    added = [line for line in patch if re.match(r"\+    (# Dion3|dion3_\w+:|\"\"\")", line) or line == "+"]
-    start = patch.index("+    # Dion3 (dion3_megatron; --optimizer dion3).")
-    expected = optimizer_config_fields()
-    assert patch[start:start + len(expected)] == expected, "\n".join(["patch should read:"] + expected)
-    assert sum(line.startswith("+    dion3_") for line in added) == len(options.options_for(options.MEGATRON))
-
-
-def _rewrite_megatron_patch() -> None:
-    """``python tests/test_options.py``: write the spec's fields into the Megatron patch (after a
-    change of the Megatron options), fixing the hunk's line counts."""
-    lines = MEGATRON_PATCH.read_text().split("\n")
-    start = end = lines.index("+    # Dion3 (dion3_megatron; --optimizer dion3).")
-    while lines[end].startswith("+"):
-        end += 1
-    lines[start:end] = optimizer_config_fields()
-    header = max(i for i in range(start) if lines[i].startswith("@@"))
-    body = lines[header + 1:]
-    body = body[:next((i for i, line in enumerate(body) if line.startswith(("@@", "--- "))), len(body))]
-    old = sum(not line.startswith("+") for line in body)
-    new = sum(not line.startswith("-") for line in body)
-    match = re.match(r"@@ -(\d+),\d+ \+(\d+),\d+ @@(.*)", lines[header])
-    lines[header] = f"@@ -{match.group(1)},{old} +{match.group(2)},{new} @@{match.group(3)}"
-    MEGATRON_PATCH.write_text("\n".join(lines))
-
-
-if __name__ == "__main__":
-    _rewrite_megatron_patch()

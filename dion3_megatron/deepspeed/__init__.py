@@ -1,6 +1,8 @@
 """Dion3 for DeepSpeed: ``"optimizer": {"type": "Dion3", "params": {...}}`` in the JSON config.
 
-``import dion3_megatron.deepspeed`` (or calling :func:`register`) is all a training script needs:
+``import dion3_megatron.deepspeed`` (or calling :func:`register`) is all a training script needs.
+It applies :data:`dion3_megatron.compat.DEEPSPEED` (every DeepSpeed attribute this package adds or
+replaces, with why and the upstream version), which
 
 * exposes :class:`DeepSpeedDion3` as ``torch.optim.Dion3`` and ``torch.optim.dion3``, which is
   where DeepSpeed 0.19 looks up a config ``type`` it does not know (case-sensitively): ``"Dion3"``
@@ -50,52 +52,50 @@ def _check_deepspeed_version() -> None:
 
 
 def register() -> type:
-    """Make ``"type": "Dion3"`` (or ``"dion3"``) work in DeepSpeed configs; idempotent. Returns the class."""
+    """Make ``"type": "Dion3"`` (or ``"dion3"``) work in DeepSpeed configs: apply
+    :data:`dion3_megatron.compat.DEEPSPEED`, every DeepSpeed (and ``torch.optim``) attribute this
+    package adds or replaces, with why and the upstream version. Idempotent. Returns the class."""
     global _REGISTERED
-    import torch
+    from .. import compat
 
-    torch.optim.Dion3 = torch.optim.dion3 = DeepSpeedDion3
-    if _REGISTERED:
-        return DeepSpeedDion3
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:  # plain torch users can still construct DeepSpeedDion3
-        _REGISTERED = True
-        return DeepSpeedDion3
-    _check_deepspeed_version()
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.zero import utils as zero_utils
-
-    if DeepSpeedDion3 not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
-        zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(DeepSpeedDion3)
-
-    _install_config_route_split(DeepSpeedEngine)
-    _install_plain_dion3_guard(DeepSpeedEngine)
-    original = DeepSpeedEngine._configure_zero_optimizer
-    if not getattr(original, "_dion3_guard", False):
-
-        def _configure_zero_optimizer(self, optimizer):
-            if isinstance(optimizer, DeepSpeedDion3):
-                stage = self.zero_optimization_stage()
-                if stage > 2:
-                    raise ValueError(
-                        f"Dion3 supports DeepSpeed ZeRO stages 0, 1 and 2; the config asks for stage {stage}. "
-                        'Set "zero_optimization": {"stage": 1} (or 2).'
-                    )
-                if self.zero_cpu_offload():
-                    raise ValueError(
-                        "Dion3 does not support ZeRO optimizer offload (offload_optimizer): its step runs "
-                        "collectives on the slices. Remove offload_optimizer from the config."
-                    )
-            wrapped = original(self, optimizer)
-            if isinstance(optimizer, DeepSpeedDion3):
-                _create_slice_state(optimizer)
-            return wrapped
-
-        _configure_zero_optimizer._dion3_guard = True
-        DeepSpeedEngine._configure_zero_optimizer = _configure_zero_optimizer
+    if not _REGISTERED:
+        try:
+            _check_deepspeed_version()
+        except ImportError:  # no DeepSpeed: plain torch users can still construct DeepSpeedDion3
+            pass
+    compat.apply_deepspeed()
     _REGISTERED = True
     return DeepSpeedDion3
+
+
+def deepspeed_class(_current=None) -> type:
+    """What DeepSpeed finds for Dion3: :class:`DeepSpeedDion3`."""
+    return DeepSpeedDion3
+
+
+def zero_stage_checks(original):
+    """``DeepSpeedEngine._configure_zero_optimizer``: refuse ZeRO stage 3 and optimizer offload for
+    Dion3, naming what to set, and create the slice state once ZeRO has wrapped it."""
+
+    def _configure_zero_optimizer(self, optimizer):
+        if isinstance(optimizer, DeepSpeedDion3):
+            stage = self.zero_optimization_stage()
+            if stage > 2:
+                raise ValueError(
+                    f"Dion3 supports DeepSpeed ZeRO stages 0, 1 and 2; the config asks for stage {stage}. "
+                    'Set "zero_optimization": {"stage": 1} (or 2).'
+                )
+            if self.zero_cpu_offload():
+                raise ValueError(
+                    "Dion3 does not support ZeRO optimizer offload (offload_optimizer): its step runs "
+                    "collectives on the slices. Remove offload_optimizer from the config."
+                )
+        wrapped = original(self, optimizer)
+        if isinstance(optimizer, DeepSpeedDion3):
+            _create_slice_state(optimizer)
+        return wrapped
+
+    return _configure_zero_optimizer
 
 
 def _create_slice_state(optimizer: DeepSpeedDion3) -> None:
@@ -111,19 +111,16 @@ def _create_slice_state(optimizer: DeepSpeedDion3) -> None:
             zero.init_slice_state(optimizer.state[flat], flat, with_age=group["staleness"] > 0)
 
 
-def _install_config_route_split(engine_class) -> None:
-    """``"type": "Dion3"`` in the config: split what DeepSpeed was given by the engine's model."""
-    original = engine_class._configure_basic_optimizer
-    if getattr(original, "_dion3_split", False):
-        return
+def split_config_params(original):
+    """``DeepSpeedEngine._configure_basic_optimizer``: with ``"type": "Dion3"`` in the config, split
+    what DeepSpeed was given by the engine's model."""
 
     def _configure_basic_optimizer(self, model_parameters):
         if self.optimizer_name().lower() == "dion3":
             model_parameters = engine_param_groups(self.module, model_parameters)
         return original(self, model_parameters)
 
-    _configure_basic_optimizer._dion3_split = True
-    engine_class._configure_basic_optimizer = _configure_basic_optimizer
+    return _configure_basic_optimizer
 
 
 def _plain_dion3_error(optimizer, wrapper: str) -> str:
@@ -134,12 +131,10 @@ def _plain_dion3_error(optimizer, wrapper: str) -> str:
             "dion3_megatron.deepspeed")
 
 
-def _install_plain_dion3_guard(engine_class) -> None:
-    """A plain ``Dion3`` passed as ``optimizer=`` steps whole parameters: under ZeRO-1/2 (or
-    DeepSpeed's BF16_Optimizer) it would get flat slices. Refuse it at initialize, by name."""
-    original = engine_class._do_optimizer_sanity_check
-    if getattr(original, "_dion3_guard", False):
-        return
+def refuse_plain_dion3(original):
+    """``DeepSpeedEngine._do_optimizer_sanity_check``: a plain ``Dion3`` passed as ``optimizer=``
+    steps whole parameters: under ZeRO-1/2 (or DeepSpeed's BF16_Optimizer) it would get flat
+    slices. Refuse it at initialize, by name."""
     from deepspeed.runtime.constants import BFLOAT16
 
     from ..optimizer import Dion3
@@ -153,8 +148,7 @@ def _install_plain_dion3_guard(engine_class) -> None:
             raise TypeError(_plain_dion3_error(basic_optimizer, "DeepSpeed's BF16_Optimizer"))
         return wrapper
 
-    _do_optimizer_sanity_check._dion3_guard = True
-    engine_class._do_optimizer_sanity_check = _do_optimizer_sanity_check
+    return _do_optimizer_sanity_check
 
 
 register()

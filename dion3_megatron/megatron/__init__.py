@@ -1,6 +1,9 @@
 """Dion3 for Megatron-Core / Megatron-LM 0.19: ``--optimizer dion3``.
 
-Importing this package registers Dion3 (see :func:`register`). Then either
+:func:`register` is the one entry point: it applies every change this package makes to Megatron,
+each listed with its reason and the upstream version in :data:`dion3_megatron.compat.MEGATRON`.
+Importing this package calls it, and so do the launcher and a Megatron tree patched with
+patches/megatron-core-0.19-dion3.patch. Then either
 
 * Megatron-LM: ``python -m dion3_megatron.megatron.launch pretrain_gpt.py --optimizer dion3 ...``
   (or ``import dion3_megatron.megatron`` at the top of your training script), or
@@ -17,14 +20,6 @@ from .optimizer import MegatronDion3, ParamLayout, config_to_kwargs, describe_mo
 from .registry import is_registered, register
 
 
-def _megatron_optimizer_mid_import() -> bool:
-    """True while megatron.core.optimizer is still being imported: a tree patched with
-    patches/megatron-core-0.19-dion3.patch imports this package from inside it and registers
-    Dion3 itself; registering from here would touch the half-initialized module."""
-    module = _sys.modules.get("megatron.core.optimizer")
-    return module is not None and not hasattr(module, "get_megatron_optimizer")
-
-
 def _launcher_starting() -> bool:
     """True while ``python -m dion3_megatron.megatron.launch`` (or torchrun ``-m ...``) imports this
     package on its way to the launcher, which registers Dion3 itself when it runs a script; its
@@ -33,7 +28,7 @@ def _launcher_starting() -> bool:
     return any(a == "-m" and b == "dion3_megatron.megatron.launch" for a, b in zip(argv, argv[1:]))
 
 
-if not _megatron_optimizer_mid_import() and not _launcher_starting():
+if not _launcher_starting():
     register()
 
 __all__ = [

@@ -2,9 +2,8 @@
 
 Every flag is derived from :mod:`dion3_megatron.options` (the options whose front ends include
 "megatron"): option ``name`` is the flag ``--dion3-<name>`` (a bool that defaults to True is
-``--dion3-no-<name>``) and the ``OptimizerConfig`` / args attribute ``dion3_<name>``. The same
-flags and fields are added by ``patches/megatron-core-0.19-dion3.patch`` for users who patch their
-Megatron-LM tree instead of importing :mod:`dion3_megatron.megatron`. Values are checked by
+``--dion3-no-<name>``) and the ``OptimizerConfig`` / args attribute ``dion3_<name>``. Registration
+(:func:`dion3_megatron.megatron.register`) adds them to Megatron-LM's parser. Values are checked by
 argparse itself, so a bad value stops the launch with argparse's usual ``error: argument ...``.
 """
 
@@ -60,12 +59,13 @@ def warn_if_adam_takes_the_dion3_lr(args: Any) -> None:
 
 def refuse_renamed(source: Any, where: str) -> None:
     """An old ``dion3_*`` attribute (options.RENAMED) on a config or args raises, naming the new one
-    (a tree patched with an older patches/megatron-core-0.19-dion3.patch declares the old field)."""
+    (a tree patched with an older patches/megatron-core-0.19-dion3.patch, which declared the
+    ``dion3_*`` fields, has the old field)."""
     for old in options.RENAMED:
         if hasattr(source, config_field(old)):
             error = options.rename_error(where, old, config_field)
             raise ValueError(f"{error} (set the new one; a Megatron tree patched before the rename: "
-                             "revert the old patches/megatron-core-0.19-dion3.patch, apply the new one)")
+                             "revert the old patches/megatron-core-0.19-dion3.patch, apply the current one)")
 
 
 class _Renamed(argparse.Action):

@@ -4,8 +4,10 @@
     torchrun --nproc-per-node 8 -m dion3_megatron.megatron.launch pretrain_gpt.py ...
 
 The script runs as ``__main__`` with ``sys.argv = [script, *args]``, as ``python script`` would run
-it, after :func:`dion3_megatron.megatron.register`; started without torchrun, it runs as the one
-process of a one-process world (what ``torchrun --nproc-per-node 1`` would set up). ``--help`` (alone) prints the usage
+it, after :func:`dion3_megatron.megatron.register` (``launcher=True``: with the one entry of
+:data:`dion3_megatron.compat.MEGATRON` that only the launcher applies, :func:`skip_compile_helpers`);
+started without torchrun, it runs as the one process of a one-process world (what
+``torchrun --nproc-per-node 1`` would set up). ``--help`` (alone) prints the usage
 and the ``--dion3-*`` flags without importing Megatron; ``SCRIPT --help`` prints the script's own
 help, Megatron-LM's flags and the Dion3 group together.
 """
@@ -17,6 +19,7 @@ import os
 import runpy
 import sys
 from collections.abc import MutableMapping
+from typing import Any
 
 PROG = "python -m dion3_megatron.megatron.launch"
 
@@ -61,18 +64,28 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         super().__init__(prog, max_help_position=36, width=100)
 
 
-def skip_prebuilt_helper_compile() -> None:
+def helpers_prebuilt(_current: Any = None) -> bool:
+    """Whether the dataset helpers come compiled (``helpers_cpp`` imports), as in the megatron-core wheel."""
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def skip_compile_helpers(compile_helpers):
     """Megatron-LM's ``initialize_megatron`` runs ``make`` in megatron/core/datasets for the dataset
     helpers and exits when it fails. The megatron-core wheel ships those helpers compiled
     (``helpers_cpp``) but not their Makefile, so a script run against the wheel (Megatron-LM's
-    pretrain_gpt.py from a copy, or examples/megatron_lm_pretrain_gpt.py) would stop there. When the
-    compiled module imports, the compile is skipped; a source tree without it builds as before."""
-    try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401
-        from megatron.core.datasets import utils as dataset_utils
-    except ImportError:
-        return
-    dataset_utils.compile_helpers = lambda: None
+    pretrain_gpt.py from a copy, or examples/megatron_lm_pretrain_gpt.py) would stop there. Under
+    the launcher, where the compiled module imports (:func:`helpers_prebuilt`), the compile is
+    skipped (an entry of :data:`dion3_megatron.compat.MEGATRON`); a source tree without it builds
+    as before."""
+
+    def compile_helpers():
+        """Nothing to build: the dataset helpers come compiled (dion3_megatron.megatron.launch)."""
+
+    return compile_helpers
 
 
 def single_process_world(environ: MutableMapping[str, str]) -> None:
@@ -134,8 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     from . import register
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as python SCRIPT (a tree beside it wins)
-    register()
-    skip_prebuilt_helper_compile()
+    register(launcher=True)
     single_process_world(os.environ)
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")

@@ -8,10 +8,12 @@ pretrain() path, benchmarks/results/measurement-log.md): the gradient norm 2.9-4
 clipping pass 0.6-1.3 ms of a 13.5-19.7 ms optimizer step. With ``--optimizer dion3`` the step runs these twice (the
 layer-wise Dion3 optimizer and the embeddings' Adam are chained), so they weigh on Dion3 most.
 
-:func:`install` puts ``torch._foreach_*`` forms of the same operations in their place: the same
-per-element arithmetic (scaling and copies bit-identical; the norm the same sum of squares, reduced
-in another order on the device, so equal to a few ulps) and no synchronization until Megatron's own
-``.item()``. Nothing is replaced where apex or Transformer Engine provide the fused kernels.
+:func:`foreach_form` gives ``torch._foreach_*`` forms of the same operations, which
+:func:`dion3_megatron.megatron.register` puts in their place (entries of
+:data:`dion3_megatron.compat.MEGATRON`): the same per-element arithmetic (scaling and copies
+bit-identical; the norm the same sum of squares, reduced in another order on the device, so equal
+to a few ulps) and no synchronization until Megatron's own ``.item()``. Nothing is replaced where
+apex or Transformer Engine provide the fused kernels (:func:`is_local_fallback`).
 """
 
 from __future__ import annotations
@@ -57,22 +59,18 @@ def foreach_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[l
         torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
 
 
-def install() -> bool:
-    """Replace Megatron's local multi-tensor fallbacks where it uses them. Idempotent; returns
-    whether Megatron runs on them (False: apex or Transformer Engine provides the fused kernels)."""
+def is_local_fallback(current) -> bool:
+    """Whether ``current`` is one of Megatron's local (per-tensor loop) multi-tensor fallbacks."""
     from megatron.core import utils
-    from megatron.core.optimizer import clip_grads, optimizer
 
-    replacements = (
-        (clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm, foreach_l2_norm),
-        (clip_grads, "multi_tensor_scale_impl", utils.local_multi_tensor_scale, foreach_scale),
-        (optimizer, "multi_tensor_scale_impl", utils.local_multi_tensor_scale, foreach_scale),
-    )
-    replaced = [(module, name, foreach) for module, name, local, foreach in replacements
-                if getattr(module, name, None) is local]
-    for module, name, foreach in replaced:
-        setattr(module, name, foreach)
-    return all(getattr(module, name, None) is foreach for module, name, _, foreach in replacements)
+    return current is utils.local_multi_tensor_l2_norm or current is utils.local_multi_tensor_scale
 
 
-__all__ = ["foreach_l2_norm", "foreach_scale", "install"]
+def foreach_form(local):
+    """The foreach form of one of Megatron's local fallbacks."""
+    from megatron.core import utils
+
+    return {utils.local_multi_tensor_l2_norm: foreach_l2_norm, utils.local_multi_tensor_scale: foreach_scale}[local]
+
+
+__all__ = ["foreach_form", "foreach_l2_norm", "foreach_scale", "is_local_fallback"]

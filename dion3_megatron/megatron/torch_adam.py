@@ -17,42 +17,31 @@ DistributedOptimizer saves once, in its param groups, and restores from there. T
    increments in place once per parameter and step: the bias corrections run ahead.
 
 With ``--optimizer dion3`` the embeddings and the output layer take that Adam, so a Dion3 run would
-not resume identically either. :func:`install` patches the three methods; it does nothing when
-Megatron's Adam is a fused one (no per-parameter ``step`` there).
+not resume identically either. The three functions below replace the three methods; they are
+entries of :data:`dion3_megatron.compat.MEGATRON`, applied where Megatron's Adam is torch's AdamW
+(:func:`megatron_adam_is_torch`) by :func:`dion3_megatron.megatron.register` (or :func:`install`
+alone); a fused Adam keeps no per-parameter ``step`` and needs none of them.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-_MARK = "_dion3_torch_adam_fixes"
 
-
-def megatron_adam_is_torch() -> bool:
+def megatron_adam_is_torch(_current: Any = None) -> bool:
     """Whether Megatron-Core's optimizer factory builds Adam as ``torch.optim.AdamW``."""
     from megatron.core import optimizer as core_optimizer
 
     return getattr(core_optimizer, "Adam", None) is torch.optim.AdamW
 
 
-def install() -> bool:
-    """Patch Megatron's DistributedOptimizer when its Adam is torch's AdamW. Idempotent; returns
-    whether the fixes are in place."""
-    if not megatron_adam_is_torch():
-        return False
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as DO
-
-    if getattr(DO, _MARK, False):
-        return True
-    set_states, state_dict, load_state_dict = (
-        DO._set_main_param_and_optimizer_states,  # noqa: SLF001
-        DO.state_dict,
-        DO.load_state_dict,
-    )
+def set_main_param_and_optimizer_states(set_states):
+    """1: keep the restored 'step' (param groups) out of the per-parameter copy."""
 
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
-        # 1: keep the restored 'step' (param groups) out of the per-parameter copy. no_grad: in fp32
-        # the main parameters are the model parameters' own storage, which requires grad.
+        # no_grad: in fp32 the main parameters are the model parameters' own storage, which requires grad.
         group_index, group_order = self.model_param_group_index_map[model_param]
         state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
         tensors = {k: v for k, v in tensors.items() if k != "step"}
@@ -63,32 +52,47 @@ def install() -> bool:
         finally:
             state.update(kept)
 
+    return _set_main_param_and_optimizer_states
+
+
+def state_dict(original):
+    """2: a parameter not stepped yet counts as step 0 for this call only."""
+
     def fresh_state_dict(self):
-        # 2: a parameter not stepped yet counts as step 0 for this call only.
         state = self.optimizer.state
         fresh = [p for group in self.optimizer.param_groups for p in group["params"] if "step" not in state.get(p, {})]
         for p in fresh:
             state[p]["step"] = torch.tensor(0.0)
         try:
-            return state_dict(self)
+            return original(self)
         finally:
             for p in fresh:
                 del state[p]["step"]
                 if not state[p]:
                     del state[p]
 
+    return fresh_state_dict
+
+
+def load_state_dict(original):
+    """3: one 'step' tensor per parameter."""
+
     def load_state_dict_own_steps(self, state_dict_in):
-        # 3: one 'step' tensor per parameter.
-        load_state_dict(self, state_dict_in)
+        original(self, state_dict_in)
         for state in self.optimizer.state.values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
 
-    DO._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states  # noqa: SLF001
-    DO.state_dict = fresh_state_dict
-    DO.load_state_dict = load_state_dict_own_steps
-    setattr(DO, _MARK, True)
-    return True
+    return load_state_dict_own_steps
 
 
-__all__ = ["install", "megatron_adam_is_torch"]
+def install() -> bool:
+    """Apply these fixes alone (without registering Dion3), where Megatron's Adam is torch's AdamW.
+    Idempotent; returns whether the fixes are in place."""
+    from .. import compat
+
+    applied = compat.apply(tuple(p for p in compat.MEGATRON if p.replacement.startswith(__name__ + ":")))
+    return all(applied.values())
+
+
+__all__ = ["install", "load_state_dict", "megatron_adam_is_torch", "set_main_param_and_optimizer_states", "state_dict"]

@@ -142,16 +142,7 @@ class StepGate:
 
 
 def layer_wise_class() -> type:
-    """Megatron's ``LayerWiseDistributedOptimizer`` with the two changes of this module.
-
-    Also installs the no-apex/Transformer-Engine fixes :func:`.registry.register` installs (the
-    torch-AdamW resume, the foreach multi-tensor forms; both idempotent), since a tree patched with
-    patches/megatron-core-0.19-dion3.patch builds Dion3 through here without registering.
-    """
-    from . import multi_tensor, torch_adam
-
-    torch_adam.install()
-    multi_tensor.install()
+    """Megatron's ``LayerWiseDistributedOptimizer`` with the two changes of this module."""
     if "layer_wise" not in _CLASSES:
         from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
         from megatron.core.optimizer.optimizer import FP32Optimizer
