@@ -17,7 +17,8 @@ import torch
 from .. import options
 from ..core import cost_model
 from ..kernels import config as kernel_config
-from ..optimizer import Dion3, usable_on_every_rank
+from ..frontend import usable_on_every_rank
+from ..optimizer import Dion3
 from . import zero
 from .config import normalize_params
 

@@ -54,7 +54,7 @@ def is_zero_linked(p: torch.Tensor) -> bool:
 
 
 def matrices_of(p: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(element offset, rows, cols) of every matrix in a >= 2-D parameter, as optimizer.matrix_view sees it."""
+    """(element offset, rows, cols) of every matrix in a >= 2-D parameter, as frontend.matrix_view sees it."""
     if p.dim() == 2:
         return [(0, p.shape[0], p.shape[1])]
     if p.dim() == 3:

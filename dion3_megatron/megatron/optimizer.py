@@ -40,7 +40,7 @@ import torch.distributed as dist
 from .. import options
 from ..core import cost_model
 from ..kernels import config as kernel_config
-from ..optimizer import announce_skipped_step, usable_on_every_rank
+from ..frontend import announce_skipped_step, usable_on_every_rank
 from ..engine import Dion3Engine, MatrixShard, Sharding
 from ..core.rule import Dion3Hyperparameters
 from .arguments import DION3_DEFAULTS, OPTIONS, check_dion3_values, config_field, refuse_renamed

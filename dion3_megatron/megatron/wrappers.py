@@ -9,7 +9,7 @@
    gradients. The outermost wrapper (the chain [layer-wise Dion3, Adam, ...], or the layer-wise
    wrapper alone) decides once per step, after the gradients are prepared, whether every gradient
    of every optimizer below it is usable on every rank (finite and below 2**64:
-   :func:`dion3_megatron.optimizer.gradients_usable`). If not, its ``prepare_grads`` reports it
+   :func:`dion3_megatron.frontend.gradients_usable`). If not, its ``prepare_grads`` reports it
    the way loss scaling reports an overflow: Megatron's ``step()`` returns ``(False, None, None)``
    and steps no optimizer, the training loop does not step the lr scheduler, each Dion3 optimizer
    below counts the step in ``skipped_steps`` and a warning says so. The decision costs nothing
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import rule
-from ..optimizer import announce_skipped_step, usable_on_every_rank
+from ..frontend import announce_skipped_step, usable_on_every_rank
 from .optimizer import MegatronDion3
 
 _CLASSES: dict[str, type] = {}
