@@ -40,6 +40,18 @@ def matrix_count(t: torch.Tensor) -> int:
     return t.shape[0] if t.dim() == 3 else 1
 
 
+def stacked_view(views: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor viewing same-shape tensors that lie one after another in one buffer (an engine's
+    state of a parameter's matrices), stacked along a new first dimension."""
+    first = views[0]
+    size = first.numel()
+    if any(v.shape != first.shape or v.stride() != first.stride() or v.untyped_storage().data_ptr() !=
+           first.untyped_storage().data_ptr() or v.storage_offset() != first.storage_offset() + i * size
+           for i, v in enumerate(views)):
+        raise RuntimeError("stacked_view: the tensors do not lie one after another in one buffer")
+    return first.as_strided((len(views), *first.shape), (size, *first.stride()), first.storage_offset())
+
+
 def gradients_usable(tensors: list[torch.Tensor]) -> torch.Tensor:
     """A 0-d bool tensor on the tensors' device: every element of every tensor is finite and of
     magnitude below :data:`rule.GRADIENT_LIMIT` (2**64), so the step stays finite throughout.

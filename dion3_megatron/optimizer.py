@@ -3,37 +3,36 @@
 Matrices (>= 2-D) take the Dion3 rule, everything else AdamW, unless a param group says
 ``algorithm="dion3"`` or ``algorithm="adamw"``. A 3-D tensor is a batch of matrices (MoE experts);
 4-D and larger (conv weights) flatten to (out, rest). The selected rows of every matrix whose
-selected block has the same shape are orthogonalized as one batch: the single-process form of
-megabatching. The math itself lives in :mod:`dion3_megatron.core.rule`.
+selected block has the same shape are orthogonalized as one batch: the matrices are whole
+(``Sharding.full()``) shards of the megabatch engine (:mod:`dion3_megatron.engine`), which also
+chooses f for ``fraction="auto"``. The math itself lives in :mod:`dion3_megatron.core.rule`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
-from dataclasses import dataclass
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import options
-from .core import cost_model, rule
-from .engine import cuda_graph as cuda_graph_module, fractions
-from .engine.local import WholeMatrices, step_whole_matrices
-from .frontend import announce_skipped_step, gradients_usable, matrix_count, matrix_shape, matrix_values, matrix_view
-from .kernels import config as kernel_config
+from .core import rule
 from .core.ortho import default_ns_dtype
 from .core.rule import Dion3Hyperparameters
+from .engine import Dion3Engine, MatrixShard, Sharding, cuda_graph as cuda_graph_module, fractions, plan
+from .frontend import (announce_skipped_step, gradients_usable, matrix_count, matrix_shape, matrix_values, matrix_view,
+                       stacked_view)
+from .kernels import config as kernel_config
 
 ALGORITHMS = ("dion3", "adamw")
 
 
 class Fractions(dict):
     """What ``fraction="auto"`` chose, ``{parameter name: f}``: the names of named parameters, else
-    ``"group i / param j"``. A parameter tensor works as a key too (``fractions[p]``, ``p in
-    fractions``, ``fractions.get(p)``)."""
+    ``"group i / param j"`` (a 3-D parameter's matrices share one f). A parameter tensor works as a
+    key too (``fractions[p]``, ``p in fractions``, ``fractions.get(p)``)."""
 
     def __init__(self, chosen: dict[torch.Tensor, float], names: dict[torch.Tensor, str]) -> None:
         super().__init__((names[p], f) for p, f in chosen.items())
@@ -51,28 +50,6 @@ class Fractions(dict):
 
     def get(self, key: Any, default: Any = None) -> Any:
         return super().get(self._key(key), default)
-
-
-@dataclass
-class _Bucket:
-    """Same-shape matrices of one param group whose Dion3 state lives in two buffers, so that
-    their step runs as batched ops (the single-process form of megabatching)."""
-
-    param_ids: list[int]
-    momentum: torch.Tensor  # (matrices, rows, cols) fp32
-    variance: torch.Tensor  # (matrices, rows) fp32
-    scores: torch.Tensor  # (matrices, rows) fp32: this step's row scores (a fixed buffer for the graph)
-    age: Optional[torch.Tensor]  # (matrices, rows) fp32 steps since each row was applied (with staleness)
-
-    def holds(self, params: list[torch.Tensor], state: dict) -> bool:
-        if [id(p) for p in params] != self.param_ids:
-            return False
-        start = 0
-        for p in params:
-            if state[p]["momentum"].data_ptr() != self.momentum[start].data_ptr():
-                return False
-            start += matrix_count(p)
-        return True
 
 
 @options.documented(options.TORCH)
@@ -111,11 +88,12 @@ class Dion3(torch.optim.Optimizer):
         self.kernels: Optional[str] = settings["kernels"]
         self.adamw_lr: float = settings["adamw_lr"]
         self.skipped_steps = 0
-        self._auto_fractions: dict[torch.Tensor, float] = {}
-        self._agreed_speeds: Optional[dict] = None  # what the ranks agreed for "auto" (None: not yet)
-        self._buckets: dict[tuple, _Bucket] = {}
+        self._chosen: dict[str, float] = {}  # what "auto" chose, by matrix name (the checkpoint's record)
+        self._speeds: Optional[fractions.AgreedSpeeds] = None  # what the ranks agreed for "auto" (None: not yet)
+        self._engine: Optional[Dion3Engine] = None
+        self._engine_key: Optional[tuple] = None
+        self._shards: dict[torch.Tensor, list[MatrixShard]] = {}  # a stepped matrix parameter -> its matrices
         self._copies: dict[torch.Tensor, torch.Tensor] = {}  # non-contiguous Dion3 weight -> its working copy
-        self._graph = cuda_graph_module.StepGraph()
         params = list(params)
         self._split_from_plain_list = bool(params) and not isinstance(params[0], dict)
         if self._split_from_plain_list:  # the AdamW tensors in a group of their own, at adamw_lr
@@ -168,64 +146,52 @@ class Dion3(torch.optim.Optimizer):
     def hyperparameters(group: dict) -> Dion3Hyperparameters:
         return Dion3Hyperparameters(**{k: group[k] for k in Dion3Hyperparameters.__dataclass_fields__})
 
-    @property
-    def fractions(self) -> Fractions:
-        """The f each matrix of a ``fraction="auto"`` group uses (filled at the first step), by
-        parameter name (given as ``named_parameters()``), else ``"group i / param j"``; a
-        parameter tensor works as a key too."""
+    def _param_names(self) -> dict[torch.Tensor, str]:
+        """Each parameter's name: given by ``named_parameters()``, else ``"group i / param j"``."""
         names = {}
         for gi, group in enumerate(self.param_groups):
             given = group.get("param_names")
             for j, p in enumerate(group["params"]):
                 names[p] = given[j] if given else f"group {gi} / param {j}"
-        return Fractions(self._auto_fractions, names)
+        return names
 
-    def _resolve_auto_fractions(self) -> None:
-        """Choose f for every not yet resolved matrix of the "auto" groups (:mod:`.engine.fractions`, :mod:`.core.cost_model`).
+    @staticmethod
+    def _matrix_names(name: str, p: torch.Tensor) -> list[str]:
+        """The names of a parameter's matrices in the engine and the fraction record."""
+        return [f"{name}.matrix{e}" for e in range(p.shape[0])] if p.dim() == 3 else [name]
 
-        Same-shape matrices are orthogonalized as one batch here, which the cost model counts.
+    @property
+    def fractions(self) -> Fractions:
+        """The f each matrix of a ``fraction="auto"`` group uses (filled at its first step), by
+        parameter name (given as ``named_parameters()``), else ``"group i / param j"``; a
+        parameter tensor works as a key too."""
+        names = self._param_names()
+        chosen = {p: self._chosen[first] for p, name in names.items()
+                  if (first := self._matrix_names(name, p)[0]) in self._chosen}
+        return Fractions(chosen, names)
+
+    def _agree_speeds(self) -> None:
+        """At the first step, the speeds fraction="auto" chooses by (:class:`.engine.fractions.AgreedSpeeds`).
+
         Under torch.distributed the ranks agree on the device speed of each Newton-Schulz dtype in
         one collective over the world, at this optimizer's first step, whatever a rank holds (a
         pipeline stage may hold only AdamW tensors, or groups of other dtypes than its peers') and
-        whether or not its step is then skipped; later choices (a param group added, a checkpoint
-        without them) use what was agreed: no rank ever waits in a collective its peers do not make.
+        whether or not its step is then skipped; later choices (a param group added, a matrix's
+        first gradient, a checkpoint without them) use what was agreed: no rank ever waits in a
+        collective its peers do not make.
         """
-        auto_groups = [group for group in self.param_groups if group["fraction"] == options.AUTO]
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        if self._agreed_speeds is None:
-            local = {(p.device, group["ns_dtype"] or default_ns_dtype(p.device))
-                     for group in auto_groups for p in group["params"][:1]}
-            self._agreed_speeds = fractions.agree_per_dtype(list(local), dist.group.WORLD if distributed else None)
-        todo = [(group, p) for group in auto_groups
-                for p in group["params"] if self.algorithm_of(group, p) == "dion3" and p not in self._auto_fractions]
-        shapes = Counter(matrix_shape(p) for _, p in todo for _ in range(matrix_count(p)))
-        for group, p in todo:
-            hp = self.hyperparameters(group)
-            dtype = hp.ns_dtype or default_ns_dtype(p.device)
-            if dtype not in self._agreed_speeds:
-                if distributed:
-                    raise ValueError(f"fraction='auto' with ns_dtype={dtype}: no rank stepped a group of that dtype at "
-                                     "the first step, when the ranks agreed on the device's speed; give such groups "
-                                     "from the start, or set their fraction")
-                self._agreed_speeds[dtype] = fractions.measure(p.device, dtype)
-            self._auto_fractions[p] = cost_model.choose_fraction(
-                *matrix_shape(p), self._agreed_speeds[dtype], 1, shapes[matrix_shape(p)], hp.ns_method, hp.num_heads)
+        chosen_by_plan = [(p.device, group["ns_dtype"] or default_ns_dtype(p.device))
+                          for group in self.param_groups if plan.chooses_fraction(self.hyperparameters(group))
+                          for p in group["params"][:1]]
+        if self._speeds is None:
+            distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            agreed = fractions.agree_per_dtype(list(set(chosen_by_plan)), dist.group.WORLD if distributed else None)
+            self._speeds = fractions.AgreedSpeeds(agreed, distributed)
+        for device, dtype in chosen_by_plan:  # a group added since: refused now if its dtype was not agreed
+            self._speeds.of(device, dtype)
 
     # ----------------------------------------------------------------------------------------
     # State.
-
-    def _init_state(self, group: dict, p: torch.Tensor) -> dict:
-        state = self.state[p]
-        if state:
-            return state
-        if self.algorithm_of(group, p) == "dion3":
-            state["momentum"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            state["variance"] = torch.zeros(matrix_count(p), matrix_shape(p)[0], dtype=torch.float32, device=p.device)
-        else:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-        return state
 
     def _expected_state_shapes(self, group: dict, p: torch.Tensor) -> list[dict[str, tuple]]:
         """The state shapes a checkpoint may hold for ``p`` (a Dion3 matrix stepped with staleness
@@ -244,8 +210,7 @@ class Dion3(torch.optim.Optimizer):
         sd = super().state_dict()
         sd["skipped_steps"] = self.skipped_steps
         # What fraction="auto" chose: a resume keeps it, whatever the device measures then.
-        index = self._param_indices()
-        sd["auto_fractions"] = {index[p]: f for p, f in self._auto_fractions.items()}
+        sd["fractions"] = dict(self._chosen)
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -265,13 +230,10 @@ class Dion3(torch.optim.Optimizer):
             settings = {k: v for k, v in saved.items() if k != "params"}
             options.check_retired(f"param group {gi}", settings)
             self._check_group(f"param group {gi}", {**mine, **settings, "params": self._params_to_check(mine)})
-        params = list(self._param_indices())
-        auto_fractions = {}
-        for pid, f in state_dict.get("auto_fractions", {}).items():
-            if not (isinstance(pid, int) and 0 <= pid < len(params) and f in cost_model.AUTO_FRACTIONS):
-                raise ValueError(f"checkpoint auto_fractions: param {pid!r} with fraction {f!r} is not a parameter "
-                                 f"index below {len(params)} with one of {cost_model.AUTO_FRACTIONS}")
-            auto_fractions[params[pid]] = f
+        names = self._param_names()
+        param_matrices = [self._matrix_names(names[p], p) for p in self._param_indices()]
+        chosen = plan.fraction_record(state_dict.get("fractions", state_dict.get("auto_fractions", {})),
+                                      "checkpoint fractions", param_matrices)
         new_state: dict[torch.Tensor, dict] = {}
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
             if len(mine["params"]) != len(saved["params"]):
@@ -295,41 +257,11 @@ class Dion3(torch.optim.Optimizer):
                     for k, v in saved_state.items()
                 }
         self.state = defaultdict(dict, new_state)
-        self._buckets.clear()  # their buffers held the old state; the next step rebuilds them
+        self._engine = None  # its buffers held the old state; the next step builds one on the loaded state
         for mine, saved in zip(self.param_groups, groups):
             mine.update({k: v for k, v in saved.items() if k != "params"})
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self._auto_fractions = auto_fractions
-
-    def _bucket(self, key: tuple, params: list[torch.Tensor], with_age: bool) -> "_Bucket":
-        """The state buffers of these same-shape matrices (one group), (re)built when the members
-        changed or a checkpoint load replaced their state; each param's state is a view of them.
-        ``with_age``: the rows' ages too (for staleness; zero where a matrix has none yet)."""
-        bucket = self._buckets.get(key)
-        if bucket is not None and bucket.holds(params, self.state) and (bucket.age is not None) == with_age:
-            return bucket
-        sizes = [matrix_count(p) for p in params]
-        first = matrix_view(self.state[params[0]]["momentum"])
-        momentum = torch.empty((sum(sizes), *first.shape[1:]), dtype=torch.float32, device=first.device)
-        variance = torch.empty(momentum.shape[:-1], dtype=torch.float32, device=first.device)
-        age = torch.empty_like(variance) if with_age else None
-        start = 0
-        for p, size in zip(params, sizes):
-            state = self.state[p]
-            momentum[start:start + size].copy_(matrix_view(state["momentum"]))
-            variance[start:start + size].copy_(state["variance"])
-            state["momentum"] = momentum[start:start + size].view(p.shape)
-            state["variance"] = variance[start:start + size]
-            if age is not None:
-                if "row_age" in state:
-                    age[start:start + size].copy_(state["row_age"])
-                else:
-                    age[start:start + size].zero_()
-                state["row_age"] = age[start:start + size]
-            start += size
-        bucket = _Bucket([id(p) for p in params], momentum, variance, torch.empty_like(variance), age)
-        self._buckets[key] = bucket
-        return bucket
+        self._chosen = chosen
 
     # ----------------------------------------------------------------------------------------
     # The step.
@@ -365,61 +297,87 @@ class Dion3(torch.optim.Optimizer):
                 loss = closure()
         for gi, group in enumerate(self.param_groups):
             self._check_group(f"param group {gi}", group)
-        self._resolve_auto_fractions()  # before a skip: the ranks' first steps agree on the speed together
+        self._agree_speeds()  # before a skip: the ranks' first steps agree on the speed together
         if not self._check_gradients():
             self.skip_step()
             return loss
-        members: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-        settings: dict[tuple, Dion3Hyperparameters] = {}
+        matrices: list[tuple[int, torch.Tensor]] = []
         adamw: dict[tuple, list[torch.Tensor]] = defaultdict(list)  # (group, step count, device) -> params
         for gi, group in enumerate(self.param_groups):
-            group_hp = self.hyperparameters(group)
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if self.algorithm_of(group, p) == "adamw":
                     state = self.state.get(p)
                     adamw[gi, int(state["step"].item()) + 1 if state else 1, p.device].append(p)
-                    continue
-                fraction = self._auto_fractions[p] if group_hp.fraction == options.AUTO else group_hp.fraction
-                key = (gi, matrix_shape(p), p.device, fraction)
-                if key not in settings:
-                    settings[key] = group_hp if fraction == group_hp.fraction else dataclasses.replace(group_hp, fraction=fraction)
-                members[key].append(p)
+                else:
+                    matrices.append((gi, p))
+        engine = self._engine_for(matrices)  # may refuse (an "auto" dtype the ranks did not agree on)
         # From here on the step changes state; nothing below refuses anything.
         for (gi, count, _), params in adamw.items():
             group = self.param_groups[gi]
             for p in params:
-                self._init_state(group, p)["step"] += 1
+                self._init_adamw_state(p)["step"] += 1
             rule.adamw_step(params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
                             [self.state[p]["exp_avg_sq"] for p in params], count,
                             group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        self._buckets = {key: bucket for key, bucket in self._buckets.items() if key in members}
-        matrices, copied = [], []
-        for key, params in members.items():
-            for p in params:
-                self._init_state(self.param_groups[key[0]], p)
-            bucket = self._bucket(key, params, with_age=settings[key].staleness > 0)
-            # outside the graph: gradients are new tensors every step
-            decay = rule.folded_decay(settings[key], bucket.momentum.shape[1])
-            rule.accumulate_and_score(bucket.momentum, [g for p in params for g in matrix_values(p.grad).unbind(0)],
-                                      out=bucket.scores, decay=decay)
-            copied += [p for p in params if not p.is_contiguous()]
-            weights = [w for p in params for w in matrix_view(self._contiguous_weight(p)).unbind(0)]
-            matrices.append(WholeMatrices(weights, bucket.momentum, bucket.variance, settings[key],
-                                          scores=bucket.scores, age=bucket.age, momentum_decayed=decay is not None))
-        step_whole_matrices(matrices, self._graph if self.cuda_graph else None)
-        for p in copied:
-            p.copy_(self._copies[p])
+        for gi, p in matrices:  # this step's gradients and schedule (lr, weight decay)
+            hp = self.hyperparameters(self.param_groups[gi])
+            for shard, grad in zip(self._shards[p], matrix_values(p.grad).unbind(0)):
+                shard.grad, shard.hp = grad, hp
+        copied = [p for _, p in matrices if not p.is_contiguous()]
+        engine.step(prologue=(lambda: [self._copies[p].copy_(p) for p in copied]) if copied else None,
+                    epilogue=(lambda: [p.copy_(self._copies[p]) for p in copied]) if copied else None,
+                    around_key=tuple(p.data_ptr() for p in copied))
         return loss
+
+    def _engine_for(self, matrices: list[tuple[int, torch.Tensor]]) -> Dion3Engine:
+        """The engine of these matrices: built anew when the set of matrices with a gradient, their
+        storage or their batch settings changed, or a checkpoint replaced their state. Each
+        parameter's state is then a view of the engine's buffers (one per shape group)."""
+        key = tuple((gi, id(p), p.data_ptr(), cuda_graph_module.baked_settings(self.hyperparameters(self.param_groups[gi])))
+                    for gi, p in matrices)
+        if self._engine is not None and key == self._engine_key:
+            return self._engine
+        names = self._param_names()
+        shards: dict[torch.Tensor, list[MatrixShard]] = {}
+        for gi, p in matrices:
+            hp = self.hyperparameters(self.param_groups[gi])
+            state = self.state[p]
+            carried: list[dict] = [{} for _ in range(matrix_count(p))]
+            if "momentum" in state:  # stepped before (or loaded): the engine copies it in
+                rows = [part for part in ("variance", "row_age") if part in state]
+                carried = [{"momentum": m, **{part: state[part][e] for part in rows}}
+                           for e, m in enumerate(matrix_view(state["momentum"]))]
+            weight = matrix_view(self._contiguous_weight(p))
+            grad = matrix_values(p.grad)
+            shards[p] = [MatrixShard(name, weight[e], grad[e], matrix_shape(p), Sharding.full(), None, hp, carried[e])
+                         for e, name in enumerate(self._matrix_names(names[p], p))]
+        engine = Dion3Engine([s for own in shards.values() for s in own], cuda_graph=self.cuda_graph,
+                             local=True, fresh_grads=True, speeds=self._speeds, chosen=self._chosen)
+        self._chosen.update(engine.chosen_fractions())
+        for p, own in shards.items():
+            state = self.state[p]
+            for part in own[0].state:
+                state[part] = stacked_view([s.state[part] for s in own])
+            state["momentum"] = state["momentum"].view(p.shape)
+        self._engine, self._engine_key, self._shards = engine, key, shards
+        return engine
+
+    def _init_adamw_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        return state
 
     def _contiguous_weight(self, p: torch.Tensor) -> torch.Tensor:
         """The weight itself, or for a non-contiguous one (a channels_last conv weight, a transposed
-        view) a contiguous copy that the step updates and :meth:`step` writes back; the copy's
-        buffer is kept, so a CUDA graph of the step finds it at the same address."""
+        view) a contiguous buffer that the step fills from it and writes back; the buffer is kept,
+        so a CUDA graph of the step finds it at the same address."""
         if p.is_contiguous():
             return p
-        buffer = self._copies.get(p)
-        if buffer is None:
-            buffer = self._copies[p] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-        return buffer.copy_(p)
+        if p not in self._copies:
+            self._copies[p] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        return self._copies[p]

@@ -19,18 +19,18 @@ the engine and its exchanges move tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Hashable, Optional
+from typing import Callable, Hashable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-from .. import options
 from ..core import rule
 from . import cuda_graph as cuda_graph_module
 from .exchange import Exchange, Traffic
 from .general import GeneralExchange
 from .local import WholeExchange
-from .plan import ShapeGroup, build_plan, check_plan_matches, group_ranks, resolve_fractions
+from .fractions import AgreedSpeeds
+from .plan import ShapeGroup, build_plan, check_plan_matches, chosen_fractions, chooses_fraction, group_ranks, resolve_fractions
 from .planned import PlannedExchange
 from .sharding import MatrixShard
 from .static import StaticExchange, static_exchange
@@ -65,19 +65,34 @@ class Dion3Engine:
     every process group the shards span; construction is collective over it, as the plan is
     checked on it (:func:`~.plan.check_plan_matches`). step_share: the share of the model's
     matrices this rank steps (for fraction="auto": :func:`~dion3_megatron.core.cost_model.modelled_loss_change`).
+
+    local: every shard is whole and construction makes no collective (the torch optimizer: its
+    replicas agree on ``speeds`` themselves, :class:`~.fractions.AgreedSpeeds`). fresh_grads: the
+    gradients are new tensors every step (``p.grad`` after ``zero_grad()``, a ZeRO partition), so
+    the whole matrices add them to the momentum before the step's CUDA graph, which then replays
+    whatever their addresses. chosen: what "auto" chose before, by matrix name
+    (:func:`~.plan.resolve_fractions`; :meth:`chosen_fractions` is the record to keep).
     """
 
     def __init__(self, shards: list[MatrixShard], cuda_graph: bool = True,
-                 check_group: Optional[dist.ProcessGroup] = None, step_share: float = 1.0) -> None:
+                 check_group: Optional[dist.ProcessGroup] = None, step_share: float = 1.0, *,
+                 local: bool = False, fresh_grads: bool = False, speeds: Optional[AgreedSpeeds] = None,
+                 chosen: Optional[Mapping[str, float]] = None) -> None:
         if not isinstance(cuda_graph, bool):
             raise ValueError(f"cuda_graph must be a bool, got {cuda_graph!r}")
         if not 0 < step_share <= 1:
             raise ValueError(f"step_share must be in (0, 1], got {step_share!r}")
         self.cuda_graph = cuda_graph
+        self.fresh_grads = fresh_grads
         self._graph = cuda_graph_module.StepGraph()
         self.plan = build_plan(shards)
-        check_plan_matches(self.plan, check_group)
-        resolve_fractions(self.plan, step_share)
+        if local:
+            split = [s.name for sg in self.plan if sg.world > 1 for s in sg.shards]
+            if split:
+                raise ValueError(f"a local Dion3 engine steps whole matrices only, got split ones: {split[:3]}")
+        else:
+            check_plan_matches(self.plan, check_group)
+        resolve_fractions(self.plan, step_share, speeds, chosen)
         self.traffic = Traffic()
         self.exchanges: list[Exchange] = [exchange_for(sg, self.traffic) for sg in self.plan]
 
@@ -93,7 +108,11 @@ class Dion3Engine:
 
     def auto_fractions(self) -> dict[tuple[int, int], float]:
         """What fraction="auto" chose, per logical shape (empty when no matrix asked for it)."""
-        return {sg.key.shape: sg.fraction for sg in self.plan if sg.hp.fraction == options.AUTO}
+        return {sg.key.shape: sg.fraction for sg in self.plan if chooses_fraction(sg.hp)}
+
+    def chosen_fractions(self) -> dict[str, float]:
+        """What fraction="auto" chose, by matrix name: the record a checkpoint keeps."""
+        return chosen_fractions(self.plan)
 
     @torch.no_grad()
     def step(self, prologue: Optional[Callable[[], None]] = None, epilogue: Optional[Callable[[], None]] = None,
@@ -121,8 +140,9 @@ class Dion3Engine:
     def _whole_step_graphable(self) -> bool:
         if not self.cuda_graph or not self.plan:
             return False  # (an empty plan: a data-parallel rank that owns no matrix)
-        return (cuda_graph_module.usable(self.plan[0].shards[0].weight.device)
-                and all(ex.static for ex in self.exchanges))
+        device = self.plan[0].shards[0].weight.device
+        return (cuda_graph_module.usable(device) and all(ex.static for ex in self.exchanges)
+                and all(s.weight.device == device for sg in self.plan for s in sg.shards))
 
     def _step_graphed(self, prologue: Optional[Callable[[], None]], epilogue: Optional[Callable[[], None]],
                       around_key: Hashable) -> None:
@@ -132,6 +152,7 @@ class Dion3Engine:
         for ex in self.exchanges:
             ex.bind()
         whole = self._whole()
+        self._accumulate_fresh(whole)
         exchanged = [i for i, ex in enumerate(self.exchanges) if not isinstance(ex, WholeExchange)]
         factors = [f for ex in whole for f in ex.factors()]
         factors += [self.exchanges[i].factors()[0] for i in exchanged]
@@ -151,6 +172,13 @@ class Dion3Engine:
         key = (prologue is not None, epilogue is not None, around_key,
                tuple(part for ex in self.exchanges for part in ex.graph_key()))
         self._graph.run_with_factors(key, step, factors, self.plan[0].shards[0].weight.device)
+
+    def _accumulate_fresh(self, whole: list[WholeExchange]) -> None:
+        """With fresh_grads: add the whole matrices' gradients to their momentum here, outside any
+        graph (their addresses change every step)."""
+        if self.fresh_grads:
+            for ex in whole:
+                ex.accumulate()
 
     def _select(self, groups: list[int]) -> dict[int, torch.Tensor]:
         """Score ``groups`` (their gradients added to the momentum), sum the partial row scores of
@@ -184,6 +212,7 @@ class Dion3Engine:
         for ex in self.exchanges:
             ex.bind()
         whole = self._whole()
+        self._accumulate_fresh(whole)
         chosen = self._select([i for i, ex in enumerate(self.exchanges) if not isinstance(ex, WholeExchange)])
         pending = _PendingStep(chosen, [i for i in chosen if self.exchanges[i].host_rows])
         if pending.host_rows:

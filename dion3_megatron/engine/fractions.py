@@ -1,7 +1,7 @@
 """``fraction="auto"`` on the devices: the speeds the cost model (:mod:`dion3_megatron.core.cost_model`)
 takes, measured once per (device, dtype) and process, and agreed across the ranks that must choose
 the same f (:func:`for_group`, :func:`agree_per_dtype`), and :func:`resolve_fractions`, which the
-plan asks for its groups' f (the torch class agrees the speeds itself, :func:`agree_per_dtype`).
+plan asks for its groups' f (the torch class's ranks agree the speeds once, :class:`AgreedSpeeds`).
 
 Three short timings per (device, dtype): a large matmul (FLOP/s), a tiny one (the fixed cost of a
 kernel, host overhead included) and a copy (memory bandwidth). The link bandwidth is assumed per
@@ -121,6 +121,26 @@ def agree_per_dtype(local: Sequence[tuple[torch.device, torch.dtype]],
             for dtype, (flops, neg_launch, memory) in zip(order, values.tolist()) if flops != math.inf}
 
 
+@dataclass
+class AgreedSpeeds:
+    """The speed of each Newton-Schulz dtype that ranks stepping whole matrices alike (data-parallel
+    replicas) agreed once, at their first step (:func:`agree_per_dtype`), so that later choices (a
+    matrix that first gets a gradient later, a param group added) make no collective. A dtype that
+    none of them stepped then is measured here where this rank is alone, and refused where it is not."""
+
+    by_dtype: dict[torch.dtype, DeviceSpeed]
+    distributed: bool
+
+    def of(self, device: torch.device, dtype: torch.dtype) -> DeviceSpeed:
+        if dtype not in self.by_dtype:
+            if self.distributed:
+                raise ValueError(f"fraction='auto' with ns_dtype={dtype}: no rank stepped a group of that dtype at the "
+                                 "first step, when the ranks agreed on the device's speed; give such groups from the "
+                                 "start, or set their fraction")
+            self.by_dtype[dtype] = measure(device, dtype)
+        return self.by_dtype[dtype]
+
+
 @dataclass(frozen=True)
 class FractionRequest:
     """A batch of same-shape matrices whose f ``fraction="auto"`` chooses."""
@@ -132,6 +152,7 @@ class FractionRequest:
     device: torch.device
     group: Optional[dist.ProcessGroup] = None  # whose members agree on the speed (None: this rank alone)
     step_share: float = 1.0  # see modelled_loss_change
+    speeds: Optional[AgreedSpeeds] = None  # speeds agreed before: no collective (group unused)
 
 
 def _speed_key(device: torch.device, hp: Dion3Hyperparameters, group: Optional[dist.ProcessGroup]) -> tuple:
@@ -142,19 +163,19 @@ def _speed_key(device: torch.device, hp: Dion3Hyperparameters, group: Optional[d
 def resolve_fractions(
     requests: Sequence[FractionRequest],
     joined: Sequence[tuple[torch.device, Dion3Hyperparameters, dist.ProcessGroup]] = (),
-    agreed: Optional[dict] = None,
 ) -> list[float]:
-    """The f of each request: :func:`choose_fraction` on the speed and step share its group agrees on.
+    """The f of each request: :func:`choose_fraction` on the speed and step share its group agrees on
+    (or on the speeds it brings, :class:`AgreedSpeeds`).
 
     One collective per (group, device, dtype), in the order of the groups' ranks, so that every
     member makes the same calls: a rank must call with the same groups as its peers, and names in
     ``joined`` (device, settings, group) those it agrees on without a request of its own.
-    ``agreed``: what earlier calls agreed, by that key, updated here; a key found in it makes no
-    collective (a caller that joined all its agreements at once passes it to keep later calls local).
     """
-    agreed = {} if agreed is None else agreed
+    agreed: dict[tuple, tuple[DeviceSpeed, float]] = {}
     wanted: dict[tuple, tuple] = {}
     for r in requests:  # a group's requests share its largest step share
+        if r.speeds is not None:
+            continue
         key = _speed_key(r.device, r.hp, r.group)
         share = max(r.step_share, wanted[key][2]) if key in wanted else r.step_share
         wanted[key] = (r.device, r.group, share)
@@ -165,6 +186,9 @@ def resolve_fractions(
             agreed[key] = for_group(device, key[2], group, share)
     out = []
     for r in requests:
-        speed, share = agreed[_speed_key(r.device, r.hp, r.group)]
+        if r.speeds is not None:
+            speed, share = r.speeds.of(r.device, r.hp.ns_dtype or default_ns_dtype(r.device)), r.step_share
+        else:
+            speed, share = agreed[_speed_key(r.device, r.hp, r.group)]
         out.append(cost_model.choose_fraction(*r.shape, speed, r.world, r.batch, r.hp.ns_method, r.hp.num_heads, share))
     return out

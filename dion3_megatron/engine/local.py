@@ -14,7 +14,7 @@ import torch
 from ..core import rule
 from ..core.rule import Dion3Hyperparameters
 from . import cuda_graph as cuda_graph_module
-from .exchange import BlockExchange, group_hp, sub_batch_mu, update_factors_of
+from .exchange import BlockExchange, folded_decay_of, group_hp, sub_batch_mu, update_factors_of
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,13 +135,34 @@ def _step_whole_eager(entries: list[WholeMatrices]) -> None:
 class WholeExchange(BlockExchange):
     """Matrices this rank holds whole: no exchange, no host round trip. All such groups of an
     engine step together (:meth:`step_all`), so same-shape blocks share one orthogonalization and
-    one CUDA graph replays them."""
+    one CUDA graph replays them. Gradients that are new tensors every step are added to the
+    momentum first, outside the graph (:meth:`accumulate`)."""
 
     host_rows = False
     static = True
 
+    def __init__(self, sg, traffic) -> None:
+        super().__init__(sg, traffic)
+        self._accumulated: Optional[list[tuple[torch.Tensor, bool]]] = None  # per sub-batch: (scores, decayed)
+
     def factors(self) -> list[rule.UpdateFactors]:
         return [update_factors_of(self.sg, sub.index) for sub in self.subs]
+
+    def accumulate(self) -> None:
+        """Add this step's gradients to the momentum and score the rows now, into buffers the
+        step (graphed or not) then reads."""
+        sg = self.sg
+        n, m = sg.key.shape
+        if self._accumulated is None:
+            self._accumulated = [(torch.empty(sub.momentum.shape[:2], dtype=torch.float32, device=sub.momentum.device),
+                                  False) for sub in self.subs]
+        for p, sub in enumerate(self.subs):
+            decay = folded_decay_of(sg, sub_batch_mu(sg, sub, sub.momentum.device))
+            scores = self._accumulated[p][0]
+            grads = [sg.shards[j].grad for j in sub.index]  # (a transposed weight's gradient has no (n, m) view)
+            rule.accumulate_and_score(sub.momentum, [g if g.shape == (n, m) else g.view(n, m) for g in grads],
+                                      out=scores, decay=decay)
+            self._accumulated[p] = (scores, decay is not None)
 
     def entries(self, factors: Optional[list[rule.UpdateFactors]] = None) -> list[WholeMatrices]:
         """The group's sub-batches as :class:`WholeMatrices`, each matrix with its own settings
@@ -149,11 +170,17 @@ class WholeExchange(BlockExchange):
         sg = self.sg
         n, m = sg.key.shape
         hp = group_hp(sg)
-        return [WholeMatrices([sg.shards[j].weight.view(n, m) for j in sub.index], sub.momentum, sub.variance, hp,
-                              grads=[sg.shards[j].grad.view(n, m) for j in sub.index],
-                              hps=[sg.shards[j].hp for j in sub.index], mu=sub_batch_mu(sg, sub, sub.momentum.device),
-                              factors=factors[p] if factors is not None else None, age=sub.age)
-                for p, sub in enumerate(self.subs)]
+        entries = []
+        for p, sub in enumerate(self.subs):
+            accumulated = self._accumulated[p] if self._accumulated is not None else None
+            entries.append(WholeMatrices(
+                [sg.shards[j].weight.view(n, m) for j in sub.index], sub.momentum, sub.variance, hp,
+                grads=None if accumulated else [sg.shards[j].grad.view(n, m) for j in sub.index],
+                scores=accumulated[0] if accumulated else None,
+                momentum_decayed=accumulated[1] if accumulated else False,
+                hps=[sg.shards[j].hp for j in sub.index], mu=sub_batch_mu(sg, sub, sub.momentum.device),
+                factors=factors[p] if factors is not None else None, age=sub.age))
+        return entries
 
     @staticmethod
     def step_all(exchanges: list["WholeExchange"], graph: Optional[cuda_graph_module.StepGraph],

@@ -9,11 +9,12 @@ from __future__ import annotations
 import functools
 import hashlib
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 import torch.distributed as dist
 
 from .. import options
+from ..core import cost_model
 from ..core.rule import Dion3Hyperparameters
 from . import fractions
 from .sharding import MatrixShard, Rect
@@ -95,13 +96,14 @@ class BatchKey(NamedTuple):
     ns_dtype: str
     staleness: float
     ranks: tuple[int, ...]  # the process group's ranks; () when the matrix is whole
+    device: str  # where a whole matrix lies ("" for split ones: each rank has its own)
 
 
 def _batch_key(shard: MatrixShard, world: int) -> BatchKey:
     hp = shard.hp
     return BatchKey(
         shard.shape, hp.fraction, hp.num_heads, hp.beta2, hp.eps, hp.ns_method, str(hp.ns_dtype), hp.staleness,
-        group_ranks(shard.group) if world > 1 else (),
+        group_ranks(shard.group) if world > 1 else (), str(shard.weight.device) if world == 1 else "",
     )
 
 
@@ -194,14 +196,63 @@ def check_plan_matches(plan: list[ShapeGroup], group: Optional[dist.ProcessGroup
     )
 
 
-def resolve_fractions(plan: list[ShapeGroup], step_share: float = 1.0) -> None:
-    """Set every group's f: its hp.fraction, or for "auto" the f chosen on the device's measured
-    speed, agreed over the group's process group (:func:`fractions.resolve_fractions`) so that
-    all members select the same number of rows. step_share: see
+def chooses_fraction(hp: Dion3Hyperparameters) -> bool:
+    """True where the plan chooses the matrix's f (its fraction option is "auto")."""
+    return hp.fraction == options.AUTO
+
+
+def resolve_fractions(plan: list[ShapeGroup], step_share: float = 1.0,
+                      speeds: Optional[fractions.AgreedSpeeds] = None,
+                      chosen: Optional[Mapping[str, float]] = None) -> None:
+    """Set every group's f: its hp.fraction, or for "auto" the f chosen before (``chosen``, by
+    matrix name, the first of the group's matrices found there: a resumed checkpoint, an engine
+    rebuilt), else the f chosen on the device's measured speed, agreed over the group's process
+    group (:func:`fractions.resolve_fractions`) so that all members select the same number of rows.
+    ``speeds``: the speeds the ranks that step whole matrices alike agreed before (the torch
+    class's data-parallel replicas), taken for the groups held whole. step_share: see
     :func:`fractions.modelled_loss_change`."""
-    wanted = [sg for sg in plan if sg.hp.fraction == options.AUTO]
+    chosen = chosen or {}
+    earlier = {id(sg): next((chosen[s.name] for s in sg.shards if s.name in chosen), None) for sg in plan}
+    wanted = [sg for sg in plan if chooses_fraction(sg.hp) and earlier[id(sg)] is None]
     requests = [fractions.FractionRequest(sg.key.shape, len(sg.shards), sg.world, sg.hp, sg.shards[0].weight.device,
-                                              sg.group if sg.world > 1 else None, step_share) for sg in wanted]
-    chosen = dict(zip(map(id, wanted), fractions.resolve_fractions(requests)))
+                                          sg.group if sg.world > 1 else None, step_share,
+                                          speeds if sg.world == 1 else None) for sg in wanted]
+    resolved = dict(zip(map(id, wanted), fractions.resolve_fractions(requests)))
     for sg in plan:
-        sg.fraction = chosen.get(id(sg), sg.hp.fraction)
+        if not chooses_fraction(sg.hp):
+            sg.fraction = sg.hp.fraction
+        else:
+            sg.fraction = resolved.get(id(sg), earlier[id(sg)])
+
+
+def chosen_fractions(plan: list[ShapeGroup]) -> dict[str, float]:
+    """What "auto" chose, by matrix name: the record a checkpoint keeps (:func:`resolve_fractions`
+    takes it back)."""
+    return {s.name: sg.fraction for sg in plan if chooses_fraction(sg.hp) for s in sg.shards}
+
+
+def fraction_record(saved: Mapping, where: str, param_matrices: Optional[Sequence[Sequence[str]]] = None,
+                    rank: int = 0) -> dict[str, float]:
+    """The record of what "auto" chose, {matrix name: f}, from a checkpoint's: this format, or one
+    of the two older ones, ``{param index: f}`` (the torch class's, read through
+    ``param_matrices[i]``, the names of param i's matrices) or ``{rank: {matrix name: f}}`` (the
+    Megatron class's: this ``rank``'s choices first, then the lowest rank's that has the matrix).
+    Every f must be one the cost model offers; anything else raises ValueError naming it."""
+    record: dict[str, float] = {}
+    nested = [key for key, value in saved.items() if isinstance(value, Mapping)]
+    if nested:
+        for r in sorted(nested, key=lambda r: (r != rank, r)):
+            for name, f in saved[r].items():
+                record.setdefault(name, f)
+    else:
+        for key, f in saved.items():
+            if isinstance(key, str):
+                record[key] = f
+            elif param_matrices is not None and isinstance(key, int) and 0 <= key < len(param_matrices):
+                record.update((name, f) for name in param_matrices[key])
+            else:
+                raise ValueError(f"{where}: {key!r} names no matrix of this optimizer")
+    for name, f in record.items():
+        if f not in cost_model.AUTO_FRACTIONS:
+            raise ValueError(f"{where}: {name} has fraction {f!r}, not one of {cost_model.AUTO_FRACTIONS}")
+    return record
