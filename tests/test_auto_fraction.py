@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dion3_megatron import Dion3
+from dion3_megatron import Dion3, options
 from dion3_megatron.core import cost_model, rule
 from dion3_megatron.engine import Dion3Engine, MatrixShard, Sharding, fractions
 from support.dist_utils import run_distributed
@@ -203,7 +203,7 @@ def _engine_worker(rank, world, shapes, seed):
     weights = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
     group = dist.new_group(list(range(world)))
-    hp = rule.Dion3Hyperparameters(lr=0.02, fraction="auto", ns_dtype=torch.float32)
+    hp = options.hyperparameters(lr=0.02, fraction="auto", ns_dtype=torch.float32)
     shards = []
     for j, (w, (n, m)) in enumerate(zip(weights, shapes)):
         sharding = Sharding.even_rows(n, world)
@@ -250,7 +250,7 @@ def _share_worker(rank, world):
     cost_model.AUTO_TOKENS_PER_STEP = 10  # a spawned process: not restored
     alone = [cost_model.choose_fraction(512, 64, FLOP_BOUND, world=2, batch=1, step_share=s) for s in (1.0, 0.1)]
     group = dist.new_group(list(range(world)))
-    hp = rule.Dion3Hyperparameters(lr=0.02, fraction="auto", ns_dtype=torch.float32)
+    hp = options.hyperparameters(lr=0.02, fraction="auto", ns_dtype=torch.float32)
     sharding = Sharding.even_rows(512, world)
     b = sharding.bounds
     weight = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))[b[rank]:b[rank + 1]].clone()

@@ -262,7 +262,7 @@ class MegatronDion3(torch.optim.Optimizer):
         return layout
 
     def _hp(self, group: dict) -> Dion3Hyperparameters:
-        return Dion3Hyperparameters(**{k: group[k] for k in _GROUP_SETTINGS})
+        return options.hyperparameters(**{k: group[k] for k in _GROUP_SETTINGS})
 
     # -------------------------------------------------------------------------------------------
     # Shards and engine.
