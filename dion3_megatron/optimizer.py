@@ -268,9 +268,9 @@ class Dion3(torch.optim.Optimizer):
         params = list(self._param_indices())
         auto_fractions = {}
         for pid, f in state_dict.get("auto_fractions", {}).items():
-            if not (isinstance(pid, int) and 0 <= pid < len(params) and f in cost_model.AUTO_FRACTIONS):
+            if not (isinstance(pid, int) and 0 <= pid < len(params) and f in cost_model.CANDIDATE_FRACTIONS):
                 raise ValueError(f"checkpoint auto_fractions: param {pid!r} with fraction {f!r} is not a parameter "
-                                 f"index below {len(params)} with one of {cost_model.AUTO_FRACTIONS}")
+                                 f"index below {len(params)} with one of {cost_model.CANDIDATE_FRACTIONS}")
             auto_fractions[params[pid]] = f
         new_state: dict[torch.Tensor, dict] = {}
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
