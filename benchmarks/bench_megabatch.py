@@ -22,9 +22,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from dion3_megatron import kernels
+from dion3_megatron import kernels, options
 from dion3_megatron.core import ortho
-from dion3_megatron.core import rule
 from dion3_megatron.engine import Dion3Engine, MatrixShard, Sharding
 
 
@@ -121,7 +120,7 @@ def time_steps(step, device, warmup, iters) -> list[float]:
 
 def profile_step(args, world, rank, group, device) -> None:
     """Where one engine step spends its time: host ops and device kernels, rank 0's view."""
-    hp = rule.Dion3Hyperparameters(fraction=args.profile)
+    hp = options.hyperparameters(fraction=args.profile)
     engine = Dion3Engine(make_shards(args.layers, args.hidden, args.ffn, world, rank, group, device, hp))
     for _ in range(3):
         engine.step()
@@ -170,7 +169,7 @@ def main() -> None:
         dist.destroy_process_group()
         return
 
-    muon_shards = make_shards(args.layers, args.hidden, args.ffn, world, rank, group, device, rule.Dion3Hyperparameters())
+    muon_shards = make_shards(args.layers, args.hidden, args.ffn, world, rank, group, device, options.hyperparameters())
     muon = DuplicatedMuon(muon_shards, world)
     with CollectiveCounter() as counter:
         muon.step()
@@ -181,7 +180,7 @@ def main() -> None:
 
     results["dion3"] = {}
     for fraction in [float(f) for f in args.fractions.split(",")]:
-        hp = rule.Dion3Hyperparameters(fraction=fraction)
+        hp = options.hyperparameters(fraction=fraction)
         shards = make_shards(args.layers, args.hidden, args.ffn, world, rank, group, device, hp)
         engine = Dion3Engine(shards)
         with CollectiveCounter() as counter:
@@ -192,7 +191,7 @@ def main() -> None:
 
     results["collectives_by_depth"] = {}
     for depth in [int(d) for d in args.depths.split(",")]:
-        hp = rule.Dion3Hyperparameters(fraction=0.25)
+        hp = options.hyperparameters(fraction=0.25)
         engine = Dion3Engine(make_shards(depth, args.hidden, args.ffn, world, rank, group, device, hp))
         with CollectiveCounter() as counter:
             engine.step()

@@ -10,7 +10,8 @@ The front ends are derived from :data:`OPTIONS`:
   ``_kwargs_from_config`` reads a prefixed config;
 * DeepSpeed: the keys of ``"optimizer": {"type": "Dion3", "params": {...}}``
   (:mod:`dion3_megatron.deepspeed.config`);
-* :class:`dion3_megatron.core.rule.Dion3Hyperparameters`: its defaults.
+* the rule's settings, :class:`dion3_megatron.core.rule.Dion3Hyperparameters`: :func:`hyperparameters`
+  fills in these defaults.
 
 tests/test_options.py checks that every front end carries exactly its options with these
 defaults and ranges. To add an option: declare it here, use it in the rule (or the front end that
@@ -29,10 +30,10 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from .core.rule import ADJUST_LR_CHOICES, Dion3Hyperparameters
 from .kernels.config import KERNELS
 
 AUTO = "auto"
-ADJUST_LR_CHOICES = ("spectral_norm", "rms_norm")
 NS_METHODS = ("gram", "standard")
 NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
@@ -261,6 +262,18 @@ def defaults_for(front_end: str) -> dict[str, Any]:
 def hyperparameter_names() -> tuple[str, ...]:
     """The options that are fields of rule.Dion3Hyperparameters."""
     return tuple(option.name for option in OPTIONS if option.hyperparameter)
+
+
+def hyperparameters(**overrides: Any) -> Dion3Hyperparameters:
+    """The rule's settings: the defaults of the options that are its fields, updated with
+    ``overrides`` (ValueError for a name that is not one). Values are not checked here (see
+    :func:`check`)."""
+    names = hyperparameter_names()
+    for name in overrides:
+        if name not in names:
+            hint = unknown_name_hint(name, names)
+            raise ValueError(f"{name!r} is not a field of Dion3Hyperparameters" + (f" ({hint})" if hint else ""))
+    return Dion3Hyperparameters(**{**{name: BY_NAME[name].default for name in names}, **overrides})
 
 
 def group_keys(front_end: str) -> tuple[str, ...]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dion3_megatron import Dion3
+from dion3_megatron import Dion3, options
 from dion3_megatron.core import cost_model, rule
 from dion3_megatron.engine import Dion3Engine, MatrixShard, Sharding, fractions
 from support.dist_utils import run_distributed
@@ -21,7 +21,7 @@ H200_LIKE = cost_model.DeviceSpeed(matmul_flops=4e14, launch_seconds=6e-6, memor
 @pytest.fixture
 def step_time_only(monkeypatch):
     """No forward and backward beside the optimizer's step: its time is the whole iteration."""
-    monkeypatch.setattr(cost_model, "AUTO_TOKENS_PER_STEP", 0)
+    monkeypatch.setattr(cost_model, "TOKENS_PER_STEP", 0)
 
 
 @pytest.mark.parametrize("speed", [FAST, LAUNCH_BOUND, FLOP_BOUND])
@@ -29,8 +29,8 @@ def test_choice_is_a_candidate_above_the_row_floor(speed, generator):
     for _ in range(40):
         rows, cols = (int(v) for v in torch.randint(1, 6000, (2,), generator=generator))
         f = cost_model.choose_fraction(rows, cols, speed, batch=int(torch.randint(1, 50, (), generator=generator)))
-        assert f in cost_model.AUTO_FRACTIONS
-        assert rule.selected_row_count(rows, f) >= min(cost_model.AUTO_MIN_ROWS, rows)
+        assert f in cost_model.CANDIDATE_FRACTIONS
+        assert rule.selected_row_count(rows, f) >= min(cost_model.MIN_SELECTED_ROWS, rows)
 
 
 def test_f_is_1_where_the_model_dominates_the_iteration_and_smaller_where_the_step_does():
@@ -46,7 +46,7 @@ def test_f_is_1_where_the_model_dominates_the_iteration_and_smaller_where_the_st
 
 
 def test_the_fewest_rows_the_floor_allows_when_slow_matmuls_are_the_whole_iteration(step_time_only):
-    assert cost_model.choose_fraction(cost_model.AUTO_MIN_ROWS, 512, FLOP_BOUND) == 1.0
+    assert cost_model.choose_fraction(cost_model.MIN_SELECTED_ROWS, 512, FLOP_BOUND) == 1.0
     assert cost_model.choose_fraction(4096, 4096, FLOP_BOUND) == 0.125
     # floor: 1024 rows at 1/8 would select 128 rows, the minimum; 512 rows need 1/4
     assert cost_model.choose_fraction(512, 4096, FLOP_BOUND) == 0.25
@@ -58,7 +58,7 @@ def test_more_tokens_per_step_never_lower_f(monkeypatch, generator):
         batch = int(torch.randint(1, 50, (), generator=generator))
         chosen = []
         for tokens in (0, 1024, 32768, 1 << 20):
-            monkeypatch.setattr(cost_model, "AUTO_TOKENS_PER_STEP", tokens)
+            monkeypatch.setattr(cost_model, "TOKENS_PER_STEP", tokens)
             chosen.append(cost_model.choose_fraction(rows, cols, H200_LIKE, batch=batch))
         assert chosen == sorted(chosen), (rows, cols, batch, chosen)
         assert chosen[-1] == 1.0  # a model that long makes the step's savings worth no loss
@@ -79,7 +79,7 @@ def test_the_choice_has_the_lowest_modelled_loss(generator):
         rows, cols = (int(v) for v in torch.randint(128, 16384, (2,), generator=generator))
         f = cost_model.choose_fraction(rows, cols, H200_LIKE, batch=8)
         change = {g: cost_model.modelled_loss_change(rows, cols, g, H200_LIKE, batch=8)
-                  for g in cost_model.AUTO_FRACTIONS if rule.selected_row_count(rows, g) >= 128}
+                  for g in cost_model.CANDIDATE_FRACTIONS if rule.selected_row_count(rows, g) >= 128}
         assert change[1.0] == 0.0 and change[f] == min(change.values())
 
 
@@ -101,7 +101,7 @@ def test_modelled_cost_grows_with_the_fraction(generator):
     checked = 0
     while checked < 20:
         rows, cols = (int(v) for v in torch.randint(64, 8000, (2,), generator=generator))
-        levels = sorted(cost_model.AUTO_FRACTIONS)
+        levels = sorted(cost_model.CANDIDATE_FRACTIONS)
         if any(rule.selected_row_count(rows, f) == cols for f in levels):
             continue
         costs = [cost_model.estimated_step_seconds(rows, cols, f, FAST, world=4, batch=6) for f in levels]
@@ -198,12 +198,12 @@ def _engine_worker(rank, world, shapes, seed):
     # Each rank measures a different speed: alone, rank 0 would take 1/4 of (512, 64)'s rows and
     # rank 1 all of them.
     fractions.measure = lambda device, dtype: [FLOP_BOUND, LAUNCH_BOUND][rank]
-    cost_model.AUTO_TOKENS_PER_STEP = 0  # the step is the whole iteration (a spawned process: not restored)
+    cost_model.TOKENS_PER_STEP = 0  # the step is the whole iteration (a spawned process: not restored)
     gen = torch.Generator().manual_seed(seed)
     weights = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
     group = dist.new_group(list(range(world)))
-    hp = rule.Dion3Hyperparameters(lr=0.02, fraction="auto", ns_dtype=torch.float32)
+    hp = options.hyperparameters(lr=0.02, fraction="auto", ns_dtype=torch.float32)
     shards = []
     for j, (w, (n, m)) in enumerate(zip(weights, shapes)):
         sharding = Sharding.even_rows(n, world)
@@ -247,10 +247,10 @@ def _share_worker(rank, world):
     # The ranks of one exchange step shares of their models that differ: alone, rank 0 (share 1)
     # would take 1/4 of (512, 64)'s rows and rank 1 (share 0.1) 1/2; they must agree.
     fractions.measure = lambda device, dtype: FLOP_BOUND
-    cost_model.AUTO_TOKENS_PER_STEP = 10  # a spawned process: not restored
+    cost_model.TOKENS_PER_STEP = 10  # a spawned process: not restored
     alone = [cost_model.choose_fraction(512, 64, FLOP_BOUND, world=2, batch=1, step_share=s) for s in (1.0, 0.1)]
     group = dist.new_group(list(range(world)))
-    hp = rule.Dion3Hyperparameters(lr=0.02, fraction="auto", ns_dtype=torch.float32)
+    hp = options.hyperparameters(lr=0.02, fraction="auto", ns_dtype=torch.float32)
     sharding = Sharding.even_rows(512, world)
     b = sharding.bounds
     weight = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))[b[rank]:b[rank + 1]].clone()
@@ -272,7 +272,7 @@ def _stage_worker(rank, world):
     # step rank 1 alone has a matrix added. Alone, rank 0 would keep every row of (512, 96) and
     # rank 1 would take 1/8 of (1024, 64); agreed on the slowest numbers of both, each takes 1/2.
     fractions.measure = lambda device, dtype: [LAUNCH_BOUND, FLOP_BOUND][rank]
-    cost_model.AUTO_TOKENS_PER_STEP = 0  # a spawned process: not restored
+    cost_model.TOKENS_PER_STEP = 0  # a spawned process: not restored
     gen = torch.Generator().manual_seed(rank)
     bias = torch.nn.Parameter(torch.randn(96, generator=gen))
     params = [torch.nn.Parameter(torch.randn(512, 96, generator=gen)), bias] if rank == 0 else [bias]
@@ -311,7 +311,7 @@ def _dtypes_worker(rank, world):
     # Rank 0 steps "auto" groups of two Newton-Schulz dtypes, rank 1 one of them beside a group of
     # fixed f: one collective each all the same, every dtype at the slower rank of those stepping it.
     fractions.measure = lambda device, dtype: [LAUNCH_BOUND, FLOP_BOUND][rank]
-    cost_model.AUTO_TOKENS_PER_STEP = 0  # a spawned process: not restored
+    cost_model.TOKENS_PER_STEP = 0  # a spawned process: not restored
     gen = torch.Generator().manual_seed(rank)
     shared = torch.nn.Parameter(torch.randn(1024, 64, generator=gen))
     own = torch.nn.Parameter(torch.randn(512, 96, generator=gen))

@@ -5,9 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from dion3_megatron import Dion3
+from dion3_megatron import Dion3, options
 from dion3_megatron.engine import cuda_graph
-from dion3_megatron.core import rule
 from dion3_megatron.engine.local import WholeMatrices, step_whole_matrices
 from dion3_megatron.kernels import rows as kernel_rows
 from dion3_megatron.engine import Dion3Engine, MatrixShard, Sharding
@@ -46,17 +45,17 @@ def train(params, grads, lrs, cuda_graph, reload_at=None, **kwargs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("options", [{"fraction": 0.25}, {"fraction": "auto", "mu": 0.9, "scale_mu_by_fraction": True, "num_heads": 4},
+@pytest.mark.parametrize("settings", [{"fraction": 0.25}, {"fraction": "auto", "mu": 0.9, "scale_mu_by_fraction": True, "num_heads": 4},
                                      {"staleness": 1.0}])
-def test_dion3_graph_replay_equals_eager(generator, dtype, options):
+def test_dion3_graph_replay_equals_eager(generator, dtype, settings):
     steps = 8
     base = make_params(generator, dtype)
     grads = [[torch.randn(p.shape, generator=generator).cuda() for p in base] for _ in range(steps)]
     lrs = [0.02 * (0.8 ** i) for i in range(steps)]  # lr changes every step: it must reach the graph
     eager = [torch.nn.Parameter(p.detach().clone()) for p in base]
     graphed = [torch.nn.Parameter(p.detach().clone()) for p in base]
-    opt_eager = train(eager, grads, lrs, cuda_graph=False, reload_at=5, **options)
-    opt_graphed = train(graphed, grads, lrs, cuda_graph=True, reload_at=5, **options)
+    opt_eager = train(eager, grads, lrs, cuda_graph=False, reload_at=5, **settings)
+    opt_graphed = train(graphed, grads, lrs, cuda_graph=True, reload_at=5, **settings)
     assert opt_graphed._graph.graph is not None and opt_eager._graph.graph is None
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
@@ -66,7 +65,7 @@ def test_dion3_graph_replay_equals_eager(generator, dtype, options):
 
 
 def engine_run(weights, grads, lrs, cuda_graph, staleness=0.0):
-    hp = rule.Dion3Hyperparameters(fraction=0.25, weight_decay=0.1, scale_mu_by_fraction=True, staleness=staleness)
+    hp = options.hyperparameters(fraction=0.25, weight_decay=0.1, scale_mu_by_fraction=True, staleness=staleness)
     shards = [MatrixShard(f"m{j}", w, g, tuple(w.shape), Sharding.full(), None, hp) for j, (w, g) in enumerate(zip(weights, grads[0]))]
     engine = Dion3Engine(shards, cuda_graph=cuda_graph)
     for lr, step_grads in zip(lrs, grads):
@@ -111,7 +110,7 @@ def test_whole_matrices_on_flat_slices_graph_equals_eager(generator, staleness):
         flat, momentum, variance, age = flat0.clone(), *(torch.zeros_like(flat0) for _ in range(3))
         graph = cuda_graph.StepGraph()
         for step in range(steps):
-            hp = rule.Dion3Hyperparameters(lr=0.01 / (step + 1), fraction=0.25, weight_decay=0.1, staleness=staleness)
+            hp = options.hyperparameters(lr=0.01 / (step + 1), fraction=0.25, weight_decay=0.1, staleness=staleness)
             entries = []
             for offset, count, n, m in runs:
                 views = [t.narrow(0, offset, count * n * m).view(count, n, m)

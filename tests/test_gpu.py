@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dion3_megatron import Dion3
-from dion3_megatron.core import rule
+from dion3_megatron import Dion3, options
 from dion3_megatron.engine import Dion3Engine, MatrixShard, Sharding
 from support.dist_utils import run_distributed
 
@@ -43,7 +42,7 @@ def nccl_worker(rank, world, seed, fraction, staleness, steps=3):
     shapes = [(512, 256)] * 3 + [(256, 512)] * 2
     weights = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
-    hp = rule.Dion3Hyperparameters(fraction=fraction, ns_dtype=torch.float32, staleness=staleness)
+    hp = options.hyperparameters(fraction=fraction, ns_dtype=torch.float32, staleness=staleness)
     group = dist.new_group(list(range(world)))
     shards = []
 
@@ -101,7 +100,7 @@ def nccl_graph_worker(rank, world, seed, staleness, steps=6):
 
     runs = []
     for use_graph in (False, True):
-        hp = rule.Dion3Hyperparameters(fraction=0.25, weight_decay=0.1, ns_dtype=torch.float32, staleness=staleness)
+        hp = options.hyperparameters(fraction=0.25, weight_decay=0.1, ns_dtype=torch.float32, staleness=staleness)
         shards = []
         for j, (w, s) in enumerate(zip(weights, shapes)):
             sharding = sharding_of(j, s)

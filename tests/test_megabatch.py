@@ -7,10 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dion3_megatron import Dion3
+from dion3_megatron import Dion3, options
 from dion3_megatron.core import rule
 from dion3_megatron.engine import Dion3Engine, MatrixShard, Sharding
-from dion3_megatron.options import BY_NAME
 from support.dist_utils import run_distributed
 
 STEPS = 3
@@ -61,14 +60,14 @@ def matrices_and_grads(shapes, seed, steps=STEPS):
     return weights, grads
 
 
-DEFAULT_STALENESS = BY_NAME["staleness"].default
+DEFAULT_STALENESS = options.BY_NAME["staleness"].default
 HP = dict(lr=0.02, mu=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, ns_dtype=torch.float32)
 
 
 def sharded_worker(rank, world, kind, shapes, fraction, seed, staleness=DEFAULT_STALENESS, steps=STEPS, mu=HP["mu"],
                    ns_dtype=HP["ns_dtype"]):
     weights, grads = matrices_and_grads(shapes, seed, steps)
-    hp = rule.Dion3Hyperparameters(fraction=fraction, staleness=staleness, **dict(HP, mu=mu, ns_dtype=ns_dtype))
+    hp = options.hyperparameters(fraction=fraction, staleness=staleness, **dict(HP, mu=mu, ns_dtype=ns_dtype))
     group = dist.new_group(list(range(world)))
     shards = []
     for j, (w, shape) in enumerate(zip(weights, shapes)):
@@ -196,7 +195,7 @@ def test_sharded_step_with_half_precision_newton_schulz_equals_single_process(wo
 def test_unsharded_matrices_step_locally_like_the_optimizer():
     seed = torch.seed() % 2**31
     weights, grads = matrices_and_grads(SHAPES, seed)
-    hp = rule.Dion3Hyperparameters(fraction=0.25, **HP)
+    hp = options.hyperparameters(fraction=0.25, **HP)
     shards = [MatrixShard(f"m{j}", w.clone(), None, w.shape, Sharding.full(), None, hp) for j, w in enumerate(weights)]
     engine = Dion3Engine(shards)
     for step in range(STEPS):
@@ -220,7 +219,7 @@ def test_unsharded_matrices_never_wait_for_the_host_and_keep_per_matrix_settings
     weights, grads = matrices_and_grads(SHAPES, seed)
     settings = [dict(HP, mu=0.9 - 0.05 * (j % 3), lr=0.02 * (1 + j % 2)) for j in range(len(SHAPES))]
     shards = [MatrixShard(f"m{j}", w.clone(), None, w.shape, Sharding.full(), None,
-                          rule.Dion3Hyperparameters(fraction=0.25, **settings[j])) for j, w in enumerate(weights)]
+                          options.hyperparameters(fraction=0.25, **settings[j])) for j, w in enumerate(weights)]
     engine = Dion3Engine(shards)
     copies_to_host = []
     original_cpu = torch.Tensor.cpu
@@ -245,7 +244,7 @@ def static_exchange_worker(rank, world, kind, fraction, seed):
     shards = []
     for j, (w, shape) in enumerate(zip(weights, SHAPES)):
         sharding = make_sharding(kind, *shape, world, j)
-        hp = rule.Dion3Hyperparameters(fraction=fraction, **dict(HP, mu=0.9 - 0.05 * (j % 3), lr=0.02 * (1 + j % 2)))
+        hp = options.hyperparameters(fraction=fraction, **dict(HP, mu=0.9 - 0.05 * (j % 3), lr=0.02 * (1 + j % 2)))
         shards.append(MatrixShard(f"m{j}", local_piece(w, sharding, rank), None, shape, sharding, group, hp))
     engine = Dion3Engine(shards)
     to_host = []
@@ -289,7 +288,7 @@ def counting_worker(rank, world, layers, fraction):
 
         setattr(dist, name, counted)
     group = dist.new_group(list(range(world)))
-    hp = rule.Dion3Hyperparameters(fraction=fraction, **HP)
+    hp = options.hyperparameters(fraction=fraction, **HP)
     hidden = 32
     # Q, K, V split on rows and the projection on columns share one shape; then fc1 and fc2.
     layer = [((hidden, hidden), "rows")] * 3 + [((hidden, hidden), "cols"), ((4 * hidden, hidden), "rows"),
@@ -341,7 +340,7 @@ def engine_error(shards) -> str:
 
 def mismatch_worker(rank, world):
     group = dist.new_group(list(range(world)))
-    hp = rule.Dion3Hyperparameters()
+    hp = options.hyperparameters()
     names = ["a", "b"] if rank == 0 else ["a", "c"]
     shards = [MatrixShard(n, torch.randn(4, 8), torch.randn(4, 8), (8, 8), Sharding.even_rows(8, 2), group, hp)
               for n in names]
@@ -362,9 +361,9 @@ def test_plan_mismatch_raises_a_clear_error_quickly():
 def one_sided_worker(rank, world, case):
     """A plan that differs across the ranks of one group, as ``case`` says; returns each rank's error."""
     group = dist.new_group(list(range(world)))
-    hp = rule.Dion3Hyperparameters()
+    hp = options.hyperparameters()
     if case == "lr":  # the two TP shards of one logical matrix, stepped with different lr
-        hp = rule.Dion3Hyperparameters(lr=0.01 * (rank + 1))
+        hp = options.hyperparameters(lr=0.01 * (rank + 1))
     split = MatrixShard("a", torch.randn(4, 8), torch.randn(4, 8), (8, 8), Sharding.even_rows(8, 2), group, hp)
     whole = MatrixShard("a", torch.randn(8, 8), torch.randn(8, 8), (8, 8), Sharding.full(), None, hp)
     # "missing": rank 1 holds the matrix whole, so it has no matrix split over the group at all.

@@ -232,7 +232,7 @@ def test_auto_fraction_choices_survive_a_resume_on_a_machine_of_another_speed(mo
                 p.grad = step_grads[name].clone()
             opt.step()
 
-    monkeypatch.setattr(cost_model, "AUTO_TOKENS_PER_STEP", 0)  # the step is the whole iteration
+    monkeypatch.setattr(cost_model, "TOKENS_PER_STEP", 0)  # the step is the whole iteration
     monkeypatch.setattr(fractions, "measure", lambda device, dtype: flop_bound)
     params, opt = build(weights)
     run(params, opt, grads[:2])
@@ -294,7 +294,7 @@ def test_a_checkpoint_from_before_the_option_loads_with_every_row_at_age_zero(ge
 
 @pytest.mark.parametrize("fraction", [0.5, "auto"])
 def test_fractions_of_names_each_logical_matrix_with_the_f_its_steps_use(generator, fraction):
-    from dion3_megatron.core.cost_model import AUTO_FRACTIONS
+    from dion3_megatron.core.cost_model import CANDIDATE_FRACTIONS
 
     params, names = _params(generator)
     opt = _megatron(params, names)
@@ -306,7 +306,7 @@ def test_fractions_of_names_each_logical_matrix_with_the_f_its_steps_use(generat
     assert fc1 == [((5, COLS), fc1[0][1]), ((5, COLS), fc1[1][1])]  # SwiGLU gate and up halves
     assert [shape for shape, _ in proj] == [(COLS, 7)]
     for _, f in qkv + fc1 + proj:
-        assert f == 0.5 if fraction == 0.5 else f in AUTO_FRACTIONS
+        assert f == 0.5 if fraction == 0.5 else f in CANDIDATE_FRACTIONS
 
 
 def test_auto_weighs_the_share_of_the_model_s_matrices_this_rank_steps(monkeypatch, generator):

@@ -370,9 +370,9 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         from dion3_megatron.engine import fractions
 
         speeds = [cost_model.DeviceSpeed(1e6, 0.0, 1e30, 1e30), cost_model.DeviceSpeed(1e30, 1.0, 1e30, 1e30)]
-        measure, min_rows, tokens = fractions.measure, cost_model.AUTO_MIN_ROWS, cost_model.AUTO_TOKENS_PER_STEP
-        cost_model.AUTO_MIN_ROWS = 8  # the tiny model's matrices have <= 128 rows: let the speed decide
-        cost_model.AUTO_TOKENS_PER_STEP = 0  # and its step be the whole iteration
+        measure, min_rows, tokens = fractions.measure, cost_model.MIN_SELECTED_ROWS, cost_model.TOKENS_PER_STEP
+        cost_model.MIN_SELECTED_ROWS = 8  # the tiny model's matrices have <= 128 rows: let the speed decide
+        cost_model.TOKENS_PER_STEP = 0  # and its step be the whole iteration
         try:
             fractions.measure = lambda device, dtype: speeds[rank]
             ms.init_parallel()
@@ -395,7 +395,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
             resumed = _full_state(chunks[0].module, cfg)
             return {"chosen": chosen, "resume_max_diff": max((resumed[k] - straight[k]).abs().max().item() for k in straight)}
         finally:
-            fractions.measure, cost_model.AUTO_MIN_ROWS, cost_model.AUTO_TOKENS_PER_STEP = measure, min_rows, tokens
+            fractions.measure, cost_model.MIN_SELECTED_ROWS, cost_model.TOKENS_PER_STEP = measure, min_rows, tokens
 
     def dp_overlap():
         return parallel(overlap=True)[0]

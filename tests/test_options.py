@@ -39,9 +39,17 @@ def test_spec_is_consistent():
 
 
 def test_rule_hyperparameters_take_their_defaults_from_the_spec():
-    fields = {f.name: f.default for f in dataclasses.fields(rule.Dion3Hyperparameters)}
-    assert tuple(fields) == options.hyperparameter_names()
-    assert fields == {name: options.BY_NAME[name].default for name in fields}
+    """The rule's settings declare no defaults of their own: options.hyperparameters() fills in the spec's."""
+    fields = dataclasses.fields(rule.Dion3Hyperparameters)
+    assert tuple(f.name for f in fields) == options.hyperparameter_names()
+    assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING for f in fields)
+    hp = options.hyperparameters()
+    assert dataclasses.asdict(hp) == {name: options.BY_NAME[name].default for name in options.hyperparameter_names()}
+    assert options.hyperparameters(fraction=0.5, mu=0.9) == dataclasses.replace(hp, fraction=0.5, mu=0.9)
+    with pytest.raises(ValueError, match="'fractoin' is not a field of Dion3Hyperparameters \\(did you mean 'fraction'\\?\\)"):
+        options.hyperparameters(fractoin=0.5)
+    with pytest.raises(ValueError, match="'betas' is not a field"):
+        options.hyperparameters(betas=(0.9, 0.95))
 
 
 def test_torch_constructor_takes_exactly_the_torch_options():

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from dion3_megatron import Dion3
+from dion3_megatron import Dion3, options
 from dion3_megatron.core import ortho
 from dion3_megatron.core import rule
 
@@ -118,17 +118,17 @@ def _assert_first_step_decays_applied_rows_by(decay: float, f: float, generator,
 @pytest.mark.parametrize("f", [0.25, 0.125, 1.0])
 def test_scale_mu_by_fraction_decays_applied_rows_by_mu_to_the_one_over_f(f, generator):
     mu = 0.9
-    hp = rule.Dion3Hyperparameters(mu=mu, scale_mu_by_fraction=True)
+    hp = options.hyperparameters(mu=mu, scale_mu_by_fraction=True)
     assert rule.momentum_decay(hp, f) == pytest.approx(mu ** (1 / f))
-    assert rule.momentum_decay(rule.Dion3Hyperparameters(mu=mu), f) == mu
+    assert rule.momentum_decay(options.hyperparameters(mu=mu), f) == mu
     _assert_first_step_decays_applied_rows_by(mu ** (1 / f), f, generator, mu=mu, scale_mu_by_fraction=True)
 
 
 @pytest.mark.parametrize("f, expected", [(0.25, 0.6), (0.125, 0.36), (0.5, 0.6 ** 0.5), (1.0, 0.6 ** 0.25)])
 def test_default_mu_keeps_the_memory_per_step_of_0_6_at_a_quarter(f, expected, generator):
     """mu unset: the applied rows keep 0.6 ** (1 / (4 f)); an explicit mu is kept as given at any f."""
-    assert rule.momentum_decay(rule.Dion3Hyperparameters(), f) == pytest.approx(expected, rel=1e-12)
-    assert rule.momentum_decay(rule.Dion3Hyperparameters(mu=0.6), f) == 0.6
+    assert rule.momentum_decay(options.hyperparameters(), f) == pytest.approx(expected, rel=1e-12)
+    assert rule.momentum_decay(options.hyperparameters(mu=0.6), f) == 0.6
     _assert_first_step_decays_applied_rows_by(expected, f, generator)
     _assert_first_step_decays_applied_rows_by(0.6, f, generator, mu=0.6)
 
@@ -192,7 +192,7 @@ def test_a_folded_decay_leaves_the_momentum_decayed_and_scores_it_before(generat
 
 
 def test_the_decay_folds_only_into_a_step_that_selects_every_row():
-    hp = rule.Dion3Hyperparameters(fraction=1.0, mu=0.9)
+    hp = options.hyperparameters(fraction=1.0, mu=0.9)
     assert rule.folded_decay(hp, 12) == 0.9
     assert rule.folded_decay(dataclasses.replace(hp, fraction=0.25), 12) is None  # some rows stay out
     assert rule.folded_decay(dataclasses.replace(hp, mu=0.0), 12) is None  # nothing left to orthogonalize

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from dion3_megatron import Dion3
+from dion3_megatron import Dion3, options
 from dion3_megatron.core import rule
 from dion3_megatron.engine import Dion3Engine, MatrixShard, Sharding
 
@@ -113,7 +113,7 @@ def test_the_engine_steps_whole_matrices_with_staleness_like_the_optimizer(gener
     shapes = [(16, 24)] * 3 + [(24, 16)]
     data = [torch.randn(s, generator=generator) for s in shapes]
     grads = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(8)]
-    hp = rule.Dion3Hyperparameters(fraction=0.25, staleness=1.0, ns_dtype=torch.float32)
+    hp = options.hyperparameters(fraction=0.25, staleness=1.0, ns_dtype=torch.float32)
     shards = [MatrixShard(f"m{j}", d.clone(), None, d.shape, Sharding.full(), None, hp) for j, d in enumerate(data)]
     engine = Dion3Engine(shards)
     params = [torch.nn.Parameter(d.clone()) for d in data]
@@ -130,11 +130,11 @@ def test_the_engine_steps_whole_matrices_with_staleness_like_the_optimizer(gener
 
 @pytest.mark.parametrize("built,changed", [(0.0, 1.0), (1.0, 0.5)])
 def test_the_engine_refuses_a_staleness_changed_since_it_was_built(generator, built, changed):
-    hp = rule.Dion3Hyperparameters(fraction=0.5, staleness=built)
+    hp = options.hyperparameters(fraction=0.5, staleness=built)
     weight = torch.randn(8, 8, generator=generator)
     shard = MatrixShard("w", weight, torch.randn(8, 8, generator=generator), (8, 8), Sharding.full(), None, hp)
     engine = Dion3Engine([shard])
-    shard.hp = rule.Dion3Hyperparameters(fraction=0.5, staleness=changed)
+    shard.hp = options.hyperparameters(fraction=0.5, staleness=changed)
     before = weight.clone()
     with pytest.raises(ValueError, match=f"staleness changed from {built} to {changed} since the engine was built"):
         engine.step()

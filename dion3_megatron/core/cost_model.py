@@ -17,32 +17,32 @@ from .rule import selected_row_count
 # --------------------------------------------------------------------------------------------
 # The cost model: f per matrix from its shape, the world size and the device's speed.
 
-AUTO_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
+CANDIDATE_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
 
 
-AUTO_MIN_ROWS = 128  # quality floor: fewer selected rows than this lost to f = 1 in our runs
+MIN_SELECTED_ROWS = 128  # quality floor: fewer selected rows than this lost to f = 1 in our runs
 
 
 # The exchange rate between loss and time, from the convergence protocol
 # (benchmarks/results/measurement-log.md, byte-level GPTs at 10 tokens per parameter, every family at
 # its best lr):
-# at equal tokens f costs about AUTO_LOSS_PER_WAITING_ROW_SHARE * (1/f - 1) nats of final validation
+# at equal tokens f costs about LOSS_PER_WAITING_ROW_SHARE * (1/f - 1) nats of final validation
 # loss against f = 1, each at its default mu (10.8M: f = 1 0.6954, f = 1/4 0.7088, f = 1/8 0.7210, two
 # seeds each: 0.0045 and 0.0037 per unit; 48.7M: f = 1 0.5550, f = 1/4 0.5653, f = 1/8 0.5725, two
 # seeds each: 0.0034 and 0.0025; the largest is taken);
-AUTO_LOSS_PER_WAITING_ROW_SHARE = 0.0045
+LOSS_PER_WAITING_ROW_SHARE = 0.0045
 
 
 # and near the end of those runs the loss falls by 0.06-0.12 per unit of log(steps) (Muon's
-# curves), so a step x times shorter buys about AUTO_LOSS_PER_LOG_TIME * ln(x) at equal wall-clock
+# curves), so a step x times shorter buys about LOSS_PER_LOG_TIME * ln(x) at equal wall-clock
 # time (the low end taken).
-AUTO_LOSS_PER_LOG_TIME = 0.06
+LOSS_PER_LOG_TIME = 0.06
 
 
 # The optimizer cannot see the model's forward and backward, which dilute what its step saves: they
 # are modelled as 6 FLOPs per parameter and token at the measured matmul rate, with this many tokens
 # per data-parallel rank and step (e.g. 8 sequences of 4096), for the whole matrix on every rank.
-AUTO_TOKENS_PER_STEP = 32768
+TOKENS_PER_STEP = 32768
 
 
 NS_KERNELS = {"gram": 30, "standard": 20}  # kernels per orthogonalization call, shared by its batch
@@ -105,9 +105,9 @@ def modelled_loss_change(
     step_share: float = 1.0,
 ) -> float:
     """Modelled change of the final loss (nats) from stepping this matrix at ``fraction`` instead of
-    1, at equal wall-clock time: what f costs at equal tokens (AUTO_LOSS_PER_WAITING_ROW_SHARE) less
-    what the shorter iteration buys (AUTO_LOSS_PER_LOG_TIME), the iteration being the matrix's
-    modelled forward and backward (AUTO_TOKENS_PER_STEP) plus its step. Negative: f pays.
+    1, at equal wall-clock time: what f costs at equal tokens (LOSS_PER_WAITING_ROW_SHARE) less
+    what the shorter iteration buys (LOSS_PER_LOG_TIME), the iteration being the matrix's
+    modelled forward and backward (TOKENS_PER_STEP) plus its step. Negative: f pays.
 
     step_share: the share of the matrices whose forward and backward a rank computes that it steps
     (Megatron's layer-wise ZeRO-1: about 1 / DP), so each stepped matrix stands for 1 / step_share
@@ -115,9 +115,9 @@ def modelled_loss_change(
     def step(f: float) -> float:
         return estimated_step_seconds(n_rows, n_cols, f, speed, world, batch, ns_method, num_heads)
 
-    forward_backward = 6 * n_rows * n_cols * AUTO_TOKENS_PER_STEP / speed.matmul_flops / step_share
+    forward_backward = 6 * n_rows * n_cols * TOKENS_PER_STEP / speed.matmul_flops / step_share
     saved = math.log((forward_backward + step(1.0)) / (forward_backward + step(fraction)))
-    return AUTO_LOSS_PER_WAITING_ROW_SHARE * (1 / fraction - 1) - AUTO_LOSS_PER_LOG_TIME * saved
+    return LOSS_PER_WAITING_ROW_SHARE * (1 / fraction - 1) - LOSS_PER_LOG_TIME * saved
 
 
 def choose_fraction(
@@ -127,14 +127,14 @@ def choose_fraction(
 ) -> float:
     """The f that ``fraction="auto"`` uses for an n_rows x n_cols matrix.
 
-    Among AUTO_FRACTIONS that select at least AUTO_MIN_ROWS rows (all of them for smaller
+    Among CANDIDATE_FRACTIONS that select at least MIN_SELECTED_ROWS rows (all of them for smaller
     matrices), the f with the lowest :func:`modelled_loss_change` (the larger f on a tie). Where
     the orthogonalization is a large share of the iteration (wide matrices, few tokens per rank, a
     slow link) a smaller f pays for its loss; where launches, memory or the model's own work
     dominate, f = 1 (at or below Muon's loss) is the choice.
     """
-    floor = min(AUTO_MIN_ROWS, n_rows)
-    feasible = [f for f in AUTO_FRACTIONS if selected_row_count(n_rows, f, num_heads) >= floor] or [1.0]
+    floor = min(MIN_SELECTED_ROWS, n_rows)
+    feasible = [f for f in CANDIDATE_FRACTIONS if selected_row_count(n_rows, f, num_heads) >= floor] or [1.0]
     change = {f: modelled_loss_change(n_rows, n_cols, f, speed, world, batch, ns_method, num_heads, step_share)
               for f in feasible}
     return min(feasible, key=lambda f: (change[f], -f))

@@ -23,9 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import options
 from ..kernels import rows as row_kernels
-from ..options import ADJUST_LR_CHOICES
 from .ortho import default_ns_dtype, orthogonalize
 
 # The largest gradient magnitude a step takes: its square is about the largest fp32 value, so
@@ -34,27 +32,29 @@ from .ortho import default_ns_dtype, orthogonalize
 # every update is then finite too. A larger (or a non-finite) gradient skips the whole step.
 GRADIENT_LIMIT = 2.0**64
 
-_DEFAULT = {name: options.BY_NAME[name].default for name in options.hyperparameter_names()}
+# The adjust_lr modes; update_scale() gives the lr multiplier of each.
+ADJUST_LR_CHOICES = ("spectral_norm", "rms_norm")
 
 
 @dataclass(frozen=True)
 class Dion3Hyperparameters:
-    """Everything the rule needs for one matrix besides its tensors (the options and their
-    defaults are declared in :mod:`dion3_megatron.options`)."""
+    """Everything the rule needs for one matrix besides its tensors. Every field is required: the
+    options' defaults and checks are the option spec's (``dion3_megatron.options.hyperparameters()``
+    fills in the defaults)."""
 
-    lr: float = _DEFAULT["lr"]
-    fraction: float | str = _DEFAULT["fraction"]  # or "auto": resolved per matrix (engine.fractions)
-    mu: Optional[float] = _DEFAULT["mu"]  # None: by the fraction (see momentum_decay())
-    beta2: float = _DEFAULT["beta2"]
-    weight_decay: float = _DEFAULT["weight_decay"]
-    eps: float = _DEFAULT["eps"]
-    adjust_lr: str = _DEFAULT["adjust_lr"]
-    scale_lr_by_fraction: bool = _DEFAULT["scale_lr_by_fraction"]
-    scale_mu_by_fraction: bool = _DEFAULT["scale_mu_by_fraction"]  # see momentum_decay()
-    staleness: float = _DEFAULT["staleness"]  # see staleness_boost()
-    num_heads: Optional[int] = _DEFAULT["num_heads"]
-    ns_method: str = _DEFAULT["ns_method"]
-    ns_dtype: Optional[torch.dtype] = _DEFAULT["ns_dtype"]  # None: fp16 on GPUs, fp32 on CPU (ortho.default_ns_dtype)
+    lr: float
+    fraction: float | str  # or "auto": resolved per matrix (engine.fractions)
+    mu: Optional[float]  # None: by the fraction (see momentum_decay())
+    beta2: float
+    weight_decay: float
+    eps: float
+    adjust_lr: str  # one of ADJUST_LR_CHOICES (see update_scale())
+    scale_lr_by_fraction: bool
+    scale_mu_by_fraction: bool  # see momentum_decay()
+    staleness: float  # see staleness_boost()
+    num_heads: Optional[int]
+    ns_method: str
+    ns_dtype: Optional[torch.dtype]  # None: fp16 on GPUs, fp32 on CPU (ortho.default_ns_dtype)
 
 
 # --------------------------------------------------------------------------------------------

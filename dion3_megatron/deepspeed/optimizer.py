@@ -99,9 +99,9 @@ class DeepSpeedDion3(Dion3):
         saved = state_dict.get("zero_auto_fractions", {})
         for gi, choices in saved.items():
             values = list(choices["whole"] or []) + list(choices["pieces"].values())
-            if any(f not in cost_model.AUTO_FRACTIONS for f in values):
+            if any(f not in cost_model.CANDIDATE_FRACTIONS for f in values):
                 raise ValueError(f"checkpoint zero_auto_fractions: param group {gi} has fractions {values}, "
-                                 f"not all in {cost_model.AUTO_FRACTIONS}")
+                                 f"not all in {cost_model.CANDIDATE_FRACTIONS}")
         super().load_state_dict(state_dict)
         self._saved_zero_fractions = dict(saved)
         self._zero_plans.clear()  # rebuilt at the next step (by every rank), with these choices

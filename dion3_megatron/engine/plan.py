@@ -253,6 +253,6 @@ def fraction_record(saved: Mapping, where: str, param_matrices: Optional[Sequenc
             else:
                 raise ValueError(f"{where}: {key!r} names no matrix of this optimizer")
     for name, f in record.items():
-        if f not in cost_model.AUTO_FRACTIONS:
-            raise ValueError(f"{where}: {name} has fraction {f!r}, not one of {cost_model.AUTO_FRACTIONS}")
+        if f not in cost_model.CANDIDATE_FRACTIONS:
+            raise ValueError(f"{where}: {name} has fraction {f!r}, not one of {cost_model.CANDIDATE_FRACTIONS}")
     return record

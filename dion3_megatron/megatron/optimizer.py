@@ -262,7 +262,7 @@ class MegatronDion3(torch.optim.Optimizer):
         return layout
 
     def _hp(self, group: dict) -> Dion3Hyperparameters:
-        return Dion3Hyperparameters(**{k: group[k] for k in _GROUP_SETTINGS})
+        return options.hyperparameters(**{k: group[k] for k in _GROUP_SETTINGS})
 
     # -------------------------------------------------------------------------------------------
     # Shards and engine.
@@ -531,9 +531,9 @@ class MegatronDion3(torch.optim.Optimizer):
         out: dict[str, float] = {}
         for rank in sorted(saved, key=lambda r: (r != me, r)):
             for name, f in saved[rank].items():
-                if f not in cost_model.AUTO_FRACTIONS:
+                if f not in cost_model.CANDIDATE_FRACTIONS:
                     raise ValueError(f"checkpoint auto_fractions: {name} on rank {rank} has fraction {f!r}, "
-                                     f"not one of {cost_model.AUTO_FRACTIONS}")
+                                     f"not one of {cost_model.CANDIDATE_FRACTIONS}")
                 out.setdefault(name, f)
         return out
 

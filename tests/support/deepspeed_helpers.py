@@ -467,9 +467,9 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
     from dion3_megatron.core import cost_model
     from dion3_megatron.engine import fractions
 
-    min_rows, measure, tokens = cost_model.AUTO_MIN_ROWS, fractions.measure, cost_model.AUTO_TOKENS_PER_STEP
-    cost_model.AUTO_MIN_ROWS = 1  # the test model's matrices have <= 20 rows: let the speed decide
-    cost_model.AUTO_TOKENS_PER_STEP = 0  # and the step be the whole iteration
+    min_rows, measure, tokens = cost_model.MIN_SELECTED_ROWS, fractions.measure, cost_model.TOKENS_PER_STEP
+    cost_model.MIN_SELECTED_ROWS = 1  # the test model's matrices have <= 20 rows: let the speed decide
+    cost_model.TOKENS_PER_STEP = 0  # and the step be the whole iteration
     try:
         fractions.measure = lambda device, dtype: cost_model.DeviceSpeed(1e6, 0.0, 1e30, 1e30)  # slow matmuls: f = 1/8
         engine = make_engine(config(2, world=world, fraction="auto"))
@@ -483,7 +483,7 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
         train(resumed_engine, 2, start=3)
         out["auto_resume_diff"] = max_diff(params_of(resumed_engine), params_of(engine))
     finally:
-        cost_model.AUTO_MIN_ROWS, fractions.measure, cost_model.AUTO_TOKENS_PER_STEP = min_rows, measure, tokens
+        cost_model.MIN_SELECTED_ROWS, fractions.measure, cost_model.TOKENS_PER_STEP = min_rows, measure, tokens
     out["seconds"]["auto_resume"] = time.time() - t0
 
     # bf16: ZeRO-1 trains and stays close to ZeRO-0 bf16.
