@@ -144,7 +144,7 @@ class Dion3(torch.optim.Optimizer):
 
     @staticmethod
     def hyperparameters(group: dict) -> Dion3Hyperparameters:
-        return Dion3Hyperparameters(**{k: group[k] for k in Dion3Hyperparameters.__dataclass_fields__})
+        return options.hyperparameters(**{k: group[k] for k in Dion3Hyperparameters.__dataclass_fields__})
 
     def _param_names(self) -> dict[torch.Tensor, str]:
         """Each parameter's name: given by ``named_parameters()``, else ``"group i / param j"``."""

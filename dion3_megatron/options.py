@@ -267,13 +267,17 @@ def hyperparameter_names() -> tuple[str, ...]:
 def hyperparameters(**overrides: Any) -> Dion3Hyperparameters:
     """The rule's settings: the defaults of the options that are its fields, updated with
     ``overrides`` (ValueError for a name that is not one). Values are not checked here (see
-    :func:`check`)."""
+    :func:`check`); ``fraction="auto"`` becomes ``fraction=None``, which the engine's plan resolves
+    to a number (:func:`dion3_megatron.engine.plan.resolve_fractions`)."""
     names = hyperparameter_names()
     for name in overrides:
         if name not in names:
             hint = unknown_name_hint(name, names)
             raise ValueError(f"{name!r} is not a field of Dion3Hyperparameters" + (f" ({hint})" if hint else ""))
-    return Dion3Hyperparameters(**{**{name: BY_NAME[name].default for name in names}, **overrides})
+    values = {**{name: BY_NAME[name].default for name in names}, **overrides}
+    if values["fraction"] == AUTO:
+        values["fraction"] = None
+    return Dion3Hyperparameters(**values)
 
 
 def group_keys(front_end: str) -> tuple[str, ...]:

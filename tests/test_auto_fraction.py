@@ -164,6 +164,31 @@ def test_fractions_print_parameter_names_and_a_parameter_still_finds_its_f(monke
         assert list(resumed.fractions.values()) == [0.25, 0.125]
 
 
+def test_the_record_is_by_matrix_name_and_older_checkpoints_by_parameter_index_still_load(monkeypatch, step_time_only):
+    monkeypatch.setattr(fractions, "measure", lambda device, dtype: LAUNCH_BOUND)  # would choose f = 1
+    model = torch.nn.ModuleDict({"dense": torch.nn.Linear(96, 512, bias=False)})
+    experts = torch.nn.Parameter(torch.randn(2, 1024, 64))
+    params = [("dense.weight", model["dense"].weight), ("experts", experts)]
+    opt = Dion3(params, fraction="auto", ns_dtype=torch.float32)
+    for _, p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert opt.state_dict()["fractions"] == {"dense.weight": 1.0, "experts.matrix0": 1.0, "experts.matrix1": 1.0}
+    older = opt.state_dict()
+    del older["fractions"]
+    older["auto_fractions"] = {0: 0.25, 1: 0.125}  # by index in the packed state: dense, then experts
+    resumed = Dion3(params, fraction="auto", ns_dtype=torch.float32)
+    resumed.load_state_dict(older)
+    resumed.step()
+    assert dict(resumed.fractions) == {"dense.weight": 0.25, "experts": 0.125}
+    assert resumed.state_dict()["fractions"] == {"dense.weight": 0.25, "experts.matrix0": 0.125, "experts.matrix1": 0.125}
+    for record, message in (({"auto_fractions": {5: 0.25}}, "5 names no matrix"),
+                            ({"fractions": {"dense.weight": 0.3}}, "dense.weight has fraction 0.3")):
+        bad = {**{k: v for k, v in older.items() if k != "auto_fractions"}, **record}
+        with pytest.raises(ValueError, match=message):
+            Dion3(params, fraction="auto", ns_dtype=torch.float32).load_state_dict(bad)
+
+
 @pytest.mark.slow
 def test_a_resume_keeps_the_saved_choices_on_a_machine_of_another_speed(monkeypatch, generator, step_time_only):
     # Resumed where the device measures differently, fraction="auto" must not choose again.

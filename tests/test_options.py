@@ -44,7 +44,9 @@ def test_rule_hyperparameters_take_their_defaults_from_the_spec():
     assert tuple(f.name for f in fields) == options.hyperparameter_names()
     assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING for f in fields)
     hp = options.hyperparameters()
-    assert dataclasses.asdict(hp) == {name: options.BY_NAME[name].default for name in options.hyperparameter_names()}
+    defaults = {name: options.BY_NAME[name].default for name in options.hyperparameter_names()}
+    assert defaults["fraction"] == "auto" and hp.fraction is None  # the plan chooses f (engine.plan.chooses_fraction)
+    assert dataclasses.asdict(hp) == {**defaults, "fraction": None}
     assert options.hyperparameters(fraction=0.5, mu=0.9) == dataclasses.replace(hp, fraction=0.5, mu=0.9)
     with pytest.raises(ValueError, match="'fractoin' is not a field of Dion3Hyperparameters \\(did you mean 'fraction'\\?\\)"):
         options.hyperparameters(fractoin=0.5)

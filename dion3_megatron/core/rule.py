@@ -43,7 +43,7 @@ class Dion3Hyperparameters:
     fills in the defaults)."""
 
     lr: float
-    fraction: float | str  # or "auto": resolved per matrix (engine.fractions)
+    fraction: Optional[float]  # None: chosen per matrix by the engine's plan before the rule runs
     mu: Optional[float]  # None: by the fraction (see momentum_decay())
     beta2: float
     weight_decay: float
@@ -64,7 +64,7 @@ class Dion3Hyperparameters:
 def selected_row_count(n_rows: int, fraction: float, num_heads: Optional[int] = None) -> int:
     """Rows selected per matrix: max(1, ceil(f * rows)), taken per head when num_heads is given."""
     if not isinstance(fraction, (int, float)):
-        raise ValueError(f"fraction must be a number here, got {fraction!r} ('auto' is resolved before the rule runs)")
+        raise ValueError(f"fraction must be a number here, got {fraction!r} (the plan resolves None before the rule runs)")
     if num_heads is None:
         return max(1, math.ceil(fraction * n_rows))
     if n_rows % num_heads:

@@ -42,9 +42,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .. import options
 from ..core import rule
 from ..engine import Dion3Engine, MatrixShard, Sharding, cuda_graph, fractions
+from ..engine.plan import chooses_fraction
 from ..engine.local import WholeMatrices, step_whole_matrices
 from ..optimizer import Dion3
 
@@ -183,7 +183,7 @@ class ZeroGroupPlan:
         self.adamw_runs = _merge_runs(adamw_runs)
         # What fraction="auto" chose (saved in checkpoints, so a resume does not measure again):
         # per run of self.whole (None: not chosen yet), and per piece of the engine, by name.
-        self.auto = opt.hyperparameters(group).fraction == options.AUTO
+        self.auto = chooses_fraction(opt.hyperparameters(group))
         self.whole_fractions: Optional[list[float]] = None
         self.piece_fractions: dict[str, float] = {}
         self.whole_scores: list[torch.Tensor] = []  # their row scores, in buffers a graph can replay
@@ -300,7 +300,7 @@ class ZeroGroupPlan:
         """The matrices only this rank holds: the single-process step on views of the slice.
         ``per_row``: the slices of the variance (exp_avg_sq) and, with staleness, the ages, each
         row's value repeated over the row."""
-        if hp.fraction == options.AUTO and self.whole_fractions is None:
+        if chooses_fraction(hp) and self.whole_fractions is None:
             self.whole_fractions = self._auto_fractions(hp)  # collective: every rank of the group calls it
         if not self.whole:
             return
@@ -311,7 +311,7 @@ class ZeroGroupPlan:
                                  for _, count, n, _ in self.whole]
         for i, (offset, count, n, m) in enumerate(self.whole):
             view = [t.narrow(0, offset, count * n * m).view(count, n, m) for t in (flat, grad, exp_avg, *per_row)]
-            fraction = self.whole_fractions[i] if hp.fraction == options.AUTO else hp.fraction
+            fraction = self.whole_fractions[i] if chooses_fraction(hp) else hp.fraction
             if fraction not in with_fraction:
                 with_fraction[fraction] = hp if fraction == hp.fraction else dataclasses.replace(hp, fraction=fraction)
             # here, not in a graph: ZeRO's gradient partition is a new tensor every step

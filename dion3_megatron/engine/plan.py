@@ -9,11 +9,10 @@ from __future__ import annotations
 import functools
 import hashlib
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import torch.distributed as dist
 
-from .. import options
 from ..core import cost_model
 from ..core.rule import Dion3Hyperparameters
 from . import fractions
@@ -88,7 +87,7 @@ class BatchKey(NamedTuple):
     fields cannot read a wrong one. Its repr orders the groups and enters the plan's digest."""
 
     shape: tuple[int, int]
-    fraction: float | str
+    fraction: Optional[float]
     num_heads: Optional[int]
     beta2: float
     eps: float
@@ -197,8 +196,9 @@ def check_plan_matches(plan: list[ShapeGroup], group: Optional[dist.ProcessGroup
 
 
 def chooses_fraction(hp: Dion3Hyperparameters) -> bool:
-    """True where the plan chooses the matrix's f (its fraction option is "auto")."""
-    return hp.fraction == options.AUTO
+    """True where the plan chooses the matrix's f: its fraction option is "auto", which the
+    settings carry as None (:func:`dion3_megatron.options.hyperparameters`)."""
+    return hp.fraction is None
 
 
 def resolve_fractions(plan: list[ShapeGroup], step_share: float = 1.0,
@@ -238,21 +238,23 @@ def fraction_record(saved: Mapping, where: str, param_matrices: Optional[Sequenc
     ``param_matrices[i]``, the names of param i's matrices) or ``{rank: {matrix name: f}}`` (the
     Megatron class's: this ``rank``'s choices first, then the lowest rank's that has the matrix).
     Every f must be one the cost model offers; anything else raises ValueError naming it."""
+    def checked(name: str, f: Any, origin: str = "") -> float:
+        if f not in cost_model.CANDIDATE_FRACTIONS:
+            raise ValueError(f"{where}: {name}{origin} has fraction {f!r}, not one of {cost_model.CANDIDATE_FRACTIONS}")
+        return f
+
     record: dict[str, float] = {}
     nested = [key for key, value in saved.items() if isinstance(value, Mapping)]
     if nested:
         for r in sorted(nested, key=lambda r: (r != rank, r)):
             for name, f in saved[r].items():
-                record.setdefault(name, f)
-    else:
-        for key, f in saved.items():
-            if isinstance(key, str):
-                record[key] = f
-            elif param_matrices is not None and isinstance(key, int) and 0 <= key < len(param_matrices):
-                record.update((name, f) for name in param_matrices[key])
-            else:
-                raise ValueError(f"{where}: {key!r} names no matrix of this optimizer")
-    for name, f in record.items():
-        if f not in cost_model.CANDIDATE_FRACTIONS:
-            raise ValueError(f"{where}: {name} has fraction {f!r}, not one of {cost_model.CANDIDATE_FRACTIONS}")
+                record.setdefault(name, checked(name, f, f" on rank {r}"))
+        return record
+    for key, f in saved.items():
+        if isinstance(key, str):
+            record[key] = checked(key, f)
+        elif param_matrices is not None and isinstance(key, int) and 0 <= key < len(param_matrices):
+            record.update((name, checked(name, f)) for name in param_matrices[key])
+        else:
+            raise ValueError(f"{where}: {key!r} names no matrix of this optimizer")
     return record

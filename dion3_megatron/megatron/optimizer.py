@@ -28,7 +28,6 @@ its parameter; so checkpoints reshard across tensor- and data-parallel sizes lik
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from dataclasses import dataclass, field
@@ -38,10 +37,9 @@ import torch
 import torch.distributed as dist
 
 from .. import options
-from ..core import cost_model
 from ..kernels import config as kernel_config
 from ..frontend import announce_skipped_step, usable_on_every_rank
-from ..engine import Dion3Engine, MatrixShard, Sharding
+from ..engine import Dion3Engine, MatrixShard, Sharding, plan
 from ..core.rule import Dion3Hyperparameters
 from .arguments import DION3_DEFAULTS, OPTIONS, check_dion3_values, config_field, refuse_renamed
 
@@ -339,7 +337,6 @@ class MegatronDion3(torch.optim.Optimizer):
         self._shards = {}
         self._stamps.clear()
         group_hp = {id(group): self._hp(group) for group in self.param_groups}
-        auto_names = set()
         for p, group in params:
             layout = self.layout_of(p)
             weight, grad = self._working(p, layout, with_grads)
@@ -354,22 +351,19 @@ class MegatronDion3(torch.optim.Optimizer):
                 else:
                     sharding, group_arg = Sharding.even_cols(matrix.full_shape[1], layout.group_size), layout.group
                 hp = group_hp[id(group)]
-                if hp.fraction == options.AUTO:
-                    auto_names.add(name)
-                    if name in self._saved_fractions:  # chosen before a checkpoint: not measured again
-                        hp = dataclasses.replace(hp, fraction=self._saved_fractions[name])
                 shards.append(MatrixShard(name=name, weight=weight[rows], grad=grad[rows] if grad is not None else None,
                                           shape=matrix.full_shape, sharding=sharding, group=group_arg, hp=hp, state={}))
             self._shards[p] = shards
         all_shards = [s for p, _ in params for s in self._shards[p]]
         step_share = self._step_share(params)
-        self._engine = Dion3Engine(all_shards, cuda_graph=self.cuda_graph, step_share=step_share)
-        auto = [(s, sg.fraction) for sg in self._engine.plan for s in sg.shards if s.name in auto_names]
+        # chosen before a checkpoint: not measured again
+        self._engine = Dion3Engine(all_shards, cuda_graph=self.cuda_graph, step_share=step_share,
+                                   chosen=self._saved_fractions)
+        auto = self._engine.auto_fractions()
         if auto and (not dist.is_initialized() or dist.get_rank() == 0):
             logger.info("Dion3 fraction=auto chose (rows x cols: f) %s; this rank steps %.2f of the model's matrices",
-                        ", ".join(f"{n}x{m}: {f:g}" for (n, m), f in sorted({s.shape: f for s, f in auto}.items())),
-                        step_share)
-        self._share_auto_fractions({s.name: f for s, f in auto})
+                        ", ".join(f"{n}x{m}: {f:g}" for (n, m), f in sorted(auto.items())), step_share)
+        self._share_auto_fractions(self._engine.chosen_fractions())
         self._engine_key = key
         # What changes from step to step: each group's lr and weight decay, and the gradient (and,
         # rarely, weight) storage of the parameters used in place (the permuted ones use buffers).
@@ -472,7 +466,9 @@ class MegatronDion3(torch.optim.Optimizer):
             options.check_retired(f"param group {gi}", saved)
             options.check(f"param group {gi}", **{k: merged[k] for k in _GROUP_SETTINGS})
         saved_fractions = state_dict.get("auto_fractions", {})
-        saved_fractions = self._checked_saved_fractions(saved_fractions) if any(saved_fractions.values()) else None
+        me = dist.get_rank() if dist.is_initialized() else 0  # this rank's choices first, then the lowest rank's
+        saved_fractions = (plan.fraction_record(saved_fractions, "checkpoint auto_fractions", rank=me)
+                           if any(saved_fractions.values()) else None)
         staleness = [{**mine, **saved}["staleness"] for mine, saved in zip(self.param_groups, groups)]
         updates = []
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
@@ -523,19 +519,6 @@ class MegatronDion3(torch.optim.Optimizer):
             carried = [(p, self._saved_state(p)) for p, _ in self._params() if id(p) not in loaded]
         self._saved_fractions, self._engine = fractions, None
         return carried + updates
-
-    @staticmethod
-    def _checked_saved_fractions(saved: dict) -> dict[str, float]:
-        """{matrix: f} from a checkpoint's {rank: {matrix: f}}: this rank's choice first."""
-        me = dist.get_rank() if dist.is_initialized() else 0
-        out: dict[str, float] = {}
-        for rank in sorted(saved, key=lambda r: (r != me, r)):
-            for name, f in saved[rank].items():
-                if f not in cost_model.CANDIDATE_FRACTIONS:
-                    raise ValueError(f"checkpoint auto_fractions: {name} on rank {rank} has fraction {f!r}, "
-                                     f"not one of {cost_model.CANDIDATE_FRACTIONS}")
-                out.setdefault(name, f)
-        return out
 
     # -------------------------------------------------------------------------------------------
     # The step.
