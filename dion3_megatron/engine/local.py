@@ -164,6 +164,11 @@ class WholeExchange(BlockExchange):
                                       out=scores, decay=decay)
             self._accumulated[p] = (scores, decay is not None)
 
+    def graph_key(self) -> tuple:
+        """What a captured step of the group bakes in (its batches' keys): once :meth:`accumulate`
+        has run, the score buffers instead of the gradients' addresses."""
+        return tuple(e.graph_key() for e in self.entries())
+
     def entries(self, factors: Optional[list[rule.UpdateFactors]] = None) -> list[WholeMatrices]:
         """The group's sub-batches as :class:`WholeMatrices`, each matrix with its own settings
         (``factors`` as device tensors inside a graph of the engine's whole step)."""
