@@ -312,7 +312,8 @@ class Dion3(torch.optim.Optimizer):
                     adamw[gi, int(state["step"].item()) + 1 if state else 1, p.device].append(p)
                 else:
                     matrices.append((gi, p))
-        engine = self._engine_for(matrices)  # may refuse (an "auto" dtype the ranks did not agree on)
+        settings = [self.hyperparameters(group) for group in self.param_groups]
+        engine = self._engine_for(matrices, settings)  # may refuse (an "auto" dtype the ranks did not agree on)
         # From here on the step changes state; nothing below refuses anything.
         for (gi, count, _), params in adamw.items():
             group = self.param_groups[gi]
@@ -322,27 +323,29 @@ class Dion3(torch.optim.Optimizer):
                             [self.state[p]["exp_avg_sq"] for p in params], count,
                             group["lr"], group["betas"], group["eps"], group["weight_decay"])
         for gi, p in matrices:  # this step's gradients and schedule (lr, weight decay)
-            hp = self.hyperparameters(self.param_groups[gi])
-            for shard, grad in zip(self._shards[p], matrix_values(p.grad).unbind(0)):
-                shard.grad, shard.hp = grad, hp
+            shards = self._shards[p]
+            grads = [p.grad] if p.dim() == 2 else matrix_values(p.grad).unbind(0)
+            for shard, grad in zip(shards, grads):
+                shard.grad, shard.hp = grad, settings[gi]
         copied = [p for _, p in matrices if not p.is_contiguous()]
         engine.step(prologue=(lambda: [self._copies[p].copy_(p) for p in copied]) if copied else None,
                     epilogue=(lambda: [p.copy_(self._copies[p]) for p in copied]) if copied else None,
                     around_key=tuple(p.data_ptr() for p in copied))
         return loss
 
-    def _engine_for(self, matrices: list[tuple[int, torch.Tensor]]) -> Dion3Engine:
-        """The engine of these matrices: built anew when the set of matrices with a gradient, their
-        storage or their batch settings changed, or a checkpoint replaced their state. Each
-        parameter's state is then a view of the engine's buffers (one per shape group)."""
-        key = tuple((gi, id(p), p.data_ptr(), cuda_graph_module.baked_settings(self.hyperparameters(self.param_groups[gi])))
-                    for gi, p in matrices)
+    def _engine_for(self, matrices: list[tuple[int, torch.Tensor]], settings: list[Dion3Hyperparameters]) -> Dion3Engine:
+        """The engine of these matrices (``settings``: each group's): built anew when the set of
+        matrices with a gradient, their storage or their groups' batch settings changed, or a
+        checkpoint replaced their state. Each parameter's state is then a view of the engine's
+        buffers (one per shape group)."""
+        key = (tuple((gi, id(p), p.data_ptr()) for gi, p in matrices),
+               tuple(cuda_graph_module.baked_settings(hp) for hp in settings))
         if self._engine is not None and key == self._engine_key:
             return self._engine
         names = self._param_names()
         shards: dict[torch.Tensor, list[MatrixShard]] = {}
         for gi, p in matrices:
-            hp = self.hyperparameters(self.param_groups[gi])
+            hp = settings[gi]
             state = self.state[p]
             carried: list[dict] = [{} for _ in range(matrix_count(p))]
             if "momentum" in state:  # stepped before (or loaded): the engine copies it in
