@@ -5,7 +5,7 @@ Matrices (>= 2-D) take the Dion3 rule, everything else AdamW, unless a param gro
 4-D and larger (conv weights) flatten to (out, rest). The selected rows of every matrix whose
 selected block has the same shape are orthogonalized as one batch: the matrices are whole
 (``Sharding.full()``) shards of the megabatch engine (:mod:`dion3_megatron.engine`), which also
-chooses f for ``fraction="auto"``. The math itself lives in :mod:`dion3_megatron.core.rule`.
+chooses the automatic f (:mod:`dion3_megatron.engine.plan`). The math itself lives in :mod:`dion3_megatron.core.rule`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ ALGORITHMS = ("dion3", "adamw")
 
 
 class Fractions(dict):
-    """What ``fraction="auto"`` chose, ``{parameter name: f}``: the names of named parameters, else
+    """The automatic f chosen per parameter, ``{parameter name: f}``: the names of named parameters, else
     ``"group i / param j"`` (a 3-D parameter's matrices share one f). A parameter tensor works as a
     key too (``fractions[p]``, ``p in fractions``, ``fractions.get(p)``)."""
 
@@ -62,7 +62,7 @@ class Dion3(torch.optim.Optimizer):
             ``cuda_graph``; ``fraction`` and ``num_heads`` may differ per group.
         **settings: the options below (keyword only; declared in :mod:`dion3_megatron.options`).
 
-    ``fraction="auto"`` is chosen per matrix at the first step by :mod:`dion3_megatron.engine.fractions` from its
+    The automatic fraction is chosen per matrix at its first step by :mod:`dion3_megatron.engine.plan` from its
     shape and this device's measured speed (see :attr:`fractions`). Under torch.distributed every
     rank must step that first step together (as DDP does): all take the slowest rank's speed and
     agree. ``cuda_graph``: on one CUDA device the Dion3 part of the step (after the momentum
@@ -88,8 +88,8 @@ class Dion3(torch.optim.Optimizer):
         self.kernels: Optional[str] = settings["kernels"]
         self.adamw_lr: float = settings["adamw_lr"]
         self.skipped_steps = 0
-        self._chosen: dict[str, float] = {}  # what "auto" chose, by matrix name (the checkpoint's record)
-        self._speeds: Optional[fractions.AgreedSpeeds] = None  # what the ranks agreed for "auto" (None: not yet)
+        self._chosen: dict[str, float] = {}  # the automatic f chosen, by matrix name (the checkpoint's record)
+        self._speeds: Optional[fractions.AgreedSpeeds] = None  # the speeds the ranks agreed (None: not yet)
         self._engine: Optional[Dion3Engine] = None
         self._engine_key: Optional[tuple] = None
         self._shards: dict[torch.Tensor, list[MatrixShard]] = {}  # a stepped matrix parameter -> its matrices
@@ -162,7 +162,7 @@ class Dion3(torch.optim.Optimizer):
 
     @property
     def fractions(self) -> Fractions:
-        """The f each matrix of a ``fraction="auto"`` group uses (filled at its first step), by
+        """The f each matrix of a group with the automatic fraction uses (filled at its first step), by
         parameter name (given as ``named_parameters()``), else ``"group i / param j"``; a
         parameter tensor works as a key too."""
         names = self._param_names()
@@ -171,7 +171,7 @@ class Dion3(torch.optim.Optimizer):
         return Fractions(chosen, names)
 
     def _agree_speeds(self) -> None:
-        """At the first step, the speeds fraction="auto" chooses by (:class:`.engine.fractions.AgreedSpeeds`).
+        """At the first step, the speeds the automatic f is chosen by (:class:`.engine.fractions.AgreedSpeeds`).
 
         Under torch.distributed the ranks agree on the device speed of each Newton-Schulz dtype in
         one collective over the world, at this optimizer's first step, whatever a rank holds (a
@@ -209,7 +209,7 @@ class Dion3(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["skipped_steps"] = self.skipped_steps
-        # What fraction="auto" chose: a resume keeps it, whatever the device measures then.
+        # The automatic f chosen: a resume keeps it, whatever the device measures then.
         sd["fractions"] = dict(self._chosen)
         return sd
 
@@ -313,7 +313,7 @@ class Dion3(torch.optim.Optimizer):
                 else:
                     matrices.append((gi, p))
         settings = [self.hyperparameters(group) for group in self.param_groups]
-        engine = self._engine_for(matrices, settings)  # may refuse (an "auto" dtype the ranks did not agree on)
+        engine = self._engine_for(matrices, settings)  # may refuse (a dtype the ranks agreed no speed for)
         # From here on the step changes state; nothing below refuses anything.
         for (gi, count, _), params in adamw.items():
             group = self.param_groups[gi]

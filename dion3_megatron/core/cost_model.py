@@ -1,4 +1,4 @@
-"""The cost model of ``fraction="auto"``: f per matrix by the loss it costs against the time it
+"""The cost model of the automatic fraction: f per matrix by the loss it costs against the time it
 saves (:func:`choose_fraction`), the time from a model of its step (:func:`estimated_step_seconds`)
 on a device's speed (:class:`DeviceSpeed`). Pure arithmetic: the speeds are measured and agreed
 across ranks by :mod:`dion3_megatron.engine.fractions`.
@@ -125,7 +125,7 @@ def choose_fraction(
     world: int = 1, batch: int = 1, ns_method: str = "gram", num_heads: Optional[int] = None,
     step_share: float = 1.0,
 ) -> float:
-    """The f that ``fraction="auto"`` uses for an n_rows x n_cols matrix.
+    """The automatic f for an n_rows x n_cols matrix.
 
     Among CANDIDATE_FRACTIONS that select at least MIN_SELECTED_ROWS rows (all of them for smaller
     matrices), the f with the lowest :func:`modelled_loss_change` (the larger f on a tie). Where

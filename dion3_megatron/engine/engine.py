@@ -64,13 +64,13 @@ class Dion3Engine:
     check_group: ranks that construct their engines together (default: the world), containing
     every process group the shards span; construction is collective over it, as the plan is
     checked on it (:func:`~.plan.check_plan_matches`). step_share: the share of the model's
-    matrices this rank steps (for fraction="auto": :func:`~dion3_megatron.core.cost_model.modelled_loss_change`).
+    matrices this rank steps (for the automatic f: :func:`~dion3_megatron.core.cost_model.modelled_loss_change`).
 
     local: every shard is whole and construction makes no collective (the torch optimizer: its
     replicas agree on ``speeds`` themselves, :class:`~.fractions.AgreedSpeeds`). fresh_grads: the
     gradients are new tensors every step (``p.grad`` after ``zero_grad()``, a ZeRO partition), so
     the whole matrices add them to the momentum before the step's CUDA graph, which then replays
-    whatever their addresses. chosen: what "auto" chose before, by matrix name
+    whatever their addresses. chosen: the automatic f chosen before, by matrix name
     (:func:`~.plan.resolve_fractions`; :meth:`chosen_fractions` is the record to keep).
     """
 
@@ -107,11 +107,11 @@ class Dion3Engine:
         return self.traffic.buffer_numels
 
     def auto_fractions(self) -> dict[tuple[int, int], float]:
-        """What fraction="auto" chose, per logical shape (empty when no matrix asked for it)."""
+        """The automatic f chosen per logical shape (empty when no matrix asked for it)."""
         return {sg.key.shape: sg.fraction for sg in self.plan if chooses_fraction(sg.hp)}
 
     def chosen_fractions(self) -> dict[str, float]:
-        """What fraction="auto" chose, by matrix name: the record a checkpoint keeps."""
+        """The automatic f chosen per matrix name: the record a checkpoint keeps."""
         return chosen_fractions(self.plan)
 
     @torch.no_grad()

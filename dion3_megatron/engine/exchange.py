@@ -77,7 +77,7 @@ def sub_batch_mu(sg: ShapeGroup, sub: SubBatch, device: torch.device) -> float |
 
 
 def group_hp(sg: ShapeGroup) -> Dion3Hyperparameters:
-    """The group's settings with its fraction resolved (a number where the option is "auto")."""
+    """The group's settings with its fraction resolved (a number where the plan chose it)."""
     return sg.hp if sg.hp.fraction == sg.fraction else dataclasses.replace(sg.hp, fraction=sg.fraction)
 
 

@@ -1,4 +1,4 @@
-"""``fraction="auto"`` on the devices: the speeds the cost model (:mod:`dion3_megatron.core.cost_model`)
+"""The automatic fraction on the devices: the speeds the cost model (:mod:`dion3_megatron.core.cost_model`)
 takes, measured once per (device, dtype) and process, and agreed across the ranks that must choose
 the same f (:func:`for_group`, :func:`agree_per_dtype`), and :func:`resolve_fractions`, which the
 plan asks for its groups' f (the torch class's ranks agree the speeds once, :class:`AgreedSpeeds`).
@@ -143,7 +143,7 @@ class AgreedSpeeds:
 
 @dataclass(frozen=True)
 class FractionRequest:
-    """A batch of same-shape matrices whose f ``fraction="auto"`` chooses."""
+    """A batch of same-shape matrices whose automatic f is chosen."""
 
     shape: tuple[int, int]
     batch: int  # matrices orthogonalized together (megabatching shares the launch cost)

@@ -226,12 +226,12 @@ class MegatronDion3(torch.optim.Optimizer):
         if model_chunks is not None and not layouts:
             self._layouts = describe_model(model_chunks, pg_collection, split_qkv=self.split_qkv,
                                            split_glu=self.split_glu)
-        # The model's Dion3 matrices (2-D, not embedding or output), against which fraction="auto"
+        # The model's Dion3 matrices (2-D, not embedding or output), against which the automatic f
         # weighs the share this optimizer steps (0: no model given).
         self._model_matrix_numel = sum(q.numel() for q in self._layouts
                                        if not getattr(q, "is_embedding_or_output_parameter", False)) if model_chunks else 0
         self.skipped_steps = 0
-        self._auto_fractions: dict[int, dict[str, float]] = {}  # rank -> matrix name -> f, what "auto" chose
+        self._auto_fractions: dict[int, dict[str, float]] = {}  # rank -> matrix name -> the automatic f chosen
         self._saved_fractions: dict[str, float] = {}  # matrix name -> f, from a checkpoint
         self._finite_vouched = False
         self._engine = None
@@ -376,7 +376,7 @@ class MegatronDion3(torch.optim.Optimizer):
         self._set_state(carried)
 
     def _share_auto_fractions(self, mine: dict[str, float]) -> None:
-        """Every rank's fraction="auto" choices ({rank: {matrix: f}}), gathered over the world at
+        """Every rank's automatic f choices ({rank: {matrix: f}}), gathered over the world at
         engine construction (collective like it), so that any rank's state dict (the one Megatron's
         torch_dist checkpoint keeps) holds them all."""
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -432,7 +432,7 @@ class MegatronDion3(torch.optim.Optimizer):
 
     def fractions_of(self, p: torch.Tensor) -> list[tuple[tuple[int, int], float | str]]:
         """(full shape, f) of each logical matrix of ``p`` as its steps use them: the group's f, or
-        what fraction="auto" chose. Empty before the first step (or checkpoint access) builds the
+        the automatic f chosen. Empty before the first step (or checkpoint access) builds the
         engine."""
         chosen = self._auto_fractions.get(dist.get_rank() if dist.is_initialized() else 0, {})
         return [(tuple(s.shape), chosen.get(s.name, s.hp.fraction)) for s in self._shards.get(p, [])]
@@ -447,7 +447,7 @@ class MegatronDion3(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Inverse of :meth:`state_dict`; checks every shape before setting anything. The
-        fraction="auto" choices saved are used again, each matrix's own (this rank's, else the
+        automatic f choices saved are used again, each matrix's own (this rank's, else the
         first rank's that has it: after a change of the data-parallel size), so a resume does not
         measure the device again; the engine is rebuilt with them (collectively: every rank loads
         the same checkpoint).
