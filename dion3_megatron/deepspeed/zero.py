@@ -35,6 +35,7 @@ the step written back (the variance and age repeated over the row).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -44,7 +45,7 @@ import torch.distributed as dist
 
 from ..core import rule
 from ..core.ortho import default_ns_dtype
-from ..engine import Dion3Engine, MatrixShard, Sharding, fractions
+from ..engine import Dion3Engine, MatrixShard, Rect, Sharding, fractions
 from ..engine.plan import chooses_fraction
 from ..optimizer import Dion3
 
@@ -69,29 +70,69 @@ def matrices_of(p: torch.Tensor) -> list[tuple[int, int, int]]:
 @dataclass
 class _SlicePiece:
     """This rank's part of one Dion3 matrix, the shard the engine steps (the matrix whole, or this
-    rank's piece of a matrix split over ranks), and where it lies in the flat slice, with how its
-    per-row state maps onto the slice."""
+    rank's piece of a matrix split over ranks), and where it lies in the flat slice."""
 
     shard: MatrixShard
     offset: int  # first element of the piece in the flat partition
     length: int
-    row_counts: torch.Tensor  # elements of each touched row that lie in the piece
-    row_firsts: torch.Tensor  # offset inside the piece of each touched row's first element here
+    # its elements as blocks of rows (a partial first row, whole rows, a partial last row), rows
+    # counted from the first one it touches, offsets from its first element
+    rects: list[Rect]
+
+    @property
+    def rows(self) -> int:
+        """The rows it touches: the engine keeps a variance (and an age) for each."""
+        return self.rects[-1].r1 if self.rects else 0
 
     def of(self, t: torch.Tensor) -> torch.Tensor:
         """The piece's elements of a slice-shaped tensor, shaped like the shard's weight."""
         return t.narrow(0, self.offset, self.length).view(self.shard.weight.shape)
 
 
-def _touched_rows(lo: int, hi: int, n_cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For matrix elements [lo, hi): per touched row, its element count and first offset in the piece."""
-    if hi <= lo:
-        empty = torch.zeros(0, dtype=torch.long, device=device)
-        return empty, empty
-    rows = torch.arange(lo // n_cols, (hi - 1) // n_cols + 1, device=device)
-    starts = (rows * n_cols).clamp(min=lo)
-    ends = ((rows + 1) * n_cols).clamp(max=hi)
-    return ends - starts, starts - lo
+def _row_blocks(first: int, length: int, width: int) -> list[Rect]:
+    """Elements [first, first + length) of a row-major matrix ``width`` wide, as blocks of rows."""
+    if not length:
+        return []
+    top = first // width
+    return [dataclasses.replace(r, r0=r.r0 - top, r1=r.r1 - top)
+            for r in Sharding.flat((first, first + length)).rects(0, (first + length - 1) // width + 1, width)]
+
+
+class _SliceMoves:
+    """What travels between the slice-shaped state and the engine's around each step, in a few
+    batched ops whatever the number of matrices: before it, the momentum of the shards that keep
+    it in the engine's buffers (whole matrices; a straddling piece's is ``exp_avg`` itself) and each
+    touched row's variance (and age), read from the row's first element in the slice; after it,
+    that momentum back, and the rows' values repeated over their elements in the slice. The
+    tensors stay the same while the engine lives (it is rebuilt when the state tensors change)."""
+
+    def __init__(self, pieces: list[_SlicePiece], exp_avg: torch.Tensor, per_row: dict[str, torch.Tensor]) -> None:
+        live = [p for p in pieces if p.length]
+        moved = [p for p in live if p.shard.state["momentum"].data_ptr() != p.of(exp_avg).data_ptr()]
+        self.momentum = ([p.shard.state["momentum"] for p in moved], [p.of(exp_avg) for p in moved])
+        self.firsts = torch.tensor([p.offset + r.offset + i * (r.c1 - r.c0) for p in live for r in p.rects
+                                    for i in range(r.r1 - r.r0)], dtype=torch.long, device=exp_avg.device)
+        self.sizes = [p.rows for p in live]
+        self.per_row = per_row
+        self.rows = {key: [p.shard.state[key] for p in live] for key in per_row}
+        self.spread = {key: ([r.view(values.narrow(0, p.offset, p.length)) for p in live for r in p.rects],
+                             [p.shard.state[key][r.r0 : r.r1, None].expand(r.r1 - r.r0, r.c1 - r.c0)
+                              for p in live for r in p.rects])
+                       for key, values in per_row.items()}
+
+    def read(self) -> None:
+        if self.momentum[0]:
+            torch._foreach_copy_(*self.momentum)
+        if self.sizes:
+            for key, values in self.per_row.items():
+                torch._foreach_copy_(self.rows[key], list(values[self.firsts].split(self.sizes)))
+
+    def write(self) -> None:
+        if self.momentum[0]:
+            torch._foreach_copy_(self.momentum[1], self.momentum[0])
+        for rows, values in self.spread.values():
+            if rows:
+                torch._foreach_copy_(rows, values)
 
 
 def _gather_ranges(linked: list[torch.Tensor], group, device) -> torch.Tensor:
@@ -192,6 +233,7 @@ class ZeroGroupPlan:
         # measure again): the engine's record once it is built.
         self.chosen: dict[str, float] = {}
         self.engine: Optional[Dion3Engine] = None
+        self._moves: Optional[_SliceMoves] = None
         self._state_ids: tuple = ()
 
     def restore_fractions(self, by_name: dict[str, float], whole_runs: Optional[list[float]], where: str) -> None:
@@ -246,18 +288,17 @@ class ZeroGroupPlan:
         """A shard for the engine: ``length`` elements of the slice from ``offset``, which are
         elements [first, first + length) of a row-major matrix ``row_width`` wide (the logical
         matrix, or its TP block); a whole matrix's views of the slice are (rows, cols)."""
-        counts, firsts = _touched_rows(first, first + length, row_width, self.flat.device)
         local = shape if sharding.kind == "full" else (length,)
         view = self.flat.narrow(0, offset, length).view(local)
         shard = MatrixShard(name=name, weight=view, grad=view,  # the grad: replaced by the real gradient each step
                             shape=shape, sharding=sharding, group=process_group, hp=hp, state={})
-        self.pieces.append(_SlicePiece(shard, offset, length, counts, firsts))
+        self.pieces.append(_SlicePiece(shard, offset, length, _row_blocks(first, length, row_width)))
 
     # ----------------------------------------------------------------------------------------
 
     def _bind_state(self, state: dict, hp: rule.Dion3Hyperparameters) -> None:
-        """Point the shards' momentum at the slice's exp_avg and build the engine (again where the
-        state moved, or staleness changed: the engine plans with it). On every rank of the group
+        """Give the shards their state from the slice's and build the engine (again where the state
+        tensors changed, or staleness did: the engine plans with it). On every rank of the group
         alike, since the engine's construction is collective."""
         ids = (id(state["exp_avg"]), id(state["exp_avg_sq"]), id(state.get("row_age")), hp.staleness)
         if self.engine is not None and ids == self._state_ids:
@@ -265,51 +306,35 @@ class ZeroGroupPlan:
         if chooses_fraction(hp):  # refused here on every rank alike where the ranks agreed no speed for it
             self.speeds.of(self.flat.device, hp.ns_dtype or default_ns_dtype(self.flat.device))
         exp_avg = state["exp_avg"]
+        per_row = {"variance": state["exp_avg_sq"], **({"row_age": state["row_age"]} if hp.staleness else {})}
         for piece in self.pieces:
             piece.shard.hp = hp
-            piece.shard.state.clear()
-            piece.shard.state["momentum"] = piece.of(exp_avg)  # a whole matrix's: copied into the engine's buffer
-            for key in ("variance", "row_age") if hp.staleness else ("variance",):
-                piece.shard.state[key] = torch.zeros(piece.row_counts.numel(), dtype=torch.float32,
-                                                     device=exp_avg.device)
+            piece.shard.state.clear()  # a whole matrix's momentum is copied into the engine's buffer
+            piece.shard.state["momentum"] = piece.of(exp_avg)
+            for key in per_row:
+                piece.shard.state[key] = torch.zeros(piece.rows, dtype=torch.float32, device=exp_avg.device)
         self.engine = Dion3Engine([p.shard for p in self.pieces], cuda_graph=self.use_graph, check_group=self.check_group,
                                   fresh_grads=True, speeds=self.speeds, chosen=self.chosen)
         self.chosen = self.engine.chosen_fractions()
+        self._moves = _SliceMoves(self.pieces, exp_avg, per_row)
         self._state_ids = ids
 
     def step(self, opt: Dion3, group: dict, state: dict) -> None:
         flat, grad = self.flat, self.flat.grad
         hp = opt.hyperparameters(group)
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         if self.steps_matrices:
             self._bind_state(state, hp)
-            # per-row state the engine keeps one value per touched row of, the slice over the whole row
-            per_row = [("variance", exp_avg_sq)] + ([("row_age", state["row_age"])] if hp.staleness else [])
             for piece in self.pieces:
-                shard = piece.shard
-                shard.grad = piece.of(grad)  # ZeRO's gradient partition is a new tensor every step
-                if shard.hp != hp:
-                    shard.hp = hp
-                momentum, view = shard.state["momentum"], piece.of(exp_avg)
-                if piece.length and momentum.data_ptr() != view.data_ptr():
-                    momentum.copy_(view)
-                if piece.row_counts.numel():
-                    for key, values in per_row:
-                        shard.state[key].copy_(values.narrow(0, piece.offset, piece.length)[piece.row_firsts])
+                piece.shard.grad = piece.of(grad)  # ZeRO's gradient partition is a new tensor every step
+                if piece.shard.hp != hp:
+                    piece.shard.hp = hp
+            self._moves.read()
             self.engine.step()
-            for piece in self.pieces:
-                if not piece.length:
-                    continue
-                shard, view = piece.shard, piece.of(exp_avg)
-                if shard.state["momentum"].data_ptr() != view.data_ptr():
-                    view.copy_(shard.state["momentum"])
-                for key, values in per_row:
-                    values.narrow(0, piece.offset, piece.length).copy_(
-                        shard.state[key].repeat_interleave(piece.row_counts, output_size=piece.length))
+            self._moves.write()
         if self.adamw_runs:
             step = int(state["step"].item())
             runs = [[t.narrow(0, start, length) for start, length in self.adamw_runs]
-                    for t in (flat, grad, exp_avg, exp_avg_sq)]
+                    for t in (flat, grad, state["exp_avg"], state["exp_avg_sq"])]
             rule.adamw_step(*runs, step, group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
 
