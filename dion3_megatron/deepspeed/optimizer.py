@@ -11,7 +11,7 @@ DeepSpeed constructs it with the model's parameters and the config's ``params``;
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
@@ -45,9 +45,9 @@ class DeepSpeedDion3(Dion3):
             id(g): (g, list(g["params"])) for g in self.param_groups
         }
         self._zero_plans: dict[int, zero.ZeroGroupPlan] = {}
-        # Under ZeRO-1/2, per param group index: what fraction="auto" chose, loaded from a checkpoint
-        # and not yet taken by a plan, by matrix name, and from checkpoints before that record the
-        # f per run of adjacent same-shape whole matrices (else None).
+        # Under ZeRO-1/2, per param group index: what fraction="auto" chose as a checkpoint loaded it,
+        # by matrix name, and from checkpoints before that record the f per run of adjacent same-shape
+        # whole matrices (else None); the plans built since take it, and their records supersede it.
         self._saved_fractions: dict[int, tuple[dict[str, float], Optional[list[float]]]] = {}
 
     def add_param_group(self, param_group: dict) -> None:
@@ -126,6 +126,9 @@ class DeepSpeedDion3(Dion3):
                 fraction_record({f"whole-matrix run {i}": f for i, f in enumerate(runs)}, where)
             saved[gi] = (fraction_record(old["pieces"], where), runs)
         for gi, by_name in state_dict.get("fractions", {}).items():
+            if not isinstance(by_name, Mapping):
+                raise ValueError(f"checkpoint fractions: {gi!r}: {by_name!r} is not a record of ZeRO-1/2's, "
+                                 "{param group index: {matrix name: f}} (a checkpoint saved without ZeRO?)")
             saved[gi] = (fraction_record(by_name, f"checkpoint fractions: param group {gi}"), None)
         super().load_state_dict({k: v for k, v in state_dict.items() if k not in ("fractions", "zero_auto_fractions")})
         self._saved_fractions = saved

@@ -110,8 +110,9 @@ class _SliceMoves:
         live = [p for p in pieces if p.length]
         moved = [p for p in live if p.shard.state["momentum"].data_ptr() != p.of(exp_avg).data_ptr()]
         self.momentum = ([p.shard.state["momentum"] for p in moved], [p.of(exp_avg) for p in moved])
-        self.firsts = torch.tensor([p.offset + r.offset + i * (r.c1 - r.c0) for p in live for r in p.rects
-                                    for i in range(r.r1 - r.r0)], dtype=torch.long, device=exp_avg.device)
+        # where in the slice each touched row's first element here lies, row by row
+        self.firsts = torch.cat([p.offset + r.offset + (r.c1 - r.c0) * torch.arange(r.r1 - r.r0)
+                                 for p in live for r in p.rects] or [torch.zeros(0, dtype=torch.long)]).to(exp_avg.device)
         self.sizes = [p.rows for p in live]
         self.per_row = per_row
         self.rows = {key: [p.shard.state[key] for p in live] for key in per_row}
@@ -130,9 +131,9 @@ class _SliceMoves:
     def write(self) -> None:
         if self.momentum[0]:
             torch._foreach_copy_(self.momentum[1], self.momentum[0])
-        for rows, values in self.spread.values():
-            if rows:
-                torch._foreach_copy_(rows, values)
+        for blocks, values in self.spread.values():
+            if blocks:
+                torch._foreach_copy_(blocks, values)
 
 
 def _gather_ranges(linked: list[torch.Tensor], group, device) -> torch.Tensor:
@@ -241,11 +242,11 @@ class ZeroGroupPlan:
         checkpoints also the f of each run of adjacent same-shape matrices this rank holds whole, in
         slice order) instead of measuring again. Before the engine is built."""
         runs = self._whole_runs()
-        names = {piece.shard.name for piece in self.pieces}
-        if whole_runs is not None and len(whole_runs) != len(runs) or not set(by_name) <= names:
-            raise ValueError(f"{where}: the checkpoint's fraction='auto' choices ({len(whole_runs or ())} whole-matrix runs, "
-                             f"matrices {sorted(by_name)}) do not fit this rank's ZeRO slice ({len(runs)} runs, matrices "
-                             f"{sorted(names)}): it was saved with another layout")
+        unknown = sorted(set(by_name) - {piece.shard.name for piece in self.pieces})
+        if whole_runs is not None and len(whole_runs) != len(runs) or unknown:
+            raise ValueError(f"{where}: the checkpoint's fraction='auto' choices do not fit this rank's ZeRO slice "
+                             f"({len(whole_runs or ())} whole-matrix runs for its {len(runs)}; matrices it does not hold: "
+                             f"{unknown[:3]}): it was saved with another layout")
         self.chosen = {**by_name, **{name: f for run, f in zip(runs, whole_runs or ()) for name in run}}
 
     def _whole_runs(self) -> list[list[str]]:
@@ -309,8 +310,8 @@ class ZeroGroupPlan:
         per_row = {"variance": state["exp_avg_sq"], **({"row_age": state["row_age"]} if hp.staleness else {})}
         for piece in self.pieces:
             piece.shard.hp = hp
-            piece.shard.state.clear()  # a whole matrix's momentum is copied into the engine's buffer
-            piece.shard.state["momentum"] = piece.of(exp_avg)
+            piece.shard.state.clear()
+            piece.shard.state["momentum"] = piece.of(exp_avg)  # a whole matrix's: copied into the engine's buffer
             for key in per_row:
                 piece.shard.state[key] = torch.zeros(piece.rows, dtype=torch.float32, device=exp_avg.device)
         self.engine = Dion3Engine([p.shard for p in self.pieces], cuda_graph=self.use_graph, check_group=self.check_group,
