@@ -1,7 +1,7 @@
 """Where Dion3's optimizer step spends its time inside Megatron or DeepSpeed training.
 
 Wraps the phases of the step (finite check, shard refresh, the engine and its per-shape-group
-parts, the ZeRO plan, the whole-matrix path) with timers between two device synchronizations,
+parts, the ZeRO plan, the matrices held whole) with timers between two device synchronizations,
 runs a training harness unchanged, and prints each phase's median on rank 0; one step (the
 ``--profile-call``-th engine step) also runs under torch.profiler, which prints its aten-op count
 and the top kernels. The synchronizations change what they measure a little (no overlap across
@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from dion3_megatron.engine import Dion3Engine, exchange, general, planned, static
+from dion3_megatron.engine import Dion3Engine, exchange, general, local, planned, static
 
 TIMES: dict[str, list[float]] = collections.defaultdict(list)
 PROFILE_CALL = int(os.environ.get("STEP_PHASES_PROFILE_CALL", "10"))
@@ -192,9 +192,10 @@ def deepspeed(argv: list[str]) -> None:
     timed(zero_opt, "scaled_global_norm", "  ZeRO grad norm")
     timed(zero_opt, "_optimizer_step", "  ZeRO inner step (per param group)")
     timed(stage_1_and_2, "all_gather_dp_groups", "  ZeRO parameter all-gather")
-    timed(zero.ZeroGroupPlan, "step", lambda plan: f"ZeRO plan step ({sum(c for _, c, _, _ in plan.whole)} whole "
-                                                   f"matrices, {len(plan.pieces)} split, {len(plan.adamw_runs)} AdamW runs)")
-    timed(zero.ZeroGroupPlan, "_step_whole", "  matrices one rank holds whole")
+    timed(zero.ZeroGroupPlan, "step", lambda plan: f"ZeRO plan step ({len(plan.pieces)} matrices, "
+                                                   f"{sum(p.shard.sharding.kind != 'full' for p in plan.pieces)} of them "
+                                                   f"split, {len(plan.adamw_runs)} AdamW runs)")
+    timed(local.WholeExchange, "step_all", "  matrices one rank holds whole (all groups)")
     sys.argv = argv
     try:
         runpy.run_path(argv[0], run_name="__main__")

@@ -6,8 +6,6 @@ import pytest
 import torch
 
 from dion3_megatron import Dion3, options
-from dion3_megatron.engine import cuda_graph
-from dion3_megatron.engine.local import WholeMatrices, step_whole_matrices
 from dion3_megatron.kernels import rows as kernel_rows
 from dion3_megatron.engine import Dion3Engine, MatrixShard, Sharding
 
@@ -97,41 +95,43 @@ def test_engine_local_groups_graph_replay_equals_eager(generator, staleness):
             assert torch.equal(a.state[key], b.state[key]), key
 
 
+def flat_slice_run(generator, staleness, use_graph, device="cuda", steps=5):
+    """The ZeRO layout: matrices a rank holds whole as ``Sharding.full()`` shards on views of one
+    flat slice, beside a matrix on the general exchange (one straddling slices; here its only
+    piece), so the engine steps the whole ones from a graph of their own while the other waits for
+    its rows; every step's gradients are views of a new tensor (``fresh_grads``), and lr changes."""
+    shapes = [(64, 96)] * 3 + [(96, 64)] * 2 + [(80, 48)]
+    gen = torch.Generator().manual_seed(generator.initial_seed())
+    flat = torch.randn(sum(n * m for n, m in shapes), generator=gen).to(device)
+    grads = [torch.randn(flat.shape, generator=gen).to(device) for _ in range(steps)]  # all alive: new addresses
+    hp = options.hyperparameters(fraction=0.25, weight_decay=0.1, staleness=staleness)
+    shards, offsets = [], [0]
+    for j, (n, m) in enumerate(shapes):
+        whole = j < len(shapes) - 1
+        view = flat.narrow(0, offsets[-1], n * m)
+        shards.append(MatrixShard(f"m{j}", view.view(n, m) if whole else view, None, (n, m),
+                                  Sharding.full() if whole else Sharding.flat([0, n * m]), None, hp))
+        offsets.append(offsets[-1] + n * m)
+    engine = Dion3Engine(shards, cuda_graph=use_graph, fresh_grads=True)
+    for step in range(steps):
+        for shard, offset in zip(shards, offsets):
+            shard.grad = grads[step].narrow(0, offset, shard.weight.numel()).view(shard.weight.shape)
+            shard.hp = dataclasses.replace(hp, lr=0.01 / (step + 1))
+        engine.step()
+    return engine, flat, shards
+
+
 @pytest.mark.parametrize("staleness", [0.0, 1.0])
-def test_whole_matrices_on_flat_slices_graph_equals_eager(generator, staleness):
-    """The ZeRO layout: matrices as views of one flat slice, the variance (and the rows' ages) a
-    strided view (each row's value repeated over the row), and device work after the step (``then``)."""
-    steps, runs = 5, [(0, 3, 64, 96), (3 * 64 * 96, 2, 96, 64)]
-    numel = sum(count * n * m for _, count, n, m in runs)
-    flat0 = torch.randn(numel, generator=generator).cuda()
-    grads = [torch.randn(numel, generator=generator).cuda() for _ in range(steps)]
-    results = []
-    for use_graph in (False, True):
-        flat, momentum, variance, age = flat0.clone(), *(torch.zeros_like(flat0) for _ in range(3))
-        graph = cuda_graph.StepGraph()
-        for step in range(steps):
-            hp = options.hyperparameters(lr=0.01 / (step + 1), fraction=0.25, weight_decay=0.1, staleness=staleness)
-            entries = []
-            for offset, count, n, m in runs:
-                views = [t.narrow(0, offset, count * n * m).view(count, n, m)
-                         for t in (flat, grads[step], momentum, variance, age)]
-                views[2].add_(views[1])
-                entries.append(WholeMatrices(views[0], views[2], views[3][..., 0], hp,
-                                             age=views[4][..., 0] if staleness else None))
-
-            def spread() -> None:
-                for offset, count, n, m in runs:
-                    for per_row in (variance, age):
-                        rows = per_row.narrow(0, offset, count * n * m).view(count * n, m)
-                        rows[:, 1:] = rows[:, :1]
-
-            step_whole_matrices(entries, graph if use_graph else None, then=spread)
-        assert (graph.graph is not None) == use_graph
-        assert bool(age.count_nonzero()) == bool(staleness)
-        results.append((flat, momentum, variance, age))
-    for eager, graphed in zip(*results):
-        assert torch.equal(eager, graphed)
-    assert not torch.equal(results[0][0], flat0) and results[0][2].count_nonzero() > 0
+def test_whole_shards_on_a_flat_slice_beside_a_split_one_graph_equals_eager(generator, staleness):
+    (eager, eager_flat, eager_shards), (graphed, graphed_flat, graphed_shards) = (
+        flat_slice_run(generator, staleness, use_graph) for use_graph in (False, True))
+    assert not graphed._whole_step_graphable()  # the general exchange waits for its rows on the host
+    assert graphed._graph.graph is not None and eager._graph.graph is None
+    assert torch.equal(eager_flat, graphed_flat)
+    for a, b in zip(eager_shards, graphed_shards):
+        assert a.state.keys() == b.state.keys() == ({"momentum", "variance"} | ({"row_age"} if staleness else set()))
+        for key in a.state:
+            assert torch.equal(a.state[key], b.state[key]), key
 
 
 @pytest.mark.parametrize("staleness", [0.0, 1.0])

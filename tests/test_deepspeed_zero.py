@@ -62,9 +62,19 @@ def test_auto_fraction_under_zero1_equals_zero0(two_ranks):
 def test_auto_fraction_choices_survive_a_resume_on_a_machine_of_another_speed(two_ranks):
     for rank, out in enumerate(two_ranks):
         assert out["auto_resume_diff"] == 0.0, (rank, out["auto_resume_diff"])
-        chosen = out["auto_resume_chosen"]
-        fractions = {f for c in chosen.values() for f in list(c["whole"] or []) + list(c["pieces"].values())}
-        assert fractions == {0.125} and any(c["pieces"] for c in chosen.values()), chosen  # straddling ones too
+        chosen = out["auto_resume_chosen"]  # {param group index: {matrix name: f}}
+        fractions = {f for c in chosen.values() for f in c.values()}
+        straddling = {name for c in chosen.values() for name in c} & set(out["auto_resume_straddling"])
+        assert fractions == {0.125} and straddling, chosen  # straddling ones too
+
+
+def test_auto_fraction_choices_of_an_older_checkpoint_record_load(two_ranks):
+    # The record checkpoints kept before the one by name ("zero_auto_fractions": whole matrices per
+    # run of adjacent same-shape ones, straddling ones by name): its runs map to the whole matrices.
+    assert sum(out["legacy_whole_runs"] for out in two_ranks) > 0, "the record must hold whole-matrix runs"
+    for rank, out in enumerate(two_ranks):
+        assert out["legacy_resume_diff"] == 0.0, (rank, out["legacy_resume_diff"])
+        assert "whole-matrix run 1 has fraction 0.3" in out["legacy_bad_fraction"], out["legacy_bad_fraction"]
 
 
 def test_gradient_accumulation_and_param_groups_equal_zero0(two_ranks):

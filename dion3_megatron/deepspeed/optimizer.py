@@ -4,18 +4,19 @@ DeepSpeed constructs it with the model's parameters and the config's ``params``;
 * ZeRO stage 0 (fp32, or bf16/fp16 through DeepSpeed's unfused wrapper) steps it on whole
   parameters: it is :class:`dion3_megatron.Dion3` unchanged;
 * ZeRO stage 1/2 (and BF16_Optimizer) replace each param group's parameters with one flat fp32
-  slice; the step then goes through :mod:`.zero`, which gives the straddling matrices to the
-  megabatch engine and keeps the state slice-shaped.
+  slice; the step then goes through :mod:`.zero`, which gives every Dion3 matrix of a group (whole
+  in this rank's slice, or straddling slices) to one megabatch engine and keeps the state
+  slice-shaped.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
 from .. import options
-from ..core import cost_model
+from ..engine.plan import fraction_record
 from ..kernels import config as kernel_config
 from ..frontend import usable_on_every_rank
 from ..optimizer import Dion3
@@ -44,7 +45,10 @@ class DeepSpeedDion3(Dion3):
             id(g): (g, list(g["params"])) for g in self.param_groups
         }
         self._zero_plans: dict[int, zero.ZeroGroupPlan] = {}
-        self._saved_zero_fractions: dict[int, dict] = {}  # param group index -> fraction="auto" choices loaded
+        # Under ZeRO-1/2, per param group index: what fraction="auto" chose as a checkpoint loaded it,
+        # by matrix name, and from checkpoints before that record the f per run of adjacent same-shape
+        # whole matrices (else None); the plans built since take it, and their records supersede it.
+        self._saved_fractions: dict[int, tuple[dict[str, float], Optional[list[float]]]] = {}
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -79,14 +83,25 @@ class DeepSpeedDion3(Dion3):
         plain = {"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}
         return [plain, {**plain, "row_age": tuple(p.shape)}]
 
+    def _under_zero(self) -> bool:
+        """ZeRO-1/2 (or BF16_Optimizer) replaced the param groups' parameters with flat slices."""
+        return any(self._zero_group(g) is not None for g in self.param_groups)
+
     def state_dict(self) -> dict[str, Any]:
-        """Dion3's state dict and, under ZeRO-1/2, what fraction="auto" chose on this rank's slices
-        (DeepSpeed's default, rigid, checkpoints keep it per rank; elastic and universal ones keep
-        only the slice-shaped tensors, and a resume from them chooses again)."""
+        """Dion3's state dict; under ZeRO-1/2 with what fraction="auto" chose on this rank's slices
+        under ``"fractions"``, ``{param group index: {matrix name: f}}`` (DeepSpeed's default, rigid,
+        checkpoints keep it per rank; elastic and universal ones keep only the slice-shaped tensors,
+        and a resume from them chooses again)."""
         sd = super().state_dict()
+        if not self._under_zero():
+            return sd
         index = list(self._originals)
-        sd["zero_auto_fractions"] = {**self._saved_zero_fractions, **{
-            index.index(key): plan.auto_fractions() for key, plan in self._zero_plans.items() if plan.auto}}
+        saved = {**self._saved_fractions, **{index.index(key): (plan.chosen, None) for key, plan in self._zero_plans.items()}}
+        sd["fractions"] = {gi: dict(by_name) for gi, (by_name, runs) in saved.items() if runs is None}
+        legacy = {gi: {"whole": list(runs), "pieces": dict(by_name)} for gi, (by_name, runs) in saved.items()
+                  if runs is not None}
+        if legacy:  # loaded from an older checkpoint and not stepped since: kept in its own format
+            sd["zero_auto_fractions"] = legacy
         return sd
 
     def _params_to_check(self, group: dict) -> list[torch.Tensor]:
@@ -96,14 +111,27 @@ class DeepSpeedDion3(Dion3):
         return group["params"] if originals is None else originals
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.get("zero_auto_fractions", {})
-        for gi, choices in saved.items():
-            values = list(choices["whole"] or []) + list(choices["pieces"].values())
-            if any(f not in cost_model.CANDIDATE_FRACTIONS for f in values):
-                raise ValueError(f"checkpoint zero_auto_fractions: param group {gi} has fractions {values}, "
-                                 f"not all in {cost_model.CANDIDATE_FRACTIONS}")
-        super().load_state_dict(state_dict)
-        self._saved_zero_fractions = dict(saved)
+        """Dion3's load; under ZeRO-1/2 also what fraction="auto" chose (:meth:`state_dict`), or
+        the record of older checkpoints, ``"zero_auto_fractions"``: ``{param group index: {"whole":
+        [f per run of adjacent same-shape whole matrices, in slice order] or None, "pieces":
+        {matrix name: f}}}``; a plan maps the runs to its whole matrices' names."""
+        if not self._under_zero():
+            super().load_state_dict(state_dict)
+            return
+        saved: dict[int, tuple[dict[str, float], Optional[list[float]]]] = {}
+        for gi, old in state_dict.get("zero_auto_fractions", {}).items():
+            where = f"checkpoint zero_auto_fractions: param group {gi}"
+            runs = list(old["whole"]) if old["whole"] is not None else None
+            if runs is not None:
+                fraction_record({f"whole-matrix run {i}": f for i, f in enumerate(runs)}, where)
+            saved[gi] = (fraction_record(old["pieces"], where), runs)
+        for gi, by_name in state_dict.get("fractions", {}).items():
+            if not isinstance(by_name, Mapping):
+                raise ValueError(f"checkpoint fractions: {gi!r}: {by_name!r} is not a record of ZeRO-1/2's, "
+                                 "{param group index: {matrix name: f}} (a checkpoint saved without ZeRO?)")
+            saved[gi] = (fraction_record(by_name, f"checkpoint fractions: param group {gi}"), None)
+        super().load_state_dict({k: v for k, v in state_dict.items() if k not in ("fractions", "zero_auto_fractions")})
+        self._saved_fractions = saved
         self._zero_plans.clear()  # rebuilt at the next step (by every rank), with these choices
 
     @torch.no_grad()
@@ -131,8 +159,8 @@ class DeepSpeedDion3(Dion3):
                 # the position among the remembered groups does not.
                 index = list(self._originals).index(id(group))
                 plan = zero.ZeroGroupPlan(self, group, originals, index)
-                if plan.auto and index in self._saved_zero_fractions:
-                    plan.restore_auto_fractions(self._saved_zero_fractions[index], f"Dion3 param group {index}")
+                if index in self._saved_fractions:
+                    plan.restore_fractions(*self._saved_fractions[index], f"Dion3 param group {index}")
                 self._zero_plans[id(group)] = plan
             if not usable_on_every_rank([flat.grad], flat.device, plan.check_group):
                 self.skip_step()

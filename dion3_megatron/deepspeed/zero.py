@@ -6,10 +6,11 @@ its gradient already averaged, unscaled and clipped. A matrix can straddle two o
 slices. Every original parameter carries ZeRO's own mapping into the slice (``_hp_mapping``: which
 elements of the parameter, at which offset of the slice; ``None`` when this rank holds none) and
 the process group its slices span (``_dp_group``: the expert-data-parallel group for MoE
-parameters). From these the adapter describes each matrix that straddles ranks to the engine as
-a ``Sharding.flat(bounds)`` piece (element ranges of the row-major matrix) and lets the engine do
-its Dion3 step; a matrix that lies whole in one rank's slice is stepped by that rank alone
-(``engine.local.step_whole_matrices`` on views of the slice, no communication); parameters that are not
+parameters). From these the adapter hands every Dion3 matrix this rank holds any of to ONE megabatch
+engine (:class:`~dion3_megatron.engine.Dion3Engine`): a matrix that lies whole in this rank's slice
+as a ``Sharding.full()`` shard (views of the slice, stepped by this rank alone, no communication),
+a matrix that straddles ranks' slices as a ``Sharding.flat(bounds)`` piece (element ranges of the
+row-major matrix), stepped with the ranks that hold its other pieces; parameters that are not
 matrices take AdamW element by element on the slice. With a Megatron-style ``mpu`` (tensor
 parallelism), a weight marked ``tensor_model_parallel`` is one row or column block of a logical
 matrix; every rank's slice of every block goes to the engine as a ``Sharding.block_flat`` piece
@@ -26,14 +27,14 @@ Adam's (``ds_to_universal`` reads exactly the keys ``exp_avg`` and ``exp_avg_sq`
                           does not know the key: :func:`.checkpoint.convert_to_universal` adds it.
 * ``step``       (0-d)    steps taken (AdamW bias correction).
 
-The engine keeps one variance value (and age) per row a piece touches; before each step it is read
-from the first element of each touched row of ``exp_avg_sq`` (``row_age``), after the step
-written back over the row.
+The engine keeps one variance value (and age) per row a shard touches, and a whole matrix's
+momentum in a buffer of its own (a straddling piece's is ``exp_avg`` itself); before each step they
+are read from the slice (a row's variance and age from the first element of the row there), after
+the step written back (the variance and age repeated over the row).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import warnings
 from dataclasses import dataclass
@@ -43,10 +44,11 @@ import torch
 import torch.distributed as dist
 
 from ..core import rule
-from ..engine import Dion3Engine, MatrixShard, Sharding, cuda_graph, fractions
+from ..core.ortho import default_ns_dtype
+from ..engine import Dion3Engine, MatrixShard, Rect, Sharding, fractions
 from ..engine.plan import chooses_fraction
-from ..engine.local import WholeMatrices, step_whole_matrices
 from ..optimizer import Dion3
+
 
 def is_zero_linked(p: torch.Tensor) -> bool:
     """True for a parameter ZeRO-1/2 (or BF16_Optimizer) has linked to a flat fp32 partition."""
@@ -67,25 +69,71 @@ def matrices_of(p: torch.Tensor) -> list[tuple[int, int, int]]:
 
 @dataclass
 class _SlicePiece:
-    """This rank's piece of one matrix (what the engine steps) and where it lies in the flat slice,
-    with how its per-row variance maps onto the slice."""
+    """This rank's part of one Dion3 matrix, the shard the engine steps (the matrix whole, or this
+    rank's piece of a matrix split over ranks), and where it lies in the flat slice."""
 
-    shard: Any  # MatrixShard
+    shard: MatrixShard
     offset: int  # first element of the piece in the flat partition
     length: int
-    row_counts: torch.Tensor  # elements of each touched row that lie in the piece
-    row_firsts: torch.Tensor  # offset inside the piece of each touched row's first element here
+    # its elements as blocks of rows (a partial first row, whole rows, a partial last row), rows
+    # counted from the first one it touches, offsets from its first element
+    rects: list[Rect]
+
+    @property
+    def rows(self) -> int:
+        """The rows it touches: the engine keeps a variance (and an age) for each."""
+        return self.rects[-1].r1 if self.rects else 0
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """The piece's elements of a slice-shaped tensor, shaped like the shard's weight."""
+        return t.narrow(0, self.offset, self.length).view(self.shard.weight.shape)
 
 
-def _touched_rows(lo: int, hi: int, n_cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For matrix elements [lo, hi): per touched row, its element count and first offset in the piece."""
-    if hi <= lo:
-        empty = torch.zeros(0, dtype=torch.long, device=device)
-        return empty, empty
-    rows = torch.arange(lo // n_cols, (hi - 1) // n_cols + 1, device=device)
-    starts = (rows * n_cols).clamp(min=lo)
-    ends = ((rows + 1) * n_cols).clamp(max=hi)
-    return ends - starts, starts - lo
+def _row_blocks(first: int, length: int, width: int) -> list[Rect]:
+    """Elements [first, first + length) of a row-major matrix ``width`` wide, as blocks of rows."""
+    if not length:
+        return []
+    top = first // width
+    return [dataclasses.replace(r, r0=r.r0 - top, r1=r.r1 - top)
+            for r in Sharding.flat((first, first + length)).rects(0, (first + length - 1) // width + 1, width)]
+
+
+class _SliceMoves:
+    """What travels between the slice-shaped state and the engine's around each step, in a few
+    batched ops whatever the number of matrices: before it, the momentum of the shards that keep
+    it in the engine's buffers (whole matrices; a straddling piece's is ``exp_avg`` itself) and each
+    touched row's variance (and age), read from the row's first element in the slice; after it,
+    that momentum back, and the rows' values repeated over their elements in the slice. The
+    tensors stay the same while the engine lives (it is rebuilt when the state tensors change)."""
+
+    def __init__(self, pieces: list[_SlicePiece], exp_avg: torch.Tensor, per_row: dict[str, torch.Tensor]) -> None:
+        live = [p for p in pieces if p.length]
+        moved = [p for p in live if p.shard.state["momentum"].data_ptr() != p.of(exp_avg).data_ptr()]
+        self.momentum = ([p.shard.state["momentum"] for p in moved], [p.of(exp_avg) for p in moved])
+        # where in the slice each touched row's first element here lies, row by row
+        self.firsts = torch.cat([p.offset + r.offset + (r.c1 - r.c0) * torch.arange(r.r1 - r.r0)
+                                 for p in live for r in p.rects] or [torch.zeros(0, dtype=torch.long)]).to(exp_avg.device)
+        self.sizes = [p.rows for p in live]
+        self.per_row = per_row
+        self.rows = {key: [p.shard.state[key] for p in live] for key in per_row}
+        self.spread = {key: ([r.view(values.narrow(0, p.offset, p.length)) for p in live for r in p.rects],
+                             [p.shard.state[key][r.r0 : r.r1, None].expand(r.r1 - r.r0, r.c1 - r.c0)
+                              for p in live for r in p.rects])
+                       for key, values in per_row.items()}
+
+    def read(self) -> None:
+        if self.momentum[0]:
+            torch._foreach_copy_(*self.momentum)
+        if self.sizes:
+            for key, values in self.per_row.items():
+                torch._foreach_copy_(self.rows[key], list(values[self.firsts].split(self.sizes)))
+
+    def write(self) -> None:
+        if self.momentum[0]:
+            torch._foreach_copy_(self.momentum[1], self.momentum[0])
+        for blocks, values in self.spread.values():
+            if blocks:
+                torch._foreach_copy_(blocks, values)
 
 
 def _gather_ranges(linked: list[torch.Tensor], group, device) -> torch.Tensor:
@@ -122,12 +170,13 @@ def _param_bounds(ranges: torch.Tensor, numel: int, where: str) -> list[int]:
 
 
 class ZeroGroupPlan:
-    """Everything one flat ZeRO param group needs per step, built once (one all_gather of int ranges)."""
+    """Everything one flat ZeRO param group needs per step, built once (one all_gather of int
+    ranges, and with fraction="auto" one all-reduce of the device's speed): the group's Dion3
+    matrices as the shards of one engine, and the AdamW element runs."""
 
     def __init__(self, opt: Dion3, group: dict, originals: list[torch.Tensor], index: int) -> None:
         self.flat = group["params"][0]
         self.use_graph = opt.cuda_graph
-        self.graph = cuda_graph.StepGraph()  # the whole matrices' step
         linked = [p for p in originals if is_zero_linked(p)]
         if not linked:
             raise RuntimeError(
@@ -147,10 +196,11 @@ class ZeroGroupPlan:
         # Every rank whose pieces one step's collectives join: the tensor x data-parallel group with
         # tensor parallelism, else the data-parallel group. They check the plan, and skip a step, together.
         self.check_group = tensor_parallel.group if tensor_parallel is not None else self.group_pg
-        self.pieces: list[_SlicePiece] = []  # matrices split over ranks: through the engine
-        # (offset, count, rows, cols): runs of adjacent same-shape matrices only this rank holds,
-        # stepped as one (count, rows, cols) batch (e.g. one layer's Q, K, V and projection).
-        self.whole: list[tuple[int, int, int, int]] = []
+        hp = opt.hyperparameters(group)
+        self.pieces: list[_SlicePiece] = []  # every Dion3 matrix this rank holds any of: the engine's shards
+        # Some rank of the group holds a Dion3 matrix (the same on every rank): then every rank
+        # builds the engine, whose construction is collective, also one that holds none.
+        self.steps_matrices = False
         adamw_runs: list[tuple[int, int]] = []
         for j, p in enumerate(linked):
             where = f"Dion3 param group {index}, param {j} (shape {tuple(p.shape)})"
@@ -163,49 +213,67 @@ class ZeroGroupPlan:
                 if lp_hi > lp_lo:
                     adamw_runs.append((hp_start, lp_hi - lp_lo))
                 continue
+            self.steps_matrices = True
             split = tensor_parallel.split_of(p) if tensor_parallel is not None else None
             if split is not None:  # one block of a tensor-parallel matrix: through the engine over TP x DP
-                self._add_tensor_parallel(p, split, bounds, hp_start, lp_lo, tensor_parallel, opt, group,
-                                          f"group{index}.param{j}")
+                self._add_tensor_parallel(p, split, bounds, hp_start, lp_lo, tensor_parallel, hp, f"group{index}.param{j}")
                 continue
             for e, (a, n, m) in enumerate(matrices_of(p)):
                 mbounds = [min(max(b - a, 0), n * m) for b in bounds]
                 lo, hi = mbounds[self.rank], mbounds[self.rank + 1]
                 offset = hp_start + (a + lo - lp_lo) if hi > lo else 0
                 holders = [q for q in range(self.world) if mbounds[q + 1] > mbounds[q]]
-                if len(holders) == 1:  # one rank holds it all: it steps it alone, no communication
-                    if holders[0] == self.rank:
-                        self._add_whole(offset, n, m)
-                    continue
                 name = f"group{index}.param{j}" + (f".matrix{e}" if p.dim() == 3 else "")
-                self._add_piece(name, offset, hi - lo, lo, m, (n, m), Sharding.flat(mbounds),
-                                self.group_pg, opt.hyperparameters(group))
+                if len(holders) > 1:
+                    self._add_piece(name, offset, hi - lo, lo, m, (n, m), Sharding.flat(mbounds), self.group_pg, hp)
+                elif holders == [self.rank]:  # whole in this rank's slice: stepped here alone, no communication
+                    self._add_piece(name, offset, n * m, 0, m, (n, m), Sharding.full(), None, hp)
         self.adamw_runs = _merge_runs(adamw_runs)
-        # What fraction="auto" chose (saved in checkpoints, so a resume does not measure again):
-        # per run of self.whole (None: not chosen yet), and per piece of the engine, by name.
-        self.auto = chooses_fraction(opt.hyperparameters(group))
-        self.whole_fractions: Optional[list[float]] = None
-        self.piece_fractions: dict[str, float] = {}
-        self.whole_scores: list[torch.Tensor] = []  # their row scores, in buffers a graph can replay
-        self.engine = None
+        self.speeds = self._agree_speeds(hp)
+        # What fraction="auto" chose, by matrix name (a checkpoint keeps it, so a resume does not
+        # measure again): the engine's record once it is built.
+        self.chosen: dict[str, float] = {}
+        self.engine: Optional[Dion3Engine] = None
+        self._moves: Optional[_SliceMoves] = None
         self._state_ids: tuple = ()
 
-    def auto_fractions(self) -> dict[str, Any]:
-        """What fraction="auto" chose so far, for a checkpoint (see :meth:`restore_auto_fractions`)."""
-        return {"whole": self.whole_fractions, "pieces": dict(self.piece_fractions)}
+    def restore_fractions(self, by_name: dict[str, float], whole_runs: Optional[list[float]], where: str) -> None:
+        """Take what fraction="auto" chose before (a checkpoint's record, by matrix name; from older
+        checkpoints also the f of each run of adjacent same-shape matrices this rank holds whole, in
+        slice order) instead of measuring again. Before the engine is built."""
+        runs = self._whole_runs()
+        unknown = sorted(set(by_name) - {piece.shard.name for piece in self.pieces})
+        if whole_runs is not None and len(whole_runs) != len(runs) or unknown:
+            raise ValueError(f"{where}: the checkpoint's fraction='auto' choices do not fit this rank's ZeRO slice "
+                             f"({len(whole_runs or ())} whole-matrix runs for its {len(runs)}; matrices it does not hold: "
+                             f"{unknown[:3]}): it was saved with another layout")
+        self.chosen = {**by_name, **{name: f for run, f in zip(runs, whole_runs or ()) for name in run}}
 
-    def restore_auto_fractions(self, saved: dict[str, Any], where: str) -> None:
-        """Take the choices a checkpoint saved instead of measuring the device again."""
-        whole, pieces = saved["whole"], saved["pieces"]
-        names = {piece.shard.name for piece in self.pieces}
-        if whole is not None and len(whole) != len(self.whole) or not set(pieces) <= names:
-            raise ValueError(f"{where}: the checkpoint's fraction='auto' choices ({len(whole or ())} whole-matrix "
-                             f"runs, pieces {sorted(pieces)}) do not fit this rank's ZeRO slice ({len(self.whole)} "
-                             f"runs, pieces {sorted(names)}): it was saved with another layout")
-        self.whole_fractions, self.piece_fractions = whole, dict(pieces)
+    def _whole_runs(self) -> list[list[str]]:
+        """The names of the matrices of each run of adjacent same-shape matrices this rank holds
+        whole, in slice order (as checkpoints before the record by name listed them)."""
+        runs: list[list[str]] = []
+        end, shape = -1, None
+        for piece in self.pieces:
+            if piece.shard.sharding.kind != "full":
+                continue
+            if runs and piece.offset == end and piece.shard.shape == shape:
+                runs[-1].append(piece.shard.name)
+            else:
+                runs.append([piece.shard.name])
+            end, shape = piece.offset + piece.length, piece.shard.shape
+        return runs
+
+    def _agree_speeds(self, hp: rule.Dion3Hyperparameters) -> fractions.AgreedSpeeds:
+        """The device speed fraction="auto" chooses the whole matrices' f by, agreed over the
+        data-parallel group by every rank of it, also one that holds no whole matrix (one
+        collective, made here by every rank alike), so that the ranks choose on the same numbers."""
+        device = self.flat.device
+        wanted = [(device, hp.ns_dtype or default_ns_dtype(device))] if self.steps_matrices and chooses_fraction(hp) else []
+        return fractions.AgreedSpeeds(fractions.agree_per_dtype(wanted, self.group_pg) if wanted else {}, self.world > 1)
 
     def _add_tensor_parallel(self, p: torch.Tensor, split: str, bounds: list[int], hp_start: int, lp_lo: int,
-                             tensor_parallel: "TensorParallel", opt: Dion3, group: dict, name: str) -> None:
+                             tensor_parallel: "TensorParallel", hp: rule.Dion3Hyperparameters, name: str) -> None:
         """A TP block of a logical matrix, sliced by ZeRO: the engine steps the whole logical matrix
         over the tensor x data-parallel group (every rank of it holds one slice of one block)."""
         n, m = p.shape
@@ -213,140 +281,62 @@ class ZeroGroupPlan:
         blocks = tensor_parallel.size
         shape = (n * blocks, m) if split == "rows" else (n, m * blocks)
         offset = hp_start + (lo - lp_lo) if hi > lo else 0
-        self._add_piece(name, offset, hi - lo, lo, m, shape,
-                        Sharding.block_flat(split, bounds, tensor_parallel.places),
-                        tensor_parallel.group, opt.hyperparameters(group))
+        self._add_piece(name, offset, hi - lo, lo, m, shape, Sharding.block_flat(split, bounds, tensor_parallel.places),
+                        tensor_parallel.group, hp)
 
     def _add_piece(self, name: str, offset: int, length: int, first: int, row_width: int, shape: tuple[int, int],
                    sharding: Sharding, process_group, hp: rule.Dion3Hyperparameters) -> None:
-        """A piece for the engine: ``length`` elements of the slice from ``offset``, which are
+        """A shard for the engine: ``length`` elements of the slice from ``offset``, which are
         elements [first, first + length) of a row-major matrix ``row_width`` wide (the logical
-        matrix, or its TP block)."""
-        counts, firsts = _touched_rows(first, first + length, row_width, self.flat.device)
-        shard = MatrixShard(
-            name=name,
-            weight=self.flat.narrow(0, offset, length),
-            grad=self.flat.narrow(0, offset, length),  # replaced by the real gradient each step
-            shape=shape, sharding=sharding, group=process_group, hp=hp, state={},
-        )
-        self.pieces.append(_SlicePiece(shard, offset, length, counts, firsts))
+        matrix, or its TP block); a whole matrix's views of the slice are (rows, cols)."""
+        local = shape if sharding.kind == "full" else (length,)
+        view = self.flat.narrow(0, offset, length).view(local)
+        shard = MatrixShard(name=name, weight=view, grad=view,  # the grad: replaced by the real gradient each step
+                            shape=shape, sharding=sharding, group=process_group, hp=hp, state={})
+        self.pieces.append(_SlicePiece(shard, offset, length, _row_blocks(first, length, row_width)))
 
     # ----------------------------------------------------------------------------------------
 
     def _bind_state(self, state: dict, hp: rule.Dion3Hyperparameters) -> None:
-        """Point the engine's momentum at the slice's exp_avg (rebuilding the engine if it moved,
-        or if staleness changed: the engine plans with it)."""
+        """Give the shards their state from the slice's and build the engine (again where the state
+        tensors changed, or staleness did: the engine plans with it). On every rank of the group
+        alike, since the engine's construction is collective."""
         ids = (id(state["exp_avg"]), id(state["exp_avg_sq"]), id(state.get("row_age")), hp.staleness)
-        if not self.pieces or (self.engine is not None and ids == self._state_ids):
+        if self.engine is not None and ids == self._state_ids:
             return
+        if chooses_fraction(hp):  # refused here on every rank alike where the ranks agreed no speed for it
+            self.speeds.of(self.flat.device, hp.ns_dtype or default_ns_dtype(self.flat.device))
         exp_avg = state["exp_avg"]
+        per_row = {"variance": state["exp_avg_sq"], **({"row_age": state["row_age"]} if hp.staleness else {})}
         for piece in self.pieces:
             piece.shard.hp = hp
-            if self.auto and piece.shard.name in self.piece_fractions:  # chosen before: not measured again
-                piece.shard.hp = dataclasses.replace(hp, fraction=self.piece_fractions[piece.shard.name])
             piece.shard.state.clear()
-            piece.shard.state["momentum"] = exp_avg.narrow(0, piece.offset, piece.length)
-            for key in ("variance", "row_age") if hp.staleness else ("variance",):
-                piece.shard.state[key] = torch.zeros(piece.row_counts.numel(), dtype=torch.float32,
-                                                     device=exp_avg.device)
-        self.engine = Dion3Engine([p.shard for p in self.pieces], cuda_graph=self.use_graph,
-                                            check_group=self.check_group)
-        if self.auto:
-            self.piece_fractions = {s.name: sg.fraction for sg in self.engine.plan for s in sg.shards}
+            piece.shard.state["momentum"] = piece.of(exp_avg)  # a whole matrix's: copied into the engine's buffer
+            for key in per_row:
+                piece.shard.state[key] = torch.zeros(piece.rows, dtype=torch.float32, device=exp_avg.device)
+        self.engine = Dion3Engine([p.shard for p in self.pieces], cuda_graph=self.use_graph, check_group=self.check_group,
+                                  fresh_grads=True, speeds=self.speeds, chosen=self.chosen)
+        self.chosen = self.engine.chosen_fractions()
+        self._moves = _SliceMoves(self.pieces, exp_avg, per_row)
         self._state_ids = ids
 
     def step(self, opt: Dion3, group: dict, state: dict) -> None:
         flat, grad = self.flat, self.flat.grad
         hp = opt.hyperparameters(group)
-        self._bind_state(state, hp)
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        # per-row state the engine keeps one value per touched row of, the slice over the whole row
-        per_row = [("variance", exp_avg_sq)] + ([("row_age", state["row_age"])] if hp.staleness else [])
-        for piece in self.pieces:
-            shard = piece.shard
-            shard.weight = flat.narrow(0, piece.offset, piece.length)
-            shard.grad = grad.narrow(0, piece.offset, piece.length)
-            if shard.hp != hp:
-                shard.hp = hp
-            momentum = shard.state["momentum"]
-            view = exp_avg.narrow(0, piece.offset, piece.length)
-            if momentum.data_ptr() != view.data_ptr() and piece.length:
-                momentum.copy_(view)
-            if piece.row_counts.numel():
-                for key, values in per_row:
-                    shard.state[key].copy_(values.narrow(0, piece.offset, piece.length)[piece.row_firsts])
-        # The whole matrices' device work runs while the engine waits for its chosen rows.
-        pending = self.engine.start_step() if self.pieces else None
-        self._step_whole(hp, flat, grad, exp_avg, [values for _, values in per_row])
-        if pending is not None:
-            self.engine.finish_step(pending)
-        for piece in self.pieces:
-            if not piece.length:
-                continue
-            shard = piece.shard
-            view = exp_avg.narrow(0, piece.offset, piece.length)
-            if shard.state["momentum"].data_ptr() != view.data_ptr():
-                view.copy_(shard.state["momentum"])
-            for key, values in per_row:
-                values.narrow(0, piece.offset, piece.length).copy_(
-                    shard.state[key].repeat_interleave(piece.row_counts, output_size=piece.length))
+        if self.steps_matrices:
+            self._bind_state(state, hp)
+            for piece in self.pieces:
+                piece.shard.grad = piece.of(grad)  # ZeRO's gradient partition is a new tensor every step
+                if piece.shard.hp != hp:
+                    piece.shard.hp = hp
+            self._moves.read()
+            self.engine.step()
+            self._moves.write()
         if self.adamw_runs:
             step = int(state["step"].item())
             runs = [[t.narrow(0, start, length) for start, length in self.adamw_runs]
-                    for t in (flat, grad, exp_avg, exp_avg_sq)]
+                    for t in (flat, grad, state["exp_avg"], state["exp_avg_sq"])]
             rule.adamw_step(*runs, step, group["lr"], group["betas"], group["eps"], group["weight_decay"])
-
-    def _step_whole(self, hp: rule.Dion3Hyperparameters, flat, grad, exp_avg, per_row: list[torch.Tensor]) -> None:
-        """The matrices only this rank holds: the single-process step on views of the slice.
-        ``per_row``: the slices of the variance (exp_avg_sq) and, with staleness, the ages, each
-        row's value repeated over the row."""
-        if chooses_fraction(hp) and self.whole_fractions is None:
-            self.whole_fractions = self._auto_fractions(hp)  # collective: every rank of the group calls it
-        if not self.whole:
-            return
-        entries = []
-        with_fraction: dict[float, rule.Dion3Hyperparameters] = {}
-        if not self.whole_scores:
-            self.whole_scores = [torch.empty(count, n, dtype=torch.float32, device=flat.device)
-                                 for _, count, n, _ in self.whole]
-        for i, (offset, count, n, m) in enumerate(self.whole):
-            view = [t.narrow(0, offset, count * n * m).view(count, n, m) for t in (flat, grad, exp_avg, *per_row)]
-            fraction = self.whole_fractions[i] if chooses_fraction(hp) else hp.fraction
-            if fraction not in with_fraction:
-                with_fraction[fraction] = hp if fraction == hp.fraction else dataclasses.replace(hp, fraction=fraction)
-            # here, not in a graph: ZeRO's gradient partition is a new tensor every step
-            decay = rule.folded_decay(with_fraction[fraction], n)
-            scores = rule.accumulate_and_score(view[2], list(view[1].unbind(0)), out=self.whole_scores[i], decay=decay)
-            entries.append(WholeMatrices(view[0], view[2], view[3][..., 0], with_fraction[fraction], scores=scores,
-                                         age=view[4][..., 0] if hp.staleness else None,
-                                         momentum_decayed=decay is not None))
-
-        def spread() -> None:  # each row's variance (and age), repeated over the row (the slice's layout)
-            for offset, count, n, m in self.whole:
-                for values in per_row:
-                    rows = values.narrow(0, offset, count * n * m).view(count * n, m)
-                    rows[:, 1:] = rows[:, :1]
-
-        step_whole_matrices(entries, self.graph if self.use_graph else None, then=spread)
-
-    def _auto_fractions(self, hp: rule.Dion3Hyperparameters) -> list[float]:
-        """f per run of whole matrices; collective over the data-parallel group (joined also by a
-        rank that holds no whole matrix)."""
-        matrices = collections.Counter()
-        for _, count, n, m in self.whole:
-            matrices[n, m] += count
-        device = self.flat.device
-        requests = [fractions.FractionRequest((n, m), matrices[n, m], 1, hp, device, self.group_pg)
-                    for _, _, n, m in self.whole]
-        return fractions.resolve_fractions(requests, joined=[(device, hp, self.group_pg)])
-
-    def _add_whole(self, offset: int, n: int, m: int) -> None:
-        if self.whole:
-            last_offset, count, last_n, last_m = self.whole[-1]
-            if (last_n, last_m) == (n, m) and last_offset + count * n * m == offset:
-                self.whole[-1] = (last_offset, count + 1, n, m)
-                return
-        self.whole.append((offset, 1, n, m))
 
 
 _WARNED_TP = False

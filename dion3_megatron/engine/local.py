@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -18,8 +18,8 @@ from .exchange import BlockExchange, folded_decay_of, group_hp, sub_batch_mu, up
 
 
 # --------------------------------------------------------------------------------------------
-# The whole-matrix step: matrices one process holds whole (the single-process optimizer, the
-# engine's one-rank groups, the matrices a ZeRO rank holds whole) need no exchange.
+# The whole-matrix step: matrices one process holds whole (the engine's one-rank groups: the
+# single-process optimizer's, a ZeRO rank's, a data-parallel owner's) need no exchange.
 
 
 @dataclass
@@ -65,10 +65,9 @@ class WholeMatrices:
                 tuple(cuda_graph_module.baked_settings(hp) for hp in self.hps) if self.hps is not None else None)
 
 
-def step_whole_matrices(entries: list[WholeMatrices], graph: Optional[cuda_graph_module.StepGraph] = None,
-                        then: Optional[Callable[[], None]] = None) -> None:
-    """The Dion3 step of whole matrices on one process, then ``then()`` (more device work on the
-    same tensors). Selected blocks of one shape are orthogonalized as one batch.
+def step_whole_matrices(entries: list[WholeMatrices], graph: Optional[cuda_graph_module.StepGraph] = None) -> None:
+    """The Dion3 step of whole matrices on one process. Selected blocks of one shape are
+    orthogonalized as one batch.
 
     With ``graph``, and every entry on one CUDA device, the step replays from it (captured at its
     third call with these tensors and settings; lr and weight decay reach it as factors). Gradients
@@ -79,17 +78,13 @@ def step_whole_matrices(entries: list[WholeMatrices], graph: Optional[cuda_graph
     if graph is None or not entries or any(e.momentum.device != device for e in entries) \
             or not cuda_graph_module.usable(device):
         _step_whole_eager(entries)
-        if then is not None:
-            then()
         return
     factors = [e.factors if e.factors is not None else _whole_factors(e) for e in entries]
 
     def step(graph_factors: list[rule.UpdateFactors]) -> None:
         _step_whole_eager([dataclasses.replace(e, factors=f) for e, f in zip(entries, graph_factors)])
-        if then is not None:
-            then()
 
-    graph.run_with_factors((then is not None, tuple(e.graph_key() for e in entries)), step, factors, device)
+    graph.run_with_factors(tuple(e.graph_key() for e in entries), step, factors, device)
 
 
 def _whole_factors(e: WholeMatrices) -> rule.UpdateFactors:

@@ -204,7 +204,8 @@ def tensor_parallel_vs_single_process(stage: int, tp: int = 2, steps: int = 3, b
     expected["fc1"] = expected["fc1"].chunk(tp, 0)[tp_rank]
     expected["fc2"] = expected["fc2"].chunk(tp, 1)[tp_rank]
     got = params_of(engine)
-    pieces = [piece for plan in _basic(engine)._zero_plans.values() for piece in plan.pieces]
+    pieces = [piece for plan in _basic(engine)._zero_plans.values() for piece in plan.pieces
+              if piece.shard.sharding.kind != "full"]  # (the replicated mix lies whole in one slice)
     kinds = sorted({piece.shard.sharding.kind for piece in pieces})
     # Slices cut inside a TP block (the rest of the block on the other data-parallel rank).
     inside = sum(0 < piece.length < piece.shard.sharding.bounds[-1] for piece in pieces)
@@ -392,10 +393,12 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
         train(engine, 3)
     out["auto_diff"] = max_diff(params_of(auto[1]), params_of(auto[0]))
     zero_plans = _basic(auto[1])._zero_plans.values()
-    out["auto_fractions"] = {
+    matrices = [(plan, piece.shard.name, piece.shard.sharding.kind == "full") for plan in zero_plans
+                for piece in plan.pieces]
+    out["auto_fractions"] = {  # matrices one rank holds whole, and straddling ones
         "s0": sorted(set(_basic(auto[0]).fractions.values())),
-        "s1_whole": sorted({f for plan in zero_plans for f in plan.whole_fractions}),
-        "s1_engine": sorted({f for plan in zero_plans if plan.engine for f in plan.engine.auto_fractions().values()}),
+        "s1_whole": sorted({plan.chosen[name] for plan, name, whole in matrices if whole}),
+        "s1_engine": sorted({plan.chosen[name] for plan, name, whole in matrices if not whole}),
     }
     del auto
     out["seconds"]["equivalence"] = time.time() - t0
@@ -476,12 +479,30 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
         train(engine, 3)
         engine.save_checkpoint(os.path.join(tmp, "auto_ckpt"), tag="step3")
         train(engine, 2, start=3)
-        out["auto_resume_chosen"] = _basic(engine).state_dict().get("zero_auto_fractions")
+        out["auto_resume_chosen"] = _basic(engine).state_dict().get("fractions")
+        out["auto_resume_straddling"] = [piece.shard.name for plan in _basic(engine)._zero_plans.values()
+                                         for piece in plan.pieces if piece.shard.sharding.kind != "full"]
         fractions.measure = lambda device, dtype: cost_model.DeviceSpeed(1e30, 1.0, 1e30, 1e30)  # slow launches: f = 1
         resumed_engine = make_engine(config(2, world=world, fraction="auto"), seed=1)
         resumed_engine.load_checkpoint(os.path.join(tmp, "auto_ckpt"), tag="step3")
         train(resumed_engine, 2, start=3)
         out["auto_resume_diff"] = max_diff(params_of(resumed_engine), params_of(engine))
+        # The same from the record of older checkpoints ("zero_auto_fractions"): per param group the
+        # f of each run of adjacent same-shape whole matrices in slice order, the straddling ones by name.
+        legacy_engine = make_engine(config(2, world=world, fraction="auto"), seed=1)
+        legacy_engine.load_checkpoint(os.path.join(tmp, "auto_ckpt"), tag="step3")
+        basic = _basic(legacy_engine)
+        sd = basic.state_dict()
+        sd["zero_auto_fractions"] = legacy = _legacy_record(_basic(engine), sd.pop("fractions"))
+        out["legacy_whole_runs"] = sum(len(c["whole"] or ()) for c in legacy.values())
+        out["legacy_bad_fraction"] = "loaded"
+        try:
+            basic.load_state_dict({**sd, "zero_auto_fractions": {0: {"whole": [0.125, 0.3], "pieces": {}}}})
+        except ValueError as e:
+            out["legacy_bad_fraction"] = str(e)
+        basic.load_state_dict(sd)
+        train(legacy_engine, 2, start=3)
+        out["legacy_resume_diff"] = max_diff(params_of(legacy_engine), params_of(engine))
     finally:
         cost_model.MIN_SELECTED_ROWS, fractions.measure, cost_model.TOKENS_PER_STEP = min_rows, measure, tokens
     out["seconds"]["auto_resume"] = time.time() - t0
@@ -539,6 +560,27 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
         "stage3": init_error(config(3, world=world)),
     }
     return out
+
+
+def _legacy_record(basic, record: dict) -> dict:
+    """``record`` ({param group index: {matrix name: f}}) as checkpoints before it kept it: per group
+    {"whole": [f of each run of adjacent same-shape whole matrices, in slice order] or None,
+    "pieces": {straddling matrix name: f}}, the runs read from ``basic``'s plans (the same layout)."""
+    index = list(basic._originals)
+    legacy = {}
+    for key, plan in basic._zero_plans.items():
+        chosen = record.get(index.index(key), {})
+        whole, pieces, end, shape = [], {}, -1, None
+        for piece in plan.pieces:
+            shard = piece.shard
+            if shard.sharding.kind != "full":
+                pieces.update({shard.name: chosen[shard.name]} if shard.name in chosen else {})
+                continue
+            if not (whole and piece.offset == end and shard.shape == shape):
+                whole.append(chosen[shard.name])
+            end, shape = piece.offset + piece.length, shard.shape
+        legacy[index.index(key)] = {"whole": whole if chosen else None, "pieces": pieces}
+    return legacy
 
 
 def _straddling(engine) -> int:

@@ -117,7 +117,7 @@ def session(rank: int, world: int, tmp: str) -> dict:
     basic = t.model_wrapped.basic_optimizer
     out["llama_default"] = {"losses": losses_of(t),
                             "fractions": [basic.hyperparameters(g).fraction for g in basic.param_groups],
-                            "chosen": basic.state_dict()["zero_auto_fractions"]}
+                            "chosen": basic.state_dict()["fractions"]}
     out["seconds"]["llama_default"] = time.time() - t0
     # Resume: 10 steps saving at 5; a new Trainer resumes from step 5 and must end where the first did.
     t0 = time.time()
