@@ -54,7 +54,7 @@ def test_dion3_graph_replay_equals_eager(generator, dtype, settings):
     graphed = [torch.nn.Parameter(p.detach().clone()) for p in base]
     opt_eager = train(eager, grads, lrs, cuda_graph=False, reload_at=5, **settings)
     opt_graphed = train(graphed, grads, lrs, cuda_graph=True, reload_at=5, **settings)
-    assert opt_graphed._engine._graph.graph is not None and opt_eager._engine._graph.graph is None
+    assert opt_graphed._whole.engine._graph.graph is not None and opt_eager._whole.engine._graph.graph is None
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
     for a, b in zip(eager, graphed):

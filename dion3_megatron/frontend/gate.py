@@ -1,0 +1,60 @@
+"""The non-finite gate: a step whose gradients hold an inf, a NaN or a magnitude >= 2**64 is
+skipped on every rank together, warned about and counted."""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from ..core import rule
+
+
+def gradients_usable(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A 0-d bool tensor on the tensors' device: every element of every tensor is finite and of
+    magnitude below :data:`rule.GRADIENT_LIMIT` (2**64), so the step stays finite throughout.
+
+    One multi-tensor max-abs reduction (NaN propagates through it, +-inf becomes inf) instead of
+    several kernels per tensor; the caller decides when to sync on the answer.
+    """
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return torch.ones((), dtype=torch.bool)
+    return torch.stack([n.float() for n in torch._foreach_norm(tensors, float("inf"))]).max() < rule.GRADIENT_LIMIT
+
+
+def usable_on_every_rank(tensors: list[torch.Tensor], device: torch.device, group=None) -> bool:
+    """True when every rank of ``group`` (default: the world) finds its ``tensors`` usable
+    (:func:`gradients_usable`): one local reduction, one tiny all-reduce (a rank without tensors
+    still joins it), one host sync. Every rank gets the same answer, so all skip or all step."""
+    ok = gradients_usable(tensors).to(device=device, dtype=torch.float32)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return bool(ok)
+
+
+def announce_skipped_step(skipped_so_far: int, where: str = "") -> None:
+    """The warning every Dion3 front end gives when a non-finite gradient skips a step."""
+    warnings.warn(
+        f"Dion3: non-finite gradient, step skipped (no weight or state changed{where}; a gradient of "
+        f"magnitude >= 2**64 counts as non-finite: its square overflows fp32); {skipped_so_far} step(s) "
+        f"skipped so far",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def usable_here(groups: list[dict]) -> bool:
+    """Every gradient of these param groups usable (:func:`gradients_usable`; one host sync per
+    device); ValueError for a sparse one, naming its group."""
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for gi, group in enumerate(groups):
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError(f"param group {gi}: Dion3 does not support sparse gradients")
+            by_device[p.grad.device].append(p.grad)
+    return all(bool(gradients_usable(same)) for same in by_device.values())

@@ -1,0 +1,119 @@
+"""Param groups of the front ends that hold parameters whole (the torch optimizer, DeepSpeed's):
+which algorithm a tensor takes, a group's settings checked and read, parameter and matrix names,
+and a checkpoint's groups and state checked in full before anything is loaded."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from .. import options
+from ..core.rule import Dion3Hyperparameters
+from .matrices import matrix_count, matrix_shape
+
+ALGORITHMS = ("dion3", "adamw")
+
+
+def algorithm_of(group: dict, p: torch.Tensor) -> str:
+    """The group's algorithm, else Dion3 for a tensor of >= 2 dims and AdamW for the rest."""
+    return group["algorithm"] or ("dion3" if p.dim() >= 2 else "adamw")
+
+
+def split_by_algorithm(params: list) -> Optional[list[dict]]:
+    """A plain parameter list (tensors, or ``(name, tensor)`` from ``named_parameters()``) as two
+    groups, the matrices and the AdamW tensors (which take ``adamw_lr``); None for a list of
+    param groups."""
+    if not params or isinstance(params[0], dict):
+        return None
+    by_algorithm: dict[str, list] = {"dion3": [], "adamw": []}
+    for p in params:
+        by_algorithm[algorithm_of({"algorithm": None}, p[1] if isinstance(p, tuple) else p)].append(p)
+    return [{"params": ps, "algorithm": None if name == "dion3" else name} for name, ps in by_algorithm.items() if ps]
+
+
+def check_group(where: str, group: dict, front_end: str, params: Optional[list[torch.Tensor]] = None) -> None:
+    """Raise ValueError naming the setting and its value when a group's settings are invalid for
+    its parameters (``params``, default the group's: at construction, every step, and on a
+    checkpoint's groups before loading them)."""
+    if group["algorithm"] not in (None, *ALGORITHMS):
+        raise ValueError(f"{where}: algorithm must be one of {ALGORITHMS} or absent, got {group['algorithm']!r}")
+    options.check(where, **{k: group[k] for k in options.group_keys(front_end)})
+    if group["algorithm"] != "dion3" and group["num_heads"] is None:
+        return  # nothing per parameter to check (this runs at every step)
+    for i, p in enumerate(group["params"] if params is None else params):
+        if group["algorithm"] == "dion3" and p.dim() < 2:
+            raise ValueError(f"{where}: algorithm 'dion3' needs tensors with >= 2 dims, got shape {tuple(p.shape)}")
+        if algorithm_of(group, p) == "dion3":
+            options.check_num_heads(where, group["num_heads"], matrix_shape(p)[0], f"param {i} (shape {tuple(p.shape)})")
+
+
+def hyperparameters(group: dict) -> Dion3Hyperparameters:
+    """The rule's settings of a param group."""
+    return options.hyperparameters(**{k: group[k] for k in Dion3Hyperparameters.__dataclass_fields__})
+
+
+def param_names(groups: list[dict]) -> dict[torch.Tensor, str]:
+    """Each parameter's name: given by ``named_parameters()``, else ``"group i / param j"``."""
+    names = {}
+    for gi, group in enumerate(groups):
+        given = group.get("param_names")
+        for j, p in enumerate(group["params"]):
+            names[p] = given[j] if given else f"group {gi} / param {j}"
+    return names
+
+
+def matrix_names(name: str, p: torch.Tensor) -> list[str]:
+    """The names of a parameter's matrices in the engine and the record of chosen fractions."""
+    return [f"{name}.matrix{e}" for e in range(p.shape[0])] if p.dim() == 3 else [name]
+
+
+def param_state_shapes(group: dict, p: torch.Tensor) -> list[dict[str, tuple]]:
+    """The state shapes a checkpoint may hold for a whole parameter (a Dion3 matrix stepped with
+    staleness also keeps each row's age)."""
+    if algorithm_of(group, p) == "dion3":
+        rows = (matrix_count(p), matrix_shape(p)[0])
+        plain = {"momentum": tuple(p.shape), "variance": rows}
+        return [plain, {**plain, "row_age": rows}]
+    return [{"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}]
+
+
+def check_saved_groups(saved: list[dict], groups: list[dict], front_end: str,
+                       params_of: Callable[[dict], list[torch.Tensor]], hint: str = "") -> None:
+    """A checkpoint's param groups against the optimizer's: as many, each with as many parameters,
+    and settings valid for them (``params_of(group)``: the tensors to check them against)."""
+    if len(saved) != len(groups):
+        raise ValueError(f"checkpoint has {len(saved)} param groups, the optimizer has {len(groups)}{hint}")
+    for gi, (mine, theirs) in enumerate(zip(groups, saved)):
+        if len(mine["params"]) != len(theirs["params"]):
+            raise ValueError(f"param group {gi}: checkpoint has {len(theirs['params'])} params, "
+                             f"the optimizer has {len(mine['params'])}")
+        settings = {k: v for k, v in theirs.items() if k != "params"}
+        options.check_retired(f"param group {gi}", settings)
+        check_group(f"param group {gi}", {**mine, **settings}, front_end, params_of(mine))
+
+
+def loaded_state(state_dict: dict[str, Any], groups: list[dict],
+                 shapes_of: Callable[[dict, torch.Tensor], list[dict[str, tuple]]]) -> dict[torch.Tensor, dict]:
+    """Every parameter's state from a checkpoint, its shapes checked against ``shapes_of(group,
+    p)`` for all parameters before any is returned; fp32 copies on the parameter's device (the
+    step count stays where it was)."""
+    loaded: dict[torch.Tensor, dict] = {}
+    for gi, (mine, saved) in enumerate(zip(groups, state_dict["param_groups"])):
+        for p, pid in zip(mine["params"], saved["params"]):
+            entry = state_dict["state"].get(pid)
+            if entry is None:
+                continue
+            expected = shapes_of(mine, p)
+            got = {k: tuple(v.shape) for k, v in entry.items() if torch.is_tensor(v)}
+            if got not in expected:
+                raise ValueError(f"param group {gi}, param {pid} (shape {tuple(p.shape)}): checkpoint state {got} "
+                                 f"does not match the expected {' or '.join(map(str, expected))}")
+            loaded[p] = {k: v.detach().to(device=p.device if k != "step" else v.device, dtype=torch.float32)
+                         .clone(memory_format=torch.contiguous_format) for k, v in entry.items()}
+    return loaded
+
+
+def packed_order(groups: Iterable[dict]) -> list[torch.Tensor]:
+    """The parameters in a state dict's order (torch packs them group by group)."""
+    return [p for group in groups for p in group["params"]]

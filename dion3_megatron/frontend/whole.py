@@ -1,0 +1,166 @@
+"""The step of parameters a process holds whole (the torch optimizer; DeepSpeed without ZeRO): the
+matrices of every parameter with a gradient are ``Sharding.full()`` shards of one engine, the other
+tensors take AdamW. Each parameter's state is a view of the engine's buffers, in the parameter's
+own shapes, so a state dict reads and writes it as torch's optimizers do."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..core import rule
+from ..core.ortho import default_ns_dtype
+from ..core.rule import Dion3Hyperparameters
+from ..engine import Dion3Engine, MatrixShard, Sharding, cuda_graph as cuda_graph_module, fractions, plan
+from .groups import algorithm_of, hyperparameters, matrix_names
+from .matrices import matrix_count, matrix_shape, matrix_values, matrix_view, stacked_view
+
+
+class Fractions(dict):
+    """The automatic f chosen per parameter, ``{parameter name: f}``: the names of named
+    parameters, else ``"group i / param j"`` (a 3-D parameter's matrices share one f). A parameter
+    tensor works as a key too (``fractions[p]``, ``p in fractions``, ``fractions.get(p)``)."""
+
+    def __init__(self, chosen: dict[torch.Tensor, float], names: dict[torch.Tensor, str]) -> None:
+        super().__init__((names[p], f) for p, f in chosen.items())
+        self._names = names
+
+    def _key(self, key: Any) -> Any:
+        """A parameter's name (None for a tensor that is not a parameter); a name as it is."""
+        return self._names.get(key) if isinstance(key, torch.Tensor) else key
+
+    def __getitem__(self, key: Any) -> float:
+        return super().__getitem__(self._key(key))
+
+    def __contains__(self, key: Any) -> bool:
+        return super().__contains__(self._key(key))
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return super().get(self._key(key), default)
+
+
+class WholeParameters:
+    """One optimizer's whole parameters: the engine of their matrices (rebuilt when the set with a
+    gradient, their storage or their groups' batch settings change, or a checkpoint replaced their
+    state), the speeds its replicas agreed, and the record of the automatic f chosen."""
+
+    def __init__(self, cuda_graph: bool) -> None:
+        self.cuda_graph = cuda_graph
+        self.chosen: dict[str, float] = {}  # the automatic f chosen, by matrix name (the checkpoint's record)
+        self._speeds: Optional[fractions.AgreedSpeeds] = None  # the speeds the ranks agreed (None: not yet)
+        self.engine: Optional[Dion3Engine] = None
+        self._engine_key: Optional[tuple] = None
+        self._shards: dict[torch.Tensor, list[MatrixShard]] = {}  # a stepped matrix parameter -> its matrices
+        self._copies: dict[torch.Tensor, torch.Tensor] = {}  # non-contiguous Dion3 weight -> its working copy
+
+    def fractions(self, names: dict[torch.Tensor, str]) -> Fractions:
+        """The automatic f of each parameter that has one, by name (``names``: every parameter's)."""
+        chosen = {p: self.chosen[first] for p, name in names.items() if (first := matrix_names(name, p)[0]) in self.chosen}
+        return Fractions(chosen, names)
+
+    def reset(self, chosen: dict[str, float]) -> None:
+        """After a checkpoint load: the record it held; the next step builds an engine on the loaded state."""
+        self.chosen, self.engine = chosen, None
+
+    def agree_speeds(self, groups: list[dict]) -> None:
+        """The speeds the automatic f is chosen by (:class:`~dion3_megatron.engine.fractions.AgreedSpeeds`).
+
+        Under torch.distributed the ranks agree on the device speed of each Newton-Schulz dtype in
+        one collective over the world, at the optimizer's first step, whatever a rank holds (a
+        pipeline stage may hold only AdamW tensors, or groups of other dtypes than its peers') and
+        whether or not its step is then skipped; later choices (a param group added, a matrix's
+        first gradient, a checkpoint without them) use what was agreed: no rank ever waits in a
+        collective its peers do not make. A group of a dtype none agreed on is refused here.
+        """
+        wanted = [(p.device, group["ns_dtype"] or default_ns_dtype(p.device))
+                  for group in groups if plan.chooses_fraction(hyperparameters(group)) for p in group["params"][:1]]
+        if self._speeds is None:
+            distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            agreed = fractions.agree_per_dtype(list(set(wanted)), dist.group.WORLD if distributed else None)
+            self._speeds = fractions.AgreedSpeeds(agreed, distributed)
+        for device, dtype in wanted:
+            self._speeds.of(device, dtype)
+
+    def step(self, groups: list[dict], state: dict, names: dict[torch.Tensor, str]) -> None:
+        """One step of every parameter of ``groups`` with a gradient (``state``: the optimizer's,
+        by parameter; ``names``: every parameter's). Everything that can refuse does so before any
+        weight or state changes."""
+        settings = [hyperparameters(group) for group in groups]
+        matrices: list[tuple[int, torch.Tensor]] = []
+        adamw: dict[tuple, list[torch.Tensor]] = defaultdict(list)  # (group, step count, device) -> params
+        for gi, group in enumerate(groups):
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if algorithm_of(group, p) == "adamw":
+                    own = state.get(p)
+                    adamw[gi, int(own["step"].item()) + 1 if own else 1, p.device].append(p)
+                else:
+                    matrices.append((gi, p))
+        engine = self._engine_for(matrices, settings, state, names)  # may refuse (a dtype with no agreed speed)
+        # From here on the step changes state; nothing below refuses anything.
+        for (gi, count, _), params in adamw.items():
+            group = groups[gi]
+            for p in params:
+                _adamw_state(state, p)["step"] += 1
+            rule.adamw_step(params, [p.grad for p in params], [state[p]["exp_avg"] for p in params],
+                            [state[p]["exp_avg_sq"] for p in params], count,
+                            group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        for gi, p in matrices:  # this step's gradients and schedule (lr, weight decay)
+            grads = [p.grad] if p.dim() == 2 else matrix_values(p.grad).unbind(0)
+            for shard, grad in zip(self._shards[p], grads):
+                shard.grad, shard.hp = grad, settings[gi]
+        copied = [p for _, p in matrices if not p.is_contiguous()]
+        engine.step(prologue=(lambda: [self._copies[p].copy_(p) for p in copied]) if copied else None,
+                    epilogue=(lambda: [p.copy_(self._copies[p]) for p in copied]) if copied else None,
+                    around_key=tuple(p.data_ptr() for p in copied))
+
+    def _engine_for(self, matrices: list[tuple[int, torch.Tensor]], settings: list[Dion3Hyperparameters],
+                    state: dict, names: dict[torch.Tensor, str]) -> Dion3Engine:
+        key = (tuple((gi, id(p), p.data_ptr()) for gi, p in matrices),
+               tuple(cuda_graph_module.baked_settings(hp) for hp in settings))
+        if self.engine is not None and key == self._engine_key:
+            return self.engine
+        shards: dict[torch.Tensor, list[MatrixShard]] = {}
+        for gi, p in matrices:
+            own = state[p]
+            carried: list[dict] = [{} for _ in range(matrix_count(p))]
+            if "momentum" in own:  # stepped before (or loaded): the engine copies it in
+                rows = [part for part in ("variance", "row_age") if part in own]
+                carried = [{"momentum": m, **{part: own[part][e] for part in rows}}
+                           for e, m in enumerate(matrix_view(own["momentum"]))]
+            weight = matrix_view(self._contiguous_weight(p))
+            grad = matrix_values(p.grad)
+            shards[p] = [MatrixShard(name, weight[e], grad[e], matrix_shape(p), Sharding.full(), None, settings[gi],
+                                     carried[e]) for e, name in enumerate(matrix_names(names[p], p))]
+        engine = Dion3Engine([s for own in shards.values() for s in own], cuda_graph=self.cuda_graph,
+                             local=True, fresh_grads=True, speeds=self._speeds, chosen=self.chosen)
+        self.chosen.update(engine.chosen_fractions())
+        for p, own in shards.items():  # the parameter's state: views of the engine's buffers
+            for part in own[0].state:
+                state[p][part] = stacked_view([s.state[part] for s in own])
+            state[p]["momentum"] = state[p]["momentum"].view(p.shape)
+        self.engine, self._engine_key, self._shards = engine, key, shards
+        return engine
+
+    def _contiguous_weight(self, p: torch.Tensor) -> torch.Tensor:
+        """The weight itself, or for a non-contiguous one (a channels_last conv weight, a transposed
+        view) a contiguous buffer that the step fills from it and writes back; the buffer is kept,
+        so a CUDA graph of the step finds it at the same address."""
+        if p.is_contiguous():
+            return p
+        if p not in self._copies:
+            self._copies[p] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        return self._copies[p]
+
+
+def _adamw_state(state: dict, p: torch.Tensor) -> dict:
+    own = state[p]
+    if not own:
+        own["step"] = torch.zeros((), dtype=torch.float32)
+        own["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        own["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+    return own
