@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from support.deepspeed_helpers import import_keeping_environment
+from dion3_megatron.frontend.groups import algorithm_of
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("needs deepspeed", allow_module_level=True)
@@ -42,7 +43,7 @@ def test_json_spellings_are_converted():
 def test_adamw_lr_sets_the_lr_of_the_adamw_parameters_only():
     matrix, bias = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))
     opt = DeepSpeedDion3([matrix, bias], lr=0.02, adamw_lr=0.002)
-    lrs = {id(p): (g["lr"], DeepSpeedDion3.algorithm_of(g, p)) for g in opt.param_groups for p in g["params"]}
+    lrs = {id(p): (g["lr"], algorithm_of(g, p)) for g in opt.param_groups for p in g["params"]}
     assert lrs == {id(matrix): (0.02, "dion3"), id(bias): (0.002, "adamw")}
     embed = torch.nn.Parameter(torch.randn(8, 4))
     groups = [{"params": [matrix], "algorithm": "dion3"}, {"params": [embed], "algorithm": "adamw"},

@@ -140,7 +140,7 @@ def refuse_plain_dion3(original):
     from ..optimizer import Dion3
 
     def _do_optimizer_sanity_check(self, basic_optimizer):
-        plain = isinstance(basic_optimizer, Dion3) and not isinstance(basic_optimizer, DeepSpeedDion3)
+        plain = isinstance(basic_optimizer, Dion3)
         if plain and self.zero_optimization() and self.zero_optimization_stage() >= 1:
             raise TypeError(_plain_dion3_error(basic_optimizer, f"ZeRO stage {self.zero_optimization_stage()}"))
         wrapper = original(self, basic_optimizer)

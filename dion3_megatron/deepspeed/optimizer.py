@@ -2,7 +2,7 @@
 
 DeepSpeed constructs it with the model's parameters and the config's ``params``; then
 * ZeRO stage 0 (fp32, or bf16/fp16 through DeepSpeed's unfused wrapper) steps it on whole
-  parameters: it is :class:`dion3_megatron.Dion3` unchanged;
+  parameters, as :class:`dion3_megatron.Dion3` does (:mod:`dion3_megatron.frontend.whole`);
 * ZeRO stage 1/2 (and BF16_Optimizer) replace each param group's parameters with one flat fp32
   slice; the step then goes through :mod:`.zero`, which gives every Dion3 matrix of a group (whole
   in this rank's slice, or straddling slices) to one megabatch engine and keeps the state
@@ -11,21 +11,23 @@ DeepSpeed constructs it with the model's parameters and the config's ``params``;
 
 from __future__ import annotations
 
+import warnings
+from collections import defaultdict
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
 from .. import options
 from ..engine.plan import fraction_record
+from ..frontend import announce_skipped_step, groups as grouping, usable_here, usable_on_every_rank
+from ..frontend.whole import Fractions, WholeParameters
 from ..kernels import config as kernel_config
-from ..frontend import usable_on_every_rank
-from ..optimizer import Dion3
 from . import zero
 from .config import normalize_params
 
 
 @options.documented(options.DEEPSPEED)
-class DeepSpeedDion3(Dion3):
+class DeepSpeedDion3(torch.optim.Optimizer):
     """Dion3 for DeepSpeed: validated config ``params``; ZeRO-1/2 flat slices through the engine.
 
     Takes the options below, the config's ``params`` (JSON spellings: ``betas`` a list,
@@ -38,7 +40,21 @@ class DeepSpeedDion3(Dion3):
     """
 
     def __init__(self, params: Iterable[Any], **kwargs: Any) -> None:
-        super().__init__(params, **normalize_params(kwargs))
+        settings = options.settings(type(self).__name__, options.DEEPSPEED, normalize_params(kwargs))
+        groups = options.group_keys(options.DEEPSPEED)
+        options.check(type(self).__name__, **{k: v for k, v in settings.items() if k not in groups})
+        self.cuda_graph: bool = settings["cuda_graph"]
+        self.kernels: Optional[str] = settings["kernels"]
+        self.adamw_lr: float = settings["adamw_lr"]
+        self.skipped_steps = 0
+        self._whole = WholeParameters(self.cuda_graph)  # ZeRO stage 0
+        params = list(params)
+        split = grouping.split_by_algorithm(params)  # the AdamW tensors in a group of their own, at adamw_lr
+        super().__init__(split or params, {**{k: settings[k] for k in groups}, "algorithm": None})
+        if not any(grouping.algorithm_of(g, p) == "dion3" for g in self.param_groups for p in g["params"]):
+            count = sum(len(g["params"]) for g in self.param_groups)
+            warnings.warn(f"{type(self).__name__}: none of the {count} parameters is a matrix for Dion3 (a tensor of "
+                          ">= 2 dims outside algorithm='adamw' groups): every parameter will take AdamW", stacklevel=2)
         # ZeRO swaps each group's params for a flat slice but keeps the group dicts: remember the
         # original parameters of every group (they carry ZeRO's slice mapping after initialize).
         self._originals: dict[int, tuple[dict, list[torch.Tensor]]] = {
@@ -51,10 +67,26 @@ class DeepSpeedDion3(Dion3):
         self._saved_fractions: dict[int, tuple[dict[str, float], Optional[list[float]]]] = {}
 
     def add_param_group(self, param_group: dict) -> None:
+        index = len(self.param_groups)
+        if param_group.get("algorithm") == "adamw" and "lr" not in param_group:
+            param_group = {**param_group, "lr": self.adamw_lr}
         super().add_param_group(param_group)
-        if hasattr(self, "_originals"):
+        grouping.check_group(f"param group {index}", self.param_groups[-1], options.DEEPSPEED)
+        if hasattr(self, "_originals"):  # (the base class's constructor adds the first groups)
             g = self.param_groups[-1]
             self._originals[id(g)] = (g, list(g["params"]))
+
+    @property
+    def fractions(self) -> Fractions:
+        """Without ZeRO, the f each matrix of a group with the automatic fraction uses, by parameter
+        name (as :attr:`dion3_megatron.Dion3.fractions`); under ZeRO-1/2 the choices are per slice,
+        in :meth:`state_dict`'s ``"fractions"``."""
+        return self._whole.fractions(grouping.param_names(self.param_groups))
+
+    def skip_step(self) -> None:
+        """Count and announce a step skipped for a non-finite gradient (nothing else changes)."""
+        self.skipped_steps += 1
+        announce_skipped_step(self.skipped_steps)
 
     # ----------------------------------------------------------------------------------------
 
@@ -74,12 +106,13 @@ class DeepSpeedDion3(Dion3):
             return originals
         return None
 
-    def _expected_state_shapes(self, group: dict, p: torch.Tensor) -> list[dict[str, tuple]]:
-        """A ZeRO flat slice's state (:func:`.zero.init_slice_state`), whatever the group's algorithm:
-        AdamW's keys, and ``row_age`` after steps with staleness; a slice without ages starts them at
-        0, as Dion3 does when staleness is switched on."""
+    def _state_shapes(self, group: dict, p: torch.Tensor) -> list[dict[str, tuple]]:
+        """The state shapes a checkpoint may hold for ``p``: a whole parameter's, or a ZeRO flat
+        slice's (:func:`.zero.init_slice_state`), whatever the group's algorithm: AdamW's keys, and
+        ``row_age`` after steps with staleness; a slice without ages starts them at 0, as Dion3
+        does when staleness is switched on."""
         if self._zero_group(group) is None:
-            return super()._expected_state_shapes(group, p)
+            return grouping.param_state_shapes(group, p)
         plain = {"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}
         return [plain, {**plain, "row_age": tuple(p.shape)}]
 
@@ -93,7 +126,9 @@ class DeepSpeedDion3(Dion3):
         checkpoints keep it per rank; elastic and universal ones keep only the slice-shaped tensors,
         and a resume from them chooses again)."""
         sd = super().state_dict()
+        sd["skipped_steps"] = self.skipped_steps
         if not self._under_zero():
+            sd["fractions"] = dict(self._whole.chosen)
             return sd
         index = list(self._originals)
         saved = {**self._saved_fractions, **{index.index(key): (plan.chosen, None) for key, plan in self._zero_plans.items()}}
@@ -104,7 +139,7 @@ class DeepSpeedDion3(Dion3):
             sd["zero_auto_fractions"] = legacy
         return sd
 
-    def _params_to_check(self, group: dict) -> list[torch.Tensor]:
+    def _originals_of(self, group: dict) -> list[torch.Tensor]:
         # Under ZeRO a group's params are one flat slice: a checkpoint's group settings are checked
         # against the group's original parameters (a "dion3" group's slice is 1-D, its matrices not).
         originals = self._zero_group(group)
@@ -115,8 +150,14 @@ class DeepSpeedDion3(Dion3):
         the record of older checkpoints, ``"zero_auto_fractions"``: ``{param group index: {"whole":
         [f per run of adjacent same-shape whole matrices, in slice order] or None, "pieces":
         {matrix name: f}}}``; a plan maps the runs to its whole matrices' names."""
+        grouping.check_saved_groups(state_dict["param_groups"], self.param_groups, options.DEEPSPEED, self._originals_of)
         if not self._under_zero():
-            super().load_state_dict(state_dict)
+            names = grouping.param_names(self.param_groups)
+            chosen = fraction_record(state_dict.get("fractions", state_dict.get("auto_fractions", {})),
+                                     "checkpoint fractions",
+                                     [grouping.matrix_names(names[p], p) for p in grouping.packed_order(self.param_groups)])
+            self._load(state_dict)
+            self._whole.reset(chosen)
             return
         saved: dict[int, tuple[dict[str, float], Optional[list[float]]]] = {}
         for gi, old in state_dict.get("zero_auto_fractions", {}).items():
@@ -130,9 +171,17 @@ class DeepSpeedDion3(Dion3):
                 raise ValueError(f"checkpoint fractions: {gi!r}: {by_name!r} is not a record of ZeRO-1/2's, "
                                  "{param group index: {matrix name: f}} (a checkpoint saved without ZeRO?)")
             saved[gi] = (fraction_record(by_name, f"checkpoint fractions: param group {gi}"), None)
-        super().load_state_dict({k: v for k, v in state_dict.items() if k not in ("fractions", "zero_auto_fractions")})
+        self._load(state_dict)
         self._saved_fractions = saved
         self._zero_plans.clear()  # rebuilt at the next step (by every rank), with these choices
+
+    def _load(self, state_dict: dict[str, Any]) -> None:
+        """Every parameter's state and the groups' settings of a checkpoint whose groups, records and
+        shapes were checked (all before anything is set)."""
+        self.state = defaultdict(dict, grouping.loaded_state(state_dict, self.param_groups, self._state_shapes))
+        for mine, saved in zip(self.param_groups, state_dict["param_groups"]):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
     @torch.no_grad()
     @kernel_config.scoped_step
@@ -140,7 +189,7 @@ class DeepSpeedDion3(Dion3):
         zero_groups = [(g, self._zero_group(g)) for g in self.param_groups]
         if not any(orig is not None for _, orig in zero_groups):
             zero.warn_if_tensor_parallel_without_zero()
-            return super().step(closure)
+            return self._step_whole(closure)
         if not all(orig is not None for _, orig in zero_groups):
             raise RuntimeError("Dion3: some param groups are ZeRO flat slices and some are not")
         for gi, (group, _) in enumerate(zero_groups):  # a setting changed since construction, before any step
@@ -158,7 +207,7 @@ class DeepSpeedDion3(Dion3):
                 # The index in self.param_groups shifts while ZeRO steps one group at a time;
                 # the position among the remembered groups does not.
                 index = list(self._originals).index(id(group))
-                plan = zero.ZeroGroupPlan(self, group, originals, index)
+                plan = zero.ZeroGroupPlan(self.cuda_graph, group, originals, index)
                 if index in self._saved_fractions:
                     plan.restore_fractions(*self._saved_fractions[index], f"Dion3 param group {index}")
                 self._zero_plans[id(group)] = plan
@@ -168,5 +217,20 @@ class DeepSpeedDion3(Dion3):
             state = self.state[flat]
             zero.init_slice_state(state, flat, with_age=group["staleness"] > 0)
             state["step"] += 1
-            plan.step(self, group, state)
+            plan.step(group, state)
+        return loss
+
+    def _step_whole(self, closure: Optional[Callable[[], float]]) -> Optional[float]:
+        """ZeRO stage 0: the parameters whole, as the torch optimizer steps them."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            grouping.check_group(f"param group {gi}", group, options.DEEPSPEED)
+        self._whole.agree_speeds(self.param_groups)  # before a skip: the ranks' first steps agree together
+        if not usable_here(self.param_groups):
+            self.skip_step()
+            return loss
+        self._whole.step(self.param_groups, self.state, grouping.param_names(self.param_groups))
         return loss

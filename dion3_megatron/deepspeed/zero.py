@@ -47,7 +47,7 @@ from ..core import rule
 from ..core.ortho import default_ns_dtype
 from ..engine import Dion3Engine, MatrixShard, Rect, Sharding, fractions
 from ..engine.plan import chooses_fraction
-from ..optimizer import Dion3
+from ..frontend import groups as grouping
 
 
 def is_zero_linked(p: torch.Tensor) -> bool:
@@ -174,9 +174,9 @@ class ZeroGroupPlan:
     ranges, and with fraction="auto" one all-reduce of the device's speed): the group's Dion3
     matrices as the shards of one engine, and the AdamW element runs."""
 
-    def __init__(self, opt: Dion3, group: dict, originals: list[torch.Tensor], index: int) -> None:
+    def __init__(self, cuda_graph: bool, group: dict, originals: list[torch.Tensor], index: int) -> None:
         self.flat = group["params"][0]
-        self.use_graph = opt.cuda_graph
+        self.use_graph = cuda_graph
         linked = [p for p in originals if is_zero_linked(p)]
         if not linked:
             raise RuntimeError(
@@ -196,7 +196,7 @@ class ZeroGroupPlan:
         # Every rank whose pieces one step's collectives join: the tensor x data-parallel group with
         # tensor parallelism, else the data-parallel group. They check the plan, and skip a step, together.
         self.check_group = tensor_parallel.group if tensor_parallel is not None else self.group_pg
-        hp = opt.hyperparameters(group)
+        hp = grouping.hyperparameters(group)
         self.pieces: list[_SlicePiece] = []  # every Dion3 matrix this rank holds any of: the engine's shards
         # Some rank of the group holds a Dion3 matrix (the same on every rank): then every rank
         # builds the engine, whose construction is collective, also one that holds none.
@@ -209,7 +209,7 @@ class ZeroGroupPlan:
             lp_lo = bounds[self.rank]
             lp_hi = bounds[self.rank + 1]
             hp_start = mapping.hp_fragment_address.start if mapping is not None else 0
-            if Dion3.algorithm_of(group, p) == "adamw":
+            if grouping.algorithm_of(group, p) == "adamw":
                 if lp_hi > lp_lo:
                     adamw_runs.append((hp_start, lp_hi - lp_lo))
                 continue
@@ -320,9 +320,9 @@ class ZeroGroupPlan:
         self._moves = _SliceMoves(self.pieces, exp_avg, per_row)
         self._state_ids = ids
 
-    def step(self, opt: Dion3, group: dict, state: dict) -> None:
+    def step(self, group: dict, state: dict) -> None:
         flat, grad = self.flat, self.flat.grad
-        hp = opt.hyperparameters(group)
+        hp = grouping.hyperparameters(group)
         if self.steps_matrices:
             self._bind_state(state, hp)
             for piece in self.pieces:
