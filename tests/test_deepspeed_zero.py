@@ -100,6 +100,12 @@ def test_zero_state_is_slice_shaped_and_equals_stage0_state(two_ranks):
     assert out["state"]["row_spread"] == 0.0, "the per-row variance must be repeated exactly over its row"
 
 
+def test_the_engine_steps_the_momentum_in_the_slice_itself(two_ranks):
+    for out in two_ranks:
+        inside, total = out["momentum_in_exp_avg"]
+        assert total > 0 and inside == total, out["momentum_in_exp_avg"]
+
+
 def test_data_parallel_replicas_stay_identical(two_ranks):
     assert two_ranks[0]["replicas_equal"] and two_ranks[1]["replicas_equal"]
 

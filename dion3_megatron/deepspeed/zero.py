@@ -27,10 +27,10 @@ Adam's (``ds_to_universal`` reads exactly the keys ``exp_avg`` and ``exp_avg_sq`
                           does not know the key: :func:`.checkpoint.convert_to_universal` adds it.
 * ``step``       (0-d)    steps taken (AdamW bias correction).
 
-The engine keeps one variance value (and age) per row a shard touches, and a whole matrix's
-momentum in a buffer of its own (a straddling piece's is ``exp_avg`` itself); before each step they
-are read from the slice (a row's variance and age from the first element of the row there), after
-the step written back (the variance and age repeated over the row).
+The engine steps the momentum in ``exp_avg`` where it lies (no copy, no second buffer) and keeps
+one variance value (and age) per row a shard touches: before each step they are read from the
+slice (a row's variance and age from the first element of the row there), after the step written
+back (repeated over the row).
 """
 
 from __future__ import annotations
@@ -100,16 +100,14 @@ def _row_blocks(first: int, length: int, width: int) -> list[Rect]:
 
 class _SliceMoves:
     """What travels between the slice-shaped state and the engine's around each step, in a few
-    batched ops whatever the number of matrices: before it, the momentum of the shards that keep
-    it in the engine's buffers (whole matrices; a straddling piece's is ``exp_avg`` itself) and each
-    touched row's variance (and age), read from the row's first element in the slice; after it,
-    that momentum back, and the rows' values repeated over their elements in the slice. The
-    tensors stay the same while the engine lives (it is rebuilt when the state tensors change)."""
+    batched ops whatever the number of matrices: before it, each touched row's variance (and
+    age), read from the row's first element in the slice; after it, the rows' values repeated over
+    their elements in the slice. The momentum does not travel: the engine steps ``exp_avg`` where
+    it lies (``momentum_in_place``). The tensors stay the same while the engine lives (it is
+    rebuilt when the state tensors change)."""
 
     def __init__(self, pieces: list[_SlicePiece], exp_avg: torch.Tensor, per_row: dict[str, torch.Tensor]) -> None:
         live = [p for p in pieces if p.length]
-        moved = [p for p in live if p.shard.state["momentum"].data_ptr() != p.of(exp_avg).data_ptr()]
-        self.momentum = ([p.shard.state["momentum"] for p in moved], [p.of(exp_avg) for p in moved])
         # where in the slice each touched row's first element here lies, row by row
         self.firsts = torch.cat([p.offset + r.offset + (r.c1 - r.c0) * torch.arange(r.r1 - r.r0)
                                  for p in live for r in p.rects] or [torch.zeros(0, dtype=torch.long)]).to(exp_avg.device)
@@ -122,15 +120,11 @@ class _SliceMoves:
                        for key, values in per_row.items()}
 
     def read(self) -> None:
-        if self.momentum[0]:
-            torch._foreach_copy_(*self.momentum)
         if self.sizes:
             for key, values in self.per_row.items():
                 torch._foreach_copy_(self.rows[key], list(values[self.firsts].split(self.sizes)))
 
     def write(self) -> None:
-        if self.momentum[0]:
-            torch._foreach_copy_(self.momentum[1], self.momentum[0])
         for blocks, values in self.spread.values():
             if blocks:
                 torch._foreach_copy_(blocks, values)
@@ -311,11 +305,11 @@ class ZeroGroupPlan:
         for piece in self.pieces:
             piece.shard.hp = hp
             piece.shard.state.clear()
-            piece.shard.state["momentum"] = piece.of(exp_avg)  # a whole matrix's: copied into the engine's buffer
+            piece.shard.state["momentum"] = piece.of(exp_avg)  # stepped where it lies (momentum_in_place)
             for key in per_row:
                 piece.shard.state[key] = torch.zeros(piece.rows, dtype=torch.float32, device=exp_avg.device)
         self.engine = Dion3Engine([p.shard for p in self.pieces], cuda_graph=self.use_graph, check_group=self.check_group,
-                                  fresh_grads=True, speeds=self.speeds, chosen=self.chosen)
+                                  fresh_grads=True, speeds=self.speeds, chosen=self.chosen, momentum_in_place=True)
         self.chosen = self.engine.chosen_fractions()
         self._moves = _SliceMoves(self.pieces, exp_avg, per_row)
         self._state_ids = ids

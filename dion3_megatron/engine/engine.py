@@ -36,12 +36,12 @@ from .sharding import MatrixShard
 from .static import StaticExchange, static_exchange
 
 
-def exchange_for(sg: ShapeGroup, traffic: Traffic) -> Exchange:
+def exchange_for(sg: ShapeGroup, traffic: Traffic, momentum_in_place: bool = False) -> Exchange:
     """The exchange a group takes: whole on one rank, else by how its matrices are split."""
     if not sg.blockwise:
         return GeneralExchange(sg, traffic)
     if sg.world == 1:
-        return WholeExchange(sg, traffic)
+        return WholeExchange(sg, traffic, momentum_in_place)
     return (StaticExchange if static_exchange(sg) else PlannedExchange)(sg, traffic)
 
 
@@ -72,12 +72,15 @@ class Dion3Engine:
     the whole matrices add them to the momentum before the step's CUDA graph, which then replays
     whatever their addresses. chosen: the automatic f chosen before, by matrix name
     (:func:`~.plan.resolve_fractions`; :meth:`chosen_fractions` is the record to keep).
+    momentum_in_place: the momentum the shards held whole come with is their storage (a ZeRO
+    slice's ``exp_avg``): stepped where it lies, not copied into the engine's buffers
+    (:func:`~.exchange.allocate_group_state`).
     """
 
     def __init__(self, shards: list[MatrixShard], cuda_graph: bool = True,
                  check_group: Optional[dist.ProcessGroup] = None, step_share: float = 1.0, *,
                  local: bool = False, fresh_grads: bool = False, speeds: Optional[AgreedSpeeds] = None,
-                 chosen: Optional[Mapping[str, float]] = None) -> None:
+                 chosen: Optional[Mapping[str, float]] = None, momentum_in_place: bool = False) -> None:
         if not isinstance(cuda_graph, bool):
             raise ValueError(f"cuda_graph must be a bool, got {cuda_graph!r}")
         if not 0 < step_share <= 1:
@@ -94,7 +97,7 @@ class Dion3Engine:
             check_plan_matches(self.plan, check_group)
         resolve_fractions(self.plan, step_share, speeds, chosen)
         self.traffic = Traffic()
-        self.exchanges: list[Exchange] = [exchange_for(sg, self.traffic) for sg in self.plan]
+        self.exchanges: list[Exchange] = [exchange_for(sg, self.traffic, momentum_in_place) for sg in self.plan]
 
     @property
     def collectives(self) -> list[str]:

@@ -200,9 +200,9 @@ class BlockExchange(Exchange):
 
     padded = False  # row blocks keep one extra zero row (the static exchange)
 
-    def __init__(self, sg: ShapeGroup, traffic: Traffic) -> None:
+    def __init__(self, sg: ShapeGroup, traffic: Traffic, momentum_in_place: bool = False) -> None:
         super().__init__(sg, traffic)
-        self.subs = allocate_group_state(sg, self.padded)
+        self.subs = allocate_group_state(sg, self.padded, momentum_in_place)
 
     def bind(self) -> None:
         """Every step, so by identity: the views handed out are the shards' state until replaced."""
@@ -282,46 +282,76 @@ class BlockExchange(Exchange):
         return pack
 
 
-def allocate_group_state(sg: ShapeGroup, padded: bool) -> list[SubBatch]:
+def allocate_group_state(sg: ShapeGroup, padded: bool, momentum_in_place: bool = False) -> list[SubBatch]:
     """Split the group by sharding; each part keeps its momentum, variance (and with staleness the
     rows' ages) in one buffer each (row blocks with one extra zero row when ``padded``, for the
     static exchange). State a caller gave (a resumed checkpoint) is copied in; the shards' state
-    becomes views of the buffers."""
+    becomes views of the buffers. ``momentum_in_place``: the momentum the caller gave is the
+    storage itself (a ZeRO slice's ``exp_avg``), stepped where it lies: each run of matrices whose
+    momentum lies end to end in one tensor is a part of its own, with no buffer of its own."""
     n, m = sg.key.shape
     parts: dict[Sharding, list[int]] = {}
     for j, shard in enumerate(sg.shards):
         parts.setdefault(shard.sharding, []).append(j)
     subs = []
     for sharding, index in parts.items():
-        first = sg.shards[index[0]]
-        r0, r1 = sharding.row_span(sg.rank, n, m)
-        device = first.weight.device
-        extra = int(padded and sharding.kind == "rows")
-        rows, width = first.weight.shape
-        momentum = torch.zeros((len(index), rows + extra, width), dtype=torch.float32, device=device)
-        variance = torch.zeros(len(index), r1 - r0 + extra, dtype=torch.float32, device=device)
-        # Ages of the rows the piece touches, like the variance (pieces of a row age alike).
-        age = torch.zeros(len(index), r1 - r0, dtype=torch.float32, device=device) if sg.hp.staleness else None
-        sub = SubBatch(
-            index,
-            sharding,
-            momentum[:, :rows],
-            variance[:, : r1 - r0],
-            age,
-            [sharding.rects(q, n, m)[0] for q in range(sg.world)],
-            [sharding.row_span(q, n, m)[0] for q in range(sg.world)],
-            # Column blocks all touch every row: rank 0 sends their variances. Row blocks their own.
-            [sharding.kind != "cols" or q == 0 for q in range(sg.world)],
-            momentum_padded=momentum,
-            variance_padded=variance,
-        )
-        sub.state_views = {"momentum": list(sub.momentum), "variance": list(sub.variance)}
-        if age is not None:
-            sub.state_views["row_age"] = list(age)
-        for b, j in enumerate(index):
-            for key, views in sub.state_views.items():
-                if key in sg.shards[j].state:  # state given by the caller (a resumed checkpoint)
-                    views[b].copy_(sg.shards[j].state[key])
-                sg.shards[j].state[key] = views[b]
-        subs.append(sub)
+        for run in _end_to_end_runs(sg, index) if momentum_in_place and not padded else [index]:
+            subs.append(_sub_batch(sg, sharding, run, padded, momentum_in_place and not padded))
     return subs
+
+
+def _end_to_end_runs(sg: ShapeGroup, index: list[int]) -> list[list[int]]:
+    """``index`` cut where a matrix's given momentum does not start right after the previous one's."""
+    runs: list[list[int]] = []
+    for j in index:
+        momentum = sg.shards[j].state["momentum"]
+        if not momentum.is_contiguous():
+            raise ValueError(f"{sg.shards[j].name}: momentum stepped in place must be contiguous")
+        if runs:
+            last = sg.shards[runs[-1][-1]].state["momentum"]
+            if (last.untyped_storage().data_ptr() == momentum.untyped_storage().data_ptr()
+                    and momentum.storage_offset() == last.storage_offset() + last.numel()):
+                runs[-1].append(j)
+                continue
+        runs.append([j])
+    return runs
+
+
+def _sub_batch(sg: ShapeGroup, sharding: Sharding, index: list[int], padded: bool, in_place: bool) -> SubBatch:
+    n, m = sg.key.shape
+    first = sg.shards[index[0]]
+    r0, r1 = sharding.row_span(sg.rank, n, m)
+    device = first.weight.device
+    extra = int(padded and sharding.kind == "rows")
+    rows, width = first.weight.shape
+    if in_place:  # the caller's momentum, as one (matrices, rows, width) view
+        given = first.state["momentum"]
+        momentum = given.as_strided((len(index), rows, width), (rows * width, width, 1), given.storage_offset())
+    else:
+        momentum = torch.zeros((len(index), rows + extra, width), dtype=torch.float32, device=device)
+    variance = torch.zeros(len(index), r1 - r0 + extra, dtype=torch.float32, device=device)
+    # Ages of the rows the piece touches, like the variance (pieces of a row age alike).
+    age = torch.zeros(len(index), r1 - r0, dtype=torch.float32, device=device) if sg.hp.staleness else None
+    sub = SubBatch(
+        index,
+        sharding,
+        momentum[:, :rows],
+        variance[:, : r1 - r0],
+        age,
+        [sharding.rects(q, n, m)[0] for q in range(sg.world)],
+        [sharding.row_span(q, n, m)[0] for q in range(sg.world)],
+        # Column blocks all touch every row: rank 0 sends their variances. Row blocks their own.
+        [sharding.kind != "cols" or q == 0 for q in range(sg.world)],
+        momentum_padded=momentum,
+        variance_padded=variance,
+    )
+    sub.state_views = {"momentum": list(sub.momentum), "variance": list(sub.variance)}
+    if age is not None:
+        sub.state_views["row_age"] = list(age)
+    for b, j in enumerate(index):
+        for key, views in sub.state_views.items():
+            given = sg.shards[j].state.get(key)
+            if given is not None and given.data_ptr() != views[b].data_ptr():  # state given by the caller
+                views[b].copy_(given)
+            sg.shards[j].state[key] = views[b]
+    return sub

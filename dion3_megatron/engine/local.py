@@ -136,8 +136,8 @@ class WholeExchange(BlockExchange):
     host_rows = False
     static = True
 
-    def __init__(self, sg, traffic) -> None:
-        super().__init__(sg, traffic)
+    def __init__(self, sg, traffic, momentum_in_place: bool = False) -> None:
+        super().__init__(sg, traffic, momentum_in_place)
         self._accumulated: Optional[list[tuple[torch.Tensor, bool]]] = None  # per sub-batch: (scores, decayed)
 
     def factors(self) -> list[rule.UpdateFactors]:

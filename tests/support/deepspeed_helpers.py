@@ -385,6 +385,7 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
         flat_opt.state[g["params"][0]][k].shape == g["params"][0].shape for g in flat_opt.param_groups
         for k in ("exp_avg", "exp_avg_sq"))
     out["replicas_equal"] = _replicas_equal(runs["s2"][0])
+    out["momentum_in_exp_avg"] = _momentum_in_exp_avg(flat_opt)
     out["straddling"] = {k: _straddling(runs[k][0]) for k in ("s1", "s2", "s2_ga")}
     del runs
     # fraction="auto": resolved on the slices (whole matrices here, straddling ones in the engine).
@@ -581,6 +582,23 @@ def _legacy_record(basic, record: dict) -> dict:
             end, shape = piece.offset + piece.length, shard.shape
         legacy[index.index(key)] = {"whole": whole if chosen else None, "pieces": pieces}
     return legacy
+
+
+def _momentum_in_exp_avg(opt) -> tuple[int, int]:
+    """(matrices whose engine momentum lies in the slice's exp_avg, all matrices) over the ZeRO plans:
+    the engine steps exp_avg where it lies, no second copy of the momentum."""
+    inside = total = 0
+    for group in opt.param_groups:
+        plan = opt._zero_plans.get(id(group))
+        if plan is None or plan.engine is None:
+            continue
+        exp_avg = opt.state[group["params"][0]]["exp_avg"]
+        start, end = exp_avg.data_ptr(), exp_avg.data_ptr() + exp_avg.numel() * exp_avg.element_size()
+        for sg in plan.engine.plan:
+            for shard in sg.shards:
+                total += 1
+                inside += start <= shard.state["momentum"].data_ptr() < end
+    return inside, total
 
 
 def _straddling(engine) -> int:
