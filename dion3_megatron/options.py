@@ -59,6 +59,11 @@ def is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def is_fraction_value(value: Any) -> bool:
+    """A value of the JSON type a fraction takes: a number, or the word that asks the plan to choose."""
+    return is_real(value) or value == AUTO
+
+
 @dataclass(frozen=True)
 class Option:
     """One option. ``name`` is the keyword argument, the param-group key and the DeepSpeed key;

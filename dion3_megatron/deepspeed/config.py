@@ -36,8 +36,7 @@ def _from_json(key: str, value: Any) -> Any:
     kind = option.kind
     if value is None and option.default is None:
         return value  # null: the option's default
-    if kind in (options.REAL, options.FRACTION) and not options.is_real(value) and not (
-            kind == options.FRACTION and value == options.AUTO):
+    if kind == options.REAL and not options.is_real(value) or kind == options.FRACTION and not options.is_fraction_value(value):
         raise ValueError(f"{WHERE}: {key} must be a finite number ({ALLOWED[key]}), got {value!r}")
     if kind == options.BETAS:
         if not (isinstance(value, (list, tuple)) and len(value) == 2

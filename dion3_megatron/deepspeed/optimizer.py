@@ -61,7 +61,7 @@ class DeepSpeedDion3(torch.optim.Optimizer):
             id(g): (g, list(g["params"])) for g in self.param_groups
         }
         self._zero_plans: dict[int, zero.ZeroGroupPlan] = {}
-        # Under ZeRO-1/2, per param group index: what fraction="auto" chose as a checkpoint loaded it,
+        # Under ZeRO-1/2, per param group index: the automatic f chosen as a checkpoint loaded it,
         # by matrix name, and from checkpoints before that record the f per run of adjacent same-shape
         # whole matrices (else None); the plans built since take it, and their records supersede it.
         self._saved_fractions: dict[int, tuple[dict[str, float], Optional[list[float]]]] = {}
@@ -121,7 +121,7 @@ class DeepSpeedDion3(torch.optim.Optimizer):
         return any(self._zero_group(g) is not None for g in self.param_groups)
 
     def state_dict(self) -> dict[str, Any]:
-        """Dion3's state dict; under ZeRO-1/2 with what fraction="auto" chose on this rank's slices
+        """Dion3's state dict; under ZeRO-1/2 with the automatic f chosen on this rank's slices
         under ``"fractions"``, ``{param group index: {matrix name: f}}`` (DeepSpeed's default, rigid,
         checkpoints keep it per rank; elastic and universal ones keep only the slice-shaped tensors,
         and a resume from them chooses again)."""
@@ -146,7 +146,7 @@ class DeepSpeedDion3(torch.optim.Optimizer):
         return group["params"] if originals is None else originals
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Dion3's load; under ZeRO-1/2 also what fraction="auto" chose (:meth:`state_dict`), or
+        """Dion3's load; under ZeRO-1/2 also the automatic f chosen (:meth:`state_dict`), or
         the record of older checkpoints, ``"zero_auto_fractions"``: ``{param group index: {"whole":
         [f per run of adjacent same-shape whole matrices, in slice order] or None, "pieces":
         {matrix name: f}}}``; a plan maps the runs to its whole matrices' names."""

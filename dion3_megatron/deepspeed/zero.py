@@ -165,7 +165,7 @@ def _param_bounds(ranges: torch.Tensor, numel: int, where: str) -> list[int]:
 
 class ZeroGroupPlan:
     """Everything one flat ZeRO param group needs per step, built once (one all_gather of int
-    ranges, and with fraction="auto" one all-reduce of the device's speed): the group's Dion3
+    ranges, and with the automatic fraction one all-reduce of the device's speed): the group's Dion3
     matrices as the shards of one engine, and the AdamW element runs."""
 
     def __init__(self, cuda_graph: bool, group: dict, originals: list[torch.Tensor], index: int) -> None:
@@ -224,7 +224,7 @@ class ZeroGroupPlan:
                     self._add_piece(name, offset, n * m, 0, m, (n, m), Sharding.full(), None, hp)
         self.adamw_runs = _merge_runs(adamw_runs)
         self.speeds = self._agree_speeds(hp)
-        # What fraction="auto" chose, by matrix name (a checkpoint keeps it, so a resume does not
+        # The automatic f chosen, by matrix name (a checkpoint keeps it, so a resume does not
         # measure again): the engine's record once it is built.
         self.chosen: dict[str, float] = {}
         self.engine: Optional[Dion3Engine] = None
@@ -232,7 +232,7 @@ class ZeroGroupPlan:
         self._state_ids: tuple = ()
 
     def restore_fractions(self, by_name: dict[str, float], whole_runs: Optional[list[float]], where: str) -> None:
-        """Take what fraction="auto" chose before (a checkpoint's record, by matrix name; from older
+        """Take the automatic f chosen before (a checkpoint's record, by matrix name; from older
         checkpoints also the f of each run of adjacent same-shape matrices this rank holds whole, in
         slice order) instead of measuring again. Before the engine is built."""
         runs = self._whole_runs()
@@ -259,7 +259,7 @@ class ZeroGroupPlan:
         return runs
 
     def _agree_speeds(self, hp: rule.Dion3Hyperparameters) -> fractions.AgreedSpeeds:
-        """The device speed fraction="auto" chooses the whole matrices' f by, agreed over the
+        """The device speed the whole matrices' automatic f is chosen by, agreed over the
         data-parallel group by every rank of it, also one that holds no whole matrix (one
         collective, made here by every rank alike), so that the ranks choose on the same numbers."""
         device = self.flat.device
