@@ -10,15 +10,13 @@ plan also chooses the automatic f. The math itself lives in :mod:`dion3_megatron
 
 from __future__ import annotations
 
-import warnings
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 from . import options
-from .engine import plan
-from .frontend import announce_skipped_step, groups as grouping, usable_here
+from .frontend import announce_skipped_step, groups as grouping
 from .frontend.whole import Fractions, WholeParameters
 from .kernels import config as kernel_config
 
@@ -51,23 +49,15 @@ class Dion3(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable[Any], **settings: Any) -> None:
-        settings = options.settings(type(self).__name__, options.TORCH, settings)
-        groups = options.group_keys(options.TORCH)
-        # The optimizer-wide options, checked here; the per-group ones with each group.
-        options.check(type(self).__name__, **{k: v for k, v in settings.items() if k not in groups})
+        settings, params, defaults, split = grouping.prepare(type(self).__name__, options.TORCH, params, settings)
         self.cuda_graph: bool = settings["cuda_graph"]
         self.kernels: Optional[str] = settings["kernels"]
         self.adamw_lr: float = settings["adamw_lr"]
         self.skipped_steps = 0
         self._whole = WholeParameters(self.cuda_graph)
-        params = list(params)
-        split = grouping.split_by_algorithm(params)  # the AdamW tensors in a group of their own, at adamw_lr
-        self._split_from_plain_list = split is not None
-        super().__init__(split or params, {**{k: settings[k] for k in groups}, "algorithm": None})
-        if not any(grouping.algorithm_of(g, p) == "dion3" for g in self.param_groups for p in g["params"]):
-            count = sum(len(g["params"]) for g in self.param_groups)
-            warnings.warn(f"{type(self).__name__}: none of the {count} parameters is a matrix for Dion3 (a tensor of "
-                          ">= 2 dims outside algorithm='adamw' groups): every parameter will take AdamW", stacklevel=2)
+        self._split_from_plain_list = split  # a plain parameter list makes two groups: the AdamW tensors at adamw_lr
+        super().__init__(params, defaults)
+        grouping.warn_without_matrices(type(self).__name__, self.param_groups)
 
     # ----------------------------------------------------------------------------------------
     # Groups and validation.
@@ -109,10 +99,7 @@ class Dion3(torch.optim.Optimizer):
                     "[{'params': params}] to load it)")
         grouping.check_saved_groups(state_dict["param_groups"], self.param_groups, options.TORCH,
                                         lambda group: group["params"], hint)
-        names = grouping.param_names(self.param_groups)
-        chosen = plan.fraction_record(state_dict.get("fractions", state_dict.get("auto_fractions", {})),
-                                      "checkpoint fractions",
-                                      [grouping.matrix_names(names[p], p) for p in grouping.packed_order(self.param_groups)])
+        chosen = self._whole.saved_record(state_dict, self.param_groups)
         self.state = defaultdict(dict, grouping.loaded_state(state_dict, self.param_groups, grouping.param_state_shapes))
         self._whole.reset(chosen)
         for mine, saved in zip(self.param_groups, state_dict["param_groups"]):
@@ -132,15 +119,4 @@ class Dion3(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """One step of every parameter with a gradient. Everything that can be refused (sparse
         gradients, settings changed since construction) is checked before anything changes."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for gi, group in enumerate(self.param_groups):
-            grouping.check_group(f"param group {gi}", group, options.TORCH)
-        self._whole.agree_speeds(self.param_groups)  # before a skip: the ranks' first steps agree together
-        if not usable_here(self.param_groups):
-            self.skip_step()
-            return loss
-        self._whole.step(self.param_groups, self.state, grouping.param_names(self.param_groups))
-        return loss
+        return self._whole.optimizer_step(self.param_groups, self.state, options.TORCH, closure, self.skip_step)

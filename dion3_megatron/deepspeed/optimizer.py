@@ -11,7 +11,6 @@ DeepSpeed constructs it with the model's parameters and the config's ``params``;
 
 from __future__ import annotations
 
-import warnings
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -19,7 +18,7 @@ import torch
 
 from .. import options
 from ..engine.plan import fraction_record
-from ..frontend import announce_skipped_step, groups as grouping, usable_here, usable_on_every_rank
+from ..frontend import announce_skipped_step, groups as grouping, usable_on_every_rank
 from ..frontend.whole import Fractions, WholeParameters
 from ..kernels import config as kernel_config
 from . import zero
@@ -40,21 +39,15 @@ class DeepSpeedDion3(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable[Any], **kwargs: Any) -> None:
-        settings = options.settings(type(self).__name__, options.DEEPSPEED, normalize_params(kwargs))
-        groups = options.group_keys(options.DEEPSPEED)
-        options.check(type(self).__name__, **{k: v for k, v in settings.items() if k not in groups})
+        settings, params, defaults, _ = grouping.prepare(type(self).__name__, options.DEEPSPEED, params,
+                                                         normalize_params(kwargs))
         self.cuda_graph: bool = settings["cuda_graph"]
         self.kernels: Optional[str] = settings["kernels"]
         self.adamw_lr: float = settings["adamw_lr"]
         self.skipped_steps = 0
         self._whole = WholeParameters(self.cuda_graph)  # ZeRO stage 0
-        params = list(params)
-        split = grouping.split_by_algorithm(params)  # the AdamW tensors in a group of their own, at adamw_lr
-        super().__init__(split or params, {**{k: settings[k] for k in groups}, "algorithm": None})
-        if not any(grouping.algorithm_of(g, p) == "dion3" for g in self.param_groups for p in g["params"]):
-            count = sum(len(g["params"]) for g in self.param_groups)
-            warnings.warn(f"{type(self).__name__}: none of the {count} parameters is a matrix for Dion3 (a tensor of "
-                          ">= 2 dims outside algorithm='adamw' groups): every parameter will take AdamW", stacklevel=2)
+        super().__init__(params, defaults)
+        grouping.warn_without_matrices(type(self).__name__, self.param_groups)
         # ZeRO swaps each group's params for a flat slice but keeps the group dicts: remember the
         # original parameters of every group (they carry ZeRO's slice mapping after initialize).
         self._originals: dict[int, tuple[dict, list[torch.Tensor]]] = {
@@ -152,10 +145,7 @@ class DeepSpeedDion3(torch.optim.Optimizer):
         {matrix name: f}}}``; a plan maps the runs to its whole matrices' names."""
         grouping.check_saved_groups(state_dict["param_groups"], self.param_groups, options.DEEPSPEED, self._originals_of)
         if not self._under_zero():
-            names = grouping.param_names(self.param_groups)
-            chosen = fraction_record(state_dict.get("fractions", state_dict.get("auto_fractions", {})),
-                                     "checkpoint fractions",
-                                     [grouping.matrix_names(names[p], p) for p in grouping.packed_order(self.param_groups)])
+            chosen = self._whole.saved_record(state_dict, self.param_groups)
             self._load(state_dict)
             self._whole.reset(chosen)
             return
@@ -189,7 +179,8 @@ class DeepSpeedDion3(torch.optim.Optimizer):
         zero_groups = [(g, self._zero_group(g)) for g in self.param_groups]
         if not any(orig is not None for _, orig in zero_groups):
             zero.warn_if_tensor_parallel_without_zero()
-            return self._step_whole(closure)
+            # ZeRO stage 0: the parameters whole, as the torch optimizer steps them
+            return self._whole.optimizer_step(self.param_groups, self.state, options.DEEPSPEED, closure, self.skip_step)
         if not all(orig is not None for _, orig in zero_groups):
             raise RuntimeError("Dion3: some param groups are ZeRO flat slices and some are not")
         for gi, (group, _) in enumerate(zero_groups):  # a setting changed since construction, before any step
@@ -218,19 +209,4 @@ class DeepSpeedDion3(torch.optim.Optimizer):
             zero.init_slice_state(state, flat, with_age=group["staleness"] > 0)
             state["step"] += 1
             plan.step(group, state)
-        return loss
-
-    def _step_whole(self, closure: Optional[Callable[[], float]]) -> Optional[float]:
-        """ZeRO stage 0: the parameters whole, as the torch optimizer steps them."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for gi, group in enumerate(self.param_groups):
-            grouping.check_group(f"param group {gi}", group, options.DEEPSPEED)
-        self._whole.agree_speeds(self.param_groups)  # before a skip: the ranks' first steps agree together
-        if not usable_here(self.param_groups):
-            self.skip_step()
-            return loss
-        self._whole.step(self.param_groups, self.state, grouping.param_names(self.param_groups))
         return loss

@@ -4,6 +4,7 @@ and a checkpoint's groups and state checked in full before anything is loaded.""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -30,6 +31,28 @@ def split_by_algorithm(params: list) -> Optional[list[dict]]:
     for p in params:
         by_algorithm[algorithm_of({"algorithm": None}, p[1] if isinstance(p, tuple) else p)].append(p)
     return [{"params": ps, "algorithm": None if name == "dion3" else name} for name, ps in by_algorithm.items() if ps]
+
+
+def prepare(owner: str, front_end: str, params: Iterable[Any],
+            given: dict[str, Any]) -> tuple[dict[str, Any], list, dict, bool]:
+    """What a whole-parameter front end's constructor needs: its settings (unknown names refused,
+    the optimizer-wide ones checked here, the per-group ones with each group), the params or param
+    groups for ``torch.optim.Optimizer`` (a plain list split by algorithm:
+    :func:`split_by_algorithm`), the groups' defaults, and whether the list was split."""
+    settings = options.settings(owner, front_end, given)
+    keys = options.group_keys(front_end)
+    options.check(owner, **{k: v for k, v in settings.items() if k not in keys})
+    params = list(params)
+    split = split_by_algorithm(params)
+    return settings, split or params, {**{k: settings[k] for k in keys}, "algorithm": None}, split is not None
+
+
+def warn_without_matrices(owner: str, groups: list[dict]) -> None:
+    """Say so when no parameter takes Dion3 (every one would take AdamW)."""
+    if not any(algorithm_of(g, p) == "dion3" for g in groups for p in g["params"]):
+        count = sum(len(g["params"]) for g in groups)
+        warnings.warn(f"{owner}: none of the {count} parameters is a matrix for Dion3 (a tensor of >= 2 dims "
+                      "outside algorithm='adamw' groups): every parameter will take AdamW", stacklevel=3)
 
 
 def check_group(where: str, group: dict, front_end: str, params: Optional[list[torch.Tensor]] = None) -> None:

@@ -6,7 +6,7 @@ own shapes, so a state dict reads and writes it as torch's optimizers do."""
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,8 @@ from ..core import rule
 from ..core.ortho import default_ns_dtype
 from ..core.rule import Dion3Hyperparameters
 from ..engine import Dion3Engine, MatrixShard, Sharding, cuda_graph as cuda_graph_module, fractions, plan
-from .groups import algorithm_of, hyperparameters, matrix_names
+from .gate import usable_here
+from .groups import algorithm_of, check_group, hyperparameters, matrix_names, packed_order, param_names
 from .matrices import matrix_count, matrix_shape, matrix_values, matrix_view, stacked_view
 
 
@@ -61,6 +62,14 @@ class WholeParameters:
         chosen = {p: self.chosen[first] for p, name in names.items() if (first := matrix_names(name, p)[0]) in self.chosen}
         return Fractions(chosen, names)
 
+    @staticmethod
+    def saved_record(state_dict: dict[str, Any], groups: list[dict]) -> dict[str, float]:
+        """A checkpoint's record of the automatic f, checked (:func:`~dion3_megatron.engine.plan.fraction_record`:
+        by matrix name, or the older one by parameter index)."""
+        names = param_names(groups)
+        return plan.fraction_record(state_dict.get("fractions", state_dict.get("auto_fractions", {})),
+                                    "checkpoint fractions", [matrix_names(names[p], p) for p in packed_order(groups)])
+
     def reset(self, chosen: dict[str, float]) -> None:
         """After a checkpoint load: the record it held; the next step builds an engine on the loaded state."""
         self.chosen, self.engine = chosen, None
@@ -83,6 +92,24 @@ class WholeParameters:
             self._speeds = fractions.AgreedSpeeds(agreed, distributed)
         for device, dtype in wanted:
             self._speeds.of(device, dtype)
+
+    def optimizer_step(self, groups: list[dict], state: dict, front_end: str, closure: Optional[Callable[[], float]],
+                       skip: Callable[[], None]) -> Optional[float]:
+        """A whole ``torch.optim.Optimizer.step``: the closure, the groups' settings checked, the
+        speeds agreed (at the first step, before a skip: the ranks agree together), then the
+        non-finite gate (``skip()`` and nothing else when it refuses) and the step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(groups):
+            check_group(f"param group {gi}", group, front_end)
+        self.agree_speeds(groups)
+        if not usable_here(groups):
+            skip()
+            return loss
+        self.step(groups, state, param_names(groups))
+        return loss
 
     def step(self, groups: list[dict], state: dict, names: dict[torch.Tensor, str]) -> None:
         """One step of every parameter of ``groups`` with a gradient (``state``: the optimizer's,
