@@ -68,7 +68,7 @@ _SELECTORS: dict[str, Callable[[torch.Tensor], Optional[MatmulBackend]]] = {}
 
 def register_backend(backend: MatmulBackend, selector: Optional[Callable] = None) -> None:
     """Make ``backend`` available by name (to force it: ``kernels.configure(backend=name)``);
-    ``selector(x)`` may claim operands when kernels is "auto"."""
+    ``selector(x)`` may claim operands unless the configuration runs torch alone (``kernels="torch"``)."""
     _BACKENDS[backend.name] = backend
     if selector is not None:
         _SELECTORS[backend.name] = selector

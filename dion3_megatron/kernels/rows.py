@@ -1,7 +1,7 @@
 """Whether the rule's row-wise steps run as Triton kernels (:mod:`.triton_rows`) or torch forms.
 
 The kernels run for CUDA weights when triton is installed, the kernel configuration in force
-allows them (:func:`.config.row_kernels_enabled`: kernels "auto" and fused_rows on, whose defaults
+allows them (:func:`.config.row_kernels_enabled`: not ``kernels="torch"``, and fused_rows on, whose defaults
 DION3_KERNELS=0 and DION3_FUSED_ROWS=0 turn off), and a kernel builds on the device (tried once per
 process and device). :mod:`dion3_megatron.core.rule` asks :func:`takes` before each row-wise step, and
 :mod:`dion3_megatron.core.ortho` asks :func:`takes_block` before normalizing Newton-Schulz's input;

@@ -7,7 +7,7 @@ A product goes to the kernel only when every condition holds
   * the product is large enough to pay (:func:`.heuristics.routes_to_kernel`, with the thresholds
     of the kernel configuration, :class:`..config.KernelConfig`).
 Otherwise the product runs in torch, exactly as the "torch" backend would. The backend is asked
-only while the configuration's kernels is "auto" (or it is forced by name).
+only while the configuration lets the package choose kernels (or it is forced by name).
 """
 
 from __future__ import annotations
