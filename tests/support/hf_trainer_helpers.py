@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dion3_megatron.frontend.groups import algorithm_of
+
 VOCAB, SEQ, SAMPLES = 64, 16, 64
 
 
@@ -86,7 +88,7 @@ def split_of(engine) -> dict[str, str]:
     algorithm = {}
     for group, originals in opt._originals.values():
         for p in originals:
-            algorithm[id(p)] = opt.algorithm_of(group, p)
+            algorithm[id(p)] = algorithm_of(group, p)
     return {n: algorithm.get(id(p), "none") for n, p in engine.module.named_parameters(remove_duplicate=False)}
 
 
@@ -116,7 +118,7 @@ def session(rank: int, world: int, tmp: str) -> dict:
     t.train()
     basic = t.model_wrapped.basic_optimizer
     out["llama_default"] = {"losses": losses_of(t),
-                            "fractions": [basic.hyperparameters(g).fraction for g in basic.param_groups],
+                            "fractions": [g["fraction"] for g in basic.param_groups],
                             "chosen": basic.state_dict()["fractions"]}
     out["seconds"]["llama_default"] = time.time() - t0
     # Resume: 10 steps saving at 5; a new Trainer resumes from step 5 and must end where the first did.
