@@ -1,7 +1,9 @@
-"""The step of parameters a process holds whole (the torch optimizer; DeepSpeed without ZeRO): the
-matrices of every parameter with a gradient are ``Sharding.full()`` shards of one engine, the other
-tensors take AdamW. Each parameter's state is a view of the engine's buffers, in the parameter's
-own shapes, so a state dict reads and writes it as torch's optimizers do."""
+"""The step of the parameters a process holds as torch parameters (the torch optimizer; DeepSpeed
+without ZeRO): the matrices of every parameter with a gradient are shards of one engine, whole
+(``Sharding.full()``) or, for a DTensor that FSDP2 sharded by rows, the rows this rank holds
+(:mod:`.dtensor`); the other tensors take AdamW. Each parameter's state is a view of the engine's
+buffers, in the shapes of what this rank holds, so a state dict reads and writes it as torch's
+optimizers do."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from ..core import rule
 from ..core.ortho import default_ns_dtype
 from ..core.rule import Dion3Hyperparameters
 from ..engine import Dion3Engine, MatrixShard, Sharding, cuda_graph as cuda_graph_module, fractions, plan
-from .gate import usable_here
+from .dtensor import is_dtensor, local, row_sharding
+from .gate import usable_here, usable_on_every_rank
 from .groups import algorithm_of, check_group, hyperparameters, matrix_names, packed_order, param_names
 from .matrices import matrix_count, matrix_shape, matrix_values, matrix_view, stacked_view
 
@@ -105,7 +108,13 @@ class WholeParameters:
         for gi, group in enumerate(groups):
             check_group(f"param group {gi}", group, front_end)
         self.agree_speeds(groups)
-        if not usable_here(groups):
+        sharded = [p for group in groups for p in group["params"] if is_dtensor(p)]
+        if sharded:  # each rank sees its own rows' gradients: the ranks agree (the gate's all-reduce)
+            usable = usable_on_every_rank([local(p.grad) for group in groups for p in group["params"] if p.grad is not None],
+                                          sharded[0].device)
+        else:
+            usable = usable_here(groups)
+        if not usable:
             skip()
             return loss
         self.step(groups, state, param_names(groups))
@@ -133,11 +142,11 @@ class WholeParameters:
             group = groups[gi]
             for p in params:
                 _adamw_state(state, p)["step"] += 1
-            rule.adamw_step(params, [p.grad for p in params], [state[p]["exp_avg"] for p in params],
+            rule.adamw_step([local(p) for p in params], [local(p.grad) for p in params], [state[p]["exp_avg"] for p in params],
                             [state[p]["exp_avg_sq"] for p in params], count,
                             group["lr"], group["betas"], group["eps"], group["weight_decay"])
         for gi, p in matrices:  # this step's gradients and schedule (lr, weight decay)
-            grads = [p.grad] if p.dim() == 2 else matrix_values(p.grad).unbind(0)
+            grads = [local(p.grad)] if p.dim() == 2 else matrix_values(p.grad).unbind(0)
             for shard, grad in zip(self._shards[p], grads):
                 shard.grad, shard.hp = grad, settings[gi]
         copied = [p for _, p in matrices if not p.is_contiguous()]
@@ -147,7 +156,7 @@ class WholeParameters:
 
     def _engine_for(self, matrices: list[tuple[int, torch.Tensor]], settings: list[Dion3Hyperparameters],
                     state: dict, names: dict[torch.Tensor, str]) -> Dion3Engine:
-        key = (tuple((gi, id(p), p.data_ptr()) for gi, p in matrices),
+        key = (tuple((gi, id(p), local(p).data_ptr()) for gi, p in matrices),
                tuple(cuda_graph_module.baked_settings(hp) for hp in settings))
         if self.engine is not None and key == self._engine_key:
             return self.engine
@@ -159,17 +168,25 @@ class WholeParameters:
                 rows = [part for part in ("variance", "row_age") if part in own]
                 carried = [{"momentum": m, **{part: own[part][e] for part in rows}}
                            for e, m in enumerate(matrix_view(own["momentum"]))]
+            names_of = matrix_names(names[p], p)
+            if is_dtensor(p):  # this rank's rows of the logical matrix
+                sharding, group = row_sharding(p, names_of[0])
+                shards[p] = [MatrixShard(names_of[0], local(p), local(p.grad), matrix_shape(p), sharding, group,
+                                         settings[gi], carried[0])]
+                continue
             weight = matrix_view(self._contiguous_weight(p))
             grad = matrix_values(p.grad)
             shards[p] = [MatrixShard(name, weight[e], grad[e], matrix_shape(p), Sharding.full(), None, settings[gi],
-                                     carried[e]) for e, name in enumerate(matrix_names(names[p], p))]
+                                     carried[e]) for e, name in enumerate(names_of)]
+        # Construction is collective where a matrix is split (every rank steps every FSDP2 parameter).
         engine = Dion3Engine([s for own in shards.values() for s in own], cuda_graph=self.cuda_graph,
-                             local=True, fresh_grads=True, speeds=self._speeds, chosen=self.chosen)
+                             local=not any(is_dtensor(p) for p in shards), fresh_grads=True, speeds=self._speeds,
+                             chosen=self.chosen)
         self.chosen.update(engine.chosen_fractions())
         for p, own in shards.items():  # the parameter's state: views of the engine's buffers
             for part in own[0].state:
                 state[p][part] = stacked_view([s.state[part] for s in own])
-            state[p]["momentum"] = state[p]["momentum"].view(p.shape)
+            state[p]["momentum"] = state[p]["momentum"].view(local(p).shape)
         self.engine, self._engine_key, self._shards = engine, key, shards
         return engine
 
@@ -188,6 +205,6 @@ def _adamw_state(state: dict, p: torch.Tensor) -> dict:
     own = state[p]
     if not own:
         own["step"] = torch.zeros((), dtype=torch.float32)
-        own["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-        own["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        own["exp_avg"] = torch.zeros_like(local(p), dtype=torch.float32, memory_format=torch.contiguous_format)
+        own["exp_avg_sq"] = torch.zeros_like(local(p), dtype=torch.float32, memory_format=torch.contiguous_format)
     return own

@@ -1,0 +1,91 @@
+"""Train the small byte-level GPT with PyTorch FSDP2 (``fully_shard``, as torchtitan does) and Dion3.
+
+Each transformer block, then the whole model, is sharded by rows over all ranks; Dion3 steps every
+rank's rows as pieces of the whole matrices (rows are selected over the whole matrix, so the
+result equals one process's at any world size). CPU (gloo) by default, one GPU per rank (nccl)
+when each rank has one.
+Usage: torchrun --standalone --nproc-per-node 2 examples/fsdp2_train.py [--steps 100] [--fraction auto|0.25|...]
+"""
+
+import argparse
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from dion3_megatron import Dion3
+from dion3_megatron.options import BY_NAME
+from small_gpt import GPT  # examples/small_gpt.py and examples/stdlib_text.py, beside this script
+from stdlib_text import stdlib_tokens
+
+FRACTION = BY_NAME["fraction"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step (default: %(default)s)")
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--fraction", type=FRACTION.argparse_type(), default=FRACTION.default,
+                        help=f"Dion3's f: {FRACTION.allowed()} (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=BY_NAME["lr"].default)
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (world,))
+
+    torch.manual_seed(0)  # the same initial model on every rank
+    model = GPT(width=128, layers=2, heads=4, context=args.context).to(device)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # Hidden-layer matrices take Dion3; embeddings, the output head and 1-D params take AdamW.
+    hidden = [(n, p) for n, p in model.named_parameters() if n.startswith("blocks") and p.dim() >= 2]
+    hidden_ids = {id(p) for _, p in hidden}
+    rest = [(n, p) for n, p in model.named_parameters() if id(p) not in hidden_ids]
+    opt = Dion3([{"params": hidden}, {"params": rest, "algorithm": "adamw", "lr": 3e-3}], lr=args.lr,
+                fraction=args.fraction)
+
+    data = stdlib_tokens(2_000_000).to(device)
+    split = int(0.95 * len(data))
+    gen = torch.Generator(device=device).manual_seed(1 + rank)  # each rank its own batches
+
+    def batch(lo: int, hi: int) -> torch.Tensor:
+        starts = torch.randint(lo, hi - args.context - 1, (args.batch,), device=device, generator=gen)
+        return data[starts[:, None] + torch.arange(args.context + 1, device=device)]
+
+    if rank == 0:
+        print(f"Dion3 fraction={args.fraction}, FSDP2 over {world} ranks on {device.type}: "
+              f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params", flush=True)
+    start = time.time()
+    for step in range(1, args.steps + 1):
+        loss = model(batch(0, split))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if rank == 0 and (step % 20 == 0 or step == 1):
+            rate = step * args.batch * world * args.context / (time.time() - start)
+            print(f"step {step:4d}  loss {loss.item():.3f}  ({rate:,.0f} tokens/s)", flush=True)
+    with torch.no_grad():
+        val = torch.stack([model(batch(split, len(data))) for _ in range(5)]).mean()
+    dist.all_reduce(val)
+    val = val.item() / world
+    if rank == 0:
+        print(f"validation loss {val:.3f} ({val / math.log(2):.2f} bits/byte); skipped steps {opt.skipped_steps}")
+        if args.fraction == "auto":
+            chosen = sorted({(tuple(p.shape), opt.fractions[p]) for _, p in hidden})
+            print("fraction=auto chose (shape: f) " + ", ".join(f"{'x'.join(map(str, s))}: {f:g}" for s, f in chosen))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
