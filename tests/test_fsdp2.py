@@ -99,6 +99,50 @@ def test_auto_fraction_is_chosen_alike_on_every_rank(session):
     assert all(c == chosen[0] for c in chosen) and set(chosen[0]) == {"0.weight", "2.weight"}
 
 
+def _sharded(world: int, settings: dict):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dion3_megatron import Dion3
+
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    return model, Dion3(model.named_parameters(), lr=0.05, ns_dtype=torch.float32, **settings)
+
+
+def _dcp_worker(rank: int, world: int, directory: str, steps: range, settings: dict) -> dict:
+    """Steps ``steps`` of the batches; saves through torch.distributed.checkpoint after them when
+    they start at 0, else first loads what a run at another world size saved."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    model, opt = _sharded(world, settings)
+    if steps.start:
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(state, checkpoint_id=directory)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, opt, state["optim"])
+    for x in _batches()[steps.start:steps.stop]:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    if not steps.start:
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=directory)
+    return {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+
+
+def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_and_at_four(tmp_path):
+    settings = {"fraction": 0.5, "staleness": 1.0}
+    expected = _single_process(settings, bad_step=-1)
+    run_distributed(_dcp_worker, 2, str(tmp_path), range(0, 2), settings, timeout=180)
+    for world in (1, 4):
+        for out in run_distributed(_dcp_worker, world, str(tmp_path), range(2, STEPS), settings, timeout=180):
+            for name, value in out.items():
+                torch.testing.assert_close(value, expected[name], **TOL, msg=lambda m, n=name, w=world: f"{w} ranks {n}: {m}")
+
+
 def _replicated_worker(rank: int, world: int) -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor

@@ -1,7 +1,8 @@
 """Parameters that ``torch.distributed.fsdp.fully_shard`` (FSDP2) made DTensors: each rank holds a
 block of rows (``Shard(0)``, cut as ``torch.chunk`` cuts: ceil(rows / world) rows each, the last
 ranks fewer or none), which the engine steps as a ``Sharding.rows`` piece of the whole logical
-matrix over the mesh's process group."""
+matrix over the mesh's process group. Their optimizer state is DTensors too, sharded the same way,
+so ``torch.distributed.checkpoint`` saves it and loads it at another world size."""
 
 from __future__ import annotations
 
@@ -26,6 +27,20 @@ def is_dtensor(t: Optional[torch.Tensor]) -> bool:
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds (the tensor itself for a plain one): writing it writes the parameter."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def param_shaped(p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a state the parameter's shape, as a DTensor placed like ``p`` (a view:
+    ``torch.distributed.checkpoint`` saves and reshards it like an FSDP2 AdamW's state)."""
+    return DTensor.from_local(rows, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def per_row(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """This rank's values of a state with one value per row (a variance, an age) as a (1, rows)
+    DTensor sharded like the rows (a view)."""
+    n = p.shape[0]
+    return DTensor.from_local(values.unsqueeze(0), p.device_mesh, [Shard(1)], run_check=False, shape=(1, n),
+                              stride=(n, 1))
 
 
 def row_sharding(p: torch.Tensor, where: str) -> tuple[Sharding, dist.ProcessGroup]:

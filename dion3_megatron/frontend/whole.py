@@ -17,7 +17,7 @@ from ..core import rule
 from ..core.ortho import default_ns_dtype
 from ..core.rule import Dion3Hyperparameters
 from ..engine import Dion3Engine, MatrixShard, Sharding, cuda_graph as cuda_graph_module, fractions, plan
-from .dtensor import is_dtensor, local, row_sharding
+from .dtensor import is_dtensor, local, param_shaped, per_row, row_sharding
 from .gate import usable_here, usable_on_every_rank
 from .groups import algorithm_of, check_group, hyperparameters, matrix_names, packed_order, param_names
 from .matrices import matrix_count, matrix_shape, matrix_values, matrix_view, stacked_view
@@ -142,8 +142,8 @@ class WholeParameters:
             group = groups[gi]
             for p in params:
                 _adamw_state(state, p)["step"] += 1
-            rule.adamw_step([local(p) for p in params], [local(p.grad) for p in params], [state[p]["exp_avg"] for p in params],
-                            [state[p]["exp_avg_sq"] for p in params], count,
+            rule.adamw_step([local(p) for p in params], [local(p.grad) for p in params],
+                            [local(state[p]["exp_avg"]) for p in params], [local(state[p]["exp_avg_sq"]) for p in params], count,
                             group["lr"], group["betas"], group["eps"], group["weight_decay"])
         for gi, p in matrices:  # this step's gradients and schedule (lr, weight decay)
             grads = [local(p.grad)] if p.dim() == 2 else matrix_values(p.grad).unbind(0)
@@ -166,8 +166,8 @@ class WholeParameters:
             carried: list[dict] = [{} for _ in range(matrix_count(p))]
             if "momentum" in own:  # stepped before (or loaded): the engine copies it in
                 rows = [part for part in ("variance", "row_age") if part in own]
-                carried = [{"momentum": m, **{part: own[part][e] for part in rows}}
-                           for e, m in enumerate(matrix_view(own["momentum"]))]
+                carried = [{"momentum": m, **{part: local(own[part])[e] for part in rows}}
+                           for e, m in enumerate(matrix_view(local(own["momentum"])))]
             names_of = matrix_names(names[p], p)
             if is_dtensor(p):  # this rank's rows of the logical matrix
                 sharding, group = row_sharding(p, names_of[0])
@@ -184,9 +184,13 @@ class WholeParameters:
                              chosen=self.chosen)
         self.chosen.update(engine.chosen_fractions())
         for p, own in shards.items():  # the parameter's state: views of the engine's buffers
+            if is_dtensor(p):
+                state[p].update({part: per_row(p, value) for part, value in own[0].state.items()},
+                                momentum=param_shaped(p, own[0].state["momentum"]))
+                continue
             for part in own[0].state:
                 state[p][part] = stacked_view([s.state[part] for s in own])
-            state[p]["momentum"] = state[p]["momentum"].view(local(p).shape)
+            state[p]["momentum"] = state[p]["momentum"].view(p.shape)
         self.engine, self._engine_key, self._shards = engine, key, shards
         return engine
 
@@ -205,6 +209,6 @@ def _adamw_state(state: dict, p: torch.Tensor) -> dict:
     own = state[p]
     if not own:
         own["step"] = torch.zeros((), dtype=torch.float32)
-        own["exp_avg"] = torch.zeros_like(local(p), dtype=torch.float32, memory_format=torch.contiguous_format)
-        own["exp_avg_sq"] = torch.zeros_like(local(p), dtype=torch.float32, memory_format=torch.contiguous_format)
+        own["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        own["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
     return own
