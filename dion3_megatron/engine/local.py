@@ -14,7 +14,8 @@ import torch
 from ..core import rule
 from ..core.rule import Dion3Hyperparameters
 from . import cuda_graph as cuda_graph_module
-from .exchange import BlockExchange, folded_decay_of, group_hp, sub_batch_mu, update_factors_of
+from .exchange import BlockExchange, Traffic, folded_decay_of, group_hp, sub_batch_mu, update_factors_of
+from .plan import ShapeGroup
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,7 +137,7 @@ class WholeExchange(BlockExchange):
     host_rows = False
     static = True
 
-    def __init__(self, sg, traffic, momentum_in_place: bool = False) -> None:
+    def __init__(self, sg: ShapeGroup, traffic: Traffic, momentum_in_place: bool = False) -> None:
         super().__init__(sg, traffic, momentum_in_place)
         self._accumulated: Optional[list[tuple[torch.Tensor, bool]]] = None  # per sub-batch: (scores, decayed)
 
