@@ -364,3 +364,26 @@ def test_ranks_with_groups_of_other_dtypes_agree_in_one_collective():
     assert chosen0 == expected0 and chosen1 == expected1
     assert chosen0["shared"] == chosen1["shared"] and expected0["shared"] != expected0["own"]
     assert "give such groups from the start" in error0
+
+
+def _megatron_replicas_worker(rank, world):
+    # Data-parallel replicas without the distributed optimizer: each steps the same whole matrix.
+    # Alone, rank 0 would keep every row of (512, 96) and rank 1 take fewer; they must agree.
+    from dion3_megatron.megatron import MegatronDion3
+
+    fractions.measure = lambda device, dtype: [LAUNCH_BOUND, FLOP_BOUND][rank]
+    cost_model.TOKENS_PER_STEP = 0  # a spawned process: not restored
+    weight = torch.nn.Parameter(torch.randn(512, 96, generator=torch.Generator().manual_seed(0)))
+    opt = MegatronDion3([{"params": [weight]}], lr=0.02, fraction="auto")
+    weight.grad = torch.randn(512, 96, generator=torch.Generator().manual_seed(1))
+    opt.step()
+    alone = [cost_model.choose_fraction(512, 96, speed) for speed in (LAUNCH_BOUND, FLOP_BOUND)]
+    return opt.fractions_of(weight), alone
+
+
+@pytest.mark.slow
+def test_megatron_replicas_of_a_whole_matrix_choose_one_fraction(step_time_only):
+    (chosen0, alone), (chosen1, _) = run_distributed(_megatron_replicas_worker, 2, timeout=120)
+    assert alone[0] != alone[1]
+    expected = cost_model.choose_fraction(512, 96, fractions.slowest(LAUNCH_BOUND, FLOP_BOUND))
+    assert chosen0 == chosen1 == [((512, 96), expected)]

@@ -11,7 +11,6 @@ from collections import defaultdict
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..core import rule
 from ..core.ortho import default_ns_dtype
@@ -90,9 +89,7 @@ class WholeParameters:
         wanted = [(p.device, group["ns_dtype"] or default_ns_dtype(p.device))
                   for group in groups if plan.chooses_fraction(hyperparameters(group)) for p in group["params"][:1]]
         if self._speeds is None:
-            distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-            agreed = fractions.agree_per_dtype(list(set(wanted)), dist.group.WORLD if distributed else None)
-            self._speeds = fractions.AgreedSpeeds(agreed, distributed)
+            self._speeds = fractions.agreed_over_world(wanted)
         for device, dtype in wanted:
             self._speeds.of(device, dtype)
 

@@ -39,7 +39,8 @@ import torch.distributed as dist
 from .. import options
 from ..kernels import config as kernel_config
 from ..frontend import announce_skipped_step, usable_on_every_rank
-from ..engine import Dion3Engine, MatrixShard, Sharding, plan
+from ..core.ortho import default_ns_dtype
+from ..engine import Dion3Engine, MatrixShard, Sharding, fractions, plan
 from ..core.rule import Dion3Hyperparameters
 from .arguments import DION3_DEFAULTS, OPTIONS, check_dion3_values, config_field, refuse_renamed
 
@@ -233,6 +234,7 @@ class MegatronDion3(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._auto_fractions: dict[int, dict[str, float]] = {}  # rank -> matrix name -> the automatic f chosen
         self._saved_fractions: dict[str, float] = {}  # matrix name -> f, from a checkpoint
+        self._speeds: Optional[fractions.AgreedSpeeds] = None  # whole matrices' speeds, agreed at the first build
         self._finite_vouched = False
         self._engine = None
         self._engine_key = None
@@ -356,9 +358,14 @@ class MegatronDion3(torch.optim.Optimizer):
             self._shards[p] = shards
         all_shards = [s for p, _ in params for s in self._shards[p]]
         step_share = self._step_share(params)
+        if self._speeds is None:  # one collective, at the first build (collective on every rank anyway):
+            # replicas of a whole matrix (data parallelism without the distributed optimizer) choose one f
+            self._speeds = fractions.agreed_over_world(
+                [(p.device, hp.ns_dtype or default_ns_dtype(p.device)) for p, group in params
+                 if plan.chooses_fraction(hp := group_hp[id(group)])])
         # chosen before a checkpoint: not measured again
         self._engine = Dion3Engine(all_shards, cuda_graph=self.cuda_graph, step_share=step_share,
-                                   chosen=self._saved_fractions)
+                                   speeds=self._speeds, chosen=self._saved_fractions)
         auto = self._engine.auto_fractions()
         if auto and (not dist.is_initialized() or dist.get_rank() == 0):
             logger.info("Dion3 fraction=auto chose (rows x cols: f) %s; this rank steps %.2f of the model's matrices",
