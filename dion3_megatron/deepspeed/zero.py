@@ -264,7 +264,7 @@ class ZeroGroupPlan:
         collective, made here by every rank alike), so that the ranks choose on the same numbers."""
         device = self.flat.device
         wanted = [(device, hp.ns_dtype or default_ns_dtype(device))] if self.steps_matrices and chooses_fraction(hp) else []
-        return fractions.AgreedSpeeds(fractions.agree_per_dtype(wanted, self.group_pg) if wanted else {}, self.world > 1)
+        return fractions.agreed_speeds(wanted, self.group_pg) if wanted else fractions.AgreedSpeeds({}, self.world > 1)
 
     def _add_tensor_parallel(self, p: torch.Tensor, split: str, bounds: list[int], hp_start: int, lp_lo: int,
                              tensor_parallel: "TensorParallel", hp: rule.Dion3Hyperparameters, name: str) -> None:

@@ -141,13 +141,14 @@ class AgreedSpeeds:
         return self.by_dtype[dtype]
 
 
-def agreed_over_world(local: Sequence[tuple[torch.device, torch.dtype]]) -> AgreedSpeeds:
+def agreed_speeds(local: Sequence[tuple[torch.device, torch.dtype]],
+                  group: Optional[dist.ProcessGroup] = None) -> AgreedSpeeds:
     """The speeds of the Newton-Schulz dtypes this rank's whole matrices choose their automatic f
-    by (``local``: (device, dtype) pairs), agreed over the world in one collective under
-    torch.distributed (:func:`agree_per_dtype`): every rank makes the call, whatever it holds, and
-    replicas of a matrix choose the same f."""
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    return AgreedSpeeds(agree_per_dtype(list(set(local)), dist.group.WORLD if distributed else None), distributed)
+    by (``local``: (device, dtype) pairs), agreed over ``group`` (default: the world) in one
+    collective under torch.distributed (:func:`agree_per_dtype`): every member makes the call,
+    whatever it holds, and replicas of a matrix choose the same f."""
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    return AgreedSpeeds(agree_per_dtype(list(set(local)), (group or dist.group.WORLD) if distributed else None), distributed)
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ class WholeParameters:
         wanted = [(p.device, group["ns_dtype"] or default_ns_dtype(p.device))
                   for group in groups if plan.chooses_fraction(hyperparameters(group)) for p in group["params"][:1]]
         if self._speeds is None:
-            self._speeds = fractions.agreed_over_world(wanted)
+            self._speeds = fractions.agreed_speeds(wanted)
         for device, dtype in wanted:
             self._speeds.of(device, dtype)
 
@@ -105,22 +105,21 @@ class WholeParameters:
         for gi, group in enumerate(groups):
             check_group(f"param group {gi}", group, front_end)
         self.agree_speeds(groups)
-        sharded = [p for group in groups for p in group["params"] if is_dtensor(p)]
-        if sharded:  # each rank sees its own rows' gradients: the ranks agree (the gate's all-reduce)
+        sharded = next((p for group in groups for p in group["params"] if is_dtensor(p)), None)
+        if sharded is not None:  # each rank sees its own rows' gradients: the ranks agree (the gate's all-reduce)
             usable = usable_on_every_rank([local(p.grad) for group in groups for p in group["params"] if p.grad is not None],
-                                          sharded[0].device)
+                                          sharded.device)
         else:
             usable = usable_here(groups)
         if not usable:
             skip()
             return loss
-        self.step(groups, state, param_names(groups))
+        self.step(groups, state)
         return loss
 
-    def step(self, groups: list[dict], state: dict, names: dict[torch.Tensor, str]) -> None:
+    def step(self, groups: list[dict], state: dict) -> None:
         """One step of every parameter of ``groups`` with a gradient (``state``: the optimizer's,
-        by parameter; ``names``: every parameter's). Everything that can refuse does so before any
-        weight or state changes."""
+        by parameter). Everything that can refuse does so before any weight or state changes."""
         settings = [hyperparameters(group) for group in groups]
         matrices: list[tuple[int, torch.Tensor]] = []
         adamw: dict[tuple, list[torch.Tensor]] = defaultdict(list)  # (group, step count, device) -> params
@@ -133,7 +132,7 @@ class WholeParameters:
                     adamw[gi, int(own["step"].item()) + 1 if own else 1, p.device].append(p)
                 else:
                     matrices.append((gi, p))
-        engine = self._engine_for(matrices, settings, state, names)  # may refuse (a dtype with no agreed speed)
+        engine = self._engine_for(groups, matrices, settings, state)  # may refuse (a dtype with no agreed speed)
         # From here on the step changes state; nothing below refuses anything.
         for (gi, count, _), params in adamw.items():
             group = groups[gi]
@@ -151,12 +150,13 @@ class WholeParameters:
                     epilogue=(lambda: [p.copy_(self._copies[p]) for p in copied]) if copied else None,
                     around_key=tuple(p.data_ptr() for p in copied))
 
-    def _engine_for(self, matrices: list[tuple[int, torch.Tensor]], settings: list[Dion3Hyperparameters],
-                    state: dict, names: dict[torch.Tensor, str]) -> Dion3Engine:
+    def _engine_for(self, groups: list[dict], matrices: list[tuple[int, torch.Tensor]],
+                    settings: list[Dion3Hyperparameters], state: dict) -> Dion3Engine:
         key = (tuple((gi, id(p), local(p).data_ptr()) for gi, p in matrices),
                tuple(cuda_graph_module.baked_settings(hp) for hp in settings))
         if self.engine is not None and key == self._engine_key:
             return self.engine
+        names = param_names(groups)  # (only when the engine is built: names are the matrices' in it)
         shards: dict[torch.Tensor, list[MatrixShard]] = {}
         for gi, p in matrices:
             own = state[p]

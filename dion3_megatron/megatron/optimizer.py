@@ -360,7 +360,7 @@ class MegatronDion3(torch.optim.Optimizer):
         step_share = self._step_share(params)
         if self._speeds is None:  # one collective, at the first build (collective on every rank anyway):
             # replicas of a whole matrix (data parallelism without the distributed optimizer) choose one f
-            self._speeds = fractions.agreed_over_world(
+            self._speeds = fractions.agreed_speeds(
                 [(p.device, hp.ns_dtype or default_ns_dtype(p.device)) for p, group in params
                  if plan.chooses_fraction(hp := group_hp[id(group)])])
         # chosen before a checkpoint: not measured again
