@@ -1,6 +1,7 @@
-"""FSDP2 (``fully_shard``, DTensor parameters sharded by rows) on CPU over gloo: the torch ``Dion3``
-steps each rank's rows as pieces of the whole logical matrices, and every step equals the
-single-process step on the full matrices, with uneven and empty shards."""
+"""DTensor parameters on CPU over gloo: FSDP2 (``fully_shard``) on a 1-D mesh, HSDP on a 2-D one,
+FSDP2 with tensor parallelism, 3-D experts sharded by experts. The torch ``Dion3`` steps each
+rank's piece as a piece of the whole logical matrices, and every step equals the single-process
+step on the full matrices, with uneven and empty shards; checkpoints reshard."""
 
 from __future__ import annotations
 
@@ -16,16 +17,34 @@ from support.dist_utils import run_distributed
 
 pytestmark = pytest.mark.slow  # multi-process
 
-SHAPES = [(33, 16), (3, 33)]  # 17/16 rows at 2 ranks; 3 rows: 2/1 at 2 ranks, 1/1/1/0 at 4
+# Row counts at 2 ranks: 34 -> 17/17 (with tensor parallelism 2 x 2: 9/8 of each 17-row block),
+# 3 -> 2/1 (at 4 ranks 1/1/1/0: an empty shard); the experts (3, 7, 7) -> 2/1 experts (1/1/1/0).
 STEPS = 3
-# fp32: the owner orthogonalizes a matrix's selected rows in another batch than the single process
-# does, so the results differ by rounding (about 3e-6 on weights of about 0.3 after three steps)
-TOL = {"rtol": 1e-5, "atol": 1e-5}
+# Orthogonalized in fp64, so that what differs is fp32 rounding: of the weights and momentum (about
+# 2.5e-7 after three steps), and with tensor parallelism of the gradients, whose partial products
+# add in another order (about 1e-6). In fp32 the owner's other batch of the selected rows differs
+# by up to 2e-5 on these small matrices; a wrong row or a lost step differs by 1e-3 or more.
+TOL = {"rtol": 5e-6, "atol": 5e-6}
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.Tanh(), torch.nn.Linear(33, 3))
+class _Net(torch.nn.Module):
+    """Two layers that tensor parallelism splits (by rows, then by columns), a small head and a
+    3-D batch of expert matrices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = torch.nn.Linear(16, 34)
+        self.down = torch.nn.Linear(34, 7)
+        self.head = torch.nn.Linear(7, 3)
+        self.experts = torch.nn.Parameter(0.3 * torch.randn(3, 7, 7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(torch.tanh(self.up(x)))
+        return self.head(h + torch.einsum("bi,eoi->bo", h, self.experts) / 3)
+
+
+MATRICES = {"up.weight", "down.weight", "head.weight", "experts"}
 
 
 def _batches() -> list[torch.Tensor]:
@@ -33,35 +52,50 @@ def _batches() -> list[torch.Tensor]:
     return [torch.randn(8, 16, generator=gen) for _ in range(STEPS)]
 
 
-def _train(rank: int, world: int, settings: dict, bad_step: int) -> dict:
+def _sharded(world: int, layout: str, settings: dict):
+    """The model on ``world`` ranks: "fsdp" (a 1-D mesh), "hsdp" (2 x world/2: replicas of a
+    sharded model) or "tp" (tensor parallelism 2 inside, FSDP2 over world/2: up by rows, down by
+    columns), and its Dion3."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from dion3_megatron import Dion3
 
-    model = _model()
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    opt = Dion3(model.named_parameters(), lr=0.05, ns_dtype=torch.float32, **settings)
+    model = _Net()
+    if layout == "fsdp":
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    elif layout == "hsdp":
+        fully_shard(model, mesh=init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")))
+    else:
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+    return model, Dion3(model.named_parameters(), lr=0.05, ns_dtype=torch.float64, **settings)
+
+
+def _train(rank: int, world: int, layout: str, settings: dict, bad_step: int) -> dict:
+    model, opt = _sharded(world, layout, settings)
     for step, x in enumerate(_batches()):  # every rank the same batch: FSDP's averaged gradient is that batch's
         opt.zero_grad()
         model(x).square().mean().backward()
         if step == bad_step and rank == world - 1:
-            next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("nan")
+            model.up.weight.grad.to_local().view(-1)[0] = float("nan")
         opt.step()
     return {"params": {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()},
             "skipped": opt.skipped_steps, "fractions": dict(opt.fractions)}
 
 
-def _session(rank: int, world: int, cases: list[tuple[dict, int]]) -> list[dict]:
+def _session(rank: int, world: int, cases: list[tuple[str, dict, int]]) -> list[dict]:
     """Every case on one process group (start-up dominates a tiny model's cost)."""
-    return [_train(rank, world, settings, bad_step) for settings, bad_step in cases]
+    return [_train(rank, world, layout, settings, bad_step) for layout, settings, bad_step in cases]
 
 
 def _single_process(settings: dict, bad_step: int) -> dict:
     from dion3_megatron import Dion3
 
-    model = _model()
-    opt = Dion3(model.named_parameters(), lr=0.05, ns_dtype=torch.float32, **settings)
+    model = _Net()
+    opt = Dion3(model.named_parameters(), lr=0.05, ns_dtype=torch.float64, **settings)
     for step, x in enumerate(_batches()):
         opt.zero_grad()
         model(x).square().mean().backward()
@@ -71,53 +105,54 @@ def _single_process(settings: dict, bad_step: int) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-CASES = [({"fraction": 0.5}, -1), ({"fraction": 0.25, "staleness": 1.0}, -1), ({"fraction": 1.0}, -1),
-         ({"fraction": 0.5}, 1), ({}, -1)]  # the fourth: a NaN on the last rank at step 1; the last: "auto"
+STALENESS, SKIP, AUTO = ({"fraction": 0.25, "staleness": 1.0}, -1), ({"fraction": 0.5}, 1), ({}, -1)
+# (layout, settings, step whose gradient gets a NaN on the last rank, -1 for none) per world size
+CASES = {2: [("fsdp", {"fraction": 0.5}, -1), ("fsdp", *STALENESS), ("fsdp", {"fraction": 1.0}, -1), ("fsdp", *SKIP),
+             ("fsdp", *AUTO)],
+         4: [("fsdp", {"fraction": 0.5}, -1), ("fsdp", *AUTO), ("hsdp", *STALENESS), ("hsdp", *SKIP), ("hsdp", *AUTO),
+             ("tp", *STALENESS), ("tp", *SKIP), ("tp", *AUTO)]}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
 def session(request):
-    return run_distributed(_session, request.param, CASES, timeout=240)
+    cases = CASES[request.param]
+    return cases, run_distributed(_session, request.param, cases, timeout=300)
 
 
-def test_fully_shard_steps_equal_the_single_process_step(session):
-    for (settings, bad_step), *outs in zip(CASES, *session):
+def test_dtensor_steps_equal_the_single_process_step(session):
+    cases, outs = session
+    for (layout, settings, bad_step), *per_rank in zip(cases, *outs):
         expected = _single_process(settings, bad_step)
-        for out in outs:
-            assert out["skipped"] == (bad_step >= 0), (settings, bad_step)
+        for out in per_rank:
+            assert out["skipped"] == (bad_step >= 0), (layout, settings, bad_step)
             for name, value in out["params"].items():
-                torch.testing.assert_close(value, expected[name], **TOL, msg=lambda m, n=name, c=settings: f"{c} {n}: {m}")
+                torch.testing.assert_close(value, expected[name], **TOL,
+                                           msg=lambda m, n=name, c=(layout, settings): f"{c} {n}: {m}")
 
 
 def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(session):
-    case = next(i for i, (_, bad_step) in enumerate(CASES) if bad_step >= 0)
-    assert [outs[case]["skipped"] for outs in session] == [1] * len(session)
+    cases, outs = session
+    for case in [i for i, (_, _, bad_step) in enumerate(cases) if bad_step >= 0]:
+        assert [per_rank[case]["skipped"] for per_rank in outs] == [1] * len(outs), cases[case]
 
 
 def test_auto_fraction_is_chosen_alike_on_every_rank(session):
-    chosen = [outs[-1]["fractions"] for outs in session]
-    assert all(c == chosen[0] for c in chosen) and set(chosen[0]) == {"0.weight", "2.weight"}
+    cases, outs = session
+    for case in [i for i, (_, settings, _) in enumerate(cases) if not settings]:
+        chosen = [per_rank[case]["fractions"] for per_rank in outs]
+        assert set(chosen[0]) == MATRICES, (cases[case], chosen)
+        for c in chosen:  # a rank that holds no expert has no choice for them
+            assert c == {k: v for k, v in chosen[0].items() if k in c} and set(chosen[0]) - set(c) <= {"experts"}, chosen
 
 
-def _sharded(world: int, settings: dict):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from dion3_megatron import Dion3
-
-    model = _model()
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    return model, Dion3(model.named_parameters(), lr=0.05, ns_dtype=torch.float32, **settings)
-
-
-def _dcp_worker(rank: int, world: int, directory: str, steps: range, settings: dict) -> dict:
+def _dcp_worker(rank: int, world: int, layout: str, directory: str, steps: range, settings: dict) -> dict:
     """Steps ``steps`` of the batches; saves through torch.distributed.checkpoint after them when
     they start at 0, else first loads what a run at another world size saved."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
-    model, opt = _sharded(world, settings)
+    model, opt = _sharded(world, layout, settings)
     if steps.start:
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
         dcp.load(state, checkpoint_id=directory)
@@ -133,44 +168,61 @@ def _dcp_worker(rank: int, world: int, directory: str, steps: range, settings: d
     return {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
 
 
-def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_and_at_four(tmp_path):
+def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_and_at_four_with_tensor_parallelism(tmp_path):
     settings = {"fraction": 0.5, "staleness": 1.0}
     expected = _single_process(settings, bad_step=-1)
-    run_distributed(_dcp_worker, 2, str(tmp_path), range(0, 2), settings, timeout=180)
-    for world in (1, 4):
-        for out in run_distributed(_dcp_worker, world, str(tmp_path), range(2, STEPS), settings, timeout=180):
+    run_distributed(_dcp_worker, 2, "fsdp", str(tmp_path), range(0, 2), settings, timeout=180)
+    for world, layout in ((1, "fsdp"), (4, "tp")):
+        for out in run_distributed(_dcp_worker, world, layout, str(tmp_path), range(2, STEPS), settings, timeout=180):
             for name, value in out.items():
-                torch.testing.assert_close(value, expected[name], **TOL, msg=lambda m, n=name, w=world: f"{w} ranks {n}: {m}")
+                torch.testing.assert_close(value, expected[name], **TOL,
+                                           msg=lambda m, n=name, w=world, lay=layout: f"{lay} at {w} ranks {n}: {m}")
 
 
-def _replicated_worker(rank: int, world: int) -> str:
+def _refused_worker(rank: int, world: int) -> list[str]:
+    """Placements the engine does not take: each refused at the step, naming the parameter,
+    with nothing changed."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
     from dion3_megatron import Dion3
 
     mesh = init_device_mesh("cpu", (world,))
-    weight = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Replicate()]))
-    weight.grad = distribute_tensor(torch.randn(8, 4), mesh, [Replicate()])
-    before = weight.detach().full_tensor().clone()
-    opt = Dion3([weight], ns_dtype=torch.float32)
-    with pytest.raises(ValueError) as error:
-        opt.step()
-    assert torch.equal(weight.detach().full_tensor(), before) and not opt.state[weight]
-    return str(error.value)
+    gen = torch.Generator().manual_seed(2)
+    partial = DTensor.from_local(torch.randn(8, 4, generator=gen), mesh, [Partial()])
+    cases = {"partial": (partial, partial),
+             "conv": (distribute_tensor(torch.randn(8, 2, 3, 3, generator=gen), mesh, [Shard(0)]), None),
+             "expert rows": (distribute_tensor(torch.randn(2, 8, 4, generator=gen), mesh, [Shard(1)]), None)}
+    messages = []
+    for name, (value, grad) in cases.items():
+        weight = torch.nn.Parameter(value)
+        weight.grad = grad if grad is not None else distribute_tensor(torch.randn(value.shape, generator=gen), mesh,
+                                                                      value.placements)
+        before = weight.detach().to_local().clone()
+        opt = Dion3([(name, weight)], ns_dtype=torch.float32)
+        with pytest.raises(ValueError) as error:
+            opt.step()
+        assert torch.equal(weight.detach().to_local(), before) and not opt.state[weight], name
+        messages.append(str(error.value))
+    return messages
 
 
-def test_a_placement_other_than_row_shards_is_refused_naming_the_parameter():
-    for message in run_distributed(_replicated_worker, 2, timeout=120):
-        assert "group 0 / param 0: Dion3 takes DTensor matrices sharded by rows on a 1-D mesh" in message, message
-        assert "Replicate()" in message
+def test_placements_the_engine_does_not_take_are_refused_naming_the_parameter():
+    for partial, conv, experts in run_distributed(_refused_worker, 2, timeout=120):
+        assert partial.startswith("partial: Dion3 takes DTensor parameters placed by Shard") and "Partial" in partial
+        assert conv.startswith("conv: Dion3 takes 2-D DTensor matrices and 3-D ones sharded by experts"), conv
+        assert experts.startswith("expert rows: Dion3 takes 3-D DTensor parameters (experts) sharded by experts"), experts
+        assert "Shard(dim=1)" in experts
 
 
-def test_the_fsdp2_example_trains_on_two_cpu_processes():
+def test_the_fsdp2_example_trains_with_tensor_parallelism_on_two_cpu_processes():
+    # (the plain FSDP2 command of docs/fsdp2.md runs in the docs' command test)
     example = pathlib.Path(__file__).resolve().parents[1] / "examples" / "fsdp2_train.py"
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(example), "--steps", "20", "--context", "32"], capture_output=True, text=True, timeout=300)
+                          str(example), "--steps", "20", "--context", "32", "--tp", "2"],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"step +\d+  loss ([0-9.]+)", run.stdout)]
     assert len(losses) == 2 and losses[1] < losses[0] - 1.0, run.stdout
+    assert "tensor parallelism 2 inside FSDP2 over 1 ranks" in run.stdout, run.stdout
     assert "skipped steps 0" in run.stdout and "fraction=auto chose (shape: f) 128x128: " in run.stdout, run.stdout

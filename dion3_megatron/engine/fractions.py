@@ -130,6 +130,11 @@ class AgreedSpeeds:
 
     by_dtype: dict[torch.dtype, DeviceSpeed]
     distributed: bool
+    members: frozenset[int] = frozenset()  # the ranks that agreed (distributed only)
+
+    def covers(self, group: Optional[dist.ProcessGroup]) -> bool:
+        """Whether every rank of ``group`` (None: this rank alone) took part in the agreement."""
+        return group is None or set(dist.get_process_group_ranks(group)) <= self.members
 
     def of(self, device: torch.device, dtype: torch.dtype) -> DeviceSpeed:
         if dtype not in self.by_dtype:
@@ -148,7 +153,10 @@ def agreed_speeds(local: Sequence[tuple[torch.device, torch.dtype]],
     collective under torch.distributed (:func:`agree_per_dtype`): every member makes the call,
     whatever it holds, and replicas of a matrix choose the same f."""
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-    return AgreedSpeeds(agree_per_dtype(list(set(local)), (group or dist.group.WORLD) if distributed else None), distributed)
+    if not distributed:
+        return AgreedSpeeds(agree_per_dtype(list(set(local)), None), False)
+    group = group or dist.group.WORLD
+    return AgreedSpeeds(agree_per_dtype(list(set(local)), group), True, frozenset(dist.get_process_group_ranks(group)))
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ class ShapeGroup:
     def describe(self) -> list[str]:
         """One line per matrix: what the ranks holding its pieces must agree on (the settings
         that its rows' update depends on, beside those in the group's key)."""
-        return [f"{s.name} {s.shape} {s.sharding.kind}{list(s.sharding.bounds)} "
+        return [f"{s.name} {s.shape} {s.sharding.kind}{list(s.sharding.bounds or s.sharding.boxes)} "
                 + " ".join(f"{k}={getattr(s.hp, k)}" for k in _MATRIX_SETTINGS) for s in self.shards]
 
 
@@ -123,11 +123,20 @@ def _check_shard(shard: MatrixShard, world: int, rank: int) -> None:
         height, width = s.block_shape(n, m)
         if s.bounds[-1] != height * width:
             raise ValueError(f"{shard.name}: block_flat bounds end at {s.bounds[-1]}, a block has {height * width} elements")
+    if s.kind == "boxes":
+        inside = all(0 <= r0 and r1 <= n and 0 <= c0 and c1 <= m for r0, r1, c0, c1 in s.boxes)
+        area = sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in s.boxes)
+        if not inside or area != n * m or any(_overlap(a, b) for i, a in enumerate(s.boxes) for b in s.boxes[:i]):
+            raise ValueError(f"{shard.name}: boxes {s.boxes} do not tile the {shard.shape} matrix")
     expected = s.local_shape(rank, n, m)
     if tuple(shard.weight.shape) != expected or not shard.weight.is_contiguous():
         raise ValueError(
             f"{shard.name}: local piece must be a contiguous tensor of shape {expected}, got {tuple(shard.weight.shape)}"
         )
+
+
+def _overlap(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> bool:
+    return max(a[0], b[0]) < min(a[1], b[1]) and max(a[2], b[2]) < min(a[3], b[3])
 
 
 def build_plan(shards: list[MatrixShard]) -> list[ShapeGroup]:
@@ -208,15 +217,17 @@ def resolve_fractions(plan: list[ShapeGroup], step_share: float = 1.0,
     matrix name, the first of the group's matrices found there: a resumed checkpoint, an engine
     rebuilt), else the f chosen on the device's measured speed, agreed over the group's process
     group (:func:`fractions.resolve_fractions`) so that all members select the same number of rows.
-    ``speeds``: the speeds the ranks that step whole matrices alike agreed before (the torch
-    class's data-parallel replicas), taken for the groups held whole. step_share: see
+    ``speeds``: the speeds agreed before (:class:`~.fractions.AgreedSpeeds`), taken for every group
+    whose ranks all took part (whole matrices; split ones too where they were agreed over the
+    world, so that data-parallel replicas of a split matrix choose alike): no collective then (the
+    ranks of a split group have the same step share). step_share: see
     :func:`fractions.modelled_loss_change`."""
     chosen = chosen or {}
     earlier = {id(sg): next((chosen[s.name] for s in sg.shards if s.name in chosen), None) for sg in plan}
     wanted = [sg for sg in plan if chooses_fraction(sg.hp) and earlier[id(sg)] is None]
     requests = [fractions.FractionRequest(sg.key.shape, len(sg.shards), sg.world, sg.hp, sg.shards[0].weight.device,
-                                          sg.group if sg.world > 1 else None, step_share,
-                                          speeds if sg.world == 1 else None) for sg in wanted]
+                                          group, step_share, speeds if speeds is not None and speeds.covers(group) else None)
+                for sg in wanted for group in [sg.group if sg.world > 1 else None]]
     resolved = dict(zip(map(id, wanted), fractions.resolve_fractions(requests)))
     for sg in plan:
         if not chooses_fraction(sg.hp):

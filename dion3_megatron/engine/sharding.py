@@ -1,6 +1,6 @@
 """Where a rank's piece of a logical matrix lies: a :class:`Sharding` (whole, a block of rows, a
-block of columns, a row-major element range such as a ZeRO slice, or such a range of one
-tensor-parallel block), as up to three :class:`Rect` s of the logical matrix, each a 2-D view of
+block of columns, a box of rows and columns, a row-major element range such as a ZeRO slice, or
+such a range of one tensor-parallel block), as up to three :class:`Rect` s of the logical matrix, each a 2-D view of
 local storage; and :class:`MatrixShard`, one logical matrix as a rank sees it. Whole matrices are
 ``Sharding.full()`` shards of the same engine.
 """
@@ -44,18 +44,24 @@ class Sharding:
     [bounds[r], bounds[r+1]) of the row-major flattened matrix (a ZeRO slice, possibly empty);
     "block_flat": the matrix is cut into ``blocks`` equal row (``split`` "rows") or column
     ("cols") blocks, one per tensor-parallel rank, and rank r holds elements [bounds[d],
-    bounds[d+1]) of block t's row-major storage, (t, d) = places[r] (ZeRO slices of TP shards).
+    bounds[d+1]) of block t's row-major storage, (t, d) = places[r] (ZeRO slices of TP shards);
+    "boxes": rank r holds rows [r0, r1) x columns [c0, c1), (r0, r1, c0, c1) = boxes[r] (a DTensor
+    split over both rows and columns: FSDP2 with tensor parallelism).
     """
 
     kind: str
     bounds: tuple[int, ...] = ()
     split: str = ""
     places: tuple[tuple[int, int], ...] = ()
+    boxes: tuple[tuple[int, int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in ("full", "rows", "cols", "flat", "block_flat"):
-            raise ValueError(f"sharding kind must be full, rows, cols, flat or block_flat, got {self.kind!r}")
-        if self.kind != "full" and (len(self.bounds) < 2 or any(a > b for a, b in zip(self.bounds, self.bounds[1:]))):
+        if self.kind not in ("full", "rows", "cols", "flat", "block_flat", "boxes"):
+            raise ValueError(f"sharding kind must be full, rows, cols, flat, block_flat or boxes, got {self.kind!r}")
+        if self.kind == "boxes":
+            if not self.boxes or any(not (r0 <= r1 and c0 <= c1) for r0, r1, c0, c1 in self.boxes):
+                raise ValueError(f"boxes sharding needs one (r0, r1, c0, c1) box per rank, got {self.boxes}")
+        elif self.kind != "full" and (len(self.bounds) < 2 or any(a > b for a, b in zip(self.bounds, self.bounds[1:]))):
             raise ValueError(f"{self.kind} sharding needs >= 2 non-decreasing bounds, got {self.bounds}")
         if self.kind == "block_flat" and (self.split not in ("rows", "cols") or not self.places):
             raise ValueError(f"block_flat sharding needs split 'rows' or 'cols' and places, got {self.split!r}")
@@ -79,6 +85,10 @@ class Sharding:
     @staticmethod
     def block_flat(split: str, bounds, places) -> "Sharding":
         return Sharding("block_flat", tuple(int(b) for b in bounds), split, tuple((int(t), int(d)) for t, d in places))
+
+    @staticmethod
+    def boxes_of(boxes) -> "Sharding":
+        return Sharding("boxes", boxes=tuple(tuple(int(x) for x in box) for box in boxes))
 
     @property
     def blocks(self) -> int:
@@ -105,6 +115,8 @@ class Sharding:
     def world(self) -> int:
         if self.kind == "block_flat":
             return len(self.places)
+        if self.kind == "boxes":
+            return len(self.boxes)
         return 1 if self.kind == "full" else len(self.bounds) - 1
 
     def local_shape(self, rank: int, n: int, m: int) -> tuple[int, ...]:
@@ -113,6 +125,9 @@ class Sharding:
         if self.kind == "block_flat":
             d = self.places[rank][1]
             return (self.bounds[d + 1] - self.bounds[d],)
+        if self.kind == "boxes":
+            r0, r1, c0, c1 = self.boxes[rank]
+            return (r1 - r0, c1 - c0)
         lo, hi = self.bounds[rank], self.bounds[rank + 1]
         return {"rows": (hi - lo, m), "cols": (n, hi - lo), "flat": (hi - lo,)}[self.kind]
 
@@ -126,6 +141,9 @@ class Sharding:
             dr, dc = (t * height, 0) if self.split == "rows" else (0, t * width)
             return [Rect(r.r0 + dr, r.r1 + dr, r.c0 + dc, r.c1 + dc, r.offset)
                     for r in Sharding.flat(self.bounds).rects(d, height, width)]
+        if self.kind == "boxes":
+            r0, r1, c0, c1 = self.boxes[rank]
+            return [Rect(r0, r1, c0, c1, 0)] if r0 < r1 and c0 < c1 else []
         lo, hi = self.bounds[rank], self.bounds[rank + 1]
         if lo == hi:
             return []

@@ -1,13 +1,19 @@
-"""Parameters that ``torch.distributed.fsdp.fully_shard`` (FSDP2) made DTensors: each rank holds a
-block of rows (``Shard(0)``, cut as ``torch.chunk`` cuts: ceil(rows / world) rows each, the last
-ranks fewer or none), which the engine steps as a ``Sharding.rows`` piece of the whole logical
-matrix over the mesh's process group. Their optimizer state is DTensors too, sharded the same way,
-so ``torch.distributed.checkpoint`` saves it and loads it at another world size."""
+"""DTensor parameters (FSDP2's ``fully_shard``, alone or with tensor parallelism, on a 1-D or
+n-D device mesh): where a rank's values lie in the logical matrices, and optimizer state placed
+like them, so ``torch.distributed.checkpoint`` saves it and loads it at another world size.
+
+A mesh dimension whose placement is ``Replicate()`` holds replicas (HSDP's replicate dimension, a
+tensor-parallel dimension a matrix is not split over): they step alike. The mesh dimensions that
+split a matrix's rows or columns (``Shard(0)`` / ``Shard(1)``, and ``_StridedShard`` where FSDP2
+shards a tensor-parallel block further) span the process group the engine exchanges selected rows
+over; each rank's piece is a block of rows, of columns, or a box of both. A 3-D parameter (MoE
+experts) sharded by experts (``Shard(0)``) holds whole matrices.
+"""
 
 from __future__ import annotations
 
-import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,9 +21,11 @@ import torch.distributed as dist
 from ..engine import Sharding
 
 try:
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # a torch without DTensor: no parameter is one
-    DTensor, Shard = (), None
+    DTensor, Replicate, Shard, _StridedShard = (), None, None, ()
 
 
 def is_dtensor(t: Optional[torch.Tensor]) -> bool:
@@ -29,33 +37,138 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def param_shaped(p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of a state the parameter's shape, as a DTensor placed like ``p`` (a view:
+@dataclass(frozen=True)
+class Layout:
+    """Where a DTensor parameter's local values lie: its matrices' sharding over ``group`` (None:
+    held whole), and for a 3-D parameter sharded by experts the index of its first local matrix."""
+
+    sharding: Sharding
+    group: Optional[dist.ProcessGroup]
+    first_matrix: int = 0
+
+
+def _sharded_dim(placement) -> Optional[int]:
+    """The tensor dimension a placement splits (None for ``Replicate()``)."""
+    if isinstance(placement, (Shard, _StridedShard)):
+        return placement.dim
+    return None
+
+
+def layout(p: torch.Tensor, where: str) -> Layout:
+    """Where this rank's values of the DTensor parameter ``p`` lie; ValueError naming ``where`` (the
+    parameter) for what the engine does not take."""
+    placements, mesh = tuple(p.placements), p.device_mesh
+
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"{where}: {why}; got shape {tuple(p.shape)} with placements {placements} on a mesh of "
+                          f"shape {tuple(mesh.shape)}")
+
+    if any(not isinstance(pl, (Shard, _StridedShard, Replicate)) for pl in placements):
+        raise refuse("Dion3 takes DTensor parameters placed by Shard, _StridedShard (FSDP2 with tensor parallelism) "
+                     "or Replicate")
+    if p.grad is not None and tuple(p.grad.placements) != placements:
+        raise refuse(f"its gradient is placed {tuple(p.grad.placements)}, not like the parameter")
+    if p.dim() not in (2, 3):
+        raise refuse("Dion3 takes 2-D DTensor matrices and 3-D ones sharded by experts")
+    matrix_dims = (p.dim() - 2, p.dim() - 1)
+    split = [d for d, pl in enumerate(placements) if _sharded_dim(pl) in matrix_dims]
+    if p.dim() == 3 and split:
+        raise refuse("Dion3 takes 3-D DTensor parameters (experts) sharded by experts (dim 0) only")
+    for dim in matrix_dims:
+        on_dim = [placements[d] for d in split if _sharded_dim(placements[d]) == dim]
+        strided = [pl for pl in on_dim if isinstance(pl, _StridedShard)]
+        # Contiguous pieces only: shards cut left to right, or FSDP2's cut of a tensor-parallel block.
+        if strided and (len(on_dim) != 2 or on_dim[0] is not strided[0]
+                        or strided[0].split_factor != mesh.size(placements.index(on_dim[1]))):
+            raise refuse(f"dimension {dim} is cut into pieces that are not contiguous")
+    coordinate = mesh.get_coordinate()
+    box = _box(p, coordinate)
+    first = box[0][0] if p.dim() == 3 else 0
+    if not split:
+        return Layout(Sharding.full(), None, first)
+    group = _group_over(mesh, split)
+    boxes = []
+    for rank in dist.get_process_group_ranks(group):  # each member's coordinate: mine, but on the split dims
+        at = (mesh.mesh == rank).nonzero()[0].tolist()
+        boxes.append(_box(p, [at[d] if d in split else coordinate[d] for d in range(mesh.ndim)])[-2:])
+    mine = boxes[dist.get_rank(group)]
+    if tuple(p.to_local().shape) != (mine[0][1] - mine[0][0], mine[1][1] - mine[1][0]):
+        raise refuse(f"this rank holds {tuple(p.to_local().shape)}, not the rows {mine[0]} and columns {mine[1]} "
+                     "its placements give")
+    return Layout(_sharding(boxes, *p.shape), group)
+
+
+def _box(p: torch.Tensor, coordinate: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, end) per tensor dimension of the piece the mesh coordinate holds."""
+    shape, offset = _compute_local_shape_and_global_offset(p.shape, p.device_mesh.shape, list(coordinate),
+                                                           p.placements)
+    return [(o, o + s) if s else (n, n) for o, s, n in zip(offset, shape, p.shape)]
+
+
+def _sharding(boxes: list[list[tuple[int, int]]], n: int, m: int) -> Sharding:
+    """Row blocks in rank order, column blocks in rank order, else one box per rank."""
+    rows, cols = [b[0] for b in boxes], [b[1] for b in boxes]
+    if all(c == (0, m) for c in cols) and _in_order(rows, n):
+        return Sharding.rows([0] + [r1 for _, r1 in rows])
+    if all(r == (0, n) for r in rows) and _in_order(cols, m):
+        return Sharding.cols([0] + [c1 for _, c1 in cols])
+    return Sharding.boxes_of([(r0, r1, c0, c1) for (r0, r1), (c0, c1) in boxes])
+
+
+def _in_order(spans: list[tuple[int, int]], size: int) -> bool:
+    ends = [0] + [end for _, end in spans]
+    return ends[-1] == size and all(start == ends[i] for i, (start, _) in enumerate(spans))
+
+
+_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _group_over(mesh, dims: list[int]) -> dist.ProcessGroup:
+    """The process group over the mesh dimensions ``dims`` through this rank (the mesh's own for one
+    dimension; for several, made once by its members alone and kept)."""
+    if len(dims) == 1:
+        return mesh.get_group(dims[0])
+    coordinate = mesh.get_coordinate()
+    index = tuple(slice(None) if d in dims else coordinate[d] for d in range(mesh.ndim))
+    ranks = tuple(sorted(mesh.mesh[index].flatten().tolist()))
+    if ranks not in _groups:
+        _groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _groups[ranks]
+
+
+def param_shaped(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """This rank's values of a state the parameter's shape, as a DTensor placed like ``p`` (a view:
     ``torch.distributed.checkpoint`` saves and reshards it like an FSDP2 AdamW's state)."""
-    return DTensor.from_local(rows, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return DTensor.from_local(values, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def per_row(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """This rank's values of a state with one value per row (a variance, an age) as a (1, rows)
-    DTensor sharded like the rows (a view)."""
-    n = p.shape[0]
-    return DTensor.from_local(values.unsqueeze(0), p.device_mesh, [Shard(1)], run_check=False, shape=(1, n),
-                              stride=(n, 1))
+    """This rank's values of a state with one value per matrix row (a variance, an age), ``(matrices,
+    rows)`` locally, as a DTensor of shape (the parameter's matrix count, rows) placed like the
+    parameter's rows (a view): split where the rows are, replicated where the columns are."""
+    count, n = (p.shape[0] if p.dim() == 3 else 1), p.shape[-2]
+    rows_dim = p.dim() - 2
+    placements = []
+    for pl in p.placements:
+        dim = _sharded_dim(pl)
+        if dim == rows_dim:
+            placements.append(_StridedShard(1, split_factor=pl.split_factor) if isinstance(pl, _StridedShard) else Shard(1))
+        elif dim == 0 and p.dim() == 3:
+            placements.append(Shard(0))
+        else:
+            placements.append(Replicate())
+    return DTensor.from_local(values, p.device_mesh, placements, run_check=False, shape=(count, n), stride=(n, 1))
 
 
-def row_sharding(p: torch.Tensor, where: str) -> tuple[Sharding, dist.ProcessGroup]:
-    """Where this rank's rows of a 2-D ``Shard(0)`` DTensor lie, and the process group over them;
-    ValueError naming the parameter for a placement the engine does not take."""
-    if p.dim() != 2 or len(p.placements) != 1 or p.placements[0] != Shard(0):
-        raise ValueError(f"{where}: Dion3 takes DTensor matrices sharded by rows on a 1-D mesh (Shard(0), as "
-                         f"fully_shard makes), got shape {tuple(p.shape)} with placements {p.placements}")
-    group = p.device_mesh.get_group()
-    world = dist.get_world_size(group)
-    n = p.shape[0]
-    chunk = math.ceil(n / world)
-    bounds = [min(r * chunk, n) for r in range(world + 1)]
-    rank = dist.get_rank(group)
-    if tuple(p.to_local().shape) != (bounds[rank + 1] - bounds[rank], p.shape[1]):
-        raise ValueError(f"{where}: this rank holds {tuple(p.to_local().shape)} of the {tuple(p.shape)} matrix, "
-                         f"not rows [{bounds[rank]}, {bounds[rank + 1]}) as Shard(0) cuts them")
-    return Sharding.rows(bounds), group
+def local_count(p: torch.Tensor) -> int:
+    """How many matrices this rank holds of ``p`` (a 3-D DTensor's local experts)."""
+    return local(p).shape[0] if p.dim() == 3 else 1
+
+
+def empty_state(p: torch.Tensor, parts: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The state of a parameter of which this rank holds no matrix (no local expert), placed like it."""
+    n = p.shape[-2]
+    values = {part: torch.zeros(0, n, dtype=torch.float32, device=local(p).device) for part in parts}
+    return {"momentum": param_shaped(p, torch.zeros(local(p).shape, dtype=torch.float32, device=local(p).device)),
+            **{part: per_row(p, v) for part, v in values.items()}}
+

@@ -1,6 +1,6 @@
 """The step of the parameters a process holds as torch parameters (the torch optimizer; DeepSpeed
 without ZeRO): the matrices of every parameter with a gradient are shards of one engine, whole
-(``Sharding.full()``) or, for a DTensor that FSDP2 sharded by rows, the rows this rank holds
+(``Sharding.full()``) or, for a DTensor (FSDP2, tensor parallelism), the piece this rank holds
 (:mod:`.dtensor`); the other tensors take AdamW. Each parameter's state is a view of the engine's
 buffers, in the shapes of what this rank holds, so a state dict reads and writes it as torch's
 optimizers do."""
@@ -16,10 +16,10 @@ from ..core import rule
 from ..core.ortho import default_ns_dtype
 from ..core.rule import Dion3Hyperparameters
 from ..engine import Dion3Engine, MatrixShard, Sharding, cuda_graph as cuda_graph_module, fractions, plan
-from .dtensor import is_dtensor, local, param_shaped, per_row, row_sharding
+from .dtensor import empty_state, is_dtensor, layout, local, local_count, param_shaped, per_row
 from .gate import usable_here, usable_on_every_rank
 from .groups import algorithm_of, check_group, hyperparameters, matrix_names, packed_order, param_names
-from .matrices import matrix_count, matrix_shape, matrix_values, matrix_view, stacked_view
+from .matrices import matrix_shape, matrix_values, matrix_view, stacked_view
 
 
 class Fractions(dict):
@@ -61,7 +61,8 @@ class WholeParameters:
 
     def fractions(self, names: dict[torch.Tensor, str]) -> Fractions:
         """The automatic f of each parameter that has one, by name (``names``: every parameter's)."""
-        chosen = {p: self.chosen[first] for p, name in names.items() if (first := matrix_names(name, p)[0]) in self.chosen}
+        chosen = {p: f for p, name in names.items()  # (a sharded 3-D parameter: its first matrix here)
+                  if (f := next((self.chosen[m] for m in matrix_names(name, p) if m in self.chosen), None)) is not None}
         return Fractions(chosen, names)
 
     @staticmethod
@@ -142,7 +143,7 @@ class WholeParameters:
                             [local(state[p]["exp_avg"]) for p in params], [local(state[p]["exp_avg_sq"]) for p in params], count,
                             group["lr"], group["betas"], group["eps"], group["weight_decay"])
         for gi, p in matrices:  # this step's gradients and schedule (lr, weight decay)
-            grads = [local(p.grad)] if p.dim() == 2 else matrix_values(p.grad).unbind(0)
+            grads = matrix_values(local(p.grad)).unbind(0)
             for shard, grad in zip(self._shards[p], grads):
                 shard.grad, shard.hp = grad, settings[gi]
         copied = [p for _, p in matrices if not p.is_contiguous()]
@@ -160,16 +161,18 @@ class WholeParameters:
         shards: dict[torch.Tensor, list[MatrixShard]] = {}
         for gi, p in matrices:
             own = state[p]
-            carried: list[dict] = [{} for _ in range(matrix_count(p))]
+            carried: list[dict] = [{} for _ in range(local_count(p))]
             if "momentum" in own:  # stepped before (or loaded): the engine copies it in
                 rows = [part for part in ("variance", "row_age") if part in own]
                 carried = [{"momentum": m, **{part: local(own[part])[e] for part in rows}}
                            for e, m in enumerate(matrix_view(local(own["momentum"])))]
             names_of = matrix_names(names[p], p)
-            if is_dtensor(p):  # this rank's rows of the logical matrix
-                sharding, group = row_sharding(p, names_of[0])
-                shards[p] = [MatrixShard(names_of[0], local(p), local(p.grad), matrix_shape(p), sharding, group,
-                                         settings[gi], carried[0])]
+            if is_dtensor(p):  # this rank's piece of the logical matrices
+                placed = layout(p, names[p])
+                weight, grad = matrix_view(local(p)), matrix_values(local(p.grad))
+                shards[p] = [MatrixShard(names_of[placed.first_matrix + e], weight[e], grad[e], matrix_shape(p),
+                                         placed.sharding, placed.group, settings[gi], carried[e])
+                             for e in range(local_count(p))]
                 continue
             weight = matrix_view(self._contiguous_weight(p))
             grad = matrix_values(p.grad)
@@ -180,14 +183,16 @@ class WholeParameters:
                              local=not any(is_dtensor(p) for p in shards), fresh_grads=True, speeds=self._speeds,
                              chosen=self.chosen)
         self.chosen.update(engine.chosen_fractions())
-        for p, own in shards.items():  # the parameter's state: views of the engine's buffers
-            if is_dtensor(p):
-                state[p].update({part: per_row(p, value) for part, value in own[0].state.items()},
-                                momentum=param_shaped(p, own[0].state["momentum"]))
+        for gi, p in matrices:  # the parameter's state: views of the engine's buffers
+            own = shards[p]
+            if not own:  # a DTensor of which this rank holds no matrix (no local expert)
+                state[p].update(empty_state(p, ["variance"] + ["row_age"] * bool(settings[gi].staleness)))
                 continue
-            for part in own[0].state:
-                state[p][part] = stacked_view([s.state[part] for s in own])
-            state[p]["momentum"] = state[p]["momentum"].view(p.shape)
+            parts = {part: stacked_view([s.state[part] for s in own]) for part in own[0].state}
+            parts["momentum"] = parts["momentum"].view(local(p).shape)
+            if is_dtensor(p):
+                parts = {part: param_shaped(p, v) if part == "momentum" else per_row(p, v) for part, v in parts.items()}
+            state[p].update(parts)
         self.engine, self._engine_key, self._shards = engine, key, shards
         return engine
 
