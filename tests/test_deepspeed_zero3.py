@@ -97,6 +97,19 @@ def test_zero3_checkpoint_resume_is_bit_identical(two_ranks):
         assert out["resume_diff"] == 0.0, out["resume_diff"]
 
 
+def test_zero3_auto_fraction_choices_over_sub_groups_survive_a_resume(two_ranks):
+    # Each rank records the matrices it holds a piece of, from every sub-group of the Dion3 param group;
+    # the resumed run's device would choose f = 1, so equal steps mean the saved choices were used.
+    names = set()
+    for rank, out in enumerate(two_ranks):
+        auto = out["auto"]
+        assert auto["dion3_partitions"] > 1, auto  # the Dion3 group's matrices lie in several sub-groups
+        names |= set(auto["record"][0])
+        assert 0.125 in auto["record"][0].values(), (rank, auto["record"])
+        assert auto["diff"] == 0.0, (rank, auto["diff"])
+    assert len(names) == 7, names
+
+
 def test_zero3_universal_checkpoint_keeps_settings_and_row_ages(two_ranks):
     for out in two_ranks:
         assert out["universal_diff"] <= TOL, out["universal_diff"]

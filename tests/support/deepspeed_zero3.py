@@ -186,6 +186,10 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
         universal_resume(ckpt, tag, cfg3, target) for tag in ("step3_universal", "stock"))
     out["seconds"]["checkpoint"] = time.time() - t0
 
+    t0 = time.time()
+    out["auto"] = _auto_fraction_resume(world, os.path.join(tmp, "auto3"))
+    out["seconds"]["auto"] = time.time() - t0
+
     # A plain parameter list built under zero.Init (every shape empty): split by the logical shapes.
     from dion3_megatron.deepspeed import DeepSpeedDion3
 
@@ -199,6 +203,34 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
                                                                "offload_optimizer": {"device": "cpu"}}}),
     }
     return out
+
+
+def _auto_fraction_resume(world: int, ckpt: str) -> dict:
+    """fraction="auto" over several sub-groups per param group: saved, then resumed where the
+    device measures another speed (which alone would choose another f): the saved choices, the
+    same steps."""
+    from dion3_megatron.core import cost_model
+    from dion3_megatron.engine import fractions
+
+    saved = cost_model.MIN_SELECTED_ROWS, fractions.measure, cost_model.TOKENS_PER_STEP
+    cost_model.MIN_SELECTED_ROWS = 1  # the test model's matrices have <= 20 rows: let the speed decide
+    cost_model.TOKENS_PER_STEP = 0  # and the step be the whole iteration
+    cfg = zero3_config(world, sub_group_size=100, fraction="auto")
+    try:
+        fractions.measure = lambda device, dtype: cost_model.DeviceSpeed(1e6, 0.0, 1e30, 1e30)  # slow matmuls: f = 1/8
+        engine = make(cfg)
+        h.train(engine, 3)
+        engine.save_checkpoint(ckpt, tag="step3")
+        h.train(engine, 2, start=3)
+        record = engine.optimizer.state_dict()["optimizer_state_dict"]["fractions"]  # ZeRO-3 fills the groups for it
+        fractions.measure = lambda device, dtype: cost_model.DeviceSpeed(1e30, 1.0, 1e30, 1e30)  # slow launches: f = 1
+        resumed = make(cfg, seed=1)
+        resumed.load_checkpoint(ckpt, tag="step3")
+        h.train(resumed, 2, start=3)
+        return {"diff": h.max_diff(h.params_of(resumed), h.params_of(engine)), "record": record,
+                "dion3_partitions": sum(plan.steps_matrices for plan in h._basic(engine)._zero_plans.values())}
+    finally:
+        cost_model.MIN_SELECTED_ROWS, fractions.measure, cost_model.TOKENS_PER_STEP = saved
 
 
 def universal_resume(ckpt: str, tag: str, cfg: dict, target: dict, zero_init: bool = False) -> float:
