@@ -93,16 +93,13 @@ class DeepSpeedDion3(torch.optim.Optimizer):
         """Under ZeRO-3: the stage-3 optimizer's sub-groups (:func:`.zero3.sub_groups_of`). Every
         param group then holds its sub-groups' flat partitions (one at a time while ZeRO steps, none
         between steps)."""
+        given = [{id(p) for p in originals} for _, originals in self._originals.values()]
         for sub in sub_groups:
-            originals = self._originals_at(sub.group_index)
-            missing = [tuple(logical(p).shape) for p in sub.params if not any(p is q for q in originals)]
+            missing = [tuple(logical(p).shape) for p in sub.params if id(p) not in given[sub.group_index]]
             if missing:
                 raise RuntimeError(f"Dion3 param group {sub.group_index}: ZeRO-3 partitions parameters the optimizer "
                                    f"was not given (shapes {missing[:3]})")
         self._partitions = {id(sub.flat): sub for sub in sub_groups}
-
-    def _originals_at(self, index: int) -> list[torch.Tensor]:
-        return list(self._originals.values())[index][1]
 
     def zero_partitions(self) -> list[tuple[dict, torch.Tensor]]:
         """(param group, flat partition) of every ZeRO partition this rank steps; empty without ZeRO."""
