@@ -139,12 +139,18 @@ DEEPSPEED: tuple[Patch, ...] = (
           'with "type": "Dion3" the parameters DeepSpeed was given are split by the engine\'s model: embeddings, '
           "the output head, norms and vectors take AdamW, hidden matrices Dion3", DS_019, optional=True),
     Patch("deepspeed.runtime.engine:DeepSpeedEngine._do_optimizer_sanity_check", f"{_DS}:refuse_plain_dion3",
-          "a plain dion3_megatron.Dion3 under ZeRO-1/2 or BF16_Optimizer (which hand it flat slices) is "
+          "a plain dion3_megatron.Dion3 under ZeRO-1/2/3 or BF16_Optimizer (which hand it flat partitions) is "
           "refused at initialize, by name", DS_019, optional=True),
     Patch("deepspeed.runtime.engine:DeepSpeedEngine._configure_zero_optimizer", f"{_DS}:zero_stage_checks",
-          "ZeRO stage 3 and optimizer offload are refused for Dion3 with a message saying what to set, and "
-          "the slice-shaped state of every ZeRO group is created before ZeRO links state to parameters",
+          "optimizer offload is refused for Dion3 with a message saying what to set; Dion3 learns ZeRO-3's "
+          "sub-groups (which parameters each flat partition holds), and the partition-shaped state of every "
+          "ZeRO partition is created before ZeRO links state to parameters",
           DS_019, optional=True),
+    Patch("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
+          f"{_DS}.zero3:load_universal_settings_and_ages",
+          "ZeRO-3's universal-checkpoint load gives every param group the first one's settings and drops every "
+          "state key but exp_avg and exp_avg_sq: for Dion3, each group gets its own settings back (Dion3 and "
+          "AdamW groups differ) and the rows' ages (row_age) are loaded too", DS_019, optional=True),
 )
 
 

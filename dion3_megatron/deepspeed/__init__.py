@@ -11,13 +11,14 @@ replaces, with why and the upstream version), which
 * splits the parameters DeepSpeed was given by module (:func:`.groups.engine_param_groups`, using
   the engine's model): embeddings, the output head and anything tied to it, norms and vectors
   take AdamW, hidden matrices Dion3; groups that set ``"algorithm"`` are kept;
-* makes ``deepspeed.initialize`` fail clearly for what it does not support (ZeRO stage 3,
-  optimizer offload, a plain :class:`dion3_megatron.Dion3` under ZeRO-1/2), instead of failing or
-  silently misbehaving later.
+* makes ``deepspeed.initialize`` fail clearly for what it does not support (optimizer offload, a
+  plain :class:`dion3_megatron.Dion3` under ZeRO-1/2/3), instead of failing or silently
+  misbehaving later.
 
-Supported: ZeRO stages 0, 1, 2; fp32, bf16 (and fp16 with DeepSpeed's loss scaling); gradient
-accumulation; gradient clipping (on raw gradients); MoE parameter groups (expert-data-parallel);
-checkpoints, elastic loading and ``ds_to_universal``. See docs/deepspeed.md.
+Supported: ZeRO stages 0, 1, 2 and 3 (also with ``deepspeed.zero.Init``); fp32, bf16 (and fp16 with
+DeepSpeed's loss scaling); gradient accumulation; gradient clipping (on raw gradients); MoE
+parameter groups (expert-data-parallel); checkpoints, elastic loading and ``ds_to_universal``. See
+docs/deepspeed.md.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _check_deepspeed_version() -> None:
 
         warnings.warn(
             f"dion3_megatron.deepspeed is tested with DeepSpeed 0.19.x (it relies on ZeRO's private "
-            f"_hp_mapping / _dp_group attributes); found {deepspeed.__version__}",
+            f"_hp_mapping / _dp_group attributes and ZeRO-3's partition layout); found {deepspeed.__version__}",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -74,24 +75,26 @@ def deepspeed_class(_current=None) -> type:
 
 
 def zero_stage_checks(original):
-    """``DeepSpeedEngine._configure_zero_optimizer``: refuse ZeRO stage 3 and optimizer offload for
-    Dion3, naming what to set, and create the slice state once ZeRO has wrapped it."""
+    """``DeepSpeedEngine._configure_zero_optimizer``: refuse optimizer offload for Dion3, naming
+    what to set; once ZeRO has wrapped it, give it stage 3's sub-groups and create the partitions'
+    state."""
 
     def _configure_zero_optimizer(self, optimizer):
         if isinstance(optimizer, DeepSpeedDion3):
-            stage = self.zero_optimization_stage()
-            if stage > 2:
+            offload = self.zero_offload_optimizer()
+            device = getattr(offload, "device", None)
+            if device is not None and getattr(device, "value", device) != "none":
                 raise ValueError(
-                    f"Dion3 supports DeepSpeed ZeRO stages 0, 1 and 2; the config asks for stage {stage}. "
-                    'Set "zero_optimization": {"stage": 1} (or 2).'
-                )
-            if self.zero_cpu_offload():
-                raise ValueError(
-                    "Dion3 does not support ZeRO optimizer offload (offload_optimizer): its step runs "
-                    "collectives on the slices. Remove offload_optimizer from the config."
+                    f"Dion3 does not support ZeRO optimizer offload (offload_optimizer device "
+                    f"{getattr(device, 'value', device)!r}): its step runs collectives on the partitions. "
+                    "Remove offload_optimizer from the config."
                 )
         wrapped = original(self, optimizer)
         if isinstance(optimizer, DeepSpeedDion3):
+            if self.zero_optimization_stage() == 3:
+                from . import zero3
+
+                optimizer.adopt_partitions(zero3.sub_groups_of(wrapped))
             _create_slice_state(optimizer)
         return wrapped
 
@@ -99,16 +102,15 @@ def zero_stage_checks(original):
 
 
 def _create_slice_state(optimizer: DeepSpeedDion3) -> None:
-    """Create the slice-shaped state of every ZeRO param group now. ZeRO-1/2 steps one group at a
+    """Create the partition-shaped state of every ZeRO partition now. ZeRO-1/2 steps one group at a
     time and, right after the first group's step, links every group's state to the parameters'
     fragments (``safe_get_full_optimizer_state``) once: state made later, by a later group's
-    step, would never be linked."""
+    step, would never be linked. ZeRO-3's universal-checkpoint load reads the first partition's
+    ``step``."""
     from . import zero
 
-    for group in optimizer.param_groups:
-        if optimizer._zero_group(group) is not None:
-            flat = group["params"][0]
-            zero.init_slice_state(optimizer.state[flat], flat, with_age=group["staleness"] > 0)
+    for group, flat in optimizer.zero_partitions():
+        zero.init_slice_state(optimizer.state[flat], flat, with_age=group["staleness"] > 0)
 
 
 def split_config_params(original):
@@ -133,8 +135,8 @@ def _plain_dion3_error(optimizer, wrapper: str) -> str:
 
 def refuse_plain_dion3(original):
     """``DeepSpeedEngine._do_optimizer_sanity_check``: a plain ``Dion3`` passed as ``optimizer=``
-    steps whole parameters: under ZeRO-1/2 (or DeepSpeed's BF16_Optimizer) it would get flat
-    slices. Refuse it at initialize, by name."""
+    steps whole parameters: under ZeRO-1/2/3 (or DeepSpeed's BF16_Optimizer) it would get flat
+    partitions. Refuse it at initialize, by name."""
     from deepspeed.runtime.constants import BFLOAT16
 
     from ..optimizer import Dion3

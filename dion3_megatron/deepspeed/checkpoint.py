@@ -1,15 +1,16 @@
 """Checkpoint helpers: universal-checkpoint metadata and ``ds_to_universal`` conversion.
 
-Dion3's ZeRO-1/2 state is slice-shaped under the keys DeepSpeed's converter reads (``exp_avg``:
-momentum, ``exp_avg_sq``: per-row variance repeated over the row; see :mod:`.zero`), so without
-staleness the stock converter works unchanged::
+Dion3's ZeRO state (stages 1-3) is shaped like ZeRO's flat partitions, under the keys DeepSpeed's
+converter reads (``exp_avg``: momentum, ``exp_avg_sq``: per-row variance repeated over the row; see
+:mod:`.zero`), so without staleness the stock converter works unchanged::
 
     python -m deepspeed.checkpoint.ds_to_universal --input_folder ckpt/step100 \\
         --output_folder ckpt/step100_universal --inject_missing_state
 
-and ``"checkpoint": {"load_universal": true}`` loads the result at any data-parallel size. With
-staleness the slices also hold ``row_age``, which the stock converter drops (it reads its three
-keys only); :func:`convert_to_universal` keeps it (DeepSpeed's loader takes every key's file).
+and ``"checkpoint": {"load_universal": true}`` loads the result at any data-parallel size and
+ZeRO stage. With staleness the partitions also hold ``row_age``, which the stock converter drops
+(it reads its three keys only); :func:`convert_to_universal` keeps it (ZeRO-1/2's loader takes
+every key's file, ZeRO-3's through :func:`.zero3.load_universal_settings_and_ages`).
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def _ages_as_momentum(input_folder: str, output_folder: str) -> bool:
     rewritten = {}
     for path in glob.glob(os.path.join(input_folder, "*optim_states.pt")):
         sd = torch.load(path, map_location="cpu", weights_only=False)
-        states = sd[OPTIMIZER_STATE_DICT][BASE_OPTIMIZER_STATE]["state"].values()
+        zero = sd[OPTIMIZER_STATE_DICT]  # the optimizer's own state dict: ZeRO-1/2's key, else ZeRO-3's
+        states = zero.get(BASE_OPTIMIZER_STATE, zero.get(OPTIMIZER_STATE_DICT))["state"].values()
         if not any("row_age" in state for state in states):
             continue
         for state in states:

@@ -2,7 +2,7 @@
 
 Hugging Face's ``transformers.pytorch_utils.Conv1D`` stores its weight as (in_features,
 out_features). Dion3 treats a matrix's rows as output features (row selection, NorMuon's per-row
-variance, the sqrt(rows/cols) lr scale), and ZeRO-1/2 slice parameters row-major, so the
+variance, the sqrt(rows/cols) lr scale), and ZeRO cuts parameters row-major, so the
 transposed layout cannot be stepped as its transpose: the config route gives Conv1D weights to
 AdamW (:mod:`.groups`). :func:`conv1d_as_linear` swaps every Conv1D of a model, before training,
 for :class:`Conv1DAsLinear`, which holds the same weight as (out, in), like ``nn.Linear``, so Dion3

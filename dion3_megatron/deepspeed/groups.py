@@ -10,7 +10,7 @@ normalization layer; the output head (``model.get_output_embeddings()`` where th
 names matching ``adamw_patterns``) and anything tied to either (a tied parameter is one tensor, so it
 is found whichever module names it); and the weights of Hugging Face's ``Conv1D`` (GPT-2), which
 store (in_features, out_features): Dion3 selects, normalizes and scales rows as output features,
-and ZeRO-1/2 slice a parameter row-major, so a transposed matrix cannot be stepped as its
+and ZeRO cuts a parameter row-major, so a transposed matrix cannot be stepped as its
 transpose. :func:`conv1d_as_linear` converts them so that Dion3 takes them. Everything else with 2
 or more dims takes Dion3.
 """
@@ -22,6 +22,8 @@ import re
 from typing import Any, Iterable, Optional
 
 import torch
+
+from .layout import logical
 
 logger = logging.getLogger("dion3_megatron.deepspeed")
 
@@ -81,11 +83,12 @@ def adamw_reasons(model: torch.nn.Module, adamw_patterns: Iterable[str] = DEFAUL
 
 def _split(params: Iterable[torch.Tensor], reasons: dict[int, str]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(Dion3's, AdamW's) tensors of ``params``, in order: AdamW takes every tensor with fewer than
-    2 dims and every one in ``reasons`` (:func:`adamw_reasons`)."""
+    2 dims (a ZeRO-3 parameter's logical ones: under ``deepspeed.zero.Init`` its ``shape`` is
+    empty) and every one in ``reasons`` (:func:`adamw_reasons`)."""
     matrices: list[torch.Tensor] = []
     others: list[torch.Tensor] = []
     for p in params:
-        (others if p.dim() < 2 or id(p) in reasons else matrices).append(p)
+        (others if logical(p).dim() < 2 or id(p) in reasons else matrices).append(p)
     return matrices, others
 
 
@@ -143,7 +146,7 @@ def engine_param_groups(module: torch.nn.Module, model_parameters: Any) -> list[
             continue
         matrices, others = _split(params, reasons)
         for p in others:
-            if p.dim() >= 2:
+            if logical(p).dim() >= 2:
                 why[reasons[id(p)]] = why.get(reasons[id(p)], 0) + 1
         unknown += sum(id(p) not in known for p in matrices)
         rest = {k: v for k, v in group.items() if k != "params"}

@@ -1,23 +1,24 @@
-"""ZeRO-1/2 adapter: run Dion3 on DeepSpeed's flat fp32 partitions through the megabatch engine.
+"""ZeRO adapter: run Dion3 on DeepSpeed's flat fp32 partitions through the megabatch engine.
 
-Under ZeRO stage 1 or 2 (and DeepSpeed's BF16_Optimizer) every param group of the optimizer holds
-ONE flat fp32 tensor per rank: this rank's slice of the group's parameters laid end to end, with
-its gradient already averaged, unscaled and clipped. A matrix can straddle two or more ranks'
-slices. Every original parameter carries ZeRO's own mapping into the slice (``_hp_mapping``: which
-elements of the parameter, at which offset of the slice; ``None`` when this rank holds none) and
-the process group its slices span (``_dp_group``: the expert-data-parallel group for MoE
-parameters). From these the adapter hands every Dion3 matrix this rank holds any of to ONE megabatch
-engine (:class:`~dion3_megatron.engine.Dion3Engine`): a matrix that lies whole in this rank's slice
-as a ``Sharding.full()`` shard (views of the slice, stepped by this rank alone, no communication),
-a matrix that straddles ranks' slices as a ``Sharding.flat(bounds)`` piece (element ranges of the
-row-major matrix), stepped with the ranks that hold its other pieces; parameters that are not
-matrices take AdamW element by element on the slice. With a Megatron-style ``mpu`` (tensor
+Under ZeRO (stages 1-3, and DeepSpeed's BF16_Optimizer) the optimizer steps flat fp32 tensors,
+one per param group (stages 1/2) or per sub-group (stage 3) and rank, with their gradient already
+averaged, unscaled and clipped; :mod:`.layout` says where each parameter's elements lie in them
+(stages 1/2: a slice of the group's parameters laid end to end, so a matrix can straddle two or
+more ranks' slices; stage 3: every parameter cut over the ranks on its own). From a layout the
+adapter hands every Dion3 matrix this rank holds any of to ONE megabatch engine
+(:class:`~dion3_megatron.engine.Dion3Engine`): a matrix that lies whole in this rank's partition
+as a ``Sharding.full()`` shard (views of the partition, stepped by this rank alone, no
+communication), a matrix split over ranks as a ``Sharding.flat(bounds)`` piece (element ranges of
+the row-major matrix), stepped with the ranks that hold its other pieces (over the process group
+the partitions span: the expert-data-parallel group for MoE parameters); parameters that are not
+matrices take AdamW element by element on the partition. With a Megatron-style ``mpu`` (tensor
 parallelism), a weight marked ``tensor_model_parallel`` is one row or column block of a logical
-matrix; every rank's slice of every block goes to the engine as a ``Sharding.block_flat`` piece
+matrix; every rank's piece of every block goes to the engine as a ``Sharding.block_flat`` piece
 over the TP x data-parallel group, so whole logical matrices are stepped.
 
-Optimizer state is slice-shaped, so DeepSpeed's elastic and universal checkpoints handle it like
-Adam's (``ds_to_universal`` reads exactly the keys ``exp_avg`` and ``exp_avg_sq``):
+Optimizer state is shaped like the flat partition (a "slice"), so DeepSpeed's elastic and universal
+checkpoints handle it like Adam's (``ds_to_universal`` reads exactly the keys ``exp_avg`` and
+``exp_avg_sq``; padding elements of a ZeRO-3 partition hold 0):
 
 * ``exp_avg``    (slice)  Dion3 momentum on matrix elements; AdamW first moment elsewhere.
 * ``exp_avg_sq`` (slice)  Dion3 per-row variance repeated over the row's elements; AdamW second
@@ -48,11 +49,7 @@ from ..core.ortho import default_ns_dtype
 from ..engine import Dion3Engine, MatrixShard, Rect, Sharding, fractions
 from ..engine.plan import chooses_fraction
 from ..frontend import groups as grouping
-
-
-def is_zero_linked(p: torch.Tensor) -> bool:
-    """True for a parameter ZeRO-1/2 (or BF16_Optimizer) has linked to a flat fp32 partition."""
-    return hasattr(p, "_hp_mapping") and hasattr(p, "_dp_group")
+from .layout import FlatLayout, logical, param_bounds
 
 
 def matrices_of(p: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -130,63 +127,21 @@ class _SliceMoves:
                 torch._foreach_copy_(blocks, values)
 
 
-def _gather_ranges(linked: list[torch.Tensor], group, device) -> torch.Tensor:
-    """(world, params, 2) tensor of every rank's [start, end) element range of each parameter (-1: none)."""
-    mine = torch.full((len(linked), 2), -1, dtype=torch.long)
-    for j, p in enumerate(linked):
-        mapping = p._hp_mapping
-        if mapping is not None:
-            start = mapping.lp_fragment_address.start
-            mine[j, 0] = start
-            mine[j, 1] = start + mapping.lp_fragment_address.numel
-    world = dist.get_world_size(group)
-    mine = mine.to(device)
-    out = torch.empty((world * len(linked), 2), dtype=torch.long, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, mine, group=group)
-    return out.view(world, len(linked), 2).cpu()
-
-
-def _param_bounds(ranges: torch.Tensor, numel: int, where: str) -> list[int]:
-    """Monotone bounds (world + 1) of one parameter's element ranges over the ranks, in rank order."""
-    bounds = [0]
-    for start, end in ranges.tolist():
-        if start < 0:
-            bounds.append(bounds[-1])
-            continue
-        if start != bounds[-1]:
-            raise RuntimeError(f"{where}: ZeRO slices of a parameter are not contiguous in rank order "
-                               f"(a rank starts at element {start}, expected {bounds[-1]})")
-        bounds.append(end)
-    if bounds[-1] != numel:
-        raise RuntimeError(f"{where}: ZeRO slices cover {bounds[-1]} of the parameter's {numel} elements")
-    return bounds
-
-
 class ZeroGroupPlan:
-    """Everything one flat ZeRO param group needs per step, built once (one all_gather of int
-    ranges, and with the automatic fraction one all-reduce of the device's speed): the group's Dion3
-    matrices as the shards of one engine, and the AdamW element runs."""
+    """Everything one flat ZeRO partition needs per step, built once from its layout (with the
+    automatic fraction, one all-reduce of the device's speed): its Dion3 matrices as the shards of
+    one engine, and the AdamW element runs."""
 
-    def __init__(self, cuda_graph: bool, group: dict, originals: list[torch.Tensor], index: int) -> None:
-        self.flat = group["params"][0]
+    def __init__(self, cuda_graph: bool, group: dict, layout: FlatLayout, index: int) -> None:
+        self.flat = layout.flat
+        self.group_index = index  # the param group's position among the optimizer's
         self.use_graph = cuda_graph
-        linked = [p for p in originals if is_zero_linked(p)]
-        if not linked:
-            raise RuntimeError(
-                f"Dion3 param group {index}: its parameters were replaced by a flat tensor but none carries "
-                "ZeRO's slice mapping (_hp_mapping). Dion3 supports DeepSpeed ZeRO stages 0, 1 and 2."
-            )
-        self.group_pg = linked[0]._dp_group
-        if any(p._dp_group is not self.group_pg for p in linked):
-            raise RuntimeError(f"Dion3 param group {index}: parameters span different data-parallel groups")
+        self.group_pg = layout.group
         self.world = dist.get_world_size(self.group_pg)
         self.rank = dist.get_rank(self.group_pg)
-        device = self.flat.device
-        ranges = _gather_ranges(linked, self.group_pg, device)
         tensor_parallel = TensorParallel.of_mpu(self.group_pg)
         if tensor_parallel is not None:
-            tensor_parallel.check_same_slices(ranges, f"Dion3 param group {index}", device)
+            tensor_parallel.check_same_slices(layout.ranges, f"Dion3 param group {index}", self.flat.device)
         # Every rank whose pieces one step's collectives join: the tensor x data-parallel group with
         # tensor parallelism, else the data-parallel group. They check the plan, and skip a step, together.
         self.check_group = tensor_parallel.group if tensor_parallel is not None else self.group_pg
@@ -195,29 +150,31 @@ class ZeroGroupPlan:
         # Some rank of the group holds a Dion3 matrix (the same on every rank): then every rank
         # builds the engine, whose construction is collective, also one that holds none.
         self.steps_matrices = False
+        self.names: set[str] = set()  # every Dion3 matrix of the layout, whether this rank holds any of it or not
         adamw_runs: list[tuple[int, int]] = []
-        for j, p in enumerate(linked):
-            where = f"Dion3 param group {index}, param {j} (shape {tuple(p.shape)})"
-            bounds = _param_bounds(ranges[:, j], p.numel(), where)
-            mapping = p._hp_mapping
+        for k, (j, p, hp_start) in enumerate(zip(layout.indices, layout.params, layout.starts)):
+            shaped = logical(p)
+            where = f"Dion3 param group {index}, param {j} (shape {tuple(shaped.shape)})"
+            bounds = param_bounds(layout.ranges[:, k], shaped.numel(), where)
             lp_lo = bounds[self.rank]
             lp_hi = bounds[self.rank + 1]
-            hp_start = mapping.hp_fragment_address.start if mapping is not None else 0
-            if grouping.algorithm_of(group, p) == "adamw":
+            if grouping.algorithm_of(group, shaped) == "adamw":
                 if lp_hi > lp_lo:
                     adamw_runs.append((hp_start, lp_hi - lp_lo))
                 continue
             self.steps_matrices = True
-            split = tensor_parallel.split_of(p) if tensor_parallel is not None else None
+            split = tensor_parallel.split_of(p, shaped) if tensor_parallel is not None else None
             if split is not None:  # one block of a tensor-parallel matrix: through the engine over TP x DP
-                self._add_tensor_parallel(p, split, bounds, hp_start, lp_lo, tensor_parallel, hp, f"group{index}.param{j}")
+                self.names.add(f"group{index}.param{j}")
+                self._add_tensor_parallel(shaped, split, bounds, hp_start, lp_lo, tensor_parallel, hp, f"group{index}.param{j}")
                 continue
-            for e, (a, n, m) in enumerate(matrices_of(p)):
+            for e, (a, n, m) in enumerate(matrices_of(shaped)):
                 mbounds = [min(max(b - a, 0), n * m) for b in bounds]
                 lo, hi = mbounds[self.rank], mbounds[self.rank + 1]
                 offset = hp_start + (a + lo - lp_lo) if hi > lo else 0
                 holders = [q for q in range(self.world) if mbounds[q + 1] > mbounds[q]]
-                name = f"group{index}.param{j}" + (f".matrix{e}" if p.dim() == 3 else "")
+                name = f"group{index}.param{j}" + (f".matrix{e}" if shaped.dim() == 3 else "")
+                self.names.add(name)
                 if len(holders) > 1:
                     self._add_piece(name, offset, hi - lo, lo, m, (n, m), Sharding.flat(mbounds), self.group_pg, hp)
                 elif holders == [self.rank]:  # whole in this rank's slice: stepped here alone, no communication
@@ -234,8 +191,10 @@ class ZeroGroupPlan:
     def restore_fractions(self, by_name: dict[str, float], whole_runs: Optional[list[float]], where: str) -> None:
         """Take the automatic f chosen before (a checkpoint's record, by matrix name; from older
         checkpoints also the f of each run of adjacent same-shape matrices this rank holds whole, in
-        slice order) instead of measuring again. Before the engine is built."""
+        slice order) instead of measuring again. Before the engine is built. Names of matrices outside
+        this partition's layout (a ZeRO-3 param group's other sub-groups) are not this plan's."""
         runs = self._whole_runs()
+        by_name = {name: f for name, f in by_name.items() if name in self.names}
         unknown = sorted(set(by_name) - {piece.shard.name for piece in self.pieces})
         if whole_runs is not None and len(whole_runs) != len(runs) or unknown:
             raise ValueError(f"{where}: the checkpoint's fraction='auto' choices do not fit this rank's ZeRO slice "
@@ -360,7 +319,7 @@ def warn_if_tensor_parallel_without_zero() -> None:
         _WARNED_TP = True
         warnings.warn(
             "Dion3 under DeepSpeed without ZeRO treats each tensor-parallel shard as a matrix of its own (rows are "
-            "chosen and orthogonalized per TP shard, like Megatron's block-wise Muon). ZeRO stage 1 or 2 steps the "
+            "chosen and orthogonalized per TP shard, like Megatron's block-wise Muon). ZeRO stages 1-3 step the "
             "whole logical matrices, as does the Megatron-Core integration (dion3_megatron.megatron).",
             RuntimeWarning,
             stacklevel=3,
@@ -401,9 +360,10 @@ class TensorParallel:
         return TensorParallel(size, tp_group, group, tuple(place_of[r] for r in dist.get_process_group_ranks(group)))
 
     @staticmethod
-    def split_of(p: torch.Tensor) -> "str | None":
-        """"rows" / "cols" for a 2-D TP-split weight (Megatron's ``partition_dim`` 0 / 1), else None."""
-        if p.dim() != 2 or not getattr(p, "tensor_model_parallel", False):
+    def split_of(p: torch.Tensor, shaped: torch.Tensor) -> "str | None":
+        """"rows" / "cols" for a 2-D TP-split weight (Megatron's ``partition_dim`` 0 / 1), else None;
+        ``shaped``: ``p`` with its logical shape (:func:`.layout.logical`)."""
+        if shaped.dim() != 2 or not getattr(p, "tensor_model_parallel", False):
             return None
         return {0: "rows", 1: "cols"}.get(getattr(p, "partition_dim", -1))
 

@@ -302,6 +302,11 @@ def train(engine, steps: int, start: int = 0, fixed: bool = False) -> dict:
 
 
 def params_of(engine) -> dict[str, torch.Tensor]:
+    """The model's parameters, whole (gathered from every rank under ZeRO-3: collective)."""
+    params = list(engine.module.parameters())
+    if any(hasattr(p, "ds_id") for p in params):
+        with deepspeed.zero.GatheredParameters(params):
+            return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
 
 
@@ -558,7 +563,7 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
         "range": init_error(config(2, world=world, fraction=0.0)),
         "type": init_error(config(0, world=world, lr="0.1")),
         "betas": init_error(config(1, world=world, betas=[0.9])),
-        "stage3": init_error(config(3, world=world)),
+        "offload": init_error({**config(2, world=world), "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}),
     }
     return out
 
@@ -567,10 +572,9 @@ def _legacy_record(basic, record: dict) -> dict:
     """``record`` ({param group index: {matrix name: f}}) as checkpoints before it kept it: per group
     {"whole": [f of each run of adjacent same-shape whole matrices, in slice order] or None,
     "pieces": {straddling matrix name: f}}, the runs read from ``basic``'s plans (the same layout)."""
-    index = list(basic._originals)
     legacy = {}
-    for key, plan in basic._zero_plans.items():
-        chosen = record.get(index.index(key), {})
+    for plan in basic._zero_plans.values():
+        chosen = record.get(plan.group_index, {})
         whole, pieces, end, shape = [], {}, -1, None
         for piece in plan.pieces:
             shard = piece.shard
@@ -580,7 +584,7 @@ def _legacy_record(basic, record: dict) -> dict:
             if not (whole and piece.offset == end and shard.shape == shape):
                 whole.append(chosen[shard.name])
             end, shape = piece.offset + piece.length, shard.shape
-        legacy[index.index(key)] = {"whole": whole if chosen else None, "pieces": pieces}
+        legacy[plan.group_index] = {"whole": whole if chosen else None, "pieces": pieces}
     return legacy
 
 
@@ -589,7 +593,7 @@ def _momentum_in_exp_avg(opt) -> tuple[int, int]:
     the engine steps exp_avg where it lies, no second copy of the momentum."""
     inside = total = 0
     for group in opt.param_groups:
-        plan = opt._zero_plans.get(id(group))
+        plan = opt._zero_plans.get(id(group["params"][0]))
         if plan is None or plan.engine is None:
             continue
         exp_avg = opt.state[group["params"][0]]["exp_avg"]

@@ -1,0 +1,70 @@
+"""ZeRO stage 3 as Dion3 sees it: the stage-3 optimizer's flat fp32 partitions, and the Dion3
+state a universal checkpoint's stage-3 load leaves out.
+
+Stage 3 hands the optimizer one flat fp32 partition per sub-group (a run of whole parameters of
+one param group, on one partition process group) at a time, in that param group's ``params``, and
+empties ``params`` between steps. :func:`sub_groups_of` reads, once ZeRO has built them, which
+parameters each partition holds and over which process group (:func:`.layout.partition_layout`
+says where). The partitions are the same tensors for the life of the engine (checkpoint loads
+copy into them).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class SubGroup:
+    """One stage-3 sub-group: its flat fp32 partition on this rank and what it holds."""
+
+    flat: torch.Tensor
+    params: list[torch.Tensor]  # in the partition's order
+    process_group: Any  # the ranks its parameters are partitioned over
+    group_index: int  # the optimizer's param group it belongs to
+
+
+def sub_groups_of(stage3: Any) -> list[SubGroup]:
+    """The sub-groups of a ``DeepSpeedZeroOptimizer_Stage3``, in its order."""
+    return [SubGroup(flat, list(stage3.fp16_groups[i]), stage3.sub_group_process_groups[i], stage3.sub_group_to_group_id[i])
+            for i, flat in enumerate(stage3.fp32_partitioned_groups_flat)]
+
+
+def load_universal_settings_and_ages(original):
+    """``DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3``: after
+    DeepSpeed's load, which gives every param group the settings of the checkpoint's first one and
+    loads only ``fp32``, ``exp_avg`` and ``exp_avg_sq``, give Dion3's param groups their own
+    settings back (its matrices and AdamW tensors sit in different groups) and load the rows' ages
+    (``row_age``, written by :func:`.checkpoint.convert_to_universal`) where the checkpoint has them."""
+
+    def load_hp_checkpoint_state_from_checkpoint_dir_stage3(self, checkpoint_dir):
+        from .optimizer import DeepSpeedDion3
+
+        if not isinstance(self.optimizer, DeepSpeedDion3):
+            return original(self, checkpoint_dir)
+        from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
+
+        saved = torch.load(os.path.join(checkpoint_dir, "zero", "optimizer_state.pt"), weights_only=False)
+        saved_groups = saved[OPTIMIZER_STATE_DICT]["param_groups"]
+        groups = self.optimizer.param_groups
+        if len(saved_groups) != len(groups):
+            raise ValueError(f"universal checkpoint {checkpoint_dir}: {len(saved_groups)} param groups, the Dion3 "
+                             f"optimizer has {len(groups)}")
+        original(self, checkpoint_dir)
+        for group, settings in zip(groups, saved_groups):
+            group.update({k: v for k, v in settings.items() if k != "params"})
+        for i, params in enumerate(self.fp16_groups):
+            folders = [os.path.join(checkpoint_dir, "zero", self.param_names[p]) for p in params]
+            if not all(os.path.isfile(os.path.join(folder, "row_age.pt")) for folder in folders):
+                continue
+            flat = self.fp32_partitioned_groups_flat[i]
+            ages = torch.cat([self.load_hp_checkpoint_state(folder, "row_age", param=p).to(flat.device)
+                              for folder, p in zip(folders, params)])
+            self.optimizer.state[flat]["row_age"] = ages.to(torch.float32)
+        return None
+
+    return load_hp_checkpoint_state_from_checkpoint_dir_stage3
