@@ -293,7 +293,7 @@ def measure(dion_path: Optional[str]) -> None:
         paths = PATHS
     except ImportError:
         paths = PATHS[:1]
-    lines = []
+    lines, agree = [], True
     for path in paths:
         got = recorded_step(rank, world, path)["record"]
         same = sorted(got) == sorted(predicted_small(path, world, rank))
@@ -301,13 +301,18 @@ def measure(dion_path: Optional[str]) -> None:
         dist.all_gather_object(everyone, (same, len(got), sum(
             (2 * (world - 1) / world * e[0] if kind == "all_reduce" else sum(e) - e[rank]) * size
             for kind, e, size in got)))
-        verdict = "equal to the model" if all(s for s, _, _ in everyone) else "DIFFERENT from the model"
+        equal = all(s for s, _, _ in everyone)
+        agree = agree and equal
+        verdict = "equal to the model" if equal else "DIFFERENT from the model"
         lines.append(f"{path:<16} collectives {everyone[0][1]:>2}, bytes sent per rank "
                      f"{[int(b) for _, _, b in everyone]}: {verdict}")
     if rank == 0:
         print(f"measured on gloo, {world} ranks, {SMALL_GROUPS} (rows, cols, matrices), f = {SMALL_FRACTION}")
         print("\n".join(lines) + ("" if len(paths) > 1 else "\n(microsoft/dion not importable: pass --dion-path)"))
+    dist.barrier()  # every rank past its last collective: gloo can abort a process that leaves first
     dist.destroy_process_group()
+    if not agree:
+        sys.exit(1)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -107,6 +107,7 @@ def main() -> None:
         if args.fraction == "auto":
             chosen = sorted({(tuple(p.shape), opt.fractions[p]) for _, p in hidden})
             print("fraction=auto chose (shape: f) " + ", ".join(f"{'x'.join(map(str, s))}: {f:g}" for s, f in chosen))
+    dist.barrier()  # every rank past its last collective: gloo can abort a process that leaves first
     dist.destroy_process_group()
 
 

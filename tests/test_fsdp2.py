@@ -9,6 +9,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from typing import Optional
 
 import pytest
 import torch
@@ -86,9 +87,14 @@ def _train(rank: int, world: int, layout: str, settings: dict, bad_step: int) ->
             "skipped": opt.skipped_steps, "fractions": dict(opt.fractions)}
 
 
-def _session(rank: int, world: int, cases: list[tuple[str, dict, int]]) -> list[dict]:
-    """Every case on one process group (start-up dominates a tiny model's cost)."""
-    return [_train(rank, world, layout, settings, bad_step) for layout, settings, bad_step in cases]
+def _session(rank: int, world: int, cases: list[tuple[str, dict, int]], checkpoint: Optional[str] = None) -> dict:
+    """Every case on one process group (start-up dominates a tiny model's cost); with ``checkpoint``
+    also the refusals and the first steps of the checkpoint test, saved there."""
+    out = {"cases": [_train(rank, world, layout, settings, bad_step) for layout, settings, bad_step in cases]}
+    if checkpoint is not None:
+        out["refused"] = _refusals(world)
+        _dcp_worker(rank, world, "fsdp", checkpoint, range(0, 2), DCP_SETTINGS)
+    return out
 
 
 def _single_process(settings: dict, bad_step: int) -> dict:
@@ -113,10 +119,28 @@ CASES = {2: [("fsdp", {"fraction": 0.5}, -1), ("fsdp", *STALENESS), ("fsdp", {"f
              ("tp", *STALENESS), ("tp", *SKIP), ("tp", *AUTO)]}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
+DCP_SETTINGS = {"fraction": 0.5, "staleness": 1.0}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("dcp"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoint):
+    return run_distributed(_session, 2, CASES[2], checkpoint, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_distributed(_session, 4, CASES[4], timeout=300)
+
+
+@pytest.fixture(params=[2, 4], ids=["2-ranks", "4-ranks"])
 def session(request):
-    cases = CASES[request.param]
-    return cases, run_distributed(_session, request.param, cases, timeout=300)
+    outs = request.getfixturevalue("two_ranks" if request.param == 2 else "four_ranks")
+    return CASES[request.param], [out["cases"] for out in outs]
 
 
 def test_dtensor_steps_equal_the_single_process_step(session):
@@ -168,18 +192,16 @@ def _dcp_worker(rank: int, world: int, layout: str, directory: str, steps: range
     return {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
 
 
-def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_and_at_four_with_tensor_parallelism(tmp_path):
-    settings = {"fraction": 0.5, "staleness": 1.0}
-    expected = _single_process(settings, bad_step=-1)
-    run_distributed(_dcp_worker, 2, "fsdp", str(tmp_path), range(0, 2), settings, timeout=180)
-    for world, layout in ((1, "fsdp"), (4, "tp")):
-        for out in run_distributed(_dcp_worker, world, layout, str(tmp_path), range(2, STEPS), settings, timeout=180):
+def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_and_at_four_with_tensor_parallelism(two_ranks, checkpoint):
+    expected = _single_process(DCP_SETTINGS, bad_step=-1)
+    for world, layout in ((1, "fsdp"), (4, "tp")):  # (saved after two steps by the two-rank session)
+        for out in run_distributed(_dcp_worker, world, layout, checkpoint, range(2, STEPS), DCP_SETTINGS, timeout=180):
             for name, value in out.items():
                 torch.testing.assert_close(value, expected[name], **TOL,
                                            msg=lambda m, n=name, w=world, lay=layout: f"{lay} at {w} ranks {n}: {m}")
 
 
-def _refused_worker(rank: int, world: int) -> list[str]:
+def _refusals(world: int) -> list[str]:
     """Placements the engine does not take: each refused at the step, naming the parameter,
     with nothing changed."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -207,8 +229,8 @@ def _refused_worker(rank: int, world: int) -> list[str]:
     return messages
 
 
-def test_placements_the_engine_does_not_take_are_refused_naming_the_parameter():
-    for partial, conv, experts in run_distributed(_refused_worker, 2, timeout=120):
+def test_placements_the_engine_does_not_take_are_refused_naming_the_parameter(two_ranks):
+    for partial, conv, experts in (out["refused"] for out in two_ranks):
         assert partial.startswith("partial: Dion3 takes DTensor parameters placed by Shard") and "Partial" in partial
         assert conv.startswith("conv: Dion3 takes 2-D DTensor matrices and 3-D ones sharded by experts"), conv
         assert experts.startswith("expert rows: Dion3 takes 3-D DTensor parameters (experts) sharded by experts"), experts
