@@ -17,6 +17,7 @@ import torch
 
 from . import options
 from .frontend import announce_skipped_step, groups as grouping
+from .frontend.dtensor import check_placements, is_dtensor
 from .frontend.whole import Fractions, WholeParameters
 from .kernels import config as kernel_config
 
@@ -67,7 +68,12 @@ class Dion3(torch.optim.Optimizer):
         if param_group.get("algorithm") == "adamw" and "lr" not in param_group:
             param_group = {**param_group, "lr": self.adamw_lr}
         super().add_param_group(param_group)
-        grouping.check_group(f"param group {index}", self.param_groups[-1], options.TORCH)
+        group = self.param_groups[-1]
+        grouping.check_group(f"param group {index}", group, options.TORCH)
+        names = grouping.param_names(self.param_groups)
+        for p in group["params"]:  # refused here, before any step, naming the parameter
+            if is_dtensor(p) and grouping.algorithm_of(group, p) == "dion3":
+                check_placements(p, names[p])
 
     @property
     def fractions(self) -> Fractions:

@@ -202,39 +202,40 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_and_at_four_with_tensor_
 
 
 def _refusals(world: int) -> list[str]:
-    """Placements the engine does not take: each refused at the step, naming the parameter,
-    with nothing changed."""
+    """Placements the engine does not take: refused when the optimizer is given them, naming the
+    parameter; a gradient placed unlike its parameter: at the step, with nothing changed."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from dion3_megatron import Dion3
 
     mesh = init_device_mesh("cpu", (world,))
     gen = torch.Generator().manual_seed(2)
-    partial = DTensor.from_local(torch.randn(8, 4, generator=gen), mesh, [Partial()])
-    cases = {"partial": (partial, partial),
-             "conv": (distribute_tensor(torch.randn(8, 2, 3, 3, generator=gen), mesh, [Shard(0)]), None),
-             "expert rows": (distribute_tensor(torch.randn(2, 8, 4, generator=gen), mesh, [Shard(1)]), None)}
+    cases = {"partial": DTensor.from_local(torch.randn(8, 4, generator=gen), mesh, [Partial()]),
+             "conv": distribute_tensor(torch.randn(8, 2, 3, 3, generator=gen), mesh, [Shard(0)]),
+             "expert rows": distribute_tensor(torch.randn(2, 8, 4, generator=gen), mesh, [Shard(1)])}
     messages = []
-    for name, (value, grad) in cases.items():
-        weight = torch.nn.Parameter(value)
-        weight.grad = grad if grad is not None else distribute_tensor(torch.randn(value.shape, generator=gen), mesh,
-                                                                      value.placements)
-        before = weight.detach().to_local().clone()
-        opt = Dion3([(name, weight)], ns_dtype=torch.float32)
+    for name, value in cases.items():
         with pytest.raises(ValueError) as error:
-            opt.step()
-        assert torch.equal(weight.detach().to_local(), before) and not opt.state[weight], name
+            Dion3([(name, torch.nn.Parameter(value))], ns_dtype=torch.float32)
         messages.append(str(error.value))
-    return messages
+    weight = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4, generator=gen), mesh, [Shard(0)]))
+    weight.grad = distribute_tensor(torch.randn(8, 4, generator=gen), mesh, [Replicate()])
+    before = weight.detach().to_local().clone()
+    opt = Dion3([("replicated grad", weight)], ns_dtype=torch.float32)
+    with pytest.raises(ValueError) as error:
+        opt.step()
+    assert torch.equal(weight.detach().to_local(), before) and not opt.state[weight]
+    return messages + [str(error.value)]
 
 
 def test_placements_the_engine_does_not_take_are_refused_naming_the_parameter(two_ranks):
-    for partial, conv, experts in (out["refused"] for out in two_ranks):
+    for partial, conv, experts, grad in (out["refused"] for out in two_ranks):
         assert partial.startswith("partial: Dion3 takes DTensor parameters placed by Shard") and "Partial" in partial
         assert conv.startswith("conv: Dion3 takes 2-D DTensor matrices and 3-D ones sharded by experts"), conv
         assert experts.startswith("expert rows: Dion3 takes 3-D DTensor parameters (experts) sharded by experts"), experts
         assert "Shard(dim=1)" in experts
+        assert grad.startswith("replicated grad: its gradient is placed (Replicate(),), not like the parameter"), grad
 
 
 def test_the_fsdp2_example_trains_with_tensor_parallelism_on_two_cpu_processes():

@@ -54,33 +54,42 @@ def _sharded_dim(placement) -> Optional[int]:
     return None
 
 
-def layout(p: torch.Tensor, where: str) -> Layout:
-    """Where this rank's values of the DTensor parameter ``p`` lie; ValueError naming ``where`` (the
-    parameter) for what the engine does not take."""
+def _refusal(p: torch.Tensor, where: str, why: str) -> ValueError:
+    return ValueError(f"{where}: {why}; got shape {tuple(p.shape)} with placements {tuple(p.placements)} on a mesh "
+                      f"of shape {tuple(p.device_mesh.shape)}")
+
+
+def check_placements(p: torch.Tensor, where: str) -> None:
+    """ValueError naming ``where`` (the parameter) where the DTensor parameter ``p`` is placed in a
+    way the engine does not step (checked when the optimizer is given it)."""
     placements, mesh = tuple(p.placements), p.device_mesh
-
-    def refuse(why: str) -> ValueError:
-        return ValueError(f"{where}: {why}; got shape {tuple(p.shape)} with placements {placements} on a mesh of "
-                          f"shape {tuple(mesh.shape)}")
-
     if any(not isinstance(pl, (Shard, _StridedShard, Replicate)) for pl in placements):
-        raise refuse("Dion3 takes DTensor parameters placed by Shard, _StridedShard (FSDP2 with tensor parallelism) "
-                     "or Replicate")
-    if p.grad is not None and tuple(p.grad.placements) != placements:
-        raise refuse(f"its gradient is placed {tuple(p.grad.placements)}, not like the parameter")
+        raise _refusal(p, where, "Dion3 takes DTensor parameters placed by Shard, _StridedShard (FSDP2 with tensor "
+                                 "parallelism) or Replicate")
     if p.dim() not in (2, 3):
-        raise refuse("Dion3 takes 2-D DTensor matrices and 3-D ones sharded by experts")
+        raise _refusal(p, where, "Dion3 takes 2-D DTensor matrices and 3-D ones sharded by experts")
     matrix_dims = (p.dim() - 2, p.dim() - 1)
     split = [d for d, pl in enumerate(placements) if _sharded_dim(pl) in matrix_dims]
     if p.dim() == 3 and split:
-        raise refuse("Dion3 takes 3-D DTensor parameters (experts) sharded by experts (dim 0) only")
+        raise _refusal(p, where, "Dion3 takes 3-D DTensor parameters (experts) sharded by experts (dim 0) only")
     for dim in matrix_dims:
         on_dim = [placements[d] for d in split if _sharded_dim(placements[d]) == dim]
         strided = [pl for pl in on_dim if isinstance(pl, _StridedShard)]
         # Contiguous pieces only: shards cut left to right, or FSDP2's cut of a tensor-parallel block.
         if strided and (len(on_dim) != 2 or on_dim[0] is not strided[0]
                         or strided[0].split_factor != mesh.size(placements.index(on_dim[1]))):
-            raise refuse(f"dimension {dim} is cut into pieces that are not contiguous")
+            raise _refusal(p, where, f"dimension {dim} is cut into pieces that are not contiguous")
+
+
+def layout(p: torch.Tensor, where: str) -> Layout:
+    """Where this rank's values of the DTensor parameter ``p`` lie; ValueError naming ``where`` (the
+    parameter) for what the engine does not take (:func:`check_placements`, a gradient placed
+    otherwise)."""
+    check_placements(p, where)
+    placements, mesh = tuple(p.placements), p.device_mesh
+    if p.grad is not None and tuple(p.grad.placements) != placements:
+        raise _refusal(p, where, f"its gradient is placed {tuple(p.grad.placements)}, not like the parameter")
+    split = [d for d, pl in enumerate(placements) if _sharded_dim(pl) in (p.dim() - 2, p.dim() - 1)]
     coordinate = mesh.get_coordinate()
     box = _box(p, coordinate)
     first = box[0][0] if p.dim() == 3 else 0
@@ -93,8 +102,8 @@ def layout(p: torch.Tensor, where: str) -> Layout:
         boxes.append(_box(p, [at[d] if d in split else coordinate[d] for d in range(mesh.ndim)])[-2:])
     mine = boxes[dist.get_rank(group)]
     if tuple(p.to_local().shape) != (mine[0][1] - mine[0][0], mine[1][1] - mine[1][0]):
-        raise refuse(f"this rank holds {tuple(p.to_local().shape)}, not the rows {mine[0]} and columns {mine[1]} "
-                     "its placements give")
+        raise _refusal(p, where, f"this rank holds {tuple(p.to_local().shape)}, not the rows {mine[0]} and "
+                                 f"columns {mine[1]} its placements give")
     return Layout(_sharding(boxes, *p.shape), group)
 
 
