@@ -117,7 +117,7 @@ def main() -> None:
         "world": world,
         "config": config,
         "model": {"width": args.width, "layers": args.layers, "heads": args.heads, "seq": args.seq,
-                  "params": sum(p.numel() for p in model.parameters())},
+                  "params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())},  # (ZeRO-3: whole)
         "losses": losses,
         "final_loss_mean_last10": statistics.mean(losses[-10:]),
         "median_iter_ms": statistics.median(iter_times[warm]) * 1e3,
