@@ -206,6 +206,7 @@ def _refusals(world: int) -> list[str]:
     parameter; a gradient placed unlike its parameter: at the step, with nothing changed."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     from dion3_megatron import Dion3
 
@@ -213,7 +214,11 @@ def _refusals(world: int) -> list[str]:
     gen = torch.Generator().manual_seed(2)
     cases = {"partial": DTensor.from_local(torch.randn(8, 4, generator=gen), mesh, [Partial()]),
              "conv": distribute_tensor(torch.randn(8, 2, 3, 3, generator=gen), mesh, [Shard(0)]),
-             "expert rows": distribute_tensor(torch.randn(2, 8, 4, generator=gen), mesh, [Shard(1)])}
+             "expert rows": distribute_tensor(torch.randn(2, 8, 4, generator=gen), mesh, [Shard(1)]),
+             # rows cut left to right, then strided: rank 0 would hold rows 0 and 2, not a block
+             "strided rows": DTensor.from_local(torch.randn(2, 4, generator=gen), init_device_mesh("cpu", (1, world)),
+                                                [Shard(0), _StridedShard(0, split_factor=2)], run_check=False,
+                                                shape=(2 * world, 4), stride=(4, 1))}
     messages = []
     for name, value in cases.items():
         with pytest.raises(ValueError) as error:
@@ -230,11 +235,12 @@ def _refusals(world: int) -> list[str]:
 
 
 def test_placements_the_engine_does_not_take_are_refused_naming_the_parameter(two_ranks):
-    for partial, conv, experts, grad in (out["refused"] for out in two_ranks):
+    for partial, conv, experts, strided, grad in (out["refused"] for out in two_ranks):
         assert partial.startswith("partial: Dion3 takes DTensor parameters placed by Shard") and "Partial" in partial
         assert conv.startswith("conv: Dion3 takes 2-D DTensor matrices and 3-D ones sharded by experts"), conv
         assert experts.startswith("expert rows: Dion3 takes 3-D DTensor parameters (experts) sharded by experts"), experts
         assert "Shard(dim=1)" in experts
+        assert strided.startswith("strided rows: dimension 0 is cut into pieces that are not contiguous"), strided
         assert grad.startswith("replicated grad: its gradient is placed (Replicate(),), not like the parameter"), grad
 
 

@@ -72,12 +72,11 @@ def check_placements(p: torch.Tensor, where: str) -> None:
     split = [d for d, pl in enumerate(placements) if _sharded_dim(pl) in matrix_dims]
     if p.dim() == 3 and split:
         raise _refusal(p, where, "Dion3 takes 3-D DTensor parameters (experts) sharded by experts (dim 0) only")
-    for dim in matrix_dims:
-        on_dim = [placements[d] for d in split if _sharded_dim(placements[d]) == dim]
-        strided = [pl for pl in on_dim if isinstance(pl, _StridedShard)]
-        # Contiguous pieces only: shards cut left to right, or FSDP2's cut of a tensor-parallel block.
-        if strided and (len(on_dim) != 2 or on_dim[0] is not strided[0]
-                        or strided[0].split_factor != mesh.size(placements.index(on_dim[1]))):
+    for dim in range(p.dim()):  # contiguous pieces only: cut left to right, or FSDP2's cut of a TP block
+        cuts = [(d, pl) for d, pl in enumerate(placements) if _sharded_dim(pl) == dim]
+        strided = [d for d, pl in cuts if isinstance(pl, _StridedShard)]
+        if strided and (len(cuts) != 2 or strided != [cuts[0][0]] or isinstance(cuts[1][1], _StridedShard)
+                        or cuts[0][1].split_factor != mesh.size(cuts[1][0])):
             raise _refusal(p, where, f"dimension {dim} is cut into pieces that are not contiguous")
 
 
