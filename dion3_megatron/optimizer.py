@@ -18,7 +18,7 @@ import torch
 from . import options
 from .frontend import announce_skipped_step, groups as grouping
 from .frontend.dtensor import check_placements, is_dtensor
-from .frontend.whole import Fractions, WholeParameters
+from .frontend.whole import RECORD, Fractions, WholeParameters
 from .kernels import config as kernel_config
 
 
@@ -88,8 +88,9 @@ class Dion3(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["skipped_steps"] = self.skipped_steps
-        # The automatic f chosen: a resume keeps it, whatever the device measures then.
-        sd["fractions"] = dict(self._whole.chosen)
+        # The automatic f chosen, per group: a resume keeps it, whatever the device measures then.
+        for saved, record in zip(sd["param_groups"], self._whole.group_records(self.param_groups)):
+            saved[RECORD] = record
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -103,12 +104,12 @@ class Dion3(torch.optim.Optimizer):
             hint = (" (a plain parameter list makes two groups, matrices and the AdamW tensors, since "
                     "adamw_lr; a checkpoint from before holds one: build the optimizer from "
                     "[{'params': params}] to load it)")
-        grouping.check_saved_groups(state_dict["param_groups"], self.param_groups, options.TORCH,
-                                        lambda group: group["params"], hint)
+        saved_groups = [{k: v for k, v in saved.items() if k != RECORD} for saved in state_dict["param_groups"]]
+        grouping.check_saved_groups(saved_groups, self.param_groups, options.TORCH, lambda group: group["params"], hint)
         chosen = self._whole.saved_record(state_dict, self.param_groups)
         self.state = defaultdict(dict, grouping.loaded_state(state_dict, self.param_groups, grouping.param_state_shapes))
         self._whole.reset(chosen)
-        for mine, saved in zip(self.param_groups, state_dict["param_groups"]):
+        for mine, saved in zip(self.param_groups, saved_groups):
             mine.update({k: v for k, v in saved.items() if k != "params"})
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 

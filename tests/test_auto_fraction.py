@@ -164,7 +164,7 @@ def test_fractions_print_parameter_names_and_a_parameter_still_finds_its_f(monke
         assert list(resumed.fractions.values()) == [0.25, 0.125]
 
 
-def test_the_record_is_by_matrix_name_and_older_checkpoints_by_parameter_index_still_load(monkeypatch, step_time_only):
+def test_the_record_is_per_group_by_matrix_name_and_older_checkpoints_still_load(monkeypatch, step_time_only):
     monkeypatch.setattr(fractions, "measure", lambda device, dtype: LAUNCH_BOUND)  # would choose f = 1
     model = torch.nn.ModuleDict({"dense": torch.nn.Linear(96, 512, bias=False)})
     experts = torch.nn.Parameter(torch.randn(2, 1024, 64))
@@ -173,15 +173,23 @@ def test_the_record_is_by_matrix_name_and_older_checkpoints_by_parameter_index_s
     for _, p in params:
         p.grad = torch.randn_like(p)
     opt.step()
-    assert opt.state_dict()["fractions"] == {"dense.weight": 1.0, "experts.matrix0": 1.0, "experts.matrix1": 1.0}
+    assert [g["fractions"] for g in opt.state_dict()["param_groups"]] == [
+        {"dense.weight": 1.0, "experts.matrix0": 1.0, "experts.matrix1": 1.0}]
     older = opt.state_dict()
-    del older["fractions"]
+    older["param_groups"] = [{k: v for k, v in g.items() if k != "fractions"} for g in older["param_groups"]]
     older["auto_fractions"] = {0: 0.25, 1: 0.125}  # by index in the packed state: dense, then experts
     resumed = Dion3(params, fraction="auto", ns_dtype=torch.float32)
     resumed.load_state_dict(older)
     resumed.step()
     assert dict(resumed.fractions) == {"dense.weight": 0.25, "experts": 0.125}
-    assert resumed.state_dict()["fractions"] == {"dense.weight": 0.25, "experts.matrix0": 0.125, "experts.matrix1": 0.125}
+    assert resumed.state_dict()["param_groups"][0]["fractions"] == {
+        "dense.weight": 0.25, "experts.matrix0": 0.125, "experts.matrix1": 0.125}
+    whole_checkpoint = {**{k: v for k, v in older.items() if k != "auto_fractions"},
+                        "fractions": {"dense.weight": 0.5, "experts.matrix0": 0.25, "experts.matrix1": 0.25}}
+    resumed = Dion3(params, fraction="auto", ns_dtype=torch.float32)
+    resumed.load_state_dict(whole_checkpoint)  # the record of whole checkpoints before groups kept it
+    resumed.step()
+    assert dict(resumed.fractions) == {"dense.weight": 0.5, "experts": 0.25}
     for record, message in (({"auto_fractions": {5: 0.25}}, "5 names no matrix"),
                             ({"fractions": {"dense.weight": 0.3}}, "dense.weight has fraction 0.3")):
         bad = {**{k: v for k, v in older.items() if k != "auto_fractions"}, **record}

@@ -94,6 +94,7 @@ def _session(rank: int, world: int, cases: list[tuple[str, dict, int]], checkpoi
     if checkpoint is not None:
         out["refused"] = _refusals(world)
         _dcp_worker(rank, world, "fsdp", checkpoint, range(0, 2), DCP_SETTINGS)
+        out["auto resumed"] = _auto_resumed(world, checkpoint + "-auto")
     return out
 
 
@@ -199,6 +200,53 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_and_at_four_with_tensor_
             for name, value in out.items():
                 torch.testing.assert_close(value, expected[name], **TOL,
                                            msg=lambda m, n=name, w=world, lay=layout: f"{lay} at {w} ranks {n}: {m}")
+
+
+def _auto_resumed(world: int, directory: str) -> tuple[dict, dict]:
+    """fraction="auto" chosen where the device is FLOP-bound (small f on these 512-row matrices),
+    saved through torch.distributed.checkpoint and loaded where it is launch-bound (it would choose
+    f = 1): the choices before and after the resume."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dion3_megatron import Dion3
+    from dion3_megatron.core import cost_model
+    from dion3_megatron.core.cost_model import DeviceSpeed
+    from dion3_megatron.engine import fractions
+
+    def built():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 64))
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        return model, Dion3(model.named_parameters(), ns_dtype=torch.float32)
+
+    measured, tokens = fractions.measure, cost_model.TOKENS_PER_STEP
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    try:
+        cost_model.TOKENS_PER_STEP = 0  # the optimizer's step is the whole iteration
+        fractions.measure = lambda device, dtype: DeviceSpeed(1e6, 0.0, 1e30, 1e30)
+        model, opt = built()
+        model(x).square().mean().backward()
+        opt.step()
+        saved = dict(opt.fractions)
+        dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=directory)
+        fractions.measure = lambda device, dtype: DeviceSpeed(1e30, 1.0, 1e30, 1e30)
+        model, opt = built()
+        state = {"optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(state, checkpoint_id=directory)
+        set_optimizer_state_dict(model, opt, state["optim"])
+        model(x).square().mean().backward()
+        opt.step()
+        return saved, dict(opt.fractions)
+    finally:
+        fractions.measure, cost_model.TOKENS_PER_STEP = measured, tokens
+
+
+def test_a_checkpoint_keeps_the_automatic_fractions_chosen(two_ranks):
+    for saved, resumed in (out["auto resumed"] for out in two_ranks):
+        assert min(saved.values()) < 1 and resumed == saved, (saved, resumed)
 
 
 def _refusals(world: int) -> list[str]:

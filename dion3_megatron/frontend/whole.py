@@ -22,6 +22,9 @@ from .groups import algorithm_of, check_group, hyperparameters, matrix_names, pa
 from .matrices import matrix_shape, matrix_values, matrix_view, stacked_view
 
 
+RECORD = "fractions"  # the key of a saved param group's record of the automatic f
+
+
 class Fractions(dict):
     """The automatic f chosen per parameter, ``{parameter name: f}``: the names of named
     parameters, else ``"group i / param j"`` (a 3-D parameter's matrices share one f). A parameter
@@ -65,13 +68,24 @@ class WholeParameters:
                   if (f := next((self.chosen[m] for m in matrix_names(name, p) if m in self.chosen), None)) is not None}
         return Fractions(chosen, names)
 
+    def group_records(self, groups: list[dict]) -> list[dict[str, float]]:
+        """Per param group, the automatic f its matrices use here, by matrix name: the record a
+        checkpoint keeps in each saved group's ``"fractions"`` (``torch.distributed.checkpoint``
+        keeps param groups, and loads each name into the group that holds it)."""
+        names = param_names(groups)
+        return [{m: self.chosen[m] for p in group["params"] for m in matrix_names(names[p], p) if m in self.chosen}
+                for group in groups]
+
     @staticmethod
     def saved_record(state_dict: dict[str, Any], groups: list[dict]) -> dict[str, float]:
-        """A checkpoint's record of the automatic f, checked (:func:`~dion3_megatron.engine.plan.fraction_record`:
-        by matrix name, or the older one by parameter index)."""
+        """A checkpoint's record of the automatic f, checked (:func:`~dion3_megatron.engine.plan.fraction_record`):
+        its param groups' ``"fractions"``, else the older whole-checkpoint ``"fractions"`` by matrix
+        name or ``"auto_fractions"`` by parameter index."""
         names = param_names(groups)
-        return plan.fraction_record(state_dict.get("fractions", state_dict.get("auto_fractions", {})),
-                                    "checkpoint fractions", [matrix_names(names[p], p) for p in packed_order(groups)])
+        in_groups = [saved[RECORD] for saved in state_dict["param_groups"] if RECORD in saved]
+        record = {name: f for saved in in_groups for name, f in saved.items()} if in_groups else \
+            state_dict.get("fractions", state_dict.get("auto_fractions", {}))
+        return plan.fraction_record(record, "checkpoint fractions", [matrix_names(names[p], p) for p in packed_order(groups)])
 
     def reset(self, chosen: dict[str, float]) -> None:
         """After a checkpoint load: the record it held; the next step builds an engine on the loaded state."""
