@@ -158,7 +158,7 @@ def main() -> None:
                 config = json.load(f)
         summary = {
             "optimizer": ((config or {}).get("optimizer") or {}).get("type", "Trainer's own"),
-            "model": {**dataclasses.asdict(margs), "params": sum(p.numel() for p in model.parameters())},
+            "model": {**dataclasses.asdict(margs), "params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())},
             "steps": len(timing.iter_ms),
             "final_loss": losses[-1],
             "final_loss_steps": logged[-1]["step"] - (logged[-2]["step"] if len(logged) > 1 else 0),
@@ -172,6 +172,8 @@ def main() -> None:
         if margs.json:
             with open(margs.json, "w") as f:
                 json.dump({**summary, "losses": losses}, f, indent=1)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank past its last collective: gloo can abort a process that leaves first
 
 
 if __name__ == "__main__":
