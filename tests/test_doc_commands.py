@@ -462,6 +462,12 @@ for _block in blocks_marked("cpu"):
     CPU_RUNS.setdefault(_block.text, _block)  # one run for a command shown twice, named where it is first
 
 
+# A multi-process CPU run can abort on its way out, after its last output, with this message from a
+# thread left unjoined at exit (about 1 run in 12 of `comm_fsdp2.py --measure` on 2 ranks, gloo,
+# torch 2.14; not seen in a bare gloo script): such a command runs once more, and must pass then.
+EXIT_ABORT = "terminate called without an active exception"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("text", list(CPU_RUNS), ids=[b.where for b in CPU_RUNS.values()])
 def test_cpu_command_runs_as_written(text, workdir):
@@ -475,6 +481,8 @@ def test_cpu_command_runs_as_written(text, workdir):
     env = environment()
     env["PATH"] = os.pathsep.join([str(pathlib.Path(sys.executable).parent), env.get("PATH", "")])
     proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 and EXIT_ABORT in proc.stderr:  # the command ran; a rank aborted on its way out
+        proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{block.where}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert "Traceback (most recent call last)" not in proc.stderr, f"{block.where}\n{proc.stderr[-5000:]}"
 
