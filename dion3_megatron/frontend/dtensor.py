@@ -168,11 +168,6 @@ def per_row(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(values, p.device_mesh, placements, run_check=False, shape=(count, n), stride=(n, 1))
 
 
-def local_count(p: torch.Tensor) -> int:
-    """How many matrices this rank holds of ``p`` (a 3-D DTensor's local experts)."""
-    return local(p).shape[0] if p.dim() == 3 else 1
-
-
 def empty_state(p: torch.Tensor, parts: Sequence[str]) -> dict[str, torch.Tensor]:
     """The state of a parameter of which this rank holds no matrix (no local expert), placed like it."""
     n = p.shape[-2]

@@ -16,10 +16,10 @@ from ..core import rule
 from ..core.ortho import default_ns_dtype
 from ..core.rule import Dion3Hyperparameters
 from ..engine import Dion3Engine, MatrixShard, Sharding, cuda_graph as cuda_graph_module, fractions, plan
-from .dtensor import empty_state, is_dtensor, layout, local, local_count, param_shaped, per_row
+from .dtensor import empty_state, is_dtensor, layout, local, param_shaped, per_row
 from .gate import usable_here, usable_on_every_rank
 from .groups import algorithm_of, check_group, hyperparameters, matrix_names, packed_order, param_names
-from .matrices import matrix_shape, matrix_values, matrix_view, stacked_view
+from .matrices import matrix_count, matrix_shape, matrix_values, matrix_view, stacked_view
 
 
 RECORD = "fractions"  # the key of a saved param group's record of the automatic f
@@ -175,7 +175,7 @@ class WholeParameters:
         shards: dict[torch.Tensor, list[MatrixShard]] = {}
         for gi, p in matrices:
             own = state[p]
-            carried: list[dict] = [{} for _ in range(local_count(p))]
+            carried: list[dict] = [{} for _ in range(matrix_count(local(p)))]
             if "momentum" in own:  # stepped before (or loaded): the engine copies it in
                 rows = [part for part in ("variance", "row_age") if part in own]
                 carried = [{"momentum": m, **{part: local(own[part])[e] for part in rows}}
@@ -186,7 +186,7 @@ class WholeParameters:
                 weight, grad = matrix_view(local(p)), matrix_values(local(p.grad))
                 shards[p] = [MatrixShard(names_of[placed.first_matrix + e], weight[e], grad[e], matrix_shape(p),
                                          placed.sharding, placed.group, settings[gi], carried[e])
-                             for e in range(local_count(p))]
+                             for e in range(matrix_count(local(p)))]
                 continue
             weight = matrix_view(self._contiguous_weight(p))
             grad = matrix_values(p.grad)
