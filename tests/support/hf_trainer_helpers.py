@@ -101,7 +101,8 @@ def session(rank: int, world: int, tmp: str) -> dict:
 
     h.init()
     out: dict[str, Any] = {"seconds": {}}
-    runs = [("llama", 1, llama), ("llama", 2, llama), ("gpt2", 1, gpt2), ("gpt2_linear", 2, lambda: gpt2(True))]
+    runs = [("llama", 1, llama), ("llama", 2, llama), ("llama", 3, llama), ("gpt2", 1, gpt2),
+            ("gpt2_linear", 2, lambda: gpt2(True))]
     for name, stage, build in runs:
         t0 = time.time()
         t = trainer(build(), ds_config(stage), os.path.join(tmp, f"{name}{stage}"))
