@@ -52,6 +52,7 @@ if str(REPO) not in sys.path:  # run as a script
 from benchmarks.comm_model import ALPHA_S, BETA_BYTES_PER_S, CONFIGS, ModelConfig, _by_shape  # noqa: E402
 from dion3_megatron.core.rule import selected_row_count  # noqa: E402
 from dion3_megatron.engine.static import STATIC_ROW_BLOCKS_MAX_WORLD  # noqa: E402
+from examples.leave_process_group import leave_process_group  # noqa: E402
 
 FP32, BF16 = 4, 2
 WORLDS = (8, 16, 32, 64)
@@ -309,8 +310,7 @@ def measure(dion_path: Optional[str]) -> None:
     if rank == 0:
         print(f"measured on gloo, {world} ranks, {SMALL_GROUPS} (rows, cols, matrices), f = {SMALL_FRACTION}")
         print("\n".join(lines) + ("" if len(paths) > 1 else "\n(microsoft/dion not importable: pass --dion-path)"))
-    dist.barrier()  # every rank past its last collective: gloo can abort a process that leaves first
-    dist.destroy_process_group()
+    leave_process_group()
     if not agree:
         sys.exit(1)
 

@@ -23,7 +23,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from dion3_megatron import Dion3
 from dion3_megatron.options import BY_NAME
-from small_gpt import GPT  # examples/small_gpt.py and examples/stdlib_text.py, beside this script
+from leave_process_group import leave_process_group  # examples/*.py, beside this script
+from small_gpt import GPT
 from stdlib_text import stdlib_tokens
 
 FRACTION = BY_NAME["fraction"]
@@ -107,8 +108,7 @@ def main() -> None:
         if args.fraction == "auto":
             chosen = sorted({(tuple(p.shape), opt.fractions[p]) for _, p in hidden})
             print("fraction=auto chose (shape: f) " + ", ".join(f"{'x'.join(map(str, s))}: {f:g}" for s, f in chosen))
-    dist.barrier()  # every rank past its last collective: gloo can abort a process that leaves first
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

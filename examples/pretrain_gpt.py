@@ -39,6 +39,7 @@ from dion3_megatron.options import BY_NAME as DION3_OPTIONS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' own modules, also when imported by path
 from compare_report import LABELS, report  # noqa: E402
+from leave_process_group import leave_process_group  # noqa: E402
 from small_gpt import megatron_config, megatron_gpt  # noqa: E402
 from stdlib_text import byte_tokens, stdlib_bytes  # noqa: E402
 
@@ -566,8 +567,7 @@ def worker(args) -> None:
             results.append(dict(optimizer=name, label=LABELS[name], error=f"{type(e).__name__}: {e}"[:500]))
     if rank0:
         report(args, results, skipped, meta)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
     if any("error" in r for r in results):
         raise SystemExit(1)
 

@@ -31,6 +31,7 @@ import deepspeed
 import dion3_megatron.deepspeed as dion3_deepspeed  # registers "type": "Dion3"
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/: the shared modules
+from leave_process_group import leave_process_group  # noqa: E402
 from small_gpt import GPT  # noqa: E402
 from step_timer import StepTimer  # noqa: E402
 from stdlib_text import stdlib_tokens  # noqa: E402
@@ -132,7 +133,7 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(summary, f, indent=1)
-    torch.distributed.barrier()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArg
 import dion3_megatron.deepspeed  # noqa: F401  registers "type": "Dion3" for DeepSpeed configs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/: the shared modules
+from leave_process_group import leave_process_group  # noqa: E402
 from step_timer import StepTimer  # noqa: E402
 from stdlib_text import stdlib_tokens  # noqa: E402
 
@@ -172,8 +173,7 @@ def main() -> None:
         if margs.json:
             with open(margs.json, "w") as f:
                 json.dump({**summary, "losses": losses}, f, indent=1)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # every rank past its last collective: gloo can abort a process that leaves first
+    leave_process_group()
 
 
 if __name__ == "__main__":
