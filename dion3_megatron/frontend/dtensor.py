@@ -13,7 +13,7 @@ experts) sharded by experts (``Shard(0)``) holds whole matrices.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -142,6 +142,30 @@ def _group_over(mesh, dims: list[int]) -> dist.ProcessGroup:
     if ranks not in _groups:
         _groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
     return _groups[ranks]
+
+
+def choices_held_elsewhere(experts: Sequence[tuple[torch.Tensor, list[str]]],
+                           chosen_here: Mapping[str, float]) -> dict[str, float]:
+    """The automatic f the ranks chose for the experts each holds, gathered, so that every rank
+    keeps the whole record (the rank writing a checkpoint's param groups among them).
+
+    ``experts``: the DTensor 3-D parameters with the automatic f and their matrix names;
+    ``chosen_here``: this rank's engine's choices. One ``all_gather_object`` per group of ranks that
+    split a parameter's experts, at every engine build (collective already where a matrix is split):
+    whether a rank gathers depends on the parameters' placements alone, so none waits alone.
+    """
+    wanted: dict[dist.ProcessGroup, list[str]] = {}
+    for p, names in experts:
+        dims = [d for d, pl in enumerate(p.placements) if _sharded_dim(pl) == 0]
+        if dims:
+            wanted.setdefault(_group_over(p.device_mesh, dims), []).extend(names)
+    gathered: dict[str, float] = {}
+    for group, names in wanted.items():
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, {name: chosen_here[name] for name in names if name in chosen_here}, group=group)
+        for theirs in everyone:
+            gathered.update(theirs)
+    return gathered
 
 
 def param_shaped(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

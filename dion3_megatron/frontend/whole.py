@@ -16,7 +16,7 @@ from ..core import rule
 from ..core.ortho import default_ns_dtype
 from ..core.rule import Dion3Hyperparameters
 from ..engine import Dion3Engine, MatrixShard, Sharding, cuda_graph as cuda_graph_module, fractions, plan
-from .dtensor import empty_state, is_dtensor, layout, local, param_shaped, per_row
+from .dtensor import choices_held_elsewhere, empty_state, is_dtensor, layout, local, param_shaped, per_row
 from .gate import usable_here, usable_on_every_rank
 from .groups import algorithm_of, check_group, hyperparameters, matrix_names, packed_order, param_names
 from .matrices import matrix_count, matrix_shape, matrix_values, matrix_view, stacked_view
@@ -64,7 +64,7 @@ class WholeParameters:
 
     def fractions(self, names: dict[torch.Tensor, str]) -> Fractions:
         """The automatic f of each parameter that has one, by name (``names``: every parameter's)."""
-        chosen = {p: f for p, name in names.items()  # (a sharded 3-D parameter: its first matrix here)
+        chosen = {p: f for p, name in names.items()  # (a 3-D parameter: its first matrix's)
                   if (f := next((self.chosen[m] for m in matrix_names(name, p) if m in self.chosen), None)) is not None}
         return Fractions(chosen, names)
 
@@ -196,7 +196,10 @@ class WholeParameters:
         engine = Dion3Engine([s for own in shards.values() for s in own], cuda_graph=self.cuda_graph,
                              local=not any(is_dtensor(p) for p in shards), fresh_grads=True, speeds=self._speeds,
                              chosen=self.chosen)
-        self.chosen.update(engine.chosen_fractions())
+        chosen_here = engine.chosen_fractions()
+        experts = [(p, matrix_names(names[p], p)) for gi, p in matrices
+                   if is_dtensor(p) and p.dim() == 3 and plan.chooses_fraction(settings[gi])]
+        self.chosen.update({**choices_held_elsewhere(experts, chosen_here), **chosen_here})
         for gi, p in matrices:  # the parameter's state: views of the engine's buffers
             own = shards[p]
             if not own:  # a DTensor of which this rank holds no matrix (no local expert)
