@@ -70,9 +70,10 @@ class Dion3(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         grouping.check_group(f"param group {index}", group, options.TORCH)
-        names = grouping.param_names(self.param_groups)
-        for p in group["params"]:  # refused here, before any step, naming the parameter
-            if is_dtensor(p) and grouping.algorithm_of(group, p) == "dion3":
+        sharded = [p for p in group["params"] if is_dtensor(p) and grouping.algorithm_of(group, p) == "dion3"]
+        if sharded:  # refused here, before any step, naming the parameter
+            names = grouping.param_names(self.param_groups)
+            for p in sharded:
                 check_placements(p, names[p])
 
     @property
