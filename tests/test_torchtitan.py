@@ -1,0 +1,169 @@
+"""Dion3 in torchtitan 0.3: "Dion3" as an optimizer name of its param-group config
+(dion3_megatron.torchtitan), the optimizer built by its OptimizersContainer, its llama3 model
+parallelized by its own parallelize_llama on gloo (FSDP2, HSDP, FSDP2 with tensor parallelism),
+checkpoints through its CheckpointManager; every run equal to the single-process Dion3 (and
+AdamW) on the whole model."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan.components.optimizer")
+
+from support import torchtitan_helpers as helpers  # noqa: E402
+from support.dist_utils import run_distributed  # noqa: E402
+
+from dion3_megatron import Dion3  # noqa: E402
+from dion3_megatron import torchtitan as dion3_torchtitan  # noqa: E402
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig  # noqa: E402
+
+# Orthogonalized in fp64, so that what differs is fp32 rounding of the weights, the momentum and the
+# gradients (reduced over ranks in another order): about 5e-7 after three steps, as in
+# tests/test_fsdp2.py. A wrong row, a lost step or a lost optimizer state differs by 1e-3 or more.
+TOL = {"rtol": 5e-6, "atol": 5e-6}
+SETTINGS = {"lr": 0.02, "adamw_lr": 0.003, "weight_decay": 0.01, "fraction": 0.5, "ns_dtype": torch.float64}
+MATRICES = {f"layers.{i}.{m}.weight" for i in range(helpers.LAYERS)
+            for m in ("attention.qkv_linear.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
+                      "feed_forward.w3")}
+
+
+@pytest.fixture
+def registered():
+    dion3_torchtitan.register()
+    yield
+    dion3_torchtitan.unregister()
+
+
+def test_register_is_idempotent_and_unregister_restores_torchtitans_resolver():
+    stock = OptimizersContainer.__dict__["_resolve_optimizer_factory"].__func__
+    try:
+        dion3_torchtitan.register()
+        dion3_torchtitan.register()
+        resolve = OptimizersContainer._resolve_optimizer_factory
+        assert resolve("Dion3") is dion3_torchtitan.build_dion3 and resolve("AdamW") is torch.optim.AdamW
+        assert resolve.__wrapped__ is stock  # registered once, not wrapped twice
+    finally:
+        dion3_torchtitan.unregister()
+        dion3_torchtitan.unregister()
+    assert OptimizersContainer.__dict__["_resolve_optimizer_factory"].__func__ is stock
+    assert not dion3_torchtitan.is_registered()
+    with pytest.raises(NotImplementedError, match="Optimizer Dion3 not added"):
+        OptimizersContainer._resolve_optimizer_factory("Dion3")
+
+
+def test_the_default_config_gives_the_hidden_matrices_to_dion3_and_the_rest_to_adamw(registered):
+    model = helpers.built_model()
+    optimizers = helpers.container(model, SETTINGS)
+    dion3, adamw = optimizers.optimizers
+    assert isinstance(dion3, Dion3) and isinstance(adamw, torch.optim.AdamW)
+    names = {o: {n for group in o.param_groups for n in group["param_names"]} for o in (dion3, adamw)}
+    assert names[dion3] == MATRICES
+    assert names[adamw] == {n for n, _ in model.named_parameters()} - MATRICES
+    assert {g["lr"] for g in dion3.param_groups} == {0.02} and {g["lr"] for g in adamw.param_groups} == {0.003}
+
+
+def test_the_default_regex_names_the_matrices_of_torchtitans_llama3_wherever_wrappers_put_them():
+    from torchtitan.models.llama3 import llama3_configs
+
+    with torch.device("meta"):
+        model = llama3_configs["debugmodel"](attn_backend="flex").build()
+    chosen = {n for n, _ in model.named_parameters() if re.search(dion3_torchtitan.HIDDEN_MATRICES, n)}
+    assert {n for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("layers.")} == chosen
+    assert len(chosen) == 6 * 5
+    for name in ("layers.0._checkpoint_wrapped_module.attention.wo.weight", "layers.3.attention.qkv_linear.wq.weight",
+                 "layers.3.attention.qkv_linear.wk.weight", "layers.3.attention.qkv_linear.wv.weight"):
+        assert re.search(dion3_torchtitan.HIDDEN_MATRICES, name), name
+    for name in ("layers.0.attention.q_norm.weight", "layers.0.attention_norm.weight", "tok_embeddings.weight",
+                 "lm_head.weight", "norm.weight", "layers.0.attention.wo.bias"):
+        assert not re.search(dion3_torchtitan.HIDDEN_MATRICES, name), name
+
+
+def _built_with(kwargs: dict, factory: dict | None = None):
+    config = OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=dion3_torchtitan.HIDDEN_MATRICES, optimizer_name="Dion3",
+                                       optimizer_kwargs=kwargs),
+                      ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})],
+        optimizer_factory_kwargs_by_name={"Dion3": factory or {}})
+    return config.build(model_parts=[helpers.built_model()])
+
+
+def test_options_are_checked_by_dion3s_spec_with_the_closest_name(registered):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'fracton' \(did you mean 'fraction'\?\)"):
+        dion3_torchtitan.optimizer_config(fracton=0.5)
+    with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\] or 'auto', got 2"):
+        dion3_torchtitan.optimizer_config(fraction=2)
+    with pytest.raises(TypeError, match=r"Dion3 optimizer_kwargs of 'layers.0.attention.qkv_linear.wqkv.weight' and "
+                                        r"others: 'fracton' is not a Dion3 option \(did you mean 'fraction'\?\)"):
+        _built_with({"lr": 0.01, "fracton": 0.5})
+    with pytest.raises(TypeError, match=r"'momentum' is not a Dion3 option \(Dion3 calls its momentum 'mu'\)"):
+        _built_with({"lr": 0.01, "momentum": 0.9})
+    with pytest.raises(ValueError, match=r"cuda_graph is one value per optimizer; give it in the config's "
+                                         r"optimizer_factory_kwargs_by_name\['Dion3'\]"):
+        _built_with({"lr": 0.01, "cuda_graph": False})
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'cuda_grph' \(did you mean 'cuda_graph'\?\)"):
+        _built_with({"lr": 0.01}, {"cuda_grph": False})
+    with pytest.raises(ValueError, match=r"mu must be in \[0, 1\), got 1.5"):
+        _built_with({"lr": 0.01, "mu": 1.5})
+    assert isinstance(_built_with({"lr": 0.01, "mu": 0.5}, {"cuda_graph": False}).optimizers[0], Dion3)
+
+
+def test_a_checkpoint_keeps_the_automatic_fraction_each_matrix_stepped_at(registered, monkeypatch):
+    """torchtitan's flat state dict keys each parameter's group settings by its name, and loads only
+    the keys a live group has: the record of the automatic f must be one of them."""
+    from dion3_megatron.core import cost_model
+    from dion3_megatron.engine import fractions
+
+    monkeypatch.setattr(cost_model, "TOKENS_PER_STEP", 0)  # the optimizer's step is the whole iteration
+    monkeypatch.setattr(cost_model, "MIN_SELECTED_ROWS", 8)  # f < 1 offered for these small matrices
+
+    def trained(speed: cost_model.DeviceSpeed):
+        monkeypatch.setattr(fractions, "measure", lambda device, dtype: speed)
+        model = helpers.built_model()
+        optimizers = helpers.container(model, {**SETTINGS, "fraction": "auto"})
+        helpers.train(model, optimizers, range(1))
+        return optimizers
+
+    saved = trained(cost_model.DeviceSpeed(1e6, 0.0, 1e30, 1e30))
+    flat = saved.state_dict()
+    chosen = dict(saved.optimizers[0].fractions)
+    assert set(chosen) == MATRICES and min(chosen.values()) < 1, chosen  # FLOP-bound: f < 1
+    assert flat["param_groups.layers.1.feed_forward.w2.weight.fractions"] == {
+        "layers.1.feed_forward.w2.weight": chosen["layers.1.feed_forward.w2.weight"]}
+    resumed = trained(cost_model.DeviceSpeed(1e30, 1.0, 1e30, 1e30))  # launch-bound: larger f
+    assert dict(resumed.optimizers[0].fractions) != chosen
+    resumed.load_state_dict(flat)
+    model = resumed.model_parts[0]
+    helpers.train(model, resumed, range(1, 2))
+    assert dict(resumed.optimizers[0].fractions) == chosen
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_distributed(helpers.session, 2, list(helpers.LAYOUTS), SETTINGS,
+                           str(tmp_path_factory.mktemp("torchtitan-checkpoint")), timeout=600)
+
+
+def _assert_equal(params: dict, expected: dict, what: str) -> None:
+    assert params.keys() == expected.keys()
+    for name, value in params.items():
+        torch.testing.assert_close(value, expected[name], **TOL, msg=lambda m, n=name: f"{what} {n}: {m}")
+
+
+@pytest.mark.slow
+def test_each_layout_of_parallelize_llama_steps_as_the_single_process_run(two_ranks):
+    expected = two_ranks[1]["reference"]
+    for out in two_ranks:
+        for layout, case in zip(helpers.LAYOUTS, out["cases"]):
+            assert case["types"] == ["Dion3", "AdamW"]
+            _assert_equal(case["params"], expected, layout)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_checkpoint_manager_resumes_as_the_uninterrupted_run_at_two_ranks_and_at_one(two_ranks):
+    expected = two_ranks[1]["reference"]
+    for out in two_ranks:
+        _assert_equal(out["resumed"], expected, "resumed at 2 ranks")
+    _assert_equal(two_ranks[0]["resumed at one rank"], expected, "resumed at 1 rank")
