@@ -109,8 +109,9 @@ def parallelized(world: int, layout: str):
         _DIMS[world, layout].build_mesh()
     dims = _DIMS[world, layout]
     context = get_spmd_context(parallel_dims=dims)
-    with context():  # (these meshes, not those of a model built before in this process)
-        model = parallelize_llama(built_model(parallelism), parallel_dims=dims,
+    model = built_model(parallelism)  # (outside the context: its initialization is of the whole tensors)
+    with context():  # (these meshes, not those of a model parallelized before in this process)
+        model = parallelize_llama(model, parallel_dims=dims,
                                   training=TrainingConfig(mixed_precision_param="float32"), parallelism=parallelism,
                                   compile_config=CompileConfig(), ac_config=None, dump_folder="")
     for module in model.modules():
