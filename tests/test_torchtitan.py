@@ -63,6 +63,10 @@ def test_the_default_config_gives_the_hidden_matrices_to_dion3_and_the_rest_to_a
     assert names[dion3] == MATRICES
     assert names[adamw] == {n for n, _ in model.named_parameters()} - MATRICES
     assert {g["lr"] for g in dion3.param_groups} == {0.02} and {g["lr"] for g in adamw.param_groups} == {0.003}
+    before = helpers.full_params(model)
+    flat = optimizers.state_dict()  # torchtitan first steps a fresh optimizer with zero gradients at lr 0
+    assert flat["state.layers.0.attention.wo.weight.momentum"].shape == (helpers.DIM, helpers.DIM)
+    assert all(torch.equal(p, before[n]) for n, p in helpers.full_params(model).items())
 
 
 def test_the_default_regex_names_the_matrices_of_torchtitans_llama3_wherever_wrappers_put_them():
