@@ -30,12 +30,12 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from .core.ortho import NS_DTYPES
 from .core.rule import ADJUST_LR_CHOICES, Dion3Hyperparameters
 from .kernels.config import KERNELS
 
 AUTO = "auto"
 NS_METHODS = ("gram", "standard")
-NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 TORCH, MEGATRON, DEEPSPEED = "torch", "megatron", "deepspeed"
 FRONT_ENDS = (TORCH, MEGATRON, DEEPSPEED)
