@@ -166,7 +166,7 @@ _UNIT = dict(low=0.0, high=1.0, high_open=True)  # [0, 1)
 _OPTIMIZER_WIDE = dict(hyperparameter=False, group_key=False)
 
 OPTIONS: tuple[Option, ...] = (
-    # The convergence protocol's best Dion3 lr was 0.01 at f = 1 at both sizes; with
+    # 0.01 is Dion3's best lr at f = 1 on the GPTs the defaults are tuned on; with
     # scale_lr_by_fraction every other f then steps at its own best (0.02-0.04 at f = 1/4). AdamW on
     # embeddings at such an lr makes the loss spike, hence adamw_lr of its own.
     Option("lr", REAL, 0.01, "learning rate of the Dion3 matrices at f = 1 (see scale_lr_by_fraction; also the "
@@ -215,17 +215,6 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
-
-# Old spellings of published interfaces: old name -> new name. Megatron's flag and config field
-# were --dion3-ns / dion3_ns before every front end called the option ns_method; the Megatron
-# front end refuses the old spelling with an error naming the new one (rename_error).
-RENAMED = {"ns": "ns_method"}
-
-# Options that were tried and removed, with the value that made each a no-op: a checkpoint whose
-# param groups hold another value was trained by a rule this version no longer has.
-# row_step_as_full lost in the convergence protocol (benchmarks/results/measurement-log.md).
-RETIRED = {"row_step_as_full": False}
-
 
 # Names carried over from other optimizers, with what Dion3 calls them: the unknown-name error of
 # every front end (keyword argument, DeepSpeed config key) gives the hint. A name that is an option
@@ -339,19 +328,6 @@ def check(where: str, prefix: str = "", **values: Any) -> None:
         raise ValueError(f"{where}: {prefix}scale_mu_by_fraction=True scales an explicit {prefix}mu, got "
                          f"{prefix}mu=None (whose default already depends on f); set {prefix}mu, or leave "
                          f"{prefix}scale_mu_by_fraction off")
-
-
-def check_retired(where: str, group: dict[str, Any]) -> None:
-    """Refuse a checkpoint's param group that switched on an option this version removed."""
-    for name, inert in RETIRED.items():
-        if name in group and group[name] != inert:
-            raise ValueError(f"{where}: {name}={group[name]!r} was removed (it did not improve the loss in "
-                             f"the convergence study); this version steps only as {name}={inert!r} did")
-
-
-def rename_error(where: str, old: str, spell=lambda name: name) -> ValueError:
-    """The error for an old option name: ``spell`` writes a name as the front end does."""
-    return ValueError(f"{where}: {spell(old)} was renamed {spell(RENAMED[old])}")
 
 
 def check_num_heads(where: str, num_heads: Optional[int], n_rows: int, what: str) -> None:

@@ -481,19 +481,3 @@ def test_a_checkpoint_without_a_newer_group_option_loads_with_its_default(cls_pa
     _step_both_and_compare(p, opt, twin, resumed, generator)
 
 
-@pytest.mark.parametrize("cls_path", CHECKPOINTING_CLASSES)
-def test_a_checkpoint_with_a_removed_option_switched_on_is_refused_whole(cls_path, generator):
-    """row_step_as_full was removed: a group saved with it on names it and loads nothing; saved at
-    its no-op value it loads and resumes as if it had never been there."""
-    p, opt, saved, twin, resumed = _stepped_once_and_a_fresh_twin(cls_path, generator)
-    saved["param_groups"][0]["row_step_as_full"] = True
-    before = copy.deepcopy(resumed.state_dict())
-    with pytest.raises(ValueError, match=r"param group 0: row_step_as_full=True was removed"):
-        resumed.load_state_dict(saved)
-    after = resumed.state_dict()
-    assert after["param_groups"] == before["param_groups"]
-    assert after["state"].keys() == before["state"].keys()
-    assert all(torch.equal(after["state"][i][k], v) for i, s in before["state"].items() for k, v in s.items())
-    saved["param_groups"][0]["row_step_as_full"] = False
-    resumed.load_state_dict(saved)
-    _step_both_and_compare(p, opt, twin, resumed, generator)

@@ -35,7 +35,6 @@ def test_spec_is_consistent():
         assert not option.valid(_BAD[option.kind]), option.name
         if option.hyperparameter:
             assert option.group_key, option.name
-    assert set(options.RENAMED.values()) <= set(options.BY_NAME)
 
 
 def test_rule_hyperparameters_take_their_defaults_from_the_spec():
@@ -151,6 +150,3 @@ def test_megatron_flags_config_fields_and_kwargs_are_the_megatron_options():
         config = SimpleNamespace(lr=None, weight_decay=0.1, **{f"dion3_{option.name}": _BAD[option.kind]})
         with pytest.raises(ValueError, match=f"dion3_{option.name} must be"):
             optimizer.config_to_kwargs(config, [], None)
-    for old, new in options.RENAMED.items():
-        with pytest.raises(ValueError, match=f"dion3_{old} was renamed dion3_{new}"):
-            optimizer.config_to_kwargs(SimpleNamespace(lr=None, weight_decay=0.1, **{f"dion3_{old}": "x"}), [], None)
