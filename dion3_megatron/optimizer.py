@@ -122,6 +122,7 @@ class Dion3(torch.optim.Optimizer):
         self.skipped_steps += 1
         announce_skipped_step(self.skipped_steps)
 
+    @torch._dynamo.disable  # torch.compile runs the step eagerly: its in-place updates of views do not trace
     @torch.no_grad()
     @kernel_config.scoped_step
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:

@@ -43,12 +43,13 @@ _EVERYWHERE = frozenset(FRONT_ENDS)
 _NOT_MEGATRON = frozenset((TORCH, DEEPSPEED))  # Megatron passes its own lr, weight decay and param groups
 
 # The kinds of value an option takes (each has one check and one description).
-REAL = "real"  # a finite int or float in [low, high] (either end open, either end unbounded)
+REAL = "real"  # a finite int or float in [low, high] (either end open, either end unbounded); with
+# ``tensor``, a 0-d floating tensor of one too (torch's optimizers take a tensor lr)
 FRACTION = "fraction"  # a REAL or "auto"
 BOOL = "bool"
 CHOICE = "choice"  # one of ``choices``
 HEADS = "heads"  # None or a positive int
-DTYPE = "dtype"  # None or one of NS_DTYPES' values
+DTYPE = "dtype"  # None, or one of NS_DTYPES by name or as its torch.dtype
 BETAS = "betas"  # two REALs in [0, 1)
 _ANNOTATIONS = {REAL: float, FRACTION: "float | str", BOOL: bool, CHOICE: str, HEADS: Optional[int],
                 DTYPE: Optional[torch.dtype], BETAS: tuple[float, float]}
@@ -57,6 +58,11 @@ _ANNOTATIONS = {REAL: float, FRACTION: "float | str", BOOL: bool, CHOICE: str, H
 def is_real(value: Any) -> bool:
     """A finite int or float, not a bool (True would pass for 1 and reach the math as one)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_number_tensor(value: Any) -> bool:
+    """A 0-d floating tensor: how torch's optimizers also take an lr."""
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
 
 
 def is_fraction_value(value: Any) -> bool:
@@ -79,6 +85,7 @@ class Option:
     low_open: bool = False
     high_open: bool = False
     choices: tuple[str, ...] = ()
+    tensor: bool = False  # REAL: a 0-d floating tensor holding the number is taken too
     hyperparameter: bool = True  # a field of rule.Dion3Hyperparameters
     group_key: bool = True  # carried by each param group (else one value per optimizer)
 
@@ -110,7 +117,7 @@ class Option:
     def allowed(self) -> str:
         """What the option accepts, in the words of every error message."""
         if self.kind == REAL:
-            return self.number_text()
+            return self.number_text() + (" (a number or a 0-d floating tensor)" if self.tensor else "")
         if self.kind == FRACTION:
             return f"{self.range_text()} or {AUTO!r}"
         if self.kind == BOOL:
@@ -120,7 +127,7 @@ class Option:
         if self.kind == HEADS:
             return "None or a positive int"
         if self.kind == DTYPE:
-            return f"None or one of {list(NS_DTYPES)}"
+            return f"None, or one of {tuple(NS_DTYPES)} by name or as a torch.dtype"
         if self.kind == BETAS:
             return "two values in [0, 1)"
         raise AssertionError(f"unknown option kind {self.kind!r}")
@@ -146,6 +153,8 @@ class Option:
         if value is None and self.default is None:
             return True  # not set
         if self.kind == REAL:
+            if self.tensor and is_number_tensor(value):
+                value = value.item()
             return is_real(value) and self.in_range(value)
         if self.kind == FRACTION:
             return value == AUTO if isinstance(value, str) else is_real(value) and self.in_range(value)
@@ -156,7 +165,7 @@ class Option:
         if self.kind == HEADS:
             return value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
         if self.kind == DTYPE:
-            return value is None or value in NS_DTYPES.values()
+            return value is None or value in NS_DTYPES.values() or isinstance(value, str) and value in NS_DTYPES
         if self.kind == BETAS:
             return isinstance(value, (tuple, list)) and len(value) == 2 and all(is_real(b) and 0 <= b < 1 for b in value)
         raise AssertionError(f"unknown option kind {self.kind!r}")
@@ -170,10 +179,10 @@ OPTIONS: tuple[Option, ...] = (
     # scale_lr_by_fraction every other f then steps at its own best (0.02-0.04 at f = 1/4). AdamW on
     # embeddings at such an lr makes the loss spike, hence adamw_lr of its own.
     Option("lr", REAL, 0.01, "learning rate of the Dion3 matrices at f = 1 (see scale_lr_by_fraction; also the "
-           "lr of the AdamW tensors of a group that mixes both)", front_ends=_NOT_MEGATRON, low=0.0),
+           "lr of the AdamW tensors of a group that mixes both)", front_ends=_NOT_MEGATRON, low=0.0, tensor=True),
     Option("adamw_lr", REAL, 0.002, "learning rate of the AdamW groups (algorithm 'adamw'; under DeepSpeed also "
            "the < 2-D tensors of a plain parameter list) that set none of their own, > 0",
-           front_ends=_NOT_MEGATRON, low=0.0, low_open=True, **_OPTIMIZER_WIDE),
+           front_ends=_NOT_MEGATRON, low=0.0, low_open=True, tensor=True, **_OPTIMIZER_WIDE),
     Option("fraction", FRACTION, AUTO, "share of each matrix's rows updated per step, in (0, 1] (paper: 1/4 or "
            "1/8), or 'auto': chosen per matrix from its shape, the world size and the device's speed",
            low=0.0, high=1.0, low_open=True),
@@ -261,8 +270,10 @@ def hyperparameter_names() -> tuple[str, ...]:
 def hyperparameters(**overrides: Any) -> Dion3Hyperparameters:
     """The rule's settings: the defaults of the options that are its fields, updated with
     ``overrides`` (ValueError for a name that is not one). Values are not checked here (see
-    :func:`check`); ``fraction="auto"`` becomes ``fraction=None``, which the engine's plan resolves
-    to a number (:func:`dion3_megatron.engine.plan.resolve_fractions`)."""
+    :func:`check`). Values become what the rule computes with: ``fraction="auto"`` becomes
+    ``fraction=None``, which the engine's plan resolves to a number
+    (:func:`dion3_megatron.engine.plan.resolve_fractions`); an ``ns_dtype`` name its torch.dtype; a
+    tensor lr its number."""
     names = hyperparameter_names()
     for name in overrides:
         if name not in names:
@@ -271,6 +282,10 @@ def hyperparameters(**overrides: Any) -> Dion3Hyperparameters:
     values = {**{name: BY_NAME[name].default for name in names}, **overrides}
     if values["fraction"] == AUTO:
         values["fraction"] = None
+    if isinstance(values["ns_dtype"], str):
+        values["ns_dtype"] = NS_DTYPES[values["ns_dtype"]]
+    if is_number_tensor(values["lr"]):
+        values["lr"] = values["lr"].item()
     return Dion3Hyperparameters(**values)
 
 
