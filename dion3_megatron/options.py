@@ -14,7 +14,7 @@ The front ends are derived from :data:`OPTIONS`:
   fills in these defaults.
 
 tests/test_options.py checks that every front end carries exactly its options with these
-defaults and ranges. To add an option: declare it here, use it in the rule (or the front end that
+defaults and ranges; tools/configuration_md.py renders them as docs/configuration.md. To add an option: declare it here, use it in the rule (or the front end that
 owns it), and extend that test where the new option needs a value of its own.
 """
 
@@ -117,7 +117,7 @@ class Option:
     def allowed(self) -> str:
         """What the option accepts, in the words of every error message."""
         if self.kind == REAL:
-            return self.number_text() + (" (a number or a 0-d floating tensor)" if self.tensor else "")
+            return self.number_text() + (", or a 0-d floating tensor holding one" if self.tensor else "")
         if self.kind == FRACTION:
             return f"{self.range_text()} or {AUTO!r}"
         if self.kind == BOOL:
@@ -349,158 +349,3 @@ def check_num_heads(where: str, num_heads: Optional[int], n_rows: int, what: str
     """Per-head selection views a matrix's rows as heads x head_dim: num_heads must divide them."""
     if num_heads is not None and n_rows % num_heads:
         raise ValueError(f"{where}: num_heads={num_heads} does not divide the {n_rows} rows of {what}")
-
-
-# ------------------------------------------------------------------------------------------------
-# The option reference, docs/configuration.md: written by tools/configuration_md.py; the tests
-# (tests/test_configuration_doc.py) check that the page is current and that every spelling it
-# gives is what the front ends take.
-
-REFERENCE_COMMAND = "python tools/configuration_md.py"
-
-# Options Megatron takes through its own flags rather than a --dion3-* one (with Megatron's defaults).
-_MEGATRON_OWN = {
-    "lr": "Megatron's own `--lr`",
-    "weight_decay": "Megatron's own `--weight-decay`",
-    "adamw_lr": "Megatron's Adam: `--decoupled-lr` (embeddings, output layer), else `--lr`",
-    "betas": "Megatron's Adam: `--adam-beta1`, `--adam-beta2`",
-}
-
-# What a kernel configuration field's value set by an environment variable does.
-_KERNEL_EFFECTS = {
-    ("kernels", "torch"): "plain torch for every matrix product of the step, and no Triton row kernels",
-    ("fused_rows", False): "no Triton row kernels (the symmetric-GEMM kernels still run where they pay)",
-}
-
-
-def _cell(text: str) -> str:
-    """Text for a Markdown table cell: no pipes, no emphasis from ``**``."""
-    return text.replace("|", "\\|").replace("*", "\\*")
-
-
-def _values(option: Option) -> str:
-    """What an option takes; an unset number (None, the default) too."""
-    unset = "None or " if option.default is None and option.kind == REAL else ""
-    return unset + option.allowed()
-
-
-def _json_value(value: Any) -> Any:
-    """A default as a DeepSpeed JSON config writes it."""
-    if isinstance(value, tuple):
-        return list(value)
-    return value
-
-
-def _torch_cell(option: Option) -> str:
-    if TORCH not in option.front_ends:
-        return "—"
-    where = "param-group key" if option.group_key else "one per optimizer"
-    dtype = " (a `torch.dtype`)" if option.kind == DTYPE else ""
-    return f"`{option.name}=`{dtype}, {where}"
-
-
-def _megatron_cell(option: Option) -> str:
-    if MEGATRON not in option.front_ends:
-        return _MEGATRON_OWN.get(option.name, "—")
-    # arguments.flag(): a bool that defaults to True is switched off by --dion3-no-<name>.
-    switch = ""
-    negated = option.kind == BOOL and option.default is True
-    if option.kind == BOOL:
-        switch = " (sets False)" if negated else " (sets True)"
-    flag = f"--dion3-{'no-' if negated else ''}{option.name.replace('_', '-')}"
-    return f"`{flag}`{switch}, `dion3_{option.name}`"
-
-
-def _deepspeed_cell(option: Option) -> str:
-    if DEEPSPEED not in option.front_ends:
-        return "—"
-    import json
-
-    text = f"`{json.dumps(option.name)}: {json.dumps(_json_value(option.default))}`"
-    if option.kind == DTYPE:
-        text += f" or a name, e.g. `{json.dumps(next(iter(NS_DTYPES)))}`"
-    return text
-
-
-def _kernel_environment() -> list[tuple[str, str, str]]:
-    """(variable, value, effect) for each environment variable kernels.config.from_environment
-    reads: the variables found in its source, the effect by calling it with each set to "0"."""
-    import ast
-    import dataclasses
-    import os
-    from unittest import mock
-
-    from .kernels import config as kernel_config
-
-    tree = ast.parse(textwrap.dedent(inspect.getsource(kernel_config.from_environment)))
-    names = [node.args[0].value for node in ast.walk(tree) if isinstance(node, ast.Call)
-             and ast.unparse(node.func) == "os.environ.get" and isinstance(node.args[0], ast.Constant)]
-
-    def read(**values: str) -> dict[str, Any]:
-        with mock.patch.dict(os.environ):  # restored on exit
-            for name in names:
-                os.environ.pop(name, None)
-            os.environ.update(values)
-            return dataclasses.asdict(kernel_config.from_environment())
-
-    default = read()
-    rows = []
-    for name in names:
-        effects = []
-        for field, value in read(**{name: "0"}).items():
-            if value != default[field]:
-                if (field, value) not in _KERNEL_EFFECTS:
-                    raise KeyError(f"{name}=0 sets {field}={value!r}: describe it in options._KERNEL_EFFECTS")
-                effects.append(f"`{field}={value!r}` (else {default[field]!r}): {_KERNEL_EFFECTS[field, value]}")
-        rows.append((name, "0", "; ".join(effects)))
-    return rows
-
-
-def markdown_reference() -> str:
-    """docs/configuration.md: every option (default, values, its spelling in each front end, help)
-    and the kernels' environment variables."""
-    lines = [
-        f"<!-- Generated from dion3_megatron/options.py by `{REFERENCE_COMMAND}`: edit the spec, not this page. -->",
-        "",
-        "# Configuration",
-        "",
-        "Every Dion3 option, with its default, the values it takes and how each front end spells it. One",
-        "spec declares them all (`dion3_megatron/options.py`), and each front end takes its options,",
-        "defaults and checks from it.",
-        "",
-        "- **PyTorch**: keyword arguments, `Dion3(params, fraction=0.25)`. A param-group key may also be",
-        '  set per param group (`{"params": [...], "fraction": 0.5}`); the others hold for the whole optimizer.',
-        "- **Megatron** (`--optimizer dion3`): the flag `--dion3-<name>` (for a bool that is on by default,",
-        "  `--dion3-no-<name>`), or the attribute `dion3_<name>` of Megatron's `OptimizerConfig`;",
-        "  `MegatronDion3` takes the same names as keyword arguments. Megatron's own `--lr` and",
-        "  `--weight-decay` set the matrices' learning rate and weight decay, and Megatron's Adam, with its",
-        "  own flags and defaults, steps the embeddings, the output layer, norms and biases.",
-        '- **DeepSpeed**: keys of `"optimizer": {"type": "Dion3", "params": {...}}`, in JSON: `null` for',
-        "  None, a list for a tuple, a dtype by its name.",
-        "",
-        "A value outside the column \"values\" stops with an error that names the option, the value and what",
-        "the option takes.",
-        "",
-        "## Options",
-        "",
-        "| option | default | values | PyTorch | Megatron flag, config field | DeepSpeed `\"params\"` | meaning |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for o in OPTIONS:
-        meaning = f"{o.help[0].upper()}{o.help[1:]}."
-        lines.append(f"| `{o.name}` | `{o.default!r}` | {_cell(_values(o))} | {_torch_cell(o)} | "
-                     f"{_megatron_cell(o)} | {_deepspeed_cell(o)} | {_cell(meaning)} |")
-    lines += [
-        "",
-        "## Kernel environment variables",
-        "",
-        "Defaults for the process's kernel configuration, read at each step of an optimizer whose `kernels`",
-        "option is None, unless `dion3_megatron.kernels.configure()` set a configuration; an optimizer's",
-        "`kernels` option other than None overrides them for its steps.",
-        "",
-        "| variable | value | effect (unset or any other value: the default) |",
-        "|---|---|---|",
-    ]
-    for name, value, effect in _kernel_environment():
-        lines.append(f"| `{name}` | `{value}` | {_cell(effect)} |")
-    return "\n".join(lines) + "\n"

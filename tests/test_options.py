@@ -218,7 +218,7 @@ def test_a_tensor_lr_steps_as_its_number(generator):
                                  torch.tensor(1)], ids=["nan", "negative", "1-d", "integer"])
 def test_a_tensor_lr_is_checked_as_a_number(name, bad):
     with pytest.raises(ValueError, match=re.escape(f"{name} must be a finite number >") + ".*"
-                                         + re.escape("(a number or a 0-d floating tensor), got tensor(")):
+                                         + re.escape(", or a 0-d floating tensor holding one, got tensor(")):
         Dion3([torch.nn.Parameter(torch.zeros(4, 4))], **{name: bad})
 
 
