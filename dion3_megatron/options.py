@@ -14,8 +14,9 @@ The front ends are derived from :data:`OPTIONS`:
   fills in these defaults.
 
 tests/test_options.py checks that every front end carries exactly its options with these
-defaults and ranges; tools/configuration_md.py renders them as docs/configuration.md. To add an option: declare it here, use it in the rule (or the front end that
-owns it), and extend that test where the new option needs a value of its own.
+defaults and ranges; tools/configuration_md.py renders them as docs/configuration.md. To add an
+option: declare it here, use it in the rule (or the front end that owns it), and extend that test
+where the new option needs a value of its own.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import inspect
 import math
 import textwrap
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import torch
 
@@ -52,7 +53,7 @@ HEADS = "heads"  # None or a positive int
 DTYPE = "dtype"  # None, or one of NS_DTYPES by name or as its torch.dtype
 BETAS = "betas"  # two REALs in [0, 1)
 _ANNOTATIONS = {REAL: float, FRACTION: "float | str", BOOL: bool, CHOICE: str, HEADS: Optional[int],
-                DTYPE: Optional[torch.dtype], BETAS: tuple[float, float]}
+                DTYPE: Optional[Union[torch.dtype, str]], BETAS: tuple[float, float]}
 
 
 def is_real(value: Any) -> bool:
@@ -91,6 +92,8 @@ class Option:
 
     @property
     def annotation(self) -> Any:
+        if self.tensor:
+            return Union[float, torch.Tensor]
         if self.default is None and self.kind in (REAL, CHOICE):
             return Optional[_ANNOTATIONS[self.kind]]
         return _ANNOTATIONS[self.kind]
