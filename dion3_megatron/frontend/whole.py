@@ -87,7 +87,7 @@ class WholeParameters:
         first gradient, a checkpoint without them) use what was agreed: no rank ever waits in a
         collective its peers do not make. A group of a dtype none agreed on is refused here.
         """
-        wanted = [(p.device, group["ns_dtype"] or default_ns_dtype(p.device))
+        wanted = [(p.device, hyperparameters(group).ns_dtype or default_ns_dtype(p.device))
                   for group in groups if plan.chooses_fraction(hyperparameters(group)) for p in group["params"][:1]]
         if self._speeds is None:
             self._speeds = fractions.agreed_speeds(wanted)
