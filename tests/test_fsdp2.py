@@ -320,3 +320,94 @@ def test_the_fsdp2_example_trains_with_tensor_parallelism_on_two_cpu_processes()
     assert len(losses) == 2 and losses[1] < losses[0] - 1.0, run.stdout
     assert "tensor parallelism 2 inside FSDP2 over 1 ranks" in run.stdout, run.stdout
     assert "skipped steps 0" in run.stdout and "fraction=auto chose (shape: f) 128x128: " in run.stdout, run.stdout
+
+
+def _held(model: torch.nn.Module, opt) -> dict[str, torch.Tensor]:
+    """Copies of every tensor this rank holds of the weights and the optimizer's state."""
+    from dion3_megatron.frontend.dtensor import local
+
+    names = {p: n for n, p in model.named_parameters()}
+    held = {n: local(p).detach().clone() for n, p in model.named_parameters()}
+    held.update({f"{names[p]} {k}": local(v).detach().clone() for p, s in opt.state.items() for k, v in s.items()})
+    return held
+
+
+def _refused_step(model: torch.nn.Module, opt) -> tuple[str, str, list[str]]:
+    """The step's error (type and message) and what it changed of the tensors this rank holds."""
+    before = _held(model, opt)
+    with pytest.raises(Exception) as error:
+        opt.step()
+    after = _held(model, opt)
+    changed = [n for n in before.keys() | after.keys() if n not in before or n not in after
+               or not torch.equal(before[n], after[n])]
+    return type(error.value).__name__, str(error.value), changed
+
+
+def _gradient_changed_at_a_later_step(rank: int, world: int) -> dict:
+    """Two steps, then at the third the last rank's gradient of one parameter placed unlike it
+    (replicated, or a piece of another shape): every rank's step is refused and changes nothing;
+    then the third step with the right gradients."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    model, opt = _sharded(world, "fsdp", {"fraction": 0.5})
+    batches = _batches()
+    for x in batches[:2]:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    opt.zero_grad()
+    model(batches[2]).square().mean().backward()
+    refused = {}
+    for name, change in (("up.weight", "replicated"), ("up.weight", "rows"), ("up.bias", "replicated")):
+        p = model.get_parameter(name)
+        grad = p.grad
+        if rank == world - 1:
+            values = torch.randn(p.shape) if change == "replicated" else torch.randn(1, *p.shape[1:])
+            placements = [Replicate()] if change == "replicated" else p.placements
+            p.grad = DTensor.from_local(values, p.device_mesh, placements, run_check=False, shape=p.shape,
+                                        stride=p.stride())
+        refused[name, change] = _refused_step(model, opt)
+        p.grad = grad
+    opt.step()
+    return {"refused": refused, "skipped": opt.skipped_steps,
+            "params": {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}}
+
+
+def test_a_gradient_placed_unlike_its_parameter_at_a_later_step_is_refused_on_every_rank():
+    outs = run_distributed(_gradient_changed_at_a_later_step, 2, timeout=120)
+    expected = _single_process({"fraction": 0.5}, bad_step=-1)
+    for rank, out in enumerate(outs):
+        for (name, change), (kind, message, changed) in out["refused"].items():
+            assert not changed, (rank, name, change, changed)
+            if rank == 1:
+                assert kind == "ValueError" and message.startswith(f"{name}: its gradient"), (name, change, message)
+            else:
+                assert kind == "StepRefused" and "rank(s) [1]" in message, (name, change, message)
+        assert out["skipped"] == 0
+        for name, value in out["params"].items():  # the refusals left the run as it was
+            torch.testing.assert_close(value, expected[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _outside_the_mesh(rank: int, world: int) -> tuple[str, str]:
+    """A parameter on a mesh of rank 0 alone and one on the world's mesh: the step's error."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dion3_megatron import Dion3
+
+    gen = torch.Generator().manual_seed(4)
+    alone, everyone = DeviceMesh("cpu", [0]), init_device_mesh("cpu", (world,))
+    params = {"alone": torch.nn.Parameter(distribute_tensor(torch.randn(8, 4, generator=gen), alone, [Shard(0)])),
+              "shared": torch.nn.Parameter(distribute_tensor(torch.randn(8, 4, generator=gen), everyone, [Shard(0)]))}
+    for p in params.values():
+        p.grad = distribute_tensor(torch.randn(8, 4, generator=gen), p.device_mesh, [Shard(0)])
+    opt = Dion3(list(params.items()), ns_dtype=torch.float32)
+    with pytest.raises(Exception) as error:
+        opt.step()
+    return type(error.value).__name__, str(error.value)
+
+
+def test_a_parameter_on_a_mesh_without_this_rank_is_refused_on_every_rank():
+    (kind0, message0), (kind1, message1) = run_distributed(_outside_the_mesh, 2, timeout=60)
+    assert kind0 == "StepRefused" and "rank(s) [1]" in message0, message0
+    assert kind1 == "ValueError" and message1.startswith("alone: ") and "[0]" in message1, message1
