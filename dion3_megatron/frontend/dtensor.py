@@ -87,6 +87,11 @@ def check_placements(p: torch.Tensor, where: str) -> None:
         raise ValueError(f"{where}: {why}")
 
 
+def _local_shape(t: torch.Tensor) -> torch.Size:
+    """The shape of the DTensor's local piece (``to_local()`` of a parameter makes a view at each call)."""
+    return t._local_tensor.shape
+
+
 class HeldPieces:
     """The check, at every step, that each DTensor parameter and its gradient are the piece its
     placements give this rank. What depends on the parameter's placements alone (their refusals,
@@ -108,19 +113,19 @@ class HeldPieces:
                 return why
             held = self._held[p] = (key, shape)
         shape = held[1]
-        if local(p).shape != shape:
-            return _described(p, f"this rank holds {tuple(local(p).shape)}, not the {tuple(shape)} its placements give")
+        if _local_shape(p) != shape:
+            return _described(p, f"this rank holds {tuple(_local_shape(p))}, not the {tuple(shape)} its placements give")
         grad = p.grad
         if grad is None:
             return None
         if not isinstance(grad, DTensor):
             return _described(p, f"its gradient is a {type(grad).__name__}, not a DTensor placed like the parameter")
-        if grad.device_mesh != p.device_mesh:
+        if grad.device_mesh is not p.device_mesh and grad.device_mesh != p.device_mesh:
             return _described(p, f"its gradient lies on another device mesh ({grad.device_mesh})")
         if grad.placements != p.placements:
             return _described(p, f"its gradient is placed {tuple(grad.placements)}, not like the parameter")
-        if grad.to_local().shape != shape:
-            return _described(p, f"its gradient's piece on this rank is {tuple(grad.to_local().shape)}, not the "
+        if _local_shape(grad) != shape:
+            return _described(p, f"its gradient's piece on this rank is {tuple(_local_shape(grad))}, not the "
                                  f"{tuple(shape)} its placements give")
         return None
 
