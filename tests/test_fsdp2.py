@@ -268,7 +268,8 @@ def test_a_checkpoint_keeps_the_automatic_fractions_chosen(two_ranks):
 
 def _refusals(world: int) -> list[str]:
     """Placements the engine does not take: refused when the optimizer is given them, naming the
-    parameter; a gradient placed unlike its parameter: at the step, with nothing changed."""
+    parameter; a gradient placed unlike its parameter, and a piece unlike its placements: at the
+    step, with nothing changed."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -296,17 +297,27 @@ def _refusals(world: int) -> list[str]:
     with pytest.raises(ValueError) as error:
         opt.step()
     assert torch.equal(weight.detach().to_local(), before) and not opt.state[weight]
+    messages.append(str(error.value))
+    short = torch.nn.Parameter(DTensor.from_local(torch.randn(3, 4, generator=gen), mesh, [Shard(0)], run_check=False,
+                                                  shape=(4 * world, 4), stride=(4, 1)))  # 3 of its 4 rows
+    short.grad = DTensor.from_local(torch.randn(3, 4, generator=gen), mesh, [Shard(0)], run_check=False,
+                                    shape=(4 * world, 4), stride=(4, 1))
+    opt = Dion3([("short piece", short)], ns_dtype=torch.float32)
+    with pytest.raises(ValueError) as error:
+        opt.step()
+    assert not opt.state[short]
     return messages + [str(error.value)]
 
 
 def test_placements_the_engine_does_not_take_are_refused_naming_the_parameter(two_ranks):
-    for partial, conv, experts, strided, grad in (out["refused"] for out in two_ranks):
+    for partial, conv, experts, strided, grad, short in (out["refused"] for out in two_ranks):
         assert partial.startswith("partial: Dion3 takes DTensor parameters placed by Shard") and "Partial" in partial
         assert conv.startswith("conv: Dion3 takes 2-D DTensor matrices and 3-D ones sharded by experts"), conv
         assert experts.startswith("expert rows: Dion3 takes 3-D DTensor parameters (experts) sharded by experts"), experts
         assert "Shard(dim=1)" in experts
         assert strided.startswith("strided rows: dimension 0 is cut into pieces that are not contiguous"), strided
         assert grad.startswith("replicated grad: its gradient is placed (Replicate(),), not like the parameter"), grad
+        assert short.startswith("short piece: this rank holds (3, 4), not the (4, 4) its placements give"), short
 
 
 def test_the_fsdp2_example_trains_with_tensor_parallelism_on_two_cpu_processes():

@@ -82,7 +82,8 @@ def _placement_refusal(p: torch.Tensor) -> Optional[str]:
 
 def check_placements(p: torch.Tensor, where: str) -> None:
     """ValueError naming ``where`` (the parameter) where the DTensor parameter ``p`` is placed in a
-    way the engine does not step (checked when the optimizer is given it, and at every step)."""
+    way the engine does not step (checked when the optimizer is given it; the step's check,
+    :class:`HeldPieces`, refuses the same)."""
     if (why := _placement_refusal(p)) is not None:
         raise ValueError(f"{where}: {why}")
 
