@@ -85,6 +85,21 @@ def test_the_default_regex_names_the_matrices_of_torchtitans_llama3_wherever_wra
         assert not re.search(dion3_torchtitan.HIDDEN_MATRICES, name), name
 
 
+def test_the_trainer_configs_name_dion3_and_register_it():
+    pytest.importorskip("torchtitan.trainer")  # torchtitan's trainer needs its data packages
+    from dion3_megatron.torchtitan import config_registry
+
+    try:
+        for make in (config_registry.llama3_debugmodel_dion3, config_registry.llama3_8b_dion3):
+            dion3_torchtitan.unregister()
+            groups = make().optimizer.param_groups
+            assert dion3_torchtitan.is_registered()
+            assert [(g.pattern, g.optimizer_name) for g in groups] == [(dion3_torchtitan.HIDDEN_MATRICES, "Dion3"),
+                                                                       (".*", "AdamW")]
+    finally:
+        dion3_torchtitan.unregister()
+
+
 def _built_with(kwargs: dict, factory: dict | None = None):
     config = OptimizersContainer.Config(
         param_groups=[ParamGroupConfig(pattern=dion3_torchtitan.HIDDEN_MATRICES, optimizer_name="Dion3",
@@ -109,7 +124,8 @@ def test_options_are_checked_by_dion3s_spec_with_the_closest_name(registered):
         _built_with({"lr": 0.01, "cuda_graph": False})
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'cuda_grph' \(did you mean 'cuda_graph'\?\)"):
         _built_with({"lr": 0.01}, {"cuda_grph": False})
-    with pytest.raises(ValueError, match=r"mu must be in \[0, 1\), got 1.5"):
+    with pytest.raises(ValueError, match=r"Dion3 optimizer_kwargs of 'layers.0.attention.qkv_linear.wqkv.weight' and "
+                                         r"others: mu must be in \[0, 1\), got 1.5"):
         _built_with({"lr": 0.01, "mu": 1.5})
     assert isinstance(_built_with({"lr": 0.01, "mu": 0.5}, {"cuda_graph": False}).optimizers[0], Dion3)
 

@@ -66,8 +66,9 @@ def build_dion3(params: list[dict[str, Any]], **settings: Any) -> Dion3:
     optimizer: ``kernels``, ``cuda_graph``, ``adamw_lr``).
 
     A group's ``optimizer_kwargs`` are Dion3's per-group options (and ``algorithm``), checked here
-    on every rank alike before anything is built: an unknown name is a TypeError with the closest
-    option, an option that is one value per optimizer a ValueError saying where it goes.
+    on every rank alike before anything is built, naming the group by its first parameter: an
+    unknown name is a TypeError with the closest option, an option that is one value per optimizer
+    a ValueError saying where it goes, a bad value a ValueError naming the option.
 
     Each parameter becomes a param group of its own, carrying the record of the automatic f
     (:data:`~dion3_megatron.frontend.lifecycle.RECORD`, filled by ``state_dict()``): torchtitan's
@@ -97,3 +98,4 @@ def _check_group_options(where: str, given: dict[str, Any]) -> None:
                              f"optimizer_factory_kwargs_by_name[{NAME!r}]")
         hint = options.unknown_name_hint(name, per_group)
         raise TypeError(f"{where}: {name!r} is not a Dion3 option" + (f" ({hint})" if hint else ""))
+    options.check(where, **given)
