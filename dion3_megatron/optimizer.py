@@ -70,6 +70,7 @@ class Dion3(Dion3FrontEnd):
             param_group = {**param_group, "lr": self.adamw_lr}
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        grouping.check_group_keys(f"param group {index}", group, options.TORCH)
         grouping.check_group(f"param group {index}", group, options.TORCH)
         sharded = [p for p in group["params"] if is_dtensor(p) and grouping.algorithm_of(group, p) == "dion3"]
         if sharded:  # refused here, before any step, naming the parameter

@@ -39,6 +39,9 @@ ALLOWED: dict[str, tuple[frozenset[str], str]] = {
     "deepspeed": (frozenset({"compat", "core", "engine", "frontend", "kernels", "optimizer", "options"}),
                   "the DeepSpeed front end; changes DeepSpeed only through compat's table, and knows the "
                   "torch Dion3 to refuse it where ZeRO hands it flat partitions"),
+    "torchtitan": (frozenset({"compat", "frontend", "optimizer", "options"}),
+                   "the torchtitan front end: the torch Dion3 for torchtitan's optimizer config; changes torchtitan "
+                   "only through a compat Patch"),
     "compat": (frozenset({"deepspeed", "megatron"}),
                "the table of every framework patch: names the front ends' replacements, imported when applied"),
     "__init__": (frozenset({"core", "optimizer"}),

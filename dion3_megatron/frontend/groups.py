@@ -11,6 +11,7 @@ import torch
 
 from .. import options
 from ..core.rule import Dion3Hyperparameters
+from .lifecycle import RECORD
 from .matrices import matrix_count, matrix_shape
 
 ALGORITHMS = ("dion3", "adamw")
@@ -53,6 +54,18 @@ def warn_without_matrices(owner: str, groups: list[dict]) -> None:
         count = sum(len(g["params"]) for g in groups)
         warnings.warn(f"{owner}: none of the {count} parameters is a matrix for Dion3 (a tensor of >= 2 dims "
                       "outside algorithm='adamw' groups): every parameter will take AdamW", stacklevel=3)
+
+
+def check_group_keys(where: str, group: dict, front_end: str) -> None:
+    """Refuse a param-group key that looks like a misspelled option (its hint names the option), as
+    the keyword arguments are refused; other keys pass (frameworks keep their own in param groups)."""
+    known = set(options.group_keys(front_end)) | {"params", "param_names", "algorithm", RECORD}
+    for key in group:
+        if key in known or key in options.BY_NAME:
+            continue
+        hint = options.unknown_name_hint(key, options.BY_NAME)
+        if hint is not None:
+            raise ValueError(f"{where}: {key!r} is not a Dion3 option ({hint})")
 
 
 def check_group(where: str, group: dict, front_end: str, params: Optional[list[torch.Tensor]] = None) -> None:
