@@ -7,30 +7,29 @@ empties ``params`` between steps. :func:`sub_groups_of` reads, once ZeRO has bui
 parameters each partition holds and over which process group (:func:`.layout.partition_layout`
 says where). The partitions are the same tensors for the life of the engine (checkpoint loads
 copy into them).
+
+Stage 3 steps the sub-groups one at a time (``_optimizer_step(sub_group_id)``), but without
+optimizer offload (which Dion3 refuses) every sub-group's fp32 partition and state stay in device
+memory throughout: Dion3 steps them all when the last one is handed in
+(:mod:`.zero_optimizer`), and writes the earlier ones back to their low-precision copies through
+ZeRO's own ``_reassign_or_swap_out_partitioned_parameters``.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-
-@dataclass
-class SubGroup:
-    """One stage-3 sub-group: its flat fp32 partition on this rank and what it holds."""
-
-    flat: torch.Tensor
-    params: list[torch.Tensor]  # in the partition's order
-    process_group: Any  # the ranks its parameters are partitioned over
-    group_index: int  # the optimizer's param group it belongs to
+from .zero_optimizer import Partition
 
 
-def sub_groups_of(stage3: Any) -> list[SubGroup]:
-    """The sub-groups of a ``DeepSpeedZeroOptimizer_Stage3``, in its order."""
-    return [SubGroup(flat, list(stage3.fp16_groups[i]), stage3.sub_group_process_groups[i], stage3.sub_group_to_group_id[i])
+def partitions_of(stage3: Any) -> list[Partition]:
+    """The sub-groups of a ``DeepSpeedZeroOptimizer_Stage3``, in its order: each one's flat fp32
+    partition on this rank, its parameters (in the partition's order) and the process group they
+    are cut over."""
+    return [Partition(stage3.sub_group_to_group_id[i], flat, list(stage3.fp16_groups[i]), stage3.sub_group_process_groups[i])
             for i, flat in enumerate(stage3.fp32_partitioned_groups_flat)]
 
 
