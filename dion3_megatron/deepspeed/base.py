@@ -3,7 +3,7 @@ split and checked, the skip counter, the automatic-f record in state dicts and t
 
 DeepSpeed builds the optimizer before it decides how to wrap it: :class:`.optimizer.DeepSpeedDion3`
 (ZeRO stage 0: whole parameters) is what it constructs for ``"type": "Dion3"``; the hook where
-DeepSpeed decides (:func:`dion3_megatron.deepspeed.zero_stage_class`) makes that same object a
+DeepSpeed decides (:func:`dion3_megatron.deepspeed.stage_class`) makes that same object a
 :class:`.zero_optimizer.DeepSpeedZeroDion3` when ZeRO (or BF16_Optimizer) will hand it flat
 partitions (:func:`become`). The object stays the one the engine, and a client's LR scheduler, refer to.
 """

@@ -203,18 +203,19 @@ class PartitionPlan:
                             shape=shape, sharding=sharding, group=process_group, hp=hp, state={})
         self.pieces.append(_SlicePiece(shard, offset, length, _row_blocks(first, length, row_width)))
 
-    def bind(self, state: dict, hp: rule.Dion3Hyperparameters) -> _SliceMoves:
-        """Give the shards their state from the partition's (the momentum: views of ``exp_avg``,
-        stepped where it lies; a variance and an age per touched row, moved by the result)."""
-        exp_avg = state["exp_avg"]
-        per_row = {"variance": state["exp_avg_sq"], **({"row_age": state["row_age"]} if hp.staleness else {})}
+    def bind(self, state: dict, hp: rule.Dion3Hyperparameters) -> None:
+        """Give the shards their state from the partition's, before the engine is built on them: the
+        momentum, views of ``exp_avg`` (stepped where it lies); a variance and an age per touched row."""
         for piece in self.pieces:
             piece.shard.hp = hp
             piece.shard.state.clear()
-            piece.shard.state["momentum"] = piece.of(exp_avg)
-            for key in per_row:
-                piece.shard.state[key] = torch.zeros(piece.rows, dtype=torch.float32, device=exp_avg.device)
-        return _SliceMoves(self.pieces, exp_avg, per_row)
+            piece.shard.state["momentum"] = piece.of(state["exp_avg"])
+            for key in _per_row(state, hp):
+                piece.shard.state[key] = torch.zeros(piece.rows, dtype=torch.float32, device=state["exp_avg"].device)
+
+    def moves(self, state: dict, hp: rule.Dion3Hyperparameters) -> _SliceMoves:
+        """What travels between the partition's state and the engine's (built on the shards' state)."""
+        return _SliceMoves(self.pieces, state["exp_avg"], _per_row(state, hp))
 
     def take_gradient(self, grad: torch.Tensor, hp: rule.Dion3Hyperparameters) -> None:
         """This step's gradient and settings for the shards (ZeRO's gradient partition is a new tensor every step)."""
@@ -270,10 +271,12 @@ class ZeroStep:
         for p, _, hp in stepped:
             if chooses_fraction(hp):  # refused here on every rank alike where the ranks agreed no speed for it
                 self.speeds.of(p.flat.device, hp.ns_dtype or default_ns_dtype(p.flat.device))
-        self._moves = [p.bind(state, hp) for p, state, hp in stepped]
+        for p, state, hp in stepped:
+            p.bind(state, hp)
         self.engine = Dion3Engine([piece.shard for p, _, _ in stepped for piece in p.pieces], cuda_graph=self.use_graph,
                                   check_group=self.check_group, fresh_grads=True, speeds=self.speeds, chosen=self.chosen,
                                   momentum_in_place=True)
+        self._moves = [p.moves(state, hp) for p, state, hp in stepped]
         chosen = self.engine.chosen_fractions()
         if self.choose and dist.get_world_size(self.check_group) > 1:
             every: list = [None] * dist.get_world_size(self.check_group)
@@ -297,6 +300,11 @@ class ZeroStep:
                 moves.write()
         for p, state, grad in zip(self.partitions, states, grads):
             p.adamw_step(groups[p.group_index], state, grad)
+
+
+def _per_row(state: dict, hp: rule.Dion3Hyperparameters) -> dict[str, torch.Tensor]:
+    """The partition's slice-shaped tensors that hold one value per matrix row, by engine state key."""
+    return {"variance": state["exp_avg_sq"], **({"row_age": state["row_age"]} if hp.staleness else {})}
 
 
 def _widest(process_groups: list) -> Any:

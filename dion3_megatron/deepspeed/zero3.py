@@ -37,13 +37,14 @@ def load_universal_settings_and_ages(original):
     """``DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3``: after
     DeepSpeed's load, which gives every param group the settings of the checkpoint's first one and
     loads only ``fp32``, ``exp_avg`` and ``exp_avg_sq``, give Dion3's param groups their own
-    settings back (its matrices and AdamW tensors sit in different groups) and load the rows' ages
-    (``row_age``, written by :func:`.checkpoint.convert_to_universal`) where the checkpoint has them."""
+    settings back (its matrices and AdamW tensors sit in different groups; each group's record of
+    the automatic f with them) and load the rows' ages (``row_age``, written by
+    :func:`.checkpoint.convert_to_universal`) where the checkpoint has them."""
 
     def load_hp_checkpoint_state_from_checkpoint_dir_stage3(self, checkpoint_dir):
-        from .optimizer import DeepSpeedDion3
+        from .zero_optimizer import DeepSpeedZeroDion3
 
-        if not isinstance(self.optimizer, DeepSpeedDion3):
+        if not isinstance(self.optimizer, DeepSpeedZeroDion3):
             return original(self, checkpoint_dir)
         from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
 

@@ -50,8 +50,11 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
 
     def _start(self) -> None:
         self._groups = list(self.param_groups)  # ZeRO-1/2 show one group at a time while stepping
-        # Each group's parameters as given (ZeRO replaces ``params`` with flat partitions).
+        # Each group's parameters as given (ZeRO replaces ``params`` with flat partitions), and their
+        # shapes (as meta tensors: ZeRO-3 empties a parameter's own shape once it partitions it).
         self._originals = [list(g["params"]) for g in self._groups]
+        self._shaped = [[torch.empty(logical(p).shape, dtype=p.dtype, device="meta") for p in given]
+                        for given in self._originals]
         self._partitions: list[Partition] = []  # (:meth:`adopt_partitions`)
         self._write_back: Optional[Callable[[int], None]] = None
         self._pending: dict[int, Optional[torch.Tensor]] = {}  # partition index -> its gradient, this step
@@ -83,8 +86,7 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
     def _matrix_names(self) -> list[set[str]]:
         """Per param group, the names of its Dion3 matrices (as :class:`.zero.PartitionPlan` names them)."""
         names: list[set[str]] = []
-        for gi, (group, originals) in enumerate(zip(self._groups, self._originals)):
-            shaped = [logical(p) for p in originals]
+        for gi, (group, shaped) in enumerate(zip(self._groups, self._shaped)):
             names.append({f"group{gi}.param{j}" + (f".matrix{e}" if p.dim() == 3 else "")
                           for j, p in enumerate(shaped) if grouping.algorithm_of(group, p) == "dion3"
                           for e in range(p.shape[0] if p.dim() == 3 else 1)})
@@ -119,9 +121,9 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
     def check_loadable(self, state_dict: dict[str, Any]) -> None:
         # A checkpoint's group settings are checked against the group's original parameters (a
         # "dion3" group's partition is 1-D, its matrices not), with their logical shapes.
-        originals = {id(g): [logical(p) for p in given] for g, given in zip(self._groups, self._originals)}
+        shaped = {id(g): given for g, given in zip(self._groups, self._shaped)}
         grouping.check_saved_groups(state_dict["param_groups"], self.param_groups, options.DEEPSPEED,
-                                    lambda group: originals[id(group)])
+                                    lambda group: shaped[id(group)])
 
     def load_checked(self, state_dict: dict[str, Any]) -> None:
         self._load_groups_and_state(state_dict, _partition_state_shapes)
@@ -183,8 +185,7 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
     def _step_all(self, grads: dict[int, Optional[torch.Tensor]], handed: set[int]) -> None:
         """Check everything, decide once on every rank, then step every partition."""
         for gi, group in enumerate(self._groups):  # a setting changed since construction
-            grouping.check_group(f"param group {gi}", group, options.DEEPSPEED,
-                                 [logical(p) for p in self._originals[gi]])
+            grouping.check_group(f"param group {gi}", group, options.DEEPSPEED, self._shaped[gi])
         records = self._records_in_groups()
         if records is not None:
             for group in self._groups:
