@@ -58,7 +58,7 @@ def test_stage0_keeps_the_record_in_each_param_group_and_checks_it_on_load():
     assert [g["fractions"] for g in sd["param_groups"]] == [{}, {}]  # no automatic f here
     sd["param_groups"][0]["fractions"] = {"group 0 / param 0": 0.3}
     before = matrix.detach().clone()
-    with pytest.raises(ValueError, match=r"param group 0 fractions: group 0 / param 0 has fraction 0.3"):
+    with pytest.raises(ValueError, match=r"param group 0: 'group 0 / param 0' has fraction 0.3"):
         opt.load_state_dict(sd)
     assert torch.equal(matrix, before)
 

@@ -10,24 +10,20 @@ partitions (:func:`become`). The object stays the one the engine, and a client's
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any, Iterable
 
-import torch
-
 from .. import options
-from ..engine.plan import fraction_record
-from ..frontend import announce_skipped_step, groups as grouping
-from ..frontend.whole import RECORD
+from ..frontend import groups as grouping
+from ..frontend.lifecycle import Dion3FrontEnd
 from .config import normalize_params
 from .layout import logical
 
 
 @options.documented(options.DEEPSPEED)
-class DeepSpeedFrontEnd(torch.optim.Optimizer):
-    """Dion3 for DeepSpeed, either stage: a subclass implements the step and, for the record and
-    loading, :meth:`fraction_records`, :meth:`restore_fraction_records`, :meth:`check_loadable` and
-    :meth:`load_checked`; :meth:`_start` sets what only it holds.
+class DeepSpeedFrontEnd(Dion3FrontEnd):
+    """Dion3 for DeepSpeed, either stage: the config's ``params`` checked, the groups split and
+    checked; a subclass steps, keeps the record and loads (:class:`~dion3_megatron.frontend.lifecycle.Dion3FrontEnd`),
+    and :meth:`_start` sets what only it holds.
 
     Takes the options below, the config's ``params`` (JSON spellings: ``betas`` a list,
     ``ns_dtype`` a string). Unknown keys and out-of-range values raise ValueError at
@@ -37,13 +33,14 @@ class DeepSpeedFrontEnd(torch.optim.Optimizer):
 {options}
     """
 
+    FRONT_END = options.DEEPSPEED
+
     def __init__(self, params: Iterable[Any], **kwargs: Any) -> None:
         settings, params, defaults, _ = grouping.prepare(type(self).__name__, options.DEEPSPEED,
                                                          _split_partitioned(list(params)), normalize_params(kwargs))
         self.cuda_graph: bool = settings["cuda_graph"]
         self.kernels: str | None = settings["kernels"]
         self.adamw_lr: float = settings["adamw_lr"]
-        self.skipped_steps = 0
         super().__init__(params, defaults)
         grouping.warn_without_matrices(type(self).__name__, [{**g, "params": [logical(p) for p in g["params"]]}
                                                              for g in self.param_groups])
@@ -60,68 +57,6 @@ class DeepSpeedFrontEnd(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         grouping.check_group(f"param group {index}", group, options.DEEPSPEED, [logical(p) for p in group["params"]])
-
-    def skip_step(self) -> None:
-        """Count and announce one step skipped for a non-finite gradient (nothing else changes)."""
-        self.skipped_steps += 1
-        announce_skipped_step(self.skipped_steps)
-
-    # --- the record and loading, per class
-
-    def fraction_records(self) -> list[dict[str, float]]:
-        """Per param group, {matrix name: f} chosen by "auto" (the record a checkpoint keeps)."""
-        raise NotImplementedError
-
-    def restore_fraction_records(self, records: list[dict[str, float]]) -> None:
-        """Take a checkpoint's records (checked) for the next step."""
-        raise NotImplementedError
-
-    def check_loadable(self, state_dict: dict[str, Any]) -> None:
-        """Raise ValueError naming the group, parameter or shape that does not fit; change nothing."""
-        raise NotImplementedError
-
-    def load_checked(self, state_dict: dict[str, Any]) -> None:
-        """Set the state and the groups' settings of a state dict :meth:`check_loadable` accepted
-        (every state shape is checked before any is set)."""
-        raise NotImplementedError
-
-    # ---
-
-    def state_dict(self) -> dict[str, Any]:
-        """The torch optimizer's state dict, ``"skipped_steps"``, and in each saved param group the
-        automatic f chosen for its matrices, ``{matrix name: f}`` under ``"fractions"``."""
-        sd = super().state_dict()
-        sd["skipped_steps"] = self.skipped_steps
-        for saved, record in zip(sd["param_groups"], self.fraction_records()):
-            saved[RECORD] = record
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Everything or nothing: the records, the groups and every state shape are checked before
-        anything is set."""
-        records = read_records(state_dict)
-        state_dict = {**state_dict, "param_groups": [settings_of(saved) for saved in state_dict["param_groups"]]}
-        self.check_loadable(state_dict)
-        self.load_checked(state_dict)
-        self.restore_fraction_records(records)
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-
-    def _load_groups_and_state(self, state_dict: dict[str, Any], shapes_of) -> None:
-        """The state (every shape checked against ``shapes_of(group, p)`` first) and the groups' settings."""
-        self.state = defaultdict(dict, grouping.loaded_state(state_dict, self.param_groups, shapes_of))
-        for mine, saved in zip(self.param_groups, state_dict["param_groups"]):
-            mine.update({k: v for k, v in saved.items() if k != "params"})
-
-
-def read_records(state_dict: dict[str, Any]) -> list[dict[str, float]]:
-    """Each saved param group's record of the automatic f (empty where it has none), checked."""
-    return [fraction_record(saved.get(RECORD, {}), f"checkpoint param group {gi} {RECORD}")
-            for gi, saved in enumerate(state_dict["param_groups"])]
-
-
-def settings_of(saved_group: dict[str, Any]) -> dict[str, Any]:
-    """A saved param group without its record."""
-    return {k: v for k, v in saved_group.items() if k != RECORD}
 
 
 def become(optimizer: DeepSpeedFrontEnd, cls: type) -> None:

@@ -7,12 +7,14 @@ instance becomes a :class:`.zero_optimizer.DeepSpeedZeroDion3` before they do (:
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Callable, Optional
 
 import torch
 
 from .. import options
 from ..frontend import groups as grouping
+from ..frontend.lifecycle import without_records
 from ..frontend.whole import Fractions, WholeParameters
 from ..kernels import config as kernel_config
 from . import zero
@@ -41,17 +43,20 @@ class DeepSpeedDion3(DeepSpeedFrontEnd):
         return self._whole.group_records(self.param_groups)
 
     def restore_fraction_records(self, records: list[dict[str, float]]) -> None:
-        self._whole.reset({name: f for record in records for name, f in record.items()})
+        self._whole.reset(records)
 
     def check_loadable(self, state_dict: dict[str, Any]) -> None:
-        grouping.check_saved_groups(state_dict["param_groups"], self.param_groups, options.DEEPSPEED,
+        grouping.check_saved_groups(without_records(state_dict["param_groups"]), self.param_groups, options.DEEPSPEED,
                                     lambda group: group["params"])
+        grouping.check_state_shapes(state_dict, self.param_groups, grouping.param_state_shapes)
 
     def load_checked(self, state_dict: dict[str, Any]) -> None:
-        self._load_groups_and_state(state_dict, grouping.param_state_shapes)
+        self.state = defaultdict(dict, grouping.loaded_state(state_dict, self.param_groups))
+        for mine, saved in zip(self.param_groups, without_records(state_dict["param_groups"])):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
 
     @torch.no_grad()
     @kernel_config.scoped_step
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         zero.warn_if_tensor_parallel_without_zero()
-        return self._whole.optimizer_step(self.param_groups, self.state, options.DEEPSPEED, closure, self.skip_step)
+        return self._whole.optimizer_step(self.param_groups, self.state, options.DEEPSPEED, closure, self.gate_step)

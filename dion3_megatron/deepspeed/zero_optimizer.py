@@ -17,16 +17,17 @@ step (ZeRO-3's ``sub_group_size`` no longer bounds it).
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Callable, Optional
 
 import torch
 
 from .. import options
-from ..frontend import groups as grouping, usable_on_every_rank
-from ..frontend.whole import RECORD
+from ..frontend import groups as grouping
+from ..frontend.lifecycle import RECORD, read_records, without_records
 from ..kernels import config as kernel_config
 from . import zero
-from .base import DeepSpeedFrontEnd, read_records
+from .base import DeepSpeedFrontEnd
 from .layout import logical, partition_layout, slice_layout
 
 
@@ -107,30 +108,31 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
                 raise ValueError(f"{where}: param group {gi} {RECORD} names {unknown[:3]}, which are not Dion3 matrices "
                                  "of that group (saved from another model or grouping)")
 
-    def _records_in_groups(self) -> Optional[list[dict[str, float]]]:
+    def _take_records_in_groups(self) -> None:
         """A universal checkpoint's load sets every saved key of a param group on the group, the
-        record too: those records (checked), else None."""
-        if not any(RECORD in g for g in self._groups):
-            return None
-        records = read_records({"param_groups": self._groups})
-        self._check_records(records, "universal checkpoint")
-        return records
+        record too: take those records (checked) for the next build, and leave the groups their settings."""
+        if any(RECORD in g for g in self._groups):
+            records = read_records({"param_groups": self._groups}, "universal checkpoint")
+            self._check_records(records, "universal checkpoint")
+            for group in self._groups:
+                group.pop(RECORD, None)
+            self.restore_fraction_records(records)
 
     # --- loading
 
     def check_loadable(self, state_dict: dict[str, Any]) -> None:
         # A checkpoint's group settings are checked against the group's original parameters (a
         # "dion3" group's partition is 1-D, its matrices not), with their logical shapes.
+        self._check_records(read_records(state_dict), "checkpoint")
         shaped = {id(g): given for g, given in zip(self._groups, self._shaped)}
-        grouping.check_saved_groups(state_dict["param_groups"], self.param_groups, options.DEEPSPEED,
+        grouping.check_saved_groups(without_records(state_dict["param_groups"]), self.param_groups, options.DEEPSPEED,
                                     lambda group: shaped[id(group)])
+        grouping.check_state_shapes(state_dict, self.param_groups, _partition_state_shapes)
 
     def load_checked(self, state_dict: dict[str, Any]) -> None:
-        self._load_groups_and_state(state_dict, _partition_state_shapes)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._check_records(read_records(state_dict), "checkpoint")
-        super().load_state_dict(state_dict)
+        self.state = defaultdict(dict, grouping.loaded_state(state_dict, self.param_groups))
+        for mine, saved in zip(self.param_groups, without_records(state_dict["param_groups"])):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
 
     # --- the step
 
@@ -183,21 +185,21 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
         return loss
 
     def _step_all(self, grads: dict[int, Optional[torch.Tensor]], handed: set[int]) -> None:
-        """Check everything, decide once on every rank, then step every partition."""
-        for gi, group in enumerate(self._groups):  # a setting changed since construction
-            grouping.check_group(f"param group {gi}", group, options.DEEPSPEED, self._shaped[gi])
-        records = self._records_in_groups()
-        if records is not None:
-            for group in self._groups:
-                group.pop(RECORD, None)
-            self.restore_fraction_records(records)
-        missing = [i for i, g in grads.items() if g is None]
-        if missing:
-            raise RuntimeError(f"Dion3: ZeRO handed {len(missing)} of its {len(grads)} partitions without a gradient")
-        plan = self._plan()
+        """The step's one decision over every partition, agreed by every rank before anything
+        changes (:meth:`~dion3_megatron.frontend.lifecycle.Dion3FrontEnd.gate_step`), then the step."""
+        self._take_records_in_groups()
+        plan = self._plan()  # built at the first step (collective): by every rank alike, before the decision
         ordered = [grads[i] for i in range(len(self._partitions))]
-        if not usable_on_every_rank(ordered, ordered[0].device, plan.check_group):
-            self.skip_step()
+
+        def check() -> list[torch.Tensor]:
+            for gi, group in enumerate(self._groups):  # a setting changed since construction
+                grouping.check_group(f"param group {gi}", group, options.DEEPSPEED, self._shaped[gi])
+            missing = [i for i, g in enumerate(ordered) if g is None]
+            if missing:
+                raise RuntimeError(f"Dion3: ZeRO handed partitions {missing} of {len(ordered)} without a gradient")
+            return ordered
+
+        if not self.gate_step(check, self._partitions[0].flat.device, plan.check_group):
             return
         states = []
         for part in self._partitions:

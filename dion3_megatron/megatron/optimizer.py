@@ -42,7 +42,7 @@ from ..frontend import announce_skipped_step, usable_on_every_rank
 from ..core.ortho import default_ns_dtype
 from ..engine import Dion3Engine, MatrixShard, Sharding, fractions, plan
 from ..core.rule import Dion3Hyperparameters
-from .arguments import DION3_DEFAULTS, OPTIONS, check_dion3_values, config_field, refuse_renamed
+from .arguments import DION3_DEFAULTS, OPTIONS, check_dion3_values, config_field
 
 logger = logging.getLogger(__name__)
 
@@ -470,7 +470,6 @@ class MegatronDion3(torch.optim.Optimizer):
             raise ValueError(f"checkpoint has {len(groups)} param groups, the optimizer has {len(self.param_groups)}")
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
             merged = {**mine, **saved}
-            options.check_retired(f"param group {gi}", saved)
             options.check(f"param group {gi}", **{k: merged[k] for k in _GROUP_SETTINGS})
         saved_fractions = state_dict.get("auto_fractions", {})
         me = dist.get_rank() if dist.is_initialized() else 0  # this rank's choices first, then the lowest rank's
@@ -578,9 +577,6 @@ def dion3_values(config=None) -> dict[str, Any]:
         args = get_args()
     except Exception:  # noqa: BLE001 - megatron.training absent or args not parsed (core-only use)
         args = None
-    for source in (config, args):
-        if source is not None:
-            refuse_renamed(source, "Megatron optimizer config")
     values = {}
     for key, default in DION3_DEFAULTS.items():
         if config is not None and hasattr(config, key):
