@@ -10,11 +10,12 @@ partitions (:func:`become`). The object stays the one the engine, and a client's
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Iterable
 
 from .. import options
 from ..frontend import groups as grouping
-from ..frontend.lifecycle import Dion3FrontEnd
+from ..frontend.lifecycle import Dion3FrontEnd, without_records
 from .config import normalize_params
 from .layout import logical
 
@@ -57,6 +58,12 @@ class DeepSpeedFrontEnd(Dion3FrontEnd):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         grouping.check_group(f"param group {index}", group, options.DEEPSPEED, [logical(p) for p in group["params"]])
+
+    def load_checked(self, state_dict: dict[str, Any]) -> None:
+        """Each parameter's (or partition's) state, in fp32, and the saved groups' settings."""
+        self.state = defaultdict(dict, grouping.loaded_state(state_dict, self.param_groups))
+        for mine, saved in zip(self.param_groups, without_records(state_dict["param_groups"])):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
 
 
 def become(optimizer: DeepSpeedFrontEnd, cls: type) -> None:

@@ -7,7 +7,6 @@ instance becomes a :class:`.zero_optimizer.DeepSpeedZeroDion3` before they do (:
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any, Callable, Optional
 
 import torch
@@ -49,11 +48,6 @@ class DeepSpeedDion3(DeepSpeedFrontEnd):
         grouping.check_saved_groups(without_records(state_dict["param_groups"]), self.param_groups, options.DEEPSPEED,
                                     lambda group: group["params"])
         grouping.check_state_shapes(state_dict, self.param_groups, grouping.param_state_shapes)
-
-    def load_checked(self, state_dict: dict[str, Any]) -> None:
-        self.state = defaultdict(dict, grouping.loaded_state(state_dict, self.param_groups))
-        for mine, saved in zip(self.param_groups, without_records(state_dict["param_groups"])):
-            mine.update({k: v for k, v in saved.items() if k != "params"})
 
     @torch.no_grad()
     @kernel_config.scoped_step

@@ -17,7 +17,6 @@ step (ZeRO-3's ``sub_group_size`` no longer bounds it).
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any, Callable, Optional
 
 import torch
@@ -129,10 +128,6 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
                                     lambda group: shaped[id(group)])
         grouping.check_state_shapes(state_dict, self.param_groups, _partition_state_shapes)
 
-    def load_checked(self, state_dict: dict[str, Any]) -> None:
-        self.state = defaultdict(dict, grouping.loaded_state(state_dict, self.param_groups))
-        for mine, saved in zip(self.param_groups, without_records(state_dict["param_groups"])):
-            mine.update({k: v for k, v in saved.items() if k != "params"})
 
     # --- the step
 
