@@ -169,6 +169,13 @@ def test_non_finite_gradient_in_one_partition_on_one_rank_skips_one_step_on_ever
         assert r["then_moved"] > 0, (rank, r)
 
 
+def test_a_setting_refused_on_one_rank_raises_on_every_rank_and_changes_nothing(two_ranks):
+    r0, r1 = (out["refused_on_one_rank"] for out in two_ranks)
+    assert r0["error"].startswith("ValueError") and "lr" in r0["error"] and "-1.0" in r0["error"], r0
+    assert r1["error"].startswith("StepRefused") and "[0]" in r1["error"], r1
+    assert r0["change"] == 0.0 and r1["change"] == 0.0, (r0, r1)
+
+
 @pytest.mark.parametrize(
     "case, words",
     [

@@ -356,6 +356,22 @@ def inject_nan_once(engine, rank: int, partition: int) -> None:
     basic.step = step_with_nan
 
 
+def _refused_on_one_rank(engine) -> dict:
+    """A setting made invalid on rank 0 only: the step raises on every rank (rank 0 its own error,
+    the others naming rank 0), and nothing changes anywhere."""
+    train(engine, 1)
+    before = params_of(engine)
+    basic = _basic(engine)
+    if dist.get_rank() == 0:
+        basic.param_groups[1]["lr"] = -1.0
+    try:
+        train(engine, 1, start=5)
+        error = None
+    except Exception as e:  # noqa: BLE001 - the test reports what was raised
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "change": max_diff(before, params_of(engine))}
+
+
 def nan_in_one_partition(engine, partition: int) -> dict:
     """A finite step, then one with a NaN in one partition on rank 0 only: Dion3 skips it on every
     rank (one count), no weight or state changes; the next step is taken."""
@@ -577,6 +593,7 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
     out["nan_skipped"] = engine.skipped_steps + _basic(engine).skipped_steps
     # Dion3's own gate: a NaN in one partition (the second param group's slice) on rank 0 only.
     out["own_guard"] = {stage: nan_in_one_partition(make_engine(config(stage, world=world)), 1) for stage in (1, 2)}
+    out["refused_on_one_rank"] = _refused_on_one_rank(make_engine(config(2, world=world)))
 
     # Bad configs fail at initialize with a clear message.
     out["errors"] = {
