@@ -4,9 +4,10 @@ Under ZeRO (stages 1-3, and DeepSpeed's BF16_Optimizer) the optimizer steps flat
 one per param group (stages 1/2) or per sub-group (stage 3) and rank, with their gradient already
 averaged, unscaled and clipped; :mod:`.layout` says where each parameter's elements lie in them
 (stages 1/2: a slice of the group's parameters laid end to end, so a matrix can straddle two or
-more ranks' slices; stage 3: every parameter cut over the ranks on its own). From a layout the
-adapter hands every Dion3 matrix this rank holds any of to ONE megabatch engine
-(:class:`~dion3_megatron.engine.Dion3Engine`): a matrix that lies whole in this rank's partition
+more ranks' slices; stage 3: every parameter cut over the ranks on its own). From the layouts of
+all of this rank's partitions (:class:`PartitionPlan`) the adapter hands every Dion3 matrix this
+rank holds any of to ONE megabatch engine (:class:`ZeroStep`; :class:`~dion3_megatron.engine.Dion3Engine`),
+whatever the number of partitions: a matrix that lies whole in this rank's partition
 as a ``Sharding.full()`` shard (views of the partition, stepped by this rank alone, no
 communication), a matrix split over ranks as a ``Sharding.flat(bounds)`` piece (element ranges of
 the row-major matrix), stepped with the ranks that hold its other pieces (over the process group

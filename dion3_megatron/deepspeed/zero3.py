@@ -3,7 +3,7 @@ state a universal checkpoint's stage-3 load leaves out.
 
 Stage 3 hands the optimizer one flat fp32 partition per sub-group (a run of whole parameters of
 one param group, on one partition process group) at a time, in that param group's ``params``, and
-empties ``params`` between steps. :func:`sub_groups_of` reads, once ZeRO has built them, which
+empties ``params`` between steps. :func:`partitions_of` reads, once ZeRO has built them, which
 parameters each partition holds and over which process group (:func:`.layout.partition_layout`
 says where). The partitions are the same tensors for the life of the engine (checkpoint loads
 copy into them).
