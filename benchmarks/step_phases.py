@@ -192,9 +192,10 @@ def deepspeed(argv: list[str]) -> None:
     timed(zero_opt, "scaled_global_norm", "  ZeRO grad norm")
     timed(zero_opt, "_optimizer_step", "  ZeRO inner step (per param group)")
     timed(stage_1_and_2, "all_gather_dp_groups", "  ZeRO parameter all-gather")
-    timed(zero.ZeroGroupPlan, "step", lambda plan: f"ZeRO plan step ({len(plan.pieces)} matrices, "
-                                                   f"{sum(p.shard.sharding.kind != 'full' for p in plan.pieces)} of them "
-                                                   f"split, {len(plan.adamw_runs)} AdamW runs)")
+    timed(zero.ZeroStep, "step", lambda plan: f"ZeRO step of every partition ({len(plan.partitions)} partitions, "
+                                              f"{sum(len(p.pieces) for p in plan.partitions)} matrices, "
+                                              f"{sum(q.shard.sharding.kind != 'full' for p in plan.partitions for q in p.pieces)} "
+                                              f"of them split, {sum(len(p.adamw_runs) for p in plan.partitions)} AdamW runs)")
     timed(local.WholeExchange, "step_all", "  matrices one rank holds whole (all groups)")
     sys.argv = argv
     try:

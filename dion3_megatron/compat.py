@@ -128,23 +128,29 @@ MEGATRON: tuple[Patch, ...] = (
 )
 
 DEEPSPEED: tuple[Patch, ...] = (
-    Patch("torch.optim:Dion3", f"{_DS}:deepspeed_class",
-          'DeepSpeed 0.19 looks a config "type" it does not know up in torch.optim: "Dion3" builds DeepSpeedDion3',
-          DS_019, adds=True),
+    Patch("deepspeed.runtime.config:DEEPSPEED_OPTIMIZERS[+]", f"{_DS}:config_name",
+          'DeepSpeed lower-cases a config "type" that names one of its own optimizers: "Dion3", "DION3" and '
+          '"dion3" all become "dion3"', DS_019, optional=True),
     Patch("torch.optim:dion3", f"{_DS}:deepspeed_class",
-          'the same for "dion3", the spelling of Megatron\'s --optimizer dion3', DS_019, adds=True),
+          'DeepSpeed 0.19 looks the optimizer of a config "type" up in torch.optim: "dion3" builds DeepSpeedDion3',
+          DS_019, adds=True),
+    Patch("deepspeed.runtime.engine:DeepSpeedEngine._is_supported_optimizer", f"{_DS}:name_hint",
+          'a config "type" close to Dion3\'s ("Dion", "dion-3", "Dion3Optimizer") fails with one line naming "Dion3" '
+          "instead of DeepSpeed's bare assertion", DS_019, optional=True),
     Patch("deepspeed.runtime.zero.utils:ZERO_SUPPORTED_OPTIMIZERS[+]", f"{_DS}:deepspeed_class",
           'ZeRO takes DeepSpeedDion3 without "zero_allow_untested_optimizer"', DS_019, optional=True),
     Patch("deepspeed.runtime.engine:DeepSpeedEngine._configure_basic_optimizer", f"{_DS}:split_config_params",
           'with "type": "Dion3" the parameters DeepSpeed was given are split by the engine\'s model: embeddings, '
           "the output head, norms and vectors take AdamW, hidden matrices Dion3", DS_019, optional=True),
-    Patch("deepspeed.runtime.engine:DeepSpeedEngine._do_optimizer_sanity_check", f"{_DS}:refuse_plain_dion3",
-          "a plain dion3_megatron.Dion3 under ZeRO-1/2/3 or BF16_Optimizer (which hand it flat partitions) is "
-          "refused at initialize, by name", DS_019, optional=True),
+    Patch("deepspeed.runtime.engine:DeepSpeedEngine._do_optimizer_sanity_check", f"{_DS}:stage_class",
+          "where DeepSpeed decides how to wrap the optimizer, DeepSpeedDion3 becomes DeepSpeedZeroDion3 if ZeRO-1/2/3 "
+          "or BF16_Optimizer will hand it flat partitions; a plain dion3_megatron.Dion3 there is refused at "
+          "initialize, by name", DS_019, optional=True),
     Patch("deepspeed.runtime.engine:DeepSpeedEngine._configure_zero_optimizer", f"{_DS}:zero_stage_checks",
-          "optimizer offload is refused for Dion3 with a message saying what to set; Dion3 learns ZeRO-3's "
-          "sub-groups (which parameters each flat partition holds), and the partition-shaped state of every "
-          "ZeRO partition is created before ZeRO links state to parameters",
+          "optimizer offload is refused for Dion3 with a message saying what to set; Dion3 learns ZeRO's "
+          "partitions (ZeRO-3: which parameters each sub-group's holds) and how to write one back to its "
+          "low-precision copy, and the partition-shaped state of every ZeRO partition is created before ZeRO "
+          "links state to parameters",
           DS_019, optional=True),
     Patch("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
           f"{_DS}.zero3:load_universal_settings_and_ages",

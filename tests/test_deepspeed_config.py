@@ -22,14 +22,45 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples" / "deepspeed
 
 
 def test_registration_exposes_the_class_where_deepspeed_looks():
-    assert dion3_ds.register() is DeepSpeedDion3
-    assert torch.optim.Dion3 is DeepSpeedDion3  # DeepSpeed: getattr(torch.optim, config "type")
-    assert torch.optim.dion3 is DeepSpeedDion3  # the spelling of Megatron's --optimizer dion3
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
     from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
 
+    assert dion3_ds.register() is DeepSpeedDion3
+    # DeepSpeed lower-cases a config "type" among its own optimizers' names, then looks it up in torch.optim
+    assert DEEPSPEED_OPTIMIZERS.count("dion3") == 1
+    assert torch.optim.dion3 is DeepSpeedDion3
     assert ZERO_SUPPORTED_OPTIMIZERS.count(DeepSpeedDion3) == 1
     dion3_ds.register()  # idempotent
-    assert ZERO_SUPPORTED_OPTIMIZERS.count(DeepSpeedDion3) == 1
+    assert ZERO_SUPPORTED_OPTIMIZERS.count(DeepSpeedDion3) == 1 and DEEPSPEED_OPTIMIZERS.count("dion3") == 1
+
+
+def test_the_stage_hook_makes_the_same_object_the_zero_class_before_any_step():
+    from dion3_megatron.deepspeed.base import become
+
+    opt = DeepSpeedDion3([torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))])
+    become(opt, dion3_ds.DeepSpeedZeroDion3)
+    assert type(opt) is dion3_ds.DeepSpeedZeroDion3 and not isinstance(opt, DeepSpeedDion3)
+    become(opt, DeepSpeedDion3)
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    with pytest.raises(RuntimeError, match="cannot become a DeepSpeedZeroDion3"):
+        become(opt, dion3_ds.DeepSpeedZeroDion3)
+
+
+def test_stage0_keeps_the_record_in_each_param_group_and_checks_it_on_load():
+    matrix, bias = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))
+    opt = DeepSpeedDion3([matrix, bias], fraction=0.5)
+    matrix.grad, bias.grad = torch.randn(4, 4), torch.randn(4)
+    opt.step()
+    sd = opt.state_dict()
+    assert sorted(sd) == ["param_groups", "skipped_steps", "state"]  # no record outside the groups
+    assert [g["fractions"] for g in sd["param_groups"]] == [{}, {}]  # no automatic f here
+    sd["param_groups"][0]["fractions"] = {"group 0 / param 0": 0.3}
+    before = matrix.detach().clone()
+    with pytest.raises(ValueError, match=r"param group 0: 'group 0 / param 0' has fraction 0.3"):
+        opt.load_state_dict(sd)
+    assert torch.equal(matrix, before)
 
 
 def test_json_spellings_are_converted():

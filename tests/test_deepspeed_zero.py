@@ -49,7 +49,19 @@ def test_zero1_and_zero2_equal_zero0_fp32(two_ranks):
 
 
 def test_config_type_in_lower_case_builds_dion3(two_ranks):
-    assert two_ranks[0]["lower_case_type"] == ("DeepSpeedDion3", 0.0)
+    assert two_ranks[0]["lower_case_type"] == ("DeepSpeedZeroDion3", 0.0)
+
+
+def test_config_type_dion3_in_any_case_builds_dion3(two_ranks):
+    assert two_ranks[0]["any_case"] == {"DION3": "DeepSpeedZeroDion3", "dion3": "DeepSpeedZeroDion3",
+                                        "Dion3": "DeepSpeedZeroDion3"}
+
+
+@pytest.mark.parametrize("name", ["Dion", "dion-3", "Dion3Optimizer"])
+def test_config_type_near_dion3_fails_naming_dion3(two_ranks, name):
+    message = two_ranks[0]["errors"][f"type {name}"]
+    assert message is not None, f"deepspeed.initialize accepted type {name!r}"
+    assert "\n" not in message and f'"type": "{name}"' in message and 'did you mean "Dion3"?' in message, message
 
 
 def test_auto_fraction_under_zero1_equals_zero0(two_ranks):
@@ -62,19 +74,14 @@ def test_auto_fraction_under_zero1_equals_zero0(two_ranks):
 def test_auto_fraction_choices_survive_a_resume_on_a_machine_of_another_speed(two_ranks):
     for rank, out in enumerate(two_ranks):
         assert out["auto_resume_diff"] == 0.0, (rank, out["auto_resume_diff"])
-        chosen = out["auto_resume_chosen"]  # {param group index: {matrix name: f}}
-        fractions = {f for c in chosen.values() for f in c.values()}
-        straddling = {name for c in chosen.values() for name in c} & set(out["auto_resume_straddling"])
+        chosen = out["auto_resume_chosen"]  # per saved param group: {matrix name: f}
+        fractions = {f for c in chosen for f in c.values()}
+        straddling = {name for c in chosen for name in c} & set(out["auto_resume_straddling"])
         assert fractions == {0.125} and straddling, chosen  # straddling ones too
-
-
-def test_auto_fraction_choices_of_an_older_checkpoint_record_load(two_ranks):
-    # The record checkpoints kept before the one by name ("zero_auto_fractions": whole matrices per
-    # run of adjacent same-shape ones, straddling ones by name): its runs map to the whole matrices.
-    assert sum(out["legacy_whole_runs"] for out in two_ranks) > 0, "the record must hold whole-matrix runs"
-    for rank, out in enumerate(two_ranks):
-        assert out["legacy_resume_diff"] == 0.0, (rank, out["legacy_resume_diff"])
-        assert "whole-matrix run 1 has fraction 0.3" in out["legacy_bad_fraction"], out["legacy_bad_fraction"]
+        # every rank's record names every matrix, also the ones other ranks hold: the param groups
+        # a universal checkpoint keeps (rank 0's) are whole
+        assert sorted(name for c in chosen for name in c) == out["auto_resume_names"], chosen
+        assert out["auto_resume_top_level"] == [], out["auto_resume_top_level"]  # the record is in the groups only
 
 
 def test_gradient_accumulation_and_param_groups_equal_zero0(two_ranks):
@@ -148,7 +155,25 @@ def test_non_finite_gradient_on_one_rank_skips_the_step_everywhere(two_ranks):
         assert out["nan_step_change"] == 0.0
         assert out["nan_skipped"] == 1
         assert out["nan_then_finite"]
-        assert out["own_guard"] == (True, 1)  # Dion3's own check agrees across ranks too
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_non_finite_gradient_in_one_partition_on_one_rank_skips_one_step_on_every_rank(two_ranks, stage):
+    # The NaN reaches Dion3 alone (DeepSpeed saw finite gradients), in the second of two param
+    # groups' slices, on rank 0: one decision for the step, before the first group changed anything.
+    for rank, out in enumerate(two_ranks):
+        r = out["own_guard"][stage]
+        assert r["partitions"] == 2 and r["deepspeed_skipped"] == 0, (rank, r)
+        assert r["skipped"] == 1, (rank, r)  # one step, not one per partition
+        assert r["change"] == 0.0 and r["state_change"] == 0.0, (rank, r)
+        assert r["then_moved"] > 0, (rank, r)
+
+
+def test_a_setting_refused_on_one_rank_raises_on_every_rank_and_changes_nothing(two_ranks):
+    r0, r1 = (out["refused_on_one_rank"] for out in two_ranks)
+    assert r0["error"].startswith("ValueError") and "lr" in r0["error"] and "-1.0" in r0["error"], r0
+    assert r1["error"].startswith("StepRefused") and "[0]" in r1["error"], r1
+    assert r0["change"] == 0.0 and r1["change"] == 0.0, (r0, r1)
 
 
 @pytest.mark.parametrize(
@@ -175,6 +200,14 @@ def test_four_ranks_zero2_equals_zero0_and_loads_universal_checkpoint(four_ranks
     # Saved by 2 ranks at ZeRO-2, loaded by 4 at ZeRO-2: the same continuation (with staleness too).
     assert out["universal_diff"] <= TOL, out
     assert out["stale_universal_diff"] <= TOL, out
+
+
+def test_auto_fraction_choices_survive_a_universal_checkpoint_at_another_world_size(four_ranks):
+    # Saved by 2 ranks at ZeRO-2, converted, resumed by 4 whose device alone would choose f = 1.
+    for rank, out in enumerate(four_ranks):
+        r = out["auto_universal"]
+        assert r["fractions"] == [0.125] and r["matrices"] == 5, (rank, r)  # fc1, fc2, 3 experts
+        assert r["diff"] <= TOL, (rank, r)
 
 
 def test_moe_experts_step_over_their_expert_data_parallel_group(four_ranks):

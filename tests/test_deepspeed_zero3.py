@@ -92,20 +92,43 @@ def test_zero3_non_finite_gradient_on_one_rank_skips_the_step_everywhere(two_ran
         assert nan["finite"] and nan["then_moved"] > 0, nan
 
 
+def test_zero3_non_finite_gradient_in_one_sub_group_on_one_rank_skips_one_step_on_every_rank(two_ranks):
+    # The NaN reaches Dion3 alone (DeepSpeed saw finite gradients), in the second of several
+    # sub-groups, on rank 0: one decision for the step, before the first sub-group changed anything.
+    for rank, out in enumerate(two_ranks):
+        r = out["nan_in_one_partition"]
+        assert r["partitions"] > 2 and r["deepspeed_skipped"] == 0, (rank, r)
+        assert r["skipped"] == 1, (rank, r)  # one step, not one per sub-group
+        assert r["change"] == 0.0 and r["state_change"] == 0.0, (rank, r)
+        assert r["then_moved"] > 0, (rank, r)
+
+
+def test_zero3_collectives_per_step_do_not_grow_with_the_sub_groups(two_ranks):
+    for rank, out in enumerate(two_ranks):
+        runs = out["collectives"]
+        assert sorted(r["dion3_sub_groups"] for r in runs.values()) == [1, 2, 5], (rank, runs)
+        for r in runs.values():
+            assert r["diff"] <= TOL, (rank, runs)
+        counts = {size: r["counts"] for size, r in runs.items()}
+        assert len({tuple(c) for c in counts.values()}) == 1, (rank, counts)  # the same at 1, 2 and 5 sub-groups
+        assert all(c > 0 for c in next(iter(counts.values()))), (rank, counts)
+
+
 def test_zero3_checkpoint_resume_is_bit_identical(two_ranks):
     for out in two_ranks:
         assert out["resume_diff"] == 0.0, out["resume_diff"]
 
 
 def test_zero3_auto_fraction_choices_over_sub_groups_survive_a_resume(two_ranks):
-    # Each rank records the matrices it holds a piece of, from every sub-group of the Dion3 param group;
-    # the resumed run's device would choose f = 1, so equal steps mean the saved choices were used.
+    # Each rank records every matrix of every sub-group of the Dion3 param group (its own and those
+    # other ranks hold); the resumed run's device would choose f = 1, so equal steps mean the saved
+    # choices were used.
     names = set()
     for rank, out in enumerate(two_ranks):
         auto = out["auto"]
         assert auto["dion3_partitions"] > 1, auto  # the Dion3 group's matrices lie in several sub-groups
-        names |= set(auto["record"][0])
-        assert 0.125 in auto["record"][0].values(), (rank, auto["record"])
+        names |= set(auto["record"][0])  # the Dion3 group's record
+        assert 0.125 in auto["record"][0].values() and len(auto["record"][0]) == 7, (rank, auto["record"])
         assert auto["diff"] == 0.0, (rank, auto["diff"])
     assert len(names) == 7, names
 

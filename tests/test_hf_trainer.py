@@ -54,7 +54,7 @@ def test_llama_hidden_matrices_take_dion3_embedding_untied_head_and_norms_adamw(
 def test_a_config_without_fraction_gets_auto_chosen_under_zero1(session):
     run = session[0]["llama_default"]
     assert set(run["fractions"]) == {"auto"}, run["fractions"]
-    chosen = [f for c in run["chosen"].values() for f in c.values()]  # {param group index: {matrix name: f}}
+    chosen = [f for c in run["chosen"] for f in c.values()]  # per saved param group: {matrix name: f}
     assert chosen and set(chosen) == {1.0}, run["chosen"]  # every matrix here has fewer than 128 rows: all kept
     assert _falls(run["losses"], 0.5), run["losses"]
 

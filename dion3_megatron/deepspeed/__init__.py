@@ -4,10 +4,13 @@
 It applies :data:`dion3_megatron.compat.DEEPSPEED` (every DeepSpeed attribute this package adds or
 replaces, with why and the upstream version), which
 
-* exposes :class:`DeepSpeedDion3` as ``torch.optim.Dion3`` and ``torch.optim.dion3``, which is
-  where DeepSpeed 0.19 looks up a config ``type`` it does not know (case-sensitively): ``"Dion3"``
-  and ``"dion3"`` (the spelling of Megatron's ``--optimizer dion3``) both work;
-* lists it among ZeRO's supported optimizers (no ``zero_allow_untested_optimizer`` needed);
+* makes ``"dion3"`` one of DeepSpeed's own optimizer names, which its config lower-cases, and
+  exposes :class:`DeepSpeedDion3` as ``torch.optim.dion3``, where DeepSpeed 0.19 then looks it up:
+  ``"Dion3"``, ``"dion3"`` (the spelling of Megatron's ``--optimizer dion3``), ``"DION3"`` all work,
+  and a near miss (``"Dion"``, ``"dion-3"``) fails at ``deepspeed.initialize`` saying ``"Dion3"``;
+* lists it among ZeRO's supported optimizers (no ``zero_allow_untested_optimizer`` needed), and
+  makes it a :class:`DeepSpeedZeroDion3` where ZeRO stages 1-3 (or BF16_Optimizer) will hand it
+  flat partitions;
 * splits the parameters DeepSpeed was given by module (:func:`.groups.engine_param_groups`, using
   the engine's model): embeddings, the output head and anything tied to it, norms and vectors
   take AdamW, hidden matrices Dion3; groups that set ``"algorithm"`` are kept;
@@ -23,14 +26,22 @@ docs/deepspeed.md.
 
 from __future__ import annotations
 
+import difflib
+import json
+import re
+
+from .base import become
 from .config import ALLOWED as CONFIG_KEYS
 from .config import normalize_params
 from .optimizer import DeepSpeedDion3
+from .zero_optimizer import DeepSpeedZeroDion3, Partition
 from .groups import engine_param_groups, param_groups
 from .conv1d import conv1d_as_linear
 
-__all__ = ["DeepSpeedDion3", "register", "normalize_params", "param_groups", "engine_param_groups",
-           "conv1d_as_linear", "CONFIG_KEYS", "SUPPORTED_DEEPSPEED"]
+__all__ = ["DeepSpeedDion3", "DeepSpeedZeroDion3", "register", "normalize_params", "param_groups",
+           "engine_param_groups", "conv1d_as_linear", "CONFIG_KEYS", "SUPPORTED_DEEPSPEED"]
+
+CONFIG_NAME = "dion3"  # the config "type" as DeepSpeed keeps it (it lower-cases its own optimizers' names)
 
 SUPPORTED_DEEPSPEED = (">=0.19", "<0.20")
 _REGISTERED = False
@@ -74,13 +85,37 @@ def deepspeed_class(_current=None) -> type:
     return DeepSpeedDion3
 
 
+def config_name(_current=None) -> str:
+    """The name DeepSpeed's list of its own optimizers gets: :data:`CONFIG_NAME`."""
+    return CONFIG_NAME
+
+
+def _near_dion3(name: str) -> bool:
+    key = re.sub(r"[^a-z0-9]", "", name.lower())
+    return key.startswith("dion") or bool(difflib.get_close_matches(key, [CONFIG_NAME], cutoff=0.6))
+
+
+def name_hint(original):
+    """``DeepSpeedEngine._is_supported_optimizer``: a config ``"type"`` close to Dion3's fails with
+    one line naming ``"Dion3"`` (DeepSpeed's own refusal is a bare assertion)."""
+
+    def _is_supported_optimizer(self, optimizer_name):
+        if original(self, optimizer_name):
+            return True
+        if isinstance(optimizer_name, str) and _near_dion3(optimizer_name):
+            raise ValueError(f'DeepSpeed config "optimizer": {{"type": {json.dumps(optimizer_name)}}} is no optimizer '
+                             'DeepSpeed knows; did you mean "Dion3"?')
+        return False
+
+    return _is_supported_optimizer
+
+
 def zero_stage_checks(original):
     """``DeepSpeedEngine._configure_zero_optimizer``: refuse optimizer offload for Dion3, naming
-    what to set; once ZeRO has wrapped it, give it stage 3's sub-groups and create the partitions'
-    state."""
+    what to set; once ZeRO has wrapped it, give it ZeRO's partitions and create their state."""
 
     def _configure_zero_optimizer(self, optimizer):
-        if isinstance(optimizer, DeepSpeedDion3):
+        if isinstance(optimizer, DeepSpeedZeroDion3):
             offload = self.zero_offload_optimizer()
             device = getattr(offload, "device", None)
             if device is not None and getattr(device, "value", device) != "none":
@@ -90,27 +125,30 @@ def zero_stage_checks(original):
                     "Remove offload_optimizer from the config."
                 )
         wrapped = original(self, optimizer)
-        if isinstance(optimizer, DeepSpeedDion3):
+        if isinstance(optimizer, DeepSpeedZeroDion3):
             if self.zero_optimization_stage() == 3:
                 from . import zero3
 
-                optimizer.adopt_partitions(zero3.sub_groups_of(wrapped))
-            _create_slice_state(optimizer)
+                optimizer.adopt_partitions(zero3.partitions_of(wrapped), wrapped._reassign_or_swap_out_partitioned_parameters)
+            else:
+                optimizer.adopt_partitions([Partition(gi, g["params"][0]) for gi, g in enumerate(optimizer._groups)],
+                                           _zero12_write_back(wrapped))
+            optimizer.create_partition_state()
         return wrapped
 
     return _configure_zero_optimizer
 
 
-def _create_slice_state(optimizer: DeepSpeedDion3) -> None:
-    """Create the partition-shaped state of every ZeRO partition now. ZeRO-1/2 steps one group at a
-    time and, right after the first group's step, links every group's state to the parameters'
-    fragments (``safe_get_full_optimizer_state``) once: state made later, by a later group's
-    step, would never be linked. ZeRO-3's universal-checkpoint load reads the first partition's
-    ``step``."""
-    from . import zero
+def _zero12_write_back(wrapped):
+    """ZeRO-1/2: copy group ``i``'s fp32 slice to its low-precision partition, as ZeRO does after
+    each group's ``step()``."""
+    import deepspeed.comm as ds_dist
 
-    for group, flat in optimizer.zero_partitions():
-        zero.init_slice_state(optimizer.state[flat], flat, with_age=group["staleness"] > 0)
+    def write_back(i: int) -> None:
+        rank = ds_dist.get_rank(group=wrapped.real_dp_process_group[i])
+        wrapped.parallel_partitioned_bit16_groups[i][rank].data.copy_(wrapped.single_partition_of_fp32_groups[i].data)
+
+    return write_back
 
 
 def split_config_params(original):
@@ -118,7 +156,7 @@ def split_config_params(original):
     what DeepSpeed was given by the engine's model."""
 
     def _configure_basic_optimizer(self, model_parameters):
-        if self.optimizer_name().lower() == "dion3":
+        if self.optimizer_name().lower() == CONFIG_NAME:
             model_parameters = engine_param_groups(self.module, model_parameters)
         return original(self, model_parameters)
 
@@ -133,11 +171,14 @@ def _plain_dion3_error(optimizer, wrapper: str) -> str:
             "dion3_megatron.deepspeed")
 
 
-def refuse_plain_dion3(original):
-    """``DeepSpeedEngine._do_optimizer_sanity_check``: a plain ``Dion3`` passed as ``optimizer=``
-    steps whole parameters: under ZeRO-1/2/3 (or DeepSpeed's BF16_Optimizer) it would get flat
-    partitions. Refuse it at initialize, by name."""
+def stage_class(original):
+    """``DeepSpeedEngine._do_optimizer_sanity_check``, where DeepSpeed decides how to wrap the
+    optimizer: Dion3 for DeepSpeed becomes the class of that stage (:func:`.base.become`):
+    :class:`DeepSpeedZeroDion3` where ZeRO-1/2/3 or BF16_Optimizer will hand it flat partitions,
+    else :class:`DeepSpeedDion3`. A plain ``Dion3`` passed as ``optimizer=`` steps whole
+    parameters: there it is refused, by name."""
     from deepspeed.runtime.constants import BFLOAT16
+    from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 
     from ..optimizer import Dion3
 
@@ -148,6 +189,8 @@ def refuse_plain_dion3(original):
         wrapper = original(self, basic_optimizer)
         if plain and wrapper == BFLOAT16:  # BF16_Optimizer: flat slices too
             raise TypeError(_plain_dion3_error(basic_optimizer, "DeepSpeed's BF16_Optimizer"))
+        if isinstance(basic_optimizer, (DeepSpeedDion3, DeepSpeedZeroDion3)):
+            become(basic_optimizer, DeepSpeedZeroDion3 if wrapper in (ZERO_OPTIMIZATION, BFLOAT16) else DeepSpeedDion3)
         return wrapper
 
     return _do_optimizer_sanity_check

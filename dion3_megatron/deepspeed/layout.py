@@ -10,7 +10,7 @@ rank holds, and where this rank's lie in its flat tensor.
   (``P`` elements each, padding included). :func:`partition_layout` computes that, with no
   communication.
 
-Either way a :class:`FlatLayout` is what :class:`.zero.ZeroGroupPlan` turns into engine shards.
+Either way a :class:`FlatLayout` is what :class:`.zero.PartitionPlan` turns into engine shards.
 """
 
 from __future__ import annotations

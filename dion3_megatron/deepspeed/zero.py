@@ -4,9 +4,10 @@ Under ZeRO (stages 1-3, and DeepSpeed's BF16_Optimizer) the optimizer steps flat
 one per param group (stages 1/2) or per sub-group (stage 3) and rank, with their gradient already
 averaged, unscaled and clipped; :mod:`.layout` says where each parameter's elements lie in them
 (stages 1/2: a slice of the group's parameters laid end to end, so a matrix can straddle two or
-more ranks' slices; stage 3: every parameter cut over the ranks on its own). From a layout the
-adapter hands every Dion3 matrix this rank holds any of to ONE megabatch engine
-(:class:`~dion3_megatron.engine.Dion3Engine`): a matrix that lies whole in this rank's partition
+more ranks' slices; stage 3: every parameter cut over the ranks on its own). From the layouts of
+all of this rank's partitions (:class:`PartitionPlan`) the adapter hands every Dion3 matrix this
+rank holds any of to ONE megabatch engine (:class:`ZeroStep`; :class:`~dion3_megatron.engine.Dion3Engine`),
+whatever the number of partitions: a matrix that lies whole in this rank's partition
 as a ``Sharding.full()`` shard (views of the partition, stepped by this rank alone, no
 communication), a matrix split over ranks as a ``Sharding.flat(bounds)`` piece (element ranges of
 the row-major matrix), stepped with the ranks that hold its other pieces (over the process group
@@ -39,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -127,15 +128,13 @@ class _SliceMoves:
                 torch._foreach_copy_(blocks, values)
 
 
-class ZeroGroupPlan:
-    """Everything one flat ZeRO partition needs per step, built once from its layout (with the
-    automatic fraction, one all-reduce of the device's speed): its Dion3 matrices as the shards of
-    one engine, and the AdamW element runs."""
+class PartitionPlan:
+    """What one flat ZeRO partition holds, read once from its layout: its pieces of Dion3 matrices
+    (the shards :class:`ZeroStep`'s engine steps) and its AdamW element runs."""
 
-    def __init__(self, cuda_graph: bool, group: dict, layout: FlatLayout, index: int) -> None:
+    def __init__(self, group: dict, layout: FlatLayout, index: int) -> None:
         self.flat = layout.flat
         self.group_index = index  # the param group's position among the optimizer's
-        self.use_graph = cuda_graph
         self.group_pg = layout.group
         self.world = dist.get_world_size(self.group_pg)
         self.rank = dist.get_rank(self.group_pg)
@@ -180,50 +179,7 @@ class ZeroGroupPlan:
                 elif holders == [self.rank]:  # whole in this rank's slice: stepped here alone, no communication
                     self._add_piece(name, offset, n * m, 0, m, (n, m), Sharding.full(), None, hp)
         self.adamw_runs = _merge_runs(adamw_runs)
-        self.speeds = self._agree_speeds(hp)
-        # The automatic f chosen, by matrix name (a checkpoint keeps it, so a resume does not
-        # measure again): the engine's record once it is built.
-        self.chosen: dict[str, float] = {}
-        self.engine: Optional[Dion3Engine] = None
-        self._moves: Optional[_SliceMoves] = None
-        self._state_ids: tuple = ()
-
-    def restore_fractions(self, by_name: dict[str, float], whole_runs: Optional[list[float]], where: str) -> None:
-        """Take the automatic f chosen before (a checkpoint's record, by matrix name; from older
-        checkpoints also the f of each run of adjacent same-shape matrices this rank holds whole, in
-        slice order) instead of measuring again. Before the engine is built. Names of matrices outside
-        this partition's layout (a ZeRO-3 param group's other sub-groups) are not this plan's."""
-        runs = self._whole_runs()
-        by_name = {name: f for name, f in by_name.items() if name in self.names}
-        unknown = sorted(set(by_name) - {piece.shard.name for piece in self.pieces})
-        if whole_runs is not None and len(whole_runs) != len(runs) or unknown:
-            raise ValueError(f"{where}: the checkpoint's fraction='auto' choices do not fit this rank's ZeRO slice "
-                             f"({len(whole_runs or ())} whole-matrix runs for its {len(runs)}; matrices it does not hold: "
-                             f"{unknown[:3]}): it was saved with another layout")
-        self.chosen = {**by_name, **{name: f for run, f in zip(runs, whole_runs or ()) for name in run}}
-
-    def _whole_runs(self) -> list[list[str]]:
-        """The names of the matrices of each run of adjacent same-shape matrices this rank holds
-        whole, in slice order (as checkpoints before the record by name listed them)."""
-        runs: list[list[str]] = []
-        end, shape = -1, None
-        for piece in self.pieces:
-            if piece.shard.sharding.kind != "full":
-                continue
-            if runs and piece.offset == end and piece.shard.shape == shape:
-                runs[-1].append(piece.shard.name)
-            else:
-                runs.append([piece.shard.name])
-            end, shape = piece.offset + piece.length, piece.shard.shape
-        return runs
-
-    def _agree_speeds(self, hp: rule.Dion3Hyperparameters) -> fractions.AgreedSpeeds:
-        """The device speed the whole matrices' automatic f is chosen by, agreed over the
-        data-parallel group by every rank of it, also one that holds no whole matrix (one
-        collective, made here by every rank alike), so that the ranks choose on the same numbers."""
-        device = self.flat.device
-        wanted = [(device, hp.ns_dtype or default_ns_dtype(device))] if self.steps_matrices and chooses_fraction(hp) else []
-        return fractions.agreed_speeds(wanted, self.group_pg) if wanted else fractions.AgreedSpeeds({}, self.world > 1)
+        self.chooses_fraction = self.steps_matrices and chooses_fraction(hp)
 
     def _add_tensor_parallel(self, p: torch.Tensor, split: str, bounds: list[int], hp_start: int, lp_lo: int,
                              tensor_parallel: "TensorParallel", hp: rule.Dion3Hyperparameters, name: str) -> None:
@@ -248,48 +204,119 @@ class ZeroGroupPlan:
                             shape=shape, sharding=sharding, group=process_group, hp=hp, state={})
         self.pieces.append(_SlicePiece(shard, offset, length, _row_blocks(first, length, row_width)))
 
-    # ----------------------------------------------------------------------------------------
-
-    def _bind_state(self, state: dict, hp: rule.Dion3Hyperparameters) -> None:
-        """Give the shards their state from the slice's and build the engine (again where the state
-        tensors changed, or staleness did: the engine plans with it). On every rank of the group
-        alike, since the engine's construction is collective."""
-        ids = (id(state["exp_avg"]), id(state["exp_avg_sq"]), id(state.get("row_age")), hp.staleness)
-        if self.engine is not None and ids == self._state_ids:
-            return
-        if chooses_fraction(hp):  # refused here on every rank alike where the ranks agreed no speed for it
-            self.speeds.of(self.flat.device, hp.ns_dtype or default_ns_dtype(self.flat.device))
-        exp_avg = state["exp_avg"]
-        per_row = {"variance": state["exp_avg_sq"], **({"row_age": state["row_age"]} if hp.staleness else {})}
+    def bind(self, state: dict, hp: rule.Dion3Hyperparameters) -> None:
+        """Give the shards their state from the partition's, before the engine is built on them: the
+        momentum, views of ``exp_avg`` (stepped where it lies); a variance and an age per touched row."""
         for piece in self.pieces:
             piece.shard.hp = hp
             piece.shard.state.clear()
-            piece.shard.state["momentum"] = piece.of(exp_avg)  # stepped where it lies (momentum_in_place)
-            for key in per_row:
-                piece.shard.state[key] = torch.zeros(piece.rows, dtype=torch.float32, device=exp_avg.device)
-        self.engine = Dion3Engine([p.shard for p in self.pieces], cuda_graph=self.use_graph, check_group=self.check_group,
-                                  fresh_grads=True, speeds=self.speeds, chosen=self.chosen, momentum_in_place=True)
-        self.chosen = self.engine.chosen_fractions()
-        self._moves = _SliceMoves(self.pieces, exp_avg, per_row)
-        self._state_ids = ids
+            piece.shard.state["momentum"] = piece.of(state["exp_avg"])
+            for key in _per_row(state, hp):
+                piece.shard.state[key] = torch.zeros(piece.rows, dtype=torch.float32, device=state["exp_avg"].device)
 
-    def step(self, group: dict, state: dict) -> None:
-        flat, grad = self.flat, self.flat.grad
-        hp = grouping.hyperparameters(group)
-        if self.steps_matrices:
-            self._bind_state(state, hp)
-            for piece in self.pieces:
-                piece.shard.grad = piece.of(grad)  # ZeRO's gradient partition is a new tensor every step
-                if piece.shard.hp != hp:
-                    piece.shard.hp = hp
-            self._moves.read()
-            self.engine.step()
-            self._moves.write()
+    def moves(self, state: dict, hp: rule.Dion3Hyperparameters) -> _SliceMoves:
+        """What travels between the partition's state and the engine's (built on the shards' state)."""
+        return _SliceMoves(self.pieces, state["exp_avg"], _per_row(state, hp))
+
+    def take_gradient(self, grad: torch.Tensor, hp: rule.Dion3Hyperparameters) -> None:
+        """This step's gradient and settings for the shards (ZeRO's gradient partition is a new tensor every step)."""
+        for piece in self.pieces:
+            piece.shard.grad = piece.of(grad)
+            if piece.shard.hp != hp:
+                piece.shard.hp = hp
+
+    def adamw_step(self, group: dict, state: dict, grad: torch.Tensor) -> None:
         if self.adamw_runs:
-            step = int(state["step"].item())
             runs = [[t.narrow(0, start, length) for start, length in self.adamw_runs]
-                    for t in (flat, grad, state["exp_avg"], state["exp_avg_sq"])]
-            rule.adamw_step(*runs, step, group["lr"], group["betas"], group["eps"], group["weight_decay"])
+                    for t in (self.flat, grad, state["exp_avg"], state["exp_avg_sq"])]
+            rule.adamw_step(*runs, int(state["step"].item()), group["lr"], group["betas"], group["eps"],
+                            group["weight_decay"])
+
+
+class ZeroStep:
+    """One step of every ZeRO partition this rank holds (every param group's slice, every ZeRO-3
+    sub-group): all their pieces of Dion3 matrices are the shards of ONE engine, so a step makes one
+    set of collectives whatever the number of partitions; the AdamW runs step element by element.
+
+    Built at the first step by every rank alike (the engine's construction and the agreement on the
+    device's speed are collective over :attr:`check_group`); the engine is built again where the
+    partitions' state tensors, or a group's staleness, changed (a checkpoint load)."""
+
+    def __init__(self, partitions: list[PartitionPlan], groups: list[dict], cuda_graph: bool,
+                 chosen: Mapping[str, float]) -> None:
+        self.partitions = partitions
+        self.use_graph = cuda_graph
+        self.check_group = _widest([p.check_group for p in partitions])
+        device = partitions[0].flat.device
+        wanted = sorted({(device, hp.ns_dtype or default_ns_dtype(device)) for p in partitions if p.chooses_fraction
+                         for hp in [grouping.hyperparameters(groups[p.group_index])]}, key=str)
+        distributed = dist.get_world_size(self.check_group) > 1
+        self.speeds = fractions.agreed_speeds(wanted, self.check_group) if wanted else fractions.AgreedSpeeds({}, distributed)
+        self.choose = bool(wanted)  # some group has the automatic f: the ranks share their choices at each build
+        # The automatic f chosen, by matrix name (a checkpoint keeps it, so a resume does not measure
+        # again), of every matrix of every partition on any rank: each rank's record is whole.
+        self.chosen: dict[str, float] = dict(chosen)
+        self.engine: Optional[Dion3Engine] = None
+        self._moves: list[_SliceMoves] = []
+        self._key: tuple = ()
+
+    def names(self) -> dict[str, int]:
+        """Every Dion3 matrix of the partitions (held here or not) -> its param group's index."""
+        return {name: p.group_index for p in self.partitions for name in p.names}
+
+    def _build(self, states: list[dict], hps: list[rule.Dion3Hyperparameters]) -> None:
+        stepped = [(p, state, hp) for p, state, hp in zip(self.partitions, states, hps) if p.steps_matrices]
+        key = tuple((id(s["exp_avg"]), id(s["exp_avg_sq"]), id(s.get("row_age")), hp.staleness) for _, s, hp in stepped)
+        if self.engine is not None and key == self._key:
+            return
+        for p, _, hp in stepped:
+            if chooses_fraction(hp):  # refused here on every rank alike where the ranks agreed no speed for it
+                self.speeds.of(p.flat.device, hp.ns_dtype or default_ns_dtype(p.flat.device))
+        for p, state, hp in stepped:
+            p.bind(state, hp)
+        self.engine = Dion3Engine([piece.shard for p, _, _ in stepped for piece in p.pieces], cuda_graph=self.use_graph,
+                                  check_group=self.check_group, fresh_grads=True, speeds=self.speeds, chosen=self.chosen,
+                                  momentum_in_place=True)
+        self._moves = [p.moves(state, hp) for p, state, hp in stepped]
+        chosen = self.engine.chosen_fractions()
+        if self.choose and dist.get_world_size(self.check_group) > 1:
+            every: list = [None] * dist.get_world_size(self.check_group)
+            dist.all_gather_object(every, chosen, group=self.check_group)
+            chosen = {name: f for theirs in every for name, f in theirs.items()}
+        self.chosen.update(chosen)
+        self._key = key
+
+    def step(self, groups: list[dict], states: list[dict], grads: list[torch.Tensor]) -> None:
+        """One step of every partition (``states``, ``grads``: theirs, in :attr:`partitions`' order)."""
+        hps = [grouping.hyperparameters(groups[p.group_index]) for p in self.partitions]
+        if any(p.steps_matrices for p in self.partitions):
+            self._build(states, hps)
+            for p, grad, hp in zip(self.partitions, grads, hps):
+                if p.steps_matrices:
+                    p.take_gradient(grad, hp)
+            for moves in self._moves:
+                moves.read()
+            self.engine.step()
+            for moves in self._moves:
+                moves.write()
+        for p, state, grad in zip(self.partitions, states, grads):
+            p.adamw_step(groups[p.group_index], state, grad)
+
+
+def _per_row(state: dict, hp: rule.Dion3Hyperparameters) -> dict[str, torch.Tensor]:
+    """The partition's slice-shaped tensors that hold one value per matrix row, by engine state key."""
+    return {"variance": state["exp_avg_sq"], **({"row_age": state["row_age"]} if hp.staleness else {})}
+
+
+def _widest(process_groups: list) -> Any:
+    """The process group among ``process_groups`` whose ranks include every other's; None (the
+    world) where none does."""
+    members = [set(dist.get_process_group_ranks(g)) if g is not None else set(range(dist.get_world_size()))
+               for g in process_groups]
+    for g, ranks in zip(process_groups, members):
+        if all(other <= ranks for other in members):
+            return g
+    return None
 
 
 _WARNED_TP = False

@@ -3,34 +3,33 @@ state a universal checkpoint's stage-3 load leaves out.
 
 Stage 3 hands the optimizer one flat fp32 partition per sub-group (a run of whole parameters of
 one param group, on one partition process group) at a time, in that param group's ``params``, and
-empties ``params`` between steps. :func:`sub_groups_of` reads, once ZeRO has built them, which
+empties ``params`` between steps. :func:`partitions_of` reads, once ZeRO has built them, which
 parameters each partition holds and over which process group (:func:`.layout.partition_layout`
 says where). The partitions are the same tensors for the life of the engine (checkpoint loads
 copy into them).
+
+Stage 3 steps the sub-groups one at a time (``_optimizer_step(sub_group_id)``), but without
+optimizer offload (which Dion3 refuses) every sub-group's fp32 partition and state stay in device
+memory throughout: Dion3 steps them all when the last one is handed in
+(:mod:`.zero_optimizer`), and writes the earlier ones back to their low-precision copies through
+ZeRO's own ``_reassign_or_swap_out_partitioned_parameters``.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-
-@dataclass
-class SubGroup:
-    """One stage-3 sub-group: its flat fp32 partition on this rank and what it holds."""
-
-    flat: torch.Tensor
-    params: list[torch.Tensor]  # in the partition's order
-    process_group: Any  # the ranks its parameters are partitioned over
-    group_index: int  # the optimizer's param group it belongs to
+from .zero_optimizer import Partition
 
 
-def sub_groups_of(stage3: Any) -> list[SubGroup]:
-    """The sub-groups of a ``DeepSpeedZeroOptimizer_Stage3``, in its order."""
-    return [SubGroup(flat, list(stage3.fp16_groups[i]), stage3.sub_group_process_groups[i], stage3.sub_group_to_group_id[i])
+def partitions_of(stage3: Any) -> list[Partition]:
+    """The sub-groups of a ``DeepSpeedZeroOptimizer_Stage3``, in its order: each one's flat fp32
+    partition on this rank, its parameters (in the partition's order) and the process group they
+    are cut over."""
+    return [Partition(stage3.sub_group_to_group_id[i], flat, list(stage3.fp16_groups[i]), stage3.sub_group_process_groups[i])
             for i, flat in enumerate(stage3.fp32_partitioned_groups_flat)]
 
 
@@ -38,13 +37,14 @@ def load_universal_settings_and_ages(original):
     """``DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3``: after
     DeepSpeed's load, which gives every param group the settings of the checkpoint's first one and
     loads only ``fp32``, ``exp_avg`` and ``exp_avg_sq``, give Dion3's param groups their own
-    settings back (its matrices and AdamW tensors sit in different groups) and load the rows' ages
-    (``row_age``, written by :func:`.checkpoint.convert_to_universal`) where the checkpoint has them."""
+    settings back (its matrices and AdamW tensors sit in different groups; each group's record of
+    the automatic f with them) and load the rows' ages (``row_age``, written by
+    :func:`.checkpoint.convert_to_universal`) where the checkpoint has them."""
 
     def load_hp_checkpoint_state_from_checkpoint_dir_stage3(self, checkpoint_dir):
-        from .optimizer import DeepSpeedDion3
+        from .zero_optimizer import DeepSpeedZeroDion3
 
-        if not isinstance(self.optimizer, DeepSpeedDion3):
+        if not isinstance(self.optimizer, DeepSpeedZeroDion3):
             return original(self, checkpoint_dir)
         from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
 

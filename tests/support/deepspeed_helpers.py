@@ -204,7 +204,7 @@ def tensor_parallel_vs_single_process(stage: int, tp: int = 2, steps: int = 3, b
     expected["fc1"] = expected["fc1"].chunk(tp, 0)[tp_rank]
     expected["fc2"] = expected["fc2"].chunk(tp, 1)[tp_rank]
     got = params_of(engine)
-    pieces = [piece for plan in _basic(engine)._zero_plans.values() for piece in plan.pieces
+    pieces = [piece for plan in partition_plans(engine) for piece in plan.pieces
               if piece.shard.sharding.kind != "full"]  # (the replicated mix lies whole in one slice)
     kinds = sorted({piece.shard.sharding.kind for piece in pieces})
     # Slices cut inside a TP block (the rest of the block on the other data-parallel rank).
@@ -333,6 +333,64 @@ def _basic(engine):
     return getattr(opt, "optimizer", opt)
 
 
+def partition_plans(engine) -> list:
+    """What each ZeRO partition this rank steps holds (:class:`dion3_megatron.deepspeed.zero.PartitionPlan`)."""
+    return _basic(engine)._step_plan.partitions
+
+
+def inject_nan_once(engine, rank: int, partition: int) -> None:
+    """At the next ZeRO step, a NaN in the gradient of this rank's partition ``partition`` when it is
+    handed to Dion3 on rank ``rank`` (after DeepSpeed's own checks, which saw finite gradients)."""
+    basic = _basic(engine)
+    target = basic._partitions[partition].flat
+    step = basic.step
+
+    def step_with_nan(*args, **kwargs):
+        handed = [p for g in basic.param_groups for p in g["params"]]
+        if any(p is target for p in handed):
+            if dist.get_rank() == rank:
+                target.grad[0] = float("nan")
+            basic.step = step
+        return step(*args, **kwargs)
+
+    basic.step = step_with_nan
+
+
+def _refused_on_one_rank(engine) -> dict:
+    """A setting made invalid on rank 0 only: the step raises on every rank (rank 0 its own error,
+    the others naming rank 0), and nothing changes anywhere."""
+    train(engine, 1)
+    before = params_of(engine)
+    basic = _basic(engine)
+    if dist.get_rank() == 0:
+        basic.param_groups[1]["lr"] = -1.0
+    try:
+        train(engine, 1, start=5)
+        error = None
+    except Exception as e:  # noqa: BLE001 - the test reports what was raised
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "change": max_diff(before, params_of(engine))}
+
+
+def nan_in_one_partition(engine, partition: int) -> dict:
+    """A finite step, then one with a NaN in one partition on rank 0 only: Dion3 skips it on every
+    rank (one count), no weight or state changes; the next step is taken."""
+    train(engine, 1)
+    basic = _basic(engine)
+    before = params_of(engine)
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in basic.state.items()}
+    skipped = basic.skipped_steps
+    inject_nan_once(engine, 0, partition)
+    train(engine, 1, start=5)
+    state_change = max((v - state[id(p)][k]).abs().max().item() for p, s in basic.state.items() for k, v in s.items())
+    out = {"partitions": len(basic._partitions), "skipped": basic.skipped_steps - skipped,
+           "change": max_diff(before, params_of(engine)), "state_change": state_change,
+           "deepspeed_skipped": engine.skipped_steps}
+    train(engine, 1, start=6)
+    out["then_moved"] = max_diff(before, params_of(engine))
+    return out
+
+
 def _state_vs_stage0(zero_engine, stage0_engine) -> dict:
     """Full ZeRO slice state of every matrix vs stage 0's per-parameter Dion3 state."""
     from deepspeed.utils import safe_get_full_optimizer_state
@@ -398,13 +456,13 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
     for engine in auto.values():
         train(engine, 3)
     out["auto_diff"] = max_diff(params_of(auto[1]), params_of(auto[0]))
-    zero_plans = _basic(auto[1])._zero_plans.values()
-    matrices = [(plan, piece.shard.name, piece.shard.sharding.kind == "full") for plan in zero_plans
+    chosen = _basic(auto[1])._step_plan.chosen
+    matrices = [(piece.shard.name, piece.shard.sharding.kind == "full") for plan in partition_plans(auto[1])
                 for piece in plan.pieces]
     out["auto_fractions"] = {  # matrices one rank holds whole, and straddling ones
         "s0": sorted(set(_basic(auto[0]).fractions.values())),
-        "s1_whole": sorted({plan.chosen[name] for plan, name, whole in matrices if whole}),
-        "s1_engine": sorted({plan.chosen[name] for plan, name, whole in matrices if not whole}),
+        "s1_whole": sorted({chosen[name] for name, whole in matrices if whole}),
+        "s1_engine": sorted({chosen[name] for name, whole in matrices if not whole}),
     }
     del auto
     out["seconds"]["equivalence"] = time.time() - t0
@@ -483,32 +541,25 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
         fractions.measure = lambda device, dtype: cost_model.DeviceSpeed(1e6, 0.0, 1e30, 1e30)  # slow matmuls: f = 1/8
         engine = make_engine(config(2, world=world, fraction="auto"))
         train(engine, 3)
-        engine.save_checkpoint(os.path.join(tmp, "auto_ckpt"), tag="step3")
+        engine.save_checkpoint(os.path.join(tmp, "auto_ckpt"), tag="step3",
+                               client_state=dion3_ckpt.universal_checkpoint_info())
         train(engine, 2, start=3)
-        out["auto_resume_chosen"] = _basic(engine).state_dict().get("fractions")
-        out["auto_resume_straddling"] = [piece.shard.name for plan in _basic(engine)._zero_plans.values()
+        if rank == 0:  # resumed by the 4-rank session from a universal checkpoint
+            dion3_ckpt.convert_to_universal(os.path.join(tmp, "auto_ckpt", "step3"),
+                                            os.path.join(tmp, "auto_ckpt", "step3_universal"))
+            torch.save(params_of(engine), os.path.join(tmp, "auto_target.pt"))
+        dist.barrier()
+        sd = _basic(engine).state_dict()
+        out["auto_resume_chosen"] = [group["fractions"] for group in sd["param_groups"]]
+        out["auto_resume_top_level"] = sorted(k for k in sd if k not in ("state", "param_groups", "skipped_steps"))
+        out["auto_resume_names"] = sorted({n for plan in partition_plans(engine) for n in plan.names})
+        out["auto_resume_straddling"] = [piece.shard.name for plan in partition_plans(engine)
                                          for piece in plan.pieces if piece.shard.sharding.kind != "full"]
         fractions.measure = lambda device, dtype: cost_model.DeviceSpeed(1e30, 1.0, 1e30, 1e30)  # slow launches: f = 1
         resumed_engine = make_engine(config(2, world=world, fraction="auto"), seed=1)
         resumed_engine.load_checkpoint(os.path.join(tmp, "auto_ckpt"), tag="step3")
         train(resumed_engine, 2, start=3)
         out["auto_resume_diff"] = max_diff(params_of(resumed_engine), params_of(engine))
-        # The same from the record of older checkpoints ("zero_auto_fractions"): per param group the
-        # f of each run of adjacent same-shape whole matrices in slice order, the straddling ones by name.
-        legacy_engine = make_engine(config(2, world=world, fraction="auto"), seed=1)
-        legacy_engine.load_checkpoint(os.path.join(tmp, "auto_ckpt"), tag="step3")
-        basic = _basic(legacy_engine)
-        sd = basic.state_dict()
-        sd["zero_auto_fractions"] = legacy = _legacy_record(_basic(engine), sd.pop("fractions"))
-        out["legacy_whole_runs"] = sum(len(c["whole"] or ()) for c in legacy.values())
-        out["legacy_bad_fraction"] = "loaded"
-        try:
-            basic.load_state_dict({**sd, "zero_auto_fractions": {0: {"whole": [0.125, 0.3], "pieces": {}}}})
-        except ValueError as e:
-            out["legacy_bad_fraction"] = str(e)
-        basic.load_state_dict(sd)
-        train(legacy_engine, 2, start=3)
-        out["legacy_resume_diff"] = max_diff(params_of(legacy_engine), params_of(engine))
     finally:
         cost_model.MIN_SELECTED_ROWS, fractions.measure, cost_model.TOKENS_PER_STEP = min_rows, measure, tokens
     out["seconds"]["auto_resume"] = time.time() - t0
@@ -540,22 +591,9 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
     train(engine, 1, start=6)
     out["nan_then_finite"] = all(torch.isfinite(p).all().item() for p in params_of(engine).values())
     out["nan_skipped"] = engine.skipped_steps + _basic(engine).skipped_steps
-    # The same guard inside Dion3 itself, for callers that step the slices directly.
-    basic = _basic(engine)
-    flats = [g["params"][0] for g in basic.param_groups]
-    for f in flats:
-        f.grad = torch.ones_like(f)
-    if rank == 0:
-        flats[0].grad[0] = float("inf")
-    kept = [f.detach().clone() for f in flats]
-    skipped = basic.skipped_steps
-    groups = basic.param_groups
-    basic.param_groups = groups[:1]  # as ZeRO calls it: one param group per step() (the config route makes two)
-    try:
-        basic.step()
-    finally:
-        basic.param_groups = groups
-    out["own_guard"] = (all(torch.equal(a, f) for a, f in zip(kept, flats)), basic.skipped_steps - skipped)
+    # Dion3's own gate: a NaN in one partition (the second param group's slice) on rank 0 only.
+    out["own_guard"] = {stage: nan_in_one_partition(make_engine(config(stage, world=world)), 1) for stage in (1, 2)}
+    out["refused_on_one_rank"] = _refused_on_one_rank(make_engine(config(2, world=world)))
 
     # Bad configs fail at initialize with a clear message.
     out["errors"] = {
@@ -564,51 +602,59 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
         "type": init_error(config(0, world=world, lr="0.1")),
         "betas": init_error(config(1, world=world, betas=[0.9])),
         "offload": init_error({**config(2, world=world), "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}),
+        **{f"type {name}": init_error(_with_type(config(1, world=world), name)) for name in NEAR_MISSES},
     }
+    # Dion3's name in any case builds it
+    out["any_case"] = {name: type(_basic(make_engine(_with_type(config(1, world=world), name)))).__name__
+                       for name in ("DION3", "dion3", "Dion3")}
     return out
 
 
-def _legacy_record(basic, record: dict) -> dict:
-    """``record`` ({param group index: {matrix name: f}}) as checkpoints before it kept it: per group
-    {"whole": [f of each run of adjacent same-shape whole matrices, in slice order] or None,
-    "pieces": {straddling matrix name: f}}, the runs read from ``basic``'s plans (the same layout)."""
-    legacy = {}
-    for plan in basic._zero_plans.values():
-        chosen = record.get(plan.group_index, {})
-        whole, pieces, end, shape = [], {}, -1, None
-        for piece in plan.pieces:
-            shard = piece.shard
-            if shard.sharding.kind != "full":
-                pieces.update({shard.name: chosen[shard.name]} if shard.name in chosen else {})
-                continue
-            if not (whole and piece.offset == end and shard.shape == shape):
-                whole.append(chosen[shard.name])
-            end, shape = piece.offset + piece.length, shard.shape
-        legacy[plan.group_index] = {"whole": whole if chosen else None, "pieces": pieces}
-    return legacy
+NEAR_MISSES = ("Dion", "dion-3", "Dion3Optimizer")
+
+
+def _with_type(cfg: dict, name: str) -> dict:
+    """``cfg`` (a JSON config dict) with ``"optimizer": {"type": name}``."""
+    return {**cfg, "optimizer": {**cfg["optimizer"], "type": name}}
+
+
+def _auto_universal_resume(tmp: str, world: int) -> dict:
+    """The 2-rank fraction="auto" checkpoint, converted to a universal one, resumed at ``world``
+    ranks on a device whose speed alone would choose f = 1: the saved choices (1/8), the same steps."""
+    from dion3_megatron.core import cost_model
+    from dion3_megatron.engine import fractions
+
+    saved = cost_model.MIN_SELECTED_ROWS, fractions.measure, cost_model.TOKENS_PER_STEP
+    cost_model.MIN_SELECTED_ROWS, cost_model.TOKENS_PER_STEP = 1, 0
+    fractions.measure = lambda device, dtype: cost_model.DeviceSpeed(1e30, 1.0, 1e30, 1e30)  # slow launches: f = 1
+    try:
+        engine = make_engine({**config(2, world=world, fraction="auto"), "checkpoint": {"load_universal": True}}, seed=3)
+        engine.load_checkpoint(os.path.join(tmp, "auto_ckpt"), tag="step3_universal")
+        train(engine, 2, start=3)
+        record = [group["fractions"] for group in _basic(engine).state_dict()["param_groups"]]
+        return {"diff": max_diff(params_of(engine), torch.load(os.path.join(tmp, "auto_target.pt"))),
+                "fractions": sorted({f for r in record for f in r.values()}), "matrices": sum(map(len, record))}
+    finally:
+        cost_model.MIN_SELECTED_ROWS, fractions.measure, cost_model.TOKENS_PER_STEP = saved
 
 
 def _momentum_in_exp_avg(opt) -> tuple[int, int]:
-    """(matrices whose engine momentum lies in the slice's exp_avg, all matrices) over the ZeRO plans:
-    the engine steps exp_avg where it lies, no second copy of the momentum."""
+    """(matrices whose engine momentum lies in their partition's exp_avg, all matrices): the engine
+    steps exp_avg where it lies, no second copy of the momentum."""
     inside = total = 0
-    for group in opt.param_groups:
-        plan = opt._zero_plans.get(id(group["params"][0]))
-        if plan is None or plan.engine is None:
-            continue
-        exp_avg = opt.state[group["params"][0]]["exp_avg"]
+    for plan in opt._step_plan.partitions:
+        exp_avg = opt.state[plan.flat]["exp_avg"]
         start, end = exp_avg.data_ptr(), exp_avg.data_ptr() + exp_avg.numel() * exp_avg.element_size()
-        for sg in plan.engine.plan:
-            for shard in sg.shards:
-                total += 1
-                inside += start <= shard.state["momentum"].data_ptr() < end
+        for piece in plan.pieces:
+            total += 1
+            inside += start <= piece.shard.state["momentum"].data_ptr() < end
     return inside, total
 
 
 def _straddling(engine) -> int:
     """Dion3 matrices whose elements lie on more than one rank's ZeRO slice."""
     count = 0
-    for plan in _basic(engine)._zero_plans.values():
+    for plan in partition_plans(engine):
         for piece in plan.pieces:
             b = piece.shard.sharding.bounds
             count += sum(hi > lo for lo, hi in zip(b, b[1:])) > 1
@@ -643,8 +689,7 @@ def session_four_ranks(rank: int, world: int, tmp: str) -> dict:
         train(engine, 3)
         moe[stage] = params_of(engine)
         if stage == 2:
-            plans = _basic(engine)._zero_plans.values()
-            out["moe_group_sizes"] = sorted(p.world for p in plans)
+            out["moe_group_sizes"] = sorted(p.world for p in partition_plans(engine))
             out["moe_expert_params"] = sum("experts" in n for n in moe[stage])
     out["moe_diff"] = max_diff(moe[2], moe[0])
     universal = os.path.join(tmp, "ckpt")
@@ -657,6 +702,7 @@ def session_four_ranks(rank: int, world: int, tmp: str) -> dict:
     engine.load_checkpoint(os.path.join(tmp, "stale_ckpt"), tag="step3_universal")
     train(engine, 2, start=3)
     out["stale_universal_diff"] = max_diff(params_of(engine), torch.load(os.path.join(tmp, "stale_target.pt")))
+    out["auto_universal"] = _auto_universal_resume(tmp, world)
     # Last: deepspeed.initialize(mpu=...) leaves the mpu set for the rest of the process.
     out["tensor_parallel"] = {stage: tensor_parallel_vs_single_process(stage) for stage in (1, 2)}
     out["tensor_parallel_bf16"] = tensor_parallel_vs_single_process(1, bf16=True)

@@ -59,7 +59,7 @@ def pieces(engine) -> dict[str, list[str]]:
     """Sharding kind and length (elements here) of every Dion3 matrix piece this rank steps, by
     "matrix name (shape)"."""
     out: dict[str, list] = {}
-    for plan in h._basic(engine)._zero_plans.values():
+    for plan in h.partition_plans(engine):
         for piece in plan.pieces:
             out.setdefault(f"{piece.shard.name} {tuple(piece.shard.shape)}", []).append((piece.shard.sharding.kind,
                                                                                           piece.length))
@@ -143,7 +143,7 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
     out["norms"] = h.train(make(cfg3), 2)["norms"]  # clipping at 0.5 active: the norms are larger
     out["state"] = state_vs_stage0(runs["s3"], stage0)
     flat_opt = h._basic(runs["s3"])
-    sub_groups = zero3.sub_groups_of(runs["s3"].optimizer)
+    sub_groups = zero3.partitions_of(runs["s3"].optimizer)
     out["state_keys"] = [sorted(flat_opt.state[s.flat]) for s in sub_groups]
     out["state_shapes_match"] = all(flat_opt.state[s.flat][k].shape == s.flat.shape for s in sub_groups
                                     for k in ("exp_avg", "exp_avg_sq", "row_age"))
@@ -156,12 +156,16 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
     with EngineSteps() as steps:
         h.train(engine, 3)
     out["ga_diff"] = h.max_diff(h.params_of(engine), h.params_of(stage0))
-    out["ga_engine_steps"] = (steps.count, sum(plan.steps_matrices for plan in h._basic(engine)._zero_plans.values()))
+    out["ga_engine_steps"] = (steps.count, sum(plan.steps_matrices for plan in h.partition_plans(engine)))
     out["seconds"]["equivalence"] = time.time() - t0
 
     t0 = time.time()
     out["nan"] = _nan_step(make(cfg3), world)
+    # Dion3's own gate: a NaN in one sub-group's partition on rank 0 only, several sub-groups per group.
+    out["nan_in_one_partition"] = h.nan_in_one_partition(make(zero3_config(world, sub_group_size=100)), 1)
     out["seconds"]["nan"] = time.time() - t0
+    # 1, 2 and 5 sub-groups of the Dion3 group (5 matrices; at size 1 each is a sub-group of its own)
+    out["collectives"] = {size: collectives_per_step(world, size) for size in (10**9, 250, 1)}
 
     # Checkpoints: save at step 3; resume at the same world size == uninterrupted; universal conversion.
     t0 = time.time()
@@ -222,15 +226,71 @@ def _auto_fraction_resume(world: int, ckpt: str) -> dict:
         h.train(engine, 3)
         engine.save_checkpoint(ckpt, tag="step3")
         h.train(engine, 2, start=3)
-        record = engine.optimizer.state_dict()["optimizer_state_dict"]["fractions"]  # ZeRO-3 fills the groups for it
+        saved = engine.optimizer.state_dict()["optimizer_state_dict"]  # ZeRO-3 fills the groups for it
+        record = [group["fractions"] for group in saved["param_groups"]]
         fractions.measure = lambda device, dtype: cost_model.DeviceSpeed(1e30, 1.0, 1e30, 1e30)  # slow launches: f = 1
         resumed = make(cfg, seed=1)
         resumed.load_checkpoint(ckpt, tag="step3")
         h.train(resumed, 2, start=3)
         return {"diff": h.max_diff(h.params_of(resumed), h.params_of(engine)), "record": record,
-                "dion3_partitions": sum(plan.steps_matrices for plan in h._basic(engine)._zero_plans.values())}
+                "dion3_partitions": sum(plan.steps_matrices for plan in h.partition_plans(engine))}
     finally:
         cost_model.MIN_SELECTED_ROWS, fractions.measure, cost_model.TOKENS_PER_STEP = saved
+
+
+class Collectives:
+    """Counts the torch.distributed collectives made inside Dion3's ``step()`` while active."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+             "all_to_all_single", "broadcast", "reduce_scatter_tensor", "send", "recv")
+
+    def __init__(self, optimizer) -> None:
+        self.optimizer, self.count, self.inside = optimizer, 0, False
+
+    def __enter__(self) -> "Collectives":
+        self._saved = {name: getattr(dist, name) for name in self.NAMES}
+        for name, function in self._saved.items():
+            setattr(dist, name, self._counted(function))
+        self._step = self.optimizer.step
+
+        def step(*args, **kwargs):
+            self.inside = True
+            try:
+                return self._step(*args, **kwargs)
+            finally:
+                self.inside = False
+
+        self.optimizer.step = step
+        return self
+
+    def _counted(self, function):
+        def counted(*args, **kwargs):
+            self.count += self.inside
+            return function(*args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc) -> None:
+        for name, function in self._saved.items():
+            setattr(dist, name, function)
+        del self.optimizer.step
+
+
+def collectives_per_step(world: int, sub_group_size: int) -> dict:
+    """Dion3's collectives in each of 3 steps (the first builds the engine) at this sub_group_size,
+    the number of sub-groups of the Dion3 param group, and the parameters against stage 0's."""
+    stage0 = make(h.config(0, world=world))
+    h.train(stage0, 3)
+    engine = make(zero3_config(world, sub_group_size=sub_group_size))
+    counts = []
+    for step in range(3):
+        with Collectives(h._basic(engine)) as counted:
+            h.train(engine, 1, start=step)
+        counts.append(counted.count)
+    from dion3_megatron.deepspeed import zero3
+
+    return {"counts": counts, "dion3_sub_groups": [p.group_index for p in zero3.partitions_of(engine.optimizer)].count(0),
+            "diff": h.max_diff(h.params_of(engine), h.params_of(stage0))}
 
 
 def universal_resume(ckpt: str, tag: str, cfg: dict, target: dict, zero_init: bool = False) -> float:
@@ -255,8 +315,8 @@ def session_four_ranks(rank: int, world: int, tmp: str) -> dict:
     h.train(engine, 3)
     out["diff"] = h.max_diff(h.params_of(engine), h.params_of(stage0))
     out["pieces"] = pieces(engine)
-    out["sub_groups"] = [s.group_index for s in zero3.sub_groups_of(engine.optimizer)]
-    out["plans"] = len(h._basic(engine)._zero_plans)
+    out["sub_groups"] = [s.group_index for s in zero3.partitions_of(engine.optimizer)]
+    out["plans"] = len(h.partition_plans(engine))
     target = torch.load(os.path.join(tmp, "target3.pt"))
     ckpt = os.path.join(tmp, "ckpt3")
     out["universal_diff"] = universal_resume(ckpt, "step3_universal", zero3_config(world), target, zero_init=True)

@@ -86,7 +86,7 @@ def split_of(engine) -> dict[str, str]:
     """Parameter name -> the algorithm its Dion3 param group gives it (every name of a tied one)."""
     opt = engine.basic_optimizer
     algorithm = {}
-    for group, originals in opt._originals.values():
+    for group, originals in zip(opt._groups, opt._originals):
         for p in originals:
             algorithm[id(p)] = algorithm_of(group, p)
     return {n: algorithm.get(id(p), "none") for n, p in engine.module.named_parameters(remove_duplicate=False)}
@@ -120,7 +120,7 @@ def session(rank: int, world: int, tmp: str) -> dict:
     basic = t.model_wrapped.basic_optimizer
     out["llama_default"] = {"losses": losses_of(t),
                             "fractions": [g["fraction"] for g in basic.param_groups],
-                            "chosen": basic.state_dict()["fractions"]}
+                            "chosen": [g["fractions"] for g in basic.state_dict()["param_groups"]]}
     out["seconds"]["llama_default"] = time.time() - t0
     # Resume: 10 steps saving at 5; a new Trainer resumes from step 5 and must end where the first did.
     t0 = time.time()

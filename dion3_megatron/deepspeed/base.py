@@ -1,0 +1,88 @@
+"""What DeepSpeed's two Dion3 classes share: the config's ``params`` checked, the param groups
+split and checked, the skip counter, the automatic-f record in state dicts and the order of a load.
+
+DeepSpeed builds the optimizer before it decides how to wrap it: :class:`.optimizer.DeepSpeedDion3`
+(ZeRO stage 0: whole parameters) is what it constructs for ``"type": "Dion3"``; the hook where
+DeepSpeed decides (:func:`dion3_megatron.deepspeed.stage_class`) makes that same object a
+:class:`.zero_optimizer.DeepSpeedZeroDion3` when ZeRO (or BF16_Optimizer) will hand it flat
+partitions (:func:`become`). The object stays the one the engine, and a client's LR scheduler, refer to.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Iterable
+
+from .. import options
+from ..frontend import groups as grouping
+from ..frontend.lifecycle import Dion3FrontEnd, without_records
+from .config import normalize_params
+from .layout import logical
+
+
+@options.documented(options.DEEPSPEED)
+class DeepSpeedFrontEnd(Dion3FrontEnd):
+    """Dion3 for DeepSpeed, either stage: the config's ``params`` checked, the groups split and
+    checked; a subclass steps, keeps the record and loads (:class:`~dion3_megatron.frontend.lifecycle.Dion3FrontEnd`),
+    and :meth:`_start` sets what only it holds.
+
+    Takes the options below, the config's ``params`` (JSON spellings: ``betas`` a list,
+    ``ns_dtype`` a string). Unknown keys and out-of-range values raise ValueError at
+    construction, i.e. at ``deepspeed.initialize``.
+
+    Options:
+{options}
+    """
+
+    FRONT_END = options.DEEPSPEED
+
+    def __init__(self, params: Iterable[Any], **kwargs: Any) -> None:
+        settings, params, defaults, _ = grouping.prepare(type(self).__name__, options.DEEPSPEED,
+                                                         _split_partitioned(list(params)), normalize_params(kwargs))
+        self.cuda_graph: bool = settings["cuda_graph"]
+        self.kernels: str | None = settings["kernels"]
+        self.adamw_lr: float = settings["adamw_lr"]
+        super().__init__(params, defaults)
+        grouping.warn_without_matrices(type(self).__name__, [{**g, "params": [logical(p) for p in g["params"]]}
+                                                             for g in self.param_groups])
+        self._start()
+
+    def _start(self) -> None:
+        """Set this class's own attributes (also when :func:`become` gives an instance this class)."""
+        raise NotImplementedError
+
+    def add_param_group(self, param_group: dict) -> None:
+        index = len(self.param_groups)
+        if param_group.get("algorithm") == "adamw" and "lr" not in param_group:
+            param_group = {**param_group, "lr": self.adamw_lr}
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        grouping.check_group(f"param group {index}", group, options.DEEPSPEED, [logical(p) for p in group["params"]])
+
+    def load_checked(self, state_dict: dict[str, Any]) -> None:
+        """Each parameter's (or partition's) state, in fp32, and the saved groups' settings."""
+        self.state = defaultdict(dict, grouping.loaded_state(state_dict, self.param_groups))
+        for mine, saved in zip(self.param_groups, without_records(state_dict["param_groups"])):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def become(optimizer: DeepSpeedFrontEnd, cls: type) -> None:
+    """Give ``optimizer`` (built, not stepped) the class ``cls`` of the other stage: the same object,
+    so every reference to it (the engine's, an LR scheduler's) sees the change. Its own attributes
+    are set again from the groups as they are now (DeepSpeed drops empty ones before wrapping)."""
+    if optimizer.state:
+        raise RuntimeError(f"{type(optimizer).__name__} has stepped or loaded state: it cannot become a {cls.__name__}")
+    optimizer.__class__ = cls
+    optimizer._start()
+
+
+def _split_partitioned(params: list) -> list:
+    """A plain parameter list that holds ZeRO-3 parameters (built under ``deepspeed.zero.Init``,
+    their ``shape`` empty) as a Dion3 and an AdamW group by their logical shapes, as
+    :func:`.frontend.groups.split_by_algorithm` splits whole parameters; anything else as it is."""
+    tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+    if not params or isinstance(params[0], dict) or not any(hasattr(t, "ds_shape") for t in tensors):
+        return params
+    takes = [grouping.algorithm_of({"algorithm": None}, logical(t)) for t in tensors]
+    groups = [{"params": [p for p, a in zip(params, takes) if a == name], "algorithm": name} for name in grouping.ALGORITHMS]
+    return [g for g in groups if g["params"]]
