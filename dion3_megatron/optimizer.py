@@ -10,7 +10,6 @@ plan also chooses the automatic f. The math itself lives in :mod:`dion3_megatron
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -66,9 +65,7 @@ class Dion3(Dion3FrontEnd):
 
     def add_param_group(self, param_group: dict) -> None:
         index = len(self.param_groups)
-        if param_group.get("algorithm") == "adamw" and "lr" not in param_group:
-            param_group = {**param_group, "lr": self.adamw_lr}
-        super().add_param_group(param_group)
+        super().add_param_group(grouping.with_adamw_lr(param_group, self.adamw_lr))
         group = self.param_groups[-1]
         grouping.check_group_keys(f"param group {index}", group, options.TORCH)
         grouping.check_group(f"param group {index}", group, options.TORCH)
@@ -100,10 +97,8 @@ class Dion3(Dion3FrontEnd):
         grouping.check_state_shapes(state_dict, self.param_groups, grouping.param_state_shapes)
 
     def load_checked(self, state_dict: dict[str, Any]) -> None:
-        """Unlike the base class this keeps state in fp32 whatever the parameters' dtype."""
-        self.state = defaultdict(dict, grouping.loaded_state(state_dict, self.param_groups))
-        for mine, saved in zip(self.param_groups, without_records(state_dict["param_groups"])):
-            mine.update({k: v for k, v in saved.items() if k != "params"})
+        """Unlike torch's optimizers this keeps state in fp32 whatever the parameters' dtype."""
+        grouping.load_saved(self, state_dict)
 
     # ----------------------------------------------------------------------------------------
     # The step.

@@ -10,12 +10,11 @@ partitions (:func:`become`). The object stays the one the engine, and a client's
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any, Iterable
 
 from .. import options
 from ..frontend import groups as grouping
-from ..frontend.lifecycle import Dion3FrontEnd, without_records
+from ..frontend.lifecycle import Dion3FrontEnd
 from .config import normalize_params
 from .layout import logical
 
@@ -53,17 +52,14 @@ class DeepSpeedFrontEnd(Dion3FrontEnd):
 
     def add_param_group(self, param_group: dict) -> None:
         index = len(self.param_groups)
-        if param_group.get("algorithm") == "adamw" and "lr" not in param_group:
-            param_group = {**param_group, "lr": self.adamw_lr}
-        super().add_param_group(param_group)
+        super().add_param_group(grouping.with_adamw_lr(param_group, self.adamw_lr))
         group = self.param_groups[-1]
+        grouping.check_group_keys(f"param group {index}", group, options.DEEPSPEED)
         grouping.check_group(f"param group {index}", group, options.DEEPSPEED, [logical(p) for p in group["params"]])
 
     def load_checked(self, state_dict: dict[str, Any]) -> None:
         """Each parameter's (or partition's) state, in fp32, and the saved groups' settings."""
-        self.state = defaultdict(dict, grouping.loaded_state(state_dict, self.param_groups))
-        for mine, saved in zip(self.param_groups, without_records(state_dict["param_groups"])):
-            mine.update({k: v for k, v in saved.items() if k != "params"})
+        grouping.load_saved(self, state_dict)
 
 
 def become(optimizer: DeepSpeedFrontEnd, cls: type) -> None:

@@ -5,13 +5,14 @@ and a checkpoint's groups and state checked in full before anything is loaded.""
 from __future__ import annotations
 
 import warnings
+from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 from .. import options
 from ..core.rule import Dion3Hyperparameters
-from .lifecycle import RECORD
+from .lifecycle import RECORD, without_records
 from .matrices import matrix_count, matrix_shape
 
 ALGORITHMS = ("dion3", "adamw")
@@ -155,3 +156,18 @@ def loaded_state(state_dict: dict[str, Any], groups: list[dict]) -> dict[torch.T
                 loaded[p] = {k: v.detach().to(device=p.device if k != "step" else v.device, dtype=torch.float32)
                              .clone(memory_format=torch.contiguous_format) for k, v in entry.items()}
     return loaded
+
+
+def with_adamw_lr(param_group: dict, adamw_lr: float) -> dict:
+    """An ``algorithm="adamw"`` group without an lr of its own takes the optimizer's ``adamw_lr``."""
+    if param_group.get("algorithm") == "adamw" and "lr" not in param_group:
+        return {**param_group, "lr": adamw_lr}
+    return param_group
+
+
+def load_saved(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Set an optimizer's state (fp32 copies, :func:`loaded_state`) and its groups' settings from a
+    checkpoint whose groups and shapes were checked."""
+    optimizer.state = defaultdict(dict, loaded_state(state_dict, optimizer.param_groups))
+    for mine, saved in zip(optimizer.param_groups, without_records(state_dict["param_groups"])):
+        mine.update({k: v for k, v in saved.items() if k != "params"})
