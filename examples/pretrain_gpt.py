@@ -40,6 +40,7 @@ from dion3_megatron.options import BY_NAME as DION3_OPTIONS
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' own modules, also when imported by path
 from compare_report import LABELS, report  # noqa: E402
 from leave_process_group import leave_process_group  # noqa: E402
+from megatron_quiet import quiet_megatron  # noqa: E402
 from small_gpt import megatron_config, megatron_gpt  # noqa: E402
 from stdlib_text import byte_tokens, stdlib_bytes  # noqa: E402
 
@@ -496,15 +497,10 @@ def muon_unavailable() -> str | None:
 # ------------------------------------------------------------------------------------------------
 
 def quiet() -> None:
-    """Megatron without apex/TE (and torch's deprecations) warn at every import on every rank."""
+    """Megatron's warnings and loggers quietened (examples/megatron_quiet.py), the library's warnings shown."""
     import logging
-    import warnings
 
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    warnings.filterwarnings("ignore", message=r".*\.grad attribute of a Tensor that is not a leaf")
-    for name in ("torch.utils.cpp_extension", "megatron.core.models.gpt.gpt_model"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_megatron()
     # The library's warnings, not its INFO line on what fraction=auto chose (rank 0's matrices): train()
     # prints every rank's f per matrix after the first step.
     library = logging.getLogger("dion3_megatron")
