@@ -24,7 +24,6 @@ one-line verdict (examples/compare_report.py) and writes its JSON and PNG to --o
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import socket
@@ -39,6 +38,7 @@ from dion3_megatron.options import BY_NAME as DION3_OPTIONS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' own modules, also when imported by path
 from compare_report import LABELS, report  # noqa: E402
+from example_args import ExampleParser  # noqa: E402
 from leave_process_group import leave_process_group  # noqa: E402
 from megatron_quiet import quiet_megatron  # noqa: E402
 from small_gpt import megatron_config, megatron_gpt  # noqa: E402
@@ -55,7 +55,7 @@ def _by_device(key: str) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ExampleParser(description=__doc__.splitlines()[0], other_spellings={"--fraction": "--dion3-fraction"})
     g = p.add_argument_group("run")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA (NCCL) when available, else CPU (gloo) (default: %(default)s)")
