@@ -404,9 +404,12 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
     bar = None
     # A bar only on a terminal: piped to a file, each redraw would append (the log lines remain).
     if rank0 and not args.no_progress and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=args.steps, desc=LABELS[name], dynamic_ncols=True, leave=True)
+        try:
+            from tqdm import tqdm  # the [examples] extra; without it, the log lines alone
+        except ImportError:
+            tqdm = None
+        if tqdm is not None:
+            bar = tqdm(total=args.steps, desc=LABELS[name], dynamic_ncols=True, leave=True)
     log = bar.write if bar is not None else (lambda s: print(s, flush=True))
     tokens_per_step = args.global_batch * args.seq_length
     train_losses, val_losses, skipped = [], [], 0
