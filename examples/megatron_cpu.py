@@ -248,14 +248,17 @@ def _value(argv: list[str], flag: str) -> str | None:
 
 
 def _readable_log() -> None:
-    """Megatron's dump of every argument (hundreds of lines) to its logger at DEBUG; the library's INFO
-    lines (what fraction="auto" chose per matrix shape, once) printed."""
+    """Megatron's dump of every argument (hundreds of lines) only at its DEBUG logging level
+    (``--logging-level 10`` or MEGATRON_LOGGING_LEVEL=10, read as Megatron reads them); the library's
+    INFO lines (what fraction="auto" chose per matrix shape, once) printed."""
     from megatron.training import arguments
 
-    dump = logging.getLogger("megatron.training.arguments")
+    print_args = arguments._print_args
 
     def args_at_debug(title, args):
-        dump.debug("%s: %s", title, ", ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
+        level = args.logging_level if args.logging_level is not None else os.environ.get("MEGATRON_LOGGING_LEVEL")
+        if level is not None and int(level) <= logging.DEBUG:
+            print_args(title, args)
 
     arguments._print_args = args_at_debug
     library = logging.getLogger("dion3_megatron")
