@@ -8,4 +8,4 @@ from .optimizer import Dion3
 from .core.rule import Dion3Hyperparameters
 
 __all__ = ["Dion3", "Dion3Hyperparameters"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

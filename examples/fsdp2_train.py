@@ -10,7 +10,6 @@ Usage: torchrun --standalone --nproc-per-node 2 examples/fsdp2_train.py [--steps
        [--replicate R | --tp T]
 """
 
-import argparse
 import math
 import os
 import time
@@ -23,7 +22,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from dion3_megatron import Dion3
 from dion3_megatron.options import BY_NAME
-from leave_process_group import leave_process_group  # examples/*.py, beside this script
+from example_args import ExampleParser  # examples/*.py, beside this script
+from leave_process_group import leave_process_group
 from small_gpt import GPT
 from stdlib_text import stdlib_tokens
 
@@ -31,16 +31,16 @@ FRACTION = BY_NAME["fraction"]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step (default: %(default)s)")
-    parser.add_argument("--context", type=int, default=128)
+    parser = ExampleParser(description=__doc__.splitlines()[0], other_spellings={"--dion3-fraction": "--fraction"})
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
+    parser.add_argument("--context", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--fraction", type=FRACTION.argparse_type(), default=FRACTION.default,
-                        help=f"Dion3's f: {FRACTION.allowed()} (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=BY_NAME["lr"].default)
+                        help=f"Dion3's f: {FRACTION.allowed()}")
+    parser.add_argument("--lr", type=float, default=BY_NAME["lr"].default, help="Dion3's learning rate")
     layout = parser.add_mutually_exclusive_group()
-    layout.add_argument("--replicate", type=int, default=1, help="HSDP: replicas of the sharded model (default: 1)")
-    layout.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks inside FSDP2 (default: 1)")
+    layout.add_argument("--replicate", type=int, default=1, help="HSDP: replicas of the sharded model")
+    layout.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks inside FSDP2")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))

@@ -30,6 +30,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 import warnings
 
 import torch
@@ -212,19 +213,58 @@ def allow_pretrain() -> None:
 def main(argv: list[str] | None = None) -> None:
     """``python examples/megatron_cpu.py SCRIPT [ARGS...]`` (under torchrun for several ranks): run a
     Megatron-LM training script on CPU with Dion3 registered."""
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         raise SystemExit(0 if argv else 2)
-    if not any(a == "--distributed-backend" or a.startswith("--distributed-backend=") for a in argv):
+    if not _given(argv, "--distributed-backend"):
         argv += ["--distributed-backend", "gloo"]
+    iterations = _value(argv, "--train-iters")
+    if not _given(argv, "--log-interval") and iterations is not None and iterations.isdigit():
+        argv += ["--log-interval", str(max(1, int(iterations) // 10))]  # Megatron's default, 100, outlasts a CPU run
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' own modules
+    from megatron_quiet import quiet_megatron
+
+    quiet_megatron()
     from dion3_megatron.megatron import launch
 
     launch.check_arguments(argv[1:])  # a bad Dion3 value stops here, before the CPU patches and Megatron's start
     allow_pretrain()
+    _readable_log()
     launch.main(argv)
+
+
+def _given(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _value(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _readable_log() -> None:
+    """Megatron's dump of every argument (hundreds of lines) only at its DEBUG logging level
+    (``--logging-level 10`` or MEGATRON_LOGGING_LEVEL=10, read as Megatron reads them); the library's
+    INFO lines (what fraction="auto" chose per matrix shape, once) printed."""
+    from megatron.training import arguments
+
+    print_args = arguments._print_args
+
+    def args_at_debug(title, args):
+        level = args.logging_level if args.logging_level is not None else os.environ.get("MEGATRON_LOGGING_LEVEL")
+        if level is not None and int(level) <= logging.DEBUG:
+            print_args(title, args)
+
+    arguments._print_args = args_at_debug
+    library = logging.getLogger("dion3_megatron")
+    library.setLevel(logging.INFO)
+    library.addHandler(logging.StreamHandler(sys.stdout))
+    library.propagate = False  # Megatron may configure the root logger too: print once
 
 
 def is_installed() -> bool:

@@ -24,7 +24,6 @@ one-line verdict (examples/compare_report.py) and writes its JSON and PNG to --o
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import socket
@@ -39,7 +38,9 @@ from dion3_megatron.options import BY_NAME as DION3_OPTIONS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' own modules, also when imported by path
 from compare_report import LABELS, report  # noqa: E402
+from example_args import ExampleParser  # noqa: E402
 from leave_process_group import leave_process_group  # noqa: E402
+from megatron_quiet import quiet_megatron  # noqa: E402
 from small_gpt import megatron_config, megatron_gpt  # noqa: E402
 from stdlib_text import byte_tokens, stdlib_bytes  # noqa: E402
 
@@ -54,7 +55,7 @@ def _by_device(key: str) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ExampleParser(description=__doc__.splitlines()[0], other_spellings={"--fraction": "--dion3-fraction"})
     g = p.add_argument_group("run")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA (NCCL) when available, else CPU (gloo) (default: %(default)s)")
@@ -403,9 +404,12 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
     bar = None
     # A bar only on a terminal: piped to a file, each redraw would append (the log lines remain).
     if rank0 and not args.no_progress and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=args.steps, desc=LABELS[name], dynamic_ncols=True, leave=True)
+        try:
+            from tqdm import tqdm  # the [examples] extra; without it, the log lines alone
+        except ImportError:
+            tqdm = None
+        if tqdm is not None:
+            bar = tqdm(total=args.steps, desc=LABELS[name], dynamic_ncols=True, leave=True)
     log = bar.write if bar is not None else (lambda s: print(s, flush=True))
     tokens_per_step = args.global_batch * args.seq_length
     train_losses, val_losses, skipped = [], [], 0
@@ -496,15 +500,10 @@ def muon_unavailable() -> str | None:
 # ------------------------------------------------------------------------------------------------
 
 def quiet() -> None:
-    """Megatron without apex/TE (and torch's deprecations) warn at every import on every rank."""
+    """Megatron's warnings and loggers quietened (examples/megatron_quiet.py), the library's warnings shown."""
     import logging
-    import warnings
 
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    warnings.filterwarnings("ignore", message=r".*\.grad attribute of a Tensor that is not a leaf")
-    for name in ("torch.utils.cpp_extension", "megatron.core.models.gpt.gpt_model"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_megatron()
     # The library's warnings, not its INFO line on what fraction=auto chose (rank 0's matrices): train()
     # prints every rank's f per matrix after the first step.
     library = logging.getLogger("dion3_megatron")

@@ -5,7 +5,6 @@ sources: nothing to download.
 Usage: python examples/quickstart.py [--steps 200] [--fraction auto|0.25|...]
 """
 
-import argparse
 import math
 import time
 
@@ -13,6 +12,7 @@ import torch
 
 from dion3_megatron import Dion3
 from dion3_megatron.options import BY_NAME
+from example_args import ExampleParser
 from small_gpt import GPT  # examples/small_gpt.py and examples/stdlib_text.py, beside this script
 from stdlib_text import stdlib_tokens
 
@@ -20,13 +20,13 @@ FRACTION = BY_NAME["fraction"]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--context", type=int, default=128)
+    parser = ExampleParser(description=__doc__.splitlines()[0], other_spellings={"--dion3-fraction": "--fraction"})
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step")
+    parser.add_argument("--context", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--fraction", type=FRACTION.argparse_type(), default=FRACTION.default,
-                        help=f"Dion3's f: {FRACTION.allowed()} (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=BY_NAME["lr"].default)
+                        help=f"Dion3's f: {FRACTION.allowed()}")
+    parser.add_argument("--lr", type=float, default=BY_NAME["lr"].default, help="Dion3's learning rate")
     args = parser.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

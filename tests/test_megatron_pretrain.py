@@ -165,7 +165,8 @@ def test_readme_example_command_runs_on_cpu():
 
     argv = readme_megatron_commands()["examples/megatron_lm_pretrain_gpt.py"]
     argv[argv.index("--train-iters") + 1] = "2"
-    log = on_cpu(["examples/megatron_lm_pretrain_gpt.py", *argv, "--log-interval", "1"], nproc=1)
+    # --logging-level 10: the CPU runner prints Megatron's arguments at its DEBUG level only
+    log = on_cpu(["examples/megatron_lm_pretrain_gpt.py", *argv, "--log-interval", "1", "--logging-level", "10"], nproc=1)
     assert sorted(iterations(log)) == [1, 2]
     assert re.search(r"^ +vocab_size \.+ 32768$", log, re.M)  # NullTokenizer without --vocab-size
 

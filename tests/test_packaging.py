@@ -1,5 +1,6 @@
 """pyproject.toml: the metadata, the extras (those the docs and CI name exist; [test] brings what the
-tests import; [test] and [all] stay the unions they are declared as), and ruff passes."""
+tests import; the front-end extras bring only what the library imports, [all] is their union), the
+long description an index renders, CITATION.cff, and ruff passes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import sys
 import tomllib
 
 import pytest
+import torch
+import yaml
 from packaging.requirements import Requirement
 
 import dion3_megatron
@@ -36,14 +39,22 @@ DISTRIBUTIONS = {
     "triton": "triton",
     "packaging": "packaging",
     "ruff": "ruff",
+    "yaml": "pyyaml",
 }
 # Distributions the tests import that [test] leaves to something else, and what brings them.
 BROUGHT_OTHERWISE = {
     "nvidia-cutlass-dsl": "kernels",
     "apache-tvm-ffi": "kernels",  # the [kernels] extra (Hopper GPUs); the tests of its kernels skip without it
-    "triton": "torch",  # a requirement of torch's Linux wheels
+    "ruff": "lint",  # the [lint] extra; the lint test skips without it
+    "triton": "torch",  # a requirement of torch's Linux CUDA wheels (its tests skip without it)
     "packaging": "pytest",  # a requirement of pytest
+    "pyyaml": "transformers",  # a requirement of transformers
 }
+# Brought by a requirement only in some of its builds: torch's CPU wheels come without triton.
+OPTIONAL_IN_SOME_BUILDS = {"triton": "torch"}
+# The extras a user installs (a front end or the kernels) and the tools'.
+USER_EXTRAS = {"megatron", "deepspeed", "hf", "kernels"}
+TOOL_EXTRAS = {"examples", "test", "docs", "lint"}
 
 
 def names(requirements: list[str]) -> set[str]:
@@ -52,14 +63,22 @@ def names(requirements: list[str]) -> set[str]:
 
 def test_metadata():
     assert PROJECT["name"] == "dion3-megatron"
-    assert PROJECT["version"] == dion3_megatron.__version__ == "0.1.0"
+    assert PROJECT["version"] == dion3_megatron.__version__ == "0.2.0"
     assert PROJECT["requires-python"] == ">=3.12"
-    assert PROJECT["dependencies"] == ["torch>=2.4"]
+    assert PROJECT["dependencies"] == ["torch>=2.11,<2.15"]  # tested 2.11-2.14; frontend/dtensor.py's private DTensor helpers
+    classifiers = set(PROJECT["classifiers"])
+    assert {"Programming Language :: Python :: 3.12", "Programming Language :: Python :: 3.13",
+            "Operating System :: POSIX :: Linux", "Typing :: Typed"} <= classifiers
+    assert any(c.startswith("Topic :: Scientific/Engineering :: Artificial Intelligence") for c in classifiers)
+    assert PROJECT["keywords"] and set(PROJECT["urls"]) == {"Homepage", "Documentation", "Source", "Issues", "Changelog"}
+    assert all(url.startswith("https://github.com/dion3-megatron/dion3-megatron") for url in PROJECT["urls"].values())
     assert PROJECT["license"] == "Apache-2.0" and PROJECT["license-files"] == ["LICENSE"]
     license_text = (ROOT / "LICENSE").read_text(encoding="utf-8")
     assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
     assert "END OF TERMS AND CONDITIONS" in license_text and "Copyright 2026 dion3-megatron contributors" in license_text
-    assert (ROOT / PROJECT["readme"]).is_file()
+    assert PROJECT["readme"] == {"file": "README.md", "content-type": "text/markdown"}
+    assert (ROOT / "dion3_megatron" / "py.typed").is_file()
+    assert PYPROJECT["tool"]["setuptools"]["package-data"]["dion3_megatron"] == ["py.typed"]
     assert PYPROJECT["build-system"]["build-backend"] == "setuptools.build_meta"
     assert PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"] == ["dion3_megatron*"]
 
@@ -93,11 +112,11 @@ def test_mentioned_extras_finds_each_spelling():
 
 
 def test_the_extras_the_docs_and_ci_name_exist():
-    assert set(EXTRAS) == {"megatron", "deepspeed", "kernels", "hf", "test", "all"}
+    assert set(EXTRAS) == USER_EXTRAS | TOOL_EXTRAS | {"all"}
     readme = mentioned_extras((ROOT / "README.md").read_text(encoding="utf-8"))
     ci = mentioned_extras((ROOT / ".ci" / "run").read_text(encoding="utf-8"))
     assert "megatron" in readme and "test" in readme, readme  # the install and the test commands
-    assert ci == {"test"}, ci
+    assert ci == {"test", "lint", "docs"}, ci
     named = {}
     files = [ROOT / "README.md", ROOT / ".ci" / "run", *sorted((ROOT / "docs").rglob("*.md"))]
     for folder in ("examples", "patches", "dion3_megatron", "tests", "benchmarks", "tools"):
@@ -110,16 +129,34 @@ def test_the_extras_the_docs_and_ci_name_exist():
     assert not unknown, f"extras named but not declared in pyproject.toml: {unknown}"
 
 
-def test_test_and_all_are_the_unions_they_are_declared_as():
+def test_the_extras_are_the_unions_they_are_declared_as():
+    """[all] is what a user runs (the front ends and the kernels), not the tools; [examples] adds to
+    the front ends what the examples use; [test] is [examples] with pytest and numpy."""
     for extra, requirements in EXTRAS.items():
         assert len(names(requirements)) == len(requirements), f"[{extra}] names a distribution twice"
-    frameworks = set(EXTRAS["megatron"]) | set(EXTRAS["deepspeed"]) | set(EXTRAS["hf"])
-    assert frameworks <= set(EXTRAS["test"])
-    assert names(set(EXTRAS["test"]) - frameworks) == {"pytest", "numpy", "ruff"}
-    others = {r for extra, reqs in EXTRAS.items() if extra != "all" for r in reqs}
-    assert EXTRAS["all"] == sorted(others)
-    megatron = names(EXTRAS["megatron"])  # Megatron's --optimizer muon (the main job's --compare) imports both
-    assert {"megatron-core", "emerging-optimizers", "absl-py"} <= megatron
+    assert EXTRAS["all"] == sorted({r for extra in USER_EXTRAS for r in EXTRAS[extra]})
+    frameworks = {r for extra in ("megatron", "deepspeed", "hf") for r in EXTRAS[extra]}
+    assert frameworks <= set(EXTRAS["examples"])
+    # Megatron's --optimizer muon (the main job's --compare) imports both; Dion3 needs neither
+    assert {"emerging-optimizers", "absl-py"} <= names(EXTRAS["examples"]) - names(EXTRAS["megatron"])
+    assert set(EXTRAS["examples"]) <= set(EXTRAS["test"])
+    assert names(set(EXTRAS["test"]) - set(EXTRAS["examples"])) == {"pytest", "numpy"}
+    assert names(EXTRAS["lint"]) == {"ruff", "mypy"} and names(EXTRAS["docs"]) == {"mkdocs", "mkdocs-material", "mkdocstrings"}
+
+
+def test_the_front_end_extras_bring_what_the_library_imports():
+    """A front end's extra brings the distributions its subpackage imports, and no more."""
+    imported = {folder: set().union(*(imported_modules(p) for p in (ROOT / "dion3_megatron" / folder).rglob("*.py")))
+                for folder in ("megatron", "deepspeed")}
+    assert "megatron" in imported["megatron"] and names(EXTRAS["megatron"]) == {"megatron-core"}
+    assert "deepspeed" in imported["deepspeed"] and names(EXTRAS["deepspeed"]) == {"deepspeed"}
+    assert names(EXTRAS["hf"]) == {"deepspeed", "transformers", "accelerate"}  # Trainer needs accelerate
+    kernels = set().union(*(imported_modules(p) for p in (ROOT / "dion3_megatron" / "kernels").rglob("*.py")))
+    assert "cutlass" in kernels and names(EXTRAS["kernels"]) == {"nvidia-cutlass-dsl", "apache-tvm-ffi"}
+    library = set().union(*(imported_modules(p) for p in (ROOT / "dion3_megatron").rglob("*.py")))
+    third_party = {m for m in library if m not in sys.stdlib_module_names and m != "dion3_megatron"}
+    # packaging: deepspeed's requirement; triton: torch's (CUDA wheels), imported only where installed
+    assert third_party == {"torch", "megatron", "deepspeed", "cutlass", "triton", "packaging"}, third_party
 
 
 def imported_modules(path: pathlib.Path) -> set[str]:
@@ -154,6 +191,8 @@ def test_test_extra_brings_what_the_tests_import():
         by = BROUGHT_OTHERWISE[dist]
         if by in EXTRAS:
             assert dist in names(EXTRAS[by]), (dist, by)
+        elif dist in OPTIONAL_IN_SOME_BUILDS and torch.version.cuda is None:
+            continue  # torch's CPU wheel: no triton, and the tests that import it skip
         else:  # a requirement of a distribution [test] brings
             assert by in brought and dist in names(importlib.metadata.requires(by) or []), (dist, by)
     # Hugging Face's Trainer (tests/support/hf_trainer_helpers.py) needs accelerate, which the tests never import.
@@ -174,8 +213,42 @@ def test_ruff_holds_every_file_to_its_line_length():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ruff") is None,
-                    reason="ruff is not installed (it is in the [test] extra: pip install -e '.[test]')")
+                    reason="ruff is not installed (it is in the [lint] extra: pip install -e '.[lint]')")
 def test_ruff_passes():
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+
+
+def markdown_links(text: str) -> list[str]:
+    """The targets of a Markdown text's links and images: inline `[t](url)` and reference `[t]: url`."""
+    return re.findall(r"\]\(\s*<?([^)\s>]+)", text) + re.findall(r"^\s*\[[^\]]+\]:\s*(\S+)", text, flags=re.M)
+
+
+def test_markdown_links_finds_each_form():
+    text = "[a](docs/x.md) ![p](https://e.org/p.png) [b](#tuning \"t\")\n[c]: ../y.md\n"
+    assert markdown_links(text) == ["docs/x.md", "https://e.org/p.png", "#tuning", "../y.md"]
+
+
+def test_the_long_description_links_are_absolute():
+    """A package index renders the README without the repository beside it: a relative link there
+    leads nowhere. Every link is absolute (https://...) or an anchor of the page."""
+    readme = (ROOT / PROJECT["readme"]["file"]).read_text(encoding="utf-8")
+    relative = [link for link in markdown_links(readme) if not link.startswith(("https://", "http://", "#"))]
+    assert not relative, f"relative links in {PROJECT['readme']['file']}: {relative}"
+
+
+def test_citation_cff():
+    """CITATION.cff: CFF 1.2.0's required keys, this version, and the works it builds on."""
+    citation = yaml.safe_load((ROOT / "CITATION.cff").read_text(encoding="utf-8"))
+    assert citation["cff-version"] == "1.2.0" and citation["type"] == "software"
+    assert citation["message"] and citation["title"] and citation["authors"]
+    assert citation["version"] == PROJECT["version"] and citation["license"] == PROJECT["license"]
+    assert citation["repository-code"] == PROJECT["urls"]["Source"]
+    for reference in citation["references"]:
+        assert reference["type"] in ("article", "blog") and reference["title"] and reference["authors"], reference
+        assert reference["url"].startswith("https://")
+    arxiv = {i["value"] for r in citation["references"] for i in r.get("identifiers", [])}
+    assert arxiv == {"arXiv:2608.11612", "arXiv:2510.05491", "arXiv:2504.05295"}  # Dion3, NorMuon, Dion
+    titles = " ".join(r["title"] for r in citation["references"])
+    assert all(name in titles for name in ("Dion3", "Muon", "NorMuon", "Gram Newton-Schulz", "Dion:"))

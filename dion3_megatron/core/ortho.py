@@ -12,7 +12,7 @@ operand by :func:`~dion3_megatron.kernels.dispatch.get_backend` under the kernel
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -187,7 +187,7 @@ def gram_newton_schulz(
     return _restore(x, transposed, shape, out_dtype or g.dtype)
 
 
-ORTHOGONALIZERS = {"gram": gram_newton_schulz, "standard": newton_schulz}
+ORTHOGONALIZERS: dict[str, Callable[..., torch.Tensor]] = {"gram": gram_newton_schulz, "standard": newton_schulz}
 
 
 # The compute dtypes the orthogonalization takes, by name.

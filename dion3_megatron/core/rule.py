@@ -61,6 +61,13 @@ class Dion3Hyperparameters:
 # Row selection.
 
 
+def resolved(fraction: Optional[float]) -> float:
+    """A matrix's f, which the engine's plan has resolved from "auto" (None) before the rule runs."""
+    if fraction is None:
+        raise ValueError("fraction is None ('auto') here: the engine's plan resolves it before the rule runs")
+    return fraction
+
+
 def selected_row_count(n_rows: int, fraction: float, num_heads: Optional[int] = None) -> int:
     """Rows selected per matrix: max(1, ceil(f * rows)), taken per head when num_heads is given."""
     if not isinstance(fraction, (int, float)):
@@ -111,8 +118,9 @@ def folded_decay(hp: Dion3Hyperparameters, n_rows: int, mu: Optional[float | tor
     (4.3 ms of the 14B-shape step at f = 1 on an H200). mu: the step's (default: hp's); None too
     where it is not a positive number (one per matrix on the device, or 0, which would leave
     nothing to orthogonalize)."""
-    mu = momentum_decay(hp, hp.fraction) if mu is None else mu
-    if torch.is_tensor(mu) or not mu > 0 or selected_row_count(n_rows, hp.fraction, hp.num_heads) < n_rows:
+    fraction = resolved(hp.fraction)
+    mu = momentum_decay(hp, fraction) if mu is None else mu
+    if isinstance(mu, torch.Tensor) or not mu > 0 or selected_row_count(n_rows, fraction, hp.num_heads) < n_rows:
         return None
     return mu
 
@@ -357,7 +365,7 @@ def apply_rows(weights: list[torch.Tensor], rows: torch.Tensor | list[torch.Tens
     Ragged (weights of any shapes, a row count each): rows[b] (k_b,), steps[b] (k_b, c_b), and
     row_scale one number per matrix.
     """
-    if not torch.is_tensor(rows):
+    if not isinstance(rows, torch.Tensor):
         shrink_weights(weights, shrink)
         for weight, idx, step, coef in zip(weights, rows, steps, row_scale):
             if step.dtype == weight.dtype:  # one kernel, no temporary
@@ -365,6 +373,7 @@ def apply_rows(weights: list[torch.Tensor], rows: torch.Tensor | list[torch.Tens
             else:  # scale in the step's precision, then round once
                 weight.index_add_(0, idx, (step * coef).to(weight.dtype))
         return
+    assert isinstance(steps, torch.Tensor) and isinstance(row_scale, torch.Tensor), "batched: tensors throughout"
     if row_kernels.takes(weights):
         from ..kernels import triton_rows
 
@@ -408,9 +417,9 @@ def normalize_and_apply(
     take the same kernels and round alike.
     """
     coef = factors.coef
-    if not torch.is_tensor(coef):
-        coef = coef[0] if len(set(coef)) == 1 else torch.tensor(coef, dtype=torch.float32).to(ortho.device)
-    row_scale, new_variance = row_scales(ortho, torch.gather(variance, 1, idx), beta2, eps, coef)
+    scale: float | torch.Tensor = coef if isinstance(coef, torch.Tensor) else (
+        coef[0] if len(set(coef)) == 1 else torch.tensor(coef, dtype=torch.float32).to(ortho.device))
+    row_scale, new_variance = row_scales(ortho, torch.gather(variance, 1, idx), beta2, eps, scale)
     variance.scatter_(1, idx, new_variance)
     apply_rows(weights, idx, ortho, row_scale, factors.shrink)
 

@@ -66,21 +66,23 @@ class StepGraph:
             self.factors = torch.empty(len(factor_values), dtype=torch.float32, device=device)
             if self._stream is None or self._stream.device != device:
                 self._stream = torch.cuda.Stream(device)
+        factors, stream = self.factors, self._stream
+        assert factors is not None and stream is not None  # made for the key above
         # A pinned source: the copy is queued, not waited for (the caching host allocator keeps
         # the buffer alive until the copy has run).
-        self.factors.copy_(torch.tensor(factor_values, dtype=torch.float32).pin_memory(), non_blocking=True)
+        factors.copy_(torch.tensor(factor_values, dtype=torch.float32).pin_memory(), non_blocking=True)
         self.calls += 1
         if self.graph is not None:
             self.graph.replay()
         elif self.calls <= WARMUP_CALLS:
-            self._on_side_stream(lambda: step(self.factors))
+            self._on_side_stream(lambda: step(factors))
         else:
             self.graph = torch.cuda.CUDAGraph()
             current = torch.cuda.current_stream(device)
-            self._stream.wait_stream(current)
-            with torch.cuda.graph(self.graph, stream=self._stream, capture_error_mode="thread_local"):
-                step(self.factors)
-            current.wait_stream(self._stream)
+            stream.wait_stream(current)
+            with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
+                step(factors)
+            current.wait_stream(stream)
             self.graph.replay()
 
     def run_with_factors(self, key: Hashable, step: Callable[[list[UpdateFactors]], None],
@@ -100,9 +102,11 @@ class StepGraph:
     def _on_side_stream(self, fn: Callable[[], None]) -> None:
         """Warm-up calls run on the capture stream, so per-stream lazy state (cuBLAS workspaces)
         exists before the capture."""
-        current = torch.cuda.current_stream(self.factors.device)
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
+        stream = self._stream
+        assert stream is not None  # made by run()
+        current = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
             fn()
-        current.wait_stream(self._stream)
+        current.wait_stream(stream)
 

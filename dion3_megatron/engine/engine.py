@@ -236,6 +236,7 @@ class Dion3Engine:
         remaining group makes its two all-to-alls and applies its update."""
         chosen = pending.chosen
         if pending.host_rows:
+            assert pending.host is not None  # copied to the host with host_rows
             if pending.copied is not None:
                 pending.copied.synchronize()
             sizes = [chosen[i].numel() for i in pending.host_rows]

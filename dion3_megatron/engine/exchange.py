@@ -71,7 +71,7 @@ def sub_batch_mu(sg: ShapeGroup, sub: SubBatch, device: torch.device) -> float |
     mus = rule.momentum_decays([sg.shards[j].hp for j in sub.index], sg.fraction)
     if not isinstance(mus, list):
         return mus
-    if sub.mus != mus:  # uploaded once, not per step (nor inside a CUDA graph capture)
+    if sub.mus != mus or sub.mu_on_device is None:  # uploaded once, not per step (nor inside a CUDA graph capture)
         sub.mus, sub.mu_on_device = mus, torch.tensor(mus, device=device)
     return sub.mu_on_device
 
@@ -117,7 +117,7 @@ class Traffic:
         self.buffer_numels.append(numel)
         return torch.empty(numel, dtype=torch.float32, device=device)
 
-    def all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup) -> None:
+    def all_reduce(self, flat: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:  # None: the world
         self.collectives.append("all_reduce")
         dist.all_reduce(flat, group=group)
 
@@ -163,6 +163,14 @@ class Exchange:
 
     def step(self, chosen: torch.Tensor, factors: Optional[rule.UpdateFactors] = None) -> None:
         """Send the pieces of the ``chosen`` (B, k) rows to their owners, orthogonalize, update."""
+        raise NotImplementedError
+
+    def factors(self) -> list[rule.UpdateFactors]:
+        """A :attr:`static` exchange: the weight-update factors its step takes, as numbers."""
+        raise NotImplementedError
+
+    def graph_key(self) -> tuple:
+        """A :attr:`static` exchange: what a captured step of the group bakes in."""
         raise NotImplementedError
 
     def round_trip(self, send_parts: list[list[torch.Tensor]], recv_sizes: list[int],
@@ -221,7 +229,7 @@ class BlockExchange(Exchange):
         scores = torch.zeros(len(sg.shards), sg.key.shape[0], dtype=torch.float32, device=device)
         for sub in self.subs:
             decay = folded_decay_of(sg, sub_batch_mu(sg, sub, device))
-            block = rule.accumulate_and_score(sub.momentum, [sg.shards[j].grad.view(sub.momentum.shape[1:])
+            block = rule.accumulate_and_score(sub.momentum, [sg.shards[j].stepped_grad().view(sub.momentum.shape[1:])
                                                              for j in sub.index], decay=decay)
             if sub.age is not None:
                 block = rule.staleness_boost(block, sub.age, sg.hp.staleness, sg.fraction)
@@ -233,6 +241,7 @@ class BlockExchange(Exchange):
 
     def age(self, chosen: torch.Tensor) -> None:
         for sub in self.subs:
+            assert sub.age is not None and sub.index_on_device is not None  # staleness; made by score()
             rule.age_piece_rows(sub.age, chosen[sub.index_on_device], sub.span0[self.sg.rank])
 
     def factors(self) -> list[rule.UpdateFactors]:
@@ -242,13 +251,18 @@ class BlockExchange(Exchange):
     def graph_key(self) -> tuple:
         """What a captured step of the group bakes in: buffers, weights, gradients, settings."""
         sg = self.sg
+        padded = []
+        for sub in self.subs:
+            momentum, variance = sub.momentum_padded, sub.variance_padded
+            assert momentum is not None and variance is not None  # a static exchange's, made by bind()
+            padded.append((momentum, variance))
         return tuple(
-            (sub.momentum_padded.data_ptr(), sub.variance_padded.data_ptr(), tuple(sub.momentum_padded.shape),
+            (m.data_ptr(), v.data_ptr(), tuple(m.shape),
              sub.age.data_ptr() if sub.age is not None else None,
              sg.key, sg.fraction,
-             tuple((sg.shards[j].weight.data_ptr(), sg.shards[j].grad.data_ptr(),
+             tuple((sg.shards[j].weight.data_ptr(), sg.shards[j].stepped_grad().data_ptr(),
                     cuda_graph_module.baked_settings(sg.shards[j].hp)) for j in sub.index))
-            for sub in self.subs
+            for sub, (m, v) in zip(self.subs, padded)
         )
 
     def _split_returned(self, result: torch.Tensor, rows_from: Callable[["SubBatch", int], int]):

@@ -27,7 +27,7 @@ class GeneralExchange(Exchange):
 
     def score(self) -> torch.Tensor:
         sg = self.sg
-        rule.accumulate([shard.state["momentum"] for shard in sg.shards], [shard.grad for shard in sg.shards])
+        rule.accumulate([shard.state["momentum"] for shard in sg.shards], [shard.stepped_grad() for shard in sg.shards])
         scores = torch.zeros(len(sg.shards), sg.key.shape[0], dtype=torch.float32, device=sg.shards[0].weight.device)
         for j, shard in enumerate(sg.shards):
             for rect in sg.rects[j][sg.rank]:
@@ -102,7 +102,10 @@ class GeneralExchange(Exchange):
         # Apply: results come owner by owner, matrix by matrix, in the order sent.
         offsets = [sum(result_sizes[:q]) for q in range(world)]
         factors = update_factors_of(sg, list(range(len(shards))))
-        weights, rows_of, steps, coefs, shrinks = [], [], [], [], []
+        assert isinstance(factors.coef, list) and isinstance(factors.shrink, list)  # numbers, one per matrix
+        weights, rows_of, steps = [], [], []
+        coefs: list[float] = []
+        shrinks: list[float] = []
         for j, shard in enumerate(shards):
             q = sg.owner(j)
             rows = layout.span_rows(j)

@@ -76,7 +76,7 @@ def step_whole_matrices(entries: list[WholeMatrices], graph: Optional[cuda_graph
     step adds them first (:func:`rule.accumulate_and_score`) and passes the ``scores``.
     """
     device = entries[0].momentum.device if entries else None
-    if graph is None or not entries or any(e.momentum.device != device for e in entries) \
+    if graph is None or device is None or any(e.momentum.device != device for e in entries) \
             or not cuda_graph_module.usable(device):
         _step_whole_eager(entries)
         return
@@ -89,13 +89,14 @@ def step_whole_matrices(entries: list[WholeMatrices], graph: Optional[cuda_graph
 
 
 def _whole_factors(e: WholeMatrices) -> rule.UpdateFactors:
-    return rule.update_factors(e.settings(), e.hp.fraction, *e.momentum.shape[1:])
+    return rule.update_factors(e.settings(), rule.resolved(e.hp.fraction), *e.momentum.shape[1:])
 
 
 def _step_whole_eager(entries: list[WholeMatrices]) -> None:
     batches: dict[tuple, list] = {}
     for e in entries:
         hp = e.hp
+        fraction = rule.resolved(hp.fraction)
         decayed = e.momentum_decayed
         if e.grads is not None:
             decay = rule.folded_decay(hp, e.momentum.shape[1], e.mu)
@@ -103,12 +104,15 @@ def _step_whole_eager(entries: list[WholeMatrices]) -> None:
             decayed = decay is not None
         else:
             scores = e.scores if e.scores is not None else rule.row_scores(e.momentum)
+        age = e.age
         if hp.staleness:
-            scores = rule.staleness_boost(scores, e.age, hp.staleness, hp.fraction)
-        idx = rule.select_rows(scores, hp.fraction, hp.num_heads)
+            assert age is not None, "staleness needs the rows' ages"
+            scores = rule.staleness_boost(scores, age, hp.staleness, fraction)
+        idx = rule.select_rows(scores, fraction, hp.num_heads)
         if hp.staleness:
-            rule.age_rows(e.age, idx)
-        mu = e.mu if e.mu is not None else rule.momentum_decay(hp, hp.fraction)
+            assert age is not None
+            rule.age_rows(age, idx)
+        mu = e.mu if e.mu is not None else rule.momentum_decay(hp, fraction)
         # every row selected (f = 1): the momentum itself is orthogonalized, its rows not copied out
         # first; it decays after, unless its accumulation already did (rule.folded_decay)
         every_row = idx.shape[1] == e.momentum.shape[1]
@@ -155,7 +159,7 @@ class WholeExchange(BlockExchange):
         for p, sub in enumerate(self.subs):
             decay = folded_decay_of(sg, sub_batch_mu(sg, sub, sub.momentum.device))
             scores = self._accumulated[p][0]
-            grads = [sg.shards[j].grad for j in sub.index]  # (a transposed weight's gradient has no (n, m) view)
+            grads = [sg.shards[j].stepped_grad() for j in sub.index]  # (a transposed weight's gradient has no (n, m) view)
             rule.accumulate_and_score(sub.momentum, [g if g.shape == (n, m) else g.view(n, m) for g in grads],
                                       out=scores, decay=decay)
             self._accumulated[p] = (scores, decay is not None)
@@ -176,7 +180,7 @@ class WholeExchange(BlockExchange):
             accumulated = self._accumulated[p] if self._accumulated is not None else None
             entries.append(WholeMatrices(
                 [sg.shards[j].weight.view(n, m) for j in sub.index], sub.momentum, sub.variance, hp,
-                grads=None if accumulated else [sg.shards[j].grad.view(n, m) for j in sub.index],
+                grads=None if accumulated else [sg.shards[j].stepped_grad().view(n, m) for j in sub.index],
                 scores=accumulated[0] if accumulated else None,
                 momentum_decayed=accumulated[1] if accumulated else False,
                 hps=[sg.shards[j].hp for j in sub.index], mu=sub_batch_mu(sg, sub, sub.momentum.device),

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..core import cost_model
 from ..core.rule import Dion3Hyperparameters
+from ..core.rule import resolved as resolved_fraction
 from . import fractions
 from .sharding import MatrixShard, Rect
 
@@ -231,9 +232,9 @@ def resolve_fractions(plan: list[ShapeGroup], step_share: float = 1.0,
     resolved = dict(zip(map(id, wanted), fractions.resolve_fractions(requests)))
     for sg in plan:
         if not chooses_fraction(sg.hp):
-            sg.fraction = sg.hp.fraction
+            sg.fraction = resolved_fraction(sg.hp.fraction)
         else:
-            sg.fraction = resolved.get(id(sg), earlier[id(sg)])
+            sg.fraction = resolved_fraction(resolved.get(id(sg), earlier[id(sg)]))
 
 
 def chosen_fractions(plan: list[ShapeGroup]) -> dict[str, float]:

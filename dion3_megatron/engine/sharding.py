@@ -88,7 +88,7 @@ class Sharding:
 
     @staticmethod
     def boxes_of(boxes) -> "Sharding":
-        return Sharding("boxes", boxes=tuple(tuple(int(x) for x in box) for box in boxes))
+        return Sharding("boxes", boxes=tuple((int(r0), int(r1), int(c0), int(c1)) for r0, r1, c0, c1 in boxes))
 
     @property
     def blocks(self) -> int:
@@ -181,6 +181,12 @@ class MatrixShard:
     group: Optional[dist.ProcessGroup]
     hp: Dion3Hyperparameters
     state: dict = field(default_factory=dict)
+
+    def stepped_grad(self) -> torch.Tensor:
+        """The gradient the step reads: the front ends hand the engine only matrices that have one."""
+        if self.grad is None:
+            raise ValueError(f"Dion3 engine: {self.name} has no gradient to step")
+        return self.grad
 
 
 def init_state(shard: MatrixShard, rank: int) -> None:

@@ -74,25 +74,27 @@ class StaticExchange(BlockExchange):
         k = chosen.shape[1]
         held: dict[int, tuple] = {}
         send_parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        routes: dict[int, Route] = {}
         for sub in subs:
-            if sub.route is None:
-                sub.route = Route.build(sg, sub, device)
+            route = routes[id(sub)] = sub.route = sub.route or Route.build(sg, sub, device)
+            momentum, variance, index = sub.momentum_padded, sub.variance_padded, sub.index_on_device
+            assert momentum is not None and variance is not None and index is not None  # made by bind()
             rect, rows = sub.rect[me], sub.momentum.shape[1]
-            local = chosen[sub.index_on_device] - rect.r0
+            local = chosen[index] - rect.r0
             mask = None
             if sub.sharding.kind == "rows":  # rows another rank holds point at the zero row
                 mask = (local >= 0) & (local < rows)
                 local = torch.where(mask, local, rows)
-            pieces = rule.take_selected(sub.momentum_padded, local, take_decay_of(sg, sub_batch_mu(sg, sub, device)))
-            variances = torch.gather(sub.variance_padded, 1, local)
+            pieces = rule.take_selected(momentum, local, take_decay_of(sg, sub_batch_mu(sg, sub, device)))
+            variances = torch.gather(variance, 1, local)
             if mask is not None:
                 variances = variances * mask
-            held[id(sub)] = (local, mask)
-            pieces, variances = pieces[sub.route.order], variances[sub.route.order]
-            for d, (piece, v) in enumerate(zip(pieces.split(sub.route.per_dest), variances.split(sub.route.per_dest))):
+            held[id(sub)] = (local, mask, variance)
+            pieces, variances = pieces[route.order], variances[route.order]
+            for d, (piece, v) in enumerate(zip(pieces.split(route.per_dest), variances.split(route.per_dest))):
                 send_parts[d] += [piece.reshape(-1)] + ([v.reshape(-1)] if sub.provides[me] else [])
         width = {id(sub): [r.c1 - r.c0 for r in sub.rect] for sub in subs}
-        recv_sizes = [sum(sub.route.per_dest[me] * k * (width[id(sub)][q] + sub.provides[q]) for sub in subs)
+        recv_sizes = [sum(routes[id(sub)].per_dest[me] * k * (width[id(sub)][q] + sub.provides[q]) for sub in subs)
                       for q in range(world)]
 
         def assemble(recv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +105,7 @@ class StaticExchange(BlockExchange):
             offset = 0
             for q in range(world):
                 for sub in subs:
-                    count, r, pos = sub.route.per_dest[me], sub.rect[q], sub.route.owned_pos
+                    count, r, pos = routes[id(sub)].per_dest[me], sub.rect[q], routes[id(sub)].owned_pos
                     size = count * k * (r.c1 - r.c0)
                     blocks[:, :, r.c0 : r.c1].index_add_(0, pos, recv[offset : offset + size].view(count, k, r.c1 - r.c0))
                     offset += size
@@ -112,25 +114,26 @@ class StaticExchange(BlockExchange):
                         offset += count * k
             return blocks, block_variances
 
-        back_sizes = [sum(sub.route.per_dest[me] * k * (width[id(sub)][q] + 1) for sub in subs) for q in range(world)]
-        result_sizes = [sum(sub.route.per_dest[d] * k * (width[id(sub)][me] + 1) for sub in subs) for d in range(world)]
+        back_sizes = [sum(routes[id(sub)].per_dest[me] * k * (width[id(sub)][q] + 1) for sub in subs) for q in range(world)]
+        result_sizes = [sum(routes[id(sub)].per_dest[d] * k * (width[id(sub)][me] + 1) for sub in subs) for d in range(world)]
         result = self.round_trip(send_parts, recv_sizes, assemble, back_sizes,
-                                 self._pack(lambda sub, q: (sub.route.owned_pos, slice(None))), result_sizes)
+                                 self._pack(lambda sub, q: (routes[id(sub)].owned_pos, slice(None))), result_sizes)
 
         # Apply: each owner's results, per part, in route order; row blocks keep the rows they hold.
-        steps, new_variances = self._split_returned(result, lambda sub, d: sub.route.per_dest[d] * k)
+        steps, new_variances = self._split_returned(result, lambda sub, d: routes[id(sub)].per_dest[d] * k)
         if factors is None:
             factors = self.factors()[0].on_device(device)
         start = 0
         for sub in subs:
-            local, mask = held[id(sub)]
+            local, mask, variance = held[id(sub)]
             in_order = torch.empty(len(sub.index), k, width[id(sub)][me], dtype=torch.float32, device=device)
-            in_order.index_copy_(0, sub.route.order, steps[id(sub)].view(-1, k, width[id(sub)][me]))
+            in_order.index_copy_(0, routes[id(sub)].order, steps[id(sub)].view(-1, k, width[id(sub)][me]))
             variance_in_order = torch.empty(len(sub.index), k, dtype=torch.float32, device=device)
-            variance_in_order.index_copy_(0, sub.route.order, new_variances[id(sub)].view(-1, k))
-            sub.variance_padded.scatter_(1, local, variance_in_order)  # rows held elsewhere land in the pad
+            variance_in_order.index_copy_(0, routes[id(sub)].order, new_variances[id(sub)].view(-1, k))
+            variance.scatter_(1, local, variance_in_order)  # rows held elsewhere land in the pad
             weights = [sg.shards[j].weight.view(sub.momentum.shape[1:]) for j in sub.index]
             part = factors.part(start, start + len(sub.index))
+            assert isinstance(part.coef, torch.Tensor)  # device factors: on_device() above, or a graph's
             coef = part.coef.view(-1, 1).expand(local.shape).to(torch.float32)
             rule.apply_rows(weights, local, in_order, coef, part.shrink,
                             padded=mask is not None)  # rows held elsewhere are skipped

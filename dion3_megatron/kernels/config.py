@@ -81,6 +81,7 @@ class KernelConfig:
     stream_k: Optional[bool] = None
     fused_rows: bool = True  # the Triton row kernels (kernels/rows.py) where kernels is "auto"
     tile_group: int = DEFAULT_TILE_GROUP  # block rows per band of the symmetric GEMM's tile order
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)  # set in __post_init__
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
@@ -101,7 +102,7 @@ class KernelConfig:
         if self.tile is not None:  # one spelling, hashable: a configuration can key a cache or a graph
             object.__setattr__(self, "tile", tile_shape(self.tile))
         # hashed once: every kernel launch looks its configuration up in a cache
-        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.compare)))
 
     def __hash__(self) -> int:
         return self._hash

@@ -247,10 +247,10 @@ def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float | torch.T
     c = momentum.shape[-1]
     idx = idx.contiguous()
     out = torch.empty(batch, k, c, dtype=momentum.dtype, device=momentum.device)
-    on_device = torch.is_tensor(mu)
+    on_device = isinstance(mu, torch.Tensor)
+    mu_tensor, mu_value = (mu.contiguous(), 1.0) if isinstance(mu, torch.Tensor) else (out, float(mu))
     grid = (batch, triton.cdiv(k, BLOCK_ROWS), triton.cdiv(c, BLOCK_COLS))
     with _device_of(momentum):
-        _take_selected[grid](momentum, momentum.stride(0), momentum.stride(1), idx, out,
-                         mu.contiguous() if on_device else out, 1.0 if on_device else float(mu), k, c,
+        _take_selected[grid](momentum, momentum.stride(0), momentum.stride(1), idx, out, mu_tensor, mu_value, k, c,
                          MU_ON_DEVICE=on_device, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
     return out

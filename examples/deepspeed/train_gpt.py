@@ -16,8 +16,6 @@ and the time spent in the optimizer's own ``step()``; ``--json`` writes them.
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
 import os
 import statistics
@@ -31,6 +29,8 @@ import deepspeed
 import dion3_megatron.deepspeed as dion3_deepspeed  # registers "type": "Dion3"
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/: the shared modules
+from deepspeed_setup import quiet_deprecated_collectives, skip_shared_memory_op  # noqa: E402
+from example_args import ExampleParser  # noqa: E402
 from leave_process_group import leave_process_group  # noqa: E402
 from small_gpt import GPT  # noqa: E402
 from step_timer import StepTimer  # noqa: E402
@@ -38,24 +38,26 @@ from stdlib_text import stdlib_tokens  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cpu", action="store_true", help="gloo on CPU (set DS_ACCELERATOR=cpu too)")
+    parser = ExampleParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="DeepSpeed's JSON config (its optimizer is the one trained)")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    parser.add_argument("--width", type=int, default=512, help="hidden size")
+    parser.add_argument("--layers", type=int, default=8, help="transformer layers")
+    parser.add_argument("--heads", type=int, default=8, help="attention heads")
+    parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights' initialization")
+    parser.add_argument("--cpu", action="store_true",
+                        help="gloo on CPU processes even where CUDA is available (without CUDA: always)")
     parser.add_argument("--json", help="write losses and timings here (rank 0)")
-    parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher appends it
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args = parser.parse_args()
 
-    if args.cpu:  # no C++ shared-memory op build on CPU
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo" if args.cpu else "nccl")
+    cpu = args.cpu or not torch.cuda.is_available()
+    skip_shared_memory_op()
+    quiet_deprecated_collectives()
+    deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    device = torch.device("cpu") if args.cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cpu") if cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if device.type == "cuda":
         torch.cuda.set_device(device)
 

@@ -35,6 +35,7 @@ from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArg
 import dion3_megatron.deepspeed  # noqa: F401  registers "type": "Dion3" for DeepSpeed configs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/: the shared modules
+from deepspeed_setup import quiet_deprecated_collectives, skip_shared_memory_op  # noqa: E402
 from leave_process_group import leave_process_group  # noqa: E402
 from step_timer import StepTimer  # noqa: E402
 from stdlib_text import stdlib_tokens  # noqa: E402
@@ -43,12 +44,12 @@ from stdlib_text import stdlib_tokens  # noqa: E402
 @dataclasses.dataclass
 class ModelArguments:
     model: str = dataclasses.field(default="llama", metadata={"help": "llama or gpt2"})
-    width: int = 512
-    layers: int = 8
-    heads: int = 8
-    seq: int = 512
+    width: int = dataclasses.field(default=512, metadata={"help": "hidden size"})
+    layers: int = dataclasses.field(default=8, metadata={"help": "transformer layers"})
+    heads: int = dataclasses.field(default=8, metadata={"help": "attention heads"})
+    seq: int = dataclasses.field(default=512, metadata={"help": "tokens per sequence"})
     keep_conv1d: bool = dataclasses.field(default=False, metadata={"help": "gpt2: leave Conv1D (its weights take AdamW)"})
-    corpus_bytes: int = 8_000_000
+    corpus_bytes: int = dataclasses.field(default=8_000_000, metadata={"help": "bytes of the corpus read"})
     json: str = dataclasses.field(default="", metadata={"help": "write the summary here"})
 
 
@@ -136,6 +137,8 @@ class WrapOnTrainBegin(TrainerCallback):
 
 
 def main() -> None:
+    skip_shared_memory_op()  # before TrainingArguments, whose device setup starts DeepSpeed's process group
+    quiet_deprecated_collectives()
     parser = HfArgumentParser((ModelArguments, TrainingArguments))
     parser.set_defaults(output_dir=os.path.join("runs", "hf_trainer"))  # Trainer's own: trainer_output
     margs, targs = parser.parse_args_into_dataclasses()

@@ -610,7 +610,7 @@ class SymmGemmSm90(TileSchedule):
                         staged = acc.load().to(self.d_dtype)
                         tCsD.store(staged)
                         if const_expr(self.d_by_tma):
-                            tCsT.store(staged)
+                            tCsT.store(staged)  # type: ignore[union-attr]  # set wherever d_by_tma
                         if const_expr(self.c_by_tma or self.d_by_tma):  # these writes before TMA copies touch them
                             cute.arch.fence_proxy("async.shared", space="cta")
                         cute.arch.barrier_arrive(barrier_id=STAGED, number_of_threads=staging_sync)

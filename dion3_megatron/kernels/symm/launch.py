@@ -219,10 +219,8 @@ def symm_gemm(
         out = torch.empty(batch, m, m, dtype=out_dtype or a.dtype, device=a.device)
     elif out.shape != (batch, m, m) or not out.is_contiguous():
         raise ValueError("out must be a contiguous (L, M, M) tensor")
-    has_c = c is not None and beta != 0.0
-    if has_c:
-        c = c.expand(batch, m, m).contiguous()
-    launch = launch_for(batch, m, k, a.dtype, out.dtype, c.dtype if has_c else None, m_major, tile, stages,
+    c = c.expand(batch, m, m).contiguous() if c is not None and beta != 0.0 else None  # beta 0: C unread
+    launch = launch_for(batch, m, k, a.dtype, out.dtype, c.dtype if c is not None else None, m_major, tile, stages,
                         ctas_per_sm, persistent, stream_k)
-    launch(a, b, c if has_c else None, out, alpha, beta)
+    launch(a, b, c, out, alpha, beta)
     return out.squeeze(0) if squeeze else out

@@ -15,6 +15,13 @@ class TileSchedule:
     """Linear tile indices -> output tiles (a banded walk of the lower triangle), and stream-K's
     split of the last waves' tiles along K."""
 
+    # Set by the kernel that inherits the schedule (symm.kernel.SymmGemmSm90).
+    tile_m: int
+    tile_n: int
+    cluster_m: int
+    tile_group: int
+    stream_k: bool | None
+
     @cute.jit
     def triangle_coord(self, t: Int32):
         """Linear index -> (row i, column j) of a lower triangle walked row by row (row i holds
