@@ -389,7 +389,7 @@ def test_the_readme_test_command_is_the_one_ci_runs():
     found = check_tests_block(wrong, ci, {"megatron"}, declared_markers())
     assert len(found) == 4 and "not the one .ci/run calls" in found[0], found
     assert "unexpected pytest argument 'tests/'" in found[1] and "'slowly' is not declared" in found[2]
-    assert "installs ['test']" in found[3]
+    assert "installs ['docs', 'lint', 'test']" in found[3]
 
 
 def test_python_blocks_compile():

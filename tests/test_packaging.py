@@ -35,6 +35,7 @@ DISTRIBUTIONS = {
     "deepspeed": "deepspeed",
     "transformers": "transformers",
     "cutlass": "nvidia-cutlass-dsl",
+    "torchtitan": "torchtitan",
     "tvm_ffi": "apache-tvm-ffi",
     "triton": "triton",
     "packaging": "packaging",
@@ -45,6 +46,7 @@ DISTRIBUTIONS = {
 BROUGHT_OTHERWISE = {
     "nvidia-cutlass-dsl": "kernels",
     "apache-tvm-ffi": "kernels",  # the [kernels] extra (Hopper GPUs); the tests of its kernels skip without it
+    "torchtitan": "torchtitan",  # the [torchtitan] extra; .ci/run installs it without its requirements
     "ruff": "lint",  # the [lint] extra; the lint test skips without it
     "triton": "torch",  # a requirement of torch's Linux CUDA wheels (its tests skip without it)
     "packaging": "pytest",  # a requirement of pytest
@@ -54,6 +56,8 @@ BROUGHT_OTHERWISE = {
 OPTIONAL_IN_SOME_BUILDS = {"triton": "torch"}
 # The extras a user installs (a front end or the kernels) and the tools'.
 USER_EXTRAS = {"megatron", "deepspeed", "hf", "kernels"}
+# A front end's extra that [all] leaves out: a training stack of its own.
+STACK_EXTRAS = {"torchtitan"}
 TOOL_EXTRAS = {"examples", "test", "docs", "lint"}
 
 
@@ -112,7 +116,7 @@ def test_mentioned_extras_finds_each_spelling():
 
 
 def test_the_extras_the_docs_and_ci_name_exist():
-    assert set(EXTRAS) == USER_EXTRAS | TOOL_EXTRAS | {"all"}
+    assert set(EXTRAS) == USER_EXTRAS | STACK_EXTRAS | TOOL_EXTRAS | {"all"}
     readme = mentioned_extras((ROOT / "README.md").read_text(encoding="utf-8"))
     ci = mentioned_extras((ROOT / ".ci" / "run").read_text(encoding="utf-8"))
     assert "megatron" in readme and "test" in readme, readme  # the install and the test commands
@@ -156,7 +160,9 @@ def test_the_front_end_extras_bring_what_the_library_imports():
     library = set().union(*(imported_modules(p) for p in (ROOT / "dion3_megatron").rglob("*.py")))
     third_party = {m for m in library if m not in sys.stdlib_module_names and m != "dion3_megatron"}
     # packaging: deepspeed's requirement; triton: torch's (CUDA wheels), imported only where installed
-    assert third_party == {"torch", "megatron", "deepspeed", "cutlass", "triton", "packaging"}, third_party
+    assert third_party == {"torch", "megatron", "deepspeed", "cutlass", "triton", "packaging", "torchtitan"}, third_party
+    titan = set().union(*(imported_modules(p) for p in (ROOT / "dion3_megatron" / "torchtitan").rglob("*.py")))
+    assert "torchtitan" in titan and names(EXTRAS["torchtitan"]) == {"torchtitan"}
 
 
 def imported_modules(path: pathlib.Path) -> set[str]:
