@@ -16,8 +16,9 @@ See docs/megatron.md.
 import sys as _sys
 
 from .arguments import DION3_DEFAULTS, OPTIMIZER_NAME, add_dion3_arguments
-from .optimizer import MegatronDion3, ParamLayout, config_to_kwargs, describe_model, describe_param, init_state_fn
-from .registry import is_registered, register
+from .layout import LogicalMatrix, ParamLayout, describe_model, describe_param
+from .optimizer import MegatronDion3
+from .registry import config_to_kwargs, init_state_fn, is_registered, register
 
 
 def _launcher_starting() -> bool:
@@ -34,6 +35,7 @@ if not _launcher_starting():
 __all__ = [
     "DION3_DEFAULTS",
     "OPTIMIZER_NAME",
+    "LogicalMatrix",
     "MegatronDion3",
     "ParamLayout",
     "add_dion3_arguments",

@@ -6,7 +6,9 @@ patched with patches/megatron-core-0.19-dion3.patch all call :func:`register`. I
 or adds, with why and the upstream version; this module holds the replacements that concern
 registration:
 
-1. :func:`dion3_entry`: ``dion3`` in Megatron-Core's emerging-optimizer registry;
+1. :func:`dion3_entry`: ``dion3`` in Megatron-Core's emerging-optimizer registry, with its hooks
+   :func:`config_to_kwargs` (the ``dion3_*`` values of the ``OptimizerConfig`` or of Megatron-LM's
+   args) and :func:`init_state_fn`;
 2. :func:`emerging_optimizer_factory`: Megatron's factory builds ``dion3`` without the
    ``emerging-optimizers`` package and with the wrapper classes of :mod:`.wrappers` (fp32 support;
    a bad step skipped whole, every chained optimizer);
@@ -25,13 +27,66 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from .. import compat
+from .. import compat, options
 from . import wrappers
-from .arguments import DION3_DEFAULTS, OPTIMIZER_NAME, add_dion3_arguments, warn_if_adam_takes_the_dion3_lr
-from .optimizer import MegatronDion3, config_to_kwargs, init_state_fn
+from .arguments import (
+    DION3_DEFAULTS,
+    OPTIMIZER_NAME,
+    OPTIONS,
+    add_dion3_arguments,
+    check_dion3_values,
+    config_field,
+    refuse_renamed,
+    warn_if_adam_takes_the_dion3_lr,
+)
+from .optimizer import MegatronDion3
 
 _FACTORY = "megatron.core.optimizer:_get_megatron_emerging_optimizer"
 _DDP_WRAP = "megatron.training.models.dist_utils:_ddp_wrap"
+
+
+
+def dion3_values(config=None) -> dict[str, Any]:
+    """The ``dion3_*`` options: from ``config`` attributes, else Megatron-LM's global args, else defaults."""
+    args = None
+    try:
+        from megatron.training.global_vars import get_args
+
+        args = get_args()
+    except Exception:  # noqa: BLE001 - megatron.training absent or args not parsed (core-only use)
+        args = None
+    for source in (config, args):
+        if source is not None:
+            refuse_renamed(source, "Megatron optimizer config")
+    values = {}
+    for key, default in DION3_DEFAULTS.items():
+        if config is not None and hasattr(config, key):
+            values[key] = getattr(config, key)
+        elif args is not None and hasattr(args, key):
+            values[key] = getattr(args, key)
+        else:
+            values[key] = default
+    return values
+
+
+def config_to_kwargs(config, model_chunks, pg_collection) -> dict[str, Any]:
+    """Megatron ``OptimizerConfig`` -> :class:`MegatronDion3` constructor kwargs, as Megatron-Core's
+    ``_kwargs_from_config`` reads a prefixed config: option ``name`` from ``config.dion3_<name>``,
+    lr and weight decay from Megatron's own fields."""
+    values = dion3_values(config)
+    check_dion3_values(values, "Megatron optimizer config")
+    return dict(
+        lr=config.lr if config.lr is not None else options.BY_NAME["lr"].default,
+        weight_decay=config.weight_decay,
+        **{option.name: values[config_field(option.name)] for option in OPTIONS},
+        model_chunks=model_chunks,
+        pg_collection=pg_collection,
+    )
+
+
+def init_state_fn(opt, config=None) -> None:
+    """Megatron's ``init_state_fn``: create all state (checkpoint loading needs it first)."""
+    opt.init_state()
 
 
 def dion3_entry(current):
