@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
+import importlib.util
 import re
 import types
 from typing import Any, Callable, Optional
@@ -154,6 +155,19 @@ DEEPSPEED: tuple[Patch, ...] = (
 )
 
 
+MEGATRON_EXTRA = 'pip install "dion3-megatron[megatron]"'
+
+
+def require_megatron() -> None:
+    """Raise ImportError naming the install command when Megatron-Core does not import."""
+    try:
+        found = importlib.util.find_spec("megatron.core") is not None
+    except (ImportError, ValueError):  # no megatron package at all, or one that is blocked
+        found = False
+    if not found:
+        raise ImportError(f"dion3_megatron.megatron needs Megatron-Core 0.19, which is not installed: {MEGATRON_EXTRA}")
+
+
 def _resolve(path: str) -> Any:
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -260,7 +274,9 @@ def apply(patches: tuple[Patch, ...], *, launcher: bool = False) -> dict[str, bo
 
 
 def apply_megatron(*, launcher: bool = False) -> dict[str, bool]:
-    """Apply :data:`MEGATRON` (the :data:`LAUNCHER` entries too when ``launcher``)."""
+    """Apply :data:`MEGATRON` (the :data:`LAUNCHER` entries too when ``launcher``); ImportError naming
+    the install command without Megatron-Core."""
+    require_megatron()
     return apply(MEGATRON, launcher=launcher)
 
 
@@ -270,4 +286,4 @@ def apply_deepspeed() -> dict[str, bool]:
 
 
 __all__ = ["ALWAYS", "DEEPSPEED", "LAUNCHER", "MEGATRON", "WITHOUT_APEX_OR_TE", "Patch", "UpstreamChanged",
-           "apply", "apply_deepspeed", "apply_megatron", "is_patched", "rebound"]
+           "apply", "apply_deepspeed", "apply_megatron", "is_patched", "rebound", "require_megatron"]

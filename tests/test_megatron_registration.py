@@ -77,7 +77,8 @@ def test_registered_parser_accepts_dion3_flags():
         (["--dion3-mu", "1.0"], "argument --dion3-mu: mu must be in [0.0, 1.0), got 1.0"),
         (["--dion3-ns-method", "cubic"], "argument --dion3-ns-method: invalid choice: 'cubic'"),
         (["--dion3-ns", "standard"], "argument --dion3-ns: was renamed --dion3-ns-method"),
-        (["--optimizer", "dion4"], "argument --optimizer: invalid choice: 'dion4'"),
+        (["--optimizer", "dion4"], "--optimizer dion4: did you mean dion3?"),
+        (["--optimizer", "adamw"], "argument --optimizer: invalid choice: 'adamw'"),
     ],
 )
 def test_bad_flag_values_get_argparse_errors(flags, message, capsys):
@@ -415,3 +416,74 @@ def test_readme_megatron_commands_parse():
     for script, argv in commands.items():
         args = _megatron_parser().parse_args(argv)
         assert (args.optimizer, args.dion3_fraction, args.use_distributed_optimizer) == ("dion3", "auto", True), script
+
+
+def test_an_unknown_dion3_attribute_of_the_config_or_the_args_is_refused_with_the_hint(monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.training import global_vars
+
+    import dion3_megatron.megatron as dm
+
+    config = OptimizerConfig(optimizer="dion3", lr=0.01)
+    config.dion3_fractoin = 0.25
+    with pytest.raises(ValueError, match=r"^Megatron optimizer config: unknown attribute dion3_fractoin; "
+                                         r"did you mean 'dion3_fraction'\?$"):
+        dm.config_to_kwargs(config, [], None)
+    del config.dion3_fractoin
+    config.dion3_xyz = 1
+    with pytest.raises(ValueError, match=r"unknown attribute dion3_xyz; the Dion3 fields are dion3_fraction, dion3_mu"):
+        dm.config_to_kwargs(config, [], None)
+    del config.dion3_xyz
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", SimpleNamespace(dion3_momentum=0.9))
+    with pytest.raises(ValueError, match=r"^Megatron-LM args: unknown attribute dion3_momentum; "
+                                         r"Dion3 calls its momentum 'dion3_mu'$"):
+        dm.config_to_kwargs(config, [], None)
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", SimpleNamespace(dion3_mu=0.9))
+    assert dm.config_to_kwargs(config, [], None)["mu"] == 0.9
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--dion3-momentum", "0.9"], "--dion3-momentum: unknown flag; Dion3 calls its momentum --dion3-mu"),
+    (["--dion3-fractoin=0.25"], "--dion3-fractoin: unknown flag; did you mean --dion3-fraction?"),
+    (["--dion3-cuda-graph"], "--dion3-cuda-graph: unknown flag; did you mean --dion3-no-cuda-graph?"),
+    (["--optimizer", "Dion3"], "--optimizer Dion3: did you mean dion3?"),
+    (["--optimizer", "dion"], "--optimizer dion: did you mean dion3?"),
+    (["--dion3-fraction", "1.5"], "argument --dion3-fraction: fraction must be in (0.0, 1.0], got 1.5"),
+])
+def test_a_mistake_in_a_dion3_flag_stops_megatron_s_parser_with_one_line(flags, line, capsys, monkeypatch):
+    import dion3_megatron.megatron  # noqa: F401
+
+    monkeypatch.delenv("RANK", raising=False)
+    for parse in ("parse_args", "parse_known_args"):  # (Megatron's ignore_unknown_args parses known args only)
+        parser = _megatron_parser()
+        with pytest.raises(SystemExit) as exc:
+            getattr(parser, parse)(["--num-layers", "2"] + flags)
+        assert exc.value.code == 2
+        assert capsys.readouterr().err == f"{parser.prog}: error: {line}\n"
+    with pytest.raises(SystemExit):  # Megatron's own mistakes keep argparse's usage
+        _megatron_parser().parse_args(["--num-layerz", "2"])
+    assert capsys.readouterr().err.startswith("usage:")
+
+
+def test_the_launcher_stops_an_unknown_dion3_flag_before_the_script_starts(capsys, monkeypatch):
+    from dion3_megatron.megatron.launch import PROG, check_arguments
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit):
+        check_arguments(["--optimizer", "dion3", "--dion3-momentum", "0.9", "--num-layers", "4"])
+    assert capsys.readouterr().err == f"{PROG}: error: --dion3-momentum: unknown flag; Dion3 calls its momentum --dion3-mu\n"
+
+
+def test_without_megatron_the_import_and_the_main_job_name_the_extra(tmp_path):
+    """Megatron hidden from every process (a sitecustomize that blocks the import)."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['megatron'] = None\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
+    for command in (["-c", "import dion3_megatron.megatron"],
+                    [os.path.join(REPO, "examples", "pretrain_gpt.py"), "--steps", "1"]):
+        out = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode != 0
+        assert out.stderr.strip().splitlines()[-1] == (
+            'ImportError: dion3_megatron.megatron needs Megatron-Core 0.19, which is not installed: '
+            'pip install "dion3-megatron[megatron]"'), out.stderr[-2000:]

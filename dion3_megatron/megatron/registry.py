@@ -37,6 +37,7 @@ from .arguments import (
     check_dion3_values,
     config_field,
     refuse_renamed,
+    refuse_unknown_fields,
     warn_if_adam_takes_the_dion3_lr,
 )
 from .optimizer import MegatronDion3
@@ -58,6 +59,9 @@ def dion3_values(config=None) -> dict[str, Any]:
     for source in (config, args):
         if source is not None:
             refuse_renamed(source, "Megatron optimizer config")
+    for source, where in ((config, "Megatron optimizer config"), (args, "Megatron-LM args")):
+        if source is not None:
+            refuse_unknown_fields(source, where)
     values = {}
     for key, default in DION3_DEFAULTS.items():
         if config is not None and hasattr(config, key):
