@@ -16,14 +16,15 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from . import options
-from .frontend import announce_skipped_step, groups as grouping
+from .frontend import groups as grouping
 from .frontend.dtensor import check_placements, is_dtensor
-from .frontend.whole import RECORD, Fractions, WholeParameters
+from .frontend.lifecycle import Dion3FrontEnd, without_records
+from .frontend.whole import Fractions, WholeParameters
 from .kernels import config as kernel_config
 
 
 @options.documented(options.TORCH)
-class Dion3(torch.optim.Optimizer):
+class Dion3(Dion3FrontEnd):
     """Dion3: top-fraction row selection, Gram Newton-Schulz, NorMuon normalization, error feedback.
 
     Args:
@@ -49,14 +50,14 @@ class Dion3(torch.optim.Optimizer):
 {options}
     """
 
+    FRONT_END = options.TORCH
+
     def __init__(self, params: Iterable[Any], **settings: Any) -> None:
-        settings, params, defaults, split = grouping.prepare(type(self).__name__, options.TORCH, params, settings)
+        settings, params, defaults, _ = grouping.prepare(type(self).__name__, options.TORCH, params, settings)
         self.cuda_graph: bool = settings["cuda_graph"]
         self.kernels: Optional[str] = settings["kernels"]
         self.adamw_lr: float = settings["adamw_lr"]
-        self.skipped_steps = 0
         self._whole = WholeParameters(self.cuda_graph)
-        self._split_from_plain_list = split  # a plain parameter list makes two groups: the AdamW tensors at adamw_lr
         super().__init__(params, defaults)
         grouping.warn_without_matrices(type(self).__name__, self.param_groups)
 
@@ -86,45 +87,29 @@ class Dion3(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------------------
     # State.
 
-    def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        sd["skipped_steps"] = self.skipped_steps
-        # The automatic f chosen, per group: a resume keeps it, whatever the device measures then.
-        for saved, record in zip(sd["param_groups"], self._whole.group_records(self.param_groups)):
-            saved[RECORD] = record
-        return sd
+    def fraction_records(self) -> list[dict[str, float]]:
+        return self._whole.group_records(self.param_groups)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load everything or nothing: groups, the record of chosen fractions and every
-        parameter's state shapes are checked before anything is set.
+    def restore_fraction_records(self, records: list[dict[str, float]]) -> None:
+        self._whole.reset(records)
 
-        Unlike the base class this keeps state in fp32 whatever the parameters' dtype.
-        """
-        hint = ""
-        if len(state_dict["param_groups"]) == 1 and self._split_from_plain_list:
-            hint = (" (a plain parameter list makes two groups, matrices and the AdamW tensors, since "
-                    "adamw_lr; a checkpoint from before holds one: build the optimizer from "
-                    "[{'params': params}] to load it)")
-        saved_groups = [{k: v for k, v in saved.items() if k != RECORD} for saved in state_dict["param_groups"]]
-        grouping.check_saved_groups(saved_groups, self.param_groups, options.TORCH, lambda group: group["params"], hint)
-        chosen = self._whole.saved_record(state_dict, self.param_groups)
-        self.state = defaultdict(dict, grouping.loaded_state(state_dict, self.param_groups, grouping.param_state_shapes))
-        self._whole.reset(chosen)
-        for mine, saved in zip(self.param_groups, saved_groups):
+    def check_loadable(self, state_dict: dict[str, Any]) -> None:
+        grouping.check_saved_groups(without_records(state_dict["param_groups"]), self.param_groups, options.TORCH,
+                                    lambda group: group["params"])
+        grouping.check_state_shapes(state_dict, self.param_groups, grouping.param_state_shapes)
+
+    def load_checked(self, state_dict: dict[str, Any]) -> None:
+        """Unlike the base class this keeps state in fp32 whatever the parameters' dtype."""
+        self.state = defaultdict(dict, grouping.loaded_state(state_dict, self.param_groups))
+        for mine, saved in zip(self.param_groups, without_records(state_dict["param_groups"])):
             mine.update({k: v for k, v in saved.items() if k != "params"})
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
     # ----------------------------------------------------------------------------------------
     # The step.
-
-    def skip_step(self) -> None:
-        """Count and announce a step skipped for a non-finite gradient (nothing else changes)."""
-        self.skipped_steps += 1
-        announce_skipped_step(self.skipped_steps)
 
     @torch.no_grad()
     @kernel_config.scoped_step
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """One step of every parameter with a gradient. Everything that can be refused (sparse
         gradients, settings changed since construction) is checked before anything changes."""
-        return self._whole.optimizer_step(self.param_groups, self.state, options.TORCH, closure, self.skip_step)
+        return self._whole.optimizer_step(self.param_groups, self.state, options.TORCH, closure, self.gate_step)

@@ -164,7 +164,7 @@ def test_fractions_print_parameter_names_and_a_parameter_still_finds_its_f(monke
         assert list(resumed.fractions.values()) == [0.25, 0.125]
 
 
-def test_the_record_is_per_group_by_matrix_name_and_older_checkpoints_still_load(monkeypatch, step_time_only):
+def test_the_record_is_per_group_by_matrix_name_and_a_bad_one_is_refused(monkeypatch, step_time_only):
     monkeypatch.setattr(fractions, "measure", lambda device, dtype: LAUNCH_BOUND)  # would choose f = 1
     model = torch.nn.ModuleDict({"dense": torch.nn.Linear(96, 512, bias=False)})
     experts = torch.nn.Parameter(torch.randn(2, 1024, 64))
@@ -173,28 +173,24 @@ def test_the_record_is_per_group_by_matrix_name_and_older_checkpoints_still_load
     for _, p in params:
         p.grad = torch.randn_like(p)
     opt.step()
-    assert [g["fractions"] for g in opt.state_dict()["param_groups"]] == [
+    saved = opt.state_dict()
+    assert [g["fractions"] for g in saved["param_groups"]] == [
         {"dense.weight": 1.0, "experts.matrix0": 1.0, "experts.matrix1": 1.0}]
-    older = opt.state_dict()
-    older["param_groups"] = [{k: v for k, v in g.items() if k != "fractions"} for g in older["param_groups"]]
-    older["auto_fractions"] = {0: 0.25, 1: 0.125}  # by index in the packed state: dense, then experts
+    assert set(saved) == {"state", "param_groups", "skipped_steps"}  # the record lives in the groups alone
+    saved["param_groups"][0]["fractions"] = {"dense.weight": 0.25, "experts.matrix0": 0.125, "experts.matrix1": 0.125}
     resumed = Dion3(params, fraction="auto", ns_dtype=torch.float32)
-    resumed.load_state_dict(older)
+    resumed.load_state_dict(saved)
     resumed.step()
     assert dict(resumed.fractions) == {"dense.weight": 0.25, "experts": 0.125}
-    assert resumed.state_dict()["param_groups"][0]["fractions"] == {
-        "dense.weight": 0.25, "experts.matrix0": 0.125, "experts.matrix1": 0.125}
-    whole_checkpoint = {**{k: v for k, v in older.items() if k != "auto_fractions"},
-                        "fractions": {"dense.weight": 0.5, "experts.matrix0": 0.25, "experts.matrix1": 0.25}}
-    resumed = Dion3(params, fraction="auto", ns_dtype=torch.float32)
-    resumed.load_state_dict(whole_checkpoint)  # the record of whole checkpoints before groups kept it
-    resumed.step()
-    assert dict(resumed.fractions) == {"dense.weight": 0.5, "experts": 0.25}
-    for record, message in (({"auto_fractions": {5: 0.25}}, "5 names no matrix"),
-                            ({"fractions": {"dense.weight": 0.3}}, "dense.weight has fraction 0.3")):
-        bad = {**{k: v for k, v in older.items() if k != "auto_fractions"}, **record}
+    for record, message in (({"dense.weight": 0.3}, "param group 0: 'dense.weight' has fraction 0.3"),
+                            ({5: 0.25}, "param group 0: 5 has fraction 0.25"),
+                            ([0.25], "param group 0: 'fractions' must map matrix names to f")):
+        bad = {**saved, "param_groups": [{**saved["param_groups"][0], "fractions": record}]}
+        fresh = Dion3(params, fraction="auto", ns_dtype=torch.float32)
+        before = fresh.state_dict()
         with pytest.raises(ValueError, match=message):
-            Dion3(params, fraction="auto", ns_dtype=torch.float32).load_state_dict(bad)
+            fresh.load_state_dict(bad)
+        assert fresh.state_dict() == before  # refused whole: nothing loaded
 
 
 @pytest.mark.slow

@@ -138,11 +138,11 @@ def test_lrs_default_per_algorithm_and_a_groups_own_lr_wins():
     assert [g["lr"] for g in opt.param_groups] == [0.03, 0.001, 0.004]
     mixed = Dion3([{"params": [matrix, bias]}], lr=0.03)
     assert [g["lr"] for g in mixed.param_groups] == [0.03]
-    # A one-group checkpoint of a plain list (before the split) is refused, saying how to load it.
+    # A one-group checkpoint does not load into the two groups a plain list makes.
     for p in (matrix, bias):
         p.grad = torch.randn_like(p)
     mixed.step()
-    with pytest.raises(ValueError, match=r"1 param groups, the optimizer has 2 .*\[\{'params': params\}\]"):
+    with pytest.raises(ValueError, match=r"checkpoint has 1 param groups, the optimizer has 2$"):
         Dion3([matrix, bias]).load_state_dict(mixed.state_dict())
     Dion3([{"params": [matrix, bias]}]).load_state_dict(mixed.state_dict())
 

@@ -19,6 +19,7 @@ import torch
 from .. import options
 from ..engine.plan import fraction_record
 from ..frontend import announce_skipped_step, groups as grouping, usable_on_every_rank
+from ..frontend.lifecycle import decide_step, read_records, without_records, write_records
 from ..frontend.whole import Fractions, WholeParameters
 from ..kernels import config as kernel_config
 from . import zero
@@ -86,6 +87,12 @@ class DeepSpeedDion3(torch.optim.Optimizer):
         """Count and announce a step skipped for a non-finite gradient (nothing else changes)."""
         self.skipped_steps += 1
         announce_skipped_step(self.skipped_steps)
+
+    def _gate_step(self, check, device, collective: bool = True) -> bool:
+        if decide_step(check, device, collective=collective):
+            return True
+        self.skip_step()
+        return False
 
     # ----------------------------------------------------------------------------------------
 
@@ -171,7 +178,7 @@ class DeepSpeedDion3(torch.optim.Optimizer):
         sd = super().state_dict()
         sd["skipped_steps"] = self.skipped_steps
         if not self._under_zero():
-            sd["fractions"] = dict(self._whole.chosen)
+            write_records(sd, self._whole.group_records(self.param_groups))
             return sd
         built: dict[int, dict[str, float]] = {}
         for plan in self._zero_plans.values():
@@ -196,12 +203,15 @@ class DeepSpeedDion3(torch.optim.Optimizer):
         the record of older checkpoints, ``"zero_auto_fractions"``: ``{param group index: {"whole":
         [f per run of adjacent same-shape whole matrices, in slice order] or None, "pieces":
         {matrix name: f}}}``; a plan maps the runs to its whole matrices' names."""
-        grouping.check_saved_groups(state_dict["param_groups"], self.param_groups, options.DEEPSPEED, self._originals_of)
         if not self._under_zero():
-            chosen = self._whole.saved_record(state_dict, self.param_groups)
-            self._load(state_dict)
-            self._whole.reset(chosen)
+            records = read_records(state_dict)
+            grouping.check_saved_groups(without_records(state_dict["param_groups"]), self.param_groups,
+                                        options.DEEPSPEED, self._originals_of)
+            grouping.check_state_shapes(state_dict, self.param_groups, self._state_shapes)
+            self._load(without_records_in(state_dict))
+            self._whole.reset(records)
             return
+        grouping.check_saved_groups(state_dict["param_groups"], self.param_groups, options.DEEPSPEED, self._originals_of)
         saved: dict[int, tuple[dict[str, float], Optional[list[float]]]] = {}
         for gi, old in state_dict.get("zero_auto_fractions", {}).items():
             where = f"checkpoint zero_auto_fractions: param group {gi}"
@@ -221,7 +231,8 @@ class DeepSpeedDion3(torch.optim.Optimizer):
     def _load(self, state_dict: dict[str, Any]) -> None:
         """Every parameter's state and the groups' settings of a checkpoint whose groups, records and
         shapes were checked (all before anything is set)."""
-        self.state = defaultdict(dict, grouping.loaded_state(state_dict, self.param_groups, self._state_shapes))
+        grouping.check_state_shapes(state_dict, self.param_groups, self._state_shapes)
+        self.state = defaultdict(dict, grouping.loaded_state(state_dict, self.param_groups))
         for mine, saved in zip(self.param_groups, state_dict["param_groups"]):
             mine.update({k: v for k, v in saved.items() if k != "params"})
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
@@ -233,7 +244,7 @@ class DeepSpeedDion3(torch.optim.Optimizer):
         if not any(orig is not None for _, orig in zero_groups):
             zero.warn_if_tensor_parallel_without_zero()
             # ZeRO stage 0: the parameters whole, as the torch optimizer steps them
-            return self._whole.optimizer_step(self.param_groups, self.state, options.DEEPSPEED, closure, self.skip_step)
+            return self._whole.optimizer_step(self.param_groups, self.state, options.DEEPSPEED, closure, self._gate_step)
         if not all(orig is not None for _, orig in zero_groups):
             raise RuntimeError("Dion3: some param groups are ZeRO flat slices and some are not")
         for gi, (group, _) in enumerate(zero_groups):  # a setting changed since construction, before any step
@@ -268,3 +279,8 @@ def _split_partitioned(params: list) -> list:
     takes = [grouping.algorithm_of({"algorithm": None}, logical(t)) for t in tensors]
     groups = [{"params": [p for p, a in zip(params, takes) if a == name], "algorithm": name} for name in grouping.ALGORITHMS]
     return [g for g in groups if g["params"]]
+
+
+def without_records_in(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The state dict with its param groups' records left out (their settings alone)."""
+    return {**state_dict, "param_groups": without_records(state_dict["param_groups"])}

@@ -13,16 +13,21 @@ from ..core import rule
 
 
 def gradients_usable(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """A 0-d bool tensor on the tensors' device: every element of every tensor is finite and of
-    magnitude below :data:`rule.GRADIENT_LIMIT` (2**64), so the step stays finite throughout.
+    """A 0-d bool tensor (on the first tensor's device): every element of every tensor is finite and
+    of magnitude below :data:`rule.GRADIENT_LIMIT` (2**64), so the step stays finite throughout.
 
-    One multi-tensor max-abs reduction (NaN propagates through it, +-inf becomes inf) instead of
-    several kernels per tensor; the caller decides when to sync on the answer.
+    One multi-tensor max-abs reduction per device (NaN propagates through it, +-inf becomes inf)
+    instead of several kernels per tensor; the caller decides when to sync on the answer.
     """
-    tensors = [t for t in tensors if t.numel()]
-    if not tensors:
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        if t.numel():
+            by_device[t.device].append(t)
+    if not by_device:
         return torch.ones((), dtype=torch.bool)
-    return torch.stack([n.float() for n in torch._foreach_norm(tensors, float("inf"))]).max() < rule.GRADIENT_LIMIT
+    largest = [torch.stack([n.float() for n in torch._foreach_norm(same, float("inf"))]).max()
+               for same in by_device.values()]
+    return torch.stack([m.to(largest[0].device) for m in largest]).max() < rule.GRADIENT_LIMIT
 
 
 def usable_on_every_rank(tensors: list[torch.Tensor], device: torch.device, group=None) -> bool:
@@ -44,17 +49,3 @@ def announce_skipped_step(skipped_so_far: int, where: str = "") -> None:
         RuntimeWarning,
         stacklevel=4,
     )
-
-
-def usable_here(groups: list[dict]) -> bool:
-    """Every gradient of these param groups usable (:func:`gradients_usable`; one host sync per
-    device); ValueError for a sparse one, naming its group."""
-    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-    for gi, group in enumerate(groups):
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise ValueError(f"param group {gi}: Dion3 does not support sparse gradients")
-            by_device[p.grad.device].append(p.grad)
-    return all(bool(gradients_usable(same)) for same in by_device.values())

@@ -116,12 +116,10 @@ def check_saved_groups(saved: list[dict], groups: list[dict], front_end: str,
         check_group(f"param group {gi}", {**mine, **settings}, front_end, params_of(mine))
 
 
-def loaded_state(state_dict: dict[str, Any], groups: list[dict],
-                 shapes_of: Callable[[dict, torch.Tensor], list[dict[str, tuple]]]) -> dict[torch.Tensor, dict]:
-    """Every parameter's state from a checkpoint, its shapes checked against ``shapes_of(group,
-    p)`` for all parameters before any is returned; fp32 copies on the parameter's device (the
-    step count stays where it was)."""
-    loaded: dict[torch.Tensor, dict] = {}
+def check_state_shapes(state_dict: dict[str, Any], groups: list[dict],
+                       shapes_of: Callable[[dict, torch.Tensor], list[dict[str, tuple]]]) -> None:
+    """Every parameter's state in a checkpoint against ``shapes_of(group, p)``; ValueError naming the
+    group, the parameter and both shapes."""
     for gi, (mine, saved) in enumerate(zip(groups, state_dict["param_groups"])):
         for p, pid in zip(mine["params"], saved["params"]):
             entry = state_dict["state"].get(pid)
@@ -132,11 +130,16 @@ def loaded_state(state_dict: dict[str, Any], groups: list[dict],
             if got not in expected:
                 raise ValueError(f"param group {gi}, param {pid} (shape {tuple(p.shape)}): checkpoint state {got} "
                                  f"does not match the expected {' or '.join(map(str, expected))}")
-            loaded[p] = {k: v.detach().to(device=p.device if k != "step" else v.device, dtype=torch.float32)
-                         .clone(memory_format=torch.contiguous_format) for k, v in entry.items()}
+
+
+def loaded_state(state_dict: dict[str, Any], groups: list[dict]) -> dict[torch.Tensor, dict]:
+    """Every parameter's state from a checkpoint whose shapes :func:`check_state_shapes` accepted:
+    fp32 copies on the parameter's device (the step count stays where it was)."""
+    loaded: dict[torch.Tensor, dict] = {}
+    for mine, saved in zip(groups, state_dict["param_groups"]):
+        for p, pid in zip(mine["params"], saved["params"]):
+            entry = state_dict["state"].get(pid)
+            if entry is not None:
+                loaded[p] = {k: v.detach().to(device=p.device if k != "step" else v.device, dtype=torch.float32)
+                             .clone(memory_format=torch.contiguous_format) for k, v in entry.items()}
     return loaded
-
-
-def packed_order(groups: Iterable[dict]) -> list[torch.Tensor]:
-    """The parameters in a state dict's order (torch packs them group by group)."""
-    return [p for group in groups for p in group["params"]]

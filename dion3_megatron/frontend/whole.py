@@ -17,12 +17,8 @@ from ..core.ortho import default_ns_dtype
 from ..core.rule import Dion3Hyperparameters
 from ..engine import Dion3Engine, MatrixShard, Sharding, cuda_graph as cuda_graph_module, fractions, plan
 from .dtensor import choices_held_elsewhere, empty_state, is_dtensor, layout, local, param_shaped, per_row
-from .gate import usable_here, usable_on_every_rank
-from .groups import algorithm_of, check_group, hyperparameters, matrix_names, packed_order, param_names
+from .groups import algorithm_of, check_group, hyperparameters, matrix_names, param_names
 from .matrices import matrix_count, matrix_shape, matrix_values, matrix_view, stacked_view
-
-
-RECORD = "fractions"  # the key of a saved param group's record of the automatic f
 
 
 class Fractions(dict):
@@ -70,26 +66,16 @@ class WholeParameters:
 
     def group_records(self, groups: list[dict]) -> list[dict[str, float]]:
         """Per param group, the automatic f its matrices use here, by matrix name: the record a
-        checkpoint keeps in each saved group's ``"fractions"`` (``torch.distributed.checkpoint``
+        checkpoint keeps in each saved group (:data:`~.lifecycle.RECORD`; ``torch.distributed.checkpoint``
         keeps param groups, and loads each name into the group that holds it)."""
         names = param_names(groups)
         return [{m: self.chosen[m] for p in group["params"] for m in matrix_names(names[p], p) if m in self.chosen}
                 for group in groups]
 
-    @staticmethod
-    def saved_record(state_dict: dict[str, Any], groups: list[dict]) -> dict[str, float]:
-        """A checkpoint's record of the automatic f, checked (:func:`~dion3_megatron.engine.plan.fraction_record`):
-        its param groups' ``"fractions"``, else the older whole-checkpoint ``"fractions"`` by matrix
-        name or ``"auto_fractions"`` by parameter index."""
-        names = param_names(groups)
-        in_groups = [saved[RECORD] for saved in state_dict["param_groups"] if RECORD in saved]
-        record = {name: f for saved in in_groups for name, f in saved.items()} if in_groups else \
-            state_dict.get("fractions", state_dict.get("auto_fractions", {}))
-        return plan.fraction_record(record, "checkpoint fractions", [matrix_names(names[p], p) for p in packed_order(groups)])
-
-    def reset(self, chosen: dict[str, float]) -> None:
-        """After a checkpoint load: the record it held; the next step builds an engine on the loaded state."""
-        self.chosen, self.engine = chosen, None
+    def reset(self, records: list[dict[str, float]]) -> None:
+        """After a checkpoint load: the records it held (one per param group); the next step builds
+        an engine on the loaded state."""
+        self.chosen, self.engine = {name: f for record in records for name, f in record.items()}, None
 
     def agree_speeds(self, groups: list[dict]) -> None:
         """The speeds the automatic f is chosen by (:class:`~dion3_megatron.engine.fractions.AgreedSpeeds`).
@@ -109,27 +95,36 @@ class WholeParameters:
             self._speeds.of(device, dtype)
 
     def optimizer_step(self, groups: list[dict], state: dict, front_end: str, closure: Optional[Callable[[], float]],
-                       skip: Callable[[], None]) -> Optional[float]:
-        """A whole ``torch.optim.Optimizer.step``: the closure, the groups' settings checked, the
-        speeds agreed (at the first step, before a skip: the ranks agree together), then the
-        non-finite gate (``skip()`` and nothing else when it refuses) and the step."""
+                       gate: Callable[..., bool]) -> Optional[float]:
+        """A whole ``torch.optim.Optimizer.step``: the closure, then the step's one decision
+        (``gate(check, device, collective=...)``, :meth:`~.lifecycle.Dion3FrontEnd.gate_step`: every
+        group's settings and every gradient checked, the non-finite gate), the speeds agreed (at the
+        first step, skipped or not: the ranks agree together), and the step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for gi, group in enumerate(groups):
-            check_group(f"param group {gi}", group, front_end)
-        self.agree_speeds(groups)
         sharded = next((p for group in groups for p in group["params"] if is_dtensor(p)), None)
-        if sharded is not None:  # each rank sees its own rows' gradients: the ranks agree (the gate's all-reduce)
-            usable = usable_on_every_rank([local(p.grad) for group in groups for p in group["params"] if p.grad is not None],
-                                          sharded.device)
-        else:
-            usable = usable_here(groups)
-        if not usable:
-            skip()
-            return loss
-        self.step(groups, state)
+
+        def check() -> list[torch.Tensor]:
+            grads = []
+            for gi, group in enumerate(groups):
+                check_group(f"param group {gi}", group, front_end)
+                for p in group["params"]:
+                    if p.grad is not None:
+                        if p.grad.is_sparse:
+                            raise ValueError(f"param group {gi}: Dion3 does not support sparse gradients")
+                        grads.append(local(p.grad))
+            return grads
+
+        # Each rank holds its own rows of a DTensor's gradient: the ranks decide together. Whole
+        # parameters (one process, or DDP's identical replicas) decide alone.
+        device = sharded.device if sharded is not None else next(
+            (p.grad.device for group in groups for p in group["params"] if p.grad is not None), torch.device("cpu"))
+        usable = gate(check, device, collective=sharded is not None)
+        self.agree_speeds(groups)
+        if usable:
+            self.step(groups, state)
         return loss
 
     def step(self, groups: list[dict], state: dict) -> None:
