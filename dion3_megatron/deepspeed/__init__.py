@@ -29,7 +29,7 @@ from .optimizer import DeepSpeedDion3
 from .groups import engine_param_groups, param_groups
 from .conv1d import conv1d_as_linear
 
-__all__ = ["DeepSpeedDion3", "register", "normalize_params", "param_groups", "engine_param_groups",
+__all__ = ["DeepSpeedDion3", "register", "unregister", "normalize_params", "param_groups", "engine_param_groups",
            "conv1d_as_linear", "CONFIG_KEYS", "SUPPORTED_DEEPSPEED"]
 
 SUPPORTED_DEEPSPEED = (">=0.19", "<0.20")
@@ -67,6 +67,15 @@ def register() -> type:
     compat.apply_deepspeed()
     _REGISTERED = True
     return DeepSpeedDion3
+
+
+def unregister() -> None:
+    """Undo :func:`register`: every DeepSpeed and ``torch.optim`` attribute of
+    :data:`dion3_megatron.compat.DEEPSPEED` it replaced is the original again, every one it added
+    (``torch.optim.Dion3``, ZeRO's supported-optimizer entry) is gone."""
+    from .. import compat
+
+    compat.restore_deepspeed()
 
 
 def deepspeed_class(_current=None) -> type:

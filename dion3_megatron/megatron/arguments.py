@@ -26,6 +26,11 @@ OPTIMIZER_NAME = "dion3"
 OPTIONS = options.options_for(options.MEGATRON)
 
 
+def is_dion3(optimizer: Any) -> bool:
+    """Whether an ``OptimizerConfig.optimizer`` / ``--optimizer`` value selects Dion3."""
+    return isinstance(optimizer, str) and optimizer in (OPTIMIZER_NAME, "dist_" + OPTIMIZER_NAME)
+
+
 def config_field(name: str) -> str:
     """The ``OptimizerConfig`` / args attribute of an option."""
     return f"dion3_{name}"

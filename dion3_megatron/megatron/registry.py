@@ -36,6 +36,7 @@ from .arguments import (
     add_dion3_arguments,
     check_dion3_values,
     config_field,
+    is_dion3,
     refuse_renamed,
     refuse_unknown_fields,
     warn_if_adam_takes_the_dion3_lr,
@@ -107,10 +108,6 @@ def dion3_entry(current):
     )
 
 
-def _is_dion3(name: Any) -> bool:
-    return isinstance(name, str) and name in (OPTIMIZER_NAME, "dist_" + OPTIMIZER_NAME)
-
-
 def emerging_optimizer_factory(factory):
     """Megatron's ``_get_megatron_emerging_optimizer``; for Dion3, its own code with three of the
     names it reads bound for Dion3 (:func:`dion3_megatron.compat.rebound`): Megatron checks
@@ -124,7 +121,7 @@ def emerging_optimizer_factory(factory):
 
     @functools.wraps(factory)
     def build(config, *args, **kwargs):
-        if not _is_dion3(getattr(config, "optimizer", None)):
+        if not is_dion3(getattr(config, "optimizer", None)):
             return factory(config, *args, **kwargs)
         dion3_factory = compat.rebound(_FACTORY, factory, {
             "HAVE_EMERGING_OPTIMIZERS": True,
@@ -155,7 +152,7 @@ def optimizer_config_from_args(get_config):
         config, overrides = get_config(args)
         for key, default in DION3_DEFAULTS.items():
             setattr(config, key, getattr(args, key, getattr(config, key, default)))
-        if _is_dion3(config.optimizer):
+        if is_dion3(config.optimizer):
             warn_if_adam_takes_the_dion3_lr(args)
         return config, overrides
 
@@ -169,7 +166,7 @@ def layer_wise_dion3_run() -> bool:
     from megatron.training import global_vars
 
     args = getattr(global_vars, "_GLOBAL_ARGS", None)
-    return (args is not None and _is_dion3(getattr(args, "optimizer", None))
+    return (args is not None and is_dion3(getattr(args, "optimizer", None))
             and bool(getattr(args, "use_layer_wise_distributed_optimizer", False))
             and bool(getattr(args, "use_layer_wise_param_layout", True)))
 
@@ -227,6 +224,12 @@ def register(*, launcher: bool = False) -> bool:
     importable), False when only Megatron-Core was.
     """
     return compat.apply_megatron(launcher=launcher)["megatron.training.arguments:add_megatron_arguments"]
+
+
+def unregister() -> None:
+    """Undo :func:`register`: every attribute of :data:`dion3_megatron.compat.MEGATRON` it replaced is
+    Megatron's own again, every one it added is gone (``optimizer='dion3'`` no longer builds)."""
+    compat.restore_megatron()
 
 
 def is_registered() -> bool:
