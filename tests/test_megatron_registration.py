@@ -262,8 +262,8 @@ _PATCHED_CHECK = textwrap.dedent(
     # Registration applied the no-apex/TE fixes too.
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from dion3_megatron.megatron import multi_tensor, torch_adam
-    assert clip_grads.l2_norm_impl is multi_tensor.foreach_l2_norm, clip_grads.l2_norm_impl
+    from dion3_megatron.megatron import torch_adam
+    assert compat.is_patched(clip_grads.l2_norm_impl), clip_grads.l2_norm_impl
     assert compat.is_patched(DistributedOptimizer.state_dict) == torch_adam.megatron_adam_is_torch()
 
     # pretrain()'s model-config path wraps a Dion3 run's model in the layer-wise layout.
