@@ -19,7 +19,8 @@ registration:
    ``--optimizer dion3 --use-distributed-optimizer`` whichever way the script hands it the model.
 
 Without apex or Transformer Engine it also applies :mod:`.torch_adam` (torch AdamW's resume) and
-:mod:`.multi_tensor` (foreach gradient norm, clipping and copies).
+:mod:`.multi_tensor` (foreach gradient norm, clipping and copies), both for Dion3 runs only.
+:func:`unregister` restores every original.
 """
 
 from __future__ import annotations
