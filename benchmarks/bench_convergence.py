@@ -1,6 +1,6 @@
 """Convergence benchmark: Dion3 against Muon, NorMuon and AdamW on a byte-level GPT.
 
-The protocol (benchmarks/results/measurement-log.md, "Convergence"): a corpus of the installation's own source code
+The protocol: a corpus of the installation's own source code
 that is never repeated within a run (benchmarks/convergence_corpus.py, its SHA-256 recorded), two
 model sizes (``--size small``: 10.6M block-matrix parameters; ``--size medium``: 48.3M), at least
 ``--tokens-per-param`` (10) tokens per parameter, the same initial weights per seed, the same data
@@ -88,7 +88,7 @@ SIZES = {
     # pair three seeds or more.
     "proxy": dict(layers=2, hidden=128, heads=4, ffn=352, seq=64, batch=32),
 }
-TARGETS = {0.25: 0.01, 0.125: 0.02}  # Dion3 f: allowed final validation loss above Muon's (mean of seeds)
+MARGINS = {0.25: 0.01, 0.125: 0.02}  # Dion3 f: the final validation loss above Muon's (mean of seeds) it reports within
 
 
 # ------------------------------------------------------------------------------------------------
@@ -572,24 +572,24 @@ def format_tables(result: dict) -> str:
 
 
 def _verdict(met: bool, best: dict, muon: dict) -> str:
-    """The targets are on means of two seeds: fewer make a verdict provisional."""
+    """The comparisons are on means of two seeds: fewer make a verdict provisional."""
     seeds = min(len(best["finals"]), len(muon["finals"]))
-    return ("MET" if met else "MISSED") + ("" if seeds >= 2 else f" (provisional: {seeds} seed)")
+    return ("yes" if met else "no") + ("" if seeds >= 2 else f" (provisional: {seeds} seed)")
 
 
 def verdicts(summary: dict[str, dict]) -> list[str]:
     muon = summary.get("muon")
     if not muon:
-        return ["no Muon run: no targets checked"]
+        return ["no Muon run: nothing compared with Muon"]
     out = []
-    for f, allowed in TARGETS.items():
+    for f, allowed in MARGINS.items():
         fams = [s for fam, s in summary.items() if fam.startswith(f"dion3:f={f}")]
         if not fams:
             continue
         best = min(fams, key=lambda s: s["final"])
         gap = best["final"] - muon["final"]
         speed = muon["opt_ms"] / best["opt_ms"]
-        out.append(f"target f={fraction_text(f)} within {allowed} of Muon: {_verdict(gap <= allowed, best, muon)} "
+        out.append(f"f={fraction_text(f)} within {allowed} of Muon: {_verdict(gap <= allowed, best, muon)} "
                    f"({best['label']}: {best['final']:.4f} vs {muon['final']:.4f}, {gap:+.4f}; seeds "
                    f"{len(best['finals'])}/{len(muon['finals'])}; optimizer "
                    + (f"{speed:.2f}x less time than Muon's)" if math.isfinite(speed) else "time not measured alone)"))
@@ -597,7 +597,7 @@ def verdicts(summary: dict[str, dict]) -> list[str]:
     if autos:
         best = min(autos, key=lambda s: s["final"])
         gap = best["final"] - muon["final"]
-        out.append(f"target auto at or below Muon: {_verdict(gap <= 0, best, muon)} ({best['label']}: "
+        out.append(f"auto at or below Muon: {_verdict(gap <= 0, best, muon)} ({best['label']}: "
                    f"{best['final']:.4f}, {gap:+.4f})")
     return out
 

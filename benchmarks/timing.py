@@ -36,7 +36,7 @@ def cuda_median_ms_interleaved(fns: dict[str, Callable[[int], object]], n_sets: 
     """:func:`cuda_median_ms` of several variants, their timed runs interleaved (rep 1 of each,
     then rep 2 of each, ..., the order rotated every rep) so that a drift of the unlocked clocks
     reaches every variant alike: timed one after another, two variants running the same kernels
-    differed by up to 9% (H200, benchmarks/results/measurement-log.md). Returns name -> median ms per call."""
+    differed by up to 9% on an H200. Returns name -> median ms per call."""
     if graph:
         fns = {name: graph_replays(fn, n_sets) for name, fn in fns.items()}
     for fn in fns.values():

@@ -107,6 +107,7 @@ class Dion3(Dion3FrontEnd):
     # ----------------------------------------------------------------------------------------
     # The step.
 
+    @torch._dynamo.disable  # torch.compile runs the step eagerly: its in-place updates of views do not trace
     @torch.no_grad()
     @kernel_config.scoped_step
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:

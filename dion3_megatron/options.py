@@ -14,8 +14,9 @@ The front ends are derived from :data:`OPTIONS`:
   fills in these defaults.
 
 tests/test_options.py checks that every front end carries exactly its options with these
-defaults and ranges. To add an option: declare it here, use it in the rule (or the front end that
-owns it), and extend that test where the new option needs a value of its own.
+defaults and ranges; tools/configuration_md.py renders them as docs/configuration.md. To add an
+option: declare it here, use it in the rule (or the front end that owns it), and extend that test
+where the new option needs a value of its own.
 """
 
 from __future__ import annotations
@@ -26,16 +27,16 @@ import inspect
 import math
 import textwrap
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import torch
 
+from .core.ortho import NS_DTYPES
 from .core.rule import ADJUST_LR_CHOICES, Dion3Hyperparameters
 from .kernels.config import KERNELS
 
 AUTO = "auto"
 NS_METHODS = ("gram", "standard")
-NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 TORCH, MEGATRON, DEEPSPEED = "torch", "megatron", "deepspeed"
 FRONT_ENDS = (TORCH, MEGATRON, DEEPSPEED)
@@ -43,20 +44,26 @@ _EVERYWHERE = frozenset(FRONT_ENDS)
 _NOT_MEGATRON = frozenset((TORCH, DEEPSPEED))  # Megatron passes its own lr, weight decay and param groups
 
 # The kinds of value an option takes (each has one check and one description).
-REAL = "real"  # a finite int or float in [low, high] (either end open, either end unbounded)
+REAL = "real"  # a finite int or float in [low, high] (either end open, either end unbounded); with
+# ``tensor``, a 0-d floating tensor of one too (torch's optimizers take a tensor lr)
 FRACTION = "fraction"  # a REAL or "auto"
 BOOL = "bool"
 CHOICE = "choice"  # one of ``choices``
 HEADS = "heads"  # None or a positive int
-DTYPE = "dtype"  # None or one of NS_DTYPES' values
+DTYPE = "dtype"  # None, or one of NS_DTYPES by name or as its torch.dtype
 BETAS = "betas"  # two REALs in [0, 1)
 _ANNOTATIONS = {REAL: float, FRACTION: "float | str", BOOL: bool, CHOICE: str, HEADS: Optional[int],
-                DTYPE: Optional[torch.dtype], BETAS: tuple[float, float]}
+                DTYPE: Optional[Union[torch.dtype, str]], BETAS: tuple[float, float]}
 
 
 def is_real(value: Any) -> bool:
     """A finite int or float, not a bool (True would pass for 1 and reach the math as one)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_number_tensor(value: Any) -> bool:
+    """A 0-d floating tensor: how torch's optimizers also take an lr."""
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
 
 
 def is_fraction_value(value: Any) -> bool:
@@ -79,11 +86,14 @@ class Option:
     low_open: bool = False
     high_open: bool = False
     choices: tuple[str, ...] = ()
+    tensor: bool = False  # REAL: a 0-d floating tensor holding the number is taken too
     hyperparameter: bool = True  # a field of rule.Dion3Hyperparameters
     group_key: bool = True  # carried by each param group (else one value per optimizer)
 
     @property
     def annotation(self) -> Any:
+        if self.tensor:
+            return Union[float, torch.Tensor]
         if self.default is None and self.kind in (REAL, CHOICE):
             return Optional[_ANNOTATIONS[self.kind]]
         return _ANNOTATIONS[self.kind]
@@ -110,7 +120,7 @@ class Option:
     def allowed(self) -> str:
         """What the option accepts, in the words of every error message."""
         if self.kind == REAL:
-            return self.number_text()
+            return self.number_text() + (", or a 0-d floating tensor holding one" if self.tensor else "")
         if self.kind == FRACTION:
             return f"{self.range_text()} or {AUTO!r}"
         if self.kind == BOOL:
@@ -120,7 +130,7 @@ class Option:
         if self.kind == HEADS:
             return "None or a positive int"
         if self.kind == DTYPE:
-            return f"None or one of {list(NS_DTYPES)}"
+            return f"None, or one of {tuple(NS_DTYPES)} by name or as a torch.dtype"
         if self.kind == BETAS:
             return "two values in [0, 1)"
         raise AssertionError(f"unknown option kind {self.kind!r}")
@@ -146,6 +156,8 @@ class Option:
         if value is None and self.default is None:
             return True  # not set
         if self.kind == REAL:
+            if self.tensor and is_number_tensor(value):
+                value = value.item()
             return is_real(value) and self.in_range(value)
         if self.kind == FRACTION:
             return value == AUTO if isinstance(value, str) else is_real(value) and self.in_range(value)
@@ -156,7 +168,7 @@ class Option:
         if self.kind == HEADS:
             return value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
         if self.kind == DTYPE:
-            return value is None or value in NS_DTYPES.values()
+            return value is None or value in NS_DTYPES.values() or isinstance(value, str) and value in NS_DTYPES
         if self.kind == BETAS:
             return isinstance(value, (tuple, list)) and len(value) == 2 and all(is_real(b) and 0 <= b < 1 for b in value)
         raise AssertionError(f"unknown option kind {self.kind!r}")
@@ -166,14 +178,14 @@ _UNIT = dict(low=0.0, high=1.0, high_open=True)  # [0, 1)
 _OPTIMIZER_WIDE = dict(hyperparameter=False, group_key=False)
 
 OPTIONS: tuple[Option, ...] = (
-    # The convergence protocol's best Dion3 lr was 0.01 at f = 1 at both sizes; with
+    # 0.01 is Dion3's best lr at f = 1 on the GPTs the defaults are tuned on; with
     # scale_lr_by_fraction every other f then steps at its own best (0.02-0.04 at f = 1/4). AdamW on
     # embeddings at such an lr makes the loss spike, hence adamw_lr of its own.
     Option("lr", REAL, 0.01, "learning rate of the Dion3 matrices at f = 1 (see scale_lr_by_fraction; also the "
-           "lr of the AdamW tensors of a group that mixes both)", front_ends=_NOT_MEGATRON, low=0.0),
+           "lr of the AdamW tensors of a group that mixes both)", front_ends=_NOT_MEGATRON, low=0.0, tensor=True),
     Option("adamw_lr", REAL, 0.002, "learning rate of the AdamW groups (algorithm 'adamw'; under DeepSpeed also "
            "the < 2-D tensors of a plain parameter list) that set none of their own, > 0",
-           front_ends=_NOT_MEGATRON, low=0.0, low_open=True, **_OPTIMIZER_WIDE),
+           front_ends=_NOT_MEGATRON, low=0.0, low_open=True, tensor=True, **_OPTIMIZER_WIDE),
     Option("fraction", FRACTION, AUTO, "share of each matrix's rows updated per step, in (0, 1] (paper: 1/4 or "
            "1/8), or 'auto': chosen per matrix from its shape, the world size and the device's speed",
            low=0.0, high=1.0, low_open=True),
@@ -215,17 +227,6 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
-
-# Old spellings of published interfaces: old name -> new name. Megatron's flag and config field
-# were --dion3-ns / dion3_ns before every front end called the option ns_method; the Megatron
-# front end refuses the old spelling with an error naming the new one (rename_error).
-RENAMED = {"ns": "ns_method"}
-
-# Options that were tried and removed, with the value that made each a no-op: a checkpoint whose
-# param groups hold another value was trained by a rule this version no longer has.
-# row_step_as_full lost in the convergence protocol (benchmarks/results/measurement-log.md).
-RETIRED = {"row_step_as_full": False}
-
 
 # Names carried over from other optimizers, with what Dion3 calls them: the unknown-name error of
 # every front end (keyword argument, DeepSpeed config key) gives the hint. A name that is an option
@@ -272,8 +273,10 @@ def hyperparameter_names() -> tuple[str, ...]:
 def hyperparameters(**overrides: Any) -> Dion3Hyperparameters:
     """The rule's settings: the defaults of the options that are its fields, updated with
     ``overrides`` (ValueError for a name that is not one). Values are not checked here (see
-    :func:`check`); ``fraction="auto"`` becomes ``fraction=None``, which the engine's plan resolves
-    to a number (:func:`dion3_megatron.engine.plan.resolve_fractions`)."""
+    :func:`check`). Values become what the rule computes with: ``fraction="auto"`` becomes
+    ``fraction=None``, which the engine's plan resolves to a number
+    (:func:`dion3_megatron.engine.plan.resolve_fractions`); an ``ns_dtype`` name its torch.dtype; a
+    tensor lr its number."""
     names = hyperparameter_names()
     for name in overrides:
         if name not in names:
@@ -282,6 +285,10 @@ def hyperparameters(**overrides: Any) -> Dion3Hyperparameters:
     values = {**{name: BY_NAME[name].default for name in names}, **overrides}
     if values["fraction"] == AUTO:
         values["fraction"] = None
+    if isinstance(values["ns_dtype"], str):
+        values["ns_dtype"] = NS_DTYPES[values["ns_dtype"]]
+    if is_number_tensor(values["lr"]):
+        values["lr"] = values["lr"].item()
     return Dion3Hyperparameters(**values)
 
 
@@ -341,175 +348,7 @@ def check(where: str, prefix: str = "", **values: Any) -> None:
                          f"{prefix}scale_mu_by_fraction off")
 
 
-def check_retired(where: str, group: dict[str, Any]) -> None:
-    """Refuse a checkpoint's param group that switched on an option this version removed."""
-    for name, inert in RETIRED.items():
-        if name in group and group[name] != inert:
-            raise ValueError(f"{where}: {name}={group[name]!r} was removed (it did not improve the loss in "
-                             f"the convergence study); this version steps only as {name}={inert!r} did")
-
-
-def rename_error(where: str, old: str, spell=lambda name: name) -> ValueError:
-    """The error for an old option name: ``spell`` writes a name as the front end does."""
-    return ValueError(f"{where}: {spell(old)} was renamed {spell(RENAMED[old])}")
-
-
 def check_num_heads(where: str, num_heads: Optional[int], n_rows: int, what: str) -> None:
     """Per-head selection views a matrix's rows as heads x head_dim: num_heads must divide them."""
     if num_heads is not None and n_rows % num_heads:
         raise ValueError(f"{where}: num_heads={num_heads} does not divide the {n_rows} rows of {what}")
-
-
-# ------------------------------------------------------------------------------------------------
-# The option reference, docs/configuration.md: written by tools/configuration_md.py; the tests
-# (tests/test_configuration_doc.py) check that the page is current and that every spelling it
-# gives is what the front ends take.
-
-REFERENCE_COMMAND = "python tools/configuration_md.py"
-
-# Options Megatron takes through its own flags rather than a --dion3-* one (with Megatron's defaults).
-_MEGATRON_OWN = {
-    "lr": "Megatron's own `--lr`",
-    "weight_decay": "Megatron's own `--weight-decay`",
-    "adamw_lr": "Megatron's Adam: `--decoupled-lr` (embeddings, output layer), else `--lr`",
-    "betas": "Megatron's Adam: `--adam-beta1`, `--adam-beta2`",
-}
-
-# What a kernel configuration field's value set by an environment variable does.
-_KERNEL_EFFECTS = {
-    ("kernels", "torch"): "plain torch for every matrix product of the step, and no Triton row kernels",
-    ("fused_rows", False): "no Triton row kernels (the symmetric-GEMM kernels still run where they pay)",
-}
-
-
-def _cell(text: str) -> str:
-    """Text for a Markdown table cell: no pipes, no emphasis from ``**``."""
-    return text.replace("|", "\\|").replace("*", "\\*")
-
-
-def _values(option: Option) -> str:
-    """What an option takes; an unset number (None, the default) too."""
-    unset = "None or " if option.default is None and option.kind == REAL else ""
-    return unset + option.allowed()
-
-
-def _json_value(value: Any) -> Any:
-    """A default as a DeepSpeed JSON config writes it."""
-    if isinstance(value, tuple):
-        return list(value)
-    return value
-
-
-def _torch_cell(option: Option) -> str:
-    if TORCH not in option.front_ends:
-        return "—"
-    where = "param-group key" if option.group_key else "one per optimizer"
-    dtype = " (a `torch.dtype`)" if option.kind == DTYPE else ""
-    return f"`{option.name}=`{dtype}, {where}"
-
-
-def _megatron_cell(option: Option) -> str:
-    if MEGATRON not in option.front_ends:
-        return _MEGATRON_OWN.get(option.name, "—")
-    # arguments.flag(): a bool that defaults to True is switched off by --dion3-no-<name>.
-    switch = ""
-    negated = option.kind == BOOL and option.default is True
-    if option.kind == BOOL:
-        switch = " (sets False)" if negated else " (sets True)"
-    flag = f"--dion3-{'no-' if negated else ''}{option.name.replace('_', '-')}"
-    return f"`{flag}`{switch}, `dion3_{option.name}`"
-
-
-def _deepspeed_cell(option: Option) -> str:
-    if DEEPSPEED not in option.front_ends:
-        return "—"
-    import json
-
-    text = f"`{json.dumps(option.name)}: {json.dumps(_json_value(option.default))}`"
-    if option.kind == DTYPE:
-        text += f" or a name, e.g. `{json.dumps(next(iter(NS_DTYPES)))}`"
-    return text
-
-
-def _kernel_environment() -> list[tuple[str, str, str]]:
-    """(variable, value, effect) for each environment variable kernels.config.from_environment
-    reads: the variables found in its source, the effect by calling it with each set to "0"."""
-    import ast
-    import dataclasses
-    import os
-    from unittest import mock
-
-    from .kernels import config as kernel_config
-
-    tree = ast.parse(textwrap.dedent(inspect.getsource(kernel_config.from_environment)))
-    names = [node.args[0].value for node in ast.walk(tree) if isinstance(node, ast.Call)
-             and ast.unparse(node.func) == "os.environ.get" and isinstance(node.args[0], ast.Constant)]
-
-    def read(**values: str) -> dict[str, Any]:
-        with mock.patch.dict(os.environ):  # restored on exit
-            for name in names:
-                os.environ.pop(name, None)
-            os.environ.update(values)
-            return dataclasses.asdict(kernel_config.from_environment())
-
-    default = read()
-    rows = []
-    for name in names:
-        effects = []
-        for field, value in read(**{name: "0"}).items():
-            if value != default[field]:
-                if (field, value) not in _KERNEL_EFFECTS:
-                    raise KeyError(f"{name}=0 sets {field}={value!r}: describe it in options._KERNEL_EFFECTS")
-                effects.append(f"`{field}={value!r}` (else {default[field]!r}): {_KERNEL_EFFECTS[field, value]}")
-        rows.append((name, "0", "; ".join(effects)))
-    return rows
-
-
-def markdown_reference() -> str:
-    """docs/configuration.md: every option (default, values, its spelling in each front end, help)
-    and the kernels' environment variables."""
-    lines = [
-        f"<!-- Generated from dion3_megatron/options.py by `{REFERENCE_COMMAND}`: edit the spec, not this page. -->",
-        "",
-        "# Configuration",
-        "",
-        "Every Dion3 option, with its default, the values it takes and how each front end spells it. One",
-        "spec declares them all (`dion3_megatron/options.py`), and each front end takes its options,",
-        "defaults and checks from it.",
-        "",
-        "- **PyTorch**: keyword arguments, `Dion3(params, fraction=0.25)`. A param-group key may also be",
-        '  set per param group (`{"params": [...], "fraction": 0.5}`); the others hold for the whole optimizer.',
-        "- **Megatron** (`--optimizer dion3`): the flag `--dion3-<name>` (for a bool that is on by default,",
-        "  `--dion3-no-<name>`), or the attribute `dion3_<name>` of Megatron's `OptimizerConfig`;",
-        "  `MegatronDion3` takes the same names as keyword arguments. Megatron's own `--lr` and",
-        "  `--weight-decay` set the matrices' learning rate and weight decay, and Megatron's Adam, with its",
-        "  own flags and defaults, steps the embeddings, the output layer, norms and biases.",
-        '- **DeepSpeed**: keys of `"optimizer": {"type": "Dion3", "params": {...}}`, in JSON: `null` for',
-        "  None, a list for a tuple, a dtype by its name.",
-        "",
-        "A value outside the column \"values\" stops with an error that names the option, the value and what",
-        "the option takes.",
-        "",
-        "## Options",
-        "",
-        "| option | default | values | PyTorch | Megatron flag, config field | DeepSpeed `\"params\"` | meaning |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for o in OPTIONS:
-        meaning = f"{o.help[0].upper()}{o.help[1:]}."
-        lines.append(f"| `{o.name}` | `{o.default!r}` | {_cell(_values(o))} | {_torch_cell(o)} | "
-                     f"{_megatron_cell(o)} | {_deepspeed_cell(o)} | {_cell(meaning)} |")
-    lines += [
-        "",
-        "## Kernel environment variables",
-        "",
-        "Defaults for the process's kernel configuration, read at each step of an optimizer whose `kernels`",
-        "option is None, unless `dion3_megatron.kernels.configure()` set a configuration; an optimizer's",
-        "`kernels` option other than None overrides them for its steps.",
-        "",
-        "| variable | value | effect (unset or any other value: the default) |",
-        "|---|---|---|",
-    ]
-    for name, value, effect in _kernel_environment():
-        lines.append(f"| `{name}` | `{value}` | {_cell(effect)} |")
-    return "\n".join(lines) + "\n"

@@ -160,7 +160,7 @@ def test_smoke_run_merge_and_plot(tmp_path, capsys, source_tree):
     assert len({r["val_loss"][0][1] for r in runs.values()}) == 1
     assert len({r["first_train_loss"] for r in runs.values()}) == 1
     assert (tmp_path / "conv.png").stat().st_size > 10_000
-    for text in ("best lr per family", "Dion3 f=1/4, f=1 for 25% of steps, mu 0.6, staleness 1", "Muon", "target f=1/4"):
+    for text in ("best lr per family", "Dion3 f=1/4, f=1 for 25% of steps, mu 0.6, staleness 1", "Muon", "f=1/4 within"):
         assert text in printed
     # A second invocation with --merge runs only what is new and keeps everything.
     again = bench.main(TINY + source_tree + ["--json", str(tmp_path / "more.json"), "--merge", str(out),

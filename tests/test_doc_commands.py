@@ -39,11 +39,15 @@ MARKS = ("cpu", "gpu", "install", "tests", "snippet")
 MARK_LINE = re.compile(r"^<!-- command: ([a-z]+) -->$")
 SHELL, PYTHON, NOT_COMMANDS = {"bash", "sh", "shell"}, {"python"}, {"text", "json"}
 ALLOWED = {"cpu": SHELL | PYTHON, "gpu": SHELL, "install": SHELL, "tests": SHELL, "snippet": PYTHON}
+# Where the docs link this repository's files outside docs/ (README.md is a package's long
+# description, and the docs site holds docs/ alone): such a link must name a file that exists here.
+REPOSITORY_URL = "https://github.com/dion3-megatron/dion3-megatron/"
 # Paths a command may name that are the reader's, not this repository's.
 EXTERNAL = ("Megatron-LM/", "DeepSpeed")
 # Words about how the project was developed; none belongs in the user docs.
 HISTORY = re.compile(r"session|issue [0-9]|issue #|parked|reverted|(?-i:DESIGN\.md)|\.carry|shared/tools|twenty|thirty|"
-                     r"\bcommit [0-9a-f]{7}|`[0-9a-f]{7}`", re.I)
+                     r"\bcommit [0-9a-f]{7}|`[0-9a-f]{7}`|not re-measured|that version|tried and|was the target|"
+                     r"measurement-log|earlier day|the main job", re.I)
 
 
 @dataclass(frozen=True)
@@ -253,10 +257,11 @@ def link_problems(path: pathlib.Path, text: str | None = None) -> list[str]:
     text = path.read_text(encoding="utf-8") if text is None else text
     problems = []
     for target in re.findall(r"\]\(([^)\s]+)\)", outside_fences(text)):
-        if re.match(r"[a-z]+:", target):
+        in_repository = re.match(re.escape(REPOSITORY_URL) + r"(?:blob|tree)/main/(.*)", target)
+        if re.match(r"[a-z]+:", target) and not in_repository:
             continue
-        file, _, anchor = target.partition("#")
-        resolved = (path.parent / file).resolve() if file else path
+        file, _, anchor = (in_repository.group(1) if in_repository else target).partition("#")
+        resolved = (ROOT / file if in_repository else path.parent / file).resolve() if file else path
         if not resolved.exists():
             problems.append(f"{path.name}: link to {target}: no such file")
         elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
@@ -287,8 +292,9 @@ def section(path: pathlib.Path, anchor: str) -> str:
 
 
 def cited_results(section_text: str) -> list[pathlib.Path]:
-    return [ROOT / "benchmarks" / "results" / name
-            for name in re.findall(r"\(\.\./benchmarks/results/([\w.-]+\.json)\)", section_text)]
+    return [ROOT / "benchmarks" / "results" / name for name in
+            re.findall(r"\((?:\.\./|" + re.escape(REPOSITORY_URL) + r"blob/main/)benchmarks/results/([\w.-]+\.json)\)",
+                       section_text)]
 
 
 def figure_problems(md: pathlib.Path, text: str | None = None) -> list[str]:
@@ -412,14 +418,17 @@ def test_json_blocks_parse_and_a_dion3_block_uses_dion3_keys():
 def test_links_resolve():
     problems = [p for path in DOCS for p in link_problems(path)]
     assert not problems, "\n".join(problems)
-    broken = "[a](docs/nothing.md) [b](docs/tuning.md#no-such-heading) [c](https://example.com)"
-    assert len(link_problems(ROOT / "README.md", broken)) == 2
+    broken = (f"[a](docs/nothing.md) [b](docs/tuning.md#no-such-heading) [c](https://example.com) "
+              f"[d]({REPOSITORY_URL}blob/main/docs/nothing.md) [e]({REPOSITORY_URL}blob/main/docs/tuning.md#no-such-heading) "
+              f"[f]({REPOSITORY_URL}blob/main/docs/tuning.md#learning-rate)")
+    assert len(link_problems(ROOT / "README.md", broken)) == 4
 
 
 def test_the_docs_do_not_describe_how_the_project_was_developed():
     problems = [p for path in DOCS for p in history_problems(path)]
     assert not problems, "\n".join(problems)
     assert len(history_problems(ROOT / "README.md", "in the twelfth session\nparked as `c334710`\nfine")) == 2
+    assert len(history_problems(ROOT / "README.md", "This is the main job\nnot re-measured since\nmeasured")) == 2
 
 
 def test_the_tables_figures_are_in_the_results_they_cite():

@@ -268,7 +268,8 @@ def test_a_checkpoint_keeps_the_automatic_fractions_chosen(two_ranks):
 
 def _refusals(world: int) -> list[str]:
     """Placements the engine does not take: refused when the optimizer is given them, naming the
-    parameter; a gradient placed unlike its parameter: at the step, with nothing changed."""
+    parameter; a gradient placed unlike its parameter, and a piece unlike its placements: at the
+    step, with nothing changed."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -296,17 +297,27 @@ def _refusals(world: int) -> list[str]:
     with pytest.raises(ValueError) as error:
         opt.step()
     assert torch.equal(weight.detach().to_local(), before) and not opt.state[weight]
+    messages.append(str(error.value))
+    short = torch.nn.Parameter(DTensor.from_local(torch.randn(3, 4, generator=gen), mesh, [Shard(0)], run_check=False,
+                                                  shape=(4 * world, 4), stride=(4, 1)))  # 3 of its 4 rows
+    short.grad = DTensor.from_local(torch.randn(3, 4, generator=gen), mesh, [Shard(0)], run_check=False,
+                                    shape=(4 * world, 4), stride=(4, 1))
+    opt = Dion3([("short piece", short)], ns_dtype=torch.float32)
+    with pytest.raises(ValueError) as error:
+        opt.step()
+    assert not opt.state[short]
     return messages + [str(error.value)]
 
 
 def test_placements_the_engine_does_not_take_are_refused_naming_the_parameter(two_ranks):
-    for partial, conv, experts, strided, grad in (out["refused"] for out in two_ranks):
+    for partial, conv, experts, strided, grad, short in (out["refused"] for out in two_ranks):
         assert partial.startswith("partial: Dion3 takes DTensor parameters placed by Shard") and "Partial" in partial
         assert conv.startswith("conv: Dion3 takes 2-D DTensor matrices and 3-D ones sharded by experts"), conv
         assert experts.startswith("expert rows: Dion3 takes 3-D DTensor parameters (experts) sharded by experts"), experts
         assert "Shard(dim=1)" in experts
         assert strided.startswith("strided rows: dimension 0 is cut into pieces that are not contiguous"), strided
         assert grad.startswith("replicated grad: its gradient is placed (Replicate(),), not like the parameter"), grad
+        assert short.startswith("short piece: this rank holds (3, 4), not the (4, 4) its placements give"), short
 
 
 def test_the_fsdp2_example_trains_with_tensor_parallelism_on_two_cpu_processes():
@@ -320,3 +331,94 @@ def test_the_fsdp2_example_trains_with_tensor_parallelism_on_two_cpu_processes()
     assert len(losses) == 2 and losses[1] < losses[0] - 1.0, run.stdout
     assert "tensor parallelism 2 inside FSDP2 over 1 ranks" in run.stdout, run.stdout
     assert "skipped steps 0" in run.stdout and "fraction=auto chose (shape: f) 128x128: " in run.stdout, run.stdout
+
+
+def _held(model: torch.nn.Module, opt) -> dict[str, torch.Tensor]:
+    """Copies of every tensor this rank holds of the weights and the optimizer's state."""
+    from dion3_megatron.frontend.dtensor import local
+
+    names = {p: n for n, p in model.named_parameters()}
+    held = {n: local(p).detach().clone() for n, p in model.named_parameters()}
+    held.update({f"{names[p]} {k}": local(v).detach().clone() for p, s in opt.state.items() for k, v in s.items()})
+    return held
+
+
+def _refused_step(model: torch.nn.Module, opt) -> tuple[str, str, list[str]]:
+    """The step's error (type and message) and what it changed of the tensors this rank holds."""
+    before = _held(model, opt)
+    with pytest.raises(Exception) as error:
+        opt.step()
+    after = _held(model, opt)
+    changed = [n for n in before.keys() | after.keys() if n not in before or n not in after
+               or not torch.equal(before[n], after[n])]
+    return type(error.value).__name__, str(error.value), changed
+
+
+def _gradient_changed_at_a_later_step(rank: int, world: int) -> dict:
+    """Two steps, then at the third the last rank's gradient of one parameter placed unlike it
+    (replicated, or a piece of another shape): every rank's step is refused and changes nothing;
+    then the third step with the right gradients."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    model, opt = _sharded(world, "fsdp", {"fraction": 0.5})
+    batches = _batches()
+    for x in batches[:2]:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    opt.zero_grad()
+    model(batches[2]).square().mean().backward()
+    refused = {}
+    for name, change in (("up.weight", "replicated"), ("up.weight", "rows"), ("up.bias", "replicated")):
+        p = model.get_parameter(name)
+        grad = p.grad
+        if rank == world - 1:
+            values = torch.randn(p.shape) if change == "replicated" else torch.randn(1, *p.shape[1:])
+            placements = [Replicate()] if change == "replicated" else p.placements
+            p.grad = DTensor.from_local(values, p.device_mesh, placements, run_check=False, shape=p.shape,
+                                        stride=p.stride())
+        refused[name, change] = _refused_step(model, opt)
+        p.grad = grad
+    opt.step()
+    return {"refused": refused, "skipped": opt.skipped_steps,
+            "params": {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}}
+
+
+def test_a_gradient_placed_unlike_its_parameter_at_a_later_step_is_refused_on_every_rank():
+    outs = run_distributed(_gradient_changed_at_a_later_step, 2, timeout=120)
+    expected = _single_process({"fraction": 0.5}, bad_step=-1)
+    for rank, out in enumerate(outs):
+        for (name, change), (kind, message, changed) in out["refused"].items():
+            assert not changed, (rank, name, change, changed)
+            if rank == 1:
+                assert kind == "ValueError" and message.startswith(f"{name}: its gradient"), (name, change, message)
+            else:
+                assert kind == "StepRefused" and "rank(s) [1]" in message, (name, change, message)
+        assert out["skipped"] == 0
+        for name, value in out["params"].items():  # the refusals left the run as it was
+            torch.testing.assert_close(value, expected[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _outside_the_mesh(rank: int, world: int) -> tuple[str, str]:
+    """A parameter on a mesh of rank 0 alone and one on the world's mesh: the step's error."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dion3_megatron import Dion3
+
+    gen = torch.Generator().manual_seed(4)
+    alone, everyone = DeviceMesh("cpu", [0]), init_device_mesh("cpu", (world,))
+    params = {"alone": torch.nn.Parameter(distribute_tensor(torch.randn(8, 4, generator=gen), alone, [Shard(0)])),
+              "shared": torch.nn.Parameter(distribute_tensor(torch.randn(8, 4, generator=gen), everyone, [Shard(0)]))}
+    for p in params.values():
+        p.grad = distribute_tensor(torch.randn(8, 4, generator=gen), p.device_mesh, [Shard(0)])
+    opt = Dion3(list(params.items()), ns_dtype=torch.float32)
+    with pytest.raises(Exception) as error:
+        opt.step()
+    return type(error.value).__name__, str(error.value)
+
+
+def test_a_parameter_on_a_mesh_without_this_rank_is_refused_on_every_rank():
+    (kind0, message0), (kind1, message1) = run_distributed(_outside_the_mesh, 2, timeout=60)
+    assert kind0 == "StepRefused" and "rank(s) [1]" in message0, message0
+    assert kind1 == "ValueError" and message1.startswith("alone: ") and "[0]" in message1, message1

@@ -1,22 +1,61 @@
-"""dion3_megatron.core is the math alone: it reads neither the option spec (which imports it) nor
-torch.distributed (the engine communicates)."""
+"""The layers of dion3_megatron, as a contract: each subpackage and top-level module (a "unit")
+imports only the units :data:`ALLOWED` lists for it, and core/ does not communicate.
+
+An edge is any import of a unit, at module level or inside a function, relative or absolute, and
+any string that names a module of the package (``"dion3_megatron.x"`` or ``"dion3_megatron.x:name"``:
+how compat's patch table names the front ends' replacements, imported when a patch is applied).
+"""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
+from dion3_megatron import compat
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CORE = ROOT / "dion3_megatron" / "core"
-FORBIDDEN = ("dion3_megatron.options", "torch.distributed")
+PACKAGE = "dion3_megatron"
+SOURCES = ROOT / PACKAGE
+
+# unit -> (the units it may import, why).
+ALLOWED: dict[str, tuple[frozenset[str], str]] = {
+    "kernels": (frozenset(),
+                "the matrix-product and row kernels and their configuration: the bottom layer"),
+    "core": (frozenset({"kernels"}),
+             "the math (orthogonalization, the rule, the cost model), its products run by the kernels"),
+    "engine": (frozenset({"core", "kernels"}),
+               "moves matrix shards between ranks and steps them with the rule; knows no option spelling"),
+    "options": (frozenset({"core", "kernels"}),
+                "the option spec: its choices are the math's and the kernels' own"),
+    "frontend": (frozenset({"core", "engine", "kernels", "options"}),
+                 "what the front ends share: param groups checked by the spec, parameters handed to the engine"),
+    "optimizer": (frozenset({"core", "engine", "frontend", "kernels", "options"}),
+                  "the torch front end (Dion3)"),
+    "megatron": (frozenset({"compat", "core", "engine", "frontend", "kernels", "options"}),
+                 "the Megatron front end; changes Megatron only through compat's table"),
+    "deepspeed": (frozenset({"compat", "core", "engine", "frontend", "kernels", "optimizer", "options"}),
+                  "the DeepSpeed front end; changes DeepSpeed only through compat's table, and knows the "
+                  "torch Dion3 to refuse it where ZeRO hands it flat partitions"),
+    "compat": (frozenset({"deepspeed", "megatron"}),
+               "the table of every framework patch: names the front ends' replacements, imported when applied"),
+    "__init__": (frozenset({"core", "optimizer"}),
+                 "the package's public names: Dion3 and its settings"),
+}
+
+# Modules a unit may not import at all, whatever the table says: (unit, module, why).
+FORBIDDEN_OUTSIDE = (("core", "torch.distributed", "the engine communicates; the math does not"),)
+
+_MODULE_STRING = re.compile(rf"{PACKAGE}(\.\w+)*(:[\w.]+)?")
 
 
 def imported_names(source: str, module: str) -> set[str]:
     """Every module (or module attribute) that ``source``, the module ``module``, imports anywhere,
     in absolute form: ``from .. import options`` in dion3_megatron.core.rule gives
-    dion3_megatron and dion3_megatron.options."""
+    dion3_megatron.options; ``from torch import distributed`` gives torch and torch.distributed.
+    (A package's ``__init__`` is the module ``<package>.__init__``.)"""
     package = module.split(".")[:-1]
     names = set()
     for node in ast.walk(ast.parse(source)):
@@ -25,30 +64,112 @@ def imported_names(source: str, module: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = ".".join(package[: len(package) - node.level + 1] if node.level else [])
             source_module = ".".join(part for part in (base, node.module) if part)
-            names.add(source_module)
+            if source_module != PACKAGE:  # ``from dion3_megatron import x``: x says which unit
+                names.add(source_module)
             names.update(f"{source_module}.{alias.name}" for alias in node.names)
     return names
 
 
-def forbidden_imports(source: str, module: str) -> set[str]:
-    return {name for name in imported_names(source, module)
-            if any(name == f or name.startswith(f + ".") for f in FORBIDDEN)}
+def named_modules(source: str) -> set[str]:
+    """The modules of the package that string constants of ``source`` name."""
+    return {node.value.partition(":")[0] for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and _MODULE_STRING.fullmatch(node.value)}
+
+
+def compat_targets() -> set[str]:
+    """The modules of the package that compat's patches name as replacements or conditions."""
+    named = {value for patch in compat.MEGATRON + compat.DEEPSPEED for value in (patch.replacement, patch.only_if)
+             if value is not None}
+    return {value.partition(":")[0] for value in named if value.startswith(PACKAGE)}
+
+
+def units() -> set[str]:
+    """Every subpackage and top-level module of the package (``__init__``: the package itself)."""
+    return {p.stem if p.is_file() else p.name for p in SOURCES.iterdir()
+            if (p.is_dir() and (p / "__init__.py").is_file()) or p.suffix == ".py"}
+
+
+UNITS = units()
+
+
+def unit_of(name: str) -> str:
+    """The unit a module (or module attribute) of the package belongs to."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in UNITS else "__init__"  # else: a name the package exports
+
+
+def edges(source: str, module: str, extra: set[str] = frozenset()) -> set[str]:
+    """The units other than its own that the module ``module`` reaches: its imports, the modules its
+    strings name, and ``extra`` (more module names)."""
+    mine = unit_of(module)
+    reached = {name for name in imported_names(source, module) | named_modules(source) | set(extra)
+               if name == PACKAGE or name.startswith(PACKAGE + ".")}
+    return {unit_of(name) for name in reached} - {mine}
+
+
+def violations(source: str, module: str, extra: set[str] = frozenset()) -> set[str]:
+    """What ``module`` may not reach: units outside its row of ALLOWED, and FORBIDDEN_OUTSIDE modules."""
+    unit = unit_of(module)
+    found = edges(source, module, extra) - ALLOWED[unit][0]
+    names = imported_names(source, module)
+    for forbidden_unit, outside, _ in FORBIDDEN_OUTSIDE:
+        if unit == forbidden_unit:
+            found |= {name for name in names if name == outside or name.startswith(outside + ".")}
+    return found
+
+
+def module_name(path: pathlib.Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+MODULES = sorted(SOURCES.rglob("*.py"))
 
 
 @pytest.mark.parametrize("source", ["from .. import options", "from ..options import AUTO",
-                                    "import dion3_megatron.options", "import torch.distributed as dist",
-                                    "from torch import distributed", "from torch.distributed import all_reduce",
-                                    "def f():\n    import torch.distributed\n"])
+                                    "import dion3_megatron.options", "from dion3_megatron import options",
+                                    "import torch.distributed as dist", "from torch import distributed",
+                                    "from torch.distributed import all_reduce",
+                                    "def f():\n    import torch.distributed\n",
+                                    "def f():\n    from ..options import AUTO\n"])
 def test_the_check_finds_each_spelling(source):
-    assert forbidden_imports(source, "dion3_megatron.core.rule")
+    assert violations(source, "dion3_megatron.core.rule")
 
 
-def test_the_check_lets_other_imports_pass():
-    assert not forbidden_imports("import torch\nfrom ..kernels import rows\nfrom .ortho import orthogonalize\n"
-                                 "from . import options_of_the_math", "dion3_megatron.core.rule")
+def test_the_check_lets_allowed_imports_pass():
+    assert not violations("import torch\nfrom ..kernels import rows\nfrom .ortho import orthogonalize\n"
+                          "from . import options_of_the_math\nimport dion3_megatron.kernels.config",
+                          "dion3_megatron.core.rule")
+    assert not violations("from .. import options\nfrom ..engine import plan", "dion3_megatron.frontend.groups")
 
 
-@pytest.mark.parametrize("path", sorted(CORE.rglob("*.py")), ids=lambda p: p.relative_to(CORE).as_posix())
-def test_core_imports_neither_the_option_spec_nor_torch_distributed(path):
-    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-    assert not forbidden_imports(path.read_text(encoding="utf-8"), module)
+@pytest.mark.parametrize("module, source, edge", [
+    ("dion3_megatron.engine.fractions", "from ..options import NS_DTYPES", "options"),
+    ("dion3_megatron.kernels.dispatch", "def f():\n    from ..core import ortho\n", "core"),
+    ("dion3_megatron.megatron.optimizer", "from ..deepspeed import config", "deepspeed"),
+    ("dion3_megatron.core.rule", "import dion3_megatron", "__init__"),
+    ("dion3_megatron.options", "from . import Dion3", "__init__"),
+    ("dion3_megatron.engine.plan", 'HOOK = "dion3_megatron.megatron.registry:dion3_entry"', "megatron"),
+])
+def test_a_forbidden_edge_is_caught(module, source, edge):
+    assert violations(source, module) == {edge}
+
+
+def test_compat_names_front_end_modules_and_the_check_sees_them():
+    """compat's replacements are strings: they count as edges of compat (the f-string ones too)."""
+    targets = compat_targets()
+    assert {unit_of(name) for name in targets} == {"megatron", "deepspeed"}
+    assert "dion3_megatron.deepspeed.zero3" in targets  # written f"{_DS}.zero3:..."
+    assert violations("", "dion3_megatron.compat", extra={"dion3_megatron.optimizer"}) == {"optimizer"}
+
+
+def test_the_table_names_every_unit():
+    assert set(ALLOWED) == UNITS
+    assert all(targets <= UNITS and reason for targets, reason in ALLOWED.values())
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.relative_to(SOURCES).as_posix())
+def test_every_module_imports_only_what_its_layer_allows(path):
+    module = module_name(path)
+    extra = compat_targets() if module == f"{PACKAGE}.compat" else set()
+    found = violations(path.read_text(encoding="utf-8"), module, extra)
+    assert not found, f"{module} ({unit_of(module)}) reaches {sorted(found)}: {ALLOWED[unit_of(module)][1]}"

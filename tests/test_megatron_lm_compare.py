@@ -1,5 +1,5 @@
 """examples/megatron_lm: the comparison script's checks of its input, and its summary of Megatron-LM
-logs (tests/data/megatron_lm: excerpts of an H200 run recorded in benchmarks/results/measurement-log.md)."""
+logs (tests/data/megatron_lm: excerpts of the logs of an H200 run)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_summary_reads_megatrons_optimizer_timer_and_loss():
     runs = {r.optimizer: r for r in (summarize.parse(p.stem, p.read_text()) for p in sorted(LOGS.glob("*.log")))}
     assert set(runs) == {"dion3", "muon", "adam"}
     assert [i.iteration for i in runs["dion3"].intervals] == [1, 10, 20, 30, 40, 50, 60]
-    # the means leave out iteration 1 and iterations 2-10: those of benchmarks/results/measurement-log.md
+    # the means leave out iteration 1 and iterations 2-10 (compilation and warm-up)
     assert runs["dion3"].mean("optimizer_ms") == pytest.approx((14.32 + 13.00 + 14.49 + 13.84 + 14.42) / 5)
     assert (runs["dion3"].layout, runs["muon"].layout) == ("reduce-scatter", "all-reduce")
     text = summarize.table(list(runs.values()))

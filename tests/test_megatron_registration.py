@@ -77,7 +77,6 @@ def test_registered_parser_accepts_dion3_flags():
         (["--dion3-fraction", "quarter"], "argument --dion3-fraction: fraction must be a number, got 'quarter'"),
         (["--dion3-mu", "1.0"], "argument --dion3-mu: mu must be in [0.0, 1.0), got 1.0"),
         (["--dion3-ns-method", "cubic"], "argument --dion3-ns-method: invalid choice: 'cubic'"),
-        (["--dion3-ns", "standard"], "argument --dion3-ns: was renamed --dion3-ns-method"),
         (["--optimizer", "dion4"], "--optimizer dion4: did you mean dion3?"),
         (["--optimizer", "adamw"], "argument --optimizer: invalid choice: 'adamw'"),
     ],

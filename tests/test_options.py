@@ -35,7 +35,6 @@ def test_spec_is_consistent():
         assert not option.valid(_BAD[option.kind]), option.name
         if option.hyperparameter:
             assert option.group_key, option.name
-    assert set(options.RENAMED.values()) <= set(options.BY_NAME)
 
 
 def test_rule_hyperparameters_take_their_defaults_from_the_spec():
@@ -152,6 +151,79 @@ def test_megatron_flags_config_fields_and_kwargs_are_the_megatron_options():
         config = SimpleNamespace(lr=None, weight_decay=0.1, **{f"dion3_{option.name}": _BAD[option.kind]})
         with pytest.raises(ValueError, match=f"dion3_{option.name} must be"):
             dm.config_to_kwargs(config, [], None)
-    for old, new in options.RENAMED.items():
-        with pytest.raises(ValueError, match=f"dion3_{old} was renamed dion3_{new}"):
-            dm.config_to_kwargs(SimpleNamespace(lr=None, weight_decay=0.1, **{f"dion3_{old}": "x"}), [], None)
+
+
+def _trained(generator: torch.Generator, steps: int = 3, step=None, **settings) -> list[torch.Tensor]:
+    """A tiny model's parameters after ``steps`` steps of Dion3 with ``settings`` (``step(opt)``
+    runs a step, default ``opt.step()``), on gradients drawn from a copy of ``generator``."""
+    draw = torch.Generator().manual_seed(generator.initial_seed())
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=draw))
+    opt = Dion3(model.parameters(), fraction=0.5, **settings)
+    run = step(opt) if step is not None else opt.step
+    for _ in range(steps):
+        model(torch.randn(3, 8, generator=draw)).square().sum().backward()
+        run()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _assert_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_ns_dtype_is_taken_by_name_as_by_torch_dtype(generator):
+    """ns_dtype by name (as the DeepSpeed config spells it) is its torch.dtype, in the constructor,
+    a param group and the rule's settings; a name that is none of them is refused, saying both
+    spellings."""
+    for name, dtype in options.NS_DTYPES.items():
+        assert options.hyperparameters(ns_dtype=name).ns_dtype is dtype
+        Dion3([torch.nn.Parameter(torch.randn(4, 4, generator=generator))], ns_dtype=name)
+    _assert_equal(_trained(generator, ns_dtype="float64"), _trained(generator, ns_dtype=torch.float64))
+    p = torch.nn.Parameter(torch.randn(4, 4, generator=generator))
+    opt = Dion3([{"params": [p], "ns_dtype": "float64"}])
+    p.grad = torch.randn(4, 4, generator=generator)
+    opt.step()
+    with pytest.raises(ValueError, match=re.escape("ns_dtype must be None, or one of ('float16', 'bfloat16', "
+                                                   "'float32', 'float64') by name or as a torch.dtype, got 'fp16'")):
+        Dion3([torch.nn.Parameter(torch.zeros(4, 4))], ns_dtype="fp16")
+
+
+@pytest.mark.parametrize("option", [o for o in options.OPTIONS if o.kind in (options.DTYPE, options.CHOICE)],
+                         ids=lambda o: o.name)
+def test_a_choice_message_names_exactly_what_the_option_takes(option):
+    """Every value the message of a DTYPE or CHOICE option lists is taken, and what it lists is all
+    that is taken."""
+    listed = re.findall(r"'(\w+)'", option.allowed())
+    takes = list(options.NS_DTYPES) if option.kind == options.DTYPE else list(option.choices)
+    assert listed == takes
+    assert all(option.valid(value) for value in listed)
+    assert ("None" in option.allowed()) == option.valid(None) == (option.default is None)
+    if option.kind == options.DTYPE:
+        assert all(option.valid(dtype) for dtype in options.NS_DTYPES.values())
+        assert "torch.dtype" in option.allowed() and not option.valid(torch.int32)
+
+
+def test_a_tensor_lr_steps_as_its_number(generator):
+    """torch's optimizers take a 0-d tensor lr: so does Dion3, for the matrices and the AdamW tensors
+    alike, and a step with it is the step with its number."""
+    _assert_equal(_trained(generator, lr=torch.tensor(0.02), adamw_lr=torch.tensor(0.003)),
+                  _trained(generator, lr=0.02, adamw_lr=0.003))
+    assert options.hyperparameters(lr=torch.tensor(0.5)).lr == 0.5
+
+
+@pytest.mark.parametrize("name", ["lr", "adamw_lr"])
+@pytest.mark.parametrize("bad", [torch.tensor(float("nan")), torch.tensor(-0.1), torch.tensor([0.01]),
+                                 torch.tensor(1)], ids=["nan", "negative", "1-d", "integer"])
+def test_a_tensor_lr_is_checked_as_a_number(name, bad):
+    with pytest.raises(ValueError, match=re.escape(f"{name} must be a finite number >") + ".*"
+                                         + re.escape(", or a 0-d floating tensor holding one, got tensor(")):
+        Dion3([torch.nn.Parameter(torch.zeros(4, 4))], **{name: bad})
+
+
+def test_a_compiled_step_is_the_eager_step(generator):
+    """torch.compile(opt.step) runs the step eagerly (the step is excluded from tracing) and steps
+    exactly as the eager step, past the first step, whose state the later ones update in place."""
+    _assert_equal(_trained(generator, step=lambda opt: torch.compile(opt.step)), _trained(generator))

@@ -20,12 +20,11 @@ from .rule import selected_row_count
 CANDIDATE_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
 
 
-MIN_SELECTED_ROWS = 128  # quality floor: fewer selected rows than this lost to f = 1 in our runs
+MIN_SELECTED_ROWS = 128  # quality floor: a step that selects fewer rows trains worse than f = 1
 
 
-# The exchange rate between loss and time, from the convergence protocol
-# (benchmarks/results/measurement-log.md, byte-level GPTs at 10 tokens per parameter, every family at
-# its best lr):
+# The exchange rate between loss and time, calibrated on byte-level GPTs trained at 10 tokens per
+# parameter, each optimizer at its best lr:
 # at equal tokens f costs about LOSS_PER_WAITING_ROW_SHARE * (1/f - 1) nats of final validation
 # loss against f = 1, each at its default mu (10.8M: f = 1 0.6954, f = 1/4 0.7088, f = 1/8 0.7210, two
 # seeds each: 0.0045 and 0.0037 per unit; 48.7M: f = 1 0.5550, f = 1/4 0.5653, f = 1/8 0.5725, two
@@ -33,7 +32,7 @@ MIN_SELECTED_ROWS = 128  # quality floor: fewer selected rows than this lost to 
 LOSS_PER_WAITING_ROW_SHARE = 0.0045
 
 
-# and near the end of those runs the loss falls by 0.06-0.12 per unit of log(steps) (Muon's
+# and near the end of training those GPTs' loss falls by 0.06-0.12 per unit of log(steps) (Muon's
 # curves), so a step x times shorter buys about LOSS_PER_LOG_TIME * ln(x) at equal wall-clock
 # time (the low end taken).
 LOSS_PER_LOG_TIME = 0.06

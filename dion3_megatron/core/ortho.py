@@ -190,6 +190,10 @@ def gram_newton_schulz(
 ORTHOGONALIZERS = {"gram": gram_newton_schulz, "standard": newton_schulz}
 
 
+# The compute dtypes the orthogonalization takes, by name.
+NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
 def default_ns_dtype(device: torch.device) -> torch.dtype:
     """fp16 on GPUs (keeps the Gram matrix accurate); fp32 elsewhere, since CPUs have no fast
     half-precision matmul (fp16 there is ~100x slower than fp32) and fp32 only rounds less."""
@@ -233,6 +237,7 @@ __all__ = [
     "keller_coefficients",
     "newton_schulz",
     "gram_newton_schulz",
+    "NS_DTYPES",
     "default_ns_dtype",
     "orthogonalize",
     "ns_flops",

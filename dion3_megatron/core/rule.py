@@ -433,7 +433,7 @@ def adamw_step(
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
     step: int,
-    lr: float,
+    lr: float | torch.Tensor,
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
@@ -442,6 +442,7 @@ def adamw_step(
     and the settings: multi-tensor ops, a handful of kernels for any number of tensors."""
     if not params:
         return
+    lr = float(lr)  # a 0-d tensor lr (torch's optimizers take one) as its number
     beta1, beta2 = betas
     g = [grad.to(m.dtype) for grad, m in zip(grads, exp_avgs)]
     torch._foreach_lerp_(exp_avgs, g, 1 - beta1)

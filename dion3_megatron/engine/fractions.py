@@ -20,9 +20,8 @@ import torch.distributed as dist
 
 from ..core import cost_model
 from ..core.cost_model import DeviceSpeed
-from ..core.ortho import default_ns_dtype
+from ..core.ortho import NS_DTYPES, default_ns_dtype
 from ..core.rule import Dion3Hyperparameters
-from ..options import NS_DTYPES
 
 
 # Per-rank all-to-all bandwidth assumed for a backend (bytes/s): NVLink-class for NCCL, a

@@ -54,40 +54,102 @@ def _sharded_dim(placement) -> Optional[int]:
     return None
 
 
-def _refusal(p: torch.Tensor, where: str, why: str) -> ValueError:
-    return ValueError(f"{where}: {why}; got shape {tuple(p.shape)} with placements {tuple(p.placements)} on a mesh "
-                      f"of shape {tuple(p.device_mesh.shape)}")
+def _described(p: torch.Tensor, why: str) -> str:
+    return (f"{why}; got shape {tuple(p.shape)} with placements {tuple(p.placements)} on a mesh of shape "
+            f"{tuple(p.device_mesh.shape)}")
 
 
-def check_placements(p: torch.Tensor, where: str) -> None:
-    """ValueError naming ``where`` (the parameter) where the DTensor parameter ``p`` is placed in a
-    way the engine does not step (checked when the optimizer is given it)."""
+def _placement_refusal(p: torch.Tensor) -> Optional[str]:
+    """Why the engine does not step the DTensor parameter ``p`` as placed (None: it does)."""
     placements, mesh = tuple(p.placements), p.device_mesh
     if any(not isinstance(pl, (Shard, _StridedShard, Replicate)) for pl in placements):
-        raise _refusal(p, where, "Dion3 takes DTensor parameters placed by Shard, _StridedShard (FSDP2 with tensor "
-                                 "parallelism) or Replicate")
+        return _described(p, "Dion3 takes DTensor parameters placed by Shard, _StridedShard (FSDP2 with tensor "
+                             "parallelism) or Replicate")
     if p.dim() not in (2, 3):
-        raise _refusal(p, where, "Dion3 takes 2-D DTensor matrices and 3-D ones sharded by experts")
+        return _described(p, "Dion3 takes 2-D DTensor matrices and 3-D ones sharded by experts")
     matrix_dims = (p.dim() - 2, p.dim() - 1)
     split = [d for d, pl in enumerate(placements) if _sharded_dim(pl) in matrix_dims]
     if p.dim() == 3 and split:
-        raise _refusal(p, where, "Dion3 takes 3-D DTensor parameters (experts) sharded by experts (dim 0) only")
+        return _described(p, "Dion3 takes 3-D DTensor parameters (experts) sharded by experts (dim 0) only")
     for dim in range(p.dim()):  # contiguous pieces only: cut left to right, or FSDP2's cut of a TP block
         cuts = [(d, pl) for d, pl in enumerate(placements) if _sharded_dim(pl) == dim]
         strided = [d for d, pl in cuts if isinstance(pl, _StridedShard)]
         if strided and (len(cuts) != 2 or strided != [cuts[0][0]] or isinstance(cuts[1][1], _StridedShard)
                         or cuts[0][1].split_factor != mesh.size(cuts[1][0])):
-            raise _refusal(p, where, f"dimension {dim} is cut into pieces that are not contiguous")
+            return _described(p, f"dimension {dim} is cut into pieces that are not contiguous")
+    return None
 
 
-def layout(p: torch.Tensor, where: str) -> Layout:
-    """Where this rank's values of the DTensor parameter ``p`` lie; ValueError naming ``where`` (the
-    parameter) for what the engine does not take (:func:`check_placements`, a gradient placed
-    otherwise)."""
-    check_placements(p, where)
+def check_placements(p: torch.Tensor, where: str) -> None:
+    """ValueError naming ``where`` (the parameter) where the DTensor parameter ``p`` is placed in a
+    way the engine does not step (checked when the optimizer is given it; the step's check,
+    :class:`HeldPieces`, refuses the same)."""
+    if (why := _placement_refusal(p)) is not None:
+        raise ValueError(f"{where}: {why}")
+
+
+def _local_shape(t: torch.Tensor) -> torch.Size:
+    """The shape of the DTensor's local piece (``to_local()`` of a parameter makes a view at each call)."""
+    return t._local_tensor.shape
+
+
+class HeldPieces:
+    """The check, at every step, that each DTensor parameter and its gradient are the piece its
+    placements give this rank. What depends on the parameter's placements alone (their refusals,
+    the local shape) is worked out once per placements; a step compares a few attributes, with no
+    collective and no process group, so every rank's verdict enters the step's one decision."""
+
+    def __init__(self) -> None:
+        # parameter -> ((placements, mesh, shape, stepped by Dion3), the local shape they give)
+        self._held: dict[torch.Tensor, tuple[tuple, torch.Size]] = {}
+
+    def refusal(self, p: torch.Tensor, dion3: bool) -> Optional[str]:
+        """Why the step does not take the DTensor parameter ``p`` (``dion3``: stepped by the Dion3
+        rule) or its gradient; None when it does."""
+        key = (p.placements, p.device_mesh, p.shape, dion3)
+        held = self._held.get(p)
+        if held is None or held[0] != key:
+            why, shape = self._placed(p, dion3)
+            if why is not None:
+                return why
+            held = self._held[p] = (key, shape)
+        shape = held[1]
+        if _local_shape(p) != shape:
+            return _described(p, f"this rank holds {tuple(_local_shape(p))}, not the {tuple(shape)} its placements give")
+        grad = p.grad
+        if grad is None:
+            return None
+        if not isinstance(grad, DTensor):
+            return _described(p, f"its gradient is a {type(grad).__name__}, not a DTensor placed like the parameter")
+        if grad.device_mesh is not p.device_mesh and grad.device_mesh != p.device_mesh:
+            return _described(p, f"its gradient lies on another device mesh ({grad.device_mesh})")
+        if grad.placements != p.placements:
+            return _described(p, f"its gradient is placed {tuple(grad.placements)}, not like the parameter")
+        if _local_shape(grad) != shape:
+            return _described(p, f"its gradient's piece on this rank is {tuple(_local_shape(grad))}, not the "
+                                 f"{tuple(shape)} its placements give")
+        return None
+
+    @staticmethod
+    def _placed(p: torch.Tensor, dion3: bool) -> tuple[Optional[str], torch.Size]:
+        """The refusal of ``p``'s placements (None) and the local shape they give this rank."""
+        mesh = p.device_mesh
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            return (_described(p, f"it lies on a device mesh of the ranks {mesh.mesh.flatten().tolist()}, which "
+                                  f"leaves this rank ({dist.get_rank()}) out; give each rank's optimizer the "
+                                  "parameters of the meshes that include it"), torch.Size())
+        if dion3 and (why := _placement_refusal(p)) is not None:
+            return why, torch.Size()
+        shape, _ = _compute_local_shape_and_global_offset(p.shape, mesh.shape, list(coordinate), p.placements)
+        return None, torch.Size(shape)
+
+
+def layout(p: torch.Tensor) -> Layout:
+    """Where this rank's values of the DTensor parameter ``p`` lie, for a parameter the step's check
+    accepted (:class:`HeldPieces`). Makes the process group over the mesh dimensions that split its
+    matrices where there are several (once, among their members)."""
     placements, mesh = tuple(p.placements), p.device_mesh
-    if p.grad is not None and tuple(p.grad.placements) != placements:
-        raise _refusal(p, where, f"its gradient is placed {tuple(p.grad.placements)}, not like the parameter")
     split = [d for d, pl in enumerate(placements) if _sharded_dim(pl) in (p.dim() - 2, p.dim() - 1)]
     coordinate = mesh.get_coordinate()
     box = _box(p, coordinate)
@@ -99,10 +161,6 @@ def layout(p: torch.Tensor, where: str) -> Layout:
     for rank in dist.get_process_group_ranks(group):  # each member's coordinate: mine, but on the split dims
         at = (mesh.mesh == rank).nonzero()[0].tolist()
         boxes.append(_box(p, [at[d] if d in split else coordinate[d] for d in range(mesh.ndim)])[-2:])
-    mine = boxes[dist.get_rank(group)]
-    if tuple(p.to_local().shape) != (mine[0][1] - mine[0][0], mine[1][1] - mine[1][0]):
-        raise _refusal(p, where, f"this rank holds {tuple(p.to_local().shape)}, not the rows {mine[0]} and "
-                                 f"columns {mine[1]} its placements give")
     return Layout(_sharding(boxes, *p.shape), group)
 
 

@@ -112,7 +112,6 @@ def check_saved_groups(saved: list[dict], groups: list[dict], front_end: str,
             raise ValueError(f"param group {gi}: checkpoint has {len(theirs['params'])} params, "
                              f"the optimizer has {len(mine['params'])}")
         settings = {k: v for k, v in theirs.items() if k != "params"}
-        options.check_retired(f"param group {gi}", settings)
         check_group(f"param group {gi}", {**mine, **settings}, front_end, params_of(mine))
 
 

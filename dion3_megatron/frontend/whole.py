@@ -16,7 +16,7 @@ from ..core import rule
 from ..core.ortho import default_ns_dtype
 from ..core.rule import Dion3Hyperparameters
 from ..engine import Dion3Engine, MatrixShard, Sharding, cuda_graph as cuda_graph_module, fractions, plan
-from .dtensor import choices_held_elsewhere, empty_state, is_dtensor, layout, local, param_shaped, per_row
+from .dtensor import HeldPieces, choices_held_elsewhere, empty_state, is_dtensor, layout, local, param_shaped, per_row
 from .groups import algorithm_of, check_group, hyperparameters, matrix_names, param_names
 from .matrices import matrix_count, matrix_shape, matrix_values, matrix_view, stacked_view
 
@@ -57,6 +57,7 @@ class WholeParameters:
         self._engine_key: Optional[tuple] = None
         self._shards: dict[torch.Tensor, list[MatrixShard]] = {}  # a stepped matrix parameter -> its matrices
         self._copies: dict[torch.Tensor, torch.Tensor] = {}  # non-contiguous Dion3 weight -> its working copy
+        self._pieces = HeldPieces()  # the per-step check of DTensor parameters and their gradients
 
     def fractions(self, names: dict[torch.Tensor, str]) -> Fractions:
         """The automatic f of each parameter that has one, by name (``names``: every parameter's)."""
@@ -87,7 +88,7 @@ class WholeParameters:
         first gradient, a checkpoint without them) use what was agreed: no rank ever waits in a
         collective its peers do not make. A group of a dtype none agreed on is refused here.
         """
-        wanted = [(p.device, group["ns_dtype"] or default_ns_dtype(p.device))
+        wanted = [(p.device, hyperparameters(group).ns_dtype or default_ns_dtype(p.device))
                   for group in groups if plan.chooses_fraction(hyperparameters(group)) for p in group["params"][:1]]
         if self._speeds is None:
             self._speeds = fractions.agreed_speeds(wanted)
@@ -98,8 +99,9 @@ class WholeParameters:
                        gate: Callable[..., bool]) -> Optional[float]:
         """A whole ``torch.optim.Optimizer.step``: the closure, then the step's one decision
         (``gate(check, device, collective=...)``, :meth:`~.lifecycle.Dion3FrontEnd.gate_step`: every
-        group's settings and every gradient checked, the non-finite gate), the speeds agreed (at the
-        first step, skipped or not: the ranks agree together), and the step."""
+        group's settings, every gradient, and every DTensor parameter's and gradient's placements and
+        pieces checked, the non-finite gate), the speeds agreed (at the first step, skipped or not:
+        the ranks agree together), and the step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -111,6 +113,8 @@ class WholeParameters:
             for gi, group in enumerate(groups):
                 check_group(f"param group {gi}", group, front_end)
                 for p in group["params"]:
+                    if is_dtensor(p) and (why := self._pieces.refusal(p, algorithm_of(group, p) == "dion3")):
+                        raise ValueError(f"{param_names(groups)[p]}: {why}")
                     if p.grad is not None:
                         if p.grad.is_sparse:
                             raise ValueError(f"param group {gi}: Dion3 does not support sparse gradients")
@@ -162,7 +166,8 @@ class WholeParameters:
 
     def _engine_for(self, groups: list[dict], matrices: list[tuple[int, torch.Tensor]],
                     settings: list[Dion3Hyperparameters], state: dict) -> Dion3Engine:
-        key = (tuple((gi, id(p), local(p).data_ptr()) for gi, p in matrices),
+        # (a DTensor's placements: re-placed on the same storage, its pieces lie elsewhere in the matrices)
+        key = (tuple((gi, id(p), local(p).data_ptr(), p.placements if is_dtensor(p) else None) for gi, p in matrices),
                tuple(cuda_graph_module.baked_settings(hp) for hp in settings))
         if self.engine is not None and key == self._engine_key:
             return self.engine
@@ -177,7 +182,7 @@ class WholeParameters:
                            for e, m in enumerate(matrix_view(local(own["momentum"])))]
             names_of = matrix_names(names[p], p)
             if is_dtensor(p):  # this rank's piece of the logical matrices
-                placed = layout(p, names[p])
+                placed = layout(p)
                 weight, grad = matrix_view(local(p)), matrix_values(local(p.grad))
                 shards[p] = [MatrixShard(names_of[placed.first_matrix + e], weight[e], grad[e], matrix_shape(p),
                                          placed.sharding, placed.group, settings[gi], carried[e])

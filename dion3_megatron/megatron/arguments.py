@@ -89,24 +89,6 @@ def warn_if_adam_takes_the_dion3_lr(args: Any) -> None:
                       "pass --decoupled-lr, e.g. 0.002 (docs/tuning.md, What takes AdamW)", stacklevel=2)
 
 
-def refuse_renamed(source: Any, where: str) -> None:
-    """An old ``dion3_*`` attribute (options.RENAMED) on a config or args raises, naming the new one
-    (a tree patched with an older patches/megatron-core-0.19-dion3.patch, which declared the
-    ``dion3_*`` fields, has the old field)."""
-    for old in options.RENAMED:
-        if hasattr(source, config_field(old)):
-            error = options.rename_error(where, old, config_field)
-            raise ValueError(f"{error} (set the new one; a Megatron tree patched before the rename: "
-                             "revert the old patches/megatron-core-0.19-dion3.patch, apply the current one)")
-
-
-class _Renamed(argparse.Action):
-    """An old flag: refused, naming the new one."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        raise argparse.ArgumentError(self, f"was renamed {flag(options.RENAMED[self.dest[len('dion3_'):]])}")
-
-
 def _default_text(option: options.Option) -> str:
     if option.kind == options.BOOL:
         return "on by default" if option.default else "default: off"
@@ -222,7 +204,4 @@ def add_dion3_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group = parser.add_argument_group(title="Dion3 optimizer (--optimizer dion3)")
     for option in OPTIONS:
         _add(group, option)
-    for old in options.RENAMED:
-        group.add_argument(flag(old), dest=config_field(old), action=_Renamed, default=argparse.SUPPRESS,
-                           help=argparse.SUPPRESS)
     return parser

@@ -359,7 +359,6 @@ class MegatronDion3(Dion3FrontEnd):
         entries = []
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
             merged = {**mine, **saved}
-            options.check_retired(f"param group {gi}", saved)
             options.check(f"param group {gi}", **{k: merged[k] for k in _GROUP_SETTINGS})
             if len(saved["params"]) != len(mine["params"]):
                 raise ValueError(f"param group {gi}: checkpoint has {len(saved['params'])} params, "
@@ -458,3 +457,4 @@ class MegatronDion3(Dion3FrontEnd):
         self._ensure_engine(with_grads=True)
         prologue, epilogue, key = self._permuted_copies()
         self._engine.step(prologue, epilogue, key)
+        return loss

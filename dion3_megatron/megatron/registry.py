@@ -38,7 +38,6 @@ from .arguments import (
     check_dion3_values,
     config_field,
     is_dion3,
-    refuse_renamed,
     refuse_unknown_fields,
     warn_if_adam_takes_the_dion3_lr,
 )
@@ -58,9 +57,6 @@ def dion3_values(config=None) -> dict[str, Any]:
         args = get_args()
     except Exception:  # noqa: BLE001 - megatron.training absent or args not parsed (core-only use)
         args = None
-    for source in (config, args):
-        if source is not None:
-            refuse_renamed(source, "Megatron optimizer config")
     for source, where in ((config, "Megatron optimizer config"), (args, "Megatron-LM args")):
         if source is not None:
             refuse_unknown_fields(source, where)

@@ -52,7 +52,7 @@ COMMON="$MODEL --group-query-attention --num-query-groups 4 --swiglu --disable-b
   --logging-level 20 --tokenizer-type NullTokenizer --vocab-size 32768"
 [ "$(basename "$SCRIPT")" = pretrain_gpt.py ] && COMMON="$COMMON --mock-data"
 # Each optimizer's flags (override with DION3_FLAGS, MUON_FLAGS, ADAM_FLAGS): the lrs of the one-GPU
-# records in benchmarks/results/measurement-log.md; the embeddings and output layer take Adam at --decoupled-lr.
+# runs in docs/performance.md; the embeddings and output layer take Adam at --decoupled-lr.
 declare -A FLAGS=(
   [dion3]="${DION3_FLAGS:---optimizer dion3 --lr 0.01 --min-lr 0.001 --decoupled-lr 0.002 --decoupled-min-lr 0.0002}"
   [muon]="${MUON_FLAGS:---optimizer muon --muon-scale-mode unit_rms_norm --lr 0.01 --min-lr 0.001 --decoupled-lr 0.002 --decoupled-min-lr 0.0002}"
