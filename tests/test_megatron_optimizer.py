@@ -352,3 +352,11 @@ def test_auto_weighs_the_share_of_the_model_s_matrices_this_rank_steps(monkeypat
     opt.step()
     assert shares and set(shares) == {(64 * 32 + 32 * 32) / (64 * 32 + 32 * 64 + 32 * 32)}
 
+
+
+def test_step_returns_the_closure_s_loss(generator):
+    params, names = _params(generator)
+    opt = _megatron(params, names)
+    for p, g in zip(params, _grads(generator, params, 1)[0]):
+        p.grad = g
+    assert opt.step(lambda: 1.5) == 1.5
