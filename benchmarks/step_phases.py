@@ -135,7 +135,7 @@ def megatron_phases() -> None:
     timed(layer_wise, "start_param_sync_for_bucket_group_subset", "  parameter all-gather")
     timed(TensorParallelMuon, "step", "Muon inner step")
     timed(MegatronDion3, "step", "Dion3 inner step")
-    timed(MegatronDion3, "_gradients_finite", "  finite check")
+    timed(MegatronDion3, "step_check", "  step checks")
     timed(MegatronDion3, "_ensure_engine", "  refresh shards")
     timed(torch.optim.AdamW, "step", "Adam inner step (torch AdamW: no apex or Transformer Engine)")
 

@@ -5,7 +5,10 @@ A behaviour of those frameworks that is not listed here is stock. The lists belo
 that changes them: :func:`apply_megatron` (run by :func:`dion3_megatron.megatron.register`) and
 :func:`apply_deepspeed` (run by :func:`dion3_megatron.deepspeed.register`) apply exactly these
 entries, in this order, and nothing else. Both are idempotent, and raise :class:`UpstreamChanged`,
-naming the attribute, when the installed framework no longer has one.
+naming the attribute, when the installed framework no longer has one. Every original is kept:
+:func:`restore` (run by :func:`dion3_megatron.megatron.unregister` and
+:func:`dion3_megatron.deepspeed.unregister`) puts each back, removes what was added (an attribute,
+a dict item, a list element), and a later registration applies the entries again.
 
 An entry (:class:`Patch`) says
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
+import importlib.util
 import re
 import types
 from typing import Any, Callable, Optional
@@ -160,6 +164,19 @@ DEEPSPEED: tuple[Patch, ...] = (
 )
 
 
+MEGATRON_EXTRA = 'pip install "dion3-megatron[megatron]"'
+
+
+def require_megatron() -> None:
+    """Raise ImportError naming the install command when Megatron-Core does not import."""
+    try:
+        found = importlib.util.find_spec("megatron.core") is not None
+    except (ImportError, ValueError):  # no megatron package at all, or one that is blocked
+        found = False
+    if not found:
+        raise ImportError(f"dion3_megatron.megatron needs Megatron-Core 0.19, which is not installed: {MEGATRON_EXTRA}")
+
+
 def _resolve(path: str) -> Any:
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -208,6 +225,24 @@ def is_patched(value: Any) -> bool:
     return getattr(value, MARK, False) is True
 
 
+_ABSENT = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Original:
+    """What an applied entry replaced: ``value`` (the raw class or module attribute, or the dict
+    item; :data:`_ABSENT` where there was none) or, for a list, the element it appended."""
+
+    owner: Any
+    name: str
+    key: Optional[str]
+    value: Any
+
+
+# target -> what its applied entry replaced, for restore().
+_ORIGINALS: dict[str, _Original] = {}
+
+
 def _apply(patch: Patch, launcher: bool) -> bool:
     """Apply one entry (or see it applied); whether it is in place."""
     if patch.when == LAUNCHER and not launcher:
@@ -230,14 +265,44 @@ def _apply(patch: Patch, launcher: bool) -> bool:
     if key == "+":
         if new not in container:
             container.append(new)
+            _ORIGINALS[patch.target] = _Original(owner, name, key, new)
     elif new is not current:
         if not patch.adds and isinstance(new, types.FunctionType):
             setattr(new, MARK, True)
-        if key is None:
+        if key is None:  # the raw attribute (a staticmethod stays one), absent where it was inherited
+            _ORIGINALS[patch.target] = _Original(owner, name, key, vars(owner).get(name, _ABSENT))
             setattr(owner, name, new)
         else:
+            _ORIGINALS[patch.target] = _Original(owner, name, key, container.get(key, _ABSENT))
             container[key] = new
     return True
+
+
+def _restore(original: _Original) -> None:
+    if original.key == "+":
+        container = getattr(original.owner, original.name)
+        if original.value in container:
+            container.remove(original.value)
+    elif original.key is not None:
+        container = getattr(original.owner, original.name)
+        if original.value is _ABSENT:
+            container.pop(original.key, None)
+        else:
+            container[original.key] = original.value
+    elif original.value is _ABSENT:
+        if original.name in vars(original.owner):
+            delattr(original.owner, original.name)
+    else:
+        setattr(original.owner, original.name, original.value)
+
+
+def restore(patches: tuple[Patch, ...]) -> None:
+    """Undo the applied entries of ``patches`` (in reverse order): every replaced attribute and dict
+    item is its original again, every added attribute, dict item and list element is gone."""
+    for patch in reversed(patches):
+        original = _ORIGINALS.pop(patch.target, None)
+        if original is not None:
+            _restore(original)
 
 
 def _check_rebinds(patch: Patch, function: Any) -> None:
@@ -266,7 +331,9 @@ def apply(patches: tuple[Patch, ...], *, launcher: bool = False) -> dict[str, bo
 
 
 def apply_megatron(*, launcher: bool = False) -> dict[str, bool]:
-    """Apply :data:`MEGATRON` (the :data:`LAUNCHER` entries too when ``launcher``)."""
+    """Apply :data:`MEGATRON` (the :data:`LAUNCHER` entries too when ``launcher``); ImportError naming
+    the install command without Megatron-Core."""
+    require_megatron()
     return apply(MEGATRON, launcher=launcher)
 
 
@@ -275,5 +342,16 @@ def apply_deepspeed() -> dict[str, bool]:
     return apply(DEEPSPEED)
 
 
+def restore_megatron() -> None:
+    """Undo :func:`apply_megatron`."""
+    restore(MEGATRON)
+
+
+def restore_deepspeed() -> None:
+    """Undo :func:`apply_deepspeed`."""
+    restore(DEEPSPEED)
+
+
 __all__ = ["ALWAYS", "DEEPSPEED", "LAUNCHER", "MEGATRON", "WITHOUT_APEX_OR_TE", "Patch", "UpstreamChanged",
-           "apply", "apply_deepspeed", "apply_megatron", "is_patched", "rebound"]
+           "apply", "apply_deepspeed", "apply_megatron", "is_patched", "rebound", "require_megatron", "restore",
+           "restore_deepspeed", "restore_megatron"]

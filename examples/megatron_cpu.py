@@ -186,12 +186,6 @@ def install() -> None:
     logging.getLogger(mrandom.__name__).addFilter(
         lambda record: record.getMessage() != "CPU RNG state changed within GPU RNG context")
 
-    # Megatron's Adam here is torch's AdamW, whose checkpoint resume under the distributed
-    # optimizer the library mends (for GPUs without apex or Transformer Engine too).
-    from dion3_megatron.megatron import torch_adam
-
-    torch_adam.install()
-
 
 def allow_pretrain() -> None:
     """:func:`install`, and let ``megatron.training.pretrain()`` run on CPU: its

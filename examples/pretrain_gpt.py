@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from dion3_megatron.compat import require_megatron
 from dion3_megatron.options import BY_NAME as DION3_OPTIONS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples' own modules, also when imported by path
@@ -574,6 +575,7 @@ def worker(args) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    require_megatron()  # before any process starts, the error that names the install command
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return launch(args, argv)
     worker(args)

@@ -186,3 +186,69 @@ def test_rebound_leaves_the_module_alone():
     copy = compat.rebound("megatron.core.optimizer:_get_megatron_emerging_optimizer", factory, names)
     assert copy.__code__ is factory.__code__ and copy.__globals__["ChainedOptimizer"] == "z"
     assert (core_optimizer.HAVE_EMERGING_OPTIMIZERS, core_optimizer.ChainedOptimizer) == stock
+
+
+# In a fresh interpreter: note what every entry's target holds (with registration held back),
+# register both frameworks, unregister both, register again.
+_UNREGISTER = textwrap.dedent("""
+    import importlib, json, os
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from dion3_megatron import compat
+
+    apply = compat.apply
+    compat.apply = lambda patches, launcher=False: {p.target: False for p in patches}  # held back
+    import dion3_megatron.megatron as dm, dion3_megatron.deepspeed as dd
+    compat.apply = apply
+    patches = compat.MEGATRON + compat.DEEPSPEED
+
+    def held(patch):
+        owner, name, key = compat._locate(patch)
+        if key is None:  # the raw attribute, absent where inherited or new
+            return vars(owner).get(name, "absent")
+        container = getattr(owner, name)
+        return list(container) if key == "+" else container.get(key, "absent")
+
+    def same(a, b):
+        if isinstance(a, list):
+            return isinstance(b, list) and len(a) == len(b) and all(x is y for x, y in zip(a, b))
+        return a is b
+
+    originals = {p.target: held(p) for p in patches}
+    dm.register(launcher=True), dd.register()
+    changed = [p.target for p in patches if not same(held(p), originals[p.target])]
+    dm.unregister(), dd.unregister()
+    restored = [p.target for p in patches if same(held(p), originals[p.target])]
+    unregistered = not dm.is_registered() and not hasattr(__import__("torch").optim, "Dion3")
+    again = {**compat.apply_megatron(launcher=True), **compat.apply_deepspeed()}
+    print("RESULT" + json.dumps(dict(targets=[p.target for p in patches], changed=changed, restored=restored,
+                                     unregistered=unregistered, again=again, registered_again=dm.is_registered())))
+""")
+
+
+def test_unregister_restores_every_original_and_register_works_again():
+    out = subprocess.run([sys.executable, "-c", _UNREGISTER], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    (line,) = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
+    result = json.loads(line[len("RESULT"):])
+    targets = result["targets"]
+    assert result["changed"] == targets  # every entry applies here (see above) ...
+    assert result["restored"] == targets  # ... and is the original again
+    assert result["unregistered"]
+    assert result["again"] == {target: True for target in targets} and result["registered_again"]
+
+
+def test_restore_removes_added_attributes_items_and_elements(monkeypatch):
+    module = _fake_module(monkeypatch, value=lambda: 1, table={"kept": 1}, items=[0])
+    original = module.value
+    patches = (compat.Patch("fake_upstream:value", f"{__name__}:wrapped", "why", "fake 0.19.x"),
+               compat.Patch("fake_upstream:added", f"{__name__}:wrapped", "why", "fake 0.19.x", adds=True),
+               compat.Patch("fake_upstream:table['new']", f"{__name__}:wrapped", "why", "fake 0.19.x"),
+               compat.Patch("fake_upstream:items[+]", f"{__name__}:wrapped", "why", "fake 0.19.x"))
+    compat.apply(patches)
+    assert module.value() == ("wrapped", 1) and hasattr(module, "added") and "new" in module.table and len(module.items) == 2
+    compat.restore(patches)
+    assert module.value is original and not hasattr(module, "added")
+    assert module.table == {"kept": 1} and module.items == [0]
+    compat.apply(patches)
+    assert compat.is_patched(module.value) and "new" in module.table
+    compat.restore(patches)

@@ -61,6 +61,7 @@ def test_a_config_without_fraction_gets_auto_chosen_under_zero1(session):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_stages_train_alike(session, stage):
+    # At fraction 1 (hf_trainer_helpers.session: no top-k selection to flip on a near tie), measured 5e-7.
     a, b = session[0]["llama_zero1"]["losses"], session[0][f"llama_zero{stage}"]["losses"]
     assert len(a) == len(b) == 10 and max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (a, b)
 

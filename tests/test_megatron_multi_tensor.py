@@ -54,16 +54,30 @@ def test_scale_and_copy_are_bit_identical_to_megatrons_loop(generator, scale, ds
     assert all(torch.equal(a, b) for a, b in zip(in_place, reference))
 
 
-def test_registration_installs_them_where_megatron_has_only_its_loops():
+def test_registration_installs_them_for_dion3_steps_where_megatron_has_only_its_loops():
+    """Outside a step of Dion3's wrappers (every other optimizer's run) Megatron's own loops run."""
     check = textwrap.dedent("""
+        import torch
+        from megatron.core import utils
         from megatron.core.optimizer import clip_grads, optimizer
         import dion3_megatron.megatron
         from dion3_megatron import compat
         from dion3_megatron.megatron import multi_tensor as mt
-        print(clip_grads.l2_norm_impl is mt.foreach_l2_norm, clip_grads.multi_tensor_scale_impl is mt.foreach_scale,
-              optimizer.multi_tensor_scale_impl is mt.foreach_scale,
+        replaced = [clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, optimizer.multi_tensor_scale_impl]
+        originals = [utils.local_multi_tensor_l2_norm, utils.local_multi_tensor_scale, utils.local_multi_tensor_scale]
+        calls = []
+        foreach_mul = torch._foreach_mul
+        torch._foreach_mul = lambda *a, **k: calls.append(1) or foreach_mul(*a, **k)
+        src = [torch.randn(5, 3), torch.randn(7)]
+        outside, inside = [torch.empty_like(t) for t in src], [torch.empty_like(t) for t in src]
+        clip_grads.multi_tensor_scale_impl(0, None, [src, outside], 0.37)
+        stock_calls = len(calls)
+        with mt.dion3_step():
+            clip_grads.multi_tensor_scale_impl(0, None, [src, inside], 0.37)
+        print(all(compat.is_patched(r) and r.__wrapped__ is o for r, o in zip(replaced, originals)),
+              stock_calls == 0, len(calls) == 1, all(torch.equal(a, b) for a, b in zip(outside, inside)),
               compat.apply_megatron()["megatron.core.optimizer.clip_grads:l2_norm_impl"])
     """)
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["True"] * 4, out.stdout
+    assert out.stdout.split() == ["True"] * 5, out.stdout

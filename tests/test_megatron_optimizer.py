@@ -185,7 +185,7 @@ def test_load_state_dict_rejects_bad_group_settings_before_anything_changes(key,
     sd = opt.state_dict()
     sd["param_groups"][0][key] = value
     sd["state"][0]["momentum"] = torch.zeros_like(sd["state"][0]["momentum"])
-    sd["auto_fractions"] = {0: {s.name: 0.25 for shards in opt._shards.values() for s in shards}}  # (rebuilds)
+    sd["param_groups"][0]["fractions"] = {s.name: 0.25 for shards in opt._shards.values() for s in shards}
     with pytest.raises(ValueError, match=f"param group 0: {key} must be .*, got {value!r}"):
         opt.load_state_dict(sd)
     assert opt.param_groups[0][key] != value
@@ -210,6 +210,27 @@ def test_non_finite_gradient_skips_the_step(generator):
         assert torch.equal(p.data, w)
     for key, value in opt.state_dict()["state"][0].items():
         assert torch.equal(value, before_state[key]), key
+
+
+@pytest.mark.parametrize("change", ["setting", "sparse gradient"])
+def test_a_step_the_checks_refuse_raises_by_name_before_anything_changes(generator, change):
+    """The step's checks run at every step, not only when the engine is built."""
+    params, names = _params(generator)
+    opt = _megatron(params, names)
+    _one_step(opt, params, generator)
+    before, weights = _saved_state(opt), [p.detach().clone() for p in params]
+    for p, g in zip(params, _grads(generator, params, 1)[0]):
+        p.grad = g
+    if change == "setting":
+        opt.param_groups[0]["mu"] = 1.5
+        message = r"param group 0: mu must be in \[0, 1\), got 1.5"
+    else:
+        params[2].grad = params[2].grad.to_sparse()
+        message = rf"param group 0: {names[params[2]]}: Dion3 does not support sparse gradients"
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    assert all(torch.equal(p, w) for p, w in zip(params, weights)) and opt.skipped_steps == 0
+    _assert_state_is(opt, before)
 
 
 def test_auto_fraction_choices_survive_a_resume_on_a_machine_of_another_speed(monkeypatch, generator):
@@ -244,11 +265,12 @@ def test_auto_fraction_choices_survive_a_resume_on_a_machine_of_another_speed(mo
     run(resumed, other, grads[2:])
     for name, p in params.items():
         assert torch.equal(p, resumed[name]), name
-    assert saved["auto_fractions"] == {0: {"layers.0.mlp.linear_fc2.weight": 0.25,
-                                           "layers.0.self_attention.linear_proj.weight": 0.125}}
-    assert other.state_dict()["auto_fractions"] == saved["auto_fractions"]
-    bad = dict(saved, auto_fractions={0: {"layers.0.mlp.linear_fc2.weight": 0.3}})
-    with pytest.raises(ValueError, match="auto_fractions: layers.0.mlp.linear_fc2.weight on rank 0 has fraction 0.3"):
+    assert saved["param_groups"][0]["fractions"] == {"layers.0.mlp.linear_fc2.weight": 0.25,
+                                                     "layers.0.self_attention.linear_proj.weight": 0.125}
+    assert other.state_dict()["param_groups"][0]["fractions"] == saved["param_groups"][0]["fractions"]
+    assert set(saved) == {"state", "param_groups", "skipped_steps"}  # the record is the groups' alone
+    bad = dict(saved, param_groups=[{**saved["param_groups"][0], "fractions": {"layers.0.mlp.linear_fc2.weight": 0.3}}])
+    with pytest.raises(ValueError, match="param group 0: 'layers.0.mlp.linear_fc2.weight' has fraction 0.3"):
         other.load_state_dict(bad)
 
 
@@ -330,3 +352,11 @@ def test_auto_weighs_the_share_of_the_model_s_matrices_this_rank_steps(monkeypat
     opt.step()
     assert shares and set(shares) == {(64 * 32 + 32 * 32) / (64 * 32 + 32 * 64 + 32 * 32)}
 
+
+
+def test_step_returns_the_closure_s_loss(generator):
+    params, names = _params(generator)
+    opt = _megatron(params, names)
+    for p, g in zip(params, _grads(generator, params, 1)[0]):
+        p.grad = g
+    assert opt.step(lambda: 1.5) == 1.5

@@ -385,16 +385,20 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
             for b in data[STEPS:]:
                 ms.train_step(chunks, opt, sched, b)
             straight = _full_state(chunks[0].module, cfg)
-            chosen = _find_dion3(opt)[0].state_dict().get("auto_fractions")
+            (dion3,) = _find_dion3(opt)
+            chosen = [g["fractions"] for g in dion3.state_dict()["param_groups"]]
+            own = sorted(s.name for g in dion3.param_groups for p in g["params"] for s in dion3._shards[p])
             fractions.measure = lambda device, dtype: cost_model.DeviceSpeed(1e30, 0.0, 1e30, 1e30)
             ms.init_parallel()
             cfg = ms.tiny_config()
             chunks, opt, sched = ms.make_parallel(cfg, dense_init, fraction="auto")
             _load(chunks, opt, ckpt_dir + "_auto")
+            loaded = [g["fractions"] for g in _find_dion3(opt)[0].state_dict()["param_groups"]]
             for b in data[STEPS:]:
                 ms.train_step(chunks, opt, sched, b)
             resumed = _full_state(chunks[0].module, cfg)
-            return {"chosen": chosen, "resume_max_diff": max((resumed[k] - straight[k]).abs().max().item() for k in straight)}
+            return {"chosen": chosen, "own": own, "loaded": loaded,
+                    "resume_max_diff": max((resumed[k] - straight[k]).abs().max().item() for k in straight)}
         finally:
             fractions.measure, cost_model.MIN_SELECTED_ROWS, cost_model.TOKENS_PER_STEP = measure, min_rows, tokens
 
@@ -409,9 +413,9 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         # it out and the wrapper checks the gradients outside the norm itself every step.
         from dion3_megatron.megatron import wrappers
 
-        own_checks = []
-        original = wrappers.usable_on_every_rank
-        wrappers.usable_on_every_rank = lambda *a, **k: own_checks.append(1) or original(*a, **k)
+        decisions = []
+        original = wrappers.decide_step
+        wrappers.decide_step = lambda *a, **k: decisions.append(1) or original(*a, **k)
         try:
             ms.init_parallel(tp=tp)
             cfg = ms.tiny_config(tp=tp, bf16=bf16)
@@ -421,7 +425,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
                 dion3.param_groups[0]["params"][-1].shared = True
             for b in data[:STEPS]:
                 ms.train_step(chunks, opt, sched, b)
-            out = {"clean_own_checks": len(own_checks)}
+            out = {"clean_decisions": len(decisions)}
             model = chunks[0].module
             if poison != "nan_loss" and rank == 1:  # poison one gradient right after its optimizer prepared it
                 leaf = (_adam_distopts(opt)[0] if poison == "adam_huge"
@@ -448,9 +452,9 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
             out["changed"] = sorted(k for k in before if not torch.equal(before[k], after[k]))
             out["snapshot_covers"] = [any(k.endswith(kind) for k in before) for kind in (" step", " exp_avg_sq", " momentum")]
             out["scheduler_stepped"] = sched.num_steps != lr_steps
-            out["skipped"] = dion3.skipped_steps
+            out["skipped"] = [dion3.skipped_steps, opt.skipped_steps]
             out["warnings"] = sum("non-finite gradient" in str(w.message) for w in caught)
-            out["bad_own_checks"] = len(own_checks) - out["clean_own_checks"]
+            out["bad_decisions"] = len(decisions) - out["clean_decisions"]
             if checkpoint_to is not None:  # skipped_steps survives a torch_dist checkpoint
                 _save(chunks, opt, checkpoint_to)
                 fresh_chunks, fresh, _ = ms.make_parallel(cfg, dense_init, bf16=bf16)
@@ -463,7 +467,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
             out["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
             return out
         finally:
-            wrappers.usable_on_every_rank = original
+            wrappers.decide_step = original
 
     for name, fn in (("dp", dp), ("dp_plain", lambda: dp(layer_wise=False)), ("dp_overlap", dp_overlap), ("tp", tp),
                      ("pp", pp), ("moe", moe), ("moe_etp", moe_etp), ("bf16", bf16), ("checkpoint", checkpoint),
@@ -601,11 +605,14 @@ def test_torch_dist_checkpoint_with_row_ages_resumes_bit_identically_and_reshard
 def test_auto_fraction_choices_of_every_rank_survive_a_torch_dist_resume(results):
     for rank, r in enumerate(_get(results, "auto_resume")):
         assert r["resume_max_diff"] == 0.0, f"rank {rank}: resumed run differs by {r['resume_max_diff']:.3g}"
-        choices = [r["chosen"][q] for q in (0, 1)]
-        assert choices[0] and choices[1], r["chosen"]  # each rank's own matrices (the layer-wise optimizer)
-        shared = choices[0].keys() & choices[1].keys()
-        assert all(choices[0][name] == choices[1][name] for name in shared), r["chosen"]  # the ranks agreed
-        assert set(choices[0].values()) - {1.0}, r["chosen"]  # the resume's device would have kept every row
+    per_rank = _get(results, "auto_resume")
+    # Every rank saves the same record, under its param groups: every rank's matrices (each rank
+    # steps its own under the layer-wise optimizer), read back from torch_dist as saved.
+    assert per_rank[0]["chosen"] == per_rank[1]["chosen"] == per_rank[0]["loaded"] == per_rank[1]["loaded"]
+    named = sorted(name for record in per_rank[0]["chosen"] for name in record)
+    assert named == sorted(per_rank[0]["own"] + per_rank[1]["own"]) and set(per_rank[0]["own"]).isdisjoint(per_rank[1]["own"])
+    # the resume's device would have kept every row
+    assert {f for record in per_rank[0]["chosen"] for f in record.values()} - {1.0}, per_rank[0]["chosen"]
 
 
 def test_grad_clipping_and_lr_warmup_match_single_process(results):
@@ -620,15 +627,14 @@ def test_grad_clipping_and_lr_warmup_match_single_process(results):
 def test_a_bad_step_on_one_rank_is_skipped_whole_on_every_rank(results, layout):
     # As under loss scaling: step() returns (False, None, None), no optimizer of the chain (Dion3,
     # Megatron's Adam) changes a weight, a state tensor or a counter, the scheduler does not step,
-    # Dion3 counts the step and warns once; the next clean step continues like a run without the
-    # bad batch. Gradients outside Megatron's norm (TP duplicates, a shared weight) get one own check
-    # per step; otherwise the norm decides alone.
-    own_checks = STEPS if layout in ("nan_loss_tp", "nan_loss_tp_bf16", "dion3_nan_uncounted") else 0
+    # the step is counted once (the chain's count, which its Dion3 optimizer holds) and warned about
+    # once; the next clean step continues like a run without the bad batch. One decision per step,
+    # for every optimizer of the chain.
     for rank, r in enumerate(_get(results, layout)):
         assert r["returned"] == [False, None], (rank, r["returned"])
         assert r["changed"] == [] and all(r["snapshot_covers"]), (rank, r["changed"][:5], r["snapshot_covers"])
-        assert not r["scheduler_stepped"] and r["skipped"] == 1 and r["warnings"] == 1, (rank, r)
-        assert (r["clean_own_checks"], r["bad_own_checks"]) == (own_checks, own_checks // STEPS), (rank, r)
+        assert not r["scheduler_stepped"] and r["skipped"] == [1, 1] and r["warnings"] == 1, (rank, r)
+        assert (r["clean_decisions"], r["bad_decisions"]) == (STEPS, 1), (rank, r)
         assert r["next_ok"] and r["finite"]
         if "bf16" in layout:
             assert r["dion3"] < bf16_tolerance()

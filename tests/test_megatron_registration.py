@@ -4,6 +4,7 @@ dion3_megatron.megatron.register; what it changes: tests/test_compat.py)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -76,7 +77,8 @@ def test_registered_parser_accepts_dion3_flags():
         (["--dion3-fraction", "quarter"], "argument --dion3-fraction: fraction must be a number, got 'quarter'"),
         (["--dion3-mu", "1.0"], "argument --dion3-mu: mu must be in [0.0, 1.0), got 1.0"),
         (["--dion3-ns-method", "cubic"], "argument --dion3-ns-method: invalid choice: 'cubic'"),
-        (["--optimizer", "dion4"], "argument --optimizer: invalid choice: 'dion4'"),
+        (["--optimizer", "dion4"], "--optimizer dion4: did you mean dion3?"),
+        (["--optimizer", "adamw"], "argument --optimizer: invalid choice: 'adamw'"),
     ],
 )
 def test_bad_flag_values_get_argparse_errors(flags, message, capsys):
@@ -171,22 +173,23 @@ def test_launcher_runs_a_megatron_script_with_dion3_registered(tmp_path):
 
 def test_registration_mends_torch_adams_resume_where_megatron_falls_back_to_it():
     """Without apex or Transformer Engine (this machine, and a pip install on a GPU) Megatron's Adam
-    is torch's AdamW, whose DistributedOptimizer resume the library mends on registration alone (the
-    resume itself: tests/test_megatron_pretrain.py). A fresh interpreter, no CPU shim."""
+    is torch's AdamW, whose DistributedOptimizer resume the library mends on registration, for Dion3
+    runs (the resume itself: tests/test_megatron_pretrain.py; other runs:
+    test_registration_leaves_another_optimizers_run_byte_identical). A fresh interpreter, no CPU shim."""
     check = textwrap.dedent("""
         import torch
         from megatron.core import optimizer as core_optimizer
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as DO
         before = (DO.state_dict, DO.load_state_dict, DO._set_main_param_and_optimizer_states)
         import dion3_megatron.megatron
-        from dion3_megatron.megatron import torch_adam
+        from dion3_megatron import compat
         after = (DO.state_dict, DO.load_state_dict, DO._set_main_param_and_optimizer_states)
-        print(core_optimizer.Adam is torch.optim.AdamW, all(a is not b for a, b in zip(before, after)),
-              torch_adam.install() and (DO.state_dict is after[0]))
+        print(core_optimizer.Adam is torch.optim.AdamW, all(compat.is_patched(a) and a.__wrapped__ is b
+                                                            for a, b in zip(after, before)))
     """)
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=240, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["True", "True", "True"], out.stdout
+    assert out.stdout.split() == ["True", "True"], out.stdout
 
 
 def test_launcher_checks_the_dion3_values_first_and_leaves_other_optimizers_lr_alone(monkeypatch, capsys):
@@ -258,8 +261,8 @@ _PATCHED_CHECK = textwrap.dedent(
     # Registration applied the no-apex/TE fixes too.
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from dion3_megatron.megatron import multi_tensor, torch_adam
-    assert clip_grads.l2_norm_impl is multi_tensor.foreach_l2_norm, clip_grads.l2_norm_impl
+    from dion3_megatron.megatron import torch_adam
+    assert compat.is_patched(clip_grads.l2_norm_impl), clip_grads.l2_norm_impl
     assert compat.is_patched(DistributedOptimizer.state_dict) == torch_adam.megatron_adam_is_torch()
 
     # pretrain()'s model-config path wraps a Dion3 run's model in the layer-wise layout.
@@ -414,3 +417,180 @@ def test_readme_megatron_commands_parse():
     for script, argv in commands.items():
         args = _megatron_parser().parse_args(argv)
         assert (args.optimizer, args.dion3_fraction, args.use_distributed_optimizer) == ("dion3", "auto", True), script
+
+
+def test_an_unknown_dion3_attribute_of_the_config_or_the_args_is_refused_with_the_hint(monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.training import global_vars
+
+    import dion3_megatron.megatron as dm
+
+    config = OptimizerConfig(optimizer="dion3", lr=0.01)
+    config.dion3_fractoin = 0.25
+    with pytest.raises(ValueError, match=r"^Megatron optimizer config: unknown attribute dion3_fractoin; "
+                                         r"did you mean 'dion3_fraction'\?$"):
+        dm.config_to_kwargs(config, [], None)
+    del config.dion3_fractoin
+    config.dion3_xyz = 1
+    with pytest.raises(ValueError, match=r"unknown attribute dion3_xyz; the Dion3 fields are dion3_fraction, dion3_mu"):
+        dm.config_to_kwargs(config, [], None)
+    del config.dion3_xyz
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", SimpleNamespace(dion3_momentum=0.9))
+    with pytest.raises(ValueError, match=r"^Megatron-LM args: unknown attribute dion3_momentum; "
+                                         r"Dion3 calls its momentum 'dion3_mu'$"):
+        dm.config_to_kwargs(config, [], None)
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", SimpleNamespace(dion3_mu=0.9))
+    assert dm.config_to_kwargs(config, [], None)["mu"] == 0.9
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--dion3-momentum", "0.9"], "--dion3-momentum: unknown flag; Dion3 calls its momentum --dion3-mu"),
+    (["--dion3-fractoin=0.25"], "--dion3-fractoin: unknown flag; did you mean --dion3-fraction?"),
+    (["--dion3-cuda-graph"], "--dion3-cuda-graph: unknown flag; did you mean --dion3-no-cuda-graph?"),
+    (["--optimizer", "Dion3"], "--optimizer Dion3: did you mean dion3?"),
+    (["--optimizer", "dion"], "--optimizer dion: did you mean dion3?"),
+    (["--dion3-fraction", "1.5"], "argument --dion3-fraction: fraction must be in (0.0, 1.0], got 1.5"),
+])
+def test_a_mistake_in_a_dion3_flag_stops_megatron_s_parser_with_one_line(flags, line, capsys, monkeypatch):
+    import dion3_megatron.megatron  # noqa: F401
+
+    monkeypatch.delenv("RANK", raising=False)
+    for parse in ("parse_args", "parse_known_args"):  # (Megatron's ignore_unknown_args parses known args only)
+        parser = _megatron_parser()
+        with pytest.raises(SystemExit) as exc:
+            getattr(parser, parse)(["--num-layers", "2"] + flags)
+        assert exc.value.code == 2
+        assert capsys.readouterr().err == f"{parser.prog}: error: {line}\n"
+    with pytest.raises(SystemExit):  # Megatron's own mistakes keep argparse's usage
+        _megatron_parser().parse_args(["--num-layerz", "2"])
+    assert capsys.readouterr().err.startswith("usage:")
+
+
+def test_the_launcher_stops_an_unknown_dion3_flag_before_the_script_starts(capsys, monkeypatch):
+    from dion3_megatron.megatron.launch import PROG, check_arguments
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit):
+        check_arguments(["--optimizer", "dion3", "--dion3-momentum", "0.9", "--num-layers", "4"])
+    assert capsys.readouterr().err == f"{PROG}: error: --dion3-momentum: unknown flag; Dion3 calls its momentum --dion3-mu\n"
+
+
+def test_without_megatron_the_import_and_the_main_job_name_the_extra(tmp_path):
+    """Megatron hidden from every process (a sitecustomize that blocks the import)."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['megatron'] = None\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
+    for command in (["-c", "import dion3_megatron.megatron"],
+                    [os.path.join(REPO, "examples", "pretrain_gpt.py"), "--steps", "1"]):
+        out = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode != 0
+        assert out.stderr.strip().splitlines()[-1] == (
+            'ImportError: dion3_megatron.megatron needs Megatron-Core 0.19, which is not installed: '
+            'pip install "dion3-megatron[megatron]"'), out.stderr[-2000:]
+
+
+# Megatron's Adam (torch AdamW here: no apex, no Transformer Engine) with the distributed optimizer
+# and clipping, one process: 3 steps, a torch_dist save, 1 step, a load (which stock 0.19 refuses
+# for torch's AdamW), 1 step. Once with stock Megatron, once with Dion3 registered: everything,
+# the errors included, must be the same bytes.
+_ADAM_RUN = textwrap.dedent(
+    """
+    import json, os, sys, tempfile
+    import torch
+    import torch.distributed as dist
+    sys.path[:0] = [{repo!r}, {tests!r}]
+    from support import megatron_shim as ms
+    ms.install()
+    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+    from megatron.core import dist_checkpointing, parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.training.training import wrap_model_chunks_with_ddp
+
+    class NoSchedule:
+        def step(self, increment):
+            pass
+
+    def build():
+        ms.init_parallel()
+        cfg = ms.tiny_config()
+        chunks = wrap_model_chunks_with_ddp([ms.build_gpt(cfg)], cfg, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True))
+        cfg.finalize_model_grads_func, cfg.no_sync_func = finalize_model_grads, chunks[0].no_sync
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.01, weight_decay=0.1, clip_grad=0.5,
+                                                     use_distributed_optimizer=True, **ms.ADAM), chunks)
+        return chunks, opt
+
+    def sharded(chunks, opt, loading):
+        metadata = {{"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+                    "chained_optim_avoid_prefix": True, "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}}
+        sd = {{"model": chunks[0].module.sharded_state_dict(metadata=metadata)}}
+        sd["optimizer"] = opt.sharded_state_dict(sd, is_loading=loading, metadata=metadata)
+        return sd
+
+    def run(where):
+        data = ms.batches(5, 2)
+        chunks, opt = build()
+        out = {{}}
+        try:
+            out["fresh state_dict"] = opt.state_dict()
+        except Exception as error:  # stock 0.19 asserts before AdamW's first step
+            out["fresh state_dict"] = type(error).__name__
+        out["grad norms"] = [ms.train_step(chunks, opt, NoSchedule(), b)[2] for b in data[:3]]
+        os.makedirs(where)
+        dist_checkpointing.save(sharded(chunks, opt, False), where)
+        out["grad norms"].append(ms.train_step(chunks, opt, NoSchedule(), data[3])[2])
+        out["weights"] = {{n: p.detach().clone() for n, p in chunks[0].module.named_parameters()}}
+        chunks, opt = build()
+        try:  # stock 0.19 with torch's AdamW: its fresh state_dict() asserts here too
+            loaded = dist_checkpointing.load(sharded(chunks, opt, True), where)
+        except Exception as error:
+            out["load"] = type(error).__name__
+            return out
+        chunks[0].module.load_state_dict(loaded["model"])
+        opt.load_state_dict(loaded["optimizer"])
+        out["grad norms"] += [ms.train_step(chunks, opt, NoSchedule(), b)[2] for b in data[3:]]
+        out["resumed weights"] = {{n: p.detach().clone() for n, p in chunks[0].module.named_parameters()}}
+        out["state_dict"] = opt.state_dict()
+        out["state"] = {{k: v.clone() for k, v in opt.get_parameter_state_dp_reshardable().items()
+                        if torch.is_tensor(v)}} if hasattr(opt, "get_parameter_state_dp_reshardable") else {{}}
+        return out
+
+    def same(a, b):
+        if torch.is_tensor(a):
+            return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+
+    tmp = tempfile.mkdtemp()
+    stock = run(os.path.join(tmp, "stock"))
+    import dion3_megatron.megatron
+    from dion3_megatron import compat
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    patched = [compat.is_patched(clip_grads.l2_norm_impl), compat.is_patched(DistributedOptimizer.load_state_dict)]
+    registered = run(os.path.join(tmp, "registered"))
+    print("RESULT" + json.dumps(dict(patched=patched, norms=[stock["grad norms"], registered["grad norms"]],
+                                     differ=sorted(k for k in stock.keys() | registered.keys()
+                                                   if not same(stock.get(k), registered.get(k))))))
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_registration_leaves_another_optimizers_run_byte_identical():
+    """Registration replaces Megatron's Adam checkpoint methods and its multi-tensor loops (without
+    apex or Transformer Engine); a run whose optimizer is not dion3 must not see it."""
+    script = _ADAM_RUN.format(repo=REPO, tests=os.path.join(REPO, "tests"))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-4000:]
+    (line,) = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
+    result = json.loads(line[len("RESULT"):])
+    assert result["patched"] == [True, True]  # the replacements are in place, and fall through
+    assert result["differ"] == [], result
+    assert result["norms"][0] == result["norms"][1] and len(result["norms"][0]) >= 4

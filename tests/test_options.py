@@ -131,10 +131,11 @@ def test_megatron_flags_config_fields_and_kwargs_are_the_megatron_options():
     import argparse
     from types import SimpleNamespace
 
-    from dion3_megatron.megatron import arguments, optimizer
+    import dion3_megatron.megatron as dm
+    from dion3_megatron.megatron import arguments
 
     megatron = options.options_for(options.MEGATRON)
-    assert _keyword_defaults(optimizer.MegatronDion3) == options.defaults_for(options.MEGATRON)
+    assert _keyword_defaults(dm.MegatronDion3) == options.defaults_for(options.MEGATRON)
     parser = arguments.add_dion3_arguments(argparse.ArgumentParser())
     parsed = vars(parser.parse_args([]))
     assert parsed == {f"dion3_{o.name}": o.default for o in megatron}
@@ -144,12 +145,12 @@ def test_megatron_flags_config_fields_and_kwargs_are_the_megatron_options():
         if option.kind in (options.REAL, options.FRACTION, options.CHOICE):
             with pytest.raises(SystemExit):
                 parser.parse_args([arguments.flag(option.name), str(_BAD[option.kind])])
-    kwargs = optimizer.config_to_kwargs(SimpleNamespace(lr=None, weight_decay=0.1), [], None)
+    kwargs = dm.config_to_kwargs(SimpleNamespace(lr=None, weight_decay=0.1), [], None)
     assert {k: kwargs[k] for k in options.defaults_for(options.MEGATRON)} == options.defaults_for(options.MEGATRON)
     for option in megatron:
         config = SimpleNamespace(lr=None, weight_decay=0.1, **{f"dion3_{option.name}": _BAD[option.kind]})
         with pytest.raises(ValueError, match=f"dion3_{option.name} must be"):
-            optimizer.config_to_kwargs(config, [], None)
+            dm.config_to_kwargs(config, [], None)
 
 
 def _trained(generator: torch.Generator, steps: int = 3, step=None, **settings) -> list[torch.Tensor]:

@@ -38,7 +38,7 @@ from .zero_optimizer import DeepSpeedZeroDion3, Partition
 from .groups import engine_param_groups, param_groups
 from .conv1d import conv1d_as_linear
 
-__all__ = ["DeepSpeedDion3", "DeepSpeedZeroDion3", "register", "normalize_params", "param_groups",
+__all__ = ["DeepSpeedDion3", "DeepSpeedZeroDion3", "register", "unregister", "normalize_params", "param_groups",
            "engine_param_groups", "conv1d_as_linear", "CONFIG_KEYS", "SUPPORTED_DEEPSPEED"]
 
 CONFIG_NAME = "dion3"  # the config "type" as DeepSpeed keeps it (it lower-cases its own optimizers' names)
@@ -78,6 +78,15 @@ def register() -> type:
     compat.apply_deepspeed()
     _REGISTERED = True
     return DeepSpeedDion3
+
+
+def unregister() -> None:
+    """Undo :func:`register`: every DeepSpeed and ``torch.optim`` attribute of
+    :data:`dion3_megatron.compat.DEEPSPEED` it replaced is the original again, every one it added
+    (``torch.optim.Dion3``, ZeRO's supported-optimizer entry) is gone."""
+    from .. import compat
+
+    compat.restore_deepspeed()
 
 
 def deepspeed_class(_current=None) -> type:

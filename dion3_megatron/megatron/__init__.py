@@ -1,7 +1,8 @@
 """Dion3 for Megatron-Core / Megatron-LM 0.19: ``--optimizer dion3``.
 
 :func:`register` is the one entry point: it applies every change this package makes to Megatron,
-each listed with its reason and the upstream version in :data:`dion3_megatron.compat.MEGATRON`.
+each listed with its reason and the upstream version in :data:`dion3_megatron.compat.MEGATRON`;
+:func:`unregister` undoes them all.
 Importing this package calls it, and so do the launcher and a Megatron tree patched with
 patches/megatron-core-0.19-dion3.patch. Then either
 
@@ -16,8 +17,9 @@ See docs/megatron.md.
 import sys as _sys
 
 from .arguments import DION3_DEFAULTS, OPTIMIZER_NAME, add_dion3_arguments
-from .optimizer import MegatronDion3, ParamLayout, config_to_kwargs, describe_model, describe_param, init_state_fn
-from .registry import is_registered, register
+from .layout import LogicalMatrix, ParamLayout, describe_model, describe_param
+from .optimizer import MegatronDion3
+from .registry import config_to_kwargs, init_state_fn, is_registered, register, unregister
 
 
 def _launcher_starting() -> bool:
@@ -34,6 +36,7 @@ if not _launcher_starting():
 __all__ = [
     "DION3_DEFAULTS",
     "OPTIMIZER_NAME",
+    "LogicalMatrix",
     "MegatronDion3",
     "ParamLayout",
     "add_dion3_arguments",
@@ -43,4 +46,5 @@ __all__ = [
     "init_state_fn",
     "is_registered",
     "register",
+    "unregister",
 ]

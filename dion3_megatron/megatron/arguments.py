@@ -4,19 +4,31 @@ Every flag is derived from :mod:`dion3_megatron.options` (the options whose fron
 "megatron"): option ``name`` is the flag ``--dion3-<name>`` (a bool that defaults to True is
 ``--dion3-no-<name>``) and the ``OptimizerConfig`` / args attribute ``dion3_<name>``. Registration
 (:func:`dion3_megatron.megatron.register`) adds them to Megatron-LM's parser. Values are checked by
-argparse itself, so a bad value stops the launch with argparse's usual ``error: argument ...``.
+argparse itself. A mistake in a Dion3 flag (a bad value, an unknown ``--dion3-*`` flag, a misspelt
+``--optimizer dion3``) stops the launch with one line naming it, with a hint where there is one,
+instead of argparse's usage (all of Megatron-LM's flags) first; an unknown ``dion3_*`` attribute of
+an ``OptimizerConfig`` or of the args is refused alike (:func:`refuse_unknown_fields`).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
+import re
+import sys
 import warnings
-from typing import Any
+from typing import Any, Callable, NoReturn
 
 from .. import options
 
 OPTIMIZER_NAME = "dion3"
 OPTIONS = options.options_for(options.MEGATRON)
+
+
+def is_dion3(optimizer: Any) -> bool:
+    """Whether an ``OptimizerConfig.optimizer`` / ``--optimizer`` value selects Dion3."""
+    return isinstance(optimizer, str) and optimizer in (OPTIMIZER_NAME, "dist_" + OPTIMIZER_NAME)
 
 
 def config_field(name: str) -> str:
@@ -33,6 +45,26 @@ def flag(name: str) -> str:
 
 # config field -> default, for every Dion3 option Megatron carries.
 DION3_DEFAULTS = {config_field(option.name): option.default for option in OPTIONS}
+_PREFIX, _FLAG_PREFIX = config_field(""), flag("")
+
+
+def _hint(unknown: str, spell: Callable[[str], str]) -> str:
+    """``options.unknown_name_hint`` for an unknown Dion3 name, with the option names it quotes
+    written as Megatron spells them (``spell``: as a config field or as a flag)."""
+    names = [option.name for option in OPTIONS]
+    hint = options.unknown_name_hint(unknown, names) or ""
+    return re.sub(r"'(\w+)'", lambda m: spell(m[1]) if m[1] in names else m[0], hint)
+
+
+def refuse_unknown_fields(source: Any, where: str) -> None:
+    """Raise ValueError naming a ``dion3_*`` attribute of ``source`` (an ``OptimizerConfig`` or
+    Megatron-LM's args) that is no Dion3 option, with the did-you-mean hint: a misspelt one would
+    otherwise leave its option at the default, silently."""
+    for name in sorted(vars(source) if hasattr(source, "__dict__") else ()):
+        if name.startswith(_PREFIX) and name not in DION3_DEFAULTS:
+            hint = _hint(name[len(_PREFIX):], lambda option: repr(config_field(option)))
+            raise ValueError(f"{where}: unknown attribute {name}; "
+                             + (hint or f"the Dion3 fields are {', '.join(DION3_DEFAULTS)}"))
 
 
 def check_dion3_values(values: dict[str, Any], where: str) -> None:
@@ -99,10 +131,65 @@ def escape_unformattable_help(parser: argparse.ArgumentParser) -> None:
                 action.help = action.help.replace("%", "%%")
 
 
+def unknown_flag_error(token: str) -> str:
+    """The one line for an unknown ``--dion3-*`` flag, e.g. ``--dion3-momentum: unknown flag; Dion3
+    calls its momentum --dion3-mu``."""
+    given = token.split("=", 1)[0]
+    hint = _hint(given[len(_FLAG_PREFIX):].replace("-", "_"), flag)
+    return f"{given}: unknown flag" + (f"; {hint}" if hint else "")
+
+
+def _optimizer_error(parser: argparse.ArgumentParser, message: str) -> str | None:
+    """``--optimizer X: did you mean dion3?`` when argparse refused a value of ``--optimizer`` that is
+    closest to ``dion3`` among its choices (``Dion3``, ``dion``), else None."""
+    match = re.match(r"argument --optimizer: invalid choice: '([^']*)'", message)
+    if match is None:
+        return None
+    value = match[1]
+    choices = next((list(a.choices) for a in parser._actions  # noqa: SLF001
+                    if "--optimizer" in a.option_strings and a.choices), [])
+    close = [c for c in choices if c.lower() == value.lower()] or difflib.get_close_matches(value, choices, n=1)
+    return f"--optimizer {value}: did you mean {OPTIMIZER_NAME}?" if close == [OPTIMIZER_NAME] else None
+
+
+def _fail(parser: argparse.ArgumentParser, line: str) -> NoReturn:
+    """Stop with one line (said by the first rank alone: every rank parses the same arguments)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{parser.prog}: error: {line}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _one_line_errors(parser: argparse.ArgumentParser) -> None:
+    """Make the parser's errors about Dion3 flags one line each, without its usage: a bad value of a
+    ``--dion3-*`` flag, an unknown ``--dion3-*`` flag (also where the parser ignores unknown
+    arguments: such a flag would change nothing, silently) and ``--optimizer`` misspelt close to
+    dion3. Its other errors are its own."""
+    error, parse_known_args = parser.error, parser.parse_known_args
+
+    def dion3_error(message: str) -> NoReturn:
+        if message.startswith(f"argument {_FLAG_PREFIX}"):
+            _fail(parser, message)
+        line = _optimizer_error(parser, message)
+        if line is not None:
+            _fail(parser, line)
+        error(message)
+
+    def parse_known_args_checking_dion3(args=None, namespace=None):
+        known, extras = parse_known_args(args, namespace)
+        for token in extras:
+            if token.startswith(_FLAG_PREFIX):
+                _fail(parser, unknown_flag_error(token))
+        return known, extras
+
+    parser.error = dion3_error
+    parser.parse_known_args = parse_known_args_checking_dion3
+
+
 def add_dion3_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``dion3`` to ``--optimizer``'s choices (when the parser has that flag) and the Dion3 group,
-    and make the parser's ``--help`` survive help strings it cannot format
-    (:func:`escape_unformattable_help`).
+    make the parser's ``--help`` survive help strings it cannot format
+    (:func:`escape_unformattable_help`) and its errors about Dion3 flags one line each
+    (:func:`_one_line_errors`).
 
     Idempotent: a parser that already has ``--dion3-fraction`` gets no second group.
     """
@@ -113,6 +200,7 @@ def add_dion3_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                 action.choices = list(action.choices) + [OPTIMIZER_NAME]
         if "--dion3-fraction" in action.option_strings:
             return parser
+    _one_line_errors(parser)
     group = parser.add_argument_group(title="Dion3 optimizer (--optimizer dion3)")
     for option in OPTIONS:
         _add(group, option)

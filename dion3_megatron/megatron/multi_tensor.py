@@ -12,19 +12,35 @@ layer-wise Dion3 optimizer and the embeddings' Adam are chained), so they weigh 
 :func:`dion3_megatron.megatron.register` puts in their place (entries of
 :data:`dion3_megatron.compat.MEGATRON`): the same per-element arithmetic (scaling and copies
 bit-identical; the norm the same sum of squares, reduced in another order on the device, so equal
-to a few ulps) and no synchronization until Megatron's own ``.item()``. Nothing is replaced where
-apex or Transformer Engine provide the fused kernels (:func:`is_local_fallback`).
+to a few ulps) and no synchronization until Megatron's own ``.item()``, for the steps of Dion3's
+Megatron wrappers alone (:func:`dion3_step`): every other call, every other optimizer's step,
+runs Megatron's own loop. Nothing is replaced where apex or Transformer Engine provide the fused
+kernels (:func:`is_local_fallback`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
 logger = logging.getLogger(__name__)
 _announced = False  # the first norm says the foreach forms run (then Megatron's logging is set up)
+_dion3_steps = 0  # how many steps of Dion3's wrappers are running (nested: a chain and its member)
+
+
+@contextlib.contextmanager
+def dion3_step() -> Iterator[None]:
+    """Within it (a step of Dion3's Megatron wrappers) the foreach forms replace Megatron's loops."""
+    global _dion3_steps
+    _dion3_steps += 1
+    try:
+        yield
+    finally:
+        _dion3_steps -= 1
 
 
 def foreach_l2_norm(
@@ -66,11 +82,17 @@ def is_local_fallback(current) -> bool:
     return current is utils.local_multi_tensor_l2_norm or current is utils.local_multi_tensor_scale
 
 
-def foreach_form(local):
-    """The foreach form of one of Megatron's local fallbacks."""
+def foreach_form(local: Callable) -> Callable:
+    """One of Megatron's local fallbacks, in its foreach form within :func:`dion3_step`."""
     from megatron.core import utils
 
-    return {utils.local_multi_tensor_l2_norm: foreach_l2_norm, utils.local_multi_tensor_scale: foreach_scale}[local]
+    foreach = {utils.local_multi_tensor_l2_norm: foreach_l2_norm, utils.local_multi_tensor_scale: foreach_scale}[local]
+
+    @functools.wraps(local)
+    def in_dion3_steps_foreach(*args, **kwargs):
+        return (foreach if _dion3_steps else local)(*args, **kwargs)
+
+    return in_dion3_steps_foreach
 
 
-__all__ = ["foreach_form", "foreach_l2_norm", "foreach_scale", "is_local_fallback"]
+__all__ = ["dion3_step", "foreach_form", "foreach_l2_norm", "foreach_scale", "is_local_fallback"]

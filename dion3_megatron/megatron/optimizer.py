@@ -1,4 +1,4 @@
-"""Dion3 as a Megatron-Core emerging optimizer: the torch optimizer Megatron wraps, and its glue.
+"""Dion3 as a Megatron-Core emerging optimizer: the torch optimizer Megatron wraps.
 
 Megatron hands this optimizer the param groups of the 2-D hidden matrices only (its
 ``default_param_overrides`` route embeddings, the output layer, norms and biases to Adam). Under
@@ -6,9 +6,8 @@ Megatron hands this optimizer the param groups of the 2-D hidden matrices only (
 the whole (tensor-parallel-local) matrices this data-parallel rank owns (ZeRO-1, state only on
 owners) and wraps this optimizer for bf16 (fp32 main params).
 
-Every parameter is described once (:class:`ParamLayout`): which logical matrices it holds and how
-they are split over tensor parallelism. A fused QKV weight holds Q, K and V (interleaved per query
-group); a SwiGLU ``linear_fc1`` holds gate and up; everything else holds one matrix. Each logical
+Every parameter is described once (:class:`~.layout.ParamLayout`): which logical matrices it holds
+and how they are split over tensor parallelism. Each logical
 matrix becomes one :class:`~dion3_megatron.engine.MatrixShard`; the megabatch engine then does
 the whole Dion3 step (math from :mod:`dion3_megatron.core.rule`), orthogonalizing whole logical matrices
 across the tensor-parallel group, never per-shard blocks.
@@ -29,155 +28,28 @@ its parameter; so checkpoints reshard across tensor- and data-parallel sizes lik
 from __future__ import annotations
 
 import logging
-import re
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import options
 from ..kernels import config as kernel_config
-from ..frontend import announce_skipped_step, usable_on_every_rank
+from ..frontend.lifecycle import Dion3FrontEnd, without_records
 from ..core.ortho import default_ns_dtype
 from ..engine import Dion3Engine, MatrixShard, Sharding, fractions, plan
 from ..core.rule import Dion3Hyperparameters
-from .arguments import DION3_DEFAULTS, OPTIONS, check_dion3_values, config_field
+from .layout import ParamLayout, describe_model, describe_param
 
 logger = logging.getLogger(__name__)
 
 
-# ------------------------------------------------------------------------------------------------
-# Which logical matrices a Megatron parameter holds.
-
-
-@dataclass
-class LogicalMatrix:
-    """One logical matrix inside a parameter (Q, K or V of a fused QKV weight, gate or up of a SwiGLU
-    fc1, else the whole weight): working-layout rows [start, stop) of the local tensor."""
-
-    suffix: str
-    start: int
-    stop: int
-    full_shape: tuple[int, int]
-
-
-@dataclass
-class ParamLayout:
-    name: str
-    local_shape: tuple[int, int]
-    matrices: list[LogicalMatrix]
-    partition: Optional[str] = None  # None (whole on this rank), "rows" or "cols"
-    group: Any = None  # the tensor-parallel group the partition spans
-    group_size: int = 1
-    perm: Optional[torch.Tensor] = None  # working row i is local row perm[i]; None = identity
-    inv_perm: Optional[torch.Tensor] = field(default=None, repr=False)
-
-
-def _group_size(group) -> int:
-    if group is None or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)
-
-
-# A SwiGLU fc1 weight: linear_fc1.weight, or one expert's linear_fc1.weight<i> in TEGroupedMLP.
-_GLU_FC1 = re.compile(r"linear_fc1\.weight\d*$")
-
-
-def describe_param(
-    name: str,
-    param: torch.Tensor,
-    tp_group=None,
-    *,
-    split_qkv: bool = True,
-    split_glu: bool = True,
-    gated_linear_unit: bool = False,
-) -> ParamLayout:
-    """Describe a 2-D Megatron weight: its logical matrices and its tensor-parallel split.
-
-    Reads Megatron's marks: ``tensor_model_parallel`` / ``partition_dim`` (0 column-parallel,
-    1 row-parallel), ``is_qkv`` / ``qkv_split_shapes`` (per query group), and the name
-    ``linear_fc1.weight`` (``weight0``, ``weight1``, ... per expert in TE's grouped MLP) with
-    ``gated_linear_unit`` (each TP rank holds [gate_local; up_local]).
-    """
-    if param.dim() != 2:
-        raise ValueError(f"{name}: Dion3 takes 2-D weights, got shape {tuple(param.shape)}")
-    n_loc, m_loc = (int(s) for s in param.shape)
-    tp = _group_size(tp_group) if getattr(param, "tensor_model_parallel", False) else 1
-    partition_dim = getattr(param, "partition_dim", -1) if tp > 1 else -1
-    partition = {0: "rows", 1: "cols"}.get(partition_dim)
-    row_mult = tp if partition == "rows" else 1
-    m_full = m_loc * (tp if partition == "cols" else 1)
-    layout = ParamLayout(name, (n_loc, m_loc), [], partition, tp_group if partition else None,
-                         tp if partition else 1)
-
-    split_shapes = getattr(param, "qkv_split_shapes", None)
-    if split_qkv and getattr(param, "is_qkv", False) and split_shapes and n_loc % sum(split_shapes) == 0:
-        per_group = sum(split_shapes)
-        groups = n_loc // per_group
-        rows = torch.arange(n_loc).view(groups, per_group)
-        perm, start, offset = [], 0, 0
-        suffixes = ["q", "k", "v"] if len(split_shapes) == 3 else [f"part{i}" for i in range(len(split_shapes))]
-        for suffix, size in zip(suffixes, split_shapes):
-            perm.append(rows[:, offset:offset + size].reshape(-1))
-            count = groups * size
-            layout.matrices.append(LogicalMatrix(suffix, start, start + count, (count * row_mult, m_full)))
-            start += count
-            offset += size
-        layout.perm = torch.cat(perm)
-        layout.inv_perm = torch.argsort(layout.perm)
-        return layout
-    if split_glu and gated_linear_unit and _GLU_FC1.search(name) and n_loc % 2 == 0:
-        half = n_loc // 2
-        layout.matrices = [LogicalMatrix("gate", 0, half, (half * row_mult, m_full)),
-                         LogicalMatrix("up", half, n_loc, (half * row_mult, m_full))]
-        return layout
-    layout.matrices = [LogicalMatrix("", 0, n_loc, (n_loc * row_mult, m_full))]
-    return layout
-
-
-def _strip_wrappers(name: str) -> str:
-    while name.startswith("module."):
-        name = name[len("module."):]
-    return name
-
-
-def describe_model(
-    model_chunks: Iterable[torch.nn.Module],
-    pg_collection=None,
-    *,
-    split_qkv: bool = True,
-    split_glu: bool = True,
-) -> dict[torch.Tensor, ParamLayout]:
-    """A :class:`ParamLayout` for every 2-D parameter of the (possibly DDP-wrapped) model chunks."""
-    tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
-    expt_tp_group = getattr(pg_collection, "expt_tp", None) if pg_collection is not None else None
-    if pg_collection is None and dist.is_initialized():
-        try:
-            from megatron.core import parallel_state as ps
-
-            tp_group = ps.get_tensor_model_parallel_group(check_initialized=False)
-            expt_tp_group = ps.get_expert_tensor_parallel_group(check_initialized=False)
-        except Exception:  # noqa: BLE001 - plain torch use without Megatron's parallel state
-            pass
-    layouts: dict[torch.Tensor, ParamLayout] = {}
-    for chunk_index, chunk in enumerate(model_chunks):
-        config = getattr(chunk, "config", None)
-        gated = bool(getattr(config, "gated_linear_unit", False))
-        for raw_name, param in chunk.named_parameters():
-            if param.dim() != 2 or param in layouts:
-                continue
-            name = _strip_wrappers(raw_name)
-            is_expert = getattr(param, "expert_tp", False) or ("experts" in name and "shared" not in name)
-            group = expt_tp_group if is_expert else tp_group
-            prefix = f"chunk{chunk_index}." if chunk_index else ""
-            layouts[param] = describe_param(prefix + name, param, group, split_qkv=split_qkv,
-                                            split_glu=split_glu, gated_linear_unit=gated)
-    return layouts
-
-
-# ------------------------------------------------------------------------------------------------
-# The optimizer.
+def decision_device(fallback: torch.device) -> torch.device:
+    """Where the step's decision is agreed: the current GPU under NCCL (a rank without
+    parameters of its own joins too), else ``fallback``."""
+    if dist.is_initialized() and torch.cuda.is_available() and "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return fallback
 
 
 # The Dion3 settings a param group carries (Megatron's groups add their own keys beside them):
@@ -186,7 +58,7 @@ _GROUP_SETTINGS = ("lr", "weight_decay", *options.group_keys(options.MEGATRON))
 
 
 @options.documented(options.MEGATRON)
-class MegatronDion3(torch.optim.Optimizer):
+class MegatronDion3(Dion3FrontEnd):
     """Dion3 for the 2-D hidden matrices of a Megatron-Core model (any TP / PP / EP / DP).
 
     Args:
@@ -202,6 +74,8 @@ class MegatronDion3(torch.optim.Optimizer):
     Options:
 {options}
     """
+
+    FRONT_END = options.MEGATRON
 
     def __init__(
         self,
@@ -231,9 +105,10 @@ class MegatronDion3(torch.optim.Optimizer):
         # weighs the share this optimizer steps (0: no model given).
         self._model_matrix_numel = sum(q.numel() for q in self._layouts
                                        if not getattr(q, "is_embedding_or_output_parameter", False)) if model_chunks else 0
-        self.skipped_steps = 0
-        self._auto_fractions: dict[int, dict[str, float]] = {}  # rank -> matrix name -> the automatic f chosen
+        self._chosen: dict[str, float] = {}  # matrix name -> the automatic f this rank's matrices step at
+        self._records: list[dict[str, float]] = []  # per param group: every rank's automatic f, by matrix name
         self._saved_fractions: dict[str, float] = {}  # matrix name -> f, from a checkpoint
+        self._pending: list = []  # (param, state dict entry) loaded, set at the next engine build
         self._speeds: Optional[fractions.AgreedSpeeds] = None  # whole matrices' speeds, agreed at the first build
         self._finite_vouched = False
         self._engine = None
@@ -336,6 +211,7 @@ class MegatronDion3(torch.optim.Optimizer):
         carried = []
         if self._engine is not None and self._engine_key[0] == key[0]:
             carried = [(p, self._saved_state(p)) for p, _ in params]
+        carried, self._pending = carried + self._pending, []
         self._shards = {}
         self._stamps.clear()
         group_hp = {id(group): self._hp(group) for group in self.param_groups}
@@ -370,7 +246,8 @@ class MegatronDion3(torch.optim.Optimizer):
         if auto and (not dist.is_initialized() or dist.get_rank() == 0):
             logger.info("Dion3 fraction=auto chose (rows x cols: f) %s; this rank steps %.2f of the model's matrices",
                         ", ".join(f"{n}x{m}: {f:g}" for (n, m), f in sorted(auto.items())), step_share)
-        self._share_auto_fractions(self._engine.chosen_fractions())
+        self._chosen = self._engine.chosen_fractions()
+        self._records = self._gathered_records()
         self._engine_key = key
         # What changes from step to step: each group's lr and weight decay, and the gradient (and,
         # rarely, weight) storage of the parameters used in place (the permuted ones use buffers).
@@ -382,16 +259,24 @@ class MegatronDion3(torch.optim.Optimizer):
         self._permuted = [(p, self.layout_of(p).perm, *self._work[p]) for p, _ in params if p in self._work]
         self._set_state(carried)
 
-    def _share_auto_fractions(self, mine: dict[str, float]) -> None:
-        """Every rank's automatic f choices ({rank: {matrix: f}}), gathered over the world at
-        engine construction (collective like it), so that any rank's state dict (the one Megatron's
-        torch_dist checkpoint keeps) holds them all."""
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone: list = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
-            self._auto_fractions = dict(enumerate(everyone))
-        else:
-            self._auto_fractions = {0: mine}
+    def _gathered_records(self) -> list[dict[str, float]]:
+        """Per param group, the automatic f of its matrices on every rank, by matrix name: gathered
+        over the world at engine construction (collective like it). Every rank then saves the same
+        record, so the one Megatron's torch_dist checkpoint keeps (the param groups of one rank)
+        names every matrix, and a resume at another data-parallel size finds each one's f (a
+        name on several ranks: the lowest rank's f)."""
+        mine = [{s.name: self._chosen[s.name] for p in group["params"] for s in self._shards.get(p, [])
+                 if s.name in self._chosen} for group in self.param_groups]
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return mine
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        records: list[dict[str, float]] = [{} for _ in self.param_groups]
+        for theirs in everyone:  # (by group index: a resume reads every group's names alike)
+            for record, their_record in zip(records, theirs):
+                for name, f in their_record.items():
+                    record.setdefault(name, f)
+        return records
 
     def _refresh_shards(self, with_grads: bool) -> None:
         """Per step: the schedule's lr and weight decay into every shard, and new gradient (or
@@ -441,65 +326,78 @@ class MegatronDion3(torch.optim.Optimizer):
         """(full shape, f) of each logical matrix of ``p`` as its steps use them: the group's f, or
         the automatic f chosen. Empty before the first step (or checkpoint access) builds the
         engine."""
-        chosen = self._auto_fractions.get(dist.get_rank() if dist.is_initialized() else 0, {})
-        return [(tuple(s.shape), chosen.get(s.name, s.hp.fraction)) for s in self._shards.get(p, [])]
+        return [(tuple(s.shape), self._chosen.get(s.name, s.hp.fraction)) for s in self._shards.get(p, [])]
 
     def state_dict(self) -> dict[str, Any]:
+        """Each parameter's state in its own layout (param-shaped), ``skipped_steps`` and, under
+        each param group's ``"fractions"``, the automatic f of its matrices on every rank (the
+        same on every rank)."""
         self._ensure_engine(with_grads=False)
         sd = super().state_dict()  # param_groups packed with indices; self.state stays empty
         sd["state"] = {index: self._saved_state(p) for index, (p, _) in enumerate(self._params())}
-        sd["skipped_steps"] = self.skipped_steps  # the same on every rank: all skip together
-        sd["auto_fractions"] = self._auto_fractions  # the same on every rank: gathered
         return sd
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict`; checks every shape before setting anything. The
-        automatic f choices saved are used again, each matrix's own (this rank's, else the
-        first rank's that has it: after a change of the data-parallel size), so a resume does not
-        measure the device again; the engine is rebuilt with them (collectively: every rank loads
-        the same checkpoint).
+    def fraction_records(self) -> list[dict[str, float]]:
+        self._ensure_engine(with_grads=False)
+        return [dict(record) for record in self._records]
+
+    def restore_fraction_records(self, records: list[dict[str, float]]) -> None:
+        """The saved f of every matrix named in any group's record, for the engine built next, so
+        a resume, at any data-parallel size, does not measure the device again."""
+        self._saved_fractions = {name: f for record in records for name, f in record.items()}
+
+    def _loaded_entries(self, state_dict: dict[str, Any]) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """(param, its entry) of every parameter the state dict holds state for; ValueError naming
+        the group and the parameter where the groups or an entry's shapes do not fit.
 
         Row ages (staleness): the groups step with the checkpoint's settings after the load, so a
         checkpoint whose groups have staleness > 0 must hold every parameter's ``row_age``, and
-        one with staleness 0 none. A checkpoint from before Megatron took the option (its groups
-        have no ``staleness``) loads into an optimizer with staleness > 0 with every row's age at
-        0: what a fresh run starts from, and what the torch ``Dion3`` does when staleness is
-        switched on later."""
-        groups = state_dict["param_groups"]
+        one with staleness 0 none."""
+        groups = without_records(state_dict["param_groups"])
         if len(groups) != len(self.param_groups):
             raise ValueError(f"checkpoint has {len(groups)} param groups, the optimizer has {len(self.param_groups)}")
+        entries = []
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
             merged = {**mine, **saved}
             options.check(f"param group {gi}", **{k: merged[k] for k in _GROUP_SETTINGS})
-        saved_fractions = state_dict.get("auto_fractions", {})
-        me = dist.get_rank() if dist.is_initialized() else 0  # this rank's choices first, then the lowest rank's
-        saved_fractions = (plan.fraction_record(saved_fractions, "checkpoint auto_fractions", rank=me)
-                           if any(saved_fractions.values()) else None)
-        staleness = [{**mine, **saved}["staleness"] for mine, saved in zip(self.param_groups, groups)]
-        updates = []
-        for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
-            saved_ids = saved["params"]
-            if len(saved_ids) != len(mine["params"]):
-                raise ValueError(f"param group {gi}: checkpoint has {len(saved_ids)} params, "
+            if len(saved["params"]) != len(mine["params"]):
+                raise ValueError(f"param group {gi}: checkpoint has {len(saved['params'])} params, "
                                  f"the optimizer has {len(mine['params'])}")
-            keys = ("momentum", "variance", "row_age") if staleness[gi] and "staleness" in saved else ("momentum", "variance")
-            for p, pid in zip(mine["params"], saved_ids):
+            staleness = merged["staleness"]
+            keys = ("momentum", "variance", "row_age") if staleness and "staleness" in saved else ("momentum", "variance")
+            for p, pid in zip(mine["params"], saved["params"]):
                 entry = state_dict["state"].get(pid)
                 if entry is None:
                     continue
                 got = {k: tuple(v.shape) for k, v in entry.items() if torch.is_tensor(v)}
                 if got != {key: tuple(p.shape) for key in keys}:
                     raise ValueError(f"param group {gi}, param {pid} (shape {tuple(p.shape)}): checkpoint state {got} "
-                                     f"is not Dion3 state of this parameter at staleness={staleness[gi]!r} "
+                                     f"is not Dion3 state of this parameter at staleness={staleness!r} "
                                      f"(expected {list(keys)}, each of the parameter's shape)")
-                updates.append((p, entry))
-        if saved_fractions is not None:  # decided alike on every rank: they load the same checkpoint
-            updates = self._rebuild_with_fractions(saved_fractions, updates)
-        for mine, saved in zip(self.param_groups, groups):
+                entries.append((p, entry))
+        return entries
+
+    def check_loadable(self, state_dict: dict[str, Any]) -> None:
+        self._loaded_entries(state_dict)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Everything checked, then everything set (:class:`Dion3FrontEnd`); the engine is then
+        built anew (collectively: every rank loads the same checkpoint) with the checkpoint's
+        staleness and f, and takes the loaded state."""
+        super().load_state_dict(state_dict)
+        self._ensure_engine(with_grads=False)
+
+    def load_checked(self, state_dict: dict[str, Any]) -> None:
+        """The groups take the checkpoint's settings; the engine built next takes the loaded state
+        (the parameters the checkpoint holds none for keep theirs)."""
+        loaded = self._loaded_entries(state_dict)
+        kept = []
+        if self._engine is not None:
+            ids = {id(p) for p, _ in loaded}
+            kept = [(p, self._saved_state(p)) for p, _ in self._params() if id(p) not in ids]
+        for mine, saved in zip(self.param_groups, without_records(state_dict["param_groups"])):
             mine.update({k: v for k, v in saved.items() if k != "params" and k in mine})
-        self._ensure_engine(with_grads=False)  # with the checkpoint's staleness
-        self._set_state(updates)
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self._engine, self._pending = None, kept + loaded
 
     def _set_state(self, entries: list) -> None:
         """Copy (param, state dict entry) pairs into the engine's state. An engine with row ages
@@ -516,34 +414,32 @@ class MegatronDion3(torch.optim.Optimizer):
                 for shard, matrix in zip(self._shards[p], layout.matrices):
                     shard.state[key].copy_(value[matrix.start:matrix.stop])
 
-    def _rebuild_with_fractions(self, fractions: dict[str, float], updates: list) -> list:
-        """Drop the engine so that the next one takes ``fractions``; the state of the parameters
-        that ``updates`` leaves out is carried over (returned as updates of their own)."""
-        carried = []
-        if self._engine is not None:
-            loaded = {id(p) for p, _ in updates}
-            carried = [(p, self._saved_state(p)) for p, _ in self._params() if id(p) not in loaded]
-        self._saved_fractions, self._engine = fractions, None
-        return carried + updates
-
     # -------------------------------------------------------------------------------------------
     # The step.
 
-    def _gradients_finite(self) -> bool:
-        """All gradients usable on every rank, when no Dion3 wrapper of Megatron's has vouched
-        (:mod:`.wrappers` skips a bad step whole, every chained optimizer, before this one steps).
+    def step_check(self) -> list[torch.Tensor]:
+        """This step's checks, run before anything changes (every step: a setting or a gradient
+        may change between steps): every group's settings, every gradient dense; ValueError
+        naming the group and the parameter. Returns the gradients for the non-finite gate."""
+        grads = []
+        for gi, group in enumerate(self.param_groups):
+            options.check(f"param group {gi}", **{k: group[k] for k in _GROUP_SETTINGS})
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError(f"param group {gi}: {self.layout_of(p).name}: Dion3 does not support sparse "
+                                     "gradients")
+                grads.append(p.grad)
+        return grads
 
-        One all-reduce of a flag over the default group, so every rank skips or steps together
-        (a rank that skipped alone would leave the engine's collectives unmatched).
-        """
-        params = [p for p, _ in self._params()]
-        grads = [p.grad for p in params if p.grad is not None]
-        return usable_on_every_rank(grads, params[0].device if params else torch.device("cpu"))
+    def _device(self) -> torch.device:
+        return decision_device(next((p.device for p, _ in self._params()), torch.device("cpu")))
 
     def vouch_finite(self, finite: bool) -> None:
-        """Set by a Megatron wrapper before each step (see :mod:`.wrappers`): True when it has found
-        every gradient of the coming step usable on every rank, so the step skips its own check.
-        The next step consumes it."""
+        """Set by a Megatron wrapper before each step (see :mod:`.wrappers`): True when its decision
+        (this optimizer's :meth:`step_check` included) let the coming step go ahead on every
+        rank, so the step takes no decision of its own. The next step consumes it."""
         self._finite_vouched = finite
 
     @torch.no_grad()
@@ -554,55 +450,11 @@ class MegatronDion3(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         vouched, self._finite_vouched = self._finite_vouched, False
-        if not vouched and not self._gradients_finite():
-            self.skipped_steps += 1
-            announce_skipped_step(self.skipped_steps)
+        # The step's one decision, agreed by every rank (a rank that skipped alone would leave the
+        # engine's collectives unmatched).
+        if not vouched and not self.gate_step(self.step_check, self._device()):
             return loss
         self._ensure_engine(with_grads=True)
         prologue, epilogue, key = self._permuted_copies()
         self._engine.step(prologue, epilogue, key)
         return loss
-
-
-# ------------------------------------------------------------------------------------------------
-# Megatron registry hooks.
-
-
-def dion3_values(config=None) -> dict[str, Any]:
-    """The ``dion3_*`` options: from ``config`` attributes, else Megatron-LM's global args, else defaults."""
-    args = None
-    try:
-        from megatron.training.global_vars import get_args
-
-        args = get_args()
-    except Exception:  # noqa: BLE001 - megatron.training absent or args not parsed (core-only use)
-        args = None
-    values = {}
-    for key, default in DION3_DEFAULTS.items():
-        if config is not None and hasattr(config, key):
-            values[key] = getattr(config, key)
-        elif args is not None and hasattr(args, key):
-            values[key] = getattr(args, key)
-        else:
-            values[key] = default
-    return values
-
-
-def config_to_kwargs(config, model_chunks, pg_collection) -> dict[str, Any]:
-    """Megatron ``OptimizerConfig`` -> :class:`MegatronDion3` constructor kwargs, as Megatron-Core's
-    ``_kwargs_from_config`` reads a prefixed config: option ``name`` from ``config.dion3_<name>``,
-    lr and weight decay from Megatron's own fields."""
-    values = dion3_values(config)
-    check_dion3_values(values, "Megatron optimizer config")
-    return dict(
-        lr=config.lr if config.lr is not None else options.BY_NAME["lr"].default,
-        weight_decay=config.weight_decay,
-        **{option.name: values[config_field(option.name)] for option in OPTIONS},
-        model_chunks=model_chunks,
-        pg_collection=pg_collection,
-    )
-
-
-def init_state_fn(opt, config=None) -> None:
-    """Megatron's ``init_state_fn``: create all state (checkpoint loading needs it first)."""
-    opt.init_state()

@@ -6,7 +6,9 @@ patched with patches/megatron-core-0.19-dion3.patch all call :func:`register`. I
 or adds, with why and the upstream version; this module holds the replacements that concern
 registration:
 
-1. :func:`dion3_entry`: ``dion3`` in Megatron-Core's emerging-optimizer registry;
+1. :func:`dion3_entry`: ``dion3`` in Megatron-Core's emerging-optimizer registry, with its hooks
+   :func:`config_to_kwargs` (the ``dion3_*`` values of the ``OptimizerConfig`` or of Megatron-LM's
+   args) and :func:`init_state_fn`;
 2. :func:`emerging_optimizer_factory`: Megatron's factory builds ``dion3`` without the
    ``emerging-optimizers`` package and with the wrapper classes of :mod:`.wrappers` (fp32 support;
    a bad step skipped whole, every chained optimizer);
@@ -17,7 +19,8 @@ registration:
    ``--optimizer dion3 --use-distributed-optimizer`` whichever way the script hands it the model.
 
 Without apex or Transformer Engine it also applies :mod:`.torch_adam` (torch AdamW's resume) and
-:mod:`.multi_tensor` (foreach gradient norm, clipping and copies).
+:mod:`.multi_tensor` (foreach gradient norm, clipping and copies), both for Dion3 runs only.
+:func:`unregister` restores every original.
 """
 
 from __future__ import annotations
@@ -25,13 +28,67 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from .. import compat
+from .. import compat, options
 from . import wrappers
-from .arguments import DION3_DEFAULTS, OPTIMIZER_NAME, add_dion3_arguments, warn_if_adam_takes_the_dion3_lr
-from .optimizer import MegatronDion3, config_to_kwargs, init_state_fn
+from .arguments import (
+    DION3_DEFAULTS,
+    OPTIMIZER_NAME,
+    OPTIONS,
+    add_dion3_arguments,
+    check_dion3_values,
+    config_field,
+    is_dion3,
+    refuse_unknown_fields,
+    warn_if_adam_takes_the_dion3_lr,
+)
+from .optimizer import MegatronDion3
 
 _FACTORY = "megatron.core.optimizer:_get_megatron_emerging_optimizer"
 _DDP_WRAP = "megatron.training.models.dist_utils:_ddp_wrap"
+
+
+
+def dion3_values(config=None) -> dict[str, Any]:
+    """The ``dion3_*`` options: from ``config`` attributes, else Megatron-LM's global args, else defaults."""
+    args = None
+    try:
+        from megatron.training.global_vars import get_args
+
+        args = get_args()
+    except Exception:  # noqa: BLE001 - megatron.training absent or args not parsed (core-only use)
+        args = None
+    for source, where in ((config, "Megatron optimizer config"), (args, "Megatron-LM args")):
+        if source is not None:
+            refuse_unknown_fields(source, where)
+    values = {}
+    for key, default in DION3_DEFAULTS.items():
+        if config is not None and hasattr(config, key):
+            values[key] = getattr(config, key)
+        elif args is not None and hasattr(args, key):
+            values[key] = getattr(args, key)
+        else:
+            values[key] = default
+    return values
+
+
+def config_to_kwargs(config, model_chunks, pg_collection) -> dict[str, Any]:
+    """Megatron ``OptimizerConfig`` -> :class:`MegatronDion3` constructor kwargs, as Megatron-Core's
+    ``_kwargs_from_config`` reads a prefixed config: option ``name`` from ``config.dion3_<name>``,
+    lr and weight decay from Megatron's own fields."""
+    values = dion3_values(config)
+    check_dion3_values(values, "Megatron optimizer config")
+    return dict(
+        lr=config.lr if config.lr is not None else options.BY_NAME["lr"].default,
+        weight_decay=config.weight_decay,
+        **{option.name: values[config_field(option.name)] for option in OPTIONS},
+        model_chunks=model_chunks,
+        pg_collection=pg_collection,
+    )
+
+
+def init_state_fn(opt, config=None) -> None:
+    """Megatron's ``init_state_fn``: create all state (checkpoint loading needs it first)."""
+    opt.init_state()
 
 
 def dion3_entry(current):
@@ -48,10 +105,6 @@ def dion3_entry(current):
     )
 
 
-def _is_dion3(name: Any) -> bool:
-    return isinstance(name, str) and name in (OPTIMIZER_NAME, "dist_" + OPTIMIZER_NAME)
-
-
 def emerging_optimizer_factory(factory):
     """Megatron's ``_get_megatron_emerging_optimizer``; for Dion3, its own code with three of the
     names it reads bound for Dion3 (:func:`dion3_megatron.compat.rebound`): Megatron checks
@@ -65,7 +118,7 @@ def emerging_optimizer_factory(factory):
 
     @functools.wraps(factory)
     def build(config, *args, **kwargs):
-        if not _is_dion3(getattr(config, "optimizer", None)):
+        if not is_dion3(getattr(config, "optimizer", None)):
             return factory(config, *args, **kwargs)
         dion3_factory = compat.rebound(_FACTORY, factory, {
             "HAVE_EMERGING_OPTIMIZERS": True,
@@ -96,7 +149,7 @@ def optimizer_config_from_args(get_config):
         config, overrides = get_config(args)
         for key, default in DION3_DEFAULTS.items():
             setattr(config, key, getattr(args, key, getattr(config, key, default)))
-        if _is_dion3(config.optimizer):
+        if is_dion3(config.optimizer):
             warn_if_adam_takes_the_dion3_lr(args)
         return config, overrides
 
@@ -110,7 +163,7 @@ def layer_wise_dion3_run() -> bool:
     from megatron.training import global_vars
 
     args = getattr(global_vars, "_GLOBAL_ARGS", None)
-    return (args is not None and _is_dion3(getattr(args, "optimizer", None))
+    return (args is not None and is_dion3(getattr(args, "optimizer", None))
             and bool(getattr(args, "use_layer_wise_distributed_optimizer", False))
             and bool(getattr(args, "use_layer_wise_param_layout", True)))
 
@@ -168,6 +221,12 @@ def register(*, launcher: bool = False) -> bool:
     importable), False when only Megatron-Core was.
     """
     return compat.apply_megatron(launcher=launcher)["megatron.training.arguments:add_megatron_arguments"]
+
+
+def unregister() -> None:
+    """Undo :func:`register`: every attribute of :data:`dion3_megatron.compat.MEGATRON` it replaced is
+    Megatron's own again, every one it added is gone (``optimizer='dion3'`` no longer builds)."""
+    compat.restore_megatron()
 
 
 def is_registered() -> bool:

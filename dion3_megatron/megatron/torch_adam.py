@@ -19,15 +19,27 @@ DistributedOptimizer saves once, in its param groups, and restores from there. T
 With ``--optimizer dion3`` the embeddings and the output layer take that Adam, so a Dion3 run would
 not resume identically either. The three functions below replace the three methods; they are
 entries of :data:`dion3_megatron.compat.MEGATRON`, applied where Megatron's Adam is torch's AdamW
-(:func:`megatron_adam_is_torch`) by :func:`dion3_megatron.megatron.register` (or :func:`install`
-alone); a fused Adam keeps no per-parameter ``step`` and needs none of them.
+(:func:`megatron_adam_is_torch`) by :func:`dion3_megatron.megatron.register`; a fused Adam keeps
+no per-parameter ``step`` and needs none of them. They change only the DistributedOptimizer of a
+Dion3 run (its config's ``optimizer`` is dion3: Megatron's factory gives the Adam part of an
+emerging optimizer's chain the chain's config); every other run's Adam runs Megatron's own methods
+(:func:`_in_dion3_run`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import functools
+
 import torch
+
+from .arguments import is_dion3
+
+
+def _in_dion3_run(distributed_optimizer: Any) -> bool:
+    """Whether a DistributedOptimizer belongs to a Dion3 run (the Adam part of its chain)."""
+    return is_dion3(getattr(getattr(distributed_optimizer, "config", None), "optimizer", None))
 
 
 def megatron_adam_is_torch(_current: Any = None) -> bool:
@@ -40,7 +52,10 @@ def megatron_adam_is_torch(_current: Any = None) -> bool:
 def set_main_param_and_optimizer_states(set_states):
     """1: keep the restored 'step' (param groups) out of the per-parameter copy."""
 
+    @functools.wraps(set_states)
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if not _in_dion3_run(self):
+            return set_states(self, model_param, tensors)
         # no_grad: in fp32 the main parameters are the model parameters' own storage, which requires grad.
         group_index, group_order = self.model_param_group_index_map[model_param]
         state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
@@ -58,7 +73,10 @@ def set_main_param_and_optimizer_states(set_states):
 def state_dict(original):
     """2: a parameter not stepped yet counts as step 0 for this call only."""
 
+    @functools.wraps(original)
     def fresh_state_dict(self):
+        if not _in_dion3_run(self):
+            return original(self)
         state = self.optimizer.state
         fresh = [p for group in self.optimizer.param_groups for p in group["params"] if "step" not in state.get(p, {})]
         for p in fresh:
@@ -77,8 +95,11 @@ def state_dict(original):
 def load_state_dict(original):
     """3: one 'step' tensor per parameter."""
 
+    @functools.wraps(original)
     def load_state_dict_own_steps(self, state_dict_in):
         original(self, state_dict_in)
+        if not _in_dion3_run(self):
+            return
         for state in self.optimizer.state.values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
@@ -86,13 +107,4 @@ def load_state_dict(original):
     return load_state_dict_own_steps
 
 
-def install() -> bool:
-    """Apply these fixes alone (without registering Dion3), where Megatron's Adam is torch's AdamW.
-    Idempotent; returns whether the fixes are in place."""
-    from .. import compat
-
-    applied = compat.apply(tuple(p for p in compat.MEGATRON if p.replacement.startswith(__name__ + ":")))
-    return all(applied.values())
-
-
-__all__ = ["install", "load_state_dict", "megatron_adam_is_torch", "set_main_param_and_optimizer_states", "state_dict"]
+__all__ = ["load_state_dict", "megatron_adam_is_torch", "set_main_param_and_optimizer_states", "state_dict"]

@@ -7,18 +7,19 @@
    reads it.
 2. **A bad step changes nothing, anywhere.** Without loss scaling Megatron steps on non-finite
    gradients. The outermost wrapper (the chain [layer-wise Dion3, Adam, ...], or the layer-wise
-   wrapper alone) decides once per step, after the gradients are prepared, whether every gradient
-   of every optimizer below it is usable on every rank (finite and below 2**64:
-   :func:`dion3_megatron.frontend.gradients_usable`). If not, its ``prepare_grads`` reports it
-   the way loss scaling reports an overflow: Megatron's ``step()`` returns ``(False, None, None)``
-   and steps no optimizer, the training loop does not step the lr scheduler, each Dion3 optimizer
-   below counts the step in ``skipped_steps`` and a warning says so. The decision costs nothing
-   extra where it can: Megatron's global gradient norm (a host float reduced over every rank,
-   computed here and handed to the step) is usable exactly when every gradient it counts is. Only
-   the gradients it leaves out (tensor-parallel duplicates, shared weights, separately clipped
-   groups; all of them when the norm is not reduced over every rank) get a check of their own:
-   one all-reduce. A usable step then vouches for the Dion3 optimizers below, which skip their own
-   check (:meth:`MegatronDion3.vouch_finite`).
+   wrapper alone) takes the step's one decision, after the gradients are prepared, for every
+   optimizer below it (:func:`dion3_megatron.frontend.lifecycle.decide_step`: one tiny all-reduce):
+   the Dion3 optimizers' checks (:meth:`MegatronDion3.step_check`: settings, gradient shapes), and
+   whether every gradient of every optimizer below is usable on every rank (finite and below
+   2**64). Megatron's global gradient norm (a host float reduced over every rank, computed here and
+   handed to the step) stands for the gradients it counts: it is usable exactly when they are.
+   The gradients it leaves out (tensor-parallel duplicates, shared weights, separately clipped
+   groups; all of them when the norm is not reduced over every rank) are gated themselves. A
+   refused check raises on every rank. A non-finite step is reported the way loss scaling reports
+   an overflow: Megatron's ``step()`` returns ``(False, None, None)`` and steps no optimizer, the
+   training loop does not step the lr scheduler, and the step is counted once
+   (:attr:`StepGate.skipped_steps`) and warned about once. A usable step vouches for the Dion3
+   optimizers below, which take no decision of their own (:meth:`MegatronDion3.vouch_finite`).
 """
 
 from __future__ import annotations
@@ -28,17 +29,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..core import rule
-from ..frontend import announce_skipped_step, usable_on_every_rank
-from .optimizer import MegatronDion3
+from ..frontend.lifecycle import decide_step
+from .multi_tensor import dion3_step
+from .optimizer import MegatronDion3, decision_device
 
 _CLASSES: dict[str, type] = {}
-
-
-def _flag_device() -> torch.device:
-    if torch.cuda.is_available() and "nccl" in str(dist.get_backend()).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _below(optimizer) -> list:
@@ -64,17 +59,22 @@ def _world_size(group) -> int:
 
 
 class StepGate:
-    """Mixed into the outermost Megatron wrapper: skip the whole step, every chained optimizer,
-    on every rank, when any gradient below is unusable (see the module docstring)."""
+    """Mixed into the outermost Megatron wrapper: the step's one decision for every chained
+    optimizer, on every rank (see the module docstring)."""
 
     def _init_gate(self) -> None:
         self._gates_step = True  # False for a layer-wise wrapper inside Dion3's chain
         self._step_norm: Optional[float] = None  # the norm prepare_grads took, for this step's get_grad_norm
         self._norm_global: Optional[bool] = None  # whether Megatron's norm is reduced over every rank
-        self._own_check: Optional[bool] = None  # whether some rank has gradients outside the norm
 
     def _dion3(self) -> list[MegatronDion3]:
         return dion3_optimizers(self)
+
+    @property
+    def skipped_steps(self) -> int:
+        """The steps skipped: the count of the first Dion3 optimizer below (saved in its state dict);
+        the others below hold the same number."""
+        return next((o.skipped_steps for o in self._dion3()), 0)
 
     def _leaves(self) -> list:
         """The Megatron optimizers below that hold parameters themselves (not chains)."""
@@ -102,18 +102,25 @@ class StepGate:
             grads += [p.grad for p in leaf.get_parameters() if p.grad is not None and id(p.grad) not in counted]
         return grads
 
-    def _step_usable(self, grad_norm: float) -> bool:
-        """Every gradient below usable on every rank: the same answer on every rank."""
-        if self._own_check is None:  # at the first step, by all ranks together
+    def _step_goes_ahead(self, grad_norm: float, dion3: list[MegatronDion3]) -> bool:
+        """The step's one decision, the same on every rank (one all-reduce)."""
+        if self._norm_global is None:
             self._norm_global = self._norm_is_global()
-            flag = torch.tensor([float(bool(self._grads_outside_norm()) or not self._norm_global)], device=_flag_device())
-            if _world_size(None) > 1:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            self._own_check = bool(flag.item() > 0)
-        usable = not self._norm_global or grad_norm < rule.GRADIENT_LIMIT  # a NaN norm compares False
-        if self._own_check:  # (the collective runs whatever the norm said)
-            usable = usable_on_every_rank(self._grads_outside_norm(), _flag_device()) and usable
-        return usable
+
+        device = decision_device(torch.device("cpu"))
+
+        def check() -> list[torch.Tensor]:
+            for opt in dion3:
+                opt.step_check()
+            norm = [torch.tensor(grad_norm, dtype=torch.float32, device=device)] if self._norm_global else []
+            return norm + self._grads_outside_norm()
+
+        return decide_step(check, device)
+
+    def step(self, *args, **kwargs):
+        """Megatron's step, with the foreach forms of its multi-tensor loops (:mod:`.multi_tensor`)."""
+        with dion3_step():
+            return super().step(*args, **kwargs)
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
@@ -121,12 +128,12 @@ class StepGate:
         if found_inf or not self._gates_step:
             return found_inf
         grad_norm = super().get_grad_norm()
-        usable = self._step_usable(grad_norm)
         dion3 = self._dion3()
-        if not usable:
-            for opt in dion3:
-                opt.skipped_steps += 1
-            announce_skipped_step(max((opt.skipped_steps for opt in dion3), default=1), ", in any chained optimizer")
+        if not self._step_goes_ahead(grad_norm, dion3):
+            if dion3:  # counted once: by the first, the others agree
+                dion3[0].skip_step(", in any chained optimizer")
+                for opt in dion3[1:]:
+                    opt.skipped_steps = dion3[0].skipped_steps
             return True
         for opt in dion3:
             opt.vouch_finite(True)
