@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 
 import torch
 
-DISTRIBUTIONS = ("torch", "megatron-core", "deepspeed", "transformers", "accelerate", "nvidia-cutlass-dsl",
+DISTRIBUTIONS = ("torch", "megatron-core", "deepspeed", "transformers", "accelerate", "torchtitan", "nvidia-cutlass-dsl",
                  "apache-tvm-ffi", "triton")
 
 
@@ -64,6 +64,7 @@ FRONT_ENDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Megatron-Core (--optimizer dion3)", ("dion3_megatron.megatron",)),
     ("DeepSpeed (\"type\": \"Dion3\")", ("dion3_megatron.deepspeed",)),
     ("Hugging Face Trainer", ("transformers.trainer", "dion3_megatron.deepspeed")),
+    ("torchtitan (\"Dion3\" in its optimizer config)", ("torchtitan.components.optimizer", "dion3_megatron.torchtitan")),
 )
 
 

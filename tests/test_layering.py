@@ -42,6 +42,10 @@ ALLOWED: dict[str, tuple[frozenset[str], str]] = {
     "torchtitan": (frozenset({"compat", "frontend", "optimizer", "options"}),
                    "the torchtitan front end: the torch Dion3 for torchtitan's optimizer config; changes torchtitan "
                    "only through a compat Patch"),
+    "report": (frozenset({"__init__", "core", "engine", "kernels", "options", "frontend", "optimizer", "megatron",
+                          "deepspeed", "torchtitan"}),
+               "python -m dion3_megatron's environment report: imports each front end to say whether it loads"),
+    "__main__": (frozenset({"report"}), "python -m dion3_megatron"),
     "compat": (frozenset({"deepspeed", "megatron"}),
                "the table of every framework patch: names the front ends' replacements, imported when applied"),
     "__init__": (frozenset({"core", "optimizer"}),
