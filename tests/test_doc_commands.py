@@ -4,7 +4,8 @@
     <!-- command: gpu -->      checked on CPU as far as it can be: scripts and modules exist, their
                                --help works, every flag is one they accept (Megatron's parser with
                                Dion3 registered for Megatron commands), launcher flags, environment
-                               variables a script reads, patch files (slow tier)
+                               variables a script reads, patch files; torchtitan's trainer: the
+                               trainer config it names is ours (slow tier)
     <!-- command: install -->  pip and venv lines; every extra named exists in the package metadata
     <!-- command: tests -->    pytest lines; the first is the command .ci/run calls, and .ci/run
                                installs the extras of the install block before it
@@ -530,6 +531,16 @@ FORWARDS = {"examples/megatron_lm/compare_on_gpus.sh": "megatron",
             "examples/deepspeed/compare_on_gpus.sh": "examples/deepspeed/train_gpt.py",
             "examples/hf_trainer/compare_on_gpus.sh": "examples/hf_trainer/train.py"}
 LAUNCHER = "dion3_megatron.megatron.launch"
+# torchtitan's trainer: a module of another package, which needs torchtitan's data packages (not in
+# the tests' install). What is checked: our module and a trainer config it registers.
+TORCHTITAN_TRAIN, TORCHTITAN_MODULE = "torchtitan.train", "dion3_megatron.torchtitan"
+
+
+def torchtitan_configs() -> set[str]:
+    """The trainer configs of ``--module dion3_megatron.torchtitan``: the public functions of its
+    config_registry (read with ast: torchtitan's trainer imports torchtitan's data packages)."""
+    tree = ast.parse((ROOT / "dion3_megatron" / "torchtitan" / "config_registry.py").read_text(encoding="utf-8"))
+    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
 
 
 class GpuCheck:
@@ -611,7 +622,9 @@ class GpuCheck:
     def python(self, where: str, argv: list[str]) -> None:
         if argv[:1] == ["-m"]:
             module, rest = argv[1], argv[2:]
-            if module != LAUNCHER:
+            if module == TORCHTITAN_TRAIN:
+                self.torchtitan(where, rest)
+            elif module != LAUNCHER:
                 self.problems.append(f"{where}: python -m {module}: not a module this test knows how to check")
             elif rest and rest[0] != "--help":
                 self.script(where, rest[0], rest[1:])
@@ -623,6 +636,18 @@ class GpuCheck:
             compile(argv[1], where, "exec")
         else:
             self.script(where, argv[0], argv[1:])
+
+    def torchtitan(self, where: str, argv: list[str]) -> None:
+        """``torchtitan.train --module dion3_megatron.torchtitan --config NAME``: NAME one of our configs."""
+        values = dict(zip(argv[::2], argv[1::2]))
+        if len(argv) % 2 or set(values) != {"--module", "--config"}:
+            self.problems.append(f"{where}: torchtitan.train {shlex.join(argv)}: expected --module "
+                                 f"{TORCHTITAN_MODULE} --config NAME (torchtitan's other flags are not checked here)")
+        elif values["--module"] != TORCHTITAN_MODULE:
+            self.problems.append(f"{where}: torchtitan.train --module {values['--module']}: not {TORCHTITAN_MODULE}")
+        elif values["--config"] not in torchtitan_configs():
+            self.problems.append(f"{where}: torchtitan.train --config {values['--config']}: not a trainer config of "
+                                 f"{TORCHTITAN_MODULE} ({sorted(torchtitan_configs())})")
 
     def finish(self) -> list[str]:
         """Run what was collected: each script's --help (its flags), Megatron's parser."""
@@ -669,9 +694,10 @@ BROKEN_GPU_COMMANDS = (
     "STEPS=3 bash examples/megatron_lm/compare_on_gpus.sh\n"
     "deepspeed --num_gpus 2 examples/deepspeed/train_gpt.py --config c.json --step 5\n"
     "python benchmarks/bench_nothing.py\n"
-    "patch -p1 -d Megatron-LM < patches/nothing.patch\n")
+    "patch -p1 -d Megatron-LM < patches/nothing.patch\n"
+    "torchrun --nproc-per-node 1 -m torchtitan.train --module dion3_megatron.torchtitan --config llama3_nothing\n")
 BROKEN_MISTAKES = ["--num-layer", "--optimiser", "torchrun's flags", "does not read $STEPS", "'--step'",
-                   "bench_nothing.py: no such file", "nothing.patch"]
+                   "bench_nothing.py: no such file", "nothing.patch", "--config llama3_nothing"]
 
 
 @pytest.mark.slow
