@@ -25,6 +25,7 @@ try:
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # a torch without DTensor: no parameter is one
+    # (stand-ins that no isinstance matches, in place of the classes)
     DTensor, Replicate, Shard, _StridedShard = (), None, None, ()  # type: ignore[misc, assignment]
 
 if TYPE_CHECKING:
