@@ -174,8 +174,8 @@ class Option:
         raise AssertionError(f"unknown option kind {self.kind!r}")
 
 
-_UNIT = dict(low=0.0, high=1.0, high_open=True)  # [0, 1)
-_OPTIMIZER_WIDE = dict(hyperparameter=False, group_key=False)
+_UNIT: dict[str, Any] = dict(low=0.0, high=1.0, high_open=True)  # [0, 1)
+_OPTIMIZER_WIDE: dict[str, Any] = dict(hyperparameter=False, group_key=False)
 
 OPTIONS: tuple[Option, ...] = (
     # 0.01 is Dion3's best lr at f = 1 on the GPTs the defaults are tuned on; with
@@ -315,12 +315,13 @@ def documented(front_end: str):
     parameters with their defaults, and ``{options}`` in the class docstring becomes their list."""
 
     def apply(cls: type) -> type:
-        init = cls.__init__
+        init = vars(cls)["__init__"]  # the class's own constructor
         own = [p for p in inspect.signature(init).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
         keyword = [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.annotation)
                    for o in options_for(front_end)]
         init.__signature__ = inspect.Signature(own + keyword)
-        cls.__doc__ = cls.__doc__.replace("{options}", describe(front_end))
+        if cls.__doc__ is not None:  # (None under python -OO)
+            cls.__doc__ = cls.__doc__.replace("{options}", describe(front_end))
         return cls
 
     return apply

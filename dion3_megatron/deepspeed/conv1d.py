@@ -12,6 +12,8 @@ takes it. Its state dict keeps Conv1D's (in, out) layout, so ``save_pretrained``
 
 from __future__ import annotations
 
+from typing import Optional, cast
+
 import torch
 
 
@@ -21,10 +23,11 @@ class Conv1DAsLinear(torch.nn.Module):
 
     def __init__(self, conv: torch.nn.Module) -> None:
         super().__init__()
+        weight = conv.get_parameter("weight")
         self.nf = conv.nf  # Conv1D's names: out features
-        self.nx = conv.weight.shape[0]  # in features
-        self.weight = torch.nn.Parameter(conv.weight.detach().t().contiguous(), requires_grad=conv.weight.requires_grad)
-        self.bias = conv.bias
+        self.nx = weight.shape[0]  # in features
+        self.weight = torch.nn.Parameter(weight.detach().t().contiguous(), requires_grad=weight.requires_grad)
+        self.bias = cast(Optional[torch.nn.Parameter], conv.bias)
         self._register_state_dict_hook(_save_as_conv1d)
         self.register_load_state_dict_pre_hook(_load_from_conv1d)
 

@@ -21,6 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# A parameter as DeepSpeed hands it over: a torch.Tensor with ZeRO's attributes (``_hp_mapping``,
+# ``_dp_group``; ZeRO-3's ``ds_numel``, ``partition_numel()``), which carry no type information.
+ZeroParam = Any
+
 
 @dataclass
 class FlatLayout:
@@ -48,7 +52,7 @@ def is_zero_linked(p: torch.Tensor) -> bool:
 
 def slice_layout(flat: torch.Tensor, originals: list[torch.Tensor], where: str) -> FlatLayout:
     """A ZeRO-1/2 param group's flat slice (one all_gather of int ranges over its data-parallel group)."""
-    linked = [p for p in originals if is_zero_linked(p)]
+    linked: list[ZeroParam] = [p for p in originals if is_zero_linked(p)]
     if not linked:
         raise RuntimeError(f"{where}: its parameters were replaced by a flat tensor but none carries ZeRO's slice "
                            "mapping (_hp_mapping), and no ZeRO-3 partition was registered for it")
@@ -59,7 +63,7 @@ def slice_layout(flat: torch.Tensor, originals: list[torch.Tensor], where: str) 
     return FlatLayout(flat, linked, list(range(len(linked))), starts, _gather_ranges(linked, group, flat.device), group)
 
 
-def partition_layout(flat: torch.Tensor, params: list[torch.Tensor], indices: list[int], group: Any,
+def partition_layout(flat: torch.Tensor, params: list[ZeroParam], indices: list[int], group: Any,
                      where: str) -> FlatLayout:
     """A ZeRO-3 sub-group's flat partition: ``params`` in the sub-group's order, each cut into
     ``world`` pieces of ``partition_numel()`` elements over ``group``."""
@@ -82,7 +86,7 @@ def partition_layout(flat: torch.Tensor, params: list[torch.Tensor], indices: li
     return FlatLayout(flat, list(params), list(indices), starts, ranges, group)
 
 
-def _gather_ranges(linked: list[torch.Tensor], group, device) -> torch.Tensor:
+def _gather_ranges(linked: list[ZeroParam], group, device) -> torch.Tensor:
     """(world, params, 2) tensor of every rank's [start, end) element range of each parameter (-1: none)."""
     mine = torch.full((len(linked), 2), -1, dtype=torch.long)
     for j, p in enumerate(linked):

@@ -162,8 +162,8 @@ class PartitionPlan:
                     adamw_runs.append((hp_start, lp_hi - lp_lo))
                 continue
             self.steps_matrices = True
-            split = tensor_parallel.split_of(p, shaped) if tensor_parallel is not None else None
-            if split is not None:  # one block of a tensor-parallel matrix: through the engine over TP x DP
+            # one block of a tensor-parallel matrix: through the engine over TP x DP
+            if tensor_parallel is not None and (split := tensor_parallel.split_of(p, shaped)) is not None:
                 self.names.add(f"group{index}.param{j}")
                 self._add_tensor_parallel(shaped, split, bounds, hp_start, lp_lo, tensor_parallel, hp, f"group{index}.param{j}")
                 continue
@@ -227,10 +227,10 @@ class PartitionPlan:
 
     def adamw_step(self, group: dict, state: dict, grad: torch.Tensor) -> None:
         if self.adamw_runs:
-            runs = [[t.narrow(0, start, length) for start, length in self.adamw_runs]
-                    for t in (self.flat, grad, state["exp_avg"], state["exp_avg_sq"])]
-            rule.adamw_step(*runs, int(state["step"].item()), group["lr"], group["betas"], group["eps"],
-                            group["weight_decay"])
+            params, grads, exp_avgs, exp_avg_sqs = ([t.narrow(0, start, length) for start, length in self.adamw_runs]
+                                                    for t in (self.flat, grad, state["exp_avg"], state["exp_avg_sq"]))
+            rule.adamw_step(params, grads, exp_avgs, exp_avg_sqs, int(state["step"].item()), group["lr"], group["betas"],
+                            group["eps"], group["weight_decay"])
 
 
 class ZeroStep:
@@ -264,11 +264,12 @@ class ZeroStep:
         """Every Dion3 matrix of the partitions (held here or not) -> its param group's index."""
         return {name: p.group_index for p in self.partitions for name in p.names}
 
-    def _build(self, states: list[dict], hps: list[rule.Dion3Hyperparameters]) -> None:
+    def _build(self, states: list[dict], hps: list[rule.Dion3Hyperparameters]) -> Dion3Engine:
+        """The engine over the partitions' pieces of Dion3 matrices (built again where their state tensors changed)."""
         stepped = [(p, state, hp) for p, state, hp in zip(self.partitions, states, hps) if p.steps_matrices]
         key = tuple((id(s["exp_avg"]), id(s["exp_avg_sq"]), id(s.get("row_age")), hp.staleness) for _, s, hp in stepped)
         if self.engine is not None and key == self._key:
-            return
+            return self.engine
         for p, _, hp in stepped:
             if chooses_fraction(hp):  # refused here on every rank alike where the ranks agreed no speed for it
                 self.speeds.of(p.flat.device, hp.ns_dtype or default_ns_dtype(p.flat.device))
@@ -285,18 +286,19 @@ class ZeroStep:
             chosen = {name: f for theirs in every for name, f in theirs.items()}
         self.chosen.update(chosen)
         self._key = key
+        return self.engine
 
     def step(self, groups: list[dict], states: list[dict], grads: list[torch.Tensor]) -> None:
         """One step of every partition (``states``, ``grads``: theirs, in :attr:`partitions`' order)."""
         hps = [grouping.hyperparameters(groups[p.group_index]) for p in self.partitions]
         if any(p.steps_matrices for p in self.partitions):
-            self._build(states, hps)
+            engine = self._build(states, hps)
             for p, grad, hp in zip(self.partitions, grads, hps):
                 if p.steps_matrices:
                     p.take_gradient(grad, hp)
             for moves in self._moves:
                 moves.read()
-            self.engine.step()
+            engine.step()
             for moves in self._moves:
                 moves.write()
         for p, state, grad in zip(self.partitions, states, grads):

@@ -185,6 +185,7 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
         self._take_records_in_groups()
         plan = self._plan()  # built at the first step (collective): by every rank alike, before the decision
         ordered = [grads[i] for i in range(len(self._partitions))]
+        present = [g for g in ordered if g is not None]  # all of them: the check refuses a missing one
 
         def check() -> list[torch.Tensor]:
             for gi, group in enumerate(self._groups):  # a setting changed since construction
@@ -192,7 +193,7 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
             missing = [i for i, g in enumerate(ordered) if g is None]
             if missing:
                 raise RuntimeError(f"Dion3: ZeRO handed partitions {missing} of {len(ordered)} without a gradient")
-            return ordered
+            return present
 
         if not self.gate_step(check, self._partitions[0].flat.device, plan.check_group):
             return
@@ -203,7 +204,7 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
             # not in place: ZeRO-3's universal-checkpoint load gives every partition one step tensor
             state["step"] = state["step"] + 1
             states.append(state)
-        plan.step(self._groups, states, ordered)
+        plan.step(self._groups, states, present)
         if self._write_back is not None:
             for i in range(len(self._partitions)):
                 if i not in handed:  # ZeRO writes back the ones of this call itself

@@ -13,7 +13,7 @@ experts) sharded by experts (``Shard(0)``) holds whole matrices.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
@@ -25,10 +25,14 @@ try:
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # a torch without DTensor: no parameter is one
-    DTensor, Replicate, Shard, _StridedShard = (), None, None, ()
+    # (stand-ins that no isinstance matches, in place of the classes)
+    DTensor, Replicate, Shard, _StridedShard = (), None, None, ()  # type: ignore[misc, assignment]
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
 
 
-def is_dtensor(t: Optional[torch.Tensor]) -> bool:
+def is_dtensor(t: Optional[torch.Tensor]) -> TypeGuard[DTensor]:
     return isinstance(t, DTensor)
 
 
@@ -54,12 +58,12 @@ def _sharded_dim(placement) -> Optional[int]:
     return None
 
 
-def _described(p: torch.Tensor, why: str) -> str:
+def _described(p: DTensor, why: str) -> str:
     return (f"{why}; got shape {tuple(p.shape)} with placements {tuple(p.placements)} on a mesh of shape "
             f"{tuple(p.device_mesh.shape)}")
 
 
-def _placement_refusal(p: torch.Tensor) -> Optional[str]:
+def _placement_refusal(p: DTensor) -> Optional[str]:
     """Why the engine does not step the DTensor parameter ``p`` as placed (None: it does)."""
     placements, mesh = tuple(p.placements), p.device_mesh
     if any(not isinstance(pl, (Shard, _StridedShard, Replicate)) for pl in placements):
@@ -75,12 +79,12 @@ def _placement_refusal(p: torch.Tensor) -> Optional[str]:
         cuts = [(d, pl) for d, pl in enumerate(placements) if _sharded_dim(pl) == dim]
         strided = [d for d, pl in cuts if isinstance(pl, _StridedShard)]
         if strided and (len(cuts) != 2 or strided != [cuts[0][0]] or isinstance(cuts[1][1], _StridedShard)
-                        or cuts[0][1].split_factor != mesh.size(cuts[1][0])):
+                        or cast(_StridedShard, cuts[0][1]).split_factor != mesh.size(cuts[1][0])):
             return _described(p, f"dimension {dim} is cut into pieces that are not contiguous")
     return None
 
 
-def check_placements(p: torch.Tensor, where: str) -> None:
+def check_placements(p: DTensor, where: str) -> None:
     """ValueError naming ``where`` (the parameter) where the DTensor parameter ``p`` is placed in a
     way the engine does not step (checked when the optimizer is given it; the step's check,
     :class:`HeldPieces`, refuses the same)."""
@@ -88,7 +92,7 @@ def check_placements(p: torch.Tensor, where: str) -> None:
         raise ValueError(f"{where}: {why}")
 
 
-def _local_shape(t: torch.Tensor) -> torch.Size:
+def _local_shape(t: DTensor) -> torch.Size:
     """The shape of the DTensor's local piece (``to_local()`` of a parameter makes a view at each call)."""
     return t._local_tensor.shape
 
@@ -103,7 +107,7 @@ class HeldPieces:
         # parameter -> ((placements, mesh, shape, stepped by Dion3), the local shape they give)
         self._held: dict[torch.Tensor, tuple[tuple, torch.Size]] = {}
 
-    def refusal(self, p: torch.Tensor, dion3: bool) -> Optional[str]:
+    def refusal(self, p: DTensor, dion3: bool) -> Optional[str]:
         """Why the step does not take the DTensor parameter ``p`` (``dion3``: stepped by the Dion3
         rule) or its gradient; None when it does."""
         key = (p.placements, p.device_mesh, p.shape, dion3)
@@ -131,7 +135,7 @@ class HeldPieces:
         return None
 
     @staticmethod
-    def _placed(p: torch.Tensor, dion3: bool) -> tuple[Optional[str], torch.Size]:
+    def _placed(p: DTensor, dion3: bool) -> tuple[Optional[str], torch.Size]:
         """The refusal of ``p``'s placements (None) and the local shape they give this rank."""
         mesh = p.device_mesh
         coordinate = mesh.get_coordinate()
@@ -145,13 +149,14 @@ class HeldPieces:
         return None, torch.Size(shape)
 
 
-def layout(p: torch.Tensor) -> Layout:
+def layout(p: DTensor) -> Layout:
     """Where this rank's values of the DTensor parameter ``p`` lie, for a parameter the step's check
     accepted (:class:`HeldPieces`). Makes the process group over the mesh dimensions that split its
     matrices where there are several (once, among their members)."""
     placements, mesh = tuple(p.placements), p.device_mesh
     split = [d for d, pl in enumerate(placements) if _sharded_dim(pl) in (p.dim() - 2, p.dim() - 1)]
     coordinate = mesh.get_coordinate()
+    assert coordinate is not None  # the step's check refused a mesh that leaves this rank out
     box = _box(p, coordinate)
     first = box[0][0] if p.dim() == 3 else 0
     if not split:
@@ -164,7 +169,7 @@ def layout(p: torch.Tensor) -> Layout:
     return Layout(_sharding(boxes, *p.shape), group)
 
 
-def _box(p: torch.Tensor, coordinate: Sequence[int]) -> list[tuple[int, int]]:
+def _box(p: DTensor, coordinate: Sequence[int]) -> list[tuple[int, int]]:
     """[start, end) per tensor dimension of the piece the mesh coordinate holds."""
     shape, offset = _compute_local_shape_and_global_offset(p.shape, p.device_mesh.shape, list(coordinate),
                                                            p.placements)
@@ -198,11 +203,13 @@ def _group_over(mesh, dims: list[int]) -> dist.ProcessGroup:
     index = tuple(slice(None) if d in dims else coordinate[d] for d in range(mesh.ndim))
     ranks = tuple(sorted(mesh.mesh[index].flatten().tolist()))
     if ranks not in _groups:
-        _groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+        group = dist.new_group(list(ranks), use_local_synchronization=True)
+        assert isinstance(group, dist.ProcessGroup)  # made by its members alone: this rank is one
+        _groups[ranks] = group
     return _groups[ranks]
 
 
-def choices_held_elsewhere(experts: Sequence[tuple[torch.Tensor, list[str]]],
+def choices_held_elsewhere(experts: Sequence[tuple[DTensor, list[str]]],
                            chosen_here: Mapping[str, float]) -> dict[str, float]:
     """The automatic f the ranks chose for the experts each holds, gathered, so that every rank
     keeps the whole record (the rank writing a checkpoint's param groups among them).
@@ -226,19 +233,19 @@ def choices_held_elsewhere(experts: Sequence[tuple[torch.Tensor, list[str]]],
     return gathered
 
 
-def param_shaped(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def param_shaped(p: DTensor, values: torch.Tensor) -> torch.Tensor:
     """This rank's values of a state the parameter's shape, as a DTensor placed like ``p`` (a view:
     ``torch.distributed.checkpoint`` saves and reshards it like an FSDP2 AdamW's state)."""
     return DTensor.from_local(values, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
-def per_row(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def per_row(p: DTensor, values: torch.Tensor) -> torch.Tensor:
     """This rank's values of a state with one value per matrix row (a variance, an age), ``(matrices,
     rows)`` locally, as a DTensor of shape (the parameter's matrix count, rows) placed like the
     parameter's rows (a view): split where the rows are, replicated where the columns are."""
     count, n = (p.shape[0] if p.dim() == 3 else 1), p.shape[-2]
     rows_dim = p.dim() - 2
-    placements = []
+    placements: list[Placement] = []
     for pl in p.placements:
         dim = _sharded_dim(pl)
         if dim == rows_dim:
@@ -247,10 +254,11 @@ def per_row(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
             placements.append(Shard(0))
         else:
             placements.append(Replicate())
-    return DTensor.from_local(values, p.device_mesh, placements, run_check=False, shape=(count, n), stride=(n, 1))
+    return DTensor.from_local(values, p.device_mesh, placements, run_check=False, shape=torch.Size((count, n)),
+                             stride=(n, 1))
 
 
-def empty_state(p: torch.Tensor, parts: Sequence[str]) -> dict[str, torch.Tensor]:
+def empty_state(p: DTensor, parts: Sequence[str]) -> dict[str, torch.Tensor]:
     """The state of a parameter of which this rank holds no matrix (no local expert), placed like it."""
     n = p.shape[-2]
     values = {part: torch.zeros(0, n, dtype=torch.float32, device=local(p).device) for part in parts}

@@ -152,16 +152,24 @@ class WholeParameters:
             group = groups[gi]
             for p in params:
                 _adamw_state(state, p)["step"] += 1
-            rule.adamw_step([local(p) for p in params], [local(p.grad) for p in params],
+            rule.adamw_step([local(p) for p in params], [local(_grad_of(p)) for p in params],
                             [local(state[p]["exp_avg"]) for p in params], [local(state[p]["exp_avg_sq"]) for p in params], count,
                             group["lr"], group["betas"], group["eps"], group["weight_decay"])
         for gi, p in matrices:  # this step's gradients and schedule (lr, weight decay)
-            grads = matrix_values(local(p.grad)).unbind(0)
+            grads = matrix_values(local(_grad_of(p))).unbind(0)
             for shard, grad in zip(self._shards[p], grads):
                 shard.grad, shard.hp = grad, settings[gi]
         copied = [p for _, p in matrices if not p.is_contiguous()]
-        engine.step(prologue=(lambda: [self._copies[p].copy_(p) for p in copied]) if copied else None,
-                    epilogue=(lambda: [p.copy_(self._copies[p]) for p in copied]) if copied else None,
+
+        def copy_in() -> None:
+            for p in copied:
+                self._copies[p].copy_(p)
+
+        def copy_back() -> None:
+            for p in copied:
+                p.copy_(self._copies[p])
+
+        engine.step(prologue=copy_in if copied else None, epilogue=copy_back if copied else None,
                     around_key=tuple(p.data_ptr() for p in copied))
 
     def _engine_for(self, groups: list[dict], matrices: list[tuple[int, torch.Tensor]],
@@ -183,13 +191,13 @@ class WholeParameters:
             names_of = matrix_names(names[p], p)
             if is_dtensor(p):  # this rank's piece of the logical matrices
                 placed = layout(p)
-                weight, grad = matrix_view(local(p)), matrix_values(local(p.grad))
+                weight, grad = matrix_view(local(p)), matrix_values(local(_grad_of(p)))
                 shards[p] = [MatrixShard(names_of[placed.first_matrix + e], weight[e], grad[e], matrix_shape(p),
                                          placed.sharding, placed.group, settings[gi], carried[e])
                              for e in range(matrix_count(local(p)))]
                 continue
             weight = matrix_view(self._contiguous_weight(p))
-            grad = matrix_values(p.grad)
+            grad = matrix_values(_grad_of(p))
             shards[p] = [MatrixShard(name, weight[e], grad[e], matrix_shape(p), Sharding.full(), None, settings[gi],
                                      carried[e]) for e, name in enumerate(names_of)]
         # Construction is collective where a matrix is split (every rank steps every FSDP2 parameter).
@@ -203,6 +211,7 @@ class WholeParameters:
         for gi, p in matrices:  # the parameter's state: views of the engine's buffers
             own = shards[p]
             if not own:  # a DTensor of which this rank holds no matrix (no local expert)
+                assert is_dtensor(p)
                 state[p].update(empty_state(p, ["variance"] + ["row_age"] * bool(settings[gi].staleness)))
                 continue
             parts = {part: stacked_view([s.state[part] for s in own]) for part in own[0].state}
@@ -222,6 +231,12 @@ class WholeParameters:
         if p not in self._copies:
             self._copies[p] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
         return self._copies[p]
+
+
+def _grad_of(p: torch.Tensor) -> torch.Tensor:
+    """The gradient of a parameter the step takes (it takes those with one)."""
+    assert p.grad is not None
+    return p.grad
 
 
 def _adamw_state(state: dict, p: torch.Tensor) -> dict:

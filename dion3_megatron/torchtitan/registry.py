@@ -75,7 +75,7 @@ def build_dion3(params: list[dict[str, Any]], **settings: Any) -> Dion3:
     checkpoint copies every group's settings under each of its parameters' names, so a record of a
     whole group would be copied once per matrix, and it loads only the keys a live group has.
     """
-    groups = []
+    groups: list[dict[str, Any]] = []
     for index, group in enumerate(params):
         names = group.get(_NAMES)
         if not names or len(names) != len(group["params"]):
