@@ -9,11 +9,10 @@ from __future__ import annotations
 import functools
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple, Optional, Sequence
+from typing import Mapping, NamedTuple, Optional
 
 import torch.distributed as dist
 
-from ..core import cost_model
 from ..core.rule import Dion3Hyperparameters
 from ..core.rule import resolved as resolved_fraction
 from . import fractions
@@ -241,32 +240,3 @@ def chosen_fractions(plan: list[ShapeGroup]) -> dict[str, float]:
     """What "auto" chose, by matrix name: the record a checkpoint keeps (:func:`resolve_fractions`
     takes it back)."""
     return {s.name: sg.fraction for sg in plan if chooses_fraction(sg.hp) for s in sg.shards}
-
-
-def fraction_record(saved: Mapping, where: str, param_matrices: Optional[Sequence[Sequence[str]]] = None,
-                    rank: int = 0) -> dict[str, float]:
-    """The record of what "auto" chose, {matrix name: f}, from a checkpoint's: this format, or one
-    of the two older ones, ``{param index: f}`` (the torch class's, read through
-    ``param_matrices[i]``, the names of param i's matrices) or ``{rank: {matrix name: f}}`` (the
-    Megatron class's: this ``rank``'s choices first, then the lowest rank's that has the matrix).
-    Every f must be one the cost model offers; anything else raises ValueError naming it."""
-    def checked(name: str, f: Any, origin: str = "") -> float:
-        if f not in cost_model.CANDIDATE_FRACTIONS:
-            raise ValueError(f"{where}: {name}{origin} has fraction {f!r}, not one of {cost_model.CANDIDATE_FRACTIONS}")
-        return f
-
-    record: dict[str, float] = {}
-    nested = [key for key, value in saved.items() if isinstance(value, Mapping)]
-    if nested:
-        for r in sorted(nested, key=lambda r: (r != rank, r)):
-            for name, f in saved[r].items():
-                record.setdefault(name, checked(name, f, f" on rank {r}"))
-        return record
-    for key, f in saved.items():
-        if isinstance(key, str):
-            record[key] = checked(key, f)
-        elif param_matrices is not None and isinstance(key, int) and 0 <= key < len(param_matrices):
-            record.update((name, checked(name, f)) for name in param_matrices[key])
-        else:
-            raise ValueError(f"{where}: {key!r} names no matrix of this optimizer")
-    return record
