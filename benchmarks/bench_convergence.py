@@ -65,8 +65,7 @@ from benchmarks.convergence_model import GPT, pack_loss, split_params  # noqa: E
 from dion3_megatron import Dion3  # noqa: E402
 
 OPTIMIZERS = ("dion3", "normuon", "muon", "adamw")
-LABELS = {"dion3": "Dion3 f={f}", "normuon": "NorMuon (Dion3 f=1, std NS)", "muon": "Muon (torch.optim.Muon)",
-          "adamw": "AdamW"}
+LABELS = {"dion3": "Dion3 f={f}", "normuon": "NorMuon (Dion3 f=1, std NS)", "muon": "Muon (torch.optim.Muon)", "adamw": "AdamW"}
 DEFAULT_WD = {"dion3": 0.01, "normuon": 0.01, "muon": 0.01, "adamw": 0.1}
 DEFAULT_LR = {"dion3": 0.02, "normuon": 0.02, "muon": 0.025, "adamw": 0.003}
 # Dion3 rule options a config may set: key -> (Dion3 keyword, parser, value when the config does not
@@ -108,8 +107,14 @@ def parse_config(text: str) -> dict:
     opt = parts[0]
     if opt not in OPTIMIZERS:
         raise ValueError(f"config {text!r}: the optimizer must be one of {OPTIMIZERS}")
-    cfg: dict = {"opt": opt, "f": 1.0 if opt == "normuon" else (0.25 if opt == "dion3" else None),
-                 "lr": DEFAULT_LR[opt], "wd": DEFAULT_WD[opt], "seed": 0, "options": {}}
+    cfg: dict = {
+        "opt": opt,
+        "f": 1.0 if opt == "normuon" else (0.25 if opt == "dion3" else None),
+        "lr": DEFAULT_LR[opt],
+        "wd": DEFAULT_WD[opt],
+        "seed": 0,
+        "options": {},
+    }
     for part in parts[1:]:
         key, sep, value = part.partition("=")
         if not sep:
@@ -153,8 +158,13 @@ def named(cfg: dict) -> dict:
 
 def label(cfg: dict) -> str:
     text = LABELS[cfg["opt"]].format(f=fraction_text(cfg["f"])) if cfg["opt"] == "dion3" else LABELS[cfg["opt"]]
-    extras = {"mu": "mu {:g}", "mu_by_f": "mu^(1/f)", "lr_by_f": "lr/max(f, 1/4)", "stale": "staleness {:g}",
-              "fwarm": "f=1 for {:.0%} of steps"}
+    extras = {
+        "mu": "mu {:g}",
+        "mu_by_f": "mu^(1/f)",
+        "lr_by_f": "lr/max(f, 1/4)",
+        "stale": "staleness {:g}",
+        "fwarm": "f=1 for {:.0%} of steps",
+    }
     words = [extras[k].format(v) for k, v in sorted(cfg["options"].items())]
     if cfg["wd"] != DEFAULT_WD[cfg["opt"]]:
         words.append(f"wd {cfg['wd']:g}")
@@ -171,14 +181,15 @@ def build_optimizer(cfg: dict, model: GPT, args) -> list[torch.optim.Optimizer]:
     opt, lr, wd = cfg["opt"], cfg["lr"], cfg["wd"]
     if opt in ("dion3", "normuon"):
         rule = {keyword: cfg["options"].get(key, default) for key, (keyword, _, default) in OPTION_KEYS.items() if keyword}
-        dion = dict(lr=lr, fraction=cfg["f"], beta2=0.95, weight_decay=wd,
-                    ns_method="gram" if opt == "dion3" else "standard", **rule)
+        dion = dict(lr=lr, fraction=cfg["f"], beta2=0.95, weight_decay=wd, ns_method="gram" if opt == "dion3" else "standard", **rule)
         return [Dion3([{"params": matrices}, {"params": others, "algorithm": "adamw", **aux}], **dion)]
     if opt == "muon":
-        return [torch.optim.Muon(matrices, lr=lr, weight_decay=wd, momentum=0.95, nesterov=True),
-                torch.optim.AdamW(others, **aux)]
-    return [torch.optim.AdamW([{"params": matrices, "lr": lr, "weight_decay": wd}, {"params": others, **aux}],
-                              lr=lr, betas=(0.9, 0.95), eps=1e-8)]
+        return [torch.optim.Muon(matrices, lr=lr, weight_decay=wd, momentum=0.95, nesterov=True), torch.optim.AdamW(others, **aux)]
+    return [
+        torch.optim.AdamW(
+            [{"params": matrices, "lr": lr, "weight_decay": wd}, {"params": others, **aux}], lr=lr, betas=(0.9, 0.95), eps=1e-8
+        )
+    ]
 
 
 def lr_multiplier(step: int, steps: int, warmup: int, final: float) -> float:
@@ -219,8 +230,7 @@ def evaluate(models: list[GPT], val: torch.Tensor, starts: torch.Tensor, args) -
     total = torch.zeros(len(models), device=val.device)
     for chunk in starts.split(args.batch):
         x, y = windows(val, chunk.to(val.device), args.seq)
-        total += pack_loss(models, x.expand(len(models), -1, -1), y.expand(len(models), -1, -1), args.bf16,
-                           args.compile)
+        total += pack_loss(models, x.expand(len(models), -1, -1), y.expand(len(models), -1, -1), args.bf16, args.compile)
     return (total / math.ceil(len(starts) / args.batch)).tolist()
 
 
@@ -229,8 +239,9 @@ def run_pack(cfgs: list[dict], args, corpus: corpus_lib.Corpus, log=print, on_ev
     the records so far (marked partial) after every evaluation, so a killed job keeps them."""
     device = torch.device(args.device)
     train, val = corpus.train.to(device), corpus.val.to(device)
-    starts = torch.stack([corpus_lib.lane_starts(len(corpus.train), args.batch, args.seq, args.steps, c["seed"])
-                          for c in cfgs], dim=1).to(device)  # (steps, K, batch)
+    starts = torch.stack([corpus_lib.lane_starts(len(corpus.train), args.batch, args.seq, args.steps, c["seed"]) for c in cfgs], dim=1).to(
+        device
+    )  # (steps, K, batch)
     val_starts = corpus_lib.val_starts(len(corpus.val), args.seq, args.eval_batches * args.batch)
     models = [member(c, args, device) for c in cfgs]
     optimizers = [build_optimizer(c, m, args) for c, m in zip(cfgs, models)]
@@ -274,14 +285,14 @@ def run_pack(cfgs: list[dict], args, corpus: corpus_lib.Corpus, log=print, on_ev
                 if live[i]:
                     curves[i].append([done, vals[i]])
             memory = f", {torch.cuda.max_memory_allocated(device) / 2**30:.0f} GiB" if device.type == "cuda" else ""
-            log(f"step {done}/{args.steps} ({time.perf_counter() - t0:.0f} s{memory}) val "
-                + " ".join(f"{v:.4f}" if live[i] else "diverged" for i, v in enumerate(vals)))
+            log(
+                f"step {done}/{args.steps} ({time.perf_counter() - t0:.0f} s{memory}) val "
+                + " ".join(f"{v:.4f}" if live[i] else "diverged" for i, v in enumerate(vals))
+            )
             if on_eval is not None and done < args.steps:
-                on_eval(pack_records(cfgs, optimizers, models, trained, losses[:done], curves, live, args,
-                                     time.perf_counter() - t0))
+                on_eval(pack_records(cfgs, optimizers, models, trained, losses[:done], curves, live, args, time.perf_counter() - t0))
     wall = time.perf_counter() - t0
-    timings = [time_optimizer(opts, model, args) if alive else (math.nan, math.nan)
-               for opts, model, alive in zip(optimizers, models, live)]
+    timings = [time_optimizer(opts, model, args) if alive else (math.nan, math.nan) for opts, model, alive in zip(optimizers, models, live)]
     records = pack_records(cfgs, optimizers, models, trained, losses, curves, live, args, wall, timings)
     for r in records:
         log(f"{r['name']}: final val {r['final_val_loss']:.4f}, opt {r['opt_ms']:.2f} ms")
@@ -318,25 +329,35 @@ def time_optimizer(opts: list[torch.optim.Optimizer], model: GPT, args) -> tuple
         _synchronize(device)
         times.append((time.perf_counter() - t) * 1e3)
     model.zero_grad(set_to_none=True)
-    ms = sorted(times[args.timing_warmup:] or times)
+    ms = sorted(times[args.timing_warmup :] or times)
     return statistics.median(ms), ms[round(0.9 * (len(ms) - 1))]
 
 
-def pack_records(cfgs, optimizers, models, trained, losses, curves, live, args, wall: float,
-                 timings: list[tuple[float, float]] | None = None) -> list[dict]:
+def pack_records(
+    cfgs, optimizers, models, trained, losses, curves, live, args, wall: float, timings: list[tuple[float, float]] | None = None
+) -> list[dict]:
     """One record per member: curves, final validation loss, optimizer time (``timings``; a
     partial record, written before the end, has none)."""
     records = []
     for i, (cfg, opts) in enumerate(zip(cfgs, optimizers)):
         final = curves[i][-1][1] if live[i] else float("nan")
         record = {
-            **cfg, "label": label(cfg), "steps": trained[i], "tokens": trained[i] * args.batch * args.seq,
-            "train_loss": train_loss_means(losses[:, i]), "train_loss_every": TRAIN_LOSS_EVERY,
-            "first_train_loss": round(losses[0, i].item(), 4) if len(losses) else math.nan, "val_loss": curves[i],
-            "final_val_loss": final, "diverged": not live[i] or not math.isfinite(final),
-            "opt_ms": timings[i][0] if timings else math.nan, "opt_ms_p90": timings[i][1] if timings else math.nan,
+            **cfg,
+            "label": label(cfg),
+            "steps": trained[i],
+            "tokens": trained[i] * args.batch * args.seq,
+            "train_loss": train_loss_means(losses[:, i]),
+            "train_loss_every": TRAIN_LOSS_EVERY,
+            "first_train_loss": round(losses[0, i].item(), 4) if len(losses) else math.nan,
+            "val_loss": curves[i],
+            "final_val_loss": final,
+            "diverged": not live[i] or not math.isfinite(final),
+            "opt_ms": timings[i][0] if timings else math.nan,
+            "opt_ms_p90": timings[i][1] if timings else math.nan,
             "opt_timing": "alone",
-            "pack": len(cfgs), "pack_wall_s": round(wall, 1), "forward_backward_ms": args.forward_backward_ms,
+            "pack": len(cfgs),
+            "pack_wall_s": round(wall, 1),
+            "forward_backward_ms": args.forward_backward_ms,
             "compiled": args.compile,
         }
         if timings is None:
@@ -366,7 +387,7 @@ def measure_forward_backward(args, corpus: corpus_lib.Corpus) -> float:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t) * 1e3)
         model.zero_grad(set_to_none=True)
-    return statistics.median(times[args.timing_warmup:] or times)
+    return statistics.median(times[args.timing_warmup :] or times)
 
 
 def resolved_fractions(opt: Dion3, model: GPT) -> dict:
@@ -520,13 +541,20 @@ def family_summary(runs: list[dict], device: Optional[str] = None) -> dict[str, 
         lr, edge = found
         at_best = [r for r in runs if r["family"] == fam and r["lr"] == lr and ok(r)]
         # Optimizer times measured alone only (records before that timed steps inside the pack).
-        timed = [r for r in runs if r["family"] == fam and ok(r) and r.get("opt_timing") == "alone"
-                 and (device is None or r.get("device", device) == device)]
+        timed = [
+            r
+            for r in runs
+            if r["family"] == fam and ok(r) and r.get("opt_timing") == "alone" and (device is None or r.get("device", device) == device)
+        ]
         out[fam] = {
-            "label": at_best[0]["label"], "lr": lr, "edge": edge, "lrs": len(lr_table(runs, fam)),
+            "label": at_best[0]["label"],
+            "lr": lr,
+            "edge": edge,
+            "lrs": len(lr_table(runs, fam)),
             "finals": [r["final_val_loss"] for r in sorted(at_best, key=lambda r: r["seed"])],
             "final": statistics.fmean(r["final_val_loss"] for r in at_best),
-            "opt_ms": statistics.median(r["opt_ms"] for r in timed) if timed else math.nan, "runs": at_best,
+            "opt_ms": statistics.median(r["opt_ms"] for r in timed) if timed else math.nan,
+            "runs": at_best,
             "step_ms": statistics.median(r["forward_backward_ms"] + r["opt_ms"] for r in timed) if timed else math.nan,
         }
     return out
@@ -543,15 +571,16 @@ def format_tables(result: dict) -> str:
     runs, meta = result["runs"], result["meta"]
     summary = family_summary(runs, meta["device"])
     muon = summary.get("muon")
-    lines = [f"{meta['params'] / 1e6:.2f}M params ({meta['matrix_params'] / 1e6:.2f}M in block matrices), "
-             f"{meta['tokens_per_run'] / 1e6:.1f}M tokens per run ({meta['tokens_per_run'] / meta['params']:.1f} per "
-             f"parameter), corpus {meta['corpus_bytes']:,} bytes sha256 {meta['corpus_sha256'][:16]}",
-             "best lr per family (* at an edge of the lrs tried); final = mean over the seeds at that lr; "
-             f"opt ms: median over the family's runs on the {meta['device']} of one optimizer step timed alone (-: none "
-             "timed so); step ms: "
-             "one model alone (its forward+backward+clip, measured once per invocation, + opt ms)",
-             f"{'family':<58}{'lr':>9} {'final':>8}{'vs Muon':>9}  {'seeds':<17}{'opt ms':>8}{'step ms':>9}"
-             f"{'opt vs Muon':>12}{'lrs':>5}"]
+    lines = [
+        f"{meta['params'] / 1e6:.2f}M params ({meta['matrix_params'] / 1e6:.2f}M in block matrices), "
+        f"{meta['tokens_per_run'] / 1e6:.1f}M tokens per run ({meta['tokens_per_run'] / meta['params']:.1f} per "
+        f"parameter), corpus {meta['corpus_bytes']:,} bytes sha256 {meta['corpus_sha256'][:16]}",
+        "best lr per family (* at an edge of the lrs tried); final = mean over the seeds at that lr; "
+        f"opt ms: median over the family's runs on the {meta['device']} of one optimizer step timed alone (-: none "
+        "timed so); step ms: "
+        "one model alone (its forward+backward+clip, measured once per invocation, + opt ms)",
+        f"{'family':<58}{'lr':>9} {'final':>8}{'vs Muon':>9}  {'seeds':<17}{'opt ms':>8}{'step ms':>9}{'opt vs Muon':>12}{'lrs':>5}",
+    ]
     for fam in sorted(summary, key=sort_key):
         s = summary[fam]
         vs = f"{s['final'] - muon['final']:+.4f}" if muon else ""
@@ -559,13 +588,19 @@ def format_tables(result: dict) -> str:
         step = f"{s['step_ms']:.1f}" if math.isfinite(s["step_ms"]) else "-"
         opt = f"{s['opt_ms']:.2f}" if math.isfinite(s["opt_ms"]) else "-"
         seeds = "/".join(f"{v:.4f}" for v in s["finals"])
-        lines.append(f"{s['label'][:57]:<58}{s['lr']:>8g}{'*' if s['edge'] else ' '} {s['final']:>8.4f}{vs:>9}  "
-                     f"{seeds:<17}{opt:>8}{step:>9}{ratio:>12}{s['lrs']:>5}")
+        lines.append(
+            f"{s['label'][:57]:<58}{s['lr']:>8g}{'*' if s['edge'] else ' '} {s['final']:>8.4f}{vs:>9}  "
+            f"{seeds:<17}{opt:>8}{step:>9}{ratio:>12}{s['lrs']:>5}"
+        )
     lines += ["", "lr sweep (final validation loss, mean over seeds; x: diverged):"]
     for fam in sorted(summary, key=sort_key):
         table = lr_table(runs, fam)
-        cells = [f"{lr:g}: " + ("x" if not math.isfinite(statistics.fmean(v)) else f"{statistics.fmean(v):.4f}")
-                 + (f" ({len(v)} seeds)" if len(v) > 1 else "") for lr, v in sorted(table.items())]
+        cells = [
+            f"{lr:g}: "
+            + ("x" if not math.isfinite(statistics.fmean(v)) else f"{statistics.fmean(v):.4f}")
+            + (f" ({len(v)} seeds)" if len(v) > 1 else "")
+            for lr, v in sorted(table.items())
+        ]
         lines.append(f"  {summary[fam]['label'][:60]:<62}" + ", ".join(cells))
     lines += [""] + verdicts(summary)
     return "\n".join(line for line in lines if line is not None)
@@ -589,16 +624,17 @@ def verdicts(summary: dict[str, dict]) -> list[str]:
         best = min(fams, key=lambda s: s["final"])
         gap = best["final"] - muon["final"]
         speed = muon["opt_ms"] / best["opt_ms"]
-        out.append(f"f={fraction_text(f)} within {allowed} of Muon: {_verdict(gap <= allowed, best, muon)} "
-                   f"({best['label']}: {best['final']:.4f} vs {muon['final']:.4f}, {gap:+.4f}; seeds "
-                   f"{len(best['finals'])}/{len(muon['finals'])}; optimizer "
-                   + (f"{speed:.2f}x less time than Muon's)" if math.isfinite(speed) else "time not measured alone)"))
+        out.append(
+            f"f={fraction_text(f)} within {allowed} of Muon: {_verdict(gap <= allowed, best, muon)} "
+            f"({best['label']}: {best['final']:.4f} vs {muon['final']:.4f}, {gap:+.4f}; seeds "
+            f"{len(best['finals'])}/{len(muon['finals'])}; optimizer "
+            + (f"{speed:.2f}x less time than Muon's)" if math.isfinite(speed) else "time not measured alone)")
+        )
     autos = [s for fam, s in summary.items() if fam.startswith("dion3:f=auto")]
     if autos:
         best = min(autos, key=lambda s: s["final"])
         gap = best["final"] - muon["final"]
-        out.append(f"auto at or below Muon: {_verdict(gap <= 0, best, muon)} ({best['label']}: "
-                   f"{best['final']:.4f}, {gap:+.4f})")
+        out.append(f"auto at or below Muon: {_verdict(gap <= 0, best, muon)} ({best['label']}: {best['final']:.4f}, {gap:+.4f})")
     return out
 
 
@@ -624,8 +660,9 @@ def plot(result: dict, png: str, families: list[str] | None = None) -> bool:
         curves = [r["val_loss"] for r in s["runs"]]
         steps = [p[0] for p in curves[0]]
         mean = [statistics.fmean(c[j][1] for c in curves) for j in range(len(steps))]
-        style = dict(color=colors[n % 20], marker="o", ms=2.5, lw=1.4,
-                     ls="--" if fam.split(":")[0] in ("muon", "adamw", "normuon") else "-")
+        style = dict(
+            color=colors[n % 20], marker="o", ms=2.5, lw=1.4, ls="--" if fam.split(":")[0] in ("muon", "adamw", "normuon") else "-"
+        )
         lab = f"{s['label']}, lr {s['lr']:g} ({len(curves)} seed{'s' if len(curves) > 1 else ''}): {s['final']:.3f}"
         axes[0].plot([st * tokens_per_step / 1e6 for st in steps], mean, label=lab, **style)
         if math.isfinite(s["step_ms"]):
@@ -641,18 +678,20 @@ def plot(result: dict, png: str, families: list[str] | None = None) -> bool:
         for ax in axes:
             ax.set_ylim(lo - 0.03, max(hi + 0.15, lo + 0.3))
             ax.grid(alpha=0.3)
-    axes[0].set(title="validation loss vs tokens (best lr each; mean over seeds)", xlabel="tokens (M)",
-                ylabel="validation loss (nats/byte)")
-    axes[1].set(title="validation loss vs time (one model alone: fwd+bwd+clip + its optimizer)",
-                xlabel="seconds")
+    axes[0].set(
+        title="validation loss vs tokens (best lr each; mean over seeds)", xlabel="tokens (M)", ylabel="validation loss (nats/byte)"
+    )
+    axes[1].set(title="validation loss vs time (one model alone: fwd+bwd+clip + its optimizer)", xlabel="seconds")
     if not axes[1].lines:
         axes[1].text(0.5, 0.5, "no optimizer timed alone yet", ha="center", transform=axes[1].transAxes)
     axes[2].set(title="lr sweep: final validation loss", xlabel="lr", xscale="log")
     axes[2].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[2].set_xticks(sorted(lrs), [f"{lr:g}" for lr in sorted(lrs)], rotation=45, fontsize=8)
     axes[0].legend(fontsize=7, loc="upper right")
-    fig.suptitle(f"{meta['params'] / 1e6:.1f}M-parameter byte GPT, {meta['tokens_per_run'] / 1e6:.0f}M tokens per run "
-                 f"({meta['tokens_per_run'] / meta['params']:.1f} per parameter), {meta['device']}, torch {meta['torch']}")
+    fig.suptitle(
+        f"{meta['params'] / 1e6:.1f}M-parameter byte GPT, {meta['tokens_per_run'] / 1e6:.0f}M tokens per run "
+        f"({meta['tokens_per_run'] / meta['params']:.1f} per parameter), {meta['device']}, torch {meta['torch']}"
+    )
     fig.tight_layout()
     # A 64-colour palette keeps a plot near 60 KB (~200 KB as RGBA): the tracked tree must stay small
     # enough to travel to the GPU machine beside the CuTe DSL archive.
@@ -725,8 +764,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-corpus-bytes", type=int, default=None, help="read at most this much (tests)")
     corpus = p.add_mutually_exclusive_group()
     corpus.add_argument("--corpus-root", nargs="*", default=None, help="read these folders instead of the installation's")
-    corpus.add_argument("--stdlib-only", action="store_true", help="read the standard library only: a corpus that "
-                        "installing packages does not change (the proxy's; enough for --size proxy, not for small)")
+    corpus.add_argument(
+        "--stdlib-only",
+        action="store_true",
+        help="read the standard library only: a corpus that "
+        "installing packages does not change (the proxy's; enough for --size proxy, not for small)",
+    )
     p.add_argument("--seed", type=int, default=0, help="base seed of the initial weights")
     p.add_argument("--aux-lr", type=float, default=3e-3, help="AdamW lr of embedding, head and norms (every run)")
     p.add_argument("--aux-wd", type=float, default=0.0)
@@ -734,8 +777,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--final-lr-frac", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--no-bf16", dest="bf16", action="store_false")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model's loss (same math; the norms, RoPE and SwiGLU fused)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model's loss (same math; the norms, RoPE and SwiGLU fused)")
     p.add_argument("--eval-every", type=int, default=0, help="0: steps / 10")
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--timing-warmup", type=int, default=10)
@@ -744,8 +786,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-TRAINING_KEYS = ("layers", "hidden", "heads", "ffn", "seq", "batch", "steps", "seed", "aux_lr", "aux_wd",
-                 "warmup_frac", "final_lr_frac", "clip", "bf16", "eval_every", "eval_batches")
+TRAINING_KEYS = (
+    "layers",
+    "hidden",
+    "heads",
+    "ffn",
+    "seq",
+    "batch",
+    "steps",
+    "seed",
+    "aux_lr",
+    "aux_wd",
+    "warmup_frac",
+    "final_lr_frac",
+    "clip",
+    "bf16",
+    "eval_every",
+    "eval_batches",
+)
 
 
 def resolve_size(args) -> None:
@@ -785,17 +843,30 @@ def main(argv: list[str] | None = None) -> dict | None:
     meta = {
         "date": datetime.date.today().isoformat(),
         "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-        "device": device_name(device), "params": n_params, "matrix_params": sum(p.numel() for p in matrices),
-        "other_params": sum(p.numel() for p in others), "size": args.size,
-        "tokens_per_step": args.batch * args.seq, "tokens_per_run": args.steps * args.batch * args.seq,
-        "corpus_bytes": corpus.bytes, "corpus_files": corpus.files, "corpus_sha256": corpus.sha256,
-        "train_bytes": len(corpus.train), "val_bytes": len(corpus.val),
-        "val_tokens": args.eval_batches * args.batch * args.seq, "training": {k: getattr(args, k) for k in TRAINING_KEYS},
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "device": device_name(device),
+        "params": n_params,
+        "matrix_params": sum(p.numel() for p in matrices),
+        "other_params": sum(p.numel() for p in others),
+        "size": args.size,
+        "tokens_per_step": args.batch * args.seq,
+        "tokens_per_run": args.steps * args.batch * args.seq,
+        "corpus_bytes": corpus.bytes,
+        "corpus_files": corpus.files,
+        "corpus_sha256": corpus.sha256,
+        "train_bytes": len(corpus.train),
+        "val_bytes": len(corpus.val),
+        "val_tokens": args.eval_batches * args.batch * args.seq,
+        "training": {k: getattr(args, k) for k in TRAINING_KEYS},
     }
-    print(f"corpus: {corpus.bytes:,} bytes in {corpus.files} files ({time.perf_counter() - t:.0f} s), sha256 "
-          f"{corpus.sha256[:16]}; {n_params / 1e6:.2f}M params, {meta['tokens_per_run'] / 1e6:.1f}M tokens per run "
-          f"({args.steps} steps)", flush=True)
+    print(
+        f"corpus: {corpus.bytes:,} bytes in {corpus.files} files ({time.perf_counter() - t:.0f} s), sha256 "
+        f"{corpus.sha256[:16]}; {n_params / 1e6:.2f}M params, {meta['tokens_per_run'] / 1e6:.1f}M tokens per run "
+        f"({args.steps} steps)",
+        flush=True,
+    )
     earlier = load_results(args.merge) if args.merge else None
     if earlier:
         diff = [k for k in MERGE_KEYS if earlier["meta"].get(k) != meta.get(k)]
@@ -808,14 +879,18 @@ def main(argv: list[str] | None = None) -> dict | None:
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             measure_forward_backward(args, corpus)
-        print(prof.key_averages().table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total",
-                                        row_limit=25, max_name_column_width=60))
+        print(
+            prof.key_averages().table(
+                sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total", row_limit=25, max_name_column_width=60
+            )
+        )
     meta["forward_backward_ms"] = args.forward_backward_ms = measure_forward_backward(args, corpus)
     print(f"one model's forward+backward+clip: {args.forward_backward_ms:.2f} ms", flush=True)
     path = args.json or "convergence.json"
     sched = Scheduler(configs, args, result["runs"])
     while pack := sched.next_pack():
         t = time.perf_counter()
+
         def partial(records: list[dict]) -> None:
             result["runs"] = sched.done + records
             write_json(result, path)

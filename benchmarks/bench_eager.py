@@ -32,11 +32,21 @@ from dion3_megatron.core import ortho
 from dion3_megatron.kernels.dispatch import TORCH_BACKEND  # noqa: E402
 from dion3_megatron.kernels.symm import backend, heuristics  # noqa: E402
 
-NORMALIZED = [(1, 1024, 5120), (1, 2048, 8192), (8, 1024, 4096), (1, 5120, 5120), (16, 1024, 5120),
-              (1, 4096, 16384), (1, 5120, 13824)]
-BOUNDARY = [("gram", 1, 2048, 2048), ("gram", 1, 2048, 4096), ("gram", 1, 2048, 8192), ("gram", 1, 3072, 3072),
-            ("gram", 4, 1024, 5120), ("gram", 8, 1024, 5120), ("symm", 1, 2048, 2048), ("symm", 2, 2048, 2048),
-            ("symm", 8, 1024, 1024), ("symm", 16, 1024, 1024), ("symm", 1, 3072, 3072), ("symm", 1, 4096, 4096)]
+NORMALIZED = [(1, 1024, 5120), (1, 2048, 8192), (8, 1024, 4096), (1, 5120, 5120), (16, 1024, 5120), (1, 4096, 16384), (1, 5120, 13824)]
+BOUNDARY = [
+    ("gram", 1, 2048, 2048),
+    ("gram", 1, 2048, 4096),
+    ("gram", 1, 2048, 8192),
+    ("gram", 1, 3072, 3072),
+    ("gram", 4, 1024, 5120),
+    ("gram", 8, 1024, 5120),
+    ("symm", 1, 2048, 2048),
+    ("symm", 2, 2048, 2048),
+    ("symm", 8, 1024, 1024),
+    ("symm", 16, 1024, 1024),
+    ("symm", 1, 3072, 3072),
+    ("symm", 1, 4096, 4096),
+]
 
 
 def host_us_per_call(fn, calls: int = 2000) -> float:
@@ -71,10 +81,13 @@ def normalization() -> None:
         def run(x):
             with kernels.using(fused_rows=fused_rows):
                 return ortho._normalized(x, torch.float16, 1.0, 1e-7)
+
         return run
 
-    print("\n## Normalizing Newton-Schulz's input (us)\n\n| input | Triton eager | torch eager | Triton graph | "
-          "torch graph | eager: Triton vs torch |\n|---|---|---|---|---|---|")
+    print(
+        "\n## Normalizing Newton-Schulz's input (us)\n\n| input | Triton eager | torch eager | Triton graph | "
+        "torch graph | eager: Triton vs torch |\n|---|---|---|---|---|---|"
+    )
     for b, r, c in NORMALIZED:
         xs = [torch.randn(b, r, c, device="cuda") for _ in range(2)]
         fns = {}
@@ -83,29 +96,40 @@ def normalization() -> None:
             fns[f"{name} eager"] = call
             fns[f"{name} graph"] = graph_replays(call, 2)
         us = {k: v * 1e3 for k, v in cuda_median_ms_interleaved(fns, 2, 10, reps=7, warmup=3).items()}
-        print(f"| {b}x{r}x{c} | {us['Triton eager']:.1f} | {us['torch eager']:.1f} | {us['Triton graph']:.1f} | "
-              f"{us['torch graph']:.1f} | {us['torch eager'] / us['Triton eager']:.2f}x |", flush=True)
+        print(
+            f"| {b}x{r}x{c} | {us['Triton eager']:.1f} | {us['torch eager']:.1f} | {us['Triton graph']:.1f} | "
+            f"{us['torch graph']:.1f} | {us['torch eager'] / us['Triton eager']:.2f}x |",
+            flush=True,
+        )
 
 
 def boundary() -> None:
-    print("\n## Products near the routing's thresholds, eager (us per call)\n\n| product | kernel | cuBLAS | "
-          "kernel vs cuBLAS | routed to the kernel |\n|---|---|---|---|---|")
+    print(
+        "\n## Products near the routing's thresholds, eager (us per call)\n\n| product | kernel | cuBLAS | "
+        "kernel vs cuBLAS | routed to the kernel |\n|---|---|---|---|---|"
+    )
     for kind, b, m, k in BOUNDARY:
         if kind == "gram":
             xs = [torch.randn(b, m, k, device="cuda", dtype=torch.float16) for _ in range(4)]
+
             def run(be, i):
                 return be.gram(xs[i], 1.0, 0.0, None)
         else:
             k = m
             xs = [(s + s.mT).half() for s in (torch.randn(b, m, m, device="cuda") / m**0.5 for _ in range(4))]
+
             def run(be, i):
                 return be.symmetric(xs[i], xs[i], 1.5, -0.5, xs[i])
+
         with kernels.using(routing="always"), kernels.pinned():
-            ms = cuda_median_ms_interleaved({"kernel": lambda i: run(backend.KERNEL_BACKEND, i),
-                                             "cuBLAS": lambda i: run(TORCH_BACKEND, i)}, 4, 20, reps=7, warmup=3)
+            ms = cuda_median_ms_interleaved(
+                {"kernel": lambda i: run(backend.KERNEL_BACKEND, i), "cuBLAS": lambda i: run(TORCH_BACKEND, i)}, 4, 20, reps=7, warmup=3
+            )
         routed = heuristics.routes_to_kernel(b, m, k, torch.float16, kernels.current())
-        print(f"| {kind} {b}x{m}x{k} | {ms['kernel'] * 1e3:.1f} | {ms['cuBLAS'] * 1e3:.1f} | "
-              f"{ms['cuBLAS'] / ms['kernel']:.2f}x | {routed} |", flush=True)
+        print(
+            f"| {kind} {b}x{m}x{k} | {ms['kernel'] * 1e3:.1f} | {ms['cuBLAS'] * 1e3:.1f} | {ms['cuBLAS'] / ms['kernel']:.2f}x | {routed} |",
+            flush=True,
+        )
 
 
 def main() -> None:

@@ -32,8 +32,7 @@ class _Layer(torch.nn.Module):
 
     def __init__(self, shapes: list[tuple[int, int]], device: torch.device) -> None:
         super().__init__()
-        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(n, m, device=device) / m**0.5)
-                                              for n, m in shapes)
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(n, m, device=device) / m**0.5) for n, m in shapes)
 
     def forward(self) -> None:
         raise NotImplementedError
@@ -53,8 +52,10 @@ def _microsoft(dion_path: str, params: list, mesh, fraction: float) -> dict:
     sys.path.insert(0, dion_path)
     from dion import Muon, NorDion2  # noqa: E402 - the reader's checkout
 
-    return {"microsoft/dion Dion3 f=1/4": NorDion2(params, distributed_mesh=mesh, fraction=fraction),
-            "microsoft/dion Muon": Muon(params, distributed_mesh=mesh)}
+    return {
+        "microsoft/dion Dion3 f=1/4": NorDion2(params, distributed_mesh=mesh, fraction=fraction),
+        "microsoft/dion Muon": Muon(params, distributed_mesh=mesh),
+    }
 
 
 def main() -> None:
@@ -85,19 +86,31 @@ def main() -> None:
     if args.dion_path:
         optimizers.update(_microsoft(args.dion_path, params, mesh, 0.25))
     optimizers["AdamW (torch, foreach)"] = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    times = cuda_median_ms_interleaved({name: (lambda i, o=opt: o.step()) for name, opt in optimizers.items()},
-                                       reps=args.reps, warmup=3)
+    times = cuda_median_ms_interleaved({name: (lambda i, o=opt: o.step()) for name, opt in optimizers.items()}, reps=args.reps, warmup=3)
     if dist.get_rank() == 0:
         base = times.get("microsoft/dion Muon")
-        print(f"FSDP2 over {world} GPU(s) ({torch.cuda.get_device_name()}), {args.layers} layers of {args.model} shapes, "
-              f"torch {torch.__version__}; median ms per optimizer step")
+        print(
+            f"FSDP2 over {world} GPU(s) ({torch.cuda.get_device_name()}), {args.layers} layers of {args.model} shapes, "
+            f"torch {torch.__version__}; median ms per optimizer step"
+        )
         for name, ms in times.items():
             print(f"{name:28s} {ms:9.2f} ms" + (f"   microsoft/dion Muon / this {base / ms:6.2f}x" if base else ""))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "world": world,
-                           "gpu": torch.cuda.get_device_name(),
-                           "torch": torch.__version__, "model": args.model, "layers": args.layers, "ms": times}, f, indent=1)
+                json.dump(
+                    {
+                        "command": " ".join(sys.argv),
+                        "date": time.strftime("%Y-%m-%d"),
+                        "world": world,
+                        "gpu": torch.cuda.get_device_name(),
+                        "torch": torch.__version__,
+                        "model": args.model,
+                        "layers": args.layers,
+                        "ms": times,
+                    },
+                    f,
+                    indent=1,
+                )
     dist.destroy_process_group()
 
 

@@ -38,9 +38,11 @@ class CollectiveCounter:
 
     def __enter__(self) -> "CollectiveCounter":
         for name, original in self._originals.items():
+
             def counted(*args, _original=original, **kwargs):
                 self.count += 1
                 return _original(*args, **kwargs)
+
             setattr(dist, name, counted)
         return self
 
@@ -50,8 +52,14 @@ class CollectiveCounter:
 
 
 def layer_matrices(hidden: int, ffn: int) -> list[tuple[str, tuple[int, int], str]]:
-    return [("q", (hidden, hidden), "rows"), ("k", (hidden, hidden), "rows"), ("v", (hidden, hidden), "rows"),
-            ("proj", (hidden, hidden), "cols"), ("fc1", (ffn, hidden), "rows"), ("fc2", (hidden, ffn), "cols")]
+    return [
+        ("q", (hidden, hidden), "rows"),
+        ("k", (hidden, hidden), "rows"),
+        ("v", (hidden, hidden), "rows"),
+        ("proj", (hidden, hidden), "cols"),
+        ("fc1", (ffn, hidden), "rows"),
+        ("fc2", (hidden, ffn), "cols"),
+    ]
 
 
 def make_shards(layers, hidden, ffn, world, rank, group, device, hp, seed=0):
@@ -148,8 +156,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json", default=None, help="write the results here (rank 0)")
-    parser.add_argument("--profile", type=float, default=None, metavar="F",
-                        help="only profile one Dion3 step at fraction F (torch.profiler tables on rank 0)")
+    parser.add_argument(
+        "--profile",
+        type=float,
+        default=None,
+        metavar="F",
+        help="only profile one Dion3 step at fraction F (torch.profiler tables on rank 0)",
+    )
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -159,8 +172,14 @@ def main() -> None:
     if use_cuda:
         torch.cuda.set_device(device)
     group = dist.new_group(list(range(world)))
-    results = {"world": world, "layers": args.layers, "hidden": args.hidden, "ffn": args.ffn,
-               "device": torch.cuda.get_device_name(device) if use_cuda else "cpu", "torch": torch.__version__}
+    results = {
+        "world": world,
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "ffn": args.ffn,
+        "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
+        "torch": torch.__version__,
+    }
     params = args.layers * sum(n * m for _, (n, m), _ in layer_matrices(args.hidden, args.ffn))
     results["matrix_params"] = params
 
@@ -199,8 +218,10 @@ def main() -> None:
         del engine
 
     if rank == 0:
-        print(f"\n{results['device']} x{world}, torch {results['torch']}, TP={world}: {args.layers} layers, hidden "
-              f"{args.hidden}, ffn {args.ffn} ({params / 1e9:.2f}B matrix params)")
+        print(
+            f"\n{results['device']} x{world}, torch {results['torch']}, TP={world}: {args.layers} layers, hidden "
+            f"{args.hidden}, ffn {args.ffn} ({params / 1e9:.2f}B matrix params)"
+        )
         print(f"{'optimizer':<22}{'step ms':>10}{'vs muon':>10}{'collectives':>13}")
         print(f"{'muon (duplicated)':<22}{results['muon_ms']:>10.2f}{1.0:>10.2f}{results['muon_collectives']:>13}")
         for fraction, r in results["dion3"].items():

@@ -38,8 +38,7 @@ from examples.small_gpt import megatron_config, megatron_gpt  # noqa: E402
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", default="1", help="tensor-parallel size, or a comma list run one after another (2,1)")
-    p.add_argument("--optimizers", default="dion3,muon,adam",
-                   help="comma list; dion3@F runs Dion3 at fraction F (dion3@0.125)")
+    p.add_argument("--optimizers", default="dion3,muon,adam", help="comma list; dion3@F runs Dion3 at fraction F (dion3@0.125)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--layers", type=int, default=8)
@@ -53,14 +52,20 @@ def parse(argv=None):
     p.add_argument("--adam-lr", type=float, default=1e-3, help="adam run; embeddings/output in every run")
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--muon-lr", type=float, default=None, help="Megatron Muon's matrix lr (default: --lr)")
-    p.add_argument("--muon-scale-mode", default="unit_rms_norm",
-                   help="Megatron Muon's update scale: unit_rms_norm = sqrt(rows/cols), the scale Dion3's default "
-                        "adjust_lr (spectral_norm) applies, so one --lr fits both; Megatron's own default, "
-                        "spectral = sqrt(max(rows, cols)), expects an AdamW-sized lr (~1e-3)")
+    p.add_argument(
+        "--muon-scale-mode",
+        default="unit_rms_norm",
+        help="Megatron Muon's update scale: unit_rms_norm = sqrt(rows/cols), the scale Dion3's default "
+        "adjust_lr (spectral_norm) applies, so one --lr fits both; Megatron's own default, "
+        "spectral = sqrt(max(rows, cols)), expects an AdamW-sized lr (~1e-3)",
+    )
     p.add_argument("--muon-tp-mode", default="blockwise", help="Megatron Muon's TP mode (Megatron's default)")
-    p.add_argument("--overlap-param-gather", action="store_true",
-                   help="Megatron's --overlap-grad-reduce --overlap-param-gather: the parameter all-gather "
-                        "leaves optimizer.step() for the next forward pass, as in production runs")
+    p.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        help="Megatron's --overlap-grad-reduce --overlap-param-gather: the parameter all-gather "
+        "leaves optimizer.step() for the next forward pass, as in production runs",
+    )
     p.add_argument("--json", help="append one JSON line per run here (rank 0)")
     p.add_argument("--cpu", action="store_true", help="gloo + examples/megatron_cpu.py (smoke test only)")
     return p.parse_args(argv)
@@ -90,13 +95,17 @@ def run(args, name, device, tp, fraction):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
-    config = megatron_config(layers=args.layers, hidden=args.hidden, heads=args.heads, query_groups=args.heads // 4,
-                             ffn=args.ffn, tp=tp, dtype=torch.bfloat16)
+    config = megatron_config(
+        layers=args.layers, hidden=args.hidden, heads=args.heads, query_groups=args.heads // 4, ffn=args.ffn, tp=tp, dtype=torch.bfloat16
+    )
     model = megatron_gpt(config, args.vocab, args.seq)
     model.to(device)
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
-                                               overlap_grad_reduce=args.overlap_param_gather,
-                                               overlap_param_gather=args.overlap_param_gather)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True,
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=args.overlap_param_gather,
+        overlap_param_gather=args.overlap_param_gather,
+    )
     layer_wise = name != "adam"
     chunks = wrap_model_chunks_with_ddp([model], config, ddp_config, use_layer_wise_distributed_optimizer=layer_wise)
     config.finalize_model_grads_func = finalize_model_grads
@@ -105,10 +114,19 @@ def run(args, name, device, tp, fraction):
     if name == "muon" and args.muon_lr is not None:
         lr = args.muon_lr
     ocfg = OptimizerConfig(
-        optimizer=name, lr=lr, min_lr=lr / 10, weight_decay=0.01, bf16=True, clip_grad=1.0,
-        adam_beta1=0.9, adam_beta2=0.95, use_distributed_optimizer=True,
-        use_layer_wise_distributed_optimizer=layer_wise, overlap_param_gather=args.overlap_param_gather,
-        decoupled_lr=None if name == "adam" else args.adam_lr, decoupled_min_lr=args.adam_lr / 10,
+        optimizer=name,
+        lr=lr,
+        min_lr=lr / 10,
+        weight_decay=0.01,
+        bf16=True,
+        clip_grad=1.0,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        use_distributed_optimizer=True,
+        use_layer_wise_distributed_optimizer=layer_wise,
+        overlap_param_gather=args.overlap_param_gather,
+        decoupled_lr=None if name == "adam" else args.adam_lr,
+        decoupled_min_lr=args.adam_lr / 10,
     )
     if name == "dion3":
         ocfg.dion3_fraction = fraction
@@ -116,9 +134,19 @@ def run(args, name, device, tp, fraction):
         ocfg.muon_scale_mode = args.muon_scale_mode
         ocfg.muon_tp_mode = args.muon_tp_mode
     opt = get_megatron_optimizer(ocfg, chunks)
-    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=args.steps // 10,
-                                    lr_decay_steps=args.steps, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
-                                    wd_incr_steps=args.steps, wd_incr_style="constant")
+    sched = OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=lr,
+        min_lr=lr / 10,
+        lr_warmup_steps=args.steps // 10,
+        lr_decay_steps=args.steps,
+        lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=args.steps,
+        wd_incr_style="constant",
+    )
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     gen = torch.Generator().manual_seed(42)
     successor = torch.randperm(args.vocab, generator=gen)
@@ -139,8 +167,15 @@ def run(args, name, device, tp, fraction):
         for c in chunks:
             c.zero_grad_buffer()
         opt.zero_grad()
-        out = fwd_bwd(forward_step_func=forward_step, data_iterator=iter([local]), model=chunks, num_microbatches=1,
-                      seq_length=args.seq, micro_batch_size=args.micro_batch, forward_only=False)
+        out = fwd_bwd(
+            forward_step_func=forward_step,
+            data_iterator=iter([local]),
+            model=chunks,
+            num_microbatches=1,
+            seq_length=args.seq,
+            micro_batch_size=args.micro_batch,
+            forward_only=False,
+        )
         if device.type == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -158,11 +193,20 @@ def run(args, name, device, tp, fraction):
             losses.append((step, round(loss.item() / dist.get_world_size(), 4)))
     params = sum(p.numel() for p in model.parameters())
     dist.all_reduce(t := torch.tensor(float(params), device=device))  # sum of TP shards (norms counted tp times)
-    result = dict(optimizer=name, tp=tp, dp=dp, overlap_param_gather=args.overlap_param_gather, layers=args.layers,
-                  hidden=args.hidden, steps=args.steps, lr=lr,
-                  params=int(t.item()) // dp, losses=losses,
-                  opt_step_ms=round(1e3 * statistics.median(step_times), 2) if step_times else None,
-                  train_step_ms=round(1e3 * statistics.median(total), 2) if total else None)
+    result = dict(
+        optimizer=name,
+        tp=tp,
+        dp=dp,
+        overlap_param_gather=args.overlap_param_gather,
+        layers=args.layers,
+        hidden=args.hidden,
+        steps=args.steps,
+        lr=lr,
+        params=int(t.item()) // dp,
+        losses=losses,
+        opt_step_ms=round(1e3 * statistics.median(step_times), 2) if step_times else None,
+        train_step_ms=round(1e3 * statistics.median(total), 2) if total else None,
+    )
     if len(step_times) >= 4:
         q = statistics.quantiles(step_times, n=4)
         result["opt_step_ms_q1_q3"] = [round(1e3 * q[0], 2), round(1e3 * q[2], 2)]

@@ -46,8 +46,16 @@ from dion3_megatron.kernels.symm import backend  # noqa: E402
 
 # (batch, rows, cols); the last one is how the optimizer's step meets the 1024-wide K/V matrices:
 # same-shape matrices of all layers in one batch (8 layers x K and V).
-SHAPES = [(1, 13824, 5120), (1, 5120, 13824), (1, 4096, 16384), (1, 2048, 8192), (1, 5120, 5120), (1, 1024, 5120),
-          (16, 1024, 5120), (8, 1024, 4096)]
+SHAPES = [
+    (1, 13824, 5120),
+    (1, 5120, 13824),
+    (1, 4096, 16384),
+    (1, 2048, 8192),
+    (1, 5120, 5120),
+    (1, 1024, 5120),
+    (16, 1024, 5120),
+    (8, 1024, 4096),
+]
 EAGER_TARGET = 1.03  # gram-kern eager within 3% of the faster of gram-torch and gram-quack eager
 
 
@@ -77,15 +85,18 @@ def variants(routing: str, quack: bool, launch_variants: bool) -> dict:
         def run(g):
             with kernels.using(**config):
                 return ortho.gram_newton_schulz(g)
+
         return run
 
-    out = {"muon": muon_ns5, "gram-torch": under(kernels="torch"),
-           # "auto": what the optimizer runs (kernels where they pay, plain torch otherwise); "always"
-           # routing forces the kernel backend onto every product it can take.
-           "gram-kern": under(backend=None if routing == "measured" else backend.BACKEND_NAME)}
+    out = {
+        "muon": muon_ns5,
+        "gram-torch": under(kernels="torch"),
+        # "auto": what the optimizer runs (kernels where they pay, plain torch otherwise); "always"
+        # routing forces the kernel backend onto every product it can take.
+        "gram-kern": under(backend=None if routing == "measured" else backend.BACKEND_NAME),
+    }
     for suffix, persistent in (("p", True), ("t", False)) if launch_variants else ():
-        out[f"gram-kern-{suffix}"] = under(backend=None if routing == "measured" else backend.BACKEND_NAME,
-                                           persistent=persistent)
+        out[f"gram-kern-{suffix}"] = under(backend=None if routing == "measured" else backend.BACKEND_NAME, persistent=persistent)
     if quack:
         out["gram-quack"] = under(backend=quack_backend.NAME)
     return out
@@ -117,14 +128,15 @@ def profile(shape: tuple[int, int], funcs: dict, rows: int = 15, ncu: bool = Fal
         print(f"\n{name}, {'x'.join(map(str, shape))}: {total:.3f} ms of GPU kernels")
         print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
         launches = sorted(prof.events(), key=lambda e: e.time_range.start)
-        print("launches in order, us: " + ", ".join(
-            f"{short_kernel_name(e.name)} {e.device_time_total:.1f}" for e in launches if e.device_time_total > 0))
+        print(
+            "launches in order, us: "
+            + ", ".join(f"{short_kernel_name(e.name)} {e.device_time_total:.1f}" for e in launches if e.device_time_total > 0)
+        )
 
 
 def short_kernel_name(name: str) -> str:
     """A kernel's name cut to what tells the launches of one Gram NS apart."""
-    for marker, short in (("SymmGemmSm90", "ours"), ("GemmSymmetric", "quack"), ("nvjet", "cuBLAS"),
-                          ("Memcpy", "copy")):
+    for marker, short in (("SymmGemmSm90", "ours"), ("GemmSymmetric", "quack"), ("nvjet", "cuBLAS"), ("Memcpy", "copy")):
         if marker in name:
             return short
     return name.split("<")[0].split("(")[0].removeprefix("void ").split("::")[-1][:28]
@@ -134,19 +146,31 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--routing", default="measured", choices=["measured", "always"])
-    ap.add_argument("--modes", default="eager,graph", help="comma list of eager (launched from Python) and graph "
-                    "(replayed from a CUDA graph): each variant is timed in each")
-    ap.add_argument("--launch-variants", action="store_true", help="also gram-kern-p and gram-kern-t (the persistent "
-                    "launch everywhere / one CTA per tile everywhere)")
-    ap.add_argument("--shapes", default=None, metavar="RxC,...", help="comma list of the shapes to time (BxRxC: a "
-                    "batch of B) instead of the default set")
+    ap.add_argument(
+        "--modes",
+        default="eager,graph",
+        help="comma list of eager (launched from Python) and graph (replayed from a CUDA graph): each variant is timed in each",
+    )
+    ap.add_argument(
+        "--launch-variants",
+        action="store_true",
+        help="also gram-kern-p and gram-kern-t (the persistent launch everywhere / one CTA per tile everywhere)",
+    )
+    ap.add_argument(
+        "--shapes",
+        default=None,
+        metavar="RxC,...",
+        help="comma list of the shapes to time (BxRxC: a batch of B) instead of the default set",
+    )
     ap.add_argument("--json", default=None, metavar="FILE", help="also write every time (ms) to FILE")
-    ap.add_argument("--profile", default=None, metavar="RxC", help="only the GPU time by kernel at this shape "
-                    "(BxRxC: a batch of B)")
-    ap.add_argument("--ncu", action="store_true", help="with --profile: for Nsight Compute instead of torch's "
-                    "profiler (one call of each variant between cudaProfilerStart and Stop; see the usage above)")
-    ap.add_argument("--only", default=None, metavar="NAMES", help="with --profile: comma list of the variants to "
-                    "profile (default: all)")
+    ap.add_argument("--profile", default=None, metavar="RxC", help="only the GPU time by kernel at this shape (BxRxC: a batch of B)")
+    ap.add_argument(
+        "--ncu",
+        action="store_true",
+        help="with --profile: for Nsight Compute instead of torch's "
+        "profiler (one call of each variant between cudaProfilerStart and Stop; see the usage above)",
+    )
+    ap.add_argument("--only", default=None, metavar="NAMES", help="with --profile: comma list of the variants to profile (default: all)")
     add_kernel_config_option(ap, "every variant on our kernels")
     args = ap.parse_args()
     for flag in ("ncu", "only"):
@@ -169,20 +193,28 @@ def main():
     p = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     peak = 2 * n**3 / (cuda_median_ms(lambda i: p @ p, 1, 10) * 1e-3)
     props = torch.cuda.get_device_properties(0)
-    print(f"GPU {props.name}; torch {torch.__version__}; cuBLAS peak {peak / 1e12:.0f} TFLOP/s (bf16 8192^3); "
-          f"routing {args.routing}; modes {', '.join(modes)}")
+    print(
+        f"GPU {props.name}; torch {torch.__version__}; cuBLAS peak {peak / 1e12:.0f} TFLOP/s (bf16 8192^3); "
+        f"routing {args.routing}; modes {', '.join(modes)}"
+    )
     columns = [f"{name} {mode}" for mode in modes for name in funcs]
     ratios = table_ratios(list(funcs), modes)
-    print("| shape | " + " | ".join(f"{c} ms" for c in columns) + " | " + " | ".join(r for r, _, _ in ratios)
-          + " | floor ms | kern / floor |")
+    print(
+        "| shape | " + " | ".join(f"{c} ms" for c in columns) + " | " + " | ".join(r for r, _, _ in ratios) + " | floor ms | kern / floor |"
+    )
     print("|---" * (len(columns) + len(ratios) + 3) + "|")
     total = dict.fromkeys([*columns, "floor"], 0.0)
     shapes = SHAPES
     if args.shapes:
-        shapes = [tuple(int(v) for v in ("1x" + spec if spec.count("x") == 1 else spec).split("x"))
-                  for spec in args.shapes.split(",")]
-    record = {"gpu": props.name, "torch": torch.__version__, "peak_tflops": peak / 1e12, "routing": args.routing,
-              "command": "python benchmarks/bench_ortho.py " + " ".join(sys.argv[1:]), "ms": {}}
+        shapes = [tuple(int(v) for v in ("1x" + spec if spec.count("x") == 1 else spec).split("x")) for spec in args.shapes.split(",")]
+    record = {
+        "gpu": props.name,
+        "torch": torch.__version__,
+        "peak_tflops": peak / 1e12,
+        "routing": args.routing,
+        "command": "python benchmarks/bench_ortho.py " + " ".join(sys.argv[1:]),
+        "ms": {},
+    }
     kern = "gram-kern " + modes[0]
     for b, r, c in shapes:
         n_sets = 2

@@ -25,8 +25,10 @@ from timing import cuda_median_ms_interleaved
 from dion3_megatron import Dion3, kernels
 from dion3_megatron.core import ortho
 
-LAYERS = {"14b": [(5120, 5120), (1024, 5120), (1024, 5120), (5120, 5120), (13824, 5120), (13824, 5120), (5120, 13824)],
-          "350m": [(1024, 1024), (256, 1024), (256, 1024), (1024, 1024), (2816, 1024), (2816, 1024), (1024, 2816)]}
+LAYERS = {
+    "14b": [(5120, 5120), (1024, 5120), (1024, 5120), (5120, 5120), (13824, 5120), (13824, 5120), (5120, 13824)],
+    "350m": [(1024, 1024), (256, 1024), (256, 1024), (1024, 1024), (2816, 1024), (2816, 1024), (1024, 2816)],
+}
 
 
 class Muon:
@@ -57,8 +59,11 @@ def profile(params, fraction: float, rows: int = 25) -> None:
     print(f"one eager Dion3 step, f = {fraction}: {total:.1f} ms of GPU kernels")
     print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60))
     print("by torch operator and input shapes (GPU time of the kernels each one launched):")
-    print(prof.key_averages(group_by_input_shape=True).table(sort_by="device_time_total", row_limit=2 * rows,
-                                                             max_name_column_width=40, max_shapes_column_width=70))
+    print(
+        prof.key_averages(group_by_input_shape=True).table(
+            sort_by="device_time_total", row_limit=2 * rows, max_name_column_width=40, max_shapes_column_width=70
+        )
+    )
 
 
 def main() -> None:
@@ -66,8 +71,9 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(LAYERS), default="14b", help="whose layer shapes")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--profile", type=float, default=None, metavar="FRACTION",
-                        help="only profile one eager Dion3 step at this fraction")
+    parser.add_argument(
+        "--profile", type=float, default=None, metavar="FRACTION", help="only profile one eager Dion3 step at this fraction"
+    )
     add_kernel_config_option(parser, "the Dion3 steps")
     args = parser.parse_args()
     settings = dict(args.kernel_config)
@@ -82,8 +88,13 @@ def main() -> None:
     if args.profile is not None:
         profile(params, args.profile)
         return
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
-               "layers": args.layers, "kernel_config": {k: str(v) for k, v in settings.items()}}
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "model": args.model,
+        "layers": args.layers,
+        "kernel_config": {k: str(v) for k, v in settings.items()},
+    }
     fractions = (1.0, 0.25, 0.125, "auto")
     optimizers = {fraction: Dion3(params, fraction=fraction) for fraction in fractions}
     muon = Muon(params)
@@ -95,8 +106,10 @@ def main() -> None:
     steps = {"muon_ms": muon_step}
     steps.update({f"dion3_{fraction}": lambda i, opt=opt: opt.step() for fraction, opt in optimizers.items()})
     results.update(cuda_median_ms_interleaved(steps, reps=10, warmup=3))
-    print(f"{results['device']}, torch {results['torch']}: {args.layers} layers of {args.model} shapes "
-          f"({sum(p.numel() for p in params) / 1e9:.2f}B params); kernel config {kernels.current()}")
+    print(
+        f"{results['device']}, torch {results['torch']}: {args.layers} layers of {args.model} shapes "
+        f"({sum(p.numel() for p in params) / 1e9:.2f}B params); kernel config {kernels.current()}"
+    )
     print(f"{'optimizer':<16}{'step ms':>10}{'vs muon':>9}")
     print(f"{'muon':<16}{results['muon_ms']:>10.2f}{1.0:>9.2f}")
     for fraction in fractions:

@@ -32,7 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dion3_megatron import kernels  # noqa: E402
 from dion3_megatron.kernels.config import tile_shape  # noqa: E402
 from dion3_megatron.kernels.symm.heuristics import (  # noqa: E402
-    TILE_THROUGHPUT, checked_ctas_per_sm, default_tile, modelled_tile_time, stream_k_pays,
+    TILE_THROUGHPUT,
+    checked_ctas_per_sm,
+    default_tile,
+    modelled_tile_time,
+    stream_k_pays,
 )
 from dion3_megatron.kernels.symm.launch import symm_gemm  # noqa: E402
 from quack_backend import quack_gemm_symmetric  # noqa: E402
@@ -43,11 +47,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 GRAM_SHAPES = [(1, 1024, 5120), (1, 4096, 4096), (1, 4096, 16384), (1, 8192, 8192), (8, 4096, 16384), (16, 1024, 5120)]
 # symmetric s x s products of Gram NS (K = s) for those shapes and a sweep for routing
 SYMM_SHAPES = [(1, 1024, 1024), (1, 2048, 2048), (1, 5120, 5120), (1, 4096, 4096), (8, 1024, 1024), (16, 1024, 1024)]
-SWEEP = [(1, m, k) for m in (512, 1024, 2048, 3072, 4096) for k in (m, 4 * m)] + [
-    (1, 3456, 5120), (1, 5120, 13824), (1, 6144, 6144), (1, 12288, 4096)] + [
-    (b, 1024, 5120) for b in (2, 4, 8, 16)] + [
-    (b, 1024, 1024) for b in (4, 8, 16)] + [(2, 2048, 8192), (2, 2048, 2048)
-]
+SWEEP = (
+    [(1, m, k) for m in (512, 1024, 2048, 3072, 4096) for k in (m, 4 * m)]
+    + [(1, 3456, 5120), (1, 5120, 13824), (1, 6144, 6144), (1, 12288, 4096)]
+    + [(b, 1024, 5120) for b in (2, 4, 8, 16)]
+    + [(b, 1024, 1024) for b in (4, 8, 16)]
+    + [(2, 2048, 8192), (2, 2048, 2048)]
+)
 
 
 GRAPH = False  # --graph
@@ -86,8 +92,10 @@ def kernel_choice(tile):
         elif suffix[:1] == "g" and suffix[1:].isdigit():
             group = int(suffix[1:])
         else:
-            raise SystemExit("--tiles: a launch suffix must be ':p' (persistent), ':k' (stream-K), ':sN' (N stages) "
-                             f"or ':gN' (bands of N block rows), got {suffix!r}")
+            raise SystemExit(
+                "--tiles: a launch suffix must be ':p' (persistent), ':k' (stream-K), ':sN' (N stages) "
+                f"or ':gN' (bands of N block rows), got {suffix!r}"
+            )
     shape, _, ctas = tile.partition("@")
     return shape, int(ctas) if ctas else None, persistent, stages, group, stream_k
 
@@ -124,8 +132,7 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
                 torch.baddbmm(xs[i], xs[i], ys[i], beta=-0.5, alpha=1.5, out=outs[i])
 
         def ker(i, shape, ctas, persistent, stages, group, stream_k):
-            launch = dict(out=outs[i], tile=shape, ctas_per_sm=ctas, persistent=persistent, stages=stages,
-                          stream_k=stream_k)
+            launch = dict(out=outs[i], tile=shape, ctas_per_sm=ctas, persistent=persistent, stages=stages, stream_k=stream_k)
             with kernels.using(tile_group=group):
                 if gram:
                     symm_gemm(xs[i], ys[i], 1.0, 0.0, None, **launch)
@@ -172,10 +179,7 @@ def run_rows(title, shapes, dtype, peak, iters, gram: bool, tiles=(None,)):
             chosen += ":k" if stream_k_pays(b, m, k, shape) else ""
         else:
             chosen = tile
-        line = (
-            f"| {name} (tile {chosen}) | {t_cub:.3f} | {t_ker:.3f} | "
-            f"{t_cub / t_ker:.2f}x | {floor:.3f} | {t_ker / floor:.2f} |"
-        )
+        line = f"| {name} (tile {chosen}) | {t_cub:.3f} | {t_ker:.3f} | {t_cub / t_ker:.2f}x | {floor:.3f} | {t_ker / floor:.2f} |"
         if "quack" in ms:
             line += f" {ms['quack']:.3f} | {t_cub / ms['quack']:.2f}x |"
         elif quack is not None:
@@ -207,8 +211,7 @@ def fit_tile_throughputs(rows, sms: int) -> None:
 
     fitted = {}
     for shape in rows[0][2]:
-        logs = [math.log(unit(b, m, shape, times[shape]) / unit(b, m, ref, times[ref]))
-                for b, m, times in rows if shape in times]
+        logs = [math.log(unit(b, m, shape, times[shape]) / unit(b, m, ref, times[ref])) for b, m, times in rows if shape in times]
         fitted[shape] = math.exp(sum(logs) / len(logs))
 
     def pick(b, m, times, throughput):
@@ -233,8 +236,10 @@ def fit_tile_throughputs(rows, sms: int) -> None:
             cells.append(f"{name(chosen)} {times[chosen]:.3f}")
         print(f"| {b}x{m} | {name(best)} {times[best]:.3f} | " + " | ".join(cells) + " |")
     for label, values in losses.items():
-        print(f"{label}: the picks take {max(values):.3f}x the fastest at worst, "
-              f"{math.exp(sum(map(math.log, values)) / len(values)):.3f}x on geometric mean")
+        print(
+            f"{label}: the picks take {max(values):.3f}x the fastest at worst, "
+            f"{math.exp(sum(map(math.log, values)) / len(values)):.3f}x on geometric mean"
+        )
 
 
 def overhead(dtype):
@@ -242,15 +247,19 @@ def overhead(dtype):
     per call (our launch, cuBLAS's, quack's) is what the events measure."""
     x = torch.randn(1, 128, 128, device="cuda", dtype=dtype)
     out = torch.empty(1, 128, 128, device="cuda", dtype=dtype)
-    fns = {"kernel": lambda i: symm_gemm(x, x, 1.0, 0.0, None, out=out),
-           "kernel + beta C": lambda i: symm_gemm(x, x, 1.0, 0.5, out, out=out),
-           "cuBLAS": lambda i: torch.matmul(x, x.mT, out=out)}
+    fns = {
+        "kernel": lambda i: symm_gemm(x, x, 1.0, 0.0, None, out=out),
+        "kernel + beta C": lambda i: symm_gemm(x, x, 1.0, 0.5, out, out=out),
+        "cuBLAS": lambda i: torch.matmul(x, x.mT, out=out),
+    }
     quack = quack_gemm_symmetric()
     if quack is not None:
         fns["quack"] = lambda i: quack(x[0], x[0].mT, out=out[0], alpha=1.0, beta=1.0)
     ms = cuda_median_ms_interleaved(fns, 1, 200, reps=7, warmup=3)
-    print("\nper-call time of a 128x128x128 product, eager (the host's cost per call): "
-          + ", ".join(f"{name} {t * 1e3:.1f} us" for name, t in ms.items()))
+    print(
+        "\nper-call time of a 128x128x128 product, eager (the host's cost per call): "
+        + ", ".join(f"{name} {t * 1e3:.1f} us" for name, t in ms.items())
+    )
 
 
 def chosen_shapes(spec: str) -> tuple[list, list]:
@@ -269,18 +278,25 @@ def main():
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="also the routing sweep")
-    ap.add_argument("--tiles", default="", help="comma list of tiles to try, each TILE or TILE@CTAS (CTAs kept "
-                    "resident per SM; TILE alone: its default), :p for the persistent launch, :k for it with stream-K, "
-                    ":sN for N pipeline stages, "
-                    ":gN for a tile order in bands of N block rows, e.g. 64@1,64,64@3,128x256,128x256:p,128x256:s3,128x256:p:g8 "
-                    "(each and the best reported); "
-                    "default: the automatic choice")
+    ap.add_argument(
+        "--tiles",
+        default="",
+        help="comma list of tiles to try, each TILE or TILE@CTAS (CTAs kept "
+        "resident per SM; TILE alone: its default), :p for the persistent launch, :k for it with stream-K, "
+        ":sN for N pipeline stages, "
+        ":gN for a tile order in bands of N block rows, e.g. 64@1,64,64@3,128x256,128x256:p,128x256:s3,128x256:p:g8 "
+        "(each and the best reported); "
+        "default: the automatic choice",
+    )
     ap.add_argument("--graph", action="store_true", help="time each call replayed from a CUDA graph")
-    ap.add_argument("--shapes", default="", help="comma list of BxMxK to time instead of the tables' shapes, "
-                    "each prefixed gram: (X @ X^T) or symm: (the symmetric product, K = M), e.g. "
-                    "gram:16x1024x5120,symm:16x1024x1024")
-    ap.add_argument("--fit", action="store_true", help="fit the tile model's throughputs to the --tiles "
-                    "measured (every table's shapes)")
+    ap.add_argument(
+        "--shapes",
+        default="",
+        help="comma list of BxMxK to time instead of the tables' shapes, "
+        "each prefixed gram: (X @ X^T) or symm: (the symmetric product, K = M), e.g. "
+        "gram:16x1024x5120,symm:16x1024x1024",
+    )
+    ap.add_argument("--fit", action="store_true", help="fit the tile model's throughputs to the --tiles measured (every table's shapes)")
     args = ap.parse_args()
     global GRAPH
     GRAPH = args.graph
@@ -289,16 +305,18 @@ def main():
     props = torch.cuda.get_device_properties(0)
     import cutlass
 
-    print(f"GPU {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
-          f"nvidia-cutlass-dsl {getattr(cutlass, '__version__', '?')}")
+    print(
+        f"GPU {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
+        f"nvidia-cutlass-dsl {getattr(cutlass, '__version__', '?')}"
+    )
     peak = cublas_peak(dtype)
-    print(f"cuBLAS peak (8192^3, {args.dtype}): {peak / 1e12:.0f} TFLOP/s; "
-          f"{'CUDA-graph replays' if GRAPH else 'eager calls'}")
+    print(f"cuBLAS peak (8192^3, {args.dtype}): {peak / 1e12:.0f} TFLOP/s; {'CUDA-graph replays' if GRAPH else 'eager calls'}")
     overhead(dtype)
     gram_shapes, symm_shapes = chosen_shapes(args.shapes) if args.shapes else (GRAM_SHAPES, SYMM_SHAPES)
     rows = run_rows("X @ X^T", gram_shapes, dtype, peak, args.iters, gram=True, tiles=tiles)
-    rows += run_rows("1.5 P @ Q - 0.5 P, P and Q symmetric, commuting (cuBLAS: baddbmm)", symm_shapes, dtype, peak,
-                     args.iters, gram=False, tiles=tiles)
+    rows += run_rows(
+        "1.5 P @ Q - 0.5 P, P and Q symmetric, commuting (cuBLAS: baddbmm)", symm_shapes, dtype, peak, args.iters, gram=False, tiles=tiles
+    )
     if args.sweep:
         rows += run_rows("routing sweep, X @ X^T", SWEEP, dtype, peak, args.iters, gram=True, tiles=tiles)
     if args.fit:

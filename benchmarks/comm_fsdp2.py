@@ -89,14 +89,21 @@ def row_counts(n: int, world: int) -> list[int]:
     return [max(0, min(n, (q + 1) * chunk) - min(n, q * chunk)) for q in range(world)]
 
 
-def dion3_megatron_step(groups: Sequence[tuple[int, int, int]], world: int, fraction: float, rank: int,
-                        selected: Optional[dict[tuple[int, int], Sequence[int]]] = None) -> list[Collective]:
+def dion3_megatron_step(
+    groups: Sequence[tuple[int, int, int]],
+    world: int,
+    fraction: float,
+    rank: int,
+    selected: Optional[dict[tuple[int, int], Sequence[int]]] = None,
+) -> list[Collective]:
     """dion3_megatron's collectives on ``rank`` for shape groups (n, m, B) of row shards over
     ``world`` ranks. ``selected[(n, m)]``: the rows chosen in every matrix of that group (the
     engine sends only those a rank holds); not given, they are spread evenly over the shards
     (k rows_q / n on rank q, a fraction)."""
-    out = [Collective("all_reduce", (1,), FP32, "non-finite gate"),
-           Collective("all_reduce", (sum(n * b for n, _, b in groups),), FP32, "row scores, all shapes")]
+    out = [
+        Collective("all_reduce", (1,), FP32, "non-finite gate"),
+        Collective("all_reduce", (sum(n * b for n, _, b in groups),), FP32, "row scores, all shapes"),
+    ]
     for n, m, b in groups:
         k = selected_row_count(n, fraction)
         owned = [len(range(d, b, world)) for d in range(world)]  # matrix j -> rank j mod W
@@ -111,8 +118,10 @@ def dion3_megatron_step(groups: Sequence[tuple[int, int, int]], world: int, frac
         # of my matrices' rows. A row travels with its variance (m + 1 values).
         forward = tuple(owned[d] * held[rank] * (m + 1) for d in range(world))
         back = tuple(owned[rank] * held[d] * (m + 1) for d in range(world))
-        out += [Collective("all_to_all", forward, FP32, f"{n}x{m} rows to owners"),
-                Collective("all_to_all", back, FP32, f"{n}x{m} results back")]
+        out += [
+            Collective("all_to_all", forward, FP32, f"{n}x{m} rows to owners"),
+            Collective("all_to_all", back, FP32, f"{n}x{m} results back"),
+        ]
     return out
 
 
@@ -127,8 +136,10 @@ def microsoft_step(groups: Sequence[tuple[int, int, int]], world: int, fraction:
         rows = padded_rows if fraction is None else max(1, math.ceil(fraction * padded_rows))
         per_rank = math.ceil(b / world)
         chunk = (per_rank * rows * m,) * world
-        out += [Collective("all_to_all", chunk, BF16, f"{n}x{m} shards to owners"),
-                Collective("all_to_all", chunk, BF16, f"{n}x{m} results back")]
+        out += [
+            Collective("all_to_all", chunk, BF16, f"{n}x{m} shards to owners"),
+            Collective("all_to_all", chunk, BF16, f"{n}x{m} results back"),
+        ]
     return out
 
 
@@ -142,7 +153,10 @@ def summary(per_rank: Sequence[list[Collective]], world: int) -> dict:
 def compare(cfg: ModelConfig, world: int, fraction: float) -> dict:
     groups = shape_groups(cfg)
     return {
-        "model": cfg.name, "world": world, "fraction": fraction, "shape_groups": len(groups),
+        "model": cfg.name,
+        "world": world,
+        "fraction": fraction,
+        "shape_groups": len(groups),
         "dion3_megatron": summary([dion3_megatron_step(groups, world, fraction, q) for q in range(world)], world),
         "microsoft_nordion2_local": summary([microsoft_step(groups, world, fraction)], world),
         # NorDion2's "global" scope and Muon make the same exchange: whole bf16 shards.
@@ -157,8 +171,11 @@ def table(fraction: float = 0.25, worlds: Sequence[int] = WORLDS) -> list[dict]:
     return [compare(cfg, world, fraction) for cfg in DENSE for world in worlds]
 
 
-COLUMNS = [("dion3_megatron", "dion3_megatron"), ("microsoft_nordion2_local", "NorDion2 local"),
-           ("microsoft_whole_shards", "NorDion2 global = Muon")]
+COLUMNS = [
+    ("dion3_megatron", "dion3_megatron"),
+    ("microsoft_nordion2_local", "NorDion2 local"),
+    ("microsoft_whole_shards", "NorDion2 global = Muon"),
+]
 
 
 def render(rows: list[dict]) -> list[str]:
@@ -172,8 +189,7 @@ def render(rows: list[dict]) -> list[str]:
         f"{'':<6}{'':>4} |" + "|".join(f"{'rounds':>8}{'MB':>9}{'ms':>7} " for _ in COLUMNS),
     ]
     for row in rows:
-        cells = [f"{row[key]['rounds']:>8}{row[key]['bytes'] / 2**20:>9.1f}{row[key]['comm_s'] * 1e3:>7.2f} "
-                 for key, _ in COLUMNS]
+        cells = [f"{row[key]['rounds']:>8}{row[key]['bytes'] / 2**20:>9.1f}{row[key]['comm_s'] * 1e3:>7.2f} " for key, _ in COLUMNS]
         lines.append(f"{row['model']:<6}{row['world']:>4} |" + "|".join(cells))
     return lines
 
@@ -189,8 +205,19 @@ SMALL_GROUPS = [(16, 8, 3), (7, 6, 2)]
 SMALL_CHOSEN = {(16, 8): (0, 1, 4, 5, 8, 9, 12, 13), (7, 6): (0, 2, 4, 6)}
 SMALL_FRACTION = 0.5
 PATHS = ("dion3_megatron", "nordion2_local", "nordion2_global", "muon")
-_COLLECTIVES = ("all_reduce", "all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "broadcast",
-                "reduce_scatter_tensor", "reduce", "gather", "scatter", "barrier")
+_COLLECTIVES = (
+    "all_reduce",
+    "all_to_all_single",
+    "all_to_all",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "reduce_scatter_tensor",
+    "reduce",
+    "gather",
+    "scatter",
+    "barrier",
+)
 
 
 def predicted_small(path: str, world: int, rank: int) -> list[tuple]:
@@ -244,8 +271,11 @@ def recorded_step(rank: int, world: int, path: str) -> dict:
 
     mesh = init_device_mesh("cpu", (world,))
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(distribute_tensor(torch.randn(n, m, generator=gen), mesh, [Shard(0)]))
-              for n, m, b in SMALL_GROUPS for _ in range(b)]
+    params = [
+        torch.nn.Parameter(distribute_tensor(torch.randn(n, m, generator=gen), mesh, [Shard(0)]))
+        for n, m, b in SMALL_GROUPS
+        for _ in range(b)
+    ]
     opt = _optimizer(path, params, mesh)
     record: list[tuple] = []
 
@@ -262,6 +292,7 @@ def recorded_step(rank: int, world: int, path: str) -> dict:
             else:
                 record.append((name,))
             return original(*args, **kwargs)
+
         return call
 
     for step in range(2):
@@ -299,14 +330,18 @@ def measure(dion_path: Optional[str]) -> None:
         got = recorded_step(rank, world, path)["record"]
         same = sorted(got) == sorted(predicted_small(path, world, rank))
         everyone: list = [None] * world
-        dist.all_gather_object(everyone, (same, len(got), sum(
-            (2 * (world - 1) / world * e[0] if kind == "all_reduce" else sum(e) - e[rank]) * size
-            for kind, e, size in got)))
+        dist.all_gather_object(
+            everyone,
+            (
+                same,
+                len(got),
+                sum((2 * (world - 1) / world * e[0] if kind == "all_reduce" else sum(e) - e[rank]) * size for kind, e, size in got),
+            ),
+        )
         equal = all(s for s, _, _ in everyone)
         agree = agree and equal
         verdict = "equal to the model" if equal else "DIFFERENT from the model"
-        lines.append(f"{path:<16} collectives {everyone[0][1]:>2}, bytes sent per rank "
-                     f"{[int(b) for _, _, b in everyone]}: {verdict}")
+        lines.append(f"{path:<16} collectives {everyone[0][1]:>2}, bytes sent per rank {[int(b) for _, _, b in everyone]}: {verdict}")
     if rank == 0:
         print(f"measured on gloo, {world} ranks, {SMALL_GROUPS} (rows, cols, matrices), f = {SMALL_FRACTION}")
         print("\n".join(lines) + ("" if len(paths) > 1 else "\n(microsoft/dion not importable: pass --dion-path)"))
@@ -331,11 +366,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.json:
         command = "python benchmarks/comm_fsdp2.py" + (f" --fraction {args.fraction}" if args.fraction != 0.25 else "")
         with open(args.json, "w") as f:
-            json.dump({"command": command, "kind": "modelled (alpha-beta), not measured",
-                       "layout": "FSDP2 fully_shard, 1-D mesh of W ranks, every matrix Shard(0)",
-                       "microsoft_dion_commit": "0a059a4542e5aa74b40dcd1dce363836c7afcd48",
-                       "alpha_s": ALPHA_S, "beta_bytes_per_s": BETA_BYTES_PER_S,
-                       "printed": lines, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "command": command,
+                    "kind": "modelled (alpha-beta), not measured",
+                    "layout": "FSDP2 fully_shard, 1-D mesh of W ranks, every matrix Shard(0)",
+                    "microsoft_dion_commit": "0a059a4542e5aa74b40dcd1dce363836c7afcd48",
+                    "alpha_s": ALPHA_S,
+                    "beta_bytes_per_s": BETA_BYTES_PER_S,
+                    "printed": lines,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
             f.write("\n")
 
 

@@ -186,8 +186,7 @@ def check(measured_path: str) -> None:
     class BenchConfig(ModelConfig):  # the benchmark's layer: Q, K, V, proj, fc1, fc2 (no SwiGLU)
         def layer_matrices(self):
             h, f = self.hidden, self.ffn
-            return [((h, h), "rows", False)] * 3 + [((h, h), "cols", False), ((f, h), "rows", False),
-                                                    ((h, f), "cols", False)]
+            return [((h, h), "rows", False)] * 3 + [((h, h), "cols", False), ((f, h), "rows", False), ((h, f), "cols", False)]
 
     cfg = BenchConfig("bench", layers, hidden, ffn)
     print(f"{'optimizer':<16}{'predicted ms':>14}{'measured ms':>13}{'error':>8}")
@@ -206,14 +205,18 @@ def main() -> None:
         check(args.check)
         return
     print(f"alpha {ALPHA_S * 1e6:.0f} us, beta {BETA_BYTES_PER_S / 1e9:.0f} GB/s, NS rate {NS_FLOPS_PER_S / 1e12:.0f} TFLOP/s")
-    print(f"{'model':<9}{'GPUs':>6}{'TPxPPxDP':>12} | {'muon rounds':>11}{'MB':>9}{'ms':>8} | "
-          f"{'dion3 1/4 rounds':>16}{'MB':>8}{'ms':>8} | {'1/8 MB':>7}{'ms':>7} | {'speedup 1/4':>11}")
+    print(
+        f"{'model':<9}{'GPUs':>6}{'TPxPPxDP':>12} | {'muon rounds':>11}{'MB':>9}{'ms':>8} | "
+        f"{'dion3 1/4 rounds':>16}{'MB':>8}{'ms':>8} | {'1/8 MB':>7}{'ms':>7} | {'speedup 1/4':>11}"
+    )
     for row in table():
         muon, d4, d8 = row["muon"], row["dion3_0.25"], row["dion3_0.125"]
-        print(f"{row['model']:<9}{row['gpus']:>6}{row['tp']:>5}x{row['pp']}x{row['dp']:<4} | {muon['rounds']:>11}"
-              f"{muon['bytes'] / 2**20:>9.0f}{muon['total_s'] * 1e3:>8.1f} | {d4['rounds']:>16}{d4['bytes'] / 2**20:>8.0f}"
-              f"{d4['total_s'] * 1e3:>8.1f} | {d8['bytes'] / 2**20:>7.0f}{d8['total_s'] * 1e3:>7.1f} | "
-              f"{muon['total_s'] / d4['total_s']:>10.1f}x")
+        print(
+            f"{row['model']:<9}{row['gpus']:>6}{row['tp']:>5}x{row['pp']}x{row['dp']:<4} | {muon['rounds']:>11}"
+            f"{muon['bytes'] / 2**20:>9.0f}{muon['total_s'] * 1e3:>8.1f} | {d4['rounds']:>16}{d4['bytes'] / 2**20:>8.0f}"
+            f"{d4['total_s'] * 1e3:>8.1f} | {d8['bytes'] / 2**20:>7.0f}{d8['total_s'] * 1e3:>7.1f} | "
+            f"{muon['total_s'] / d4['total_s']:>10.1f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -98,8 +98,10 @@ def build(min_bytes: int = 0, roots: list[Path] | None = None, max_bytes: int | 
     digest.update(train)
     digest.update(val)
     if total < min_bytes:
-        raise ValueError(f"the corpus under {[str(r) for r in roots]} has {total:,} bytes; {min_bytes:,} are needed "
-                         "(fewer steps, a smaller batch, or more packages installed)")
+        raise ValueError(
+            f"the corpus under {[str(r) for r in roots]} has {total:,} bytes; {min_bytes:,} are needed "
+            "(fewer steps, a smaller batch, or more packages installed)"
+        )
     as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
     return Corpus(as_tensor(train), as_tensor(val), digest.hexdigest(), files)
 
@@ -123,8 +125,10 @@ def lane_starts(n_train: int, batch: int, seq: int, steps: int, seed: int) -> to
     """
     lane = n_train // batch
     if steps * seq > lane - 1:
-        raise ValueError(f"{steps} steps x {batch} lanes x {seq} bytes need {steps * seq * batch + batch:,} training "
-                         f"bytes without repeats; the corpus has {n_train:,}")
+        raise ValueError(
+            f"{steps} steps x {batch} lanes x {seq} bytes need {steps * seq * batch + batch:,} training "
+            f"bytes without repeats; the corpus has {n_train:,}"
+        )
     usable = (lane - 1) // seq * seq  # whole windows per lane
     offset = (seed * 7919 * seq) % usable
     local = (offset + torch.arange(steps) * seq) % usable  # (steps,) inside the lane

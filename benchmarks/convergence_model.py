@@ -87,16 +87,20 @@ def stacked_weights(members: list[GPT]) -> dict[str, torch.Tensor]:
     """The members' weights stacked along a leading member dimension (a view when there is one)."""
     stack = (lambda ts: ts[0].unsqueeze(0)) if len(members) == 1 else torch.stack  # noqa: E731
     first = members[0]
-    weights = {"embed": stack([m.embed for m in members]), "norm": stack([m.norm for m in members]),
-               "head": stack([m.head for m in members])}
+    weights = {
+        "embed": stack([m.embed for m in members]),
+        "norm": stack([m.norm for m in members]),
+        "head": stack([m.head for m in members]),
+    }
     for layer in range(len(first.blocks)):
         for name in (*BLOCK_MATRICES, "norm1", "norm2"):
             weights[f"{layer}.{name}"] = stack([getattr(m.blocks[layer], name) for m in members])
     return weights
 
 
-def _logits(idx: torch.Tensor, weights: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-            heads: int, layers: int) -> torch.Tensor:
+def _logits(
+    idx: torch.Tensor, weights: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, heads: int, layers: int
+) -> torch.Tensor:
     """idx (K, B, T) byte ids, member k reading idx[k] -> logits (K, B, T, 256)."""
     k_count, batch, t = idx.shape
     # One lookup in the members' stacked tables through F.embedding, whose backward is a sorted
@@ -118,8 +122,16 @@ def _logits(idx: torch.Tensor, weights: dict[str, torch.Tensor], cos: torch.Tens
     return _linear(x, weights["head"]).view(k_count, batch, t, -1)
 
 
-def _losses(idx: torch.Tensor, targets: torch.Tensor, weights: dict[str, torch.Tensor], cos: torch.Tensor,
-            sin: torch.Tensor, heads: int, layers: int, bf16: bool) -> torch.Tensor:
+def _losses(
+    idx: torch.Tensor,
+    targets: torch.Tensor,
+    weights: dict[str, torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    layers: int,
+    bf16: bool,
+) -> torch.Tensor:
     with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = _logits(idx, weights, cos, sin, heads, layers)
     losses = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1), reduction="none")
@@ -131,8 +143,7 @@ def _losses(idx: torch.Tensor, targets: torch.Tensor, weights: dict[str, torch.T
 _compiled_losses = torch.compile(_losses, dynamic=False)
 
 
-def pack_loss(members: list[GPT], idx: torch.Tensor, targets: torch.Tensor, bf16: bool,
-              compiled: bool = False) -> torch.Tensor:
+def pack_loss(members: list[GPT], idx: torch.Tensor, targets: torch.Tensor, bf16: bool, compiled: bool = False) -> torch.Tensor:
     """Each member's mean cross-entropy (nats per byte) on its own batch: (K,) fp32. Member k reads
     idx[k]; the members' forward passes run as one batched computation."""
     first = members[0]

@@ -68,6 +68,7 @@ def _checks_timed(into: list[float]) -> Iterator[None]:
             grads = check()
             into.append(time.perf_counter() - start)
             return grads
+
         return gate(self, timed, *args, **kwargs)
 
     lifecycle.Dion3FrontEnd.gate_step = timed_gate
@@ -90,8 +91,9 @@ def _measure(opt: torch.optim.Optimizer, variants: tuple[str, ...], steps: int, 
         if i >= warmup * len(variants):
             step_s[name].append(elapsed)
             check_s[name].extend(checks)
-    return {name: {"step ms": 1e3 * statistics.median(step_s[name]),
-                   "checks ms": 1e3 * statistics.median(check_s[name])} for name in variants}
+    return {
+        name: {"step ms": 1e3 * statistics.median(step_s[name]), "checks ms": 1e3 * statistics.median(check_s[name])} for name in variants
+    }
 
 
 def single_process(matrices: int, steps: int) -> dict:
@@ -102,14 +104,18 @@ def single_process(matrices: int, steps: int) -> dict:
     params = []
     for i in range(matrices):
         n, m = shapes[i % len(shapes)]
-        params += [(f"layer{i}.weight", torch.nn.Parameter(torch.randn(n, m, generator=gen) / m**0.5)),
-                   (f"layer{i}.bias", torch.nn.Parameter(torch.zeros(n)))]
+        params += [
+            (f"layer{i}.weight", torch.nn.Parameter(torch.randn(n, m, generator=gen) / m**0.5)),
+            (f"layer{i}.bias", torch.nn.Parameter(torch.zeros(n))),
+        ]
     for _, p in params:
         p.grad = torch.randn(p.shape, generator=gen)
     opt = Dion3(params, fraction=0.25, ns_dtype=torch.float32)
-    return {"what": f"{matrices} matrices ({', '.join(f'{n}x{m}' for n, m in shapes)} in turn) and {matrices} "
-                    "biases, one process, 1 thread, f = 1/4",
-            **_measure(opt, ("checks", "without checks"), steps)}
+    return {
+        "what": f"{matrices} matrices ({', '.join(f'{n}x{m}' for n, m in shapes)} in turn) and {matrices} "
+        "biases, one process, 1 thread, f = 1/4",
+        **_measure(opt, ("checks", "without checks"), steps),
+    }
 
 
 def fsdp2_rank(rank: int, world: int, steps: int) -> dict:
@@ -131,10 +137,12 @@ def fsdp2_rank(rank: int, world: int, steps: int) -> dict:
     opt = Dion3([{"params": hidden}, {"params": rest, "algorithm": "adamw", "lr": 3e-3}], fraction=0.25)
     tokens = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(1 + rank))
     model(tokens).backward()
-    return {"what": f"examples/fsdp2_train.py's GPT (width 128, 2 layers: {len(hidden)} DTensor matrices for "
-                    f"Dion3, {len(rest)} DTensors for AdamW), FSDP2 over {world} CPU processes (gloo, 1 thread "
-                    "each), f = 1/4; rank 0's times",
-            **_measure(opt, VARIANTS, steps)}
+    return {
+        "what": f"examples/fsdp2_train.py's GPT (width 128, 2 layers: {len(hidden)} DTensor matrices for "
+        f"Dion3, {len(rest)} DTensors for AdamW), FSDP2 over {world} CPU processes (gloo, 1 thread "
+        "each), f = 1/4; rank 0's times",
+        **_measure(opt, VARIANTS, steps),
+    }
 
 
 def _fsdp2_process(rank: int, world: int, port: int, steps: int, results) -> None:
@@ -171,17 +179,20 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     load = os.getloadavg()[0]  # other work on the machine: the step's medians move with it, the checks' less
-    results = {"single process": single_process(args.matrices, args.steps),
-               "fsdp2, 2 ranks": fsdp2(args.steps)}
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    record = {"what": "host time of the step's checks: median ms of opt.step() and of its checks over "
-                      f"{args.steps} steps per variant, variants alternating",
-              "command": "python benchmarks/host_checks.py " + " ".join(sys.argv[1:]),
-              "date": datetime.date.today().isoformat(),
-              "machine": {"cpu": cpu, "cores": os.cpu_count(), "load average before the run": load},
-              "versions": {"torch": torch.__version__, "python": platform.python_version()},
-              "measurements": results}
+    results = {"single process": single_process(args.matrices, args.steps), "fsdp2, 2 ranks": fsdp2(args.steps)}
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+        platform.processor(),
+    )
+    record = {
+        "what": "host time of the step's checks: median ms of opt.step() and of its checks over "
+        f"{args.steps} steps per variant, variants alternating",
+        "command": "python benchmarks/host_checks.py " + " ".join(sys.argv[1:]),
+        "date": datetime.date.today().isoformat(),
+        "machine": {"cpu": cpu, "cores": os.cpu_count(), "load average before the run": load},
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "measurements": results,
+    }
     print(json.dumps(record, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")

@@ -21,5 +21,11 @@ def kernel_setting(text: str) -> tuple[str, object]:
 
 def add_kernel_config_option(parser: argparse.ArgumentParser, what: str) -> None:
     """--kernel-config, repeatable, collected as a list of (key, value) in args.kernel_config."""
-    parser.add_argument("--kernel-config", type=kernel_setting, action="append", default=[], metavar="KEY=VALUE",
-                        help=f"a kernels.KernelConfig field for {what} (repeatable), e.g. tile_group=8")
+    parser.add_argument(
+        "--kernel-config",
+        type=kernel_setting,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"a kernels.KernelConfig field for {what} (repeatable), e.g. tile_group=8",
+    )

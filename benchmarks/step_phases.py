@@ -83,8 +83,11 @@ def profile_one_call(owner: type, name: str) -> None:
             synchronize()
         if rank0():
             events = prof.key_averages()
-            print(f"PROFILE {owner.__name__}.{name} call {calls[0]} (rank {os.environ.get('RANK', '0')}): "
-                  f"{sum(e.count for e in events if e.key.startswith('aten::'))} aten ops", flush=True)
+            print(
+                f"PROFILE {owner.__name__}.{name} call {calls[0]} (rank {os.environ.get('RANK', '0')}): "
+                f"{sum(e.count for e in events if e.key.startswith('aten::'))} aten ops",
+                flush=True,
+            )
             sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
             print(events.table(sort_by=sort, row_limit=20), flush=True)
         return out
@@ -96,7 +99,7 @@ def report(title: str) -> None:
     if rank0():
         print(f"PHASES {title} (rank {os.environ.get('RANK', '0')})", flush=True)
         for label, values in TIMES.items():
-            values = values[len(values) // 4:]  # skip the first quarter (warm-up, engine build)
+            values = values[len(values) // 4 :]  # skip the first quarter (warm-up, engine build)
             if values:
                 print(f"  {label:48s} median {1e3 * statistics.median(values):8.2f} ms  x{len(values)}", flush=True)
     TIMES.clear()
@@ -128,10 +131,16 @@ def megatron_phases() -> None:
     timed(layer_wise, "get_grad_norm", "  grad norm (layer-wise)")
     timed(core_optimizer, "clip_grad_by_total_norm_fp32", "  clip (per chained optimizer)")
     timed(layer_wise, "step_with_ready_grads", "  layer-wise inner steps + parameter all-gather")
-    timed(core_optimizer.Float16OptimizerWithFloat16Params, "step_with_ready_grads",
-          "  inner step + main-to-model copy (per chained optimizer)")
-    timed(distrib_optimizer.DistributedOptimizer, "step_with_ready_grads",
-          "  inner step + main-to-model copy + all-gather (DistributedOptimizer)")
+    timed(
+        core_optimizer.Float16OptimizerWithFloat16Params,
+        "step_with_ready_grads",
+        "  inner step + main-to-model copy (per chained optimizer)",
+    )
+    timed(
+        distrib_optimizer.DistributedOptimizer,
+        "step_with_ready_grads",
+        "  inner step + main-to-model copy + all-gather (DistributedOptimizer)",
+    )
     timed(layer_wise, "start_param_sync_for_bucket_group_subset", "  parameter all-gather")
     timed(TensorParallelMuon, "step", "Muon inner step")
     timed(MegatronDion3, "step", "Dion3 inner step")
@@ -192,10 +201,16 @@ def deepspeed(argv: list[str]) -> None:
     timed(zero_opt, "scaled_global_norm", "  ZeRO grad norm")
     timed(zero_opt, "_optimizer_step", "  ZeRO inner step (per param group)")
     timed(stage_1_and_2, "all_gather_dp_groups", "  ZeRO parameter all-gather")
-    timed(zero.ZeroStep, "step", lambda plan: f"ZeRO step of every partition ({len(plan.partitions)} partitions, "
-                                              f"{sum(len(p.pieces) for p in plan.partitions)} matrices, "
-                                              f"{sum(q.shard.sharding.kind != 'full' for p in plan.partitions for q in p.pieces)} "
-                                              f"of them split, {sum(len(p.adamw_runs) for p in plan.partitions)} AdamW runs)")
+    timed(
+        zero.ZeroStep,
+        "step",
+        lambda plan: (
+            f"ZeRO step of every partition ({len(plan.partitions)} partitions, "
+            f"{sum(len(p.pieces) for p in plan.partitions)} matrices, "
+            f"{sum(q.shard.sharding.kind != 'full' for p in plan.partitions for q in p.pieces)} "
+            f"of them split, {sum(len(p.adamw_runs) for p in plan.partitions)} AdamW runs)"
+        ),
+    )
     timed(local.WholeExchange, "step_all", "  matrices one rank holds whole (all groups)")
     sys.argv = argv
     try:

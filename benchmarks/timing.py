@@ -22,8 +22,9 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     return graph.replay
 
 
-def cuda_median_ms(fn: Callable[[int], object], n_sets: int = 1, iters: int = 1, reps: int = 5, warmup: int = 2,
-                   graph: bool = False) -> float:
+def cuda_median_ms(
+    fn: Callable[[int], object], n_sets: int = 1, iters: int = 1, reps: int = 5, warmup: int = 2, graph: bool = False
+) -> float:
     """Median milliseconds per call of ``fn(i)`` over ``reps`` timed runs of ``iters`` calls each,
     rotating ``i`` over ``n_sets`` input sets (so repeated calls do not just measure the cache).
     ``graph``: each ``fn(i)`` captured in a CUDA graph and replayed (the host's launch cost out, as
@@ -31,8 +32,9 @@ def cuda_median_ms(fn: Callable[[int], object], n_sets: int = 1, iters: int = 1,
     return cuda_median_ms_interleaved({"": fn}, n_sets, iters, reps, warmup, graph)[""]
 
 
-def cuda_median_ms_interleaved(fns: dict[str, Callable[[int], object]], n_sets: int = 1, iters: int = 1,
-                               reps: int = 5, warmup: int = 2, graph: bool = False) -> dict[str, float]:
+def cuda_median_ms_interleaved(
+    fns: dict[str, Callable[[int], object]], n_sets: int = 1, iters: int = 1, reps: int = 5, warmup: int = 2, graph: bool = False
+) -> dict[str, float]:
     """:func:`cuda_median_ms` of several variants, their timed runs interleaved (rep 1 of each,
     then rep 2 of each, ..., the order rotated every rep) so that a drift of the unlocked clocks
     reaches every variant alike: timed one after another, two variants running the same kernels

@@ -26,27 +26,27 @@ from .kernels import config as kernel_config
 class Dion3(Dion3FrontEnd):
     """Dion3: top-fraction row selection, Gram Newton-Schulz, NorMuon normalization, error feedback.
 
-    Args:
-        params: parameters (or ``named_parameters()``) or param groups. A group may set
-            ``algorithm`` ("dion3" | "adamw") and any option below but ``kernels`` and
-            ``cuda_graph``; ``fraction`` and ``num_heads`` may differ per group.
-        **settings: the options below (keyword only; declared in :mod:`dion3_megatron.options`).
+        Args:
+            params: parameters (or ``named_parameters()``) or param groups. A group may set
+                ``algorithm`` ("dion3" | "adamw") and any option below but ``kernels`` and
+                ``cuda_graph``; ``fraction`` and ``num_heads`` may differ per group.
+            **settings: the options below (keyword only; declared in :mod:`dion3_megatron.options`).
 
-    The automatic fraction is chosen per matrix at its first step by :mod:`dion3_megatron.engine.plan` from its
-    shape and this device's measured speed (see :attr:`fractions`). Under torch.distributed every
-    rank must step that first step together (as DDP does): all take the slowest rank's speed and
-    agree. ``cuda_graph``: on one CUDA device the Dion3 part of the step (after the momentum
-    accumulation) is captured once the same matrices have stepped twice, and replayed: one launch
-    instead of hundreds. Bit-identical to the eager step; it keeps the step's temporaries
-    allocated. Any change of members, settings other than lr and weight decay, or tensor storage
-    captures anew.
+        The automatic fraction is chosen per matrix at its first step by :mod:`dion3_megatron.engine.plan` from its
+        shape and this device's measured speed (see :attr:`fractions`). Under torch.distributed every
+        rank must step that first step together (as DDP does): all take the slowest rank's speed and
+        agree. ``cuda_graph``: on one CUDA device the Dion3 part of the step (after the momentum
+        accumulation) is captured once the same matrices have stepped twice, and replayed: one launch
+        instead of hundreds. Bit-identical to the eager step; it keeps the step's temporaries
+        allocated. Any change of members, settings other than lr and weight decay, or tensor storage
+        captures anew.
 
-    A step with a non-finite gradient anywhere changes nothing, warns, and counts in
-    :attr:`skipped_steps`. A step that raises (a setting changed to an invalid value since
-    construction, a sparse gradient) raises before any weight, state or counter changes.
+        A step with a non-finite gradient anywhere changes nothing, warns, and counts in
+        :attr:`skipped_steps`. A step that raises (a setting changed to an invalid value since
+        construction, a sparse gradient) raises before any weight, state or counter changes.
 
-    Options:
-{options}
+        Options:
+    {options}
     """
 
     FRONT_END = options.TORCH
@@ -92,8 +92,9 @@ class Dion3(Dion3FrontEnd):
         self._whole.reset(records)
 
     def check_loadable(self, state_dict: dict[str, Any]) -> None:
-        grouping.check_saved_groups(without_records(state_dict["param_groups"]), self.param_groups, options.TORCH,
-                                    lambda group: group["params"])
+        grouping.check_saved_groups(
+            without_records(state_dict["param_groups"]), self.param_groups, options.TORCH, lambda group: group["params"]
+        )
         grouping.check_state_shapes(state_dict, self.param_groups, grouping.param_state_shapes)
 
     def load_checked(self, state_dict: dict[str, Any]) -> None:

@@ -52,8 +52,15 @@ CHOICE = "choice"  # one of ``choices``
 HEADS = "heads"  # None or a positive int
 DTYPE = "dtype"  # None, or one of NS_DTYPES by name or as its torch.dtype
 BETAS = "betas"  # two REALs in [0, 1)
-_ANNOTATIONS = {REAL: float, FRACTION: "float | str", BOOL: bool, CHOICE: str, HEADS: Optional[int],
-                DTYPE: Optional[Union[torch.dtype, str]], BETAS: tuple[float, float]}
+_ANNOTATIONS = {
+    REAL: float,
+    FRACTION: "float | str",
+    BOOL: bool,
+    CHOICE: str,
+    HEADS: Optional[int],
+    DTYPE: Optional[Union[torch.dtype, str]],
+    BETAS: tuple[float, float],
+}
 
 
 def is_real(value: Any) -> bool:
@@ -104,7 +111,7 @@ class Option:
         return above and below
 
     def range_text(self, number=lambda x: f"{x:g}") -> str:
-        """"[0, 1)", "(0, 1]"; one-sided ranges as ">= 0", "> 0"."""
+        """ "[0, 1)", "(0, 1]"; one-sided ranges as ">= 0", "> 0"."""
         if self.low is not None and self.high is not None:
             lo, hi = ("(" if self.low_open else "["), (")" if self.high_open else "]")
             return f"in {lo}{number(self.low)}, {number(self.high)}{hi}"
@@ -138,6 +145,7 @@ class Option:
     def argparse_type(self):
         """The ``type=`` of a command-line flag for a REAL or FRACTION ("auto" taken as it is): the
         number, or argparse's error naming the option and the value."""
+
         def parse(text: str) -> float | str:
             if self.kind == FRACTION and text == AUTO:
                 return text
@@ -181,49 +189,124 @@ OPTIONS: tuple[Option, ...] = (
     # 0.01 is Dion3's best lr at f = 1 on the GPTs the defaults are tuned on; with
     # scale_lr_by_fraction every other f then steps at its own best (0.02-0.04 at f = 1/4). AdamW on
     # embeddings at such an lr makes the loss spike, hence adamw_lr of its own.
-    Option("lr", REAL, 0.01, "learning rate of the Dion3 matrices at f = 1 (see scale_lr_by_fraction; also the "
-           "lr of the AdamW tensors of a group that mixes both)", front_ends=_NOT_MEGATRON, low=0.0, tensor=True),
-    Option("adamw_lr", REAL, 0.002, "learning rate of the AdamW groups (algorithm 'adamw'; under DeepSpeed also "
-           "the < 2-D tensors of a plain parameter list) that set none of their own, > 0",
-           front_ends=_NOT_MEGATRON, low=0.0, low_open=True, tensor=True, **_OPTIMIZER_WIDE),
-    Option("fraction", FRACTION, AUTO, "share of each matrix's rows updated per step, in (0, 1] (paper: 1/4 or "
-           "1/8), or 'auto': chosen per matrix from its shape, the world size and the device's speed",
-           low=0.0, high=1.0, low_open=True),
-    Option("mu", REAL, None, "share of the applied rows' momentum kept after a step (error feedback), in [0, 1); "
-           "None: 0.6 at f = 1/4 and the same memory per step at any f, 0.6 ** (1 / (4 f)) (0.36 at f = 1/8, "
-           "0.88 at f = 1); the reference's 0.95 trails Muon at f < 1", **_UNIT),
+    Option(
+        "lr",
+        REAL,
+        0.01,
+        "learning rate of the Dion3 matrices at f = 1 (see scale_lr_by_fraction; also the "
+        "lr of the AdamW tensors of a group that mixes both)",
+        front_ends=_NOT_MEGATRON,
+        low=0.0,
+        tensor=True,
+    ),
+    Option(
+        "adamw_lr",
+        REAL,
+        0.002,
+        "learning rate of the AdamW groups (algorithm 'adamw'; under DeepSpeed also "
+        "the < 2-D tensors of a plain parameter list) that set none of their own, > 0",
+        front_ends=_NOT_MEGATRON,
+        low=0.0,
+        low_open=True,
+        tensor=True,
+        **_OPTIMIZER_WIDE,
+    ),
+    Option(
+        "fraction",
+        FRACTION,
+        AUTO,
+        "share of each matrix's rows updated per step, in (0, 1] (paper: 1/4 or "
+        "1/8), or 'auto': chosen per matrix from its shape, the world size and the device's speed",
+        low=0.0,
+        high=1.0,
+        low_open=True,
+    ),
+    Option(
+        "mu",
+        REAL,
+        None,
+        "share of the applied rows' momentum kept after a step (error feedback), in [0, 1); "
+        "None: 0.6 at f = 1/4 and the same memory per step at any f, 0.6 ** (1 / (4 f)) (0.36 at f = 1/8, "
+        "0.88 at f = 1); the reference's 0.95 trails Muon at f < 1",
+        **_UNIT,
+    ),
     Option("beta2", REAL, 0.95, "NorMuon per-row second-moment decay, in [0, 1)", **_UNIT),
-    Option("weight_decay", REAL, 0.01, "decoupled weight decay (both algorithms), >= 0",
-           front_ends=_NOT_MEGATRON, low=0.0),
+    Option("weight_decay", REAL, 0.01, "decoupled weight decay (both algorithms), >= 0", front_ends=_NOT_MEGATRON, low=0.0),
     Option("eps", REAL, 1e-8, "NorMuon / AdamW epsilon, > 0", low=0.0, low_open=True),
-    Option("adjust_lr", CHOICE, "spectral_norm", "multiplier of the orthogonalized step's lr: spectral_norm = "
-           "sqrt(rows/cols); rms_norm = 0.2 sqrt(max(rows, cols)) (AdamW lr/wd transfer)",
-           choices=ADJUST_LR_CHOICES),
-    Option("scale_lr_by_fraction", BOOL, True, "a matrix at fraction f steps and decays at lr / max(f, 1/4): lr is "
-           "f = 1's, and each f takes its measured best (2x lr at f = 1/2, 4x at f <= 1/4); False: lr at every f"),
-    Option("scale_mu_by_fraction", BOOL, False, "the applied rows keep mu ** (1/fraction) of their momentum "
-           "instead of mu: the memory of heavy-ball momentum with mu at every fraction (needs an explicit mu)"),
-    Option("staleness", REAL, 1.0, "selection favours rows that waited: each row's L1 score times "
-           "1 + staleness * f * (steps since the row was last applied); 0: plain L1 norms", low=0.0),
-    Option("num_heads", HEADS, None, "select rows per head (rows viewed as heads x head_dim): a positive int, or "
-           "None", front_ends=_NOT_MEGATRON),
-    Option("ns_method", CHOICE, "gram", "orthogonalization: 'gram' (Gram Newton-Schulz) or 'standard' "
-           "(Newton-Schulz)", choices=NS_METHODS),
-    Option("ns_dtype", DTYPE, None, "compute dtype of the orthogonalization: None is fp16 on GPUs and fp32 on "
-           "CPU, or one of float16, bfloat16, float32, float64", front_ends=_NOT_MEGATRON),
-    Option("betas", BETAS, (0.9, 0.95), "AdamW betas, two values in [0, 1)", front_ends=_NOT_MEGATRON,
-           hyperparameter=False),
-    Option("kernels", CHOICE, None, "which matrix products the orthogonalization of the optimizer's steps runs: "
-           "'auto', the package's symmetric-GEMM kernels where they measured faster; 'torch', plain torch; None, "
-           "the process's kernel configuration (dion3_megatron.kernels.configure; DION3_KERNELS=0 makes it "
-           "'torch'); the Triton row kernels follow it too (and DION3_FUSED_ROWS=0)", choices=KERNELS,
-           **_OPTIMIZER_WIDE),
-    Option("cuda_graph", BOOL, True, "replay the part of the step that one GPU runs alone as a CUDA graph",
-           **_OPTIMIZER_WIDE),
-    Option("split_qkv", BOOL, True, "orthogonalize Q, K and V of a fused QKV weight as separate matrices",
-           front_ends=frozenset((MEGATRON,)), **_OPTIMIZER_WIDE),
-    Option("split_glu", BOOL, True, "orthogonalize the gate and up halves of a SwiGLU fc1 as separate matrices",
-           front_ends=frozenset((MEGATRON,)), **_OPTIMIZER_WIDE),
+    Option(
+        "adjust_lr",
+        CHOICE,
+        "spectral_norm",
+        "multiplier of the orthogonalized step's lr: spectral_norm = "
+        "sqrt(rows/cols); rms_norm = 0.2 sqrt(max(rows, cols)) (AdamW lr/wd transfer)",
+        choices=ADJUST_LR_CHOICES,
+    ),
+    Option(
+        "scale_lr_by_fraction",
+        BOOL,
+        True,
+        "a matrix at fraction f steps and decays at lr / max(f, 1/4): lr is "
+        "f = 1's, and each f takes its measured best (2x lr at f = 1/2, 4x at f <= 1/4); False: lr at every f",
+    ),
+    Option(
+        "scale_mu_by_fraction",
+        BOOL,
+        False,
+        "the applied rows keep mu ** (1/fraction) of their momentum "
+        "instead of mu: the memory of heavy-ball momentum with mu at every fraction (needs an explicit mu)",
+    ),
+    Option(
+        "staleness",
+        REAL,
+        1.0,
+        "selection favours rows that waited: each row's L1 score times "
+        "1 + staleness * f * (steps since the row was last applied); 0: plain L1 norms",
+        low=0.0,
+    ),
+    Option(
+        "num_heads",
+        HEADS,
+        None,
+        "select rows per head (rows viewed as heads x head_dim): a positive int, or None",
+        front_ends=_NOT_MEGATRON,
+    ),
+    Option("ns_method", CHOICE, "gram", "orthogonalization: 'gram' (Gram Newton-Schulz) or 'standard' (Newton-Schulz)", choices=NS_METHODS),
+    Option(
+        "ns_dtype",
+        DTYPE,
+        None,
+        "compute dtype of the orthogonalization: None is fp16 on GPUs and fp32 on CPU, or one of float16, bfloat16, float32, float64",
+        front_ends=_NOT_MEGATRON,
+    ),
+    Option("betas", BETAS, (0.9, 0.95), "AdamW betas, two values in [0, 1)", front_ends=_NOT_MEGATRON, hyperparameter=False),
+    Option(
+        "kernels",
+        CHOICE,
+        None,
+        "which matrix products the orthogonalization of the optimizer's steps runs: "
+        "'auto', the package's symmetric-GEMM kernels where they measured faster; 'torch', plain torch; None, "
+        "the process's kernel configuration (dion3_megatron.kernels.configure; DION3_KERNELS=0 makes it "
+        "'torch'); the Triton row kernels follow it too (and DION3_FUSED_ROWS=0)",
+        choices=KERNELS,
+        **_OPTIMIZER_WIDE,
+    ),
+    Option("cuda_graph", BOOL, True, "replay the part of the step that one GPU runs alone as a CUDA graph", **_OPTIMIZER_WIDE),
+    Option(
+        "split_qkv",
+        BOOL,
+        True,
+        "orthogonalize Q, K and V of a fused QKV weight as separate matrices",
+        front_ends=frozenset((MEGATRON,)),
+        **_OPTIMIZER_WIDE,
+    ),
+    Option(
+        "split_glu",
+        BOOL,
+        True,
+        "orthogonalize the gate and up halves of a SwiGLU fc1 as separate matrices",
+        front_ends=frozenset((MEGATRON,)),
+        **_OPTIMIZER_WIDE,
+    ),
 )
 
 BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
@@ -317,8 +400,10 @@ def documented(front_end: str):
     def apply(cls: type) -> type:
         init = vars(cls)["__init__"]  # the class's own constructor
         own = [p for p in inspect.signature(init).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        keyword = [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.annotation)
-                   for o in options_for(front_end)]
+        keyword = [
+            inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.annotation)
+            for o in options_for(front_end)
+        ]
         init.__signature__ = inspect.Signature(own + keyword)
         if cls.__doc__ is not None:  # (None under python -OO)
             cls.__doc__ = cls.__doc__.replace("{options}", describe(front_end))
@@ -344,9 +429,11 @@ def check(where: str, prefix: str = "", **values: Any) -> None:
         if option is not None and not option.valid(value):
             raise ValueError(f"{where}: {prefix}{name} must be {option.allowed()}, got {value!r}")
     if values.get("scale_mu_by_fraction") is True and "mu" in values and values["mu"] is None:
-        raise ValueError(f"{where}: {prefix}scale_mu_by_fraction=True scales an explicit {prefix}mu, got "
-                         f"{prefix}mu=None (whose default already depends on f); set {prefix}mu, or leave "
-                         f"{prefix}scale_mu_by_fraction off")
+        raise ValueError(
+            f"{where}: {prefix}scale_mu_by_fraction=True scales an explicit {prefix}mu, got "
+            f"{prefix}mu=None (whose default already depends on f); set {prefix}mu, or leave "
+            f"{prefix}scale_mu_by_fraction off"
+        )
 
 
 def check_num_heads(where: str, num_heads: Optional[int], n_rows: int, what: str) -> None:

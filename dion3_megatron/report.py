@@ -20,8 +20,17 @@ from typing import Callable, Iterable
 
 import torch
 
-DISTRIBUTIONS = ("torch", "megatron-core", "deepspeed", "transformers", "accelerate", "torchtitan", "nvidia-cutlass-dsl",
-                 "apache-tvm-ffi", "triton")
+DISTRIBUTIONS = (
+    "torch",
+    "megatron-core",
+    "deepspeed",
+    "transformers",
+    "accelerate",
+    "torchtitan",
+    "nvidia-cutlass-dsl",
+    "apache-tvm-ffi",
+    "triton",
+)
 
 
 @dataclass(frozen=True)
@@ -40,8 +49,7 @@ def version_of(distribution: str) -> str:
 def versions() -> list[Line]:
     from . import __version__
 
-    lines = [Line("python", f"{platform.python_version()} ({platform.platform()})"),
-             Line("dion3-megatron", __version__)]
+    lines = [Line("python", f"{platform.python_version()} ({platform.platform()})"), Line("dion3-megatron", __version__)]
     lines += [Line(d, version_of(d)) for d in DISTRIBUTIONS]
     lines.append(Line("torch CUDA build", torch.version.cuda or "none (CPU build)"))
     return lines
@@ -62,9 +70,9 @@ FRONT_ENDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("torch (dion3_megatron.Dion3)", ("dion3_megatron.optimizer",)),
     ("FSDP2 / DTensor", ("torch.distributed.tensor", "torch.distributed.fsdp", "dion3_megatron.frontend.dtensor")),
     ("Megatron-Core (--optimizer dion3)", ("dion3_megatron.megatron",)),
-    ("DeepSpeed (\"type\": \"Dion3\")", ("dion3_megatron.deepspeed",)),
+    ('DeepSpeed ("type": "Dion3")', ("dion3_megatron.deepspeed",)),
     ("Hugging Face Trainer", ("transformers.trainer", "dion3_megatron.deepspeed")),
-    ("torchtitan (\"Dion3\" in its optimizer config)", ("torchtitan.components.optimizer", "dion3_megatron.torchtitan")),
+    ('torchtitan ("Dion3" in its optimizer config)', ("torchtitan.components.optimizer", "dion3_megatron.torchtitan")),
 )
 
 
@@ -81,8 +89,7 @@ def gpu() -> Line:
         return Line("GPU", "none (CUDA not available): the step runs on the CPU")
     index = torch.cuda.current_device()
     major, minor = torch.cuda.get_device_capability(index)
-    return Line("GPU", f"{torch.cuda.get_device_name(index)} (compute capability {major}.{minor}, "
-                       f"{torch.cuda.device_count()} visible)")
+    return Line("GPU", f"{torch.cuda.get_device_name(index)} (compute capability {major}.{minor}, {torch.cuda.device_count()} visible)")
 
 
 def kernels() -> list[Line]:
@@ -92,11 +99,14 @@ def kernels() -> list[Line]:
 
     config = k.current()
     installed = k.kernels_installed()
-    lines = [Line("symmetric-GEMM kernels (CuTe DSL)", "installed" if installed else
-                  "not installed (pip install 'dion3-megatron[kernels]')"),
-             Line("row kernels (Triton)", "installed" if importlib.util.find_spec("triton") else "not installed (triton)"),
-             Line("kernel setting", f"kernels={config.kernels!r}, fused_rows={config.fused_rows} "
-                                    "(DION3_KERNELS=0 / DION3_FUSED_ROWS=0 turn them off)")]
+    lines = [
+        Line("symmetric-GEMM kernels (CuTe DSL)", "installed" if installed else "not installed (pip install 'dion3-megatron[kernels]')"),
+        Line("row kernels (Triton)", "installed" if importlib.util.find_spec("triton") else "not installed (triton)"),
+        Line(
+            "kernel setting",
+            f"kernels={config.kernels!r}, fused_rows={config.fused_rows} (DION3_KERNELS=0 / DION3_FUSED_ROWS=0 turn them off)",
+        ),
+    ]
     here = device()
     if here.type != "cuda":
         why = "not routed: no CUDA device, the step runs plain torch"
@@ -105,13 +115,16 @@ def kernels() -> list[Line]:
     if config.kernels == "torch":
         symmetric = "not routed: kernels='torch'"
     elif not k.kernel_capable_device(probe):
-        symmetric = ("not routed: the kernels are not installed" if not installed
-                     else "not routed: not a Hopper GPU (compute capability 9.0)")
+        symmetric = (
+            "not routed: the kernels are not installed" if not installed else "not routed: not a Hopper GPU (compute capability 9.0)"
+        )
     else:
         symmetric = "routed where a product fills the GPU (per shape below)"
     rows_on = rows.available() and rows.runs_on(here)
-    return lines + [Line("symmetric GEMMs routed", symmetric),
-                    Line("row kernels routed", "yes" if rows_on else "not routed: off, triton missing or no compiler")]
+    return lines + [
+        Line("symmetric GEMMs routed", symmetric),
+        Line("row kernels routed", "yes" if rows_on else "not routed: off, triton missing or no compiler"),
+    ]
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -145,8 +158,13 @@ def auto_choices(shapes: Iterable[tuple[int, int]], world: int = 1, batch: int =
         k = selected_row_count(n, f, hp.num_heads)
         s, length = min(k, c), max(k, c)
         routed = capable and routes_to_kernel(batch, s, length, dtype)
-        lines.append(Line(f"{n}x{c}", f"f = {f:g} ({k} of {n} rows per step; Gram product {s}x{s} over {length}: "
-                                      f"{'symmetric-GEMM kernel' if routed else 'torch'})"))
+        lines.append(
+            Line(
+                f"{n}x{c}",
+                f"f = {f:g} ({k} of {n} rows per step; Gram product {s}x{s} over {length}: "
+                f"{'symmetric-GEMM kernel' if routed else 'torch'})",
+            )
+        )
     return lines
 
 
@@ -160,7 +178,7 @@ def sections(shapes: Iterable[tuple[int, int]], world: int = 1, batch: int = 1) 
     ]
     if shapes:
         where = "GPU" if torch.cuda.is_available() else "CPU"
-        title = f"fraction=\"auto\" on this {where} (--world {world}, --batch {batch})"
+        title = f'fraction="auto" on this {where} (--world {world}, --batch {batch})'
         out.append((title, lambda: auto_choices(shapes, world, batch)))
     return out
 

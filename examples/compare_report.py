@@ -11,9 +11,11 @@ import torch
 LABELS = {"dion3": "Dion3", "adam": "AdamW", "muon": "Muon"}
 SMOOTH_POINTS = 50  # the plotted train loss: a moving mean over steps / 50 steps
 YLIM_AT = 0.15  # the plot's y-axis tops out near the loss at 15% of training, not at the initial ~5.5
-STYLES = {"dion3": dict(color="C0", linestyle="-", linewidth=1.8, marker="o"),
-          "adam": dict(color="C1", linestyle=":", linewidth=1.6, marker="s"),
-          "muon": dict(color="C2", linestyle="--", linewidth=1.6, marker="^")}
+STYLES = {
+    "dion3": dict(color="C0", linestyle="-", linewidth=1.8, marker="o"),
+    "adam": dict(color="C1", linestyle=":", linewidth=1.6, marker="s"),
+    "muon": dict(color="C2", linestyle="--", linewidth=1.6, marker="^"),
+}
 
 
 def output_stem(compare: bool, optimizers: list[str]) -> str:
@@ -38,16 +40,24 @@ def _times(speedup: float) -> str:
 def table(results: list[dict], skipped: dict[str, str]) -> str:
     """The results as a text table, one row per optimizer (failed and skipped ones say so)."""
     speedups = speedups_vs_muon(results)
-    rows = [("optimizer", "mode", "final train loss*", "validation loss", "opt. step ms", "vs Muon", "tokens/s",
-             "seconds")]
+    rows = [("optimizer", "mode", "final train loss*", "validation loss", "opt. step ms", "vs Muon", "tokens/s", "seconds")]
     for r in results:
         if "error" in r:
             rows.append((r["label"], "-", "failed", "-", "-", "-", "-", "-"))
             continue
         vs = speedups.get(r["optimizer"])
-        rows.append((r["label"], r["mode"], f"{r['final_train_loss']:.4f}", f"{r['final_val_loss']:.4f}",
-                     f"{r['optimizer_ms']:.2f}", "-" if vs is None else _times(vs), f"{r['tokens_per_s']:,.0f}",
-                     f"{r['train_seconds']:.1f}"))
+        rows.append(
+            (
+                r["label"],
+                r["mode"],
+                f"{r['final_train_loss']:.4f}",
+                f"{r['final_val_loss']:.4f}",
+                f"{r['optimizer_ms']:.2f}",
+                "-" if vs is None else _times(vs),
+                f"{r['tokens_per_s']:,.0f}",
+                f"{r['train_seconds']:.1f}",
+            )
+        )
     rows += [(LABELS[name], "-", "skipped", "-", "-", "-", "-", "-") for name in skipped]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     rule = "+-" + "-+-".join("-" * w for w in widths) + "-+"
@@ -64,11 +74,13 @@ def footnotes(results: list[dict]) -> str:
     if not done:
         return ""
     r = done[0]
-    return (f"* final train loss: mean over the last 10% of the steps ({r['final_train_steps']}); validation loss: "
-            f"on the held-out 5% of the tokens, at the end.\n"
-            f"  opt. step ms: median time of Megatron's optimizer.step() on rank 0 (grad copy, clip, update,\n"
-            f"  param all-gather) over steps {r['optimizer_ms_from_step']}-{len(r['train_loss'])}; "
-            f"vs Muon: Muon's step time / this one's.")
+    return (
+        f"* final train loss: mean over the last 10% of the steps ({r['final_train_steps']}); validation loss: "
+        f"on the held-out 5% of the tokens, at the end.\n"
+        f"  opt. step ms: median time of Megatron's optimizer.step() on rank 0 (grad copy, clip, update,\n"
+        f"  param all-gather) over steps {r['optimizer_ms_from_step']}-{len(r['train_loss'])}; "
+        f"vs Muon: Muon's step time / this one's."
+    )
 
 
 def verdict(results: list[dict], skipped: dict[str, str], fraction) -> str | None:
@@ -95,10 +107,8 @@ def verdict(results: list[dict], skipped: dict[str, str], fraction) -> str | Non
         return f"{loss}; Muon {'failed' if muon else 'skipped'}, so no step-time comparison; {step}"
     speedup = speedups_vs_muon(results)["dion3"]
     faster = f"{speedup:.1f}x faster" if speedup >= 1 else f"{1 / speedup:.1f}x slower"
-    layouts = (f"{dion3['mode']} both" if dion3["mode"] == muon["mode"]
-               else f"Dion3 {dion3['mode']}, Muon {muon['mode']}")
-    return (f"{loss}; optimizer step {faster} than Muon ({dion3['optimizer_ms']:.2f} vs "
-            f"{muon['optimizer_ms']:.2f} ms, {layouts})")
+    layouts = f"{dion3['mode']} both" if dion3["mode"] == muon["mode"] else f"Dion3 {dion3['mode']}, Muon {muon['mode']}"
+    return f"{loss}; optimizer step {faster} than Muon ({dion3['optimizer_ms']:.2f} vs {muon['optimizer_ms']:.2f} ms, {layouts})"
 
 
 def _smoothed(losses: list[float]) -> tuple[int, list[float]]:
@@ -129,13 +139,20 @@ def plot_figure(results: list[dict], meta: dict):
         marker = style.pop("marker")
         window, smooth = _smoothed(r["train_loss"])
         steps = list(range(window, len(r["train_loss"]) + 1))
-        seconds = r["train_time"][window - 1:]
+        seconds = r["train_time"][window - 1 :]
         val_steps, vals = zip(*r["val_loss"])
         val_seconds = [r["train_time"][s - 1] for s in val_steps]
         for ax, xs, val_xs in ((by_step, steps, val_steps), (by_time, seconds, val_seconds)):
             ax.plot(xs, smooth, label=f"{r['label']} train", **style)
-            ax.plot(val_xs, vals, linestyle="none", marker=marker, color=style["color"], markersize=5,
-                    label=f"{r['label']} validation ({r['final_val_loss']:.3f})")
+            ax.plot(
+                val_xs,
+                vals,
+                linestyle="none",
+                marker=marker,
+                color=style["color"],
+                markersize=5,
+                label=f"{r['label']} validation ({r['final_val_loss']:.3f})",
+            )
         train.append(smooth)
         val += vals
     limits = _ylim(train, val) if train else None
@@ -148,8 +165,11 @@ def plot_figure(results: list[dict], meta: dict):
     for ax in (by_step, by_time):
         ax.grid(alpha=0.3)
     by_step.legend(title=f"{smoothing}; markers: validation", fontsize=8, title_fontsize=8)
-    fig.suptitle(f"{meta['model']}, {meta['data']}\n{meta['device'].upper()}, TP={meta['tp']} DP={meta['dp']}, "
-                 f"{meta['steps']} steps of {meta['global_batch']} sequences", fontsize=9)
+    fig.suptitle(
+        f"{meta['model']}, {meta['data']}\n{meta['device'].upper()}, TP={meta['tp']} DP={meta['dp']}, "
+        f"{meta['steps']} steps of {meta['global_batch']} sequences",
+        fontsize=9,
+    )
     fig.tight_layout()
     return fig
 

@@ -20,5 +20,6 @@ def quiet_deprecated_collectives() -> None:
     """ZeRO-3 gathers and reduce-scatters parameters through DeepSpeed's comm, which calls torch's
     all_gather_into_tensor and reduce_scatter_tensor: torch deprecates both and would warn about 4
     times a step."""
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+    warnings.filterwarnings(
+        "ignore", category=FutureWarning, message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+    )

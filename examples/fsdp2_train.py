@@ -35,8 +35,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     parser.add_argument("--context", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--fraction", type=FRACTION.argparse_type(), default=FRACTION.default,
-                        help=f"Dion3's f: {FRACTION.allowed()}")
+    parser.add_argument("--fraction", type=FRACTION.argparse_type(), default=FRACTION.default, help=f"Dion3's f: {FRACTION.allowed()}")
     parser.add_argument("--lr", type=float, default=BY_NAME["lr"].default, help="Dion3's learning rate")
     layout = parser.add_mutually_exclusive_group()
     layout.add_argument("--replicate", type=int, default=1, help="HSDP: replicas of the sharded model")
@@ -56,8 +55,7 @@ def main() -> None:
         full = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
         mesh, data_rank = full["dp"], full["dp"].get_local_rank()  # a tensor-parallel group reads one batch
     elif args.replicate > 1:
-        mesh = init_device_mesh(device.type, (args.replicate, world // args.replicate),
-                                mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device.type, (args.replicate, world // args.replicate), mesh_dim_names=("replicate", "shard"))
         data_rank = rank
     else:
         mesh, data_rank = init_device_mesh(device.type, (world,)), rank
@@ -73,8 +71,7 @@ def main() -> None:
     hidden = [(n, p) for n, p in model.named_parameters() if n.startswith("blocks") and p.dim() >= 2]
     hidden_ids = {id(p) for _, p in hidden}
     rest = [(n, p) for n, p in model.named_parameters() if id(p) not in hidden_ids]
-    opt = Dion3([{"params": hidden}, {"params": rest, "algorithm": "adamw", "lr": 3e-3}], lr=args.lr,
-                fraction=args.fraction)
+    opt = Dion3([{"params": hidden}, {"params": rest, "algorithm": "adamw", "lr": 3e-3}], lr=args.lr, fraction=args.fraction)
 
     data = stdlib_tokens(2_000_000).to(device)
     split = int(0.95 * len(data))
@@ -85,11 +82,17 @@ def main() -> None:
         return data[starts[:, None] + torch.arange(args.context + 1, device=device)]
 
     if rank == 0:
-        how = (f"tensor parallelism {args.tp} inside FSDP2 over {world // args.tp}" if args.tp > 1 else
-               f"HSDP, {args.replicate} replicas of FSDP2 over {world // args.replicate}" if args.replicate > 1 else
-               f"FSDP2 over {world}")
-        print(f"Dion3 fraction={args.fraction}, {how} ranks on {device.type}: "
-              f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params", flush=True)
+        how = (
+            f"tensor parallelism {args.tp} inside FSDP2 over {world // args.tp}"
+            if args.tp > 1
+            else f"HSDP, {args.replicate} replicas of FSDP2 over {world // args.replicate}"
+            if args.replicate > 1
+            else f"FSDP2 over {world}"
+        )
+        print(
+            f"Dion3 fraction={args.fraction}, {how} ranks on {device.type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params",
+            flush=True,
+        )
     start = time.time()
     for step in range(1, args.steps + 1):
         loss = model(batch(0, split))

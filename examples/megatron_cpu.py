@@ -23,7 +23,6 @@ through ``dion3_megatron.megatron.launch`` (so ``--optimizer dion3`` is register
 (``--distributed-backend gloo`` is added when the arguments do not name a backend.)
 """
 
-
 from __future__ import annotations
 
 import contextlib
@@ -124,9 +123,25 @@ def install() -> None:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex|absl|transformer-engine).*")
 
-    for name in ("empty", "zeros", "ones", "full", "arange", "tensor", "rand", "randn", "randint",
-                 "empty_strided", "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor",
-                 "linspace", "randperm"):
+    for name in (
+        "empty",
+        "zeros",
+        "ones",
+        "full",
+        "arange",
+        "tensor",
+        "rand",
+        "randn",
+        "randint",
+        "empty_strided",
+        "zeros_like",
+        "ones_like",
+        "empty_like",
+        "full_like",
+        "as_tensor",
+        "linspace",
+        "randperm",
+    ):
         setattr(torch, name, _wrap_factory(getattr(torch, name)))
 
     tensor_to = torch.Tensor.to
@@ -183,8 +198,7 @@ def install() -> None:
     # The tracker's fork() warns when the CPU generator changed inside it, a check that assumes the
     # forked (CUDA) generator is another one. Here it is the CPU generator itself, so every random
     # draw inside a fork (each dropout) would warn; fork() still restores the state on exit.
-    logging.getLogger(mrandom.__name__).addFilter(
-        lambda record: record.getMessage() != "CPU RNG state changed within GPU RNG context")
+    logging.getLogger(mrandom.__name__).addFilter(lambda record: record.getMessage() != "CPU RNG state changed within GPU RNG context")
 
 
 def allow_pretrain() -> None:

@@ -49,14 +49,15 @@ class SyntheticLanguage(torch.utils.data.Dataset):
         keep = torch.rand(self.seq, generator=g) < 0.75
         for i in range(self.seq):
             tokens[i + 1] = self.successor[tokens[i]] if keep[i] else noise[i]
-        return {"tokens": tokens[:-1], "labels": tokens[1:], "loss_mask": torch.ones(self.seq),
-                "position_ids": torch.arange(self.seq)}
+        return {"tokens": tokens[:-1], "labels": tokens[1:], "loss_mask": torch.ones(self.seq), "position_ids": torch.arange(self.seq)}
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
     args = get_args()
-    return [SyntheticLanguage(max(int(n), 1), args.seq_length, args.padded_vocab_size, args.seed, split)
-            for split, n in enumerate(train_val_test_num_samples)]
+    return [
+        SyntheticLanguage(max(int(n), 1), args.seq_length, args.padded_vocab_size, args.seed, split)
+        for split, n in enumerate(train_val_test_num_samples)
+    ]
 
 
 train_valid_test_datasets_provider.is_distributed = True
@@ -74,7 +75,8 @@ def forward_step(data_iterator, model):
     batch = next(data_iterator)
     device = next(model.parameters()).device
     tokens, labels, loss_mask, position_ids = (
-        batch[k].to(device, non_blocking=True) for k in ("tokens", "labels", "loss_mask", "position_ids"))
+        batch[k].to(device, non_blocking=True) for k in ("tokens", "labels", "loss_mask", "position_ids")
+    )
     output = model(tokens, position_ids, None, labels=labels)
     return output, lambda out: loss_func(loss_mask, out)
 

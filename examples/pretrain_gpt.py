@@ -58,62 +58,82 @@ def _by_device(key: str) -> str:
 def parse_args(argv=None):
     p = ExampleParser(description=__doc__.splitlines()[0], other_spellings={"--fraction": "--dion3-fraction"})
     g = p.add_argument_group("run")
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: CUDA (NCCL) when available, else CPU (gloo) (default: %(default)s)")
-    g.add_argument("--nproc", type=int, default=None,
-                   help="processes to start when not under torchrun (default: one per GPU, or 2 on CPU)")
-    g.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel size; data-parallel = world / tp (default: %(default)s)")
+    g.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: CUDA (NCCL) when available, else CPU (gloo) (default: %(default)s)",
+    )
+    g.add_argument("--nproc", type=int, default=None, help="processes to start when not under torchrun (default: one per GPU, or 2 on CPU)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size; data-parallel = world / tp (default: %(default)s)")
     g.add_argument("--compare", action="store_true", help="train Dion3, AdamW and Muon on the same data and steps")
-    g.add_argument("--optimizers", default=None,
-                   help=f"comma-separated subset of {','.join(OPTIMIZERS)} (default: dion3, or all with --compare)")
-    g.add_argument("--out-dir", default=os.path.join("runs", "pretrain_gpt"),
-                   help="every run writes its results here: compare.json and compare.png with --compare, else "
-                        "<optimizers>.json / .png, e.g. dion3.json (default: %(default)s)")
-    g.add_argument("--log-interval", type=int, default=None,
-                   help="log loss and tokens/s every N steps (default: a tenth of the steps)")
-    g.add_argument("--eval-interval", type=int, default=None,
-                   help="validation loss every N steps, and at the end (default: a fifth of the steps)")
-    g.add_argument("--eval-batches", type=int, default=4,
-                   help="global batches in each validation pass (default: %(default)s)")
+    g.add_argument(
+        "--optimizers", default=None, help=f"comma-separated subset of {','.join(OPTIMIZERS)} (default: dion3, or all with --compare)"
+    )
+    g.add_argument(
+        "--out-dir",
+        default=os.path.join("runs", "pretrain_gpt"),
+        help="every run writes its results here: compare.json and compare.png with --compare, else "
+        "<optimizers>.json / .png, e.g. dion3.json (default: %(default)s)",
+    )
+    g.add_argument("--log-interval", type=int, default=None, help="log loss and tokens/s every N steps (default: a tenth of the steps)")
+    g.add_argument(
+        "--eval-interval", type=int, default=None, help="validation loss every N steps, and at the end (default: a fifth of the steps)"
+    )
+    g.add_argument("--eval-batches", type=int, default=4, help="global batches in each validation pass (default: %(default)s)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not a terminal)")
-    g.add_argument("--seed", type=int, default=1234,
-                   help="seed of the weights' initialization and of the training windows (default: %(default)s)")
+    g.add_argument(
+        "--seed", type=int, default=1234, help="seed of the weights' initialization and of the training windows (default: %(default)s)"
+    )
     m = p.add_argument_group("model and batch (defaults depend on the device: CPU tiny, GPU small)")
     m.add_argument("--layers", type=int, help=f"transformer layers {_by_device('layers')}")
     m.add_argument("--hidden", type=int, help=f"hidden size {_by_device('hidden')}")
     m.add_argument("--heads", type=int, help=f"attention heads {_by_device('heads')}")
-    m.add_argument("--query-groups", type=int,
-                   help="key/value head groups (GQA): a divisor of --heads and a multiple of --tp (default: "
-                        "--heads / 4 where 4 divides it, else --heads)")
+    m.add_argument(
+        "--query-groups",
+        type=int,
+        help="key/value head groups (GQA): a divisor of --heads and a multiple of --tp (default: "
+        "--heads / 4 where 4 divides it, else --heads)",
+    )
     m.add_argument("--ffn", type=int, help=f"SwiGLU hidden size {_by_device('ffn')}")
     m.add_argument("--seq-length", type=int, help=f"tokens per sequence {_by_device('seq_length')}")
-    m.add_argument("--global-batch", type=int,
-                   help=f"sequences per step, split over data-parallel ranks {_by_device('global_batch')}")
+    m.add_argument("--global-batch", type=int, help=f"sequences per step, split over data-parallel ranks {_by_device('global_batch')}")
     m.add_argument("--steps", type=int, help=f"optimizer steps {_by_device('steps')}")
     o = p.add_argument_group("optimizer")
-    o.add_argument("--lr", type=DION3_OPTIONS["lr"].argparse_type(), default=DION3_OPTIONS["lr"].default,
-                   help="Dion3's matrices at f = 1 (f < 1 steps at up to 4x), and norms, as Megatron does "
-                        "(default: the library's, %(default)s)")
-    o.add_argument("--muon-lr", type=float, default=0.0025,
-                   help="the Muon run's matrices (and norms) (default: %(default)s)")
-    o.add_argument("--adam-lr", type=float, default=3e-3,
-                   help="the AdamW run; embeddings and output layer in every run, Megatron's --decoupled-lr "
-                        "(default: %(default)s)")
-    o.add_argument("--weight-decay", type=DION3_OPTIONS["weight_decay"].argparse_type(), default=0.01,
-                   help="decoupled weight decay (default: %(default)s)")
-    o.add_argument("--clip-grad", type=float, default=1.0,
-                   help="gradient clipping: the global norm's limit, 0 for none (default: %(default)s)")
-    o.add_argument("--dion3-fraction", type=DION3_OPTIONS["fraction"].argparse_type(),
-                   default=DION3_OPTIONS["fraction"].default,
-                   help="Dion3's f: in (0, 1], or 'auto', chosen per matrix from its shape and this machine's "
-                        "speed (default: the library's, %(default)s)")
+    o.add_argument(
+        "--lr",
+        type=DION3_OPTIONS["lr"].argparse_type(),
+        default=DION3_OPTIONS["lr"].default,
+        help="Dion3's matrices at f = 1 (f < 1 steps at up to 4x), and norms, as Megatron does (default: the library's, %(default)s)",
+    )
+    o.add_argument("--muon-lr", type=float, default=0.0025, help="the Muon run's matrices (and norms) (default: %(default)s)")
+    o.add_argument(
+        "--adam-lr",
+        type=float,
+        default=3e-3,
+        help="the AdamW run; embeddings and output layer in every run, Megatron's --decoupled-lr (default: %(default)s)",
+    )
+    o.add_argument(
+        "--weight-decay",
+        type=DION3_OPTIONS["weight_decay"].argparse_type(),
+        default=0.01,
+        help="decoupled weight decay (default: %(default)s)",
+    )
+    o.add_argument(
+        "--clip-grad", type=float, default=1.0, help="gradient clipping: the global norm's limit, 0 for none (default: %(default)s)"
+    )
+    o.add_argument(
+        "--dion3-fraction",
+        type=DION3_OPTIONS["fraction"].argparse_type(),
+        default=DION3_OPTIONS["fraction"].default,
+        help="Dion3's f: in (0, 1], or 'auto', chosen per matrix from its shape and this machine's "
+        "speed (default: the library's, %(default)s)",
+    )
     d = p.add_argument_group("data (default: the Python standard library's sources, byte-level)")
     d.add_argument("--text-file", help="train on this text file, byte-level (vocab 256)")
     d.add_argument("--data-path", help="Megatron indexed dataset prefix (PREFIX.bin / PREFIX.idx)")
     d.add_argument("--vocab-size", type=int, help="with --data-path (default: largest token id + 1)")
-    d.add_argument("--max-tokens", type=int, default=8_000_000,
-                   help="read at most this many tokens (default: %(default)s)")
+    d.add_argument("--max-tokens", type=int, default=8_000_000, help="read at most this many tokens (default: %(default)s)")
     p.error = lambda message: p.exit(2, f"{p.prog}: error: {message}\n")  # one line, as check_args' own
     args = p.parse_args(argv)
     check_args(args, p.error)
@@ -138,8 +158,23 @@ def check_args(args, fail) -> None:
     for key, value in (GPU_DEFAULTS if cuda else CPU_DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    for key in ("nproc", "tp", "layers", "hidden", "heads", "query_groups", "ffn", "seq_length", "global_batch",
-                "steps", "eval_batches", "max_tokens", "log_interval", "eval_interval", "vocab_size"):
+    for key in (
+        "nproc",
+        "tp",
+        "layers",
+        "hidden",
+        "heads",
+        "query_groups",
+        "ffn",
+        "seq_length",
+        "global_batch",
+        "steps",
+        "eval_batches",
+        "max_tokens",
+        "log_interval",
+        "eval_interval",
+        "vocab_size",
+    ):
         value = getattr(args, key)
         if value is not None and value < 1:
             fail(f"--{key.replace('_', '-')} must be at least 1, got {value}")
@@ -160,12 +195,16 @@ def check_args(args, fail) -> None:
         fail(f"--query-groups {args.query_groups} must divide --heads {args.heads}")
     if args.query_groups % args.tp:
         fits = next(g for g in range(args.tp, args.heads + 1, args.tp) if args.heads % g == 0)
-        fail(f"--tp {args.tp} must divide the query groups, {args.query_groups} ({source}): give --query-groups "
-             f"{fits} (a multiple of --tp {args.tp} that divides --heads {args.heads}), also at TP=1 for the "
-             "same model")
+        fail(
+            f"--tp {args.tp} must divide the query groups, {args.query_groups} ({source}): give --query-groups "
+            f"{fits} (a multiple of --tp {args.tp} that divides --heads {args.heads}), also at TP=1 for the "
+            "same model"
+        )
     if args.global_batch % (world // args.tp):
-        fail(f"--global-batch {args.global_batch} must divide by the data-parallel size {world // args.tp} "
-             f"({world} processes / --tp {args.tp})")
+        fail(
+            f"--global-batch {args.global_batch} must divide by the data-parallel size {world // args.tp} "
+            f"({world} processes / --tp {args.tp})"
+        )
     if args.text_file and not os.path.isfile(args.text_file):
         fail(f"--text-file {args.text_file}: no such file")
     if args.data_path:
@@ -176,6 +215,7 @@ def check_args(args, fail) -> None:
 
 # ------------------------------------------------------------------------------------------------
 # Launch: under torchrun, or start the processes ourselves.
+
 
 def _use_cuda(args) -> bool:
     return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -194,8 +234,15 @@ def launch(args, argv) -> int:
     port = _free_port()
     procs = []
     for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env))
     rc = 0
     try:
@@ -219,6 +266,7 @@ def launch(args, argv) -> int:
 
 # ------------------------------------------------------------------------------------------------
 # Data
+
 
 def stdlib_corpus(max_bytes: int) -> bytes:
     try:
@@ -266,13 +314,12 @@ class Batches:
         self.seq, self.global_batch, self.seed = seq, global_batch, seed
 
     def _windows(self, data: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        return torch.stack([data[s: s + self.seq + 1] for s in starts.tolist()])
+        return torch.stack([data[s : s + self.seq + 1] for s in starts.tolist()])
 
     def train_batches(self):
         gen = torch.Generator().manual_seed(self.seed)
         while True:
-            yield self._windows(self.train, torch.randint(0, len(self.train) - self.seq - 1, (self.global_batch,),
-                                                          generator=gen))
+            yield self._windows(self.train, torch.randint(0, len(self.train) - self.seq - 1, (self.global_batch,), generator=gen))
 
     def val_batches(self, count: int) -> list[torch.Tensor]:
         n = count * self.global_batch
@@ -282,6 +329,7 @@ class Batches:
 
 # ------------------------------------------------------------------------------------------------
 # One training run
+
 
 def build(args, name: str, vocab: int, device: torch.device, cuda: bool):
     from megatron.core import parallel_state as ps
@@ -295,9 +343,15 @@ def build(args, name: str, vocab: int, device: torch.device, cuda: bool):
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
-    config = megatron_config(layers=args.layers, hidden=args.hidden, heads=args.heads, query_groups=args.query_groups,
-                             ffn=args.ffn, tp=args.tp,
-                             dtype=torch.bfloat16 if cuda else torch.float32)  # bf16 is slow on CPU
+    config = megatron_config(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        query_groups=args.query_groups,
+        ffn=args.ffn,
+        tp=args.tp,
+        dtype=torch.bfloat16 if cuda else torch.float32,
+    )  # bf16 is slow on CPU
     padded_vocab = math.ceil(vocab / (128 * args.tp)) * 128 * args.tp
     model = megatron_gpt(config, padded_vocab, args.seq_length)
     model.to(device)
@@ -313,21 +367,40 @@ def build(args, name: str, vocab: int, device: torch.device, cuda: bool):
     config.no_sync_func = chunks[0].no_sync
     lr = {"adam": args.adam_lr, "muon": args.muon_lr}.get(name, args.lr)
     ocfg = OptimizerConfig(
-        optimizer=name, lr=lr, min_lr=lr / 10, weight_decay=args.weight_decay, bf16=cuda or name == "muon",
-        clip_grad=args.clip_grad, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, use_distributed_optimizer=True,
+        optimizer=name,
+        lr=lr,
+        min_lr=lr / 10,
+        weight_decay=args.weight_decay,
+        bf16=cuda or name == "muon",
+        clip_grad=args.clip_grad,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+        use_distributed_optimizer=True,
         use_layer_wise_distributed_optimizer=layer_wise,
-        decoupled_lr=None if name == "adam" else args.adam_lr, decoupled_min_lr=args.adam_lr / 10,
+        decoupled_lr=None if name == "adam" else args.adam_lr,
+        decoupled_min_lr=args.adam_lr / 10,
     )
     if name == "dion3":
         ocfg.dion3_fraction = args.dion3_fraction
     opt = get_megatron_optimizer(ocfg, chunks)
     warmup = max(1, args.steps // 20)
-    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=warmup,
-                                    lr_decay_steps=args.steps, lr_decay_style="cosine",
-                                    start_wd=args.weight_decay, end_wd=args.weight_decay,
-                                    wd_incr_steps=args.steps, wd_incr_style="constant")
-    n_params = sum(p.numel() * (args.tp if getattr(p, "tensor_model_parallel", False) else 1)
-                   for p in model.parameters())  # the whole model's, not this TP rank's
+    sched = OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=lr,
+        min_lr=lr / 10,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=args.steps,
+        lr_decay_style="cosine",
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.steps,
+        wd_incr_style="constant",
+    )
+    n_params = sum(
+        p.numel() * (args.tp if getattr(p, "tensor_model_parallel", False) else 1) for p in model.parameters()
+    )  # the whole model's, not this TP rank's
     return chunks, opt, sched, n_params, "layer-wise ZeRO-1" if layer_wise else "ZeRO-1"
 
 
@@ -338,8 +411,7 @@ def dion3_fractions(opt) -> dict[tuple[int, int], float]:
     import torch.distributed as dist
     from dion3_megatron.megatron.wrappers import dion3_optimizers
 
-    mine = {shape: f for o in dion3_optimizers(opt)
-            for group in o.param_groups for p in group["params"] for shape, f in o.fractions_of(p)}
+    mine = {shape: f for o in dion3_optimizers(opt) for group in o.param_groups for p in group["params"] for shape, f in o.fractions_of(p)}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {shape: f for d in everyone for shape, f in sorted(d.items())}
@@ -381,8 +453,15 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
 
     def run(batch, forward_only):
         local = batch.chunk(dp)[dp_rank].to(device)
-        out = fwd_bwd(forward_step_func=forward_step, data_iterator=iter([local]), model=chunks, num_microbatches=1,
-                      seq_length=args.seq_length, micro_batch_size=micro, forward_only=forward_only)
+        out = fwd_bwd(
+            forward_step_func=forward_step,
+            data_iterator=iter([local]),
+            model=chunks,
+            num_microbatches=1,
+            seq_length=args.seq_length,
+            micro_batch_size=micro,
+            forward_only=forward_only,
+        )
         loss = out[0]["loss"].float().clone()
         dist.all_reduce(loss)  # TP ranks hold the same loss; average over all ranks = over DP
         return loss.item() / dist.get_world_size()
@@ -399,9 +478,11 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
         return loss
 
     if rank0:
-        print(f"[{LABELS[name]}] {n_params / 1e6:.2f}M parameters, {mode}, "
-              f"TP={args.tp} DP={dp}, {args.steps} steps of {args.global_batch}x{args.seq_length} tokens",
-              flush=True)
+        print(
+            f"[{LABELS[name]}] {n_params / 1e6:.2f}M parameters, {mode}, "
+            f"TP={args.tp} DP={dp}, {args.steps} steps of {args.global_batch}x{args.seq_length} tokens",
+            flush=True,
+        )
     bar = None
     # A bar only on a terminal: piped to a file, each redraw would append (the log lines remain).
     if rank0 and not args.no_progress and sys.stderr.isatty():
@@ -444,9 +525,11 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
             tps = steps_window * tokens_per_step / (now - t_window)
             t_window, steps_window = now, 0
             if rank0:
-                recent = train_losses[-args.log_interval:]
-                log(f"[{LABELS[name]}] step {step:5d}/{args.steps} | loss {sum(recent) / len(recent):.4f} | "
-                    f"lr {opt.param_groups[0]['lr']:.2e} | {tps:,.0f} tokens/s")
+                recent = train_losses[-args.log_interval :]
+                log(
+                    f"[{LABELS[name]}] step {step:5d}/{args.steps} | loss {sum(recent) / len(recent):.4f} | "
+                    f"lr {opt.param_groups[0]['lr']:.2e} | {tps:,.0f} tokens/s"
+                )
         if step % args.eval_interval == 0 and step != args.steps:
             t_eval = time.perf_counter()
             val_losses.append((step, round(validate(), 5)))
@@ -460,19 +543,33 @@ def train(args, name: str, data: Batches, vocab: int, device: torch.device, cuda
     val_losses.append((args.steps, round(validate(), 5)))
     if bar is not None:
         bar.close()
-    tail = train_losses[-max(1, args.steps // 10):]
+    tail = train_losses[-max(1, args.steps // 10) :]
     warm = min(TIMING_WARMUP, args.steps // 2)
-    result = dict(optimizer=name, label=LABELS[name], mode=mode, parameters=n_params,
-                  dion3_fractions={f"{n}x{m}": f for (n, m), f in fractions.items()},
-                  train_loss=train_losses, train_time=train_time, val_loss=val_losses,
-                  final_train_loss=round(sum(tail) / len(tail), 5), final_train_steps=len(tail),
-                  final_val_loss=val_losses[-1][1], optimizer_ms=round(statistics.median(step_ms[warm:]), 3),
-                  optimizer_ms_from_step=warm + 1, train_seconds=round(seconds, 2),
-                  tokens_per_s=round(args.steps * tokens_per_step / seconds, 1), skipped_steps=skipped)
+    result = dict(
+        optimizer=name,
+        label=LABELS[name],
+        mode=mode,
+        parameters=n_params,
+        dion3_fractions={f"{n}x{m}": f for (n, m), f in fractions.items()},
+        train_loss=train_losses,
+        train_time=train_time,
+        val_loss=val_losses,
+        final_train_loss=round(sum(tail) / len(tail), 5),
+        final_train_steps=len(tail),
+        final_val_loss=val_losses[-1][1],
+        optimizer_ms=round(statistics.median(step_ms[warm:]), 3),
+        optimizer_ms_from_step=warm + 1,
+        train_seconds=round(seconds, 2),
+        tokens_per_s=round(args.steps * tokens_per_step / seconds, 1),
+        skipped_steps=skipped,
+    )
     if rank0:
-        print(f"[{LABELS[name]}] final validation loss {result['final_val_loss']:.4f} "
-              f"(train {result['final_train_loss']:.4f}), {result['tokens_per_s']:,.0f} tokens/s, "
-              f"optimizer step {result['optimizer_ms']:.2f} ms, {seconds:.1f} s", flush=True)
+        print(
+            f"[{LABELS[name]}] final validation loss {result['final_val_loss']:.4f} "
+            f"(train {result['final_train_loss']:.4f}), {result['tokens_per_s']:,.0f} tokens/s, "
+            f"optimizer step {result['optimizer_ms']:.2f} ms, {seconds:.1f} s",
+            flush=True,
+        )
     return result
 
 
@@ -493,12 +590,15 @@ def muon_unavailable() -> str | None:
     try:
         import emerging_optimizers  # noqa: F401
     except ImportError as e:
-        return (f"Megatron's Muon needs the 'emerging-optimizers' package ({e}); "
-                "pip install emerging-optimizers (it is in dion3-megatron's [megatron] extra)")
+        return (
+            f"Megatron's Muon needs the 'emerging-optimizers' package ({e}); "
+            "pip install emerging-optimizers (it is in dion3-megatron's [megatron] extra)"
+        )
     return None
 
 
 # ------------------------------------------------------------------------------------------------
+
 
 def quiet() -> None:
     """Megatron's warnings and loggers quietened (examples/megatron_quiet.py), the library's warnings shown."""
@@ -541,13 +641,28 @@ def worker(args) -> None:
     rank0 = dist.get_rank() == 0
     tokens, vocab, desc = load_tokens(args)
     data = Batches(tokens, args.seq_length, args.global_batch, args.seed)
-    meta = dict(model=f"GPT {args.layers}x{args.hidden}, seq {args.seq_length}", data=desc,
-                tokens=len(tokens), vocab=vocab, world=world, tp=args.tp, dp=world // args.tp,
-                device="cuda" if cuda else "cpu", steps=args.steps, global_batch=args.global_batch,
-                lr=args.lr, muon_lr=args.muon_lr, adam_lr=args.adam_lr, dion3_fraction=args.dion3_fraction)
+    meta = dict(
+        model=f"GPT {args.layers}x{args.hidden}, seq {args.seq_length}",
+        data=desc,
+        tokens=len(tokens),
+        vocab=vocab,
+        world=world,
+        tp=args.tp,
+        dp=world // args.tp,
+        device="cuda" if cuda else "cpu",
+        steps=args.steps,
+        global_batch=args.global_batch,
+        lr=args.lr,
+        muon_lr=args.muon_lr,
+        adam_lr=args.adam_lr,
+        dion3_fraction=args.dion3_fraction,
+    )
     if rank0:
-        print(f"data: {desc}: {len(data.train):,} training / {len(data.val):,} validation tokens, vocab {vocab}; "
-              f"{'CUDA (NCCL)' if cuda else 'CPU (gloo)'}, {world} processes", flush=True)
+        print(
+            f"data: {desc}: {len(data.train):,} training / {len(data.val):,} validation tokens, vocab {vocab}; "
+            f"{'CUDA (NCCL)' if cuda else 'CPU (gloo)'}, {world} processes",
+            flush=True,
+        )
     results, skipped = [], {}
     for name in args.optimizers:
         why = muon_unavailable() if name == "muon" else None

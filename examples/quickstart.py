@@ -24,8 +24,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step")
     parser.add_argument("--context", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--fraction", type=FRACTION.argparse_type(), default=FRACTION.default,
-                        help=f"Dion3's f: {FRACTION.allowed()}")
+    parser.add_argument("--fraction", type=FRACTION.argparse_type(), default=FRACTION.default, help=f"Dion3's f: {FRACTION.allowed()}")
     parser.add_argument("--lr", type=float, default=BY_NAME["lr"].default, help="Dion3's learning rate")
     args = parser.parse_args()
 
@@ -49,8 +48,10 @@ def main() -> None:
         starts = torch.randint(lo, hi - args.context - 1, (args.batch,), device=device)
         return data[starts[:, None] + torch.arange(args.context + 1, device=device)]
 
-    print(f"Dion3 fraction={args.fraction} on {device}: {sum(p.numel() for p in model.parameters())/1e6:.2f}M params, "
-          f"{len(data)/1e6:.1f}M bytes of stdlib source")
+    print(
+        f"Dion3 fraction={args.fraction} on {device}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
+        f"{len(data) / 1e6:.1f}M bytes of stdlib source"
+    )
     start = time.time()
     for step in range(1, args.steps + 1):
         loss = model(batch(0, split))  # the mean cross-entropy of each next byte

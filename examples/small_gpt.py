@@ -72,18 +72,42 @@ class GPT(torch.nn.Module):
 # Megatron-Core
 
 
-def megatron_config(*, layers: int, hidden: int, heads: int, query_groups: int, ffn: int, tp: int = 1,
-                    dtype: torch.dtype = torch.float32, init_std: float = 0.02, **more):
+def megatron_config(
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    query_groups: int,
+    ffn: int,
+    tp: int = 1,
+    dtype: torch.dtype = torch.float32,
+    init_std: float = 0.02,
+    **more,
+):
     """The small GPT's ``TransformerConfig``: bf16 when ``dtype`` is; ``more`` sets other fields
     (pipeline or expert parallelism, MoE) or replaces these."""
     from megatron.core.transformer import TransformerConfig
 
     fields = dict(
-        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=query_groups,
-        ffn_hidden_size=ffn, kv_channels=hidden // heads, use_cpu_initialization=True, hidden_dropout=0.0,
-        attention_dropout=0.0, gradient_accumulation_fusion=False, tensor_model_parallel_size=tp,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, bf16=dtype == torch.bfloat16,
-        params_dtype=dtype, pipeline_dtype=dtype, normalization="RMSNorm", init_method_std=init_std,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=query_groups,
+        ffn_hidden_size=ffn,
+        kv_channels=hidden // heads,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        normalization="RMSNorm",
+        init_method_std=init_std,
     )
     fields.update(more)
     return TransformerConfig(**fields)
@@ -97,6 +121,13 @@ def megatron_gpt(config, vocab: int, seq: int):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    return GPTModel(config, spec, vocab_size=vocab, max_sequence_length=seq,
-                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                    position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    return GPTModel(
+        config,
+        spec,
+        vocab_size=vocab,
+        max_sequence_length=seq,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    )

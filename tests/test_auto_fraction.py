@@ -78,8 +78,11 @@ def test_the_choice_has_the_lowest_modelled_loss(generator):
     for _ in range(40):
         rows, cols = (int(v) for v in torch.randint(128, 16384, (2,), generator=generator))
         f = cost_model.choose_fraction(rows, cols, H200_LIKE, batch=8)
-        change = {g: cost_model.modelled_loss_change(rows, cols, g, H200_LIKE, batch=8)
-                  for g in cost_model.CANDIDATE_FRACTIONS if rule.selected_row_count(rows, g) >= 128}
+        change = {
+            g: cost_model.modelled_loss_change(rows, cols, g, H200_LIKE, batch=8)
+            for g in cost_model.CANDIDATE_FRACTIONS
+            if rule.selected_row_count(rows, g) >= 128
+        }
         assert change[1.0] == 0.0 and change[f] == min(change.values())
 
 
@@ -150,8 +153,10 @@ def test_optimizer_auto_equals_the_resolved_fixed_fractions(monkeypatch, generat
 def test_fractions_print_parameter_names_and_a_parameter_still_finds_its_f(monkeypatch, step_time_only):
     monkeypatch.setattr(fractions, "measure", lambda device, dtype: FLOP_BOUND)
     model = torch.nn.Sequential(torch.nn.Linear(96, 512), torch.nn.Linear(64, 1024, bias=False))
-    for params, names in ((model.named_parameters(), ["0.weight", "1.weight"]),
-                          (model.parameters(), ["group 0 / param 0", "group 0 / param 1"])):  # bias: group 1, AdamW
+    for params, names in (
+        (model.named_parameters(), ["0.weight", "1.weight"]),
+        (model.parameters(), ["group 0 / param 0", "group 0 / param 1"]),
+    ):  # bias: group 1, AdamW
         opt = Dion3(params, fraction="auto", ns_dtype=torch.float32)
         for p in model.parameters():
             p.grad = torch.ones_like(p)
@@ -174,17 +179,18 @@ def test_the_record_is_per_group_by_matrix_name_and_a_bad_one_is_refused(monkeyp
         p.grad = torch.randn_like(p)
     opt.step()
     saved = opt.state_dict()
-    assert [g["fractions"] for g in saved["param_groups"]] == [
-        {"dense.weight": 1.0, "experts.matrix0": 1.0, "experts.matrix1": 1.0}]
+    assert [g["fractions"] for g in saved["param_groups"]] == [{"dense.weight": 1.0, "experts.matrix0": 1.0, "experts.matrix1": 1.0}]
     assert set(saved) == {"state", "param_groups", "skipped_steps"}  # the record lives in the groups alone
     saved["param_groups"][0]["fractions"] = {"dense.weight": 0.25, "experts.matrix0": 0.125, "experts.matrix1": 0.125}
     resumed = Dion3(params, fraction="auto", ns_dtype=torch.float32)
     resumed.load_state_dict(saved)
     resumed.step()
     assert dict(resumed.fractions) == {"dense.weight": 0.25, "experts": 0.125}
-    for record, message in (({"dense.weight": 0.3}, "param group 0: 'dense.weight' has fraction 0.3"),
-                            ({5: 0.25}, "param group 0: 5 has fraction 0.25"),
-                            ([0.25], "param group 0: 'fractions' must map matrix names to f")):
+    for record, message in (
+        ({"dense.weight": 0.3}, "param group 0: 'dense.weight' has fraction 0.3"),
+        ({5: 0.25}, "param group 0: 5 has fraction 0.25"),
+        ([0.25], "param group 0: 'fractions' must map matrix names to f"),
+    ):
         bad = {**saved, "param_groups": [{**saved["param_groups"][0], "fractions": record}]}
         fresh = Dion3(params, fraction="auto", ns_dtype=torch.float32)
         before = fresh.state_dict()
@@ -237,12 +243,12 @@ def _engine_worker(rank, world, shapes, seed):
     for j, (w, (n, m)) in enumerate(zip(weights, shapes)):
         sharding = Sharding.even_rows(n, world)
         b = sharding.bounds
-        shards.append(MatrixShard(f"m{j}", w[b[rank]:b[rank + 1]].clone(), None, (n, m), sharding, group, hp))
+        shards.append(MatrixShard(f"m{j}", w[b[rank] : b[rank + 1]].clone(), None, (n, m), sharding, group, hp))
     engine = Dion3Engine(shards)
     for step_grads in grads:
         for shard, g in zip(shards, step_grads):
             b = shard.sharding.bounds
-            shard.grad = g[b[rank]:b[rank + 1]].clone()
+            shard.grad = g[b[rank] : b[rank + 1]].clone()
         engine.step()
     chosen = {sg.key[0]: sg.fraction for sg in engine.plan}
     return chosen, [s.weight for s in shards], weights, grads
@@ -256,14 +262,12 @@ def test_engine_ranks_agree_on_the_slowest_speed_and_match_the_single_process_ru
     results = run_distributed(_engine_worker, 2, shapes, 7)
     (fractions0, pieces0, weights, grads), (fractions1, pieces1, _, _) = results
     assert fractions0 == fractions1
-    slowest = cost_model.DeviceSpeed(FLOP_BOUND.matmul_flops, LAUNCH_BOUND.launch_seconds, 1e30,
-                                     fractions.LINK_BYTES_PER_S["gloo"])
+    slowest = cost_model.DeviceSpeed(FLOP_BOUND.matmul_flops, LAUNCH_BOUND.launch_seconds, 1e30, fractions.LINK_BYTES_PER_S["gloo"])
     for (n, m), f in fractions0.items():
         assert f == cost_model.choose_fraction(n, m, slowest, world=2, batch=shapes.count((n, m)))
     assert fractions0[(512, 64)] == 0.5  # neither rank's own choice
     params = [torch.nn.Parameter(w.clone()) for w in weights]
-    reference = Dion3([{"params": [p], "fraction": fractions0[tuple(p.shape)]} for p in params],
-                      lr=0.02, ns_dtype=torch.float32)
+    reference = Dion3([{"params": [p], "fraction": fractions0[tuple(p.shape)]} for p in params], lr=0.02, ns_dtype=torch.float32)
     for step_grads in grads:
         for p, g in zip(params, step_grads):
             p.grad = g.clone()
@@ -282,9 +286,8 @@ def _share_worker(rank, world):
     hp = options.hyperparameters(lr=0.02, fraction="auto", ns_dtype=torch.float32)
     sharding = Sharding.even_rows(512, world)
     b = sharding.bounds
-    weight = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))[b[rank]:b[rank + 1]].clone()
-    engine = Dion3Engine([MatrixShard("m", weight, None, (512, 64), sharding, group, hp)],
-                         step_share=[1.0, 0.1][rank])
+    weight = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))[b[rank] : b[rank + 1]].clone()
+    engine = Dion3Engine([MatrixShard("m", weight, None, (512, 64), sharding, group, hp)], step_share=[1.0, 0.1][rank])
     return alone, engine.auto_fractions()
 
 
@@ -354,8 +357,10 @@ def _dtypes_worker(rank, world):
     opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(64, 32, generator=gen))], "ns_dtype": torch.bfloat16})
     with pytest.raises(ValueError, match="ns_dtype=torch.bfloat16: no rank stepped a group of that dtype") as error:
         opt.step()
-    expected = {"shared": cost_model.choose_fraction(1024, 64, fractions.slowest(LAUNCH_BOUND, FLOP_BOUND)),
-                "own": cost_model.choose_fraction(512, 96, LAUNCH_BOUND) if rank == 0 else None}
+    expected = {
+        "shared": cost_model.choose_fraction(1024, 64, fractions.slowest(LAUNCH_BOUND, FLOP_BOUND)),
+        "own": cost_model.choose_fraction(512, 96, LAUNCH_BOUND) if rank == 0 else None,
+    }
     return {name: opt.fractions.get(p) for name, p in (("shared", shared), ("own", own))}, expected, str(error.value)
 
 

@@ -15,9 +15,36 @@ from benchmarks import bench_convergence as bench
 from benchmarks import convergence_corpus as corpus_lib
 from benchmarks.convergence_model import GPT, pack_loss
 
-TINY = ["--device", "cpu", "--layers", "2", "--hidden", "32", "--heads", "4", "--ffn", "64", "--seq", "32",
-        "--batch", "8", "--steps", "8", "--eval-every", "4", "--eval-batches", "2",
-        "--timing-warmup", "1", "--timing-steps", "2", "--aux-lr", "0.01", "--pack", "4"]
+TINY = [
+    "--device",
+    "cpu",
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--ffn",
+    "64",
+    "--seq",
+    "32",
+    "--batch",
+    "8",
+    "--steps",
+    "8",
+    "--eval-every",
+    "4",
+    "--eval-batches",
+    "2",
+    "--timing-warmup",
+    "1",
+    "--timing-steps",
+    "2",
+    "--aux-lr",
+    "0.01",
+    "--pack",
+    "4",
+]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +125,7 @@ def test_a_pack_member_trains_exactly_as_it_would_alone(generator):
     grads = [[p.grad.clone() for p in m.parameters()] for m in models]
     for k, model in enumerate(models):
         model.zero_grad()
-        alone = pack_loss([model], idx[k:k + 1, :, :-1], idx[k:k + 1, :, 1:], bf16=False)
+        alone = pack_loss([model], idx[k : k + 1, :, :-1], idx[k : k + 1, :, 1:], bf16=False)
         alone.sum().backward()
         torch.testing.assert_close(alone[0], together[k], rtol=1e-5, atol=1e-6)
         for g, p in zip(grads[k], model.parameters()):
@@ -129,9 +156,14 @@ def test_scheduler_extends_the_lr_grid_until_the_best_is_interior_then_adds_seed
 
 
 def test_optimizer_times_of_another_gpu_stay_out_of_the_summary():
-    runs = [dict(_finished(name, 0.9), opt_timing="alone", device=device, opt_ms=ms)
-            for name, device, ms in (("dion3:f=0.25:lr=0.02", "H200", 3.0), ("dion3:f=0.25:lr=0.04", "H100", 9.0),
-                                     ("dion3:f=0.25:lr=0.08", "H200", 5.0))]
+    runs = [
+        dict(_finished(name, 0.9), opt_timing="alone", device=device, opt_ms=ms)
+        for name, device, ms in (
+            ("dion3:f=0.25:lr=0.02", "H200", 3.0),
+            ("dion3:f=0.25:lr=0.04", "H100", 9.0),
+            ("dion3:f=0.25:lr=0.08", "H200", 5.0),
+        )
+    ]
     assert bench.family_summary(runs, "H200")["dion3:f=0.25"]["opt_ms"] == 4.0
     assert bench.family_summary(runs)["dion3:f=0.25"]["opt_ms"] == 5.0
 
@@ -139,8 +171,7 @@ def test_optimizer_times_of_another_gpu_stay_out_of_the_summary():
 @pytest.mark.slow
 def test_smoke_run_merge_and_plot(tmp_path, capsys, source_tree):
     out = tmp_path / "conv.json"
-    configs = ["dion3:f=0.25:mu=0.6:stale=1:fwarm=0.25:lr=0.04", "dion3:f=0.25:lr=0.02", "muon:lr=0.05",
-               "adamw:lr=0.01", "normuon:lr=0.04"]
+    configs = ["dion3:f=0.25:mu=0.6:stale=1:fwarm=0.25:lr=0.04", "dion3:f=0.25:lr=0.02", "muon:lr=0.05", "adamw:lr=0.01", "normuon:lr=0.04"]
     result = bench.main(TINY + source_tree + ["--json", str(out), "--png", str(tmp_path / "conv.png"), "--configs", *configs])
     printed = capsys.readouterr().out
     saved = json.loads(out.read_text())
@@ -163,8 +194,9 @@ def test_smoke_run_merge_and_plot(tmp_path, capsys, source_tree):
     for text in ("best lr per family", "Dion3 f=1/4, f=1 for 25% of steps, mu 0.6, staleness 1", "Muon", "f=1/4 within"):
         assert text in printed
     # A second invocation with --merge runs only what is new and keeps everything.
-    again = bench.main(TINY + source_tree + ["--json", str(tmp_path / "more.json"), "--merge", str(out),
-                               "--configs", "muon:lr=0.05", "adamw:lr=0.02"])
+    again = bench.main(
+        TINY + source_tree + ["--json", str(tmp_path / "more.json"), "--merge", str(out), "--configs", "muon:lr=0.05", "adamw:lr=0.02"]
+    )
     assert len(again["runs"]) == len(configs) + 1
     merged = bench.main(["--plot-only", str(out), str(tmp_path / "more.json")])
     assert len(merged["runs"]) == len(configs) + 1

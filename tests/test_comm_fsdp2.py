@@ -33,9 +33,9 @@ def test_model_equals_what_the_engine_sends():
         # The engine's own count: everything but the gate, one all-reduce and 2 all-to-alls per shape.
         assert got["collectives"] == ["all_reduce"] + ["all_to_all_single"] * 2 * len(GROUPS)
         sent = sum(c.bytes_sent(rank, world) for c in predicted)
-        assert sent == pytest.approx(sum(
-            (2 * (world - 1) / world * e[0] if kind == "all_reduce" else sum(e) - e[rank]) * size
-            for kind, e, size in got["record"]))
+        assert sent == pytest.approx(
+            sum((2 * (world - 1) / world * e[0] if kind == "all_reduce" else sum(e) - e[rank]) * size for kind, e, size in got["record"])
+        )
 
 
 def test_uniform_spread_matches_an_even_choice():
@@ -59,8 +59,7 @@ def test_table_orders_the_paths():
     rows = comm_fsdp2.table()
     assert {r["world"] for r in rows} == {8, 16, 32, 64} and {"1B", "100B"} <= {r["model"] for r in rows}
     for r in rows:
-        ours, local, whole = (r[k]["bytes"] for k in ("dion3_megatron", "microsoft_nordion2_local",
-                                                      "microsoft_whole_shards"))
+        ours, local, whole = (r[k]["bytes"] for k in ("dion3_megatron", "microsoft_nordion2_local", "microsoft_whole_shards"))
         # fp32 rows with their variances and the scores against bf16 rows: about twice their local scope's
         # bytes; whole bf16 shards are 1 / (2 f) = 2x ours' rows at f = 1/4.
         assert 1.6 < ours / local < 2.2

@@ -5,9 +5,7 @@ import pytest
 from benchmarks import comm_model
 
 
-@pytest.mark.parametrize(
-    "layout,shallow_layers", [(comm_model.Layout(2, 1, 1), 2), (comm_model.Layout(8, 2, 4), 12)]
-)
+@pytest.mark.parametrize("layout,shallow_layers", [(comm_model.Layout(2, 1, 1), 2), (comm_model.Layout(8, 2, 4), 12)])
 def test_rounds_do_not_grow_with_depth(layout, shallow_layers):
     # Once each rank owns a matrix of every shape (ZeRO-1 spreads them), rounds stop growing.
     shallow = comm_model.ModelConfig("shallow", shallow_layers, 1024, 4096)

@@ -13,8 +13,11 @@ pytestmark = needs_bash
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # script -> the settings of a short run of two optimizers on one GPU
-SETTINGS = {"megatron_lm": {"OPTS": "dion3 adam", "ITERS": "40"}, "deepspeed": {"GPUS": "1"},
-            "hf_trainer": {"GPUS": "1", "OPTS": "dion3 adamw"}}
+SETTINGS = {
+    "megatron_lm": {"OPTS": "dion3 adam", "ITERS": "40"},
+    "deepspeed": {"GPUS": "1"},
+    "hf_trainer": {"GPUS": "1", "OPTS": "dion3 adamw"},
+}
 
 
 @pytest.mark.parametrize("example", SETTINGS)

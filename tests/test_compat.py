@@ -99,7 +99,7 @@ def registered():
     out = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     (line,) = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
-    return json.loads(line[len("RESULT"):])
+    return json.loads(line[len("RESULT") :])
 
 
 def test_every_changed_attribute_is_listed_and_every_listed_one_applies_here(registered):
@@ -146,8 +146,11 @@ def wrapped(original):
 def test_an_attribute_upstream_no_longer_has_fails_by_name(monkeypatch):
     _fake_module(monkeypatch, renamed=lambda: 1)
     patch = compat.Patch("fake_upstream:gone", f"{__name__}:wrapped", "why", "fake 0.19.x")
-    with pytest.raises(compat.UpstreamChanged, match=r"cannot patch fake_upstream:gone: fake_upstream\.gone does not "
-                                                      r"exist in the installed fake; .* written for fake 0\.19\.x"):
+    with pytest.raises(
+        compat.UpstreamChanged,
+        match=r"cannot patch fake_upstream:gone: fake_upstream\.gone does not "
+        r"exist in the installed fake; .* written for fake 0\.19\.x",
+    ):
         compat.apply((patch,))
     klass = type("Engine", (), {})
     _fake_module(monkeypatch, Engine=klass)
@@ -180,8 +183,7 @@ def test_rebound_leaves_the_module_alone():
     from megatron.core import optimizer as core_optimizer
 
     stock = (core_optimizer.HAVE_EMERGING_OPTIMIZERS, core_optimizer.ChainedOptimizer)
-    factory = getattr(core_optimizer._get_megatron_emerging_optimizer, "__wrapped__",
-                      core_optimizer._get_megatron_emerging_optimizer)
+    factory = getattr(core_optimizer._get_megatron_emerging_optimizer, "__wrapped__", core_optimizer._get_megatron_emerging_optimizer)
     names = {"HAVE_EMERGING_OPTIMIZERS": "x", "LayerWiseDistributedOptimizer": "y", "ChainedOptimizer": "z"}
     copy = compat.rebound("megatron.core.optimizer:_get_megatron_emerging_optimizer", factory, names)
     assert copy.__code__ is factory.__code__ and copy.__globals__["ChainedOptimizer"] == "z"
@@ -229,7 +231,7 @@ def test_unregister_restores_every_original_and_register_works_again():
     out = subprocess.run([sys.executable, "-c", _UNREGISTER], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     (line,) = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
-    result = json.loads(line[len("RESULT"):])
+    result = json.loads(line[len("RESULT") :])
     targets = result["targets"]
     assert result["changed"] == targets  # every entry applies here (see above) ...
     assert result["restored"] == targets  # ... and is the original again
@@ -240,10 +242,12 @@ def test_unregister_restores_every_original_and_register_works_again():
 def test_restore_removes_added_attributes_items_and_elements(monkeypatch):
     module = _fake_module(monkeypatch, value=lambda: 1, table={"kept": 1}, items=[0])
     original = module.value
-    patches = (compat.Patch("fake_upstream:value", f"{__name__}:wrapped", "why", "fake 0.19.x"),
-               compat.Patch("fake_upstream:added", f"{__name__}:wrapped", "why", "fake 0.19.x", adds=True),
-               compat.Patch("fake_upstream:table['new']", f"{__name__}:wrapped", "why", "fake 0.19.x"),
-               compat.Patch("fake_upstream:items[+]", f"{__name__}:wrapped", "why", "fake 0.19.x"))
+    patches = (
+        compat.Patch("fake_upstream:value", f"{__name__}:wrapped", "why", "fake 0.19.x"),
+        compat.Patch("fake_upstream:added", f"{__name__}:wrapped", "why", "fake 0.19.x", adds=True),
+        compat.Patch("fake_upstream:table['new']", f"{__name__}:wrapped", "why", "fake 0.19.x"),
+        compat.Patch("fake_upstream:items[+]", f"{__name__}:wrapped", "why", "fake 0.19.x"),
+    )
     compat.apply(patches)
     assert module.value() == ("wrapped", 1) and hasattr(module, "added") and "new" in module.table and len(module.items) == 2
     compat.restore(patches)

@@ -43,13 +43,14 @@ def train(params, grads, lrs, cuda_graph, reload_at=None, **kwargs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("settings", [{"fraction": 0.25}, {"fraction": "auto", "mu": 0.9, "scale_mu_by_fraction": True, "num_heads": 4},
-                                     {"staleness": 1.0}])
+@pytest.mark.parametrize(
+    "settings", [{"fraction": 0.25}, {"fraction": "auto", "mu": 0.9, "scale_mu_by_fraction": True, "num_heads": 4}, {"staleness": 1.0}]
+)
 def test_dion3_graph_replay_equals_eager(generator, dtype, settings):
     steps = 8
     base = make_params(generator, dtype)
     grads = [[torch.randn(p.shape, generator=generator).cuda() for p in base] for _ in range(steps)]
-    lrs = [0.02 * (0.8 ** i) for i in range(steps)]  # lr changes every step: it must reach the graph
+    lrs = [0.02 * (0.8**i) for i in range(steps)]  # lr changes every step: it must reach the graph
     eager = [torch.nn.Parameter(p.detach().clone()) for p in base]
     graphed = [torch.nn.Parameter(p.detach().clone()) for p in base]
     opt_eager = train(eager, grads, lrs, cuda_graph=False, reload_at=5, **settings)
@@ -109,8 +110,11 @@ def flat_slice_run(generator, staleness, use_graph, device="cuda", steps=5):
     for j, (n, m) in enumerate(shapes):
         whole = j < len(shapes) - 1
         view = flat.narrow(0, offsets[-1], n * m)
-        shards.append(MatrixShard(f"m{j}", view.view(n, m) if whole else view, None, (n, m),
-                                  Sharding.full() if whole else Sharding.flat([0, n * m]), None, hp))
+        shards.append(
+            MatrixShard(
+                f"m{j}", view.view(n, m) if whole else view, None, (n, m), Sharding.full() if whole else Sharding.flat([0, n * m]), None, hp
+            )
+        )
         offsets.append(offsets[-1] + n * m)
     engine = Dion3Engine(shards, cuda_graph=use_graph, fresh_grads=True)
     for step in range(steps):
@@ -124,7 +128,8 @@ def flat_slice_run(generator, staleness, use_graph, device="cuda", steps=5):
 @pytest.mark.parametrize("staleness", [0.0, 1.0])
 def test_whole_shards_on_a_flat_slice_beside_a_split_one_graph_equals_eager(generator, staleness):
     (eager, eager_flat, eager_shards), (graphed, graphed_flat, graphed_shards) = (
-        flat_slice_run(generator, staleness, use_graph) for use_graph in (False, True))
+        flat_slice_run(generator, staleness, use_graph) for use_graph in (False, True)
+    )
     assert not graphed._whole_step_graphable()  # the general exchange waits for its rows on the host
     assert graphed._graph.graph is not None and eager._graph.graph is None
     assert torch.equal(eager_flat, graphed_flat)
@@ -144,8 +149,11 @@ def test_megatron_dion3_with_fused_qkv_graph_equals_eager(generator, stable_grad
     from dion3_megatron.megatron import MegatronDion3, describe_param
 
     groups, split, cols, steps = 4, [64, 32, 32], 192, 6
-    shapes = {"layers.0.self_attention.linear_qkv.weight": (groups * sum(split), cols),
-              "layers.0.mlp.linear_fc1.weight": (256, cols), "layers.0.self_attention.linear_proj.weight": (cols, 128)}
+    shapes = {
+        "layers.0.self_attention.linear_qkv.weight": (groups * sum(split), cols),
+        "layers.0.mlp.linear_fc1.weight": (256, cols),
+        "layers.0.self_attention.linear_proj.weight": (cols, 128),
+    }
     base = [torch.randn(s, generator=generator).cuda() for s in shapes.values()]
     grads = [[torch.randn(s, generator=generator).cuda() for s in shapes.values()] for _ in range(steps)]
     runs = []
@@ -153,10 +161,11 @@ def test_megatron_dion3_with_fused_qkv_graph_equals_eager(generator, stable_grad
         params = [torch.nn.Parameter(b.clone()) for b in base]
         params[0].is_qkv, params[0].qkv_split_shapes = True, split
         layouts = {p: describe_param(name, p, gated_linear_unit=True) for p, name in zip(params, shapes)}
-        opt = MegatronDion3([{"params": params}], lr=0.02, weight_decay=0.1, fraction=0.25, layouts=layouts,
-                            cuda_graph=use_graph, staleness=staleness)
+        opt = MegatronDion3(
+            [{"params": params}], lr=0.02, weight_decay=0.1, fraction=0.25, layouts=layouts, cuda_graph=use_graph, staleness=staleness
+        )
         for step in range(steps):
-            opt.param_groups[0]["lr"] = 0.02 * 0.8 ** step
+            opt.param_groups[0]["lr"] = 0.02 * 0.8**step
             for p, g in zip(params, grads[step]):
                 if stable_grads and p.grad is not None:
                     p.grad.copy_(g)

@@ -77,8 +77,11 @@ def test_adamw_lr_sets_the_lr_of_the_adamw_parameters_only():
     lrs = {id(p): (g["lr"], algorithm_of(g, p)) for g in opt.param_groups for p in g["params"]}
     assert lrs == {id(matrix): (0.02, "dion3"), id(bias): (0.002, "adamw")}
     embed = torch.nn.Parameter(torch.randn(8, 4))
-    groups = [{"params": [matrix], "algorithm": "dion3"}, {"params": [embed], "algorithm": "adamw"},
-              {"params": [bias], "algorithm": "adamw", "lr": 0.001}]
+    groups = [
+        {"params": [matrix], "algorithm": "dion3"},
+        {"params": [embed], "algorithm": "adamw"},
+        {"params": [bias], "algorithm": "adamw", "lr": 0.001},
+    ]
     opt = DeepSpeedDion3(groups, lr=0.02, adamw_lr=0.002)
     assert [g["lr"] for g in opt.param_groups] == [0.02, 0.002, 0.001]
 
@@ -165,8 +168,13 @@ def test_param_groups_put_embeddings_head_norms_and_vectors_on_adamw():
     groups = dion3_ds.param_groups(m, adamw={"weight_decay": 0.0})
     assert [g["algorithm"] for g in groups] == ["dion3", "adamw"]
     assert groups[0]["params"] == [m.fc.weight]
-    assert {id(p) for p in groups[1]["params"]} == {id(m.embed.weight), id(m.fc.bias), id(m.norm.weight),
-                                                    id(m.norm.bias), id(m.lm_head.weight)}
+    assert {id(p) for p in groups[1]["params"]} == {
+        id(m.embed.weight),
+        id(m.fc.bias),
+        id(m.norm.weight),
+        id(m.norm.bias),
+        id(m.lm_head.weight),
+    }
     assert groups[1]["weight_decay"] == 0.0
 
 

@@ -74,8 +74,13 @@ def test_groups_with_an_algorithm_are_kept_and_the_others_split_keeping_their_ke
     groups = dion3_ds.engine_param_groups(m, [explicit, moe_like])
     assert groups[0] is explicit
     assert groups[1] == {"name": "dense-params", "moe": False, "weight_decay": 0.0, "params": [m.fc.weight], "algorithm": "dion3"}
-    assert groups[2] == {"name": "dense-params", "moe": False, "weight_decay": 0.0, "params": [m.fc.bias, m.ln.weight],
-                         "algorithm": "adamw"}
+    assert groups[2] == {
+        "name": "dense-params",
+        "moe": False,
+        "weight_decay": 0.0,
+        "params": [m.fc.bias, m.ln.weight],
+        "algorithm": "adamw",
+    }
 
 
 def test_a_matrix_outside_the_model_is_split_by_its_dims_and_logged(caplog):

@@ -86,15 +86,22 @@ def test_patch_applies_cleanly_and_is_not_yet_applied_upstream(patched):
 
 @pytest.mark.slow
 def test_patched_deepspeed_builds_dion3_from_a_script_that_does_not_import_it(patched):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=f"{patched}{os.pathsep}{ROOT}", RANK="0", WORLD_SIZE="1",
-               LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(patched)], env=env, capture_output=True, text=True,
-                            timeout=240)
+    env = dict(
+        os.environ,
+        DS_ACCELERATOR="cpu",
+        PYTHONPATH=f"{patched}{os.pathsep}{ROOT}",
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+    )
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(patched)], env=env, capture_output=True, text=True, timeout=240)
     lines = [l for l in result.stdout.splitlines() if l.startswith("RESULT")]
     assert result.returncode == 0 and lines, result.stdout[-3000:] + result.stderr[-3000:]
     import json
 
-    out = json.loads(lines[0][len("RESULT"):])
+    out = json.loads(lines[0][len("RESULT") :])
     assert out["registered"] and out["name"] == "dion3"  # DeepSpeed lower-cases its own optimizers' names
     assert out["basic"] == "DeepSpeedZeroDion3"  # ZeRO stage 1
     assert out["algorithms"] == ["dion3", "adamw"]  # split by module, as after the import

@@ -53,8 +53,7 @@ def test_config_type_in_lower_case_builds_dion3(two_ranks):
 
 
 def test_config_type_dion3_in_any_case_builds_dion3(two_ranks):
-    assert two_ranks[0]["any_case"] == {"DION3": "DeepSpeedZeroDion3", "dion3": "DeepSpeedZeroDion3",
-                                        "Dion3": "DeepSpeedZeroDion3"}
+    assert two_ranks[0]["any_case"] == {"DION3": "DeepSpeedZeroDion3", "dion3": "DeepSpeedZeroDion3", "Dion3": "DeepSpeedZeroDion3"}
 
 
 @pytest.mark.parametrize("name", ["Dion", "dion-3", "Dion3Optimizer"])

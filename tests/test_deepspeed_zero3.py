@@ -51,8 +51,11 @@ def test_zero3_equals_zero0_with_and_without_zero_init(two_ranks):
     for run in ("s3", "s3_zero_init"):
         # A matrix cut over both ranks is stepped as a "flat" piece on each; one whole in a rank's
         # partition (2 of the 3 experts: the cut falls inside the middle one) by that rank alone.
-        kinds = {name: [[kind for kind, _ in out["pieces"][run].get(name, [])] for out in two_ranks]
-                 for out_ in two_ranks for name in out_["pieces"][run]}
+        kinds = {
+            name: [[kind for kind, _ in out["pieces"][run].get(name, [])] for out in two_ranks]
+            for out_ in two_ranks
+            for name in out_["pieces"][run]
+        }
         assert len(kinds) == 7, kinds  # 3 experts, fc1, fc2, odd, tiny
         split = [name for name, k in kinds.items() if k == [["flat"], ["flat"]]]
         whole = [name for name, k in kinds.items() if sorted(k) == [[], ["full"]]]

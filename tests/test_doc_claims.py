@@ -47,8 +47,7 @@ def test_the_troubleshooting_kernel_check_tells_the_truth_on_a_machine_without_k
 
 def _constant(test_file: str, name: str) -> float:
     tree = ast.parse((ROOT / "tests" / test_file).read_text(encoding="utf-8"))
-    return next(ast.literal_eval(n.value) for n in tree.body
-                if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == name)
+    return next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == name)
 
 
 def test_the_deepspeed_doc_states_the_tolerance_its_tests_check():

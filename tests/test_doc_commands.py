@@ -46,9 +46,12 @@ REPOSITORY_URL = "https://github.com/dion3-megatron/dion3-megatron/"
 # Paths a command may name that are the reader's, not this repository's.
 EXTERNAL = ("Megatron-LM/", "DeepSpeed")
 # Words about how the project was developed; none belongs in the user docs.
-HISTORY = re.compile(r"session|issue [0-9]|issue #|parked|reverted|(?-i:DESIGN\.md)|\.carry|shared/tools|twenty|thirty|"
-                     r"\bcommit [0-9a-f]{7}|`[0-9a-f]{7}`|not re-measured|that version|tried and|was the target|"
-                     r"measurement-log|earlier day|the main job", re.I)
+HISTORY = re.compile(
+    r"session|issue [0-9]|issue #|parked|reverted|(?-i:DESIGN\.md)|\.carry|shared/tools|twenty|thirty|"
+    r"\bcommit [0-9a-f]{7}|`[0-9a-f]{7}`|not re-measured|that version|tried and|was the target|"
+    r"measurement-log|earlier day|the main job",
+    re.I,
+)
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ def parse_blocks(path: pathlib.Path, text: str | None = None) -> list[Block]:
             mark = MARK_LINE.match(lines[i - 1].strip()) if i else None
             end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
             assert end is not None, f"{path}:{i + 1}: a fence that is never closed"
-            blocks.append(Block(path, i + 1, lang, mark.group(1) if mark else None, "\n".join(lines[i + 1:end])))
+            blocks.append(Block(path, i + 1, lang, mark.group(1) if mark else None, "\n".join(lines[i + 1 : end])))
             i = end
         i += 1
     return blocks
@@ -96,8 +99,7 @@ def block_problems(block: Block) -> list[str]:
     if block.lang in NOT_COMMANDS:
         return [f"{block.where}: a {block.lang} block is not a command: no mark"] if block.mark else []
     if block.mark is None:
-        return [f"{block.where}: a {block.lang} block without '<!-- command: MARK -->' on the line before it "
-                f"({', '.join(MARKS)})"]
+        return [f"{block.where}: a {block.lang} block without '<!-- command: MARK -->' on the line before it ({', '.join(MARKS)})"]
     if block.mark not in MARKS:
         return [f"{block.where}: unknown mark {block.mark!r}"]
     if block.lang not in ALLOWED[block.mark]:
@@ -107,6 +109,7 @@ def block_problems(block: Block) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------
 # Shell commands: lines, continuations, comments, operators, environment assignments.
+
 
 def commands(text: str) -> list[tuple[dict[str, str], list[str], str | None]]:
     """(environment assignments, words, input redirection) of every simple command of a shell block."""
@@ -125,7 +128,7 @@ def commands(text: str) -> list[tuple[dict[str, str], list[str], str | None]]:
                     stdin = None
                     if "<" in current:
                         at = current.index("<")
-                        stdin, current = current[at + 1], current[:at] + current[at + 2:]
+                        stdin, current = current[at + 1], current[:at] + current[at + 2 :]
                     found.append((env, current, stdin))
                 current = []
             else:
@@ -135,6 +138,7 @@ def commands(text: str) -> list[tuple[dict[str, str], list[str], str | None]]:
 
 # ------------------------------------------------------------------------------------------------
 # Package metadata: the extras, the pytest markers (pyproject.toml, else setup.py and pytest.ini).
+
 
 def declared_extras() -> set[str]:
     pyproject = ROOT / "pyproject.toml"
@@ -147,8 +151,11 @@ def declared_extras() -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "EXTRAS":
             names |= set(ast.literal_eval(node.value))
-        elif (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript)
-              and getattr(node.targets[0].value, "id", None) == "EXTRAS"):
+        elif (
+            isinstance(node, ast.Assign)
+            and isinstance(node.targets[0], ast.Subscript)
+            and getattr(node.targets[0].value, "id", None) == "EXTRAS"
+        ):
             names.add(ast.literal_eval(node.targets[0].slice))
     return names
 
@@ -184,10 +191,13 @@ def install_problems(block: Block, extras: set[str]) -> list[str]:
     for env, words, _ in commands(block.text):
         named = pip_extras(words)
         if named is not None:
-            problems += [f"{block.where}: extra [{e}] is not declared (declared: {sorted(extras)})"
-                         for e in sorted(named - extras)]
-        elif not (re.fullmatch(r"python3(\.\d+)?", words[0]) and words[1:3] == ["-m", "venv"]
-                  or words[0] in (".", "source") and words[1:] == [".venv/bin/activate"]):
+            problems += [f"{block.where}: extra [{e}] is not declared (declared: {sorted(extras)})" for e in sorted(named - extras)]
+        elif not (
+            re.fullmatch(r"python3(\.\d+)?", words[0])
+            and words[1:3] == ["-m", "venv"]
+            or words[0] in (".", "source")
+            and words[1:] == [".venv/bin/activate"]
+        ):
             problems.append(f"{block.where}: not an install command: {shlex.join(words)}")
         problems += [f"{block.where}: unexpected variable {name}" for name in env if name != "DS_BUILD_OPS"]
     return problems
@@ -212,8 +222,7 @@ def check_tests_block(block: Block, ci_text: str, extras_before: set[str] | None
     problems = []
     lines = [shlex.join(words) for _, words, _ in commands(block.text)]
     if not lines or lines[0] != ci_test_command(ci_text):
-        problems.append(f"{block.where}: the first test command {lines[:1]} is not the one .ci/run calls, "
-                        f"{ci_test_command(ci_text)!r}")
+        problems.append(f"{block.where}: the first test command {lines[:1]} is not the one .ci/run calls, {ci_test_command(ci_text)!r}")
     for _, words, _ in commands(block.text):
         if words[:3] != ["python", "-m", "pytest"]:
             problems.append(f"{block.where}: not a pytest command: {shlex.join(words)}")
@@ -228,13 +237,16 @@ def check_tests_block(block: Block, ci_text: str, extras_before: set[str] | None
     if extras_before is None:
         problems.append(f"{block.where}: no install block before the test command")
     elif extras_before != ci_install_extras(ci_text):
-        problems.append(f"{block.where}: the docs install {sorted(extras_before)} before the tests, .ci/run "
-                        f"installs {sorted(ci_install_extras(ci_text))}")
+        problems.append(
+            f"{block.where}: the docs install {sorted(extras_before)} before the tests, .ci/run "
+            f"installs {sorted(ci_install_extras(ci_text))}"
+        )
     return problems
 
 
 # ------------------------------------------------------------------------------------------------
 # Links, anchors, words, figures.
+
 
 def slug(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
@@ -272,8 +284,7 @@ def link_problems(path: pathlib.Path, text: str | None = None) -> list[str]:
 
 def history_problems(path: pathlib.Path, text: str | None = None) -> list[str]:
     text = path.read_text(encoding="utf-8") if text is None else text
-    return [f"{path.name}:{n}: {line.strip()[:100]}" for n, line in enumerate(text.splitlines(), 1)
-            if HISTORY.search(line)]
+    return [f"{path.name}:{n}: {line.strip()[:100]}" for n, line in enumerate(text.splitlines(), 1) if HISTORY.search(line)]
 
 
 def numbers(text: str) -> set[float]:
@@ -293,9 +304,12 @@ def section(path: pathlib.Path, anchor: str) -> str:
 
 
 def cited_results(section_text: str) -> list[pathlib.Path]:
-    return [ROOT / "benchmarks" / "results" / name for name in
-            re.findall(r"\((?:\.\./|" + re.escape(REPOSITORY_URL) + r"blob/main/)benchmarks/results/([\w.-]+\.json)\)",
-                       section_text)]
+    return [
+        ROOT / "benchmarks" / "results" / name
+        for name in re.findall(
+            r"\((?:\.\./|" + re.escape(REPOSITORY_URL) + r"blob/main/)benchmarks/results/([\w.-]+\.json)\)", section_text
+        )
+    ]
 
 
 def figure_problems(md: pathlib.Path, text: str | None = None) -> list[str]:
@@ -328,13 +342,13 @@ def figure_problems(md: pathlib.Path, text: str | None = None) -> list[str]:
             for row in re.findall(r"^\|.*\|$", body, re.M):
                 missing = sorted(numbers(row) - have)
                 if missing:
-                    problems.append(f"performance.md, {heading}: row {row[:60]!r}: {missing} not in "
-                                    f"{[r.name for r in results]}")
+                    problems.append(f"performance.md, {heading}: row {row[:60]!r}: {missing} not in {[r.name for r in results]}")
     return problems
 
 
 # ------------------------------------------------------------------------------------------------
 # The quick tier: text only.
+
 
 def test_every_block_has_a_language_and_every_command_a_mark():
     assert len(ALL_BLOCKS) > 20 and {b.path.name for b in ALL_BLOCKS} >= {"README.md", "megatron.md", "deepspeed.md"}
@@ -344,8 +358,10 @@ def test_every_block_has_a_language_and_every_command_a_mark():
 
 def test_the_block_checker_fails_on_unmarked_and_mismarked_blocks():
     doc = ROOT / "docs" / "example.md"
-    text = ("```bash\npython x.py\n```\n\n<!-- command: gpu -->\n```python\nx = 1\n```\n\n```\nplain\n```\n\n"
-            "<!-- command: cpu -->\n```text\nout\n```\n\n<!-- command: cpu -->\n```bash\ntrue\n```\n")
+    text = (
+        "```bash\npython x.py\n```\n\n<!-- command: gpu -->\n```python\nx = 1\n```\n\n```\nplain\n```\n\n"
+        "<!-- command: cpu -->\n```text\nout\n```\n\n<!-- command: cpu -->\n```bash\ntrue\n```\n"
+    )
     found = [p for b in parse_blocks(doc, text) for p in block_problems(b)]
     assert len(found) == 4, found
     assert "without '<!-- command" in found[0] and "cannot be marked gpu" in found[1]
@@ -353,11 +369,14 @@ def test_the_block_checker_fails_on_unmarked_and_mismarked_blocks():
 
 
 def test_shell_commands_are_split_as_a_shell_would():
-    text = ('A=1 B="x y" python run.py --flag v \\\n  --other # comment\n'
-            'cd d && patch -p1 < f.patch; echo "a && b" | cat\n')
-    assert commands(text) == [({"A": "1", "B": "x y"}, ["python", "run.py", "--flag", "v", "--other"], None),
-                              ({}, ["cd", "d"], None), ({}, ["patch", "-p1"], "f.patch"),
-                              ({}, ["echo", "a && b"], None), ({}, ["cat"], None)]
+    text = 'A=1 B="x y" python run.py --flag v \\\n  --other # comment\ncd d && patch -p1 < f.patch; echo "a && b" | cat\n'
+    assert commands(text) == [
+        ({"A": "1", "B": "x y"}, ["python", "run.py", "--flag", "v", "--other"], None),
+        ({}, ["cd", "d"], None),
+        ({}, ["patch", "-p1"], "f.patch"),
+        ({}, ["echo", "a && b"], None),
+        ({}, ["cat"], None),
+    ]
 
 
 def test_install_blocks_name_declared_extras():
@@ -419,9 +438,11 @@ def test_json_blocks_parse_and_a_dion3_block_uses_dion3_keys():
 def test_links_resolve():
     problems = [p for path in DOCS for p in link_problems(path)]
     assert not problems, "\n".join(problems)
-    broken = (f"[a](docs/nothing.md) [b](docs/tuning.md#no-such-heading) [c](https://example.com) "
-              f"[d]({REPOSITORY_URL}blob/main/docs/nothing.md) [e]({REPOSITORY_URL}blob/main/docs/tuning.md#no-such-heading) "
-              f"[f]({REPOSITORY_URL}blob/main/docs/tuning.md#learning-rate)")
+    broken = (
+        f"[a](docs/nothing.md) [b](docs/tuning.md#no-such-heading) [c](https://example.com) "
+        f"[d]({REPOSITORY_URL}blob/main/docs/nothing.md) [e]({REPOSITORY_URL}blob/main/docs/tuning.md#no-such-heading) "
+        f"[f]({REPOSITORY_URL}blob/main/docs/tuning.md#learning-rate)"
+    )
     assert len(link_problems(ROOT / "README.md", broken)) == 4
 
 
@@ -449,6 +470,7 @@ def test_the_tables_figures_are_in_the_results_they_cite():
 
 # ------------------------------------------------------------------------------------------------
 # The slow tier: CPU commands run, GPU commands checked.
+
 
 def environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
@@ -527,9 +549,11 @@ print(json.dumps([args.user_script, args.user_args]))
 """
 
 # What a comparison script does with the flags after it.
-FORWARDS = {"examples/megatron_lm/compare_on_gpus.sh": "megatron",
-            "examples/deepspeed/compare_on_gpus.sh": "examples/deepspeed/train_gpt.py",
-            "examples/hf_trainer/compare_on_gpus.sh": "examples/hf_trainer/train.py"}
+FORWARDS = {
+    "examples/megatron_lm/compare_on_gpus.sh": "megatron",
+    "examples/deepspeed/compare_on_gpus.sh": "examples/deepspeed/train_gpt.py",
+    "examples/hf_trainer/compare_on_gpus.sh": "examples/hf_trainer/train.py",
+}
 LAUNCHER = "dion3_megatron.megatron.launch"
 # torchtitan's trainer: a module of another package, which needs torchtitan's data packages (not in
 # the tests' install). What is checked: our module and a trainer config it registers.
@@ -607,8 +631,13 @@ class GpuCheck:
             target = ["-m", args.training_script] if args.module else [args.training_script]
             self.python(where, target + args.training_script_args)
         elif program == "deepspeed":
-            out = subprocess.run([sys.executable, "-c", DEEPSPEED_PARSE, *words[1:]], capture_output=True, text=True,
-                                 env={**environment(), "DS_ACCELERATOR": "cpu"}, timeout=120)
+            out = subprocess.run(
+                [sys.executable, "-c", DEEPSPEED_PARSE, *words[1:]],
+                capture_output=True,
+                text=True,
+                env={**environment(), "DS_ACCELERATOR": "cpu"},
+                timeout=120,
+            )
             if out.returncode:
                 self.problems.append(f"{where}: deepspeed's flags: {out.stderr[-500:]}")
                 return
@@ -641,23 +670,31 @@ class GpuCheck:
         """``torchtitan.train --module dion3_megatron.torchtitan --config NAME``: NAME one of our configs."""
         values = dict(zip(argv[::2], argv[1::2]))
         if len(argv) % 2 or set(values) != {"--module", "--config"}:
-            self.problems.append(f"{where}: torchtitan.train {shlex.join(argv)}: expected --module "
-                                 f"{TORCHTITAN_MODULE} --config NAME (torchtitan's other flags are not checked here)")
+            self.problems.append(
+                f"{where}: torchtitan.train {shlex.join(argv)}: expected --module "
+                f"{TORCHTITAN_MODULE} --config NAME (torchtitan's other flags are not checked here)"
+            )
         elif values["--module"] != TORCHTITAN_MODULE:
             self.problems.append(f"{where}: torchtitan.train --module {values['--module']}: not {TORCHTITAN_MODULE}")
         elif values["--config"] not in torchtitan_configs():
-            self.problems.append(f"{where}: torchtitan.train --config {values['--config']}: not a trainer config of "
-                                 f"{TORCHTITAN_MODULE} ({sorted(torchtitan_configs())})")
+            self.problems.append(
+                f"{where}: torchtitan.train --config {values['--config']}: not a trainer config of "
+                f"{TORCHTITAN_MODULE} ({sorted(torchtitan_configs())})"
+            )
 
     def finish(self) -> list[str]:
         """Run what was collected: each script's --help (its flags), Megatron's parser."""
         helps: dict[str, set[str] | str] = {}
         for where, script, argv in self.script_flags:
             if script not in helps:
-                out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env=environment(),
-                                     capture_output=True, text=True, timeout=300)
-                helps[script] = (set(re.findall(r"(?<![\w-])(--[A-Za-z0-9][\w-]*)", out.stdout)) if out.returncode == 0
-                                 else f"--help failed: {out.stderr[-800:]}")
+                out = subprocess.run(
+                    [sys.executable, script, "--help"], cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300
+                )
+                helps[script] = (
+                    set(re.findall(r"(?<![\w-])(--[A-Za-z0-9][\w-]*)", out.stdout))
+                    if out.returncode == 0
+                    else f"--help failed: {out.stderr[-800:]}"
+                )
             known = helps[script]
             if isinstance(known, str):
                 self.problems.append(f"{where}: {script} {known}")
@@ -666,14 +703,19 @@ class GpuCheck:
             if unknown:
                 self.problems.append(f"{where}: {script} does not take {unknown}")
         if self.megatron:
-            out = subprocess.run([sys.executable, "-c", MEGATRON_PARSE, json.dumps([a for _, a in self.megatron])],
-                                 cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300)
+            out = subprocess.run(
+                [sys.executable, "-c", MEGATRON_PARSE, json.dumps([a for _, a in self.megatron])],
+                cwd=ROOT,
+                env=environment(),
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             if out.returncode:
                 self.problems.append(f"Megatron's parser did not run: {out.stderr[-1500:]}")
             else:
                 errors = json.loads(out.stdout.strip().splitlines()[-1])
-                self.problems += [f"{where}: Megatron's parser: {error}"
-                                  for (where, _), error in zip(self.megatron, errors) if error]
+                self.problems += [f"{where}: Megatron's parser: {error}" for (where, _), error in zip(self.megatron, errors) if error]
         return self.problems
 
 
@@ -695,9 +737,18 @@ BROKEN_GPU_COMMANDS = (
     "deepspeed --num_gpus 2 examples/deepspeed/train_gpt.py --config c.json --step 5\n"
     "python benchmarks/bench_nothing.py\n"
     "patch -p1 -d Megatron-LM < patches/nothing.patch\n"
-    "torchrun --nproc-per-node 1 -m torchtitan.train --module dion3_megatron.torchtitan --config llama3_nothing\n")
-BROKEN_MISTAKES = ["--num-layer", "--optimiser", "torchrun's flags", "does not read $STEPS", "'--step'",
-                   "bench_nothing.py: no such file", "nothing.patch", "--config llama3_nothing"]
+    "torchrun --nproc-per-node 1 -m torchtitan.train --module dion3_megatron.torchtitan --config llama3_nothing\n"
+)
+BROKEN_MISTAKES = [
+    "--num-layer",
+    "--optimiser",
+    "torchrun's flags",
+    "does not read $STEPS",
+    "'--step'",
+    "bench_nothing.py: no such file",
+    "nothing.patch",
+    "--config llama3_nothing",
+]
 
 
 @pytest.mark.slow
@@ -711,8 +762,9 @@ def test_gpu_commands_name_scripts_and_flags_that_exist():
     for word in BROKEN_MISTAKES:  # the check can fail: each planted mistake is caught, once
         assert any(word in p for p in caught), (word, caught)
     assert len(caught) == len(BROKEN_MISTAKES), caught
-    launcher = subprocess.run([sys.executable, "-m", LAUNCHER, "--help"], cwd=ROOT, env=environment(),
-                              capture_output=True, text=True, timeout=120)
+    launcher = subprocess.run(
+        [sys.executable, "-m", LAUNCHER, "--help"], cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=120
+    )
     assert launcher.returncode == 0 and "--dion3-fraction" in launcher.stdout, launcher.stderr[-2000:]
     for block in blocks:  # every --dion3-* flag a doc shows is one the launcher's --help lists
         for flag in re.findall(r"--dion3-[a-z-]+", block.text):

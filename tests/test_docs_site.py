@@ -19,8 +19,9 @@ def test_the_site_builds_strictly(tmp_path):
     mkdocs = shutil.which("mkdocs", path=str(pathlib.Path(sys.executable).parent)) or shutil.which("mkdocs")
     if mkdocs is None:
         pytest.skip("mkdocs is not installed")
-    build = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    build = subprocess.run(
+        [mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert build.returncode == 0, build.stderr[-4000:]
     api = (tmp_path / "site" / "api" / "megatron" / "index.html").read_text(encoding="utf-8")
     assert 'id="dion3_megatron.megatron.MegatronDion3"' in api and 'id="dion3_megatron.megatron.register"' in api

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WITH_OPTIONS = ["examples/quickstart.py", "examples/fsdp2_train.py", "examples/pretrain_gpt.py",
-                "examples/deepspeed/train_gpt.py"]
+WITH_OPTIONS = ["examples/quickstart.py", "examples/fsdp2_train.py", "examples/pretrain_gpt.py", "examples/deepspeed/train_gpt.py"]
 
 
 def run(argv: list[str], timeout: int = 300, unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -51,9 +50,14 @@ def test_every_option_has_help_with_its_default(script):
     assert not undocumented, undocumented
 
 
-@pytest.mark.parametrize("script, given, ours", [("examples/quickstart.py", "--dion3-fraction", "--fraction"),
-                                                 ("examples/fsdp2_train.py", "--dion3-fraction=0.5", "--fraction"),
-                                                 ("examples/pretrain_gpt.py", "--fraction", "--dion3-fraction")])
+@pytest.mark.parametrize(
+    "script, given, ours",
+    [
+        ("examples/quickstart.py", "--dion3-fraction", "--fraction"),
+        ("examples/fsdp2_train.py", "--dion3-fraction=0.5", "--fraction"),
+        ("examples/pretrain_gpt.py", "--fraction", "--dion3-fraction"),
+    ],
+)
 def test_another_front_ends_spelling_gets_a_hint(script, given, ours):
     out = run([script, given, "0.25"] if "=" not in given else [script, given])
     assert out.returncode == 2
@@ -65,9 +69,27 @@ def test_another_front_ends_spelling_gets_a_hint(script, given, ours):
 def test_deepspeed_zero3_on_cpu_without_the_cpu_flag_and_without_deprecation_notices():
     """On a machine without CUDA the DeepSpeed example picks gloo itself (NCCL would fail), and
     ZeRO-3's collectives print no FutureWarning of torch's."""
-    out = run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "examples/deepspeed/train_gpt.py",
-               "--config", "examples/deepspeed/ds_config_dion3_zero3.json", "--width", "64", "--layers", "2",
-               "--seq", "64", "--steps", "3"], unset=("DS_ACCELERATOR",))
+    out = run(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "examples/deepspeed/train_gpt.py",
+            "--config",
+            "examples/deepspeed/ds_config_dion3_zero3.json",
+            "--width",
+            "64",
+            "--layers",
+            "2",
+            "--seq",
+            "64",
+            "--steps",
+            "3",
+        ],
+        unset=("DS_ACCELERATOR",),
+    )
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-6000:]
     assert '"device": "cpu"' in text and "FutureWarning" not in text and "NCCL" not in text, text[-6000:]
@@ -77,14 +99,53 @@ def test_deepspeed_zero3_on_cpu_without_the_cpu_flag_and_without_deprecation_not
 def test_megatron_lm_loop_on_cpu_logs_the_loss_and_what_auto_chose():
     """docs/megatron.md's CPU command (shortened, one process): the loss every tenth of the run,
     the f that fraction="auto" chose per shape, and no dump of Megatron's arguments."""
-    out = run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "examples/megatron_cpu.py",
-               "examples/megatron_lm_pretrain_gpt.py", "--optimizer", "dion3", "--use-distributed-optimizer",
-               "--lr", "0.01", "--decoupled-lr", "0.002", "--num-layers", "2", "--hidden-size", "64",
-               "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
-               "--vocab-size", "256", "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "20",
-               "--eval-interval", "1000", "--eval-iters", "0", "--transformer-impl", "local",
-               "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
-               "--no-rope-fusion", "--no-persist-layer-norm"])
+    out = run(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "examples/megatron_cpu.py",
+            "examples/megatron_lm_pretrain_gpt.py",
+            "--optimizer",
+            "dion3",
+            "--use-distributed-optimizer",
+            "--lr",
+            "0.01",
+            "--decoupled-lr",
+            "0.002",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "64",
+            "--max-position-embeddings",
+            "64",
+            "--vocab-size",
+            "256",
+            "--micro-batch-size",
+            "4",
+            "--global-batch-size",
+            "4",
+            "--train-iters",
+            "20",
+            "--eval-interval",
+            "1000",
+            "--eval-iters",
+            "0",
+            "--transformer-impl",
+            "local",
+            "--no-gradient-accumulation-fusion",
+            "--no-masked-softmax-fusion",
+            "--no-bias-swiglu-fusion",
+            "--no-rope-fusion",
+            "--no-persist-layer-norm",
+        ]
+    )
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-6000:]
     logged = {int(i) for i in re.findall(r"iteration\s+(\d+)/\s*20 \|.*? lm loss: ", text)}

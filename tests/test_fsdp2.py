@@ -83,8 +83,11 @@ def _train(rank: int, world: int, layout: str, settings: dict, bad_step: int) ->
         if step == bad_step and rank == world - 1:
             model.up.weight.grad.to_local().view(-1)[0] = float("nan")
         opt.step()
-    return {"params": {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()},
-            "skipped": opt.skipped_steps, "fractions": dict(opt.fractions)}
+    return {
+        "params": {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()},
+        "skipped": opt.skipped_steps,
+        "fractions": dict(opt.fractions),
+    }
 
 
 def _session(rank: int, world: int, cases: list[tuple[str, dict, int]], checkpoint: Optional[str] = None) -> dict:
@@ -114,10 +117,19 @@ def _single_process(settings: dict, bad_step: int) -> dict:
 
 STALENESS, SKIP, AUTO = ({"fraction": 0.25, "staleness": 1.0}, -1), ({"fraction": 0.5}, 1), ({}, -1)
 # (layout, settings, step whose gradient gets a NaN on the last rank, -1 for none) per world size
-CASES = {2: [("fsdp", {"fraction": 0.5}, -1), ("fsdp", *STALENESS), ("fsdp", {"fraction": 1.0}, -1), ("fsdp", *SKIP),
-             ("fsdp", *AUTO)],
-         4: [("fsdp", {"fraction": 0.5}, -1), ("fsdp", *AUTO), ("hsdp", *STALENESS), ("hsdp", *SKIP), ("hsdp", *AUTO),
-             ("tp", *STALENESS), ("tp", *SKIP), ("tp", *AUTO)]}
+CASES = {
+    2: [("fsdp", {"fraction": 0.5}, -1), ("fsdp", *STALENESS), ("fsdp", {"fraction": 1.0}, -1), ("fsdp", *SKIP), ("fsdp", *AUTO)],
+    4: [
+        ("fsdp", {"fraction": 0.5}, -1),
+        ("fsdp", *AUTO),
+        ("hsdp", *STALENESS),
+        ("hsdp", *SKIP),
+        ("hsdp", *AUTO),
+        ("tp", *STALENESS),
+        ("tp", *SKIP),
+        ("tp", *AUTO),
+    ],
+}
 
 
 DCP_SETTINGS = {"fraction": 0.5, "staleness": 1.0}
@@ -151,8 +163,7 @@ def test_dtensor_steps_equal_the_single_process_step(session):
         for out in per_rank:
             assert out["skipped"] == (bad_step >= 0), (layout, settings, bad_step)
             for name, value in out["params"].items():
-                torch.testing.assert_close(value, expected[name], **TOL,
-                                           msg=lambda m, n=name, c=(layout, settings): f"{c} {n}: {m}")
+                torch.testing.assert_close(value, expected[name], **TOL, msg=lambda m, n=name, c=(layout, settings): f"{c} {n}: {m}")
 
 
 def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(session):
@@ -174,8 +185,12 @@ def _dcp_worker(rank: int, world: int, layout: str, directory: str, steps: range
     """Steps ``steps`` of the batches; saves through torch.distributed.checkpoint after them when
     they start at 0, else first loads what a run at another world size saved."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     model, opt = _sharded(world, layout, settings)
     if steps.start:
@@ -183,13 +198,12 @@ def _dcp_worker(rank: int, world: int, layout: str, directory: str, steps: range
         dcp.load(state, checkpoint_id=directory)
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, opt, state["optim"])
-    for x in _batches()[steps.start:steps.stop]:
+    for x in _batches()[steps.start : steps.stop]:
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
     if not steps.start:
-        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-                 checkpoint_id=directory)
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=directory)
     return {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
 
 
@@ -198,8 +212,9 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_and_at_four_with_tensor_
     for world, layout in ((1, "fsdp"), (4, "tp")):  # (saved after two steps by the two-rank session)
         for out in run_distributed(_dcp_worker, world, layout, checkpoint, range(2, STEPS), DCP_SETTINGS, timeout=180):
             for name, value in out.items():
-                torch.testing.assert_close(value, expected[name], **TOL,
-                                           msg=lambda m, n=name, w=world, lay=layout: f"{lay} at {w} ranks {n}: {m}")
+                torch.testing.assert_close(
+                    value, expected[name], **TOL, msg=lambda m, n=name, w=world, lay=layout: f"{lay} at {w} ranks {n}: {m}"
+                )
 
 
 class _AutoNet(torch.nn.Module):
@@ -278,13 +293,20 @@ def _refusals(world: int) -> list[str]:
 
     mesh = init_device_mesh("cpu", (world,))
     gen = torch.Generator().manual_seed(2)
-    cases = {"partial": DTensor.from_local(torch.randn(8, 4, generator=gen), mesh, [Partial()]),
-             "conv": distribute_tensor(torch.randn(8, 2, 3, 3, generator=gen), mesh, [Shard(0)]),
-             "expert rows": distribute_tensor(torch.randn(2, 8, 4, generator=gen), mesh, [Shard(1)]),
-             # rows cut left to right, then strided: rank 0 would hold rows 0 and 2, not a block
-             "strided rows": DTensor.from_local(torch.randn(2, 4, generator=gen), init_device_mesh("cpu", (1, world)),
-                                                [Shard(0), _StridedShard(0, split_factor=2)], run_check=False,
-                                                shape=(2 * world, 4), stride=(4, 1))}
+    cases = {
+        "partial": DTensor.from_local(torch.randn(8, 4, generator=gen), mesh, [Partial()]),
+        "conv": distribute_tensor(torch.randn(8, 2, 3, 3, generator=gen), mesh, [Shard(0)]),
+        "expert rows": distribute_tensor(torch.randn(2, 8, 4, generator=gen), mesh, [Shard(1)]),
+        # rows cut left to right, then strided: rank 0 would hold rows 0 and 2, not a block
+        "strided rows": DTensor.from_local(
+            torch.randn(2, 4, generator=gen),
+            init_device_mesh("cpu", (1, world)),
+            [Shard(0), _StridedShard(0, split_factor=2)],
+            run_check=False,
+            shape=(2 * world, 4),
+            stride=(4, 1),
+        ),
+    }
     messages = []
     for name, value in cases.items():
         with pytest.raises(ValueError) as error:
@@ -298,10 +320,12 @@ def _refusals(world: int) -> list[str]:
         opt.step()
     assert torch.equal(weight.detach().to_local(), before) and not opt.state[weight]
     messages.append(str(error.value))
-    short = torch.nn.Parameter(DTensor.from_local(torch.randn(3, 4, generator=gen), mesh, [Shard(0)], run_check=False,
-                                                  shape=(4 * world, 4), stride=(4, 1)))  # 3 of its 4 rows
-    short.grad = DTensor.from_local(torch.randn(3, 4, generator=gen), mesh, [Shard(0)], run_check=False,
-                                    shape=(4 * world, 4), stride=(4, 1))
+    short = torch.nn.Parameter(
+        DTensor.from_local(torch.randn(3, 4, generator=gen), mesh, [Shard(0)], run_check=False, shape=(4 * world, 4), stride=(4, 1))
+    )  # 3 of its 4 rows
+    short.grad = DTensor.from_local(
+        torch.randn(3, 4, generator=gen), mesh, [Shard(0)], run_check=False, shape=(4 * world, 4), stride=(4, 1)
+    )
     opt = Dion3([("short piece", short)], ns_dtype=torch.float32)
     with pytest.raises(ValueError) as error:
         opt.step()
@@ -323,9 +347,26 @@ def test_placements_the_engine_does_not_take_are_refused_naming_the_parameter(tw
 def test_the_fsdp2_example_trains_with_tensor_parallelism_on_two_cpu_processes():
     # (the plain FSDP2 command of docs/fsdp2.md runs in the docs' command test)
     example = pathlib.Path(__file__).resolve().parents[1] / "examples" / "fsdp2_train.py"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(example), "--steps", "20", "--context", "32", "--tp", "2"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(example),
+            "--steps",
+            "20",
+            "--context",
+            "32",
+            "--tp",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"step +\d+  loss ([0-9.]+)", run.stdout)]
     assert len(losses) == 2 and losses[1] < losses[0] - 1.0, run.stdout
@@ -349,8 +390,7 @@ def _refused_step(model: torch.nn.Module, opt) -> tuple[str, str, list[str]]:
     with pytest.raises(Exception) as error:
         opt.step()
     after = _held(model, opt)
-    changed = [n for n in before.keys() | after.keys() if n not in before or n not in after
-               or not torch.equal(before[n], after[n])]
+    changed = [n for n in before.keys() | after.keys() if n not in before or n not in after or not torch.equal(before[n], after[n])]
     return type(error.value).__name__, str(error.value), changed
 
 
@@ -375,13 +415,15 @@ def _gradient_changed_at_a_later_step(rank: int, world: int) -> dict:
         if rank == world - 1:
             values = torch.randn(p.shape) if change == "replicated" else torch.randn(1, *p.shape[1:])
             placements = [Replicate()] if change == "replicated" else p.placements
-            p.grad = DTensor.from_local(values, p.device_mesh, placements, run_check=False, shape=p.shape,
-                                        stride=p.stride())
+            p.grad = DTensor.from_local(values, p.device_mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
         refused[name, change] = _refused_step(model, opt)
         p.grad = grad
     opt.step()
-    return {"refused": refused, "skipped": opt.skipped_steps,
-            "params": {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}}
+    return {
+        "refused": refused,
+        "skipped": opt.skipped_steps,
+        "params": {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()},
+    }
 
 
 def test_a_gradient_placed_unlike_its_parameter_at_a_later_step_is_refused_on_every_rank():
@@ -408,8 +450,10 @@ def _outside_the_mesh(rank: int, world: int) -> tuple[str, str]:
 
     gen = torch.Generator().manual_seed(4)
     alone, everyone = DeviceMesh("cpu", [0]), init_device_mesh("cpu", (world,))
-    params = {"alone": torch.nn.Parameter(distribute_tensor(torch.randn(8, 4, generator=gen), alone, [Shard(0)])),
-              "shared": torch.nn.Parameter(distribute_tensor(torch.randn(8, 4, generator=gen), everyone, [Shard(0)]))}
+    params = {
+        "alone": torch.nn.Parameter(distribute_tensor(torch.randn(8, 4, generator=gen), alone, [Shard(0)])),
+        "shared": torch.nn.Parameter(distribute_tensor(torch.randn(8, 4, generator=gen), everyone, [Shard(0)])),
+    }
     for p in params.values():
         p.grad = distribute_tensor(torch.randn(8, 4, generator=gen), p.device_mesh, [Shard(0)])
     opt = Dion3(list(params.items()), ns_dtype=torch.float32)

@@ -226,6 +226,7 @@ def test_apply_rows_on_cpu_is_shrink_then_index_add(generator):
 # for CPU tensors, run by Triton's interpreter) give the same bits: contraction is off, so the
 # kernels round exactly as the torch forms do.
 
+
 def force_row_kernels() -> None:
     """Route the rule through the row kernels for any tensors, CPU ones included (the interpreter)."""
     row_kernels.takes = lambda weights: len(weights) > 0

@@ -104,8 +104,11 @@ def nccl_graph_worker(rank, world, seed, staleness, steps=6):
         shards = []
         for j, (w, s) in enumerate(zip(weights, shapes)):
             sharding = sharding_of(j, s)
-            shards.append(MatrixShard(f"m{j}", piece(w, sharding), piece(grads[0][j], sharding), s, sharding,
-                                      None if sharding.kind == "full" else group, hp))
+            shards.append(
+                MatrixShard(
+                    f"m{j}", piece(w, sharding), piece(grads[0][j], sharding), s, sharding, None if sharding.kind == "full" else group, hp
+                )
+            )
         engine = Dion3Engine(shards, cuda_graph=use_graph)
         for step in range(steps):
             for j, shard in enumerate(shards):
@@ -116,9 +119,12 @@ def nccl_graph_worker(rank, world, seed, staleness, steps=6):
     (eager, eager_shards), (graphed, graphed_shards) = runs
     assert graphed._graph.graph is not None and eager._graph.graph is None
     assert graphed._whole_step_graphable()
-    return all(torch.equal(a.weight, b.weight) and a.state.keys() == b.state.keys()
-               and all(torch.equal(a.state[key], b.state[key]) for key in a.state)
-               for a, b in zip(eager_shards, graphed_shards))
+    return all(
+        torch.equal(a.weight, b.weight)
+        and a.state.keys() == b.state.keys()
+        and all(torch.equal(a.state[key], b.state[key]) for key in a.state)
+        for a, b in zip(eager_shards, graphed_shards)
+    )
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

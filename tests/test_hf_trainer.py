@@ -37,15 +37,19 @@ def _falls(losses: list, by: float) -> bool:
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_llama_hidden_matrices_take_dion3_embedding_untied_head_and_norms_adamw(session, stage):
-    print(session[0]["seconds"], {k: [round(x, 3) for x in v["losses"]] for k, v in session[0].items()
-                                  if isinstance(v, dict) and "split" in v})
+    print(
+        session[0]["seconds"],
+        {k: [round(x, 3) for x in v["losses"]] for k, v in session[0].items() if isinstance(v, dict) and "split" in v},
+    )
     run = session[0][f"llama_zero{stage}"]
     assert run["zero"] == ("DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer")
     split = _by_algorithm(run["split"])
     assert split["none"] == []
-    assert split["dion3"] == sorted(f"model.layers.{i}.{m}_proj.weight" for i in range(2)
-                                    for m in ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o",
-                                              "mlp.gate", "mlp.up", "mlp.down"))
+    assert split["dion3"] == sorted(
+        f"model.layers.{i}.{m}_proj.weight"
+        for i in range(2)
+        for m in ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "mlp.gate", "mlp.up", "mlp.down")
+    )
     assert "lm_head.weight" in split["adamw"] and "model.embed_tokens.weight" in split["adamw"]
     assert all(n.endswith("norm.weight") for n in split["adamw"] if n not in ("lm_head.weight", "model.embed_tokens.weight"))
     assert _falls(run["losses"], 0.5), run["losses"]
@@ -78,8 +82,9 @@ def test_gpt2_conv1d_weights_take_adamw_and_the_tied_head_too(session):
 def test_gpt2_with_conv1d_as_linear_gives_the_hidden_matrices_to_dion3(session):
     run = session[0]["gpt2_linear_zero2"]
     split = _by_algorithm(run["split"])
-    assert split["dion3"] == sorted(f"transformer.h.{i}.{m}.weight" for i in range(2)
-                                    for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+    assert split["dion3"] == sorted(
+        f"transformer.h.{i}.{m}.weight" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    )
     assert split["adamw"].count("lm_head.weight") == 1 and "transformer.wte.weight" in split["adamw"]  # tied: one tensor
     assert _falls(run["losses"], 0.5), run["losses"]
 

@@ -12,11 +12,15 @@ SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer" / "comp
 pytestmark = needs_bash
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"STAGE": "3"}, "STAGE must be 0, 1 or 2 (the ZeRO stages Dion3 supports), got 3"),
-    ({"OPTS": "dion3 lion"}, "OPTS: unknown optimizer lion (dion3, muon, adamw)"),
-    ({"GPUS": "two"}, "GPUS must be a number of GPUs, got two"),
-], ids=["stage", "opts", "gpus"])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"STAGE": "3"}, "STAGE must be 0, 1 or 2 (the ZeRO stages Dion3 supports), got 3"),
+        ({"OPTS": "dion3 lion"}, "OPTS: unknown optimizer lion (dion3, muon, adamw)"),
+        ({"GPUS": "two"}, "GPUS must be a number of GPUs, got two"),
+    ],
+    ids=["stage", "opts", "gpus"],
+)
 def test_script_refuses_bad_settings_before_running_anything(tmp_path, env, message):
     out = run_recording_python(SCRIPT, tmp_path, env)
     assert out.returncode == 2 and message in out.stderr, (out.returncode, out.stderr)

@@ -28,10 +28,38 @@ def run(tmp_path_factory) -> tuple[Path, str]:
     cwd = tmp_path_factory.mktemp("hf_example")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--use_cpu", "--max_steps", "3", "--save_strategy", "steps",
-                           "--save_steps", "3", "--width", "32", "--layers", "1", "--heads", "2", "--seq", "32",
-                           "--corpus_bytes", "50000", "--report_to", "none", "--disable_tqdm", "true"],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--use_cpu",
+            "--max_steps",
+            "3",
+            "--save_strategy",
+            "steps",
+            "--save_steps",
+            "3",
+            "--width",
+            "32",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--seq",
+            "32",
+            "--corpus_bytes",
+            "50000",
+            "--report_to",
+            "none",
+            "--disable_tqdm",
+            "true",
+        ],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return cwd, proc.stdout
 

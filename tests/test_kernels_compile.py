@@ -20,15 +20,13 @@ SMS = 132  # an H200's: a persistent grid is one CTA per SM
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tile, ctas_per_sm", [((64, 64), 2), ((128, 128), 1), ((128, 256), 1), ((256, 128), 1),
-                                               ((256, 256), 1)])
+@pytest.mark.parametrize("tile, ctas_per_sm", [((64, 64), 2), ((128, 128), 1), ((128, 256), 1), ((256, 128), 1), ((256, 256), 1)])
 @pytest.mark.parametrize("launch", ["per tile", "persistent"])
 @pytest.mark.parametrize("operands", ["gram", "+ beta C", "M-major + beta C"])
 def test_the_kernel_compiles_without_a_gpu(tile, ctas_per_sm, launch, operands):
     c = F16 if "C" in operands else None
     persistent_ctas = SMS * ctas_per_sm if launch == "persistent" else None
-    kernel = sm90.SymmGemmSm90(F16, F16, c, tile, None, operands.startswith("M-major"), ctas_per_sm,
-                                    persistent_ctas)
+    kernel = sm90.SymmGemmSm90(F16, F16, c, tile, None, operands.startswith("M-major"), ctas_per_sm, persistent_ctas)
     fn = compile_kernel(kernel)
     assert len(fn.kernel_info) == 1  # one device kernel, built for the launch
 

@@ -22,34 +22,38 @@ SOURCES = ROOT / PACKAGE
 
 # unit -> (the units it may import, why).
 ALLOWED: dict[str, tuple[frozenset[str], str]] = {
-    "kernels": (frozenset(),
-                "the matrix-product and row kernels and their configuration: the bottom layer"),
-    "core": (frozenset({"kernels"}),
-             "the math (orthogonalization, the rule, the cost model), its products run by the kernels"),
-    "engine": (frozenset({"core", "kernels"}),
-               "moves matrix shards between ranks and steps them with the rule; knows no option spelling"),
-    "options": (frozenset({"core", "kernels"}),
-                "the option spec: its choices are the math's and the kernels' own"),
-    "frontend": (frozenset({"core", "engine", "kernels", "options"}),
-                 "what the front ends share: param groups checked by the spec, parameters handed to the engine"),
-    "optimizer": (frozenset({"core", "engine", "frontend", "kernels", "options"}),
-                  "the torch front end (Dion3)"),
-    "megatron": (frozenset({"compat", "core", "engine", "frontend", "kernels", "options"}),
-                 "the Megatron front end; changes Megatron only through compat's table"),
-    "deepspeed": (frozenset({"compat", "core", "engine", "frontend", "kernels", "optimizer", "options"}),
-                  "the DeepSpeed front end; changes DeepSpeed only through compat's table, and knows the "
-                  "torch Dion3 to refuse it where ZeRO hands it flat partitions"),
-    "torchtitan": (frozenset({"compat", "frontend", "optimizer", "options"}),
-                   "the torchtitan front end: the torch Dion3 for torchtitan's optimizer config; changes torchtitan "
-                   "only through a compat Patch"),
-    "report": (frozenset({"__init__", "core", "engine", "kernels", "options", "frontend", "optimizer", "megatron",
-                          "deepspeed", "torchtitan"}),
-               "python -m dion3_megatron's environment report: imports each front end to say whether it loads"),
+    "kernels": (frozenset(), "the matrix-product and row kernels and their configuration: the bottom layer"),
+    "core": (frozenset({"kernels"}), "the math (orthogonalization, the rule, the cost model), its products run by the kernels"),
+    "engine": (frozenset({"core", "kernels"}), "moves matrix shards between ranks and steps them with the rule; knows no option spelling"),
+    "options": (frozenset({"core", "kernels"}), "the option spec: its choices are the math's and the kernels' own"),
+    "frontend": (
+        frozenset({"core", "engine", "kernels", "options"}),
+        "what the front ends share: param groups checked by the spec, parameters handed to the engine",
+    ),
+    "optimizer": (frozenset({"core", "engine", "frontend", "kernels", "options"}), "the torch front end (Dion3)"),
+    "megatron": (
+        frozenset({"compat", "core", "engine", "frontend", "kernels", "options"}),
+        "the Megatron front end; changes Megatron only through compat's table",
+    ),
+    "deepspeed": (
+        frozenset({"compat", "core", "engine", "frontend", "kernels", "optimizer", "options"}),
+        "the DeepSpeed front end; changes DeepSpeed only through compat's table, and knows the "
+        "torch Dion3 to refuse it where ZeRO hands it flat partitions",
+    ),
+    "torchtitan": (
+        frozenset({"compat", "frontend", "optimizer", "options"}),
+        "the torchtitan front end: the torch Dion3 for torchtitan's optimizer config; changes torchtitan only through a compat Patch",
+    ),
+    "report": (
+        frozenset({"__init__", "core", "engine", "kernels", "options", "frontend", "optimizer", "megatron", "deepspeed", "torchtitan"}),
+        "python -m dion3_megatron's environment report: imports each front end to say whether it loads",
+    ),
     "__main__": (frozenset({"report"}), "python -m dion3_megatron"),
-    "compat": (frozenset({"deepspeed", "megatron"}),
-               "the table of every framework patch: names the front ends' replacements, imported when applied"),
-    "__init__": (frozenset({"core", "optimizer"}),
-                 "the package's public names: Dion3 and its settings"),
+    "compat": (
+        frozenset({"deepspeed", "megatron"}),
+        "the table of every framework patch: names the front ends' replacements, imported when applied",
+    ),
+    "__init__": (frozenset({"core", "optimizer"}), "the package's public names: Dion3 and its settings"),
 }
 
 # Modules a unit may not import at all, whatever the table says: (unit, module, why).
@@ -79,21 +83,24 @@ def imported_names(source: str, module: str) -> set[str]:
 
 def named_modules(source: str) -> set[str]:
     """The modules of the package that string constants of ``source`` name."""
-    return {node.value.partition(":")[0] for node in ast.walk(ast.parse(source))
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and _MODULE_STRING.fullmatch(node.value)}
+    return {
+        node.value.partition(":")[0]
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _MODULE_STRING.fullmatch(node.value)
+    }
 
 
 def compat_targets() -> set[str]:
     """The modules of the package that compat's patches name as replacements or conditions."""
-    named = {value for patch in compat.MEGATRON + compat.DEEPSPEED for value in (patch.replacement, patch.only_if)
-             if value is not None}
+    named = {value for patch in compat.MEGATRON + compat.DEEPSPEED for value in (patch.replacement, patch.only_if) if value is not None}
     return {value.partition(":")[0] for value in named if value.startswith(PACKAGE)}
 
 
 def units() -> set[str]:
     """Every subpackage and top-level module of the package (``__init__``: the package itself)."""
-    return {p.stem if p.is_file() else p.name for p in SOURCES.iterdir()
-            if (p.is_dir() and (p / "__init__.py").is_file()) or p.suffix == ".py"}
+    return {
+        p.stem if p.is_file() else p.name for p in SOURCES.iterdir() if (p.is_dir() and (p / "__init__.py").is_file()) or p.suffix == ".py"
+    }
 
 
 UNITS = units()
@@ -109,8 +116,11 @@ def edges(source: str, module: str, extra: set[str] = frozenset()) -> set[str]:
     """The units other than its own that the module ``module`` reaches: its imports, the modules its
     strings name, and ``extra`` (more module names)."""
     mine = unit_of(module)
-    reached = {name for name in imported_names(source, module) | named_modules(source) | set(extra)
-               if name == PACKAGE or name.startswith(PACKAGE + ".")}
+    reached = {
+        name
+        for name in imported_names(source, module) | named_modules(source) | set(extra)
+        if name == PACKAGE or name.startswith(PACKAGE + ".")
+    }
     return {unit_of(name) for name in reached} - {mine}
 
 
@@ -132,31 +142,44 @@ def module_name(path: pathlib.Path) -> str:
 MODULES = sorted(SOURCES.rglob("*.py"))
 
 
-@pytest.mark.parametrize("source", ["from .. import options", "from ..options import AUTO",
-                                    "import dion3_megatron.options", "from dion3_megatron import options",
-                                    "import torch.distributed as dist", "from torch import distributed",
-                                    "from torch.distributed import all_reduce",
-                                    "def f():\n    import torch.distributed\n",
-                                    "def f():\n    from ..options import AUTO\n"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from .. import options",
+        "from ..options import AUTO",
+        "import dion3_megatron.options",
+        "from dion3_megatron import options",
+        "import torch.distributed as dist",
+        "from torch import distributed",
+        "from torch.distributed import all_reduce",
+        "def f():\n    import torch.distributed\n",
+        "def f():\n    from ..options import AUTO\n",
+    ],
+)
 def test_the_check_finds_each_spelling(source):
     assert violations(source, "dion3_megatron.core.rule")
 
 
 def test_the_check_lets_allowed_imports_pass():
-    assert not violations("import torch\nfrom ..kernels import rows\nfrom .ortho import orthogonalize\n"
-                          "from . import options_of_the_math\nimport dion3_megatron.kernels.config",
-                          "dion3_megatron.core.rule")
+    assert not violations(
+        "import torch\nfrom ..kernels import rows\nfrom .ortho import orthogonalize\n"
+        "from . import options_of_the_math\nimport dion3_megatron.kernels.config",
+        "dion3_megatron.core.rule",
+    )
     assert not violations("from .. import options\nfrom ..engine import plan", "dion3_megatron.frontend.groups")
 
 
-@pytest.mark.parametrize("module, source, edge", [
-    ("dion3_megatron.engine.fractions", "from ..options import NS_DTYPES", "options"),
-    ("dion3_megatron.kernels.dispatch", "def f():\n    from ..core import ortho\n", "core"),
-    ("dion3_megatron.megatron.optimizer", "from ..deepspeed import config", "deepspeed"),
-    ("dion3_megatron.core.rule", "import dion3_megatron", "__init__"),
-    ("dion3_megatron.options", "from . import Dion3", "__init__"),
-    ("dion3_megatron.engine.plan", 'HOOK = "dion3_megatron.megatron.registry:dion3_entry"', "megatron"),
-])
+@pytest.mark.parametrize(
+    "module, source, edge",
+    [
+        ("dion3_megatron.engine.fractions", "from ..options import NS_DTYPES", "options"),
+        ("dion3_megatron.kernels.dispatch", "def f():\n    from ..core import ortho\n", "core"),
+        ("dion3_megatron.megatron.optimizer", "from ..deepspeed import config", "deepspeed"),
+        ("dion3_megatron.core.rule", "import dion3_megatron", "__init__"),
+        ("dion3_megatron.options", "from . import Dion3", "__init__"),
+        ("dion3_megatron.engine.plan", 'HOOK = "dion3_megatron.megatron.registry:dion3_entry"', "megatron"),
+    ],
+)
 def test_a_forbidden_edge_is_caught(module, source, edge):
     assert violations(source, module) == {edge}
 

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from dion3_megatron import Dion3, options
-from dion3_megatron.frontend.lifecycle import (RECORD, Dion3FrontEnd, StepRefused, decide_step, read_records,
-                                               without_records, write_records)
+from dion3_megatron.frontend.lifecycle import RECORD, Dion3FrontEnd, StepRefused, decide_step, read_records, without_records, write_records
 from support.dist_utils import run_distributed
 
 CPU = torch.device("cpu")
@@ -33,7 +32,7 @@ def _gradients(generator: torch.Generator, bad: float = 0.0) -> list[torch.Tenso
 def test_decide_step_alone_steps_skips_and_raises_the_checks_error(generator, collective):
     assert decide_step(lambda: _gradients(generator), CPU, collective=collective) is True
     assert decide_step(lambda: [], CPU, collective=collective) is True  # no gradient: nothing to gate
-    for bad in (float("nan"), float("inf"), -2.0**64):
+    for bad in (float("nan"), float("inf"), -(2.0**64)):
         assert decide_step(lambda b=bad: _gradients(generator, b), CPU, collective=collective) is False, bad
     with pytest.raises(ValueError, match="^w: refused here$"):
         decide_step(_refuse, CPU, collective=collective)
@@ -42,11 +41,13 @@ def test_decide_step_alone_steps_skips_and_raises_the_checks_error(generator, co
 def _decisions(rank: int, world: int) -> dict[str, Any]:
     """Each case's outcome on this rank: True/False, or the error's type and message."""
     generator = torch.Generator().manual_seed(10 + rank)
-    cases = {"fine": lambda: _gradients(generator),
-             "non-finite on rank 1": lambda: _gradients(generator, float("nan") if rank == 1 else 0.0),
-             "refused on rank 1": _refuse if rank == 1 else lambda: _gradients(generator),
-             "refused on rank 1, non-finite on rank 0": _refuse if rank == 1 else lambda: _gradients(generator, 2.0**64),
-             "refused on every rank": _refuse}
+    cases = {
+        "fine": lambda: _gradients(generator),
+        "non-finite on rank 1": lambda: _gradients(generator, float("nan") if rank == 1 else 0.0),
+        "refused on rank 1": _refuse if rank == 1 else lambda: _gradients(generator),
+        "refused on rank 1, non-finite on rank 0": _refuse if rank == 1 else lambda: _gradients(generator, 2.0**64),
+        "refused on every rank": _refuse,
+    }
     outcomes: dict[str, Any] = {}
     for name, check in cases.items():
         try:
@@ -68,8 +69,7 @@ def test_decide_step_is_agreed_by_every_rank():
 
 
 def _state_dict(records: list) -> dict[str, Any]:
-    return {"state": {}, "param_groups": [{"params": [0], "lr": 0.1, **({RECORD: r} if r is not None else {})}
-                                          for r in records]}
+    return {"state": {}, "param_groups": [{"params": [0], "lr": 0.1, **({RECORD: r} if r is not None else {})} for r in records]}
 
 
 def test_records_written_are_read_back_per_group():
@@ -82,12 +82,15 @@ def test_records_written_are_read_back_per_group():
         write_records(sd, [{}, {}])
 
 
-@pytest.mark.parametrize("record, message", [
-    ({"a": 0.3}, r"^resume: param group 1: 'a' has fraction 0.3, not one of \(1.0, 0.5, 0.25, 0.125\)$"),
-    ({"a": "auto"}, r"^resume: param group 1: 'a' has fraction 'auto'"),
-    ({3: 0.5}, r"^resume: param group 1: 3 has fraction 0.5"),
-    ([("a", 0.5)], r"^resume: param group 1: 'fractions' must map matrix names to f, got \[\('a', 0.5\)\]$"),
-])
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"a": 0.3}, r"^resume: param group 1: 'a' has fraction 0.3, not one of \(1.0, 0.5, 0.25, 0.125\)$"),
+        ({"a": "auto"}, r"^resume: param group 1: 'a' has fraction 'auto'"),
+        ({3: 0.5}, r"^resume: param group 1: 3 has fraction 0.5"),
+        ([("a", 0.5)], r"^resume: param group 1: 'fractions' must map matrix names to f, got \[\('a', 0.5\)\]$"),
+    ],
+)
 def test_a_record_that_is_not_names_to_offered_fractions_is_refused_naming_group_name_and_value(record, message):
     with pytest.raises(ValueError, match=message):
         read_records(_state_dict([{"b": 1.0}, record]), where="resume")

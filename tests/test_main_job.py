@@ -18,15 +18,36 @@ pytest.importorskip("megatron.core")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt.py")
-TINY = ["--device", "cpu", "--nproc", "2", "--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128",
-        "--seq-length", "32", "--global-batch", "8", "--steps", "12", "--eval-batches", "2",
-        "--max-tokens", "200000", "--no-progress"]
+TINY = [
+    "--device",
+    "cpu",
+    "--nproc",
+    "2",
+    "--layers",
+    "2",
+    "--hidden",
+    "64",
+    "--heads",
+    "4",
+    "--ffn",
+    "128",
+    "--seq-length",
+    "32",
+    "--global-batch",
+    "8",
+    "--steps",
+    "12",
+    "--eval-batches",
+    "2",
+    "--max-tokens",
+    "200000",
+    "--no-progress",
+]
 
 
 def run_job(args, cwd, timeout=120):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, SCRIPT, *TINY, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run([sys.executable, SCRIPT, *TINY, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
 
@@ -75,9 +96,15 @@ def test_compare_dp2_stdlib_corpus(tmp_path):
         speedup = muon["optimizer_ms"] / dion3["optimizer_ms"]
         assert dion3["speedup_vs_muon"] == pytest.approx(speedup, abs=1e-3) and muon["speedup_vs_muon"] == 1
         assert verdict.startswith("Dion3 f=auto: ")
-        expected = [(dion3["final_val_loss"], 5e-4), (muon["final_val_loss"], 5e-4),
-                    (dion3["final_val_loss"] - muon["final_val_loss"], 1e-3), (adam["final_val_loss"], 5e-4),
-                    (max(speedup, 1 / speedup), 0.05), (dion3["optimizer_ms"], 5e-3), (muon["optimizer_ms"], 5e-3)]
+        expected = [
+            (dion3["final_val_loss"], 5e-4),
+            (muon["final_val_loss"], 5e-4),
+            (dion3["final_val_loss"] - muon["final_val_loss"], 1e-3),
+            (adam["final_val_loss"], 5e-4),
+            (max(speedup, 1 / speedup), 0.05),
+            (dion3["optimizer_ms"], 5e-3),
+            (muon["optimizer_ms"], 5e-3),
+        ]
         assert len(numbers(verdict)) == len(expected)
         for got, (want, tolerance) in zip(numbers(verdict), expected):
             assert got == pytest.approx(want, abs=tolerance + 1e-9), verdict
@@ -98,13 +125,11 @@ def test_tp2_indexed_dataset(tmp_path):
         doc = torch.empty(100, dtype=torch.long)
         doc[0] = torch.randint(0, 300, (1,), generator=gen)
         for i in range(1, 100):
-            doc[i] = successor[doc[i - 1]] if torch.rand(1, generator=gen) < 0.8 else torch.randint(0, 300, (1,),
-                                                                                                   generator=gen)
+            doc[i] = successor[doc[i - 1]] if torch.rand(1, generator=gen) < 0.8 else torch.randint(0, 300, (1,), generator=gen)
         builder.add_item(doc)
         builder.end_document()
     builder.finalize(prefix + ".idx")
-    out = run_job(["--tp", "2", "--query-groups", "4", "--data-path", prefix, "--lr", "0.03",
-                   "--dion3-fraction", "auto"], cwd=tmp_path)
+    out = run_job(["--tp", "2", "--query-groups", "4", "--data-path", prefix, "--lr", "0.03", "--dion3-fraction", "auto"], cwd=tmp_path)
     assert "Megatron indexed dataset" in out and "vocab 300" in out and "TP=2 DP=1" in out
     # Said once, by the job (not the library's log line too); 64-row matrices: below the floor, f = 1.
     assert out.count("auto chose") == 1 and "Dion3: fraction=auto chose f=1 on every matrix (rows x cols: 64x64" in out
@@ -144,10 +169,21 @@ def test_the_model_is_the_same_at_every_tp():
 
 def fake_run(name: str, label: str, val: float, ms: float, steps: int = 100) -> dict:
     losses = [5.5 - 3 * (1 - math.exp(-i / 10)) for i in range(steps)]  # 5.5 falling to ~2.5
-    return dict(optimizer=name, label=label, mode="layer-wise ZeRO-1", train_loss=losses,
-                train_time=[0.1 * (i + 1) for i in range(steps)], val_loss=[(steps // 2, val + 0.2), (steps, val)],
-                final_train_loss=losses[-1], final_train_steps=steps // 10, final_val_loss=val, optimizer_ms=ms,
-                optimizer_ms_from_step=6, train_seconds=1.0, tokens_per_s=10.0)
+    return dict(
+        optimizer=name,
+        label=label,
+        mode="layer-wise ZeRO-1",
+        train_loss=losses,
+        train_time=[0.1 * (i + 1) for i in range(steps)],
+        val_loss=[(steps // 2, val + 0.2), (steps, val)],
+        final_train_loss=losses[-1],
+        final_train_steps=steps // 10,
+        final_val_loss=val,
+        optimizer_ms=ms,
+        optimizer_ms_from_step=6,
+        train_seconds=1.0,
+        tokens_per_s=10.0,
+    )
 
 
 META = dict(model="GPT", data="d", device="cpu", tp=1, dp=2, steps=100, global_batch=8, dion3_fraction=0.25)
@@ -159,12 +195,13 @@ def test_compare_reports_skipped_muon(tmp_path, monkeypatch, capsys):
     why = job.muon_unavailable()
     assert why and "emerging-optimizers" in why
     args = argparse.Namespace(compare=True, out_dir=str(tmp_path), optimizers=["dion3", "adam", "muon"])
-    job.report(args, [fake_run("dion3", "Dion3", 3.1, 2.0), fake_run("adam", "AdamW", 3.3, 1.0)], {"muon": why},
-               META)
+    job.report(args, [fake_run("dion3", "Dion3", 3.1, 2.0), fake_run("adam", "AdamW", 3.3, 1.0)], {"muon": why}, META)
     out = capsys.readouterr().out
     assert "| Muon" in out and "skipped" in out and f"Muon was skipped: {why}" in out
-    assert ("verdict: Dion3 f=0.25: validation loss 3.100, AdamW 3.300; Muon skipped, so no step-time comparison; "
-            "Dion3 optimizer step 2.00 ms (layer-wise ZeRO-1)") in out
+    assert (
+        "verdict: Dion3 f=0.25: validation loss 3.100, AdamW 3.300; Muon skipped, so no step-time comparison; "
+        "Dion3 optimizer step 2.00 ms (layer-wise ZeRO-1)"
+    ) in out
     saved = json.loads((tmp_path / "compare.json").read_text())
     assert saved["skipped"] == {"muon": why} and (tmp_path / "compare.png").exists()
     assert f"wrote {tmp_path / 'compare.json'} and {tmp_path / 'compare.png'}" in out
@@ -176,8 +213,10 @@ def test_verdict_and_plot(tmp_path):
     dion3, muon = fake_run("dion3", "Dion3", 3.25, 8.0), fake_run("muon", "Muon", 3.2, 2.0)
     muon["mode"] = "DDP"
     line = cr.verdict([dion3, muon], {}, 0.25)  # slower and behind: said so, both layouts named
-    assert line == ("Dion3 f=0.25: validation loss 3.250 vs Muon 3.200 (+0.050); optimizer step 4.0x slower "
-                    "than Muon (8.00 vs 2.00 ms, Dion3 layer-wise ZeRO-1, Muon DDP)")
+    assert line == (
+        "Dion3 f=0.25: validation loss 3.250 vs Muon 3.200 (+0.050); optimizer step 4.0x slower "
+        "than Muon (8.00 vs 2.00 ms, Dion3 layer-wise ZeRO-1, Muon DDP)"
+    )
     assert "4.00x slower" in cr.table([dion3, muon], {}) and cr.output_stem(False, ["dion3", "adam"]) == "dion3+adam"
     fig = cr.plot_figure([dion3, muon], META)
     by_step, by_time = fig.axes[:2]
@@ -201,8 +240,20 @@ def test_help_gives_every_flag_a_text_and_its_default_once(capsys):
             helps[current] = text.strip()
         elif line.startswith("    ") and helps:  # the help, continued
             helps[current] = f"{helps[current]} {line.strip()}".strip()
-    assert {"--layers", "--hidden", "--heads", "--ffn", "--seq-length", "--global-batch", "--steps", "--seed",
-            "--weight-decay", "--clip-grad", "--lr", "--dion3-fraction"} <= set(helps)
+    assert {
+        "--layers",
+        "--hidden",
+        "--heads",
+        "--ffn",
+        "--seq-length",
+        "--global-batch",
+        "--steps",
+        "--seed",
+        "--weight-decay",
+        "--clip-grad",
+        "--lr",
+        "--dion3-fraction",
+    } <= set(helps)
     for flag, text in helps.items():
         assert text, f"{flag} has no help"
         assert text.count("(default") <= 1, f"{flag}: {text}"
@@ -210,22 +261,28 @@ def test_help_gives_every_flag_a_text_and_its_default_once(capsys):
     assert helps["--lr"].endswith("(default: the library's, 0.01)")
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--steps", "0"], "--steps must be at least 1, got 0"),
-    (["--tp", "3"], "--tp 3 must divide the number of processes, 2"),
-    (["--heads", "3", "--tp", "2"], "--tp 2 must divide --heads 3"),
-    (["--tp", "2"], "--tp 2 must divide the query groups, 1 (--heads 4 / 4): give --query-groups 2 (a multiple of "
-                    "--tp 2 that divides --heads 4), also at TP=1 for the same model"),
-    (["--heads", "8", "--query-groups", "3"], "--query-groups 3 must divide --heads 8"),
-    (["--global-batch", "3"], "--global-batch 3 must divide by the data-parallel size 2"),
-    (["--lr", "-1"], "argument --lr: lr must be a finite number >= 0.0, got -1.0"),
-    (["--weight-decay", "nan"], "argument --weight-decay: weight_decay must be a finite number >= 0.0, got nan"),
-    (["--adam-lr", "-0.1"], "--adam-lr must be a finite number >= 0, got -0.1"),
-    (["--dion3-fraction", "0"], "argument --dion3-fraction: fraction must be in (0.0, 1.0], got 0.0"),
-    (["--dion3-fraction", "half"], "argument --dion3-fraction: fraction must be a number, got 'half'"),
-    (["--text-file", "/no/such/file"], "--text-file /no/such/file: no such file"),
-    (["--data-path", "/no/such/prefix"], "--data-path /no/such/prefix: no /no/such/prefix.bin or /no/such/prefix.idx"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--steps", "0"], "--steps must be at least 1, got 0"),
+        (["--tp", "3"], "--tp 3 must divide the number of processes, 2"),
+        (["--heads", "3", "--tp", "2"], "--tp 2 must divide --heads 3"),
+        (
+            ["--tp", "2"],
+            "--tp 2 must divide the query groups, 1 (--heads 4 / 4): give --query-groups 2 (a multiple of "
+            "--tp 2 that divides --heads 4), also at TP=1 for the same model",
+        ),
+        (["--heads", "8", "--query-groups", "3"], "--query-groups 3 must divide --heads 8"),
+        (["--global-batch", "3"], "--global-batch 3 must divide by the data-parallel size 2"),
+        (["--lr", "-1"], "argument --lr: lr must be a finite number >= 0.0, got -1.0"),
+        (["--weight-decay", "nan"], "argument --weight-decay: weight_decay must be a finite number >= 0.0, got nan"),
+        (["--adam-lr", "-0.1"], "--adam-lr must be a finite number >= 0, got -0.1"),
+        (["--dion3-fraction", "0"], "argument --dion3-fraction: fraction must be in (0.0, 1.0], got 0.0"),
+        (["--dion3-fraction", "half"], "argument --dion3-fraction: fraction must be a number, got 'half'"),
+        (["--text-file", "/no/such/file"], "--text-file /no/such/file: no such file"),
+        (["--data-path", "/no/such/prefix"], "--data-path /no/such/prefix: no /no/such/prefix.bin or /no/such/prefix.idx"),
+    ],
+)
 def test_bad_arguments_get_one_line_before_any_worker_starts(argv, words, monkeypatch, capsys):
     job = load_job()
     for name in ("RANK", "WORLD_SIZE"):

@@ -64,8 +64,9 @@ DEFAULT_STALENESS = options.BY_NAME["staleness"].default
 HP = dict(lr=0.02, mu=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, ns_dtype=torch.float32)
 
 
-def sharded_worker(rank, world, kind, shapes, fraction, seed, staleness=DEFAULT_STALENESS, steps=STEPS, mu=HP["mu"],
-                   ns_dtype=HP["ns_dtype"]):
+def sharded_worker(
+    rank, world, kind, shapes, fraction, seed, staleness=DEFAULT_STALENESS, steps=STEPS, mu=HP["mu"], ns_dtype=HP["ns_dtype"]
+):
     weights, grads = matrices_and_grads(shapes, seed, steps)
     hp = options.hyperparameters(fraction=fraction, staleness=staleness, **dict(HP, mu=mu, ns_dtype=ns_dtype))
     group = dist.new_group(list(range(world)))
@@ -102,8 +103,7 @@ def reassemble(pieces_per_rank, kind, shapes, world):
     return out
 
 
-def single_process(shapes, fraction, seed, staleness=DEFAULT_STALENESS, steps=STEPS, mu=HP["mu"],
-                   ns_dtype=HP["ns_dtype"]):
+def single_process(shapes, fraction, seed, staleness=DEFAULT_STALENESS, steps=STEPS, mu=HP["mu"], ns_dtype=HP["ns_dtype"]):
     weights, grads = matrices_and_grads(shapes, seed, steps)
     params = [torch.nn.Parameter(w) for w in weights]
     opt = Dion3(params, fraction=fraction, staleness=staleness, **dict(HP, mu=mu, ns_dtype=ns_dtype))
@@ -126,9 +126,20 @@ SHAPES = [(24, 40)] * 5 + [(40, 24)] * 2
     "world,kind,fraction",
     # Column blocks take the static exchange; row blocks on 2 ranks while f * world <= 1, else the
     # host-planned one (rows 1.0, world 4).
-    [(2, "rows", 0.25), (2, "rowscols", 0.25), (2, "cols", 1.0), (2, "cols", 0.25), (2, "flat", 0.25), (4, "mixed", 0.25),
-     (4, "flat", 1.0), (4, "rows", 0.25), (4, "cols", 0.25), (2, "rows", 1.0), (4, "rowscols", 0.5),
-     (4, "block_flat", 0.25)],
+    [
+        (2, "rows", 0.25),
+        (2, "rowscols", 0.25),
+        (2, "cols", 1.0),
+        (2, "cols", 0.25),
+        (2, "flat", 0.25),
+        (4, "mixed", 0.25),
+        (4, "flat", 1.0),
+        (4, "rows", 0.25),
+        (4, "cols", 0.25),
+        (2, "rows", 1.0),
+        (4, "rowscols", 0.5),
+        (4, "block_flat", 0.25),
+    ],
 )
 @pytest.mark.slow
 def test_sharded_step_equals_single_process(world, kind, fraction):
@@ -146,8 +157,16 @@ STALE_STEPS = 8  # several expected periods (1 / f = 4 steps): rows come back be
     "world,kind,fraction",
     # every sharding kind, with each exchange: static (rows and cols on 2 ranks at f x world <= 1),
     # planned (rows on 4 ranks, rowscols at f = 0.5 on 4), general (flat, block_flat, mixed)
-    [(2, "rows", 0.25), (4, "rows", 0.25), (2, "cols", 0.25), (2, "rowscols", 0.25), (4, "rowscols", 0.5),
-     (2, "flat", 0.25), (4, "block_flat", 0.25), (4, "mixed", 0.25)],
+    [
+        (2, "rows", 0.25),
+        (4, "rows", 0.25),
+        (2, "cols", 0.25),
+        (2, "rowscols", 0.25),
+        (4, "rowscols", 0.5),
+        (2, "flat", 0.25),
+        (4, "block_flat", 0.25),
+        (4, "mixed", 0.25),
+    ],
 )
 @pytest.mark.slow
 def test_sharded_step_with_staleness_equals_single_process(world, kind, fraction):
@@ -183,8 +202,7 @@ def test_sharded_step_with_half_precision_newton_schulz_equals_single_process(wo
     """bf16 Newton-Schulz hands its result on in bf16 (no fp32 copy): every exchange must take it
     as the single process does (on GPUs this is the default's path; on the CPU only when asked)."""
     seed = torch.seed() % 2**31
-    pieces = run_distributed(sharded_worker, world, kind, SHAPES, fraction, seed, DEFAULT_STALENESS, STEPS, HP["mu"],
-                             torch.bfloat16)
+    pieces = run_distributed(sharded_worker, world, kind, SHAPES, fraction, seed, DEFAULT_STALENESS, STEPS, HP["mu"], torch.bfloat16)
     got = reassemble(pieces, kind, SHAPES, world)
     expected = single_process(SHAPES, fraction, seed, ns_dtype=torch.bfloat16)
     assert max_relative_error(got, expected) <= 1e-5, f"seed={seed}"
@@ -218,8 +236,10 @@ def test_unsharded_matrices_never_wait_for_the_host_and_keep_per_matrix_settings
     seed = torch.seed() % 2**31
     weights, grads = matrices_and_grads(SHAPES, seed)
     settings = [dict(HP, mu=0.9 - 0.05 * (j % 3), lr=0.02 * (1 + j % 2)) for j in range(len(SHAPES))]
-    shards = [MatrixShard(f"m{j}", w.clone(), None, w.shape, Sharding.full(), None,
-                          options.hyperparameters(fraction=0.25, **settings[j])) for j, w in enumerate(weights)]
+    shards = [
+        MatrixShard(f"m{j}", w.clone(), None, w.shape, Sharding.full(), None, options.hyperparameters(fraction=0.25, **settings[j]))
+        for j, w in enumerate(weights)
+    ]
     engine = Dion3Engine(shards)
     copies_to_host = []
     original_cpu = torch.Tensor.cpu
@@ -267,8 +287,11 @@ def test_tensor_parallel_blocks_exchange_without_the_host_while_f_times_world_fi
     got = reassemble([weights for weights, _ in results], kind, SHAPES, 2)
     weights, grads = matrices_and_grads(SHAPES, seed)
     params = [torch.nn.Parameter(w.clone()) for w in weights]
-    opt = Dion3([{"params": [p], "mu": 0.9 - 0.05 * (j % 3), "lr": 0.02 * (1 + j % 2)} for j, p in enumerate(params)],
-                fraction=fraction, **{k: v for k, v in HP.items() if k not in ("mu", "lr")})
+    opt = Dion3(
+        [{"params": [p], "mu": 0.9 - 0.05 * (j % 3), "lr": 0.02 * (1 + j % 2)} for j, p in enumerate(params)],
+        fraction=fraction,
+        **{k: v for k, v in HP.items() if k not in ("mu", "lr")},
+    )
     for step in range(STEPS):
         for p, g in zip(params, grads[step]):
             p.grad = g
@@ -278,8 +301,17 @@ def test_tensor_parallel_blocks_exchange_without_the_host_while_f_times_world_fi
 
 def counting_worker(rank, world, layers, fraction):
     counts = {"all_reduce": 0, "all_to_all_single": 0, "other": 0}
-    for name in ("all_reduce", "all_to_all_single", "all_gather", "broadcast", "all_to_all", "reduce_scatter_tensor",
-                 "all_gather_into_tensor", "send", "recv"):
+    for name in (
+        "all_reduce",
+        "all_to_all_single",
+        "all_gather",
+        "broadcast",
+        "all_to_all",
+        "reduce_scatter_tensor",
+        "all_gather_into_tensor",
+        "send",
+        "recv",
+    ):
         original = getattr(dist, name)
 
         def counted(*args, _name=name, _original=original, **kwargs):
@@ -291,16 +323,14 @@ def counting_worker(rank, world, layers, fraction):
     hp = options.hyperparameters(fraction=fraction, **HP)
     hidden = 32
     # Q, K, V split on rows and the projection on columns share one shape; then fc1 and fc2.
-    layer = [((hidden, hidden), "rows")] * 3 + [((hidden, hidden), "cols"), ((4 * hidden, hidden), "rows"),
-                                                ((hidden, 4 * hidden), "cols")]
+    layer = [((hidden, hidden), "rows")] * 3 + [((hidden, hidden), "cols"), ((4 * hidden, hidden), "rows"), ((hidden, 4 * hidden), "cols")]
     shards = []
     gen = torch.Generator().manual_seed(0)
     for i in range(layers):
         for t, (shape, kind) in enumerate(layer):
             sharding = make_sharding(kind, *shape, world, 0)
             piece = local_piece(torch.randn(shape, generator=gen), sharding, rank)
-            shards.append(MatrixShard(f"layer{i}.{t}", piece, torch.randn(piece.shape, generator=gen), shape, sharding,
-                                      group, hp))
+            shards.append(MatrixShard(f"layer{i}.{t}", piece, torch.randn(piece.shape, generator=gen), shape, sharding, group, hp))
     engine = Dion3Engine(shards)
     for key in counts:
         counts[key] = 0
@@ -342,8 +372,7 @@ def mismatch_worker(rank, world):
     group = dist.new_group(list(range(world)))
     hp = options.hyperparameters()
     names = ["a", "b"] if rank == 0 else ["a", "c"]
-    shards = [MatrixShard(n, torch.randn(4, 8), torch.randn(4, 8), (8, 8), Sharding.even_rows(8, 2), group, hp)
-              for n in names]
+    shards = [MatrixShard(n, torch.randn(4, 8), torch.randn(4, 8), (8, 8), Sharding.even_rows(8, 2), group, hp) for n in names]
     return engine_error(shards)
 
 
@@ -372,11 +401,16 @@ def one_sided_worker(rank, world, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case, words", [
-    ("missing", ["plans differ across the ranks [0, 1]", "rank 1 passes no matrix split over them, rank 0 does",
-                 "'a (8, 8) rows[0, 4, 8]"]),
-    ("lr", ["plans differ across the ranks [0, 1]", "lr=0.01", "lr=0.02"]),
-])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        (
+            "missing",
+            ["plans differ across the ranks [0, 1]", "rank 1 passes no matrix split over them, rank 0 does", "'a (8, 8) rows[0, 4, 8]"],
+        ),
+        ("lr", ["plans differ across the ranks [0, 1]", "lr=0.01", "lr=0.02"]),
+    ],
+)
 @pytest.mark.slow
 def test_a_plan_that_differs_across_a_group_raises_on_every_rank_quickly(case, words):
     # A rank without a matrix split over the group used to skip the check and hang the others; a

@@ -33,8 +33,7 @@ def test_resumed_run_is_checked_against_the_uninterrupted_one(tmp_path):
     (tmp_path / "dion3.log").write_text("\n".join(full))
     (tmp_path / "dion3_resumed.log").write_text("\n".join(full[start:]))
     runs = [summarize.parse(p.stem, p.read_text()) for p in sorted(tmp_path.glob("*.log"))]
-    assert summarize.resume_verdicts(runs) == [
-        "dion3_resumed: iteration 30 lm loss 5.436796E-01 vs 5.436796E-01 uninterrupted: identical"]
+    assert summarize.resume_verdicts(runs) == ["dion3_resumed: iteration 30 lm loss 5.436796E-01 vs 5.436796E-01 uninterrupted: identical"]
     (tmp_path / "dion3_resumed.log").write_text("\n".join(full[start:]).replace("5.436796E-01", "5.436797E-01"))
     runs = [summarize.parse(p.stem, p.read_text()) for p in sorted(tmp_path.glob("*.log"))]
     assert summarize.resume_verdicts(runs)[0].endswith("DIFFERENT")
@@ -51,7 +50,8 @@ def test_a_run_resumed_at_another_tensor_parallel_size_is_given_its_relative_dif
     assert [r.tensor_parallel for r in runs] == [1, 2]
     assert summarize.resume_verdicts(runs) == [
         "dion3_resumed: iteration 30 lm loss 5.437340E-01 vs 5.436796E-01 uninterrupted, resumed at TP=2 from TP=1: "
-        "relative difference 1.0e-04 (another layout sums in another order)"]
+        "relative difference 1.0e-04 (another layout sums in another order)"
+    ]
 
 
 def run_script(tmp_path, env: dict):
@@ -59,14 +59,20 @@ def run_script(tmp_path, env: dict):
 
 
 @needs_bash
-@pytest.mark.parametrize("env, message", [
-    ({"SIZE": "7b"}, "SIZE must be 202m, 350m or 1.3b, got 7b"),
-    ({"OPTS": "dion3 lion"}, "OPTS: unknown optimizer lion"),
-    ({"GPUS": "2", "TP": "3"}, "TP and RESUME_TP must divide GPUS (2), got TP=3 RESUME_TP=3"),
-    ({"GPUS": "2", "RESUME_TP": "2"}, "RESUME_TP=2 needs RESUME=1"),
-    ({"GPUS": "2", "TP": "2", "RESUME": "1", "RESUME_TP": "1"},
-     "RESUME_TP=1: its data-parallel size 2 does not divide the saved run's 1"),
-], ids=["size", "opts", "tp", "resume-tp-alone", "resume-dp-too-large"])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"SIZE": "7b"}, "SIZE must be 202m, 350m or 1.3b, got 7b"),
+        ({"OPTS": "dion3 lion"}, "OPTS: unknown optimizer lion"),
+        ({"GPUS": "2", "TP": "3"}, "TP and RESUME_TP must divide GPUS (2), got TP=3 RESUME_TP=3"),
+        ({"GPUS": "2", "RESUME_TP": "2"}, "RESUME_TP=2 needs RESUME=1"),
+        (
+            {"GPUS": "2", "TP": "2", "RESUME": "1", "RESUME_TP": "1"},
+            "RESUME_TP=1: its data-parallel size 2 does not divide the saved run's 1",
+        ),
+    ],
+    ids=["size", "opts", "tp", "resume-tp-alone", "resume-dp-too-large"],
+)
 def test_script_refuses_bad_settings_before_running_anything(tmp_path, env, message):
     out = run_script(tmp_path, env)
     assert out.returncode == 2 and message in out.stderr, (out.returncode, out.stderr)

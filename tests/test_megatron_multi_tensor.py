@@ -19,8 +19,7 @@ from dion3_megatron.megatron import multi_tensor  # noqa: E402
 
 def _tensors(generator, dtype=torch.float32):
     shapes = [(37, 5), (128,), (3, 4, 5), (1,), (64, 64)]
-    return [torch.randn(*s, generator=generator).to(dtype) * 10 ** torch.randint(-3, 3, (1,), generator=generator).item()
-            for s in shapes]
+    return [torch.randn(*s, generator=generator).to(dtype) * 10 ** torch.randint(-3, 3, (1,), generator=generator).item() for s in shapes]
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

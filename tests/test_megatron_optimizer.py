@@ -18,8 +18,11 @@ def _params(generator):
     qkv.is_qkv, qkv.qkv_split_shapes = True, SPLIT
     fc1 = torch.nn.Parameter(torch.randn(10, COLS, generator=generator))
     proj = torch.nn.Parameter(torch.randn(COLS, 7, generator=generator))
-    names = {qkv: "layers.0.self_attention.linear_qkv.weight", fc1: "layers.0.mlp.linear_fc1.weight",
-             proj: "layers.0.self_attention.linear_proj.weight"}
+    names = {
+        qkv: "layers.0.self_attention.linear_qkv.weight",
+        fc1: "layers.0.mlp.linear_fc1.weight",
+        proj: "layers.0.self_attention.linear_proj.weight",
+    }
     return [qkv, fc1, proj], names
 
 
@@ -62,7 +65,10 @@ def test_describe_param_finds_q_k_v_and_gate_up(generator):
     params, names = _params(generator)
     qkv = describe_param(names[params[0]], params[0])
     assert [(p.suffix, p.start, p.stop, p.full_shape) for p in qkv.matrices] == [
-        ("q", 0, 8, (8, COLS)), ("k", 8, 12, (4, COLS)), ("v", 12, 16, (4, COLS))]
+        ("q", 0, 8, (8, COLS)),
+        ("k", 8, 12, (4, COLS)),
+        ("v", 12, 16, (4, COLS)),
+    ]
     # Working row i is local row perm[i]: Q of group 0, Q of group 1, K ..., V ...
     assert qkv.perm.tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
     fc1 = describe_param(names[params[1]], params[1], gated_linear_unit=True)
@@ -79,8 +85,7 @@ def _stepped_with_dion3(params, names, grads, switch_at=None):
     """(MegatronDion3, single-process Dion3 on the logical matrices (leaves)) stepped alike;
     staleness 1 from step ``switch_at`` on (None: never)."""
     leaves = {p: [t.clone() for t in _split(names[p], p.data)] for p in params}
-    ref = Dion3([t for p in params for t in leaves[p]], lr=0.05, weight_decay=0.1, fraction=0.5,
-                staleness=float(switch_at == 0))
+    ref = Dion3([t for p in params for t in leaves[p]], lr=0.05, weight_decay=0.1, fraction=0.5, staleness=float(switch_at == 0))
     opt = _megatron(params, names, staleness=float(switch_at == 0))
     for step, step_grads in enumerate(grads):
         if step == switch_at:
@@ -116,8 +121,7 @@ def test_state_dict_is_param_shaped_and_resumes_identically(generator, staleness
     sd = opt.state_dict()
     per_row = ["variance", "row_age"] if staleness else ["variance"]
     for index, p in enumerate(params):
-        assert {k: tuple(v.shape) for k, v in sd["state"][index].items()} == {
-            key: tuple(p.shape) for key in ["momentum", *per_row]}
+        assert {k: tuple(v.shape) for k, v in sd["state"][index].items()} == {key: tuple(p.shape) for key in ["momentum", *per_row]}
         for key in per_row:
             values = sd["state"][index][key]
             assert torch.equal(values, values[:, :1].expand_as(values))  # one value per row
@@ -265,8 +269,10 @@ def test_auto_fraction_choices_survive_a_resume_on_a_machine_of_another_speed(mo
     run(resumed, other, grads[2:])
     for name, p in params.items():
         assert torch.equal(p, resumed[name]), name
-    assert saved["param_groups"][0]["fractions"] == {"layers.0.mlp.linear_fc2.weight": 0.25,
-                                                     "layers.0.self_attention.linear_proj.weight": 0.125}
+    assert saved["param_groups"][0]["fractions"] == {
+        "layers.0.mlp.linear_fc2.weight": 0.25,
+        "layers.0.self_attention.linear_proj.weight": 0.125,
+    }
     assert other.state_dict()["param_groups"][0]["fractions"] == saved["param_groups"][0]["fractions"]
     assert set(saved) == {"state", "param_groups", "skipped_steps"}  # the record is the groups' alone
     bad = dict(saved, param_groups=[{**saved["param_groups"][0], "fractions": {"layers.0.mlp.linear_fc2.weight": 0.3}}])
@@ -344,14 +350,14 @@ def test_auto_weighs_the_share_of_the_model_s_matrices_this_rank_steps(monkeypat
     model.embedding.is_embedding_or_output_parameter = True
     shares = []
     choose = cost_model.choose_fraction
-    monkeypatch.setattr(cost_model, "choose_fraction",
-                        lambda *a, **kw: shares.append(a[7] if len(a) > 7 else kw.get("step_share", 1.0)) or choose(*a, **kw))
+    monkeypatch.setattr(
+        cost_model, "choose_fraction", lambda *a, **kw: shares.append(a[7] if len(a) > 7 else kw.get("step_share", 1.0)) or choose(*a, **kw)
+    )
     opt = MegatronDion3([{"params": [model.fc1, model.proj]}], lr=0.02, fraction="auto", model_chunks=[model])
     for p in (model.fc1, model.proj):
         p.grad = torch.randn(p.shape, generator=generator)
     opt.step()
     assert shares and set(shares) == {(64 * 32 + 32 * 32) / (64 * 32 + 32 * 64 + 32 * 32)}
-
 
 
 def test_step_returns_the_closure_s_loss(generator):

@@ -105,8 +105,12 @@ def _metadata() -> dict:
     fallback used without apex/TE: its param-group hyper-parameters come back mismatched.)"""
     from megatron.core import parallel_state as ps
 
-    return {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
-            "chained_optim_avoid_prefix": True, "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    return {
+        "distrib_optim_sharding_type": "dp_reshardable",
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+        "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
+    }
 
 
 def _save(chunks, opt, path):
@@ -175,12 +179,11 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
 
     dense_init, dense_final = reference()
     moe_init, moe_final = reference(num_experts=4)
-    _, bad_batch_skipped = reference(batches=data[:STEPS] + data[STEPS + 1:STEPS + 2])  # data[STEPS] is bad
+    _, bad_batch_skipped = reference(batches=data[:STEPS] + data[STEPS + 1 : STEPS + 2])  # data[STEPS] is bad
     _, stale_final = reference(staleness=1.0)
     _, plain_final = reference(staleness=0.0)  # plain top-k: what the ages must change
 
-    def parallel(tp=1, pp=1, ep=1, etp=None, num_experts=None, init=dense_init, final=dense_final, microbatches=1,
-                 **kw):
+    def parallel(tp=1, pp=1, ep=1, etp=None, num_experts=None, init=dense_init, final=dense_final, microbatches=1, **kw):
         ms.init_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
         cfg = ms.tiny_config(tp=tp, pp=pp, ep=ep, num_experts=num_experts, expert_tensor_parallel_size=etp)
         chunks, opt, sched = ms.make_parallel(cfg, init, **kw)
@@ -256,8 +259,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         out, chunks, opt, _ = parallel(tp=2)
         (dion3,) = _find_dion3(opt)
         out["pieces"] = sorted(s.name for shards in dion3._shards.values() for s in shards)
-        out["partitioned"] = sorted(s.name for shards in dion3._shards.values() for s in shards
-                                    if s.sharding.kind != "full")
+        out["partitioned"] = sorted(s.name for shards in dion3._shards.values() for s in shards if s.sharding.kind != "full")
         return out
 
     def pp():
@@ -330,8 +332,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         chunks, opt, sched = ms.make_parallel(cfg, dense_init, staleness=staleness)
         _load(chunks, opt, ckpt_dir)
         (dion3,) = _find_dion3(opt)
-        mine = {dion3.layout_of(p).name: [t.clone() for t in dion3._param_state(p)]
-                for g in dion3.param_groups for p in g["params"]}
+        mine = {dion3.layout_of(p).name: [t.clone() for t in dion3._param_state(p)] for g in dion3.param_groups for p in g["params"]}
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
         saved = {k: v for d in gathered for k, v in d.items()}
@@ -397,8 +398,12 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
             for b in data[STEPS:]:
                 ms.train_step(chunks, opt, sched, b)
             resumed = _full_state(chunks[0].module, cfg)
-            return {"chosen": chosen, "own": own, "loaded": loaded,
-                    "resume_max_diff": max((resumed[k] - straight[k]).abs().max().item() for k in straight)}
+            return {
+                "chosen": chosen,
+                "own": own,
+                "loaded": loaded,
+                "resume_max_diff": max((resumed[k] - straight[k]).abs().max().item() for k in straight),
+            }
         finally:
             fractions.measure, cost_model.MIN_SELECTED_ROWS, cost_model.TOKENS_PER_STEP = measure, min_rows, tokens
 
@@ -428,9 +433,13 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
             out = {"clean_decisions": len(decisions)}
             model = chunks[0].module
             if poison != "nan_loss" and rank == 1:  # poison one gradient right after its optimizer prepared it
-                leaf = (_adam_distopts(opt)[0] if poison == "adam_huge"
-                        else next(o for o in wrappers._below(opt)
-                                  if not hasattr(o, "chained_optimizers") and getattr(o, "optimizer", None) is dion3))
+                leaf = (
+                    _adam_distopts(opt)[0]
+                    if poison == "adam_huge"
+                    else next(
+                        o for o in wrappers._below(opt) if not hasattr(o, "chained_optimizers") and getattr(o, "optimizer", None) is dion3
+                    )
+                )
                 prepare = leaf.prepare_grads
 
                 def poisoned():
@@ -469,17 +478,29 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         finally:
             wrappers.decide_step = original
 
-    for name, fn in (("dp", dp), ("dp_plain", lambda: dp(layer_wise=False)), ("dp_overlap", dp_overlap), ("tp", tp),
-                     ("pp", pp), ("moe", moe), ("moe_etp", moe_etp), ("bf16", bf16), ("checkpoint", checkpoint),
-                     ("auto_resume", auto_resume),
-                     ("clip", clip_and_schedule), ("registry", registry),
-                     ("stale_dp", stale), ("stale_tp", lambda: stale(tp=2)),
-                     ("stale_checkpoint", lambda: checkpoint(1.0, ckpt_dir + "_stale")),
-                     ("nan_loss_dp", lambda: bad_step(checkpoint_to=ckpt_dir + "_skipped")),
-                     ("nan_loss_dp_bf16", lambda: bad_step(bf16=True)), ("nan_loss_tp", lambda: bad_step(tp=2)),
-                     ("nan_loss_tp_bf16", lambda: bad_step(tp=2, bf16=True)),
-                     ("adam_huge_dp", lambda: bad_step(poison="adam_huge")),
-                     ("dion3_nan_uncounted", lambda: bad_step(poison="dion3_nan", uncounted=True))):
+    for name, fn in (
+        ("dp", dp),
+        ("dp_plain", lambda: dp(layer_wise=False)),
+        ("dp_overlap", dp_overlap),
+        ("tp", tp),
+        ("pp", pp),
+        ("moe", moe),
+        ("moe_etp", moe_etp),
+        ("bf16", bf16),
+        ("checkpoint", checkpoint),
+        ("auto_resume", auto_resume),
+        ("clip", clip_and_schedule),
+        ("registry", registry),
+        ("stale_dp", stale),
+        ("stale_tp", lambda: stale(tp=2)),
+        ("stale_checkpoint", lambda: checkpoint(1.0, ckpt_dir + "_stale")),
+        ("nan_loss_dp", lambda: bad_step(checkpoint_to=ckpt_dir + "_skipped")),
+        ("nan_loss_dp_bf16", lambda: bad_step(bf16=True)),
+        ("nan_loss_tp", lambda: bad_step(tp=2)),
+        ("nan_loss_tp_bf16", lambda: bad_step(tp=2, bf16=True)),
+        ("adam_huge_dp", lambda: bad_step(poison="adam_huge")),
+        ("dion3_nan_uncounted", lambda: bad_step(poison="dion3_nan", uncounted=True)),
+    ):
         scenario(name, fn)
         dist.barrier()
     return results
@@ -536,8 +557,7 @@ def test_tp2_orthogonalizes_whole_logical_matrices(results):
     per_rank = _get(results, "tp")
     _check_against_reference(per_rank)
     pieces = per_rank[0]["pieces"]
-    for suffix in ("linear_qkv.weight.q", "linear_qkv.weight.k", "linear_qkv.weight.v",
-                   "linear_fc1.weight.gate", "linear_fc1.weight.up"):
+    for suffix in ("linear_qkv.weight.q", "linear_qkv.weight.k", "linear_qkv.weight.v", "linear_fc1.weight.gate", "linear_fc1.weight.up"):
         assert f"decoder.layers.0.self_attention.{suffix}" in pieces or f"decoder.layers.0.mlp.{suffix}" in pieces
     assert len(per_rank[0]["partitioned"]) == 14  # 2 layers x (q, k, v, proj, gate, up, fc2): all TP-split
 
@@ -622,8 +642,9 @@ def test_grad_clipping_and_lr_warmup_match_single_process(results):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["nan_loss_dp", "nan_loss_dp_bf16", "nan_loss_tp", "nan_loss_tp_bf16",
-                                    "adam_huge_dp", "dion3_nan_uncounted"])
+@pytest.mark.parametrize(
+    "layout", ["nan_loss_dp", "nan_loss_dp_bf16", "nan_loss_tp", "nan_loss_tp_bf16", "adam_huge_dp", "dion3_nan_uncounted"]
+)
 def test_a_bad_step_on_one_rank_is_skipped_whole_on_every_rank(results, layout):
     # As under loss scaling: step() returns (False, None, None), no optimizer of the chain (Dion3,
     # Megatron's Adam) changes a weight, a state tensor or a counter, the scheduler does not step,

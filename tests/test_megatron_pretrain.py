@@ -31,18 +31,74 @@ CPU = os.path.join(ROOT, "examples", "megatron_cpu.py")
 
 # A tiny GPT for 4 iterations; dropout off (on CPU the CUDA RNG tracker is the CPU generator, which
 # the data loader also draws from, so dropout masks would not survive a resume), constant lr.
-TINY = ["--optimizer", "dion3", "--use-distributed-optimizer",
-        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
-        "--num-query-groups", "2", "--ffn-hidden-size", "128", "--swiglu", "--disable-bias-linear",
-        "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
-        "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "128",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--lr", "0.01",
-        "--lr-decay-style", "constant", "--weight-decay", "0.01", "--clip-grad", "1.0",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--transformer-impl", "local",
-        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
-        "--no-rope-fusion", "--no-persist-layer-norm", "--num-workers", "0", "--log-interval", "1",
-        "--eval-iters", "0", "--eval-interval", "1000", "--save-interval", "2", "--ckpt-format", "torch_dist",
-        "--logging-level", "20"]
+TINY = [
+    "--optimizer",
+    "dion3",
+    "--use-distributed-optimizer",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--ffn-hidden-size",
+    "128",
+    "--swiglu",
+    "--disable-bias-linear",
+    "--normalization",
+    "RMSNorm",
+    "--position-embedding-type",
+    "rope",
+    "--untie-embeddings-and-output-weights",
+    "--seq-length",
+    "16",
+    "--max-position-embeddings",
+    "16",
+    "--vocab-size",
+    "128",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "4",
+    "--lr",
+    "0.01",
+    "--lr-decay-style",
+    "constant",
+    "--weight-decay",
+    "0.01",
+    "--clip-grad",
+    "1.0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--transformer-impl",
+    "local",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-rope-fusion",
+    "--no-persist-layer-norm",
+    "--num-workers",
+    "0",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000",
+    "--save-interval",
+    "2",
+    "--ckpt-format",
+    "torch_dist",
+    "--logging-level",
+    "20",
+]
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: (\S+) \|.*? grad norm: (\S+) \|")
 
 
@@ -50,9 +106,14 @@ def on_cpu(argv: list[str], nproc: int = 2, timeout: int = 300) -> str:
     """torchrun --standalone --nproc-per-node NPROC examples/megatron_cpu.py ARGV: its output."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), CPU, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), CPU, *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     return out
@@ -107,11 +168,23 @@ def assert_layer_wise_layout(log: str, buffers: list[tuple[int, int]], fraction:
 
 
 # MoE: 4 experts, top 2, expert parallel over both ranks (an expert data-parallel size of 1).
-MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
-       "--moe-token-dispatcher-type", "allgather", "--moe-ffn-hidden-size", "64",
-       "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0"]
-LAYOUTS = {"dp2": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"],
-           "ep2": MOE}
+MOE = [
+    "--num-experts",
+    "4",
+    "--expert-model-parallel-size",
+    "2",
+    "--moe-router-topk",
+    "2",
+    "--moe-token-dispatcher-type",
+    "allgather",
+    "--moe-ffn-hidden-size",
+    "64",
+    "--moe-router-load-balancing-type",
+    "none",
+    "--moe-aux-loss-coeff",
+    "0",
+]
+LAYOUTS = {"dp2": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"], "ep2": MOE}
 
 
 # buffers: the layer-wise buffers pretrain() logs, as (matrices, DP size). Dense: the two blocks'
@@ -119,10 +192,11 @@ LAYOUTS = {"dp2": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--p
 # rank's 2 experts' fc1 and fc2 in a buffer of their own. share: the range of the share of its
 # matrices "auto" logs that a rank steps; at EP=2 its own experts (2/3 of its matrices' elements)
 # and about half the rest.
-@pytest.mark.parametrize("layout,fraction,buffers,share", [("dp2", "0.5", [(8, 2)], None),
-                                                           ("tp2", "0.5", [(8, 1)], None),
-                                                           ("ep2", "auto", [(6, 2), (8, 1)], (0.75, 0.92))],
-                         ids=["dp2-0.5", "tp2-0.5", "ep2-auto"])
+@pytest.mark.parametrize(
+    "layout,fraction,buffers,share",
+    [("dp2", "0.5", [(8, 2)], None), ("tp2", "0.5", [(8, 1)], None), ("ep2", "auto", [(6, 2), (8, 1)], (0.75, 0.92))],
+    ids=["dp2-0.5", "tp2-0.5", "ep2-auto"],
+)
 def test_pretrain_dion3_layout_and_exact_resume(tmp_path, layout, fraction, buffers, share):
     """No --dion3-fraction is the default, "auto": the ranks choose f at the first step, by the
     share of the matrices whose forward and backward a rank computes that it steps, and the resumed
@@ -174,12 +248,43 @@ def test_readme_example_command_runs_on_cpu():
 # examples/megatron_lm_pretrain_gpt.py with the README's flags on 2 CPU ranks. DP=2 needs the global
 # batch to divide into micro-batches over both ranks: --micro-batch-size 4 --global-batch-size 8
 # (which also runs on one process, as 2 accumulated micro-batches).
-CPU_COMMAND = ["--optimizer", "dion3", "--use-distributed-optimizer", "--bf16", "--lr", "0.01",
-               "--decoupled-lr", "0.002", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
-               "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "4",
-               "--global-batch-size", "8", "--train-iters", "100", "--eval-interval", "50", "--eval-iters", "2",
-               "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-               "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-persist-layer-norm"]
+CPU_COMMAND = [
+    "--optimizer",
+    "dion3",
+    "--use-distributed-optimizer",
+    "--bf16",
+    "--lr",
+    "0.01",
+    "--decoupled-lr",
+    "0.002",
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "256",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "256",
+    "--max-position-embeddings",
+    "256",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "100",
+    "--eval-interval",
+    "50",
+    "--eval-iters",
+    "2",
+    "--transformer-impl",
+    "local",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-rope-fusion",
+    "--no-persist-layer-norm",
+]
 VALIDATION = re.compile(r"validation loss at iteration\s+(\d+) \| lm loss value: (\S+)")
 
 
@@ -225,9 +330,14 @@ def test_a_bad_dion3_value_stops_both_ranks_before_megatron_starts_said_once(lau
     entry = ["-m", "dion3_megatron.megatron.launch"] if launcher == "launch" else [CPU]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           *entry, SCRIPT, *TINY, "--lr", "-1"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *entry, SCRIPT, *TINY, "--lr", "-1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert out.count("argument --lr: lr must be a finite number >= 0.0, got -1.0") == 1, out[-3000:]

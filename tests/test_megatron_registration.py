@@ -54,9 +54,18 @@ def test_register_is_idempotent_and_fills_the_registry():
 def test_registered_parser_accepts_dion3_flags():
     import dion3_megatron.megatron  # noqa: F401
 
-    args = _megatron_parser().parse_args(GOOD + ["--dion3-ns-method", "standard",
-                                                 "--dion3-no-scale-lr-by-fraction", "--dion3-adjust-lr", "rms_norm",
-                                                 "--dion3-scale-mu-by-fraction", "--dion3-no-cuda-graph"])
+    args = _megatron_parser().parse_args(
+        GOOD
+        + [
+            "--dion3-ns-method",
+            "standard",
+            "--dion3-no-scale-lr-by-fraction",
+            "--dion3-adjust-lr",
+            "rms_norm",
+            "--dion3-scale-mu-by-fraction",
+            "--dion3-no-cuda-graph",
+        ]
+    )
     assert args.optimizer == "dion3"
     assert args.dion3_fraction == 0.125
     assert args.dion3_ns_method == "standard"
@@ -111,17 +120,20 @@ def test_flags_reach_the_optimizer_config_and_kwargs():
     assert kwargs["ns_method"] == "gram" and "selection_scope" not in kwargs
 
 
-@pytest.mark.parametrize("key, value, expected", [
-    ("dion3_cuda_graph", "false", "a bool"),
-    ("dion3_split_qkv", "false", "a bool"),
-    ("dion3_split_glu", 0, "a bool"),
-    ("dion3_scale_lr_by_fraction", "true", "a bool"),
-    ("dion3_scale_mu_by_fraction", "False", "a bool"),
-    ("dion3_mu", "0.9", "in [0, 1)"),
-    ("dion3_fraction", 5, "in (0, 1] or 'auto'"),
-    ("dion3_eps", float("inf"), "a finite number > 0"),
-    ("dion3_ns_method", "svd", "one of ('gram', 'standard')"),
-])
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("dion3_cuda_graph", "false", "a bool"),
+        ("dion3_split_qkv", "false", "a bool"),
+        ("dion3_split_glu", 0, "a bool"),
+        ("dion3_scale_lr_by_fraction", "true", "a bool"),
+        ("dion3_scale_mu_by_fraction", "False", "a bool"),
+        ("dion3_mu", "0.9", "in [0, 1)"),
+        ("dion3_fraction", 5, "in (0, 1] or 'auto'"),
+        ("dion3_eps", float("inf"), "a finite number > 0"),
+        ("dion3_ns_method", "svd", "one of ('gram', 'standard')"),
+    ],
+)
 def test_config_values_of_the_wrong_type_are_refused_by_name(key, value, expected):
     from types import SimpleNamespace
 
@@ -141,8 +153,10 @@ def test_scaling_an_unset_mu_is_refused_by_name():
     config = SimpleNamespace(lr=0.01, weight_decay=0.1, dion3_scale_mu_by_fraction=True)
     with pytest.raises(ValueError, match="dion3_scale_mu_by_fraction=True scales an explicit dion3_mu, got dion3_mu=None"):
         dm.config_to_kwargs(config, [], None)
-    assert dm.config_to_kwargs(SimpleNamespace(lr=0.01, weight_decay=0.1, dion3_scale_mu_by_fraction=True,
-                                               dion3_mu=0.88), [], None)["mu"] == 0.88
+    assert (
+        dm.config_to_kwargs(SimpleNamespace(lr=0.01, weight_decay=0.1, dion3_scale_mu_by_fraction=True, dion3_mu=0.88), [], None)["mu"]
+        == 0.88
+    )
 
 
 _LAUNCHED = textwrap.dedent(
@@ -165,7 +179,11 @@ def test_launcher_runs_a_megatron_script_with_dion3_registered(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     out = subprocess.run(
         [sys.executable, "-m", "dion3_megatron.megatron.launch", str(script), *GOOD],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"LAUNCHED __main__ {GOOD!r} dion3 0.125 world 1" in out.stdout
@@ -201,8 +219,9 @@ def test_launcher_checks_the_dion3_values_first_and_leaves_other_optimizers_lr_a
     with pytest.raises(SystemExit) as exit_info:
         check_arguments(["--num-layers", "4", "--optimizer=dion3", "--weight-decay", "-1"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err == ("python -m dion3_megatron.megatron.launch: error: argument --weight-decay: "
-                                       "weight_decay must be a finite number >= 0.0, got -1.0\n")
+    assert capsys.readouterr().err == (
+        "python -m dion3_megatron.megatron.launch: error: argument --weight-decay: weight_decay must be a finite number >= 0.0, got -1.0\n"
+    )
     monkeypatch.setenv("RANK", "1")  # torchrun's other ranks exit alike, silently
     with pytest.raises(SystemExit):
         check_arguments(["--dion3-fraction", "0"])
@@ -311,21 +330,20 @@ def test_patch_applies_to_installed_megatron_and_the_patched_tree_registers_dion
 
     installed = os.path.dirname(os.path.dirname(os.path.dirname(megatron.core.__file__)))
     tree = tmp_path / "tree"
-    shutil.copytree(os.path.join(installed, "megatron"), tree / "megatron",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(os.path.join(installed, "megatron"), tree / "megatron", ignore=shutil.ignore_patterns("__pycache__"))
     if shutil.which("patch"):
         with open(PATCH) as patch_file:
-            applied = subprocess.run(["patch", "-p1", "--forward", "--batch"], stdin=patch_file, cwd=tree,
-                                     capture_output=True, text=True)
+            applied = subprocess.run(["patch", "-p1", "--forward", "--batch"], stdin=patch_file, cwd=tree, capture_output=True, text=True)
     else:  # git apply works outside a repository too
         applied = subprocess.run(["git", "apply", "-p1", PATCH], cwd=tree, capture_output=True, text=True)
     assert applied.returncode == 0, applied.stdout + applied.stderr
     assert "FAILED" not in applied.stdout and "fuzz" not in applied.stdout, applied.stdout
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
-    for check in (_PATCHED_CHECK.format(repo=REPO, tests=os.path.join(REPO, "tests"), tree=str(tree), good=GOOD),
-                  _PATCHED_CORE_CHECK.format(tree=str(tree))):
-        out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=240,
-                             cwd=tmp_path, env=env)
+    for check in (
+        _PATCHED_CHECK.format(repo=REPO, tests=os.path.join(REPO, "tests"), tree=str(tree), good=GOOD),
+        _PATCHED_CORE_CHECK.format(tree=str(tree)),
+    ):
+        out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
         assert out.returncode == 0 and "PATCHED_OK" in out.stdout, (out.stdout[-2000:], out.stderr[-4000:])
 
 
@@ -351,8 +369,16 @@ def test_launcher_help_lists_every_dion3_flag_with_its_default():
     flat = " ".join(text.split())
     for option in options.options_for(options.MEGATRON):
         assert arguments.flag(option.name) in text, option.name
-    for shown in ("(default: auto)", "(default: unset)", "(default: 0.95)", "(default: 1e-08)",
-                  "(default: spectral_norm)", "(default: gram)", "(default: off)", "Turn off (on by default)"):
+    for shown in (
+        "(default: auto)",
+        "(default: unset)",
+        "(default: 0.95)",
+        "(default: 1e-08)",
+        "(default: spectral_norm)",
+        "(default: gram)",
+        "(default: off)",
+        "Turn off (on by default)",
+    ):
         assert shown in flat, shown
     for markup in ("``", ":func:", ":mod:", ":class:", ":data:"):
         assert markup not in text, markup
@@ -363,14 +389,18 @@ def test_launcher_help_prints_without_importing_megatron():
     """The launcher's --help: usage and flags first, no Megatron import and none of its warnings;
     no script: the usage and exit status 2."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-W", "default", "-m", "dion3_megatron.megatron.launch", "--help"],
-                         capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, "-W", "default", "-m", "dion3_megatron.megatron.launch", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: python -m dion3_megatron.megatron.launch"), out.stdout[:300]
     assert "--dion3-fraction FRACTION" in out.stdout and "--dion3-no-split-glu" in out.stdout
     assert out.stderr == "", out.stderr[:2000]
-    out = subprocess.run([sys.executable, "-m", "dion3_megatron.megatron.launch"], capture_output=True, text=True,
-                         timeout=120, env=env)
+    out = subprocess.run([sys.executable, "-m", "dion3_megatron.megatron.launch"], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 2 and out.stderr.startswith("usage: python -m dion3_megatron.megatron.launch"), out
     assert "error: the training script is missing" in out.stderr
 
@@ -379,8 +409,14 @@ def test_launcher_help_prints_without_importing_megatron():
 def test_script_help_through_the_launcher_prints_megatrons_flags_and_dion3s(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     script = os.path.join(REPO, "examples", "megatron_lm_pretrain_gpt.py")
-    out = subprocess.run([sys.executable, "-m", "dion3_megatron.megatron.launch", script, "--help"],
-                         capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "dion3_megatron.megatron.launch", script, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "--moe-paged-stash-buffer-size-factor-cuda" in out.stdout and "--use-distributed-optimizer" in out.stdout
     assert "Dion3 optimizer (--optimizer dion3):" in out.stdout and "--dion3-fraction" in out.stdout
@@ -430,8 +466,11 @@ def test_an_unknown_dion3_attribute_of_the_config_or_the_args_is_refused_with_th
 
     config = OptimizerConfig(optimizer="dion3", lr=0.01)
     config.dion3_fractoin = 0.25
-    with pytest.raises(ValueError, match=r"^Megatron optimizer config: unknown attribute dion3_fractoin; "
-                                         r"did you mean 'dion3_fraction'\?$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Megatron optimizer config: unknown attribute dion3_fractoin; "
+        r"did you mean 'dion3_fraction'\?$",
+    ):
         dm.config_to_kwargs(config, [], None)
     del config.dion3_fractoin
     config.dion3_xyz = 1
@@ -439,21 +478,27 @@ def test_an_unknown_dion3_attribute_of_the_config_or_the_args_is_refused_with_th
         dm.config_to_kwargs(config, [], None)
     del config.dion3_xyz
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", SimpleNamespace(dion3_momentum=0.9))
-    with pytest.raises(ValueError, match=r"^Megatron-LM args: unknown attribute dion3_momentum; "
-                                         r"Dion3 calls its momentum 'dion3_mu'$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Megatron-LM args: unknown attribute dion3_momentum; "
+        r"Dion3 calls its momentum 'dion3_mu'$",
+    ):
         dm.config_to_kwargs(config, [], None)
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", SimpleNamespace(dion3_mu=0.9))
     assert dm.config_to_kwargs(config, [], None)["mu"] == 0.9
 
 
-@pytest.mark.parametrize("flags, line", [
-    (["--dion3-momentum", "0.9"], "--dion3-momentum: unknown flag; Dion3 calls its momentum --dion3-mu"),
-    (["--dion3-fractoin=0.25"], "--dion3-fractoin: unknown flag; did you mean --dion3-fraction?"),
-    (["--dion3-cuda-graph"], "--dion3-cuda-graph: unknown flag; did you mean --dion3-no-cuda-graph?"),
-    (["--optimizer", "Dion3"], "--optimizer Dion3: did you mean dion3?"),
-    (["--optimizer", "dion"], "--optimizer dion: did you mean dion3?"),
-    (["--dion3-fraction", "1.5"], "argument --dion3-fraction: fraction must be in (0.0, 1.0], got 1.5"),
-])
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (["--dion3-momentum", "0.9"], "--dion3-momentum: unknown flag; Dion3 calls its momentum --dion3-mu"),
+        (["--dion3-fractoin=0.25"], "--dion3-fractoin: unknown flag; did you mean --dion3-fraction?"),
+        (["--dion3-cuda-graph"], "--dion3-cuda-graph: unknown flag; did you mean --dion3-no-cuda-graph?"),
+        (["--optimizer", "Dion3"], "--optimizer Dion3: did you mean dion3?"),
+        (["--optimizer", "dion"], "--optimizer dion: did you mean dion3?"),
+        (["--dion3-fraction", "1.5"], "argument --dion3-fraction: fraction must be in (0.0, 1.0], got 1.5"),
+    ],
+)
 def test_a_mistake_in_a_dion3_flag_stops_megatron_s_parser_with_one_line(flags, line, capsys, monkeypatch):
     import dion3_megatron.megatron  # noqa: F401
 
@@ -482,13 +527,12 @@ def test_without_megatron_the_import_and_the_main_job_name_the_extra(tmp_path):
     """Megatron hidden from every process (a sitecustomize that blocks the import)."""
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['megatron'] = None\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
-    for command in (["-c", "import dion3_megatron.megatron"],
-                    [os.path.join(REPO, "examples", "pretrain_gpt.py"), "--steps", "1"]):
+    for command in (["-c", "import dion3_megatron.megatron"], [os.path.join(REPO, "examples", "pretrain_gpt.py"), "--steps", "1"]):
         out = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=120, env=env)
         assert out.returncode != 0
         assert out.stderr.strip().splitlines()[-1] == (
-            'ImportError: dion3_megatron.megatron needs Megatron-Core 0.19, which is not installed: '
-            'pip install "dion3-megatron[megatron]"'), out.stderr[-2000:]
+            'ImportError: dion3_megatron.megatron needs Megatron-Core 0.19, which is not installed: pip install "dion3-megatron[megatron]"'
+        ), out.stderr[-2000:]
 
 
 # Megatron's Adam (torch AdamW here: no apex, no Transformer Engine) with the distributed optimizer
@@ -591,7 +635,7 @@ def test_registration_leaves_another_optimizers_run_byte_identical():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400, cwd=REPO)
     assert out.returncode == 0, out.stderr[-4000:]
     (line,) = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
-    result = json.loads(line[len("RESULT"):])
+    result = json.loads(line[len("RESULT") :])
     assert result["patched"] == [True, True]  # the replacements are in place, and fall through
     assert result["differ"] == [], result
     assert result["norms"][0] == result["norms"][1] and len(result["norms"][0]) >= 4

@@ -90,15 +90,27 @@ def test_any_memory_format_or_strided_gradient_steps_like_contiguous_tensors(gen
     transposed = torch.randn(16, 12, generator=generator)
     plain = torch.randn(12, 16, generator=generator)
     bias = torch.randn(8, generator=generator)
-    grads = [[torch.randn(8, 3, 3, 3, generator=generator), torch.randn(16, 12, generator=generator),
-              torch.randn(16, 12, generator=generator), torch.randn(8, generator=generator)] for _ in range(3)]
-    strided = [torch.nn.Parameter(conv.clone().to(memory_format=torch.channels_last)),
-               torch.nn.Parameter(transposed.clone().t()), torch.nn.Parameter(plain.clone()),
-               torch.nn.Parameter(bias.clone())]
+    grads = [
+        [
+            torch.randn(8, 3, 3, 3, generator=generator),
+            torch.randn(16, 12, generator=generator),
+            torch.randn(16, 12, generator=generator),
+            torch.randn(8, generator=generator),
+        ]
+        for _ in range(3)
+    ]
+    strided = [
+        torch.nn.Parameter(conv.clone().to(memory_format=torch.channels_last)),
+        torch.nn.Parameter(transposed.clone().t()),
+        torch.nn.Parameter(plain.clone()),
+        torch.nn.Parameter(bias.clone()),
+    ]
     dense = [torch.nn.Parameter(t.clone().contiguous()) for t in (conv, transposed.t(), plain, bias)]
     assert not strided[0].is_contiguous() and not strided[1].is_contiguous()
-    runs = [(strided, Dion3(strided, lr=0.02, fraction=0.5, ns_dtype=torch.float32)),
-            (dense, Dion3(dense, lr=0.02, fraction=0.5, ns_dtype=torch.float32))]
+    runs = [
+        (strided, Dion3(strided, lr=0.02, fraction=0.5, ns_dtype=torch.float32)),
+        (dense, Dion3(dense, lr=0.02, fraction=0.5, ns_dtype=torch.float32)),
+    ]
     for step_grads in grads:
         (c, t, p, b) = step_grads
         strided_grads = [c.to(memory_format=torch.channels_last), t.t(), t.t(), b]
@@ -132,8 +144,9 @@ def test_lrs_default_per_algorithm_and_a_groups_own_lr_wins():
     matrix, bias, embed = (torch.nn.Parameter(torch.randn(*s)) for s in ((4, 4), (4,), (8, 4)))
     opt = Dion3([matrix, bias])
     assert [(g["lr"], [p is matrix for p in g["params"]]) for g in opt.param_groups] == [(0.01, [True]), (0.002, [False])]
-    opt = Dion3([{"params": [matrix], "algorithm": "dion3"}, {"params": [bias], "algorithm": "adamw", "lr": 0.001}],
-                lr=0.03, adamw_lr=0.004)
+    opt = Dion3(
+        [{"params": [matrix], "algorithm": "dion3"}, {"params": [bias], "algorithm": "adamw", "lr": 0.001}], lr=0.03, adamw_lr=0.004
+    )
     opt.add_param_group({"params": [embed], "algorithm": "adamw"})
     assert [g["lr"] for g in opt.param_groups] == [0.03, 0.001, 0.004]
     mixed = Dion3([{"params": [matrix, bias]}], lr=0.03)
@@ -153,7 +166,8 @@ def test_a_model_without_matrices_warns_once_that_every_parameter_takes_adamw():
         Dion3(norm.parameters())
     assert [str(w.message) for w in record] == [
         "Dion3: none of the 2 parameters is a matrix for Dion3 (a tensor of >= 2 dims outside algorithm='adamw' "
-        "groups): every parameter will take AdamW"]
+        "groups): every parameter will take AdamW"
+    ]
     with pytest.warns(UserWarning, match="none of the 1 parameters .* every parameter will take AdamW"):
         Dion3([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "algorithm": "adamw"}])
     with warnings.catch_warnings():
@@ -197,9 +211,7 @@ def make_model_and_optimizer(seed=0):
     model = TinyModel()
     matrices = [model.up.weight, model.experts, model.down.weight]
     others = [model.embed.weight, model.up.bias, model.down.bias]
-    opt = Dion3(
-        [{"params": matrices}, {"params": others, "algorithm": "adamw", "lr": 3e-3}], lr=0.02, fraction=0.25
-    )
+    opt = Dion3([{"params": matrices}, {"params": others, "algorithm": "adamw", "lr": 3e-3}], lr=0.02, fraction=0.25)
     return model, opt
 
 
@@ -231,10 +243,7 @@ def train(model, opt, batches):
 
 
 def random_batches(generator, count):
-    return [
-        (torch.randint(0, 32, (64,), generator=generator), torch.randint(0, 32, (64,), generator=generator))
-        for _ in range(count)
-    ]
+    return [(torch.randint(0, 32, (64,), generator=generator), torch.randint(0, 32, (64,), generator=generator)) for _ in range(count)]
 
 
 @pytest.mark.slow
@@ -331,13 +340,16 @@ def test_bad_groups_are_refused():
         Dion3([{"params": [w]}, {"params": [b], "fraction": 2}])
 
 
-@pytest.mark.parametrize("key,value,match", [
-    ("fraction", 5, "param group 0: fraction must be in \\(0, 1\\] or 'auto', got 5"),
-    ("algorithm", "bogus", "param group 1: algorithm must be one of \\('dion3', 'adamw'\\) or absent, got 'bogus'"),
-    ("lr", float("inf"), "param group 1: lr must be a finite number >= 0, or a 0-d floating tensor holding one, got inf"),
-    ("betas", (0.9, 1.5), "param group 1: betas must be two values in \\[0, 1\\), got \\(0.9, 1.5\\)"),
-    ("num_heads", 5, "param group 0: num_heads=5 does not divide the 48 rows of param 0"),
-])
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("fraction", 5, "param group 0: fraction must be in \\(0, 1\\] or 'auto', got 5"),
+        ("algorithm", "bogus", "param group 1: algorithm must be one of \\('dion3', 'adamw'\\) or absent, got 'bogus'"),
+        ("lr", float("inf"), "param group 1: lr must be a finite number >= 0, or a 0-d floating tensor holding one, got inf"),
+        ("betas", (0.9, 1.5), "param group 1: betas must be two values in \\[0, 1\\), got \\(0.9, 1.5\\)"),
+        ("num_heads", 5, "param group 0: num_heads=5 does not divide the 48 rows of param 0"),
+    ],
+)
 def test_checkpoint_with_bad_group_settings_is_refused_before_anything_changes(key, value, match, generator):
     model, opt = make_model_and_optimizer()
     train(model, opt, random_batches(generator, 1))
@@ -479,8 +491,6 @@ def test_a_checkpoint_without_a_newer_group_option_loads_with_its_default(cls_pa
     resumed.load_state_dict(saved)
     assert resumed.param_groups[0]["scale_mu_by_fraction"] is options.BY_NAME["scale_mu_by_fraction"].default
     _step_both_and_compare(p, opt, twin, resumed, generator)
-
-
 
 
 def test_a_misspelled_option_in_a_param_group_is_refused_with_a_hint_and_other_keys_pass():

@@ -16,13 +16,19 @@ from dion3_megatron.core import rule
 
 
 # A value out of range (or of the wrong type) for each kind, to see every front end refuse it.
-_BAD = {options.REAL: float("nan"), options.FRACTION: 1.5, options.BOOL: "false", options.CHOICE: "nearby",
-        options.HEADS: 0, options.DTYPE: "fp16", options.BETAS: (0.9, 1.0)}
+_BAD = {
+    options.REAL: float("nan"),
+    options.FRACTION: 1.5,
+    options.BOOL: "false",
+    options.CHOICE: "nearby",
+    options.HEADS: 0,
+    options.DTYPE: "fp16",
+    options.BETAS: (0.9, 1.0),
+}
 
 
 def _keyword_defaults(cls) -> dict:
-    return {name: p.default for name, p in inspect.signature(cls).parameters.items()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    return {name: p.default for name, p in inspect.signature(cls).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
 def test_spec_is_consistent():
@@ -64,10 +70,15 @@ def test_torch_constructor_takes_exactly_the_torch_options():
         Dion3([torch.nn.Parameter(torch.zeros(4, 4))], fractoin=0.5)
 
 
-@pytest.mark.parametrize("name, words", [("momentum", "(Dion3 calls its momentum 'mu')"),
-                                         ("nesterov", "there is no Nesterov option"),
-                                         ("beta1", "Dion3 calls its momentum 'mu'"),
-                                         ("adam_lr", "Dion3 calls it 'adamw_lr'")])
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("momentum", "(Dion3 calls its momentum 'mu')"),
+        ("nesterov", "there is no Nesterov option"),
+        ("beta1", "Dion3 calls its momentum 'mu'"),
+        ("adam_lr", "Dion3 calls it 'adamw_lr'"),
+    ],
+)
 def test_names_of_other_optimizers_get_the_dion3_name_in_every_front_end(name, words):
     """One table of hints (options.HINTS): the torch class's unknown keyword, Megatron's class's, and
     the DeepSpeed config's unknown key say what Dion3 calls it."""
@@ -80,14 +91,12 @@ def test_names_of_other_optimizers_get_the_dion3_name_in_every_front_end(name, w
     if importlib.util.find_spec("megatron") is not None:
         from dion3_megatron.megatron.optimizer import MegatronDion3
 
-        with pytest.raises(TypeError, match=f"MegatronDion3 got an unexpected keyword argument '{name}' .*"
-                                            f"{re.escape(words)}"):
+        with pytest.raises(TypeError, match=f"MegatronDion3 got an unexpected keyword argument '{name}' .*{re.escape(words)}"):
             MegatronDion3([torch.nn.Parameter(torch.zeros(4, 4))], **{name: 0.9})
 
 
 def test_betas_where_not_an_option_and_typos_get_a_hint():
-    assert options.unknown_name_hint("betas", options.defaults_for(options.MEGATRON)).startswith(
-        "Dion3 calls its momentum 'mu'")
+    assert options.unknown_name_hint("betas", options.defaults_for(options.MEGATRON)).startswith("Dion3 calls its momentum 'mu'")
     assert options.unknown_name_hint("fractoin", options.defaults_for(options.TORCH)) == "did you mean 'fraction'?"
     assert options.unknown_name_hint("zzz", options.defaults_for(options.TORCH)) is None
 
@@ -186,13 +195,16 @@ def test_ns_dtype_is_taken_by_name_as_by_torch_dtype(generator):
     opt = Dion3([{"params": [p], "ns_dtype": "float64"}])
     p.grad = torch.randn(4, 4, generator=generator)
     opt.step()
-    with pytest.raises(ValueError, match=re.escape("ns_dtype must be None, or one of ('float16', 'bfloat16', "
-                                                   "'float32', 'float64') by name or as a torch.dtype, got 'fp16'")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "ns_dtype must be None, or one of ('float16', 'bfloat16', 'float32', 'float64') by name or as a torch.dtype, got 'fp16'"
+        ),
+    ):
         Dion3([torch.nn.Parameter(torch.zeros(4, 4))], ns_dtype="fp16")
 
 
-@pytest.mark.parametrize("option", [o for o in options.OPTIONS if o.kind in (options.DTYPE, options.CHOICE)],
-                         ids=lambda o: o.name)
+@pytest.mark.parametrize("option", [o for o in options.OPTIONS if o.kind in (options.DTYPE, options.CHOICE)], ids=lambda o: o.name)
 def test_a_choice_message_names_exactly_what_the_option_takes(option):
     """Every value the message of a DTYPE or CHOICE option lists is taken, and what it lists is all
     that is taken."""
@@ -209,17 +221,21 @@ def test_a_choice_message_names_exactly_what_the_option_takes(option):
 def test_a_tensor_lr_steps_as_its_number(generator):
     """torch's optimizers take a 0-d tensor lr: so does Dion3, for the matrices and the AdamW tensors
     alike, and a step with it is the step with its number."""
-    _assert_equal(_trained(generator, lr=torch.tensor(0.02), adamw_lr=torch.tensor(0.003)),
-                  _trained(generator, lr=0.02, adamw_lr=0.003))
+    _assert_equal(_trained(generator, lr=torch.tensor(0.02), adamw_lr=torch.tensor(0.003)), _trained(generator, lr=0.02, adamw_lr=0.003))
     assert options.hyperparameters(lr=torch.tensor(0.5)).lr == 0.5
 
 
 @pytest.mark.parametrize("name", ["lr", "adamw_lr"])
-@pytest.mark.parametrize("bad", [torch.tensor(float("nan")), torch.tensor(-0.1), torch.tensor([0.01]),
-                                 torch.tensor(1)], ids=["nan", "negative", "1-d", "integer"])
+@pytest.mark.parametrize(
+    "bad",
+    [torch.tensor(float("nan")), torch.tensor(-0.1), torch.tensor([0.01]), torch.tensor(1)],
+    ids=["nan", "negative", "1-d", "integer"],
+)
 def test_a_tensor_lr_is_checked_as_a_number(name, bad):
-    with pytest.raises(ValueError, match=re.escape(f"{name} must be a finite number >") + ".*"
-                                         + re.escape(", or a 0-d floating tensor holding one, got tensor(")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"{name} must be a finite number >") + ".*" + re.escape(", or a 0-d floating tensor holding one, got tensor("),
+    ):
         Dion3([torch.nn.Parameter(torch.zeros(4, 4))], **{name: bad})
 
 

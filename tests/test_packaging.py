@@ -71,8 +71,12 @@ def test_metadata():
     assert PROJECT["requires-python"] == ">=3.12"
     assert PROJECT["dependencies"] == ["torch>=2.11,<2.15"]  # tested 2.11-2.14; frontend/dtensor.py's private DTensor helpers
     classifiers = set(PROJECT["classifiers"])
-    assert {"Programming Language :: Python :: 3.12", "Programming Language :: Python :: 3.13",
-            "Operating System :: POSIX :: Linux", "Typing :: Typed"} <= classifiers
+    assert {
+        "Programming Language :: Python :: 3.12",
+        "Programming Language :: Python :: 3.13",
+        "Operating System :: POSIX :: Linux",
+        "Typing :: Typed",
+    } <= classifiers
     assert any(c.startswith("Topic :: Scientific/Engineering :: Artificial Intelligence") for c in classifiers)
     assert PROJECT["keywords"] and set(PROJECT["urls"]) == {"Homepage", "Documentation", "Source", "Issues", "Changelog"}
     assert all(url.startswith("https://github.com/dion3-megatron/dion3-megatron") for url in PROJECT["urls"].values())
@@ -150,8 +154,10 @@ def test_the_extras_are_the_unions_they_are_declared_as():
 
 def test_the_front_end_extras_bring_what_the_library_imports():
     """A front end's extra brings the distributions its subpackage imports, and no more."""
-    imported = {folder: set().union(*(imported_modules(p) for p in (ROOT / "dion3_megatron" / folder).rglob("*.py")))
-                for folder in ("megatron", "deepspeed")}
+    imported = {
+        folder: set().union(*(imported_modules(p) for p in (ROOT / "dion3_megatron" / folder).rglob("*.py")))
+        for folder in ("megatron", "deepspeed")
+    }
     assert "megatron" in imported["megatron"] and names(EXTRAS["megatron"]) == {"megatron-core"}
     assert "deepspeed" in imported["deepspeed"] and names(EXTRAS["deepspeed"]) == {"deepspeed"}
     assert names(EXTRAS["hf"]) == {"deepspeed", "transformers", "accelerate"}  # Trainer needs accelerate
@@ -173,9 +179,13 @@ def imported_modules(path: pathlib.Path) -> set[str]:
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             found.add(node.module)
-        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str)
-              and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("importorskip", "find_spec")):
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("importorskip", "find_spec")
+        ):
             found.add(node.args[0].value)
     return {name.split(".")[0] for name in found}
 
@@ -211,18 +221,22 @@ def test_ruff_holds_every_file_to_its_line_length():
     assert ruff["target-version"] == "py312" and "E" in ruff["lint"]["select"]
     assert "pycodestyle" not in ruff["lint"]  # no second, longer limit for E501
     assert not any("E501" in rules or "E" in rules for rules in ruff["lint"]["per-file-ignores"].values())
-    longest = max(len(line) for folder in ("dion3_megatron", "tests", "examples", "benchmarks", "tools")
-                  for path in (ROOT / folder).rglob("*.py") for line in path.read_text(encoding="utf-8").splitlines())
+    longest = max(
+        len(line)
+        for folder in ("dion3_megatron", "tests", "examples", "benchmarks", "tools")
+        for path in (ROOT / folder).rglob("*.py")
+        for line in path.read_text(encoding="utf-8").splitlines()
+    )
     assert longest <= ruff["line-length"]
     for path in ruff["lint"]["per-file-ignores"]:
         assert (ROOT / path).is_file(), f"per-file-ignores names a file that is gone: {path}"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("ruff") is None,
-                    reason="ruff is not installed (it is in the [lint] extra: pip install -e '.[lint]')")
+@pytest.mark.skipif(
+    importlib.util.find_spec("ruff") is None, reason="ruff is not installed (it is in the [lint] extra: pip install -e '.[lint]')"
+)
 def test_ruff_passes():
-    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
 
 
@@ -232,7 +246,7 @@ def markdown_links(text: str) -> list[str]:
 
 
 def test_markdown_links_finds_each_form():
-    text = "[a](docs/x.md) ![p](https://e.org/p.png) [b](#tuning \"t\")\n[c]: ../y.md\n"
+    text = '[a](docs/x.md) ![p](https://e.org/p.png) [b](#tuning "t")\n[c]: ../y.md\n'
     assert markdown_links(text) == ["docs/x.md", "https://e.org/p.png", "#tuning", "../y.md"]
 
 

@@ -14,18 +14,32 @@ from dion3_megatron import report
 
 def run_report(*argv: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "dion3_megatron", *argv], capture_output=True, text=True,
-                          timeout=300, env=env)
+    return subprocess.run([sys.executable, "-m", "dion3_megatron", *argv], capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_the_report_names_versions_front_ends_kernels_and_what_auto_chooses():
     out = run_report("--shape", "4096x14336", "--shape", "256x1024")
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
-    for line in ("versions", "dion3-megatron", "torch CUDA build", "megatron-core", "deepspeed", "transformers",
-                 "nvidia-cutlass-dsl", "triton", "front ends (import)", "FSDP2 / DTensor", "Megatron-Core",
-                 "DeepSpeed", "Hugging Face Trainer", "device and kernels", "GPU", "symmetric GEMMs routed",
-                 'fraction="auto" on this'):
+    for line in (
+        "versions",
+        "dion3-megatron",
+        "torch CUDA build",
+        "megatron-core",
+        "deepspeed",
+        "transformers",
+        "nvidia-cutlass-dsl",
+        "triton",
+        "front ends (import)",
+        "FSDP2 / DTensor",
+        "Megatron-Core",
+        "DeepSpeed",
+        "Hugging Face Trainer",
+        "device and kernels",
+        "GPU",
+        "symmetric GEMMs routed",
+        'fraction="auto" on this',
+    ):
         assert line in text, (line, text)
     shapes = {line.split()[0] for line in text.splitlines() if " f = " in line}
     assert shapes == {"4096x14336", "256x1024"}, text
@@ -51,9 +65,14 @@ def test_help_documents_the_options():
         assert option in out.stdout, out.stdout
 
 
-@pytest.mark.parametrize("argv, message", [(["--shape", "4096by14336"], "--shape: a shape is ROWSxCOLS"),
-                                           (["--shape", "0x5"], "got '0x5'"),
-                                           (["--world", "0"], "--world must be at least 1, got 0")])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--shape", "4096by14336"], "--shape: a shape is ROWSxCOLS"),
+        (["--shape", "0x5"], "got '0x5'"),
+        (["--world", "0"], "--world must be at least 1, got 0"),
+    ],
+)
 def test_bad_options_are_named(argv, message, capsys):
     from dion3_megatron.__main__ import parse_args
 
@@ -63,7 +82,9 @@ def test_bad_options_are_named(argv, message, capsys):
 
 
 def test_importing_the_report_imports_no_framework():
-    code = ("import sys, dion3_megatron.report, dion3_megatron.__main__; "
-            "print(sorted(m for m in ('megatron', 'deepspeed', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys, dion3_megatron.report, dion3_megatron.__main__; "
+        "print(sorted(m for m in ('megatron', 'deepspeed', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -124,7 +124,7 @@ def test_scale_mu_by_fraction_decays_applied_rows_by_mu_to_the_one_over_f(f, gen
     _assert_first_step_decays_applied_rows_by(mu ** (1 / f), f, generator, mu=mu, scale_mu_by_fraction=True)
 
 
-@pytest.mark.parametrize("f, expected", [(0.25, 0.6), (0.125, 0.36), (0.5, 0.6 ** 0.5), (1.0, 0.6 ** 0.25)])
+@pytest.mark.parametrize("f, expected", [(0.25, 0.6), (0.125, 0.36), (0.5, 0.6**0.5), (1.0, 0.6**0.25)])
 def test_default_mu_keeps_the_memory_per_step_of_0_6_at_a_quarter(f, expected, generator):
     """mu unset: the applied rows keep 0.6 ** (1 / (4 f)); an explicit mu is kept as given at any f."""
     assert rule.momentum_decay(options.hyperparameters(), f) == pytest.approx(expected, rel=1e-12)
@@ -217,8 +217,12 @@ def test_fraction_one_decays_the_momentum_in_the_accumulation_pass(generator, mo
         (expected,) = normuon_reference([weight], [[g] for g in grads], 0.05, mu, 0.95, 0.1, 1e-8)
         assert ((param.double() - expected).norm() / expected.norm()).item() <= 1e-6
         # fp32 sums of O(1) values: where they cancel, the rounding of the terms (~1e-7 each) is left
-        assert torch.allclose(opt.state[param]["momentum"].double(),
-                              sum(mu ** (len(grads) - i) * g.double() for i, g in enumerate(grads)), rtol=1e-6, atol=1e-6)
+        assert torch.allclose(
+            opt.state[param]["momentum"].double(),
+            sum(mu ** (len(grads) - i) * g.double() for i, g in enumerate(grads)),
+            rtol=1e-6,
+            atol=1e-6,
+        )
 
 
 def test_ties_break_by_index():
@@ -255,8 +259,7 @@ def test_step_norm_follows_the_scale(adjust_lr, scale_by_f, generator):
     n, m, f, lr = 48, 16, 0.25, 0.01
     p = torch.nn.Parameter(torch.randn(n, m, generator=generator))
     w0 = p.detach().clone()
-    opt = Dion3([p], lr=lr, fraction=f, weight_decay=0.0, adjust_lr=adjust_lr, scale_lr_by_fraction=scale_by_f,
-                ns_dtype=torch.float64)
+    opt = Dion3([p], lr=lr, fraction=f, weight_decay=0.0, adjust_lr=adjust_lr, scale_lr_by_fraction=scale_by_f, ns_dtype=torch.float64)
     g = torch.randn(n, m, generator=generator)
     p.grad = g.clone()
     opt.step()

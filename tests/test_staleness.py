@@ -147,8 +147,10 @@ def test_deepspeed_takes_staleness_and_refuses_bad_values_naming_them(generator)
     data = torch.randn(8, 12, generator=generator)
     grads = [torch.randn(8, 12, generator=generator) for _ in range(4)]
     weights = [torch.nn.Parameter(data.clone()) for _ in range(2)]
-    opts = [DeepSpeedDion3([{"params": [weights[0]], "staleness": 1.0}], fraction=0.25),  # the JSON path
-            Dion3([weights[1]], fraction=0.25, staleness=1.0)]
+    opts = [
+        DeepSpeedDion3([{"params": [weights[0]], "staleness": 1.0}], fraction=0.25),  # the JSON path
+        Dion3([weights[1]], fraction=0.25, staleness=1.0),
+    ]
     for g in grads:
         for w, opt in zip(weights, opts):
             w.grad = g.clone()

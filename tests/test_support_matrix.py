@@ -27,10 +27,15 @@ def _marks(node: ast.AST) -> set[str]:
 def functions_in(file: str) -> dict[str, bool]:
     """Test function name -> whether it is marked gpu (on itself or its module)."""
     tree = ast.parse((ROOT / "tests" / file).read_text(encoding="utf-8"))
-    module_gpu = any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in n.targets)
-                     and "gpu" in _marks(n.value) for n in tree.body)
-    return {n.name: module_gpu or any("gpu" in _marks(d) for d in n.decorator_list)
-            for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+    module_gpu = any(
+        isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in n.targets) and "gpu" in _marks(n.value)
+        for n in tree.body
+    )
+    return {
+        n.name: module_gpu or any("gpu" in _marks(d) for d in n.decorator_list)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
+    }
 
 
 def link_problems(text: str) -> list[str]:
@@ -60,10 +65,11 @@ def test_every_linked_test_exists_and_runs_where_its_label_says():
     text = SUPPORT.read_text(encoding="utf-8")
     assert len(TEST_LINK.findall(text)) >= 30
     assert not link_problems(text), "\n".join(link_problems(text))
-    broken = (f"[`test_no_such_test`]({TESTS_URL}test_fsdp2.py) (CPU) [`test_x`]({TESTS_URL}test_nothing.py) (CPU) "
-              f"[`test_dion3_graph_replay_equals_eager`]({TESTS_URL}test_cuda_graph.py) (CPU)")
-    assert [p.split(": ", 1)[1] for p in link_problems(broken)] == [
-        "no such test", "no such test file", "labelled CPU, but it is GPU"]
+    broken = (
+        f"[`test_no_such_test`]({TESTS_URL}test_fsdp2.py) (CPU) [`test_x`]({TESTS_URL}test_nothing.py) (CPU) "
+        f"[`test_dion3_graph_replay_equals_eager`]({TESTS_URL}test_cuda_graph.py) (CPU)"
+    )
+    assert [p.split(": ", 1)[1] for p in link_problems(broken)] == ["no such test", "no such test file", "labelled CPU, but it is GPU"]
 
 
 def test_every_yes_links_a_test():
@@ -74,7 +80,22 @@ def test_every_yes_links_a_test():
 
 def test_the_matrix_has_every_front_end_and_the_not_yet_rows():
     text = SUPPORT.read_text(encoding="utf-8")
-    for row in ("PyTorch", "FSDP2, 1-D", "HSDP", "FSDP2 with tensor parallelism", "Megatron-Core, tensor parallel",
-                "Megatron-Core, pipeline parallel", "distributed optimizer", "expert parallel", "ZeRO-0", "ZeRO-1",
-                "ZeRO-2", "ZeRO-3", "DeepSpeed MoE", "Hugging Face Trainer", "torchtitan", "Megatron's own FSDP"):
+    for row in (
+        "PyTorch",
+        "FSDP2, 1-D",
+        "HSDP",
+        "FSDP2 with tensor parallelism",
+        "Megatron-Core, tensor parallel",
+        "Megatron-Core, pipeline parallel",
+        "distributed optimizer",
+        "expert parallel",
+        "ZeRO-0",
+        "ZeRO-1",
+        "ZeRO-2",
+        "ZeRO-3",
+        "DeepSpeed MoE",
+        "Hugging Face Trainer",
+        "torchtitan",
+        "Megatron's own FSDP",
+    ):
         assert re.search(rf"^\| [^|]*{re.escape(row)}", text, re.M), row

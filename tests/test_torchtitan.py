@@ -25,9 +25,11 @@ from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfi
 # tests/test_fsdp2.py. A wrong row, a lost step or a lost optimizer state differs by 1e-3 or more.
 TOL = {"rtol": 5e-6, "atol": 5e-6}
 SETTINGS = {"lr": 0.02, "adamw_lr": 0.003, "weight_decay": 0.01, "fraction": 0.5, "ns_dtype": torch.float64}
-MATRICES = {f"layers.{i}.{m}.weight" for i in range(helpers.LAYERS)
-            for m in ("attention.qkv_linear.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
-                      "feed_forward.w3")}
+MATRICES = {
+    f"layers.{i}.{m}.weight"
+    for i in range(helpers.LAYERS)
+    for m in ("attention.qkv_linear.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+}
 
 
 @pytest.fixture
@@ -77,11 +79,21 @@ def test_the_default_regex_names_the_matrices_of_torchtitans_llama3_wherever_wra
     chosen = {n for n, _ in model.named_parameters() if re.search(dion3_torchtitan.HIDDEN_MATRICES, n)}
     assert {n for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("layers.")} == chosen
     assert len(chosen) == 6 * 5
-    for name in ("layers.0._checkpoint_wrapped_module.attention.wo.weight", "layers.3.attention.qkv_linear.wq.weight",
-                 "layers.3.attention.qkv_linear.wk.weight", "layers.3.attention.qkv_linear.wv.weight"):
+    for name in (
+        "layers.0._checkpoint_wrapped_module.attention.wo.weight",
+        "layers.3.attention.qkv_linear.wq.weight",
+        "layers.3.attention.qkv_linear.wk.weight",
+        "layers.3.attention.qkv_linear.wv.weight",
+    ):
         assert re.search(dion3_torchtitan.HIDDEN_MATRICES, name), name
-    for name in ("layers.0.attention.q_norm.weight", "layers.0.attention_norm.weight", "tok_embeddings.weight",
-                 "lm_head.weight", "norm.weight", "layers.0.attention.wo.bias"):
+    for name in (
+        "layers.0.attention.q_norm.weight",
+        "layers.0.attention_norm.weight",
+        "tok_embeddings.weight",
+        "lm_head.weight",
+        "norm.weight",
+        "layers.0.attention.wo.bias",
+    ):
         assert not re.search(dion3_torchtitan.HIDDEN_MATRICES, name), name
 
 
@@ -94,18 +106,19 @@ def test_the_trainer_configs_name_dion3_and_register_it():
             dion3_torchtitan.unregister()
             groups = make().optimizer.param_groups
             assert dion3_torchtitan.is_registered()
-            assert [(g.pattern, g.optimizer_name) for g in groups] == [(dion3_torchtitan.HIDDEN_MATRICES, "Dion3"),
-                                                                       (".*", "AdamW")]
+            assert [(g.pattern, g.optimizer_name) for g in groups] == [(dion3_torchtitan.HIDDEN_MATRICES, "Dion3"), (".*", "AdamW")]
     finally:
         dion3_torchtitan.unregister()
 
 
 def _built_with(kwargs: dict, factory: dict | None = None):
     config = OptimizersContainer.Config(
-        param_groups=[ParamGroupConfig(pattern=dion3_torchtitan.HIDDEN_MATRICES, optimizer_name="Dion3",
-                                       optimizer_kwargs=kwargs),
-                      ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})],
-        optimizer_factory_kwargs_by_name={"Dion3": factory or {}})
+        param_groups=[
+            ParamGroupConfig(pattern=dion3_torchtitan.HIDDEN_MATRICES, optimizer_name="Dion3", optimizer_kwargs=kwargs),
+            ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3}),
+        ],
+        optimizer_factory_kwargs_by_name={"Dion3": factory or {}},
+    )
     return config.build(model_parts=[helpers.built_model()])
 
 
@@ -114,18 +127,27 @@ def test_options_are_checked_by_dion3s_spec_with_the_closest_name(registered):
         dion3_torchtitan.optimizer_config(fracton=0.5)
     with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\] or 'auto', got 2"):
         dion3_torchtitan.optimizer_config(fraction=2)
-    with pytest.raises(TypeError, match=r"Dion3 optimizer_kwargs of 'layers.0.attention.qkv_linear.wqkv.weight' and "
-                                        r"others: 'fracton' is not a Dion3 option \(did you mean 'fraction'\?\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"Dion3 optimizer_kwargs of 'layers.0.attention.qkv_linear.wqkv.weight' and "
+        r"others: 'fracton' is not a Dion3 option \(did you mean 'fraction'\?\)",
+    ):
         _built_with({"lr": 0.01, "fracton": 0.5})
     with pytest.raises(TypeError, match=r"'momentum' is not a Dion3 option \(Dion3 calls its momentum 'mu'\)"):
         _built_with({"lr": 0.01, "momentum": 0.9})
-    with pytest.raises(ValueError, match=r"cuda_graph is one value per optimizer; give it in the config's "
-                                         r"optimizer_factory_kwargs_by_name\['Dion3'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"cuda_graph is one value per optimizer; give it in the config's "
+        r"optimizer_factory_kwargs_by_name\['Dion3'\]",
+    ):
         _built_with({"lr": 0.01, "cuda_graph": False})
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'cuda_grph' \(did you mean 'cuda_graph'\?\)"):
         _built_with({"lr": 0.01}, {"cuda_grph": False})
-    with pytest.raises(ValueError, match=r"Dion3 optimizer_kwargs of 'layers.0.attention.qkv_linear.wqkv.weight' and "
-                                         r"others: mu must be in \[0, 1\), got 1.5"):
+    with pytest.raises(
+        ValueError,
+        match=r"Dion3 optimizer_kwargs of 'layers.0.attention.qkv_linear.wqkv.weight' and "
+        r"others: mu must be in \[0, 1\), got 1.5",
+    ):
         _built_with({"lr": 0.01, "mu": 1.5})
     assert isinstance(_built_with({"lr": 0.01, "mu": 0.5}, {"cuda_graph": False}).optimizers[0], Dion3)
 
@@ -151,7 +173,8 @@ def test_a_checkpoint_keeps_the_automatic_fraction_each_matrix_stepped_at(regist
     chosen = dict(saved.optimizers[0].fractions)
     assert set(chosen) == MATRICES and min(chosen.values()) < 1, chosen  # FLOP-bound: f < 1
     assert flat["param_groups.layers.1.feed_forward.w2.weight.fractions"] == {
-        "layers.1.feed_forward.w2.weight": chosen["layers.1.feed_forward.w2.weight"]}
+        "layers.1.feed_forward.w2.weight": chosen["layers.1.feed_forward.w2.weight"]
+    }
     resumed = trained(cost_model.DeviceSpeed(1e30, 1.0, 1e30, 1e30))  # launch-bound: larger f
     assert dict(resumed.optimizers[0].fractions) != chosen
     resumed.load_state_dict(flat)
@@ -162,8 +185,9 @@ def test_a_checkpoint_keeps_the_automatic_fraction_each_matrix_stepped_at(regist
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return run_distributed(helpers.session, 2, list(helpers.LAYOUTS), SETTINGS,
-                           str(tmp_path_factory.mktemp("torchtitan-checkpoint")), timeout=600)
+    return run_distributed(
+        helpers.session, 2, list(helpers.LAYOUTS), SETTINGS, str(tmp_path_factory.mktemp("torchtitan-checkpoint")), timeout=600
+    )
 
 
 def _assert_equal(params: dict, expected: dict, what: str) -> None:

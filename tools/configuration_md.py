@@ -50,11 +50,13 @@ class MegatronOwn:
 
 # Options Megatron takes through its own flags (Megatron-LM 0.19's defaults), not a --dion3-* one.
 MEGATRON_OWN = {
-    "lr": MegatronOwn((OwnFlag("--lr", None),), "{flags}: the matrices' lr (unset: Dion3's 0.01), and the lr of "
-                      "Megatron's Adam for the other tensors"),
-    "adamw_lr": MegatronOwn((OwnFlag("--decoupled-lr", None), OwnFlag("--lr", None)),
-                            "Megatron's Adam: {flags}; the embeddings and the output layer take the first "
-                            "(unset: the second), norms and biases the second"),
+    "lr": MegatronOwn(
+        (OwnFlag("--lr", None),), "{flags}: the matrices' lr (unset: Dion3's 0.01), and the lr of Megatron's Adam for the other tensors"
+    ),
+    "adamw_lr": MegatronOwn(
+        (OwnFlag("--decoupled-lr", None), OwnFlag("--lr", None)),
+        "Megatron's Adam: {flags}; the embeddings and the output layer take the first (unset: the second), norms and biases the second",
+    ),
     "weight_decay": MegatronOwn((OwnFlag("--weight-decay", 0.01),), "{flags}: the matrices' and Megatron's Adam's"),
     "betas": MegatronOwn((OwnFlag("--adam-beta1", 0.9), OwnFlag("--adam-beta2", 0.999)), "Megatron's Adam: {flags}"),
 }
@@ -147,15 +149,19 @@ def kernel_environment() -> list[tuple[str, str, str]]:
     """(variable, value, effect) for each environment variable kernels.config.from_environment
     reads: the variables found in its source, the effect by calling it with each set to "0"."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(kernel_config.from_environment)))
-    names = [node.args[0].value for node in ast.walk(tree) if isinstance(node, ast.Call)
-             and ast.unparse(node.func) == "os.environ.get" and isinstance(node.args[0], ast.Constant)]
+    names = [
+        node.args[0].value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "os.environ.get" and isinstance(node.args[0], ast.Constant)
+    ]
 
     def read(**set_to: str) -> dict[str, Any]:
         with mock.patch.dict(os.environ):  # restored on exit
             for name in names:
                 os.environ.pop(name, None)
             os.environ.update(set_to)
-            return dataclasses.asdict(kernel_config.from_environment())
+            config = kernel_config.from_environment()
+            return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.compare}
 
     default = read()
     rows = []
@@ -194,26 +200,24 @@ def markdown_reference() -> str:
         "- **Hugging Face Trainer** (with `--deepspeed ds_config.json`): the DeepSpeed config, with the same",
         "  keys; Trainer also sets four of them ([below](#hugging-face-trainer)).",
         "",
-        "None (JSON `null`, a flag left out: \"unset\") is a default of its own, which the column \"meaning\"",
-        "describes. A value outside the column \"values\" stops with an error that names the option, the",
+        'None (JSON `null`, a flag left out: "unset") is a default of its own, which the column "meaning"',
+        'describes. A value outside the column "values" stops with an error that names the option, the',
         "value and what the option takes.",
         "",
         "## Options",
         "",
-        "| option | values | PyTorch (default) | Megatron flag (default), config field | DeepSpeed `\"params\"` (default) "
-        "| meaning |",
+        '| option | values | PyTorch (default) | Megatron flag (default), config field | DeepSpeed `"params"` (default) | meaning |',
         "|---|---|---|---|---|---|",
     ]
     for o in options.OPTIONS:
         meaning = f"{o.help[0].upper()}{o.help[1:]}."
-        lines.append(f"| `{o.name}` | {cell(values(o))} | {torch_cell(o)} | {megatron_cell(o)} | "
-                     f"{deepspeed_cell(o)} | {cell(meaning)} |")
+        lines.append(f"| `{o.name}` | {cell(values(o))} | {torch_cell(o)} | {megatron_cell(o)} | {deepspeed_cell(o)} | {cell(meaning)} |")
     lines += [
         "",
         "## Hugging Face Trainer",
         "",
-        "Trainer hands DeepSpeed the same `\"optimizer\"` block. It also sets these keys from its own flags",
-        "(`TrainingArguments` fields): a key set to `\"auto\"` takes Trainer's value; a number must equal",
+        'Trainer hands DeepSpeed the same `"optimizer"` block. It also sets these keys from its own flags',
+        '(`TrainingArguments` fields): a key set to `"auto"` takes Trainer\'s value; a number must equal',
         "Trainer's (else Trainer refuses the config); a key left out keeps Dion3's default. Every other key",
         "is Dion3's alone, as under DeepSpeed.",
         "",
@@ -222,7 +226,7 @@ def markdown_reference() -> str:
     ]
     for name, flags in TRAINER_OWN.items():
         default = json.dumps(json_value(options.BY_NAME[name].default))
-        lines.append(f"| `\"{name}\"` | {own_flags(flags, TRAINER)} | `{default}` |")
+        lines.append(f'| `"{name}"` | {own_flags(flags, TRAINER)} | `{default}` |')
     lines += [
         "",
         "## Kernel environment variables",

@@ -75,8 +75,14 @@ class DeviceSpeed:
 
 
 def estimated_step_seconds(
-    n_rows: int, n_cols: int, fraction: float, speed: DeviceSpeed,
-    world: int = 1, batch: int = 1, ns_method: str = "gram", num_heads: Optional[int] = None,
+    n_rows: int,
+    n_cols: int,
+    fraction: float,
+    speed: DeviceSpeed,
+    world: int = 1,
+    batch: int = 1,
+    ns_method: str = "gram",
+    num_heads: Optional[int] = None,
 ) -> float:
     """Modelled time of one Dion3 step of one matrix, per rank.
 
@@ -99,8 +105,14 @@ def estimated_step_seconds(
 
 
 def modelled_loss_change(
-    n_rows: int, n_cols: int, fraction: float, speed: DeviceSpeed,
-    world: int = 1, batch: int = 1, ns_method: str = "gram", num_heads: Optional[int] = None,
+    n_rows: int,
+    n_cols: int,
+    fraction: float,
+    speed: DeviceSpeed,
+    world: int = 1,
+    batch: int = 1,
+    ns_method: str = "gram",
+    num_heads: Optional[int] = None,
     step_share: float = 1.0,
 ) -> float:
     """Modelled change of the final loss (nats) from stepping this matrix at ``fraction`` instead of
@@ -111,6 +123,7 @@ def modelled_loss_change(
     step_share: the share of the matrices whose forward and backward a rank computes that it steps
     (Megatron's layer-wise ZeRO-1: about 1 / DP), so each stepped matrix stands for 1 / step_share
     matrices' forward and backward."""
+
     def step(f: float) -> float:
         return estimated_step_seconds(n_rows, n_cols, f, speed, world, batch, ns_method, num_heads)
 
@@ -120,8 +133,13 @@ def modelled_loss_change(
 
 
 def choose_fraction(
-    n_rows: int, n_cols: int, speed: DeviceSpeed,
-    world: int = 1, batch: int = 1, ns_method: str = "gram", num_heads: Optional[int] = None,
+    n_rows: int,
+    n_cols: int,
+    speed: DeviceSpeed,
+    world: int = 1,
+    batch: int = 1,
+    ns_method: str = "gram",
+    num_heads: Optional[int] = None,
     step_share: float = 1.0,
 ) -> float:
     """The automatic f for an n_rows x n_cols matrix.
@@ -134,6 +152,5 @@ def choose_fraction(
     """
     floor = min(MIN_SELECTED_ROWS, n_rows)
     feasible = [f for f in CANDIDATE_FRACTIONS if selected_row_count(n_rows, f, num_heads) >= floor] or [1.0]
-    change = {f: modelled_loss_change(n_rows, n_cols, f, speed, world, batch, ns_method, num_heads, step_share)
-              for f in feasible}
+    change = {f: modelled_loss_change(n_rows, n_cols, f, speed, world, batch, ns_method, num_heads, step_share) for f in feasible}
     return min(feasible, key=lambda f: (change[f], -f))

@@ -88,8 +88,9 @@ def row_scores(m: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Ten
     return torch.linalg.vector_norm(m, ord=1, dim=-1, dtype=torch.float32, out=out)
 
 
-def accumulate_and_score(momentum: torch.Tensor, grads: list[torch.Tensor],
-                         out: Optional[torch.Tensor] = None, decay: Optional[float] = None) -> torch.Tensor:
+def accumulate_and_score(
+    momentum: torch.Tensor, grads: list[torch.Tensor], out: Optional[torch.Tensor] = None, decay: Optional[float] = None
+) -> torch.Tensor:
     """M += G for the (B, n, c) fp32 momentum and its B (n, c) gradients; the L1 row scores (B, n)
     of the new momentum (into ``out`` when given). With ``decay`` (:func:`folded_decay`) the
     momentum is left as decay * (M + G), the scores still those of M + G.
@@ -240,8 +241,7 @@ def _per_matrix(mu: float | torch.Tensor) -> float | torch.Tensor:
     return mu if not torch.is_tensor(mu) else mu.view(-1, 1, 1)
 
 
-def take_rows(momentum: torch.Tensor, rows: torch.Tensor, mu: float | torch.Tensor,
-              batch: Optional[torch.Tensor] = None) -> torch.Tensor:
+def take_rows(momentum: torch.Tensor, rows: torch.Tensor, mu: float | torch.Tensor, batch: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`take_selected` for rows scattered over a batch: momentum[batch, rows] copied out as
     (P, c) and decayed there by mu (a number, or (B,): one per matrix). Without ``batch`` the
     momentum is one (n, c) matrix and mu a number."""
@@ -256,7 +256,10 @@ def take_rows(momentum: torch.Tensor, rows: torch.Tensor, mu: float | torch.Tens
 
 
 def row_scales(
-    ortho: torch.Tensor, variance_selected: torch.Tensor, beta2: float, eps: float,
+    ortho: torch.Tensor,
+    variance_selected: torch.Tensor,
+    beta2: float,
+    eps: float,
     scale: Optional[float | torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NorMuon as one multiplier per row: divide each row by its running RMS, then restore the
@@ -279,7 +282,10 @@ def row_scales(
 
 
 def normalize_rows(
-    ortho: torch.Tensor, variance_selected: torch.Tensor, beta2: float, eps: float,
+    ortho: torch.Tensor,
+    variance_selected: torch.Tensor,
+    beta2: float,
+    eps: float,
     scale: Optional[float | torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NorMuon (:func:`row_scales`) applied: (normalized block, new variance rows)."""
@@ -327,8 +333,7 @@ class UpdateFactors:
     @staticmethod
     def of(lrs: list[float], weight_decays: list[float], scales: list[float]) -> "UpdateFactors":
         """shrink = 1 - lr wd, coef = -lr * scale."""
-        return UpdateFactors([1 - lr * wd for lr, wd in zip(lrs, weight_decays)],
-                             [-lr * scale for lr, scale in zip(lrs, scales)])
+        return UpdateFactors([1 - lr * wd for lr, wd in zip(lrs, weight_decays)], [-lr * scale for lr, scale in zip(lrs, scales)])
 
     def on_device(self, device: torch.device) -> "UpdateFactors":
         """The tensor form on ``device`` (from numbers): one queued copy, not waited for."""
@@ -336,7 +341,7 @@ class UpdateFactors:
         if device.type == "cuda":
             values = values.pin_memory()
         on_device = torch.empty(values.shape, dtype=torch.float32, device=device).copy_(values, non_blocking=True)
-        return UpdateFactors(on_device[: len(self.shrink)], on_device[len(self.shrink):])
+        return UpdateFactors(on_device[: len(self.shrink)], on_device[len(self.shrink) :])
 
     def part(self, start: int, stop: int) -> "UpdateFactors":
         """The factors of matrices [start, stop) of the batch."""
@@ -351,9 +356,14 @@ def update_factors(hps: Sequence[Dion3Hyperparameters], fraction: float, n_rows:
     return UpdateFactors.of(lrs, [hp.weight_decay for hp in hps], scales)
 
 
-def apply_rows(weights: list[torch.Tensor], rows: torch.Tensor | list[torch.Tensor],
-               steps: torch.Tensor | list[torch.Tensor], row_scale: torch.Tensor | list[float],
-               shrink: list[float] | torch.Tensor, padded: bool = False) -> None:
+def apply_rows(
+    weights: list[torch.Tensor],
+    rows: torch.Tensor | list[torch.Tensor],
+    steps: torch.Tensor | list[torch.Tensor],
+    row_scale: torch.Tensor | list[float],
+    shrink: list[float] | torch.Tensor,
+    padded: bool = False,
+) -> None:
     """The weight update: W_b *= shrink[b]; W_b[rows_b] += row_scale_b * steps_b, for 2-D weights
     (views are fine), each step rounded once to its weight's dtype.
 
@@ -417,8 +427,11 @@ def normalize_and_apply(
     take the same kernels and round alike.
     """
     coef = factors.coef
-    scale: float | torch.Tensor = coef if isinstance(coef, torch.Tensor) else (
-        coef[0] if len(set(coef)) == 1 else torch.tensor(coef, dtype=torch.float32).to(ortho.device))
+    scale: float | torch.Tensor = (
+        coef
+        if isinstance(coef, torch.Tensor)
+        else (coef[0] if len(set(coef)) == 1 else torch.tensor(coef, dtype=torch.float32).to(ortho.device))
+    )
     row_scale, new_variance = row_scales(ortho, torch.gather(variance, 1, idx), beta2, eps, scale)
     variance.scatter_(1, idx, new_variance)
     apply_rows(weights, idx, ortho, row_scale, factors.shrink)

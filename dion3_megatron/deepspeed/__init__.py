@@ -38,8 +38,18 @@ from .zero_optimizer import DeepSpeedZeroDion3, Partition
 from .groups import engine_param_groups, param_groups
 from .conv1d import conv1d_as_linear
 
-__all__ = ["DeepSpeedDion3", "DeepSpeedZeroDion3", "register", "unregister", "normalize_params", "param_groups",
-           "engine_param_groups", "conv1d_as_linear", "CONFIG_KEYS", "SUPPORTED_DEEPSPEED"]
+__all__ = [
+    "DeepSpeedDion3",
+    "DeepSpeedZeroDion3",
+    "register",
+    "unregister",
+    "normalize_params",
+    "param_groups",
+    "engine_param_groups",
+    "conv1d_as_linear",
+    "CONFIG_KEYS",
+    "SUPPORTED_DEEPSPEED",
+]
 
 CONFIG_NAME = "dion3"  # the config "type" as DeepSpeed keeps it (it lower-cases its own optimizers' names)
 
@@ -112,8 +122,10 @@ def name_hint(original):
         if original(self, optimizer_name):
             return True
         if isinstance(optimizer_name, str) and _near_dion3(optimizer_name):
-            raise ValueError(f'DeepSpeed config "optimizer": {{"type": {json.dumps(optimizer_name)}}} is no optimizer '
-                             'DeepSpeed knows; did you mean "Dion3"?')
+            raise ValueError(
+                f'DeepSpeed config "optimizer": {{"type": {json.dumps(optimizer_name)}}} is no optimizer '
+                'DeepSpeed knows; did you mean "Dion3"?'
+            )
         return False
 
     return _is_supported_optimizer
@@ -140,8 +152,9 @@ def zero_stage_checks(original):
 
                 optimizer.adopt_partitions(zero3.partitions_of(wrapped), wrapped._reassign_or_swap_out_partitioned_parameters)
             else:
-                optimizer.adopt_partitions([Partition(gi, g["params"][0]) for gi, g in enumerate(optimizer._groups)],
-                                           _zero12_write_back(wrapped))
+                optimizer.adopt_partitions(
+                    [Partition(gi, g["params"][0]) for gi, g in enumerate(optimizer._groups)], _zero12_write_back(wrapped)
+                )
             optimizer.create_partition_state()
         return wrapped
 
@@ -173,11 +186,13 @@ def split_config_params(original):
 
 
 def _plain_dion3_error(optimizer, wrapper: str) -> str:
-    return (f"deepspeed.initialize got a plain {type(optimizer).__module__}.{type(optimizer).__qualname__}, "
-            f"which steps whole parameters, but {wrapper} hands the optimizer flat slices of them. Pass "
-            "dion3_megatron.deepspeed.DeepSpeedDion3 instead (same arguments; param_groups(model) splits a "
-            'model), or put "optimizer": {"type": "Dion3", "params": {...}} in the config and import '
-            "dion3_megatron.deepspeed")
+    return (
+        f"deepspeed.initialize got a plain {type(optimizer).__module__}.{type(optimizer).__qualname__}, "
+        f"which steps whole parameters, but {wrapper} hands the optimizer flat slices of them. Pass "
+        "dion3_megatron.deepspeed.DeepSpeedDion3 instead (same arguments; param_groups(model) splits a "
+        'model), or put "optimizer": {"type": "Dion3", "params": {...}} in the config and import '
+        "dion3_megatron.deepspeed"
+    )
 
 
 def stage_class(original):

@@ -22,28 +22,28 @@ from .layout import logical
 @options.documented(options.DEEPSPEED)
 class DeepSpeedFrontEnd(Dion3FrontEnd):
     """Dion3 for DeepSpeed, either stage: the config's ``params`` checked, the groups split and
-    checked; a subclass steps, keeps the record and loads (:class:`~dion3_megatron.frontend.lifecycle.Dion3FrontEnd`),
-    and :meth:`_start` sets what only it holds.
+        checked; a subclass steps, keeps the record and loads (:class:`~dion3_megatron.frontend.lifecycle.Dion3FrontEnd`),
+        and :meth:`_start` sets what only it holds.
 
-    Takes the options below, the config's ``params`` (JSON spellings: ``betas`` a list,
-    ``ns_dtype`` a string). Unknown keys and out-of-range values raise ValueError at
-    construction, i.e. at ``deepspeed.initialize``.
+        Takes the options below, the config's ``params`` (JSON spellings: ``betas`` a list,
+        ``ns_dtype`` a string). Unknown keys and out-of-range values raise ValueError at
+        construction, i.e. at ``deepspeed.initialize``.
 
-    Options:
-{options}
+        Options:
+    {options}
     """
 
     FRONT_END = options.DEEPSPEED
 
     def __init__(self, params: Iterable[Any], **kwargs: Any) -> None:
-        settings, params, defaults, _ = grouping.prepare(type(self).__name__, options.DEEPSPEED,
-                                                         _split_partitioned(list(params)), normalize_params(kwargs))
+        settings, params, defaults, _ = grouping.prepare(
+            type(self).__name__, options.DEEPSPEED, _split_partitioned(list(params)), normalize_params(kwargs)
+        )
         self.cuda_graph: bool = settings["cuda_graph"]
         self.kernels: str | None = settings["kernels"]
         self.adamw_lr: float = settings["adamw_lr"]
         super().__init__(params, defaults)
-        grouping.warn_without_matrices(type(self).__name__, [{**g, "params": [logical(p) for p in g["params"]]}
-                                                             for g in self.param_groups])
+        grouping.warn_without_matrices(type(self).__name__, [{**g, "params": [logical(p) for p in g["params"]]} for g in self.param_groups])
         self._start()
 
     def _start(self) -> None:

@@ -39,8 +39,7 @@ def _from_json(key: str, value: Any) -> Any:
     if kind == options.REAL and not options.is_real(value) or kind == options.FRACTION and not options.is_fraction_value(value):
         raise ValueError(f"{WHERE}: {key} must be a finite number ({ALLOWED[key]}), got {value!r}")
     if kind == options.BETAS:
-        if not (isinstance(value, (list, tuple)) and len(value) == 2
-                and all(options.is_real(b) and 0 <= b < 1 for b in value)):
+        if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(options.is_real(b) and 0 <= b < 1 for b in value)):
             raise ValueError(f"{WHERE}: {key} must be two numbers in [0, 1), got {value!r}")
         return tuple(float(b) for b in value)
     if kind == options.HEADS and isinstance(value, bool):
@@ -63,10 +62,7 @@ def normalize_params(params: dict[str, Any]) -> dict[str, Any]:
         for k in unknown:
             hint = options.unknown_name_hint(k, ALLOWED, HINTS)
             lines.append(f"{k!r}" + (f" ({hint})" if hint else ""))
-        raise ValueError(
-            f"{WHERE}: unknown key(s) {', '.join(lines)}. Allowed keys: "
-            + "; ".join(f"{k}: {v}" for k, v in ALLOWED.items())
-        )
+        raise ValueError(f"{WHERE}: unknown key(s) {', '.join(lines)}. Allowed keys: " + "; ".join(f"{k}: {v}" for k, v in ALLOWED.items()))
     out = {k: _from_json(k, v) for k, v in params.items()}
     options.check(WHERE, **{**options.defaults_for(options.DEEPSPEED), **out})  # with the defaults: pairs too
     return out

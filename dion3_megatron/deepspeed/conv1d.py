@@ -59,8 +59,7 @@ def conv1d_as_linear(model: torch.nn.Module) -> int:
     ``deepspeed.initialize``) so that Dion3 takes those weights."""
     from .groups import is_conv1d
 
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if is_conv1d(child)]
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if is_conv1d(child)]
     for parent, name, child in swaps:
         setattr(parent, name, Conv1DAsLinear(child))
     return len(swaps)

@@ -28,8 +28,10 @@ from .layout import logical
 logger = logging.getLogger("dion3_megatron.deepspeed")
 
 # Matrices that are not hidden-layer weights: AdamW is the usual choice for them.
-DEFAULT_ADAMW_PATTERNS = (r"(^|\.)(embed|embedding|embeddings|wte|wpe|tok_embeddings|position)(\.|$)",
-                          r"(^|\.)(lm_head|head|output_layer)(\.|$)")
+DEFAULT_ADAMW_PATTERNS = (
+    r"(^|\.)(embed|embedding|embeddings|wte|wpe|tok_embeddings|position)(\.|$)",
+    r"(^|\.)(lm_head|head|output_layer)(\.|$)",
+)
 
 # Why a >= 2-D parameter takes AdamW (the log line of the config route counts them by reason).
 EMBEDDING, HEAD, NORM, CONV1D, UNKNOWN = "embedding", "output head", "norm", "Conv1D (in, out)", "not in the model"
@@ -160,11 +162,15 @@ def engine_param_groups(module: torch.nn.Module, model_parameters: Any) -> list[
         detail = ", ".join(f"{n} {reason}" for reason, n in why.items())
         logger.warning(
             "Dion3: split %d parameters by module: %d matrices take Dion3, %d tensors AdamW%s%s%s",
-            counts["dion3"] + counts["adamw"], counts["dion3"], counts["adamw"],
+            counts["dion3"] + counts["adamw"],
+            counts["dion3"],
+            counts["adamw"],
             f" (matrices among them: {detail})" if detail else "",
             f"; {unknown} matrices not in the engine's model take Dion3 by their dims" if unknown else "",
-            "; GPT-2's Conv1D weights are stored (in, out): dion3_megatron.deepspeed.conv1d_as_linear(model) "
-            "lets Dion3 take them" if CONV1D in why else "")
+            "; GPT-2's Conv1D weights are stored (in, out): dion3_megatron.deepspeed.conv1d_as_linear(model) lets Dion3 take them"
+            if CONV1D in why
+            else "",
+        )
     return out
 
 

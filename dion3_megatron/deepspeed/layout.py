@@ -54,8 +54,10 @@ def slice_layout(flat: torch.Tensor, originals: list[torch.Tensor], where: str) 
     """A ZeRO-1/2 param group's flat slice (one all_gather of int ranges over its data-parallel group)."""
     linked: list[ZeroParam] = [p for p in originals if is_zero_linked(p)]
     if not linked:
-        raise RuntimeError(f"{where}: its parameters were replaced by a flat tensor but none carries ZeRO's slice "
-                           "mapping (_hp_mapping), and no ZeRO-3 partition was registered for it")
+        raise RuntimeError(
+            f"{where}: its parameters were replaced by a flat tensor but none carries ZeRO's slice "
+            "mapping (_hp_mapping), and no ZeRO-3 partition was registered for it"
+        )
     group = linked[0]._dp_group
     if any(p._dp_group is not group for p in linked):
         raise RuntimeError(f"{where}: parameters span different data-parallel groups")
@@ -63,8 +65,7 @@ def slice_layout(flat: torch.Tensor, originals: list[torch.Tensor], where: str) 
     return FlatLayout(flat, linked, list(range(len(linked))), starts, _gather_ranges(linked, group, flat.device), group)
 
 
-def partition_layout(flat: torch.Tensor, params: list[ZeroParam], indices: list[int], group: Any,
-                     where: str) -> FlatLayout:
+def partition_layout(flat: torch.Tensor, params: list[ZeroParam], indices: list[int], group: Any, where: str) -> FlatLayout:
     """A ZeRO-3 sub-group's flat partition: ``params`` in the sub-group's order, each cut into
     ``world`` pieces of ``partition_numel()`` elements over ``group``."""
     world = dist.get_world_size(group)
@@ -81,8 +82,10 @@ def partition_layout(flat: torch.Tensor, params: list[ZeroParam], indices: list[
         starts.append(offset)
         offset += size
     if offset != flat.numel():
-        raise RuntimeError(f"{where}: the ZeRO-3 partition holds {flat.numel()} elements, its parameters' pieces "
-                           f"{offset}: DeepSpeed laid it out otherwise than this version of Dion3 expects")
+        raise RuntimeError(
+            f"{where}: the ZeRO-3 partition holds {flat.numel()} elements, its parameters' pieces "
+            f"{offset}: DeepSpeed laid it out otherwise than this version of Dion3 expects"
+        )
     return FlatLayout(flat, list(params), list(indices), starts, ranges, group)
 
 
@@ -111,8 +114,10 @@ def param_bounds(ranges: torch.Tensor, numel: int, where: str) -> list[int]:
             bounds.append(bounds[-1])
             continue
         if start != bounds[-1]:
-            raise RuntimeError(f"{where}: ZeRO slices of a parameter are not contiguous in rank order "
-                               f"(a rank starts at element {start}, expected {bounds[-1]})")
+            raise RuntimeError(
+                f"{where}: ZeRO slices of a parameter are not contiguous in rank order "
+                f"(a rank starts at element {start}, expected {bounds[-1]})"
+            )
         bounds.append(end)
     if bounds[-1] != numel:
         raise RuntimeError(f"{where}: ZeRO slices cover {bounds[-1]} of the parameter's {numel} elements")

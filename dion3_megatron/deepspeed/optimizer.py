@@ -45,8 +45,9 @@ class DeepSpeedDion3(DeepSpeedFrontEnd):
         self._whole.reset(records)
 
     def check_loadable(self, state_dict: dict[str, Any]) -> None:
-        grouping.check_saved_groups(without_records(state_dict["param_groups"]), self.param_groups, options.DEEPSPEED,
-                                    lambda group: group["params"])
+        grouping.check_saved_groups(
+            without_records(state_dict["param_groups"]), self.param_groups, options.DEEPSPEED, lambda group: group["params"]
+        )
         grouping.check_state_shapes(state_dict, self.param_groups, grouping.param_state_shapes)
 
     @torch.no_grad()

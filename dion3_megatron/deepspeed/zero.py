@@ -92,8 +92,10 @@ def _row_blocks(first: int, length: int, width: int) -> list[Rect]:
     if not length:
         return []
     top = first // width
-    return [dataclasses.replace(r, r0=r.r0 - top, r1=r.r1 - top)
-            for r in Sharding.flat((first, first + length)).rects(0, (first + length - 1) // width + 1, width)]
+    return [
+        dataclasses.replace(r, r0=r.r0 - top, r1=r.r1 - top)
+        for r in Sharding.flat((first, first + length)).rects(0, (first + length - 1) // width + 1, width)
+    ]
 
 
 class _SliceMoves:
@@ -107,15 +109,20 @@ class _SliceMoves:
     def __init__(self, pieces: list[_SlicePiece], exp_avg: torch.Tensor, per_row: dict[str, torch.Tensor]) -> None:
         live = [p for p in pieces if p.length]
         # where in the slice each touched row's first element here lies, row by row
-        self.firsts = torch.cat([p.offset + r.offset + (r.c1 - r.c0) * torch.arange(r.r1 - r.r0)
-                                 for p in live for r in p.rects] or [torch.zeros(0, dtype=torch.long)]).to(exp_avg.device)
+        self.firsts = torch.cat(
+            [p.offset + r.offset + (r.c1 - r.c0) * torch.arange(r.r1 - r.r0) for p in live for r in p.rects]
+            or [torch.zeros(0, dtype=torch.long)]
+        ).to(exp_avg.device)
         self.sizes = [p.rows for p in live]
         self.per_row = per_row
         self.rows = {key: [p.shard.state[key] for p in live] for key in per_row}
-        self.spread = {key: ([r.view(values.narrow(0, p.offset, p.length)) for p in live for r in p.rects],
-                             [p.shard.state[key][r.r0 : r.r1, None].expand(r.r1 - r.r0, r.c1 - r.c0)
-                              for p in live for r in p.rects])
-                       for key, values in per_row.items()}
+        self.spread = {
+            key: (
+                [r.view(values.narrow(0, p.offset, p.length)) for p in live for r in p.rects],
+                [p.shard.state[key][r.r0 : r.r1, None].expand(r.r1 - r.r0, r.c1 - r.c0) for p in live for r in p.rects],
+            )
+            for key, values in per_row.items()
+        }
 
     def read(self) -> None:
         if self.sizes:
@@ -181,8 +188,17 @@ class PartitionPlan:
         self.adamw_runs = _merge_runs(adamw_runs)
         self.chooses_fraction = self.steps_matrices and chooses_fraction(hp)
 
-    def _add_tensor_parallel(self, p: torch.Tensor, split: str, bounds: list[int], hp_start: int, lp_lo: int,
-                             tensor_parallel: "TensorParallel", hp: rule.Dion3Hyperparameters, name: str) -> None:
+    def _add_tensor_parallel(
+        self,
+        p: torch.Tensor,
+        split: str,
+        bounds: list[int],
+        hp_start: int,
+        lp_lo: int,
+        tensor_parallel: "TensorParallel",
+        hp: rule.Dion3Hyperparameters,
+        name: str,
+    ) -> None:
         """A TP block of a logical matrix, sliced by ZeRO: the engine steps the whole logical matrix
         over the tensor x data-parallel group (every rank of it holds one slice of one block)."""
         n, m = p.shape
@@ -190,18 +206,37 @@ class PartitionPlan:
         blocks = tensor_parallel.size
         shape = (n * blocks, m) if split == "rows" else (n, m * blocks)
         offset = hp_start + (lo - lp_lo) if hi > lo else 0
-        self._add_piece(name, offset, hi - lo, lo, m, shape, Sharding.block_flat(split, bounds, tensor_parallel.places),
-                        tensor_parallel.group, hp)
+        self._add_piece(
+            name, offset, hi - lo, lo, m, shape, Sharding.block_flat(split, bounds, tensor_parallel.places), tensor_parallel.group, hp
+        )
 
-    def _add_piece(self, name: str, offset: int, length: int, first: int, row_width: int, shape: tuple[int, int],
-                   sharding: Sharding, process_group, hp: rule.Dion3Hyperparameters) -> None:
+    def _add_piece(
+        self,
+        name: str,
+        offset: int,
+        length: int,
+        first: int,
+        row_width: int,
+        shape: tuple[int, int],
+        sharding: Sharding,
+        process_group,
+        hp: rule.Dion3Hyperparameters,
+    ) -> None:
         """A shard for the engine: ``length`` elements of the slice from ``offset``, which are
         elements [first, first + length) of a row-major matrix ``row_width`` wide (the logical
         matrix, or its TP block); a whole matrix's views of the slice are (rows, cols)."""
         local = shape if sharding.kind == "full" else (length,)
         view = self.flat.narrow(0, offset, length).view(local)
-        shard = MatrixShard(name=name, weight=view, grad=view,  # the grad: replaced by the real gradient each step
-                            shape=shape, sharding=sharding, group=process_group, hp=hp, state={})
+        shard = MatrixShard(
+            name=name,
+            weight=view,
+            grad=view,  # the grad: replaced by the real gradient each step
+            shape=shape,
+            sharding=sharding,
+            group=process_group,
+            hp=hp,
+            state={},
+        )
         self.pieces.append(_SlicePiece(shard, offset, length, _row_blocks(first, length, row_width)))
 
     def bind(self, state: dict, hp: rule.Dion3Hyperparameters) -> None:
@@ -227,10 +262,21 @@ class PartitionPlan:
 
     def adamw_step(self, group: dict, state: dict, grad: torch.Tensor) -> None:
         if self.adamw_runs:
-            params, grads, exp_avgs, exp_avg_sqs = ([t.narrow(0, start, length) for start, length in self.adamw_runs]
-                                                    for t in (self.flat, grad, state["exp_avg"], state["exp_avg_sq"]))
-            rule.adamw_step(params, grads, exp_avgs, exp_avg_sqs, int(state["step"].item()), group["lr"], group["betas"],
-                            group["eps"], group["weight_decay"])
+            params, grads, exp_avgs, exp_avg_sqs = (
+                [t.narrow(0, start, length) for start, length in self.adamw_runs]
+                for t in (self.flat, grad, state["exp_avg"], state["exp_avg_sq"])
+            )
+            rule.adamw_step(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                int(state["step"].item()),
+                group["lr"],
+                group["betas"],
+                group["eps"],
+                group["weight_decay"],
+            )
 
 
 class ZeroStep:
@@ -242,14 +288,20 @@ class ZeroStep:
     device's speed are collective over :attr:`check_group`); the engine is built again where the
     partitions' state tensors, or a group's staleness, changed (a checkpoint load)."""
 
-    def __init__(self, partitions: list[PartitionPlan], groups: list[dict], cuda_graph: bool,
-                 chosen: Mapping[str, float]) -> None:
+    def __init__(self, partitions: list[PartitionPlan], groups: list[dict], cuda_graph: bool, chosen: Mapping[str, float]) -> None:
         self.partitions = partitions
         self.use_graph = cuda_graph
         self.check_group = _widest([p.check_group for p in partitions])
         device = partitions[0].flat.device
-        wanted = sorted({(device, hp.ns_dtype or default_ns_dtype(device)) for p in partitions if p.chooses_fraction
-                         for hp in [grouping.hyperparameters(groups[p.group_index])]}, key=str)
+        wanted = sorted(
+            {
+                (device, hp.ns_dtype or default_ns_dtype(device))
+                for p in partitions
+                if p.chooses_fraction
+                for hp in [grouping.hyperparameters(groups[p.group_index])]
+            },
+            key=str,
+        )
         distributed = dist.get_world_size(self.check_group) > 1
         self.speeds = fractions.agreed_speeds(wanted, self.check_group) if wanted else fractions.AgreedSpeeds({}, distributed)
         self.choose = bool(wanted)  # some group has the automatic f: the ranks share their choices at each build
@@ -275,9 +327,15 @@ class ZeroStep:
                 self.speeds.of(p.flat.device, hp.ns_dtype or default_ns_dtype(p.flat.device))
         for p, state, hp in stepped:
             p.bind(state, hp)
-        self.engine = Dion3Engine([piece.shard for p, _, _ in stepped for piece in p.pieces], cuda_graph=self.use_graph,
-                                  check_group=self.check_group, fresh_grads=True, speeds=self.speeds, chosen=self.chosen,
-                                  momentum_in_place=True)
+        self.engine = Dion3Engine(
+            [piece.shard for p, _, _ in stepped for piece in p.pieces],
+            cuda_graph=self.use_graph,
+            check_group=self.check_group,
+            fresh_grads=True,
+            speeds=self.speeds,
+            chosen=self.chosen,
+            momentum_in_place=True,
+        )
         self._moves = [p.moves(state, hp) for p, state, hp in stepped]
         chosen = self.engine.chosen_fractions()
         if self.choose and dist.get_world_size(self.check_group) > 1:
@@ -313,8 +371,7 @@ def _per_row(state: dict, hp: rule.Dion3Hyperparameters) -> dict[str, torch.Tens
 def _widest(process_groups: list) -> Any:
     """The process group among ``process_groups`` whose ranks include every other's; None (the
     world) where none does."""
-    members = [set(dist.get_process_group_ranks(g)) if g is not None else set(range(dist.get_world_size()))
-               for g in process_groups]
+    members = [set(dist.get_process_group_ranks(g)) if g is not None else set(range(dist.get_world_size())) for g in process_groups]
     for g, ranks in zip(process_groups, members):
         if all(other <= ranks for other in members):
             return g
@@ -390,7 +447,7 @@ class TensorParallel:
 
     @staticmethod
     def split_of(p: torch.Tensor, shaped: torch.Tensor) -> "str | None":
-        """"rows" / "cols" for a 2-D TP-split weight (Megatron's ``partition_dim`` 0 / 1), else None;
+        """ "rows" / "cols" for a 2-D TP-split weight (Megatron's ``partition_dim`` 0 / 1), else None;
         ``shaped``: ``p`` with its logical shape (:func:`.layout.logical`)."""
         if shaped.dim() != 2 or not getattr(p, "tensor_model_parallel", False):
             return None
@@ -402,8 +459,10 @@ class TensorParallel:
         every = [torch.empty_like(mine) for _ in range(self.size)]
         dist.all_gather(every, mine, group=self.tp_group)
         if any(not torch.equal(every[0], other) for other in every[1:]):
-            raise RuntimeError(f"{where}: ZeRO slices its parameters differently on the tensor-parallel ranks; "
-                               "Dion3 needs the same parameter shapes and order on every TP rank")
+            raise RuntimeError(
+                f"{where}: ZeRO slices its parameters differently on the tensor-parallel ranks; "
+                "Dion3 needs the same parameter shapes and order on every TP rank"
+            )
 
 
 def _merge_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -29,8 +29,10 @@ def partitions_of(stage3: Any) -> list[Partition]:
     """The sub-groups of a ``DeepSpeedZeroOptimizer_Stage3``, in its order: each one's flat fp32
     partition on this rank, its parameters (in the partition's order) and the process group they
     are cut over."""
-    return [Partition(stage3.sub_group_to_group_id[i], flat, list(stage3.fp16_groups[i]), stage3.sub_group_process_groups[i])
-            for i, flat in enumerate(stage3.fp32_partitioned_groups_flat)]
+    return [
+        Partition(stage3.sub_group_to_group_id[i], flat, list(stage3.fp16_groups[i]), stage3.sub_group_process_groups[i])
+        for i, flat in enumerate(stage3.fp32_partitioned_groups_flat)
+    ]
 
 
 def load_universal_settings_and_ages(original):
@@ -52,8 +54,9 @@ def load_universal_settings_and_ages(original):
         saved_groups = saved[OPTIMIZER_STATE_DICT]["param_groups"]
         groups = self.optimizer.param_groups
         if len(saved_groups) != len(groups):
-            raise ValueError(f"universal checkpoint {checkpoint_dir}: {len(saved_groups)} param groups, the Dion3 "
-                             f"optimizer has {len(groups)}")
+            raise ValueError(
+                f"universal checkpoint {checkpoint_dir}: {len(saved_groups)} param groups, the Dion3 optimizer has {len(groups)}"
+            )
         original(self, checkpoint_dir)
         for group, settings in zip(groups, saved_groups):
             group.update({k: v for k, v in settings.items() if k != "params"})
@@ -62,8 +65,9 @@ def load_universal_settings_and_ages(original):
             if not all(os.path.isfile(os.path.join(folder, "row_age.pt")) for folder in folders):
                 continue
             flat = self.fp32_partitioned_groups_flat[i]
-            ages = torch.cat([self.load_hp_checkpoint_state(folder, "row_age", param=p).to(flat.device)
-                              for folder, p in zip(folders, params)])
+            ages = torch.cat(
+                [self.load_hp_checkpoint_state(folder, "row_age", param=p).to(flat.device) for folder, p in zip(folders, params)]
+            )
             self.optimizer.state[flat]["row_age"] = ages.to(torch.float32)
         return None
 

@@ -34,8 +34,9 @@ class Partition:
     """One flat fp32 partition this rank steps: its param group, and for ZeRO-3 the parameters its
     pieces belong to (in the partition's order) and the process group they are cut over."""
 
-    def __init__(self, group_index: int, flat: torch.Tensor, params: Optional[list[torch.Tensor]] = None,
-                 process_group: Any = None) -> None:
+    def __init__(
+        self, group_index: int, flat: torch.Tensor, params: Optional[list[torch.Tensor]] = None, process_group: Any = None
+    ) -> None:
         self.group_index, self.flat, self.params, self.process_group = group_index, flat, params, process_group
 
 
@@ -53,8 +54,7 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
         # Each group's parameters as given (ZeRO replaces ``params`` with flat partitions), and their
         # shapes (as meta tensors: ZeRO-3 empties a parameter's own shape once it partitions it).
         self._originals = [list(g["params"]) for g in self._groups]
-        self._shaped = [[torch.empty(logical(p).shape, dtype=p.dtype, device="meta") for p in given]
-                        for given in self._originals]
+        self._shaped = [[torch.empty(logical(p).shape, dtype=p.dtype, device="meta") for p in given] for given in self._originals]
         self._partitions: list[Partition] = []  # (:meth:`adopt_partitions`)
         self._write_back: Optional[Callable[[int], None]] = None
         self._pending: dict[int, Optional[torch.Tensor]] = {}  # partition index -> its gradient, this step
@@ -68,8 +68,9 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
             given = {id(p) for p in self._originals[part.group_index]}
             missing = [tuple(logical(p).shape) for p in part.params or () if id(p) not in given]
             if missing:
-                raise RuntimeError(f"Dion3 param group {part.group_index}: ZeRO partitions parameters the optimizer "
-                                   f"was not given (shapes {missing[:3]})")
+                raise RuntimeError(
+                    f"Dion3 param group {part.group_index}: ZeRO partitions parameters the optimizer was not given (shapes {missing[:3]})"
+                )
         self._partitions, self._write_back = partitions, write_back
         self._step_plan = None
 
@@ -78,8 +79,7 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
         parameters' fragments (``safe_get_full_optimizer_state``) once, right after the first call
         of ``step()``; ZeRO-3's universal-checkpoint load reads the first partition's ``step``."""
         for part in self._partitions:
-            zero.init_slice_state(self.state[part.flat], part.flat,
-                                  with_age=self._groups[part.group_index]["staleness"] > 0)
+            zero.init_slice_state(self.state[part.flat], part.flat, with_age=self._groups[part.group_index]["staleness"] > 0)
 
     # --- the record
 
@@ -87,9 +87,14 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
         """Per param group, the names of its Dion3 matrices (as :class:`.zero.PartitionPlan` names them)."""
         names: list[set[str]] = []
         for gi, (group, shaped) in enumerate(zip(self._groups, self._shaped)):
-            names.append({f"group{gi}.param{j}" + (f".matrix{e}" if p.dim() == 3 else "")
-                          for j, p in enumerate(shaped) if grouping.algorithm_of(group, p) == "dion3"
-                          for e in range(p.shape[0] if p.dim() == 3 else 1)})
+            names.append(
+                {
+                    f"group{gi}.param{j}" + (f".matrix{e}" if p.dim() == 3 else "")
+                    for j, p in enumerate(shaped)
+                    if grouping.algorithm_of(group, p) == "dion3"
+                    for e in range(p.shape[0] if p.dim() == 3 else 1)
+                }
+            )
         return names
 
     def fraction_records(self) -> list[dict[str, float]]:
@@ -104,8 +109,10 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
         for gi, (record, names) in enumerate(zip(records, self._matrix_names())):
             unknown = sorted(set(record) - names)
             if unknown:
-                raise ValueError(f"{where}: param group {gi} {RECORD} names {unknown[:3]}, which are not Dion3 matrices "
-                                 "of that group (saved from another model or grouping)")
+                raise ValueError(
+                    f"{where}: param group {gi} {RECORD} names {unknown[:3]}, which are not Dion3 matrices "
+                    "of that group (saved from another model or grouping)"
+                )
 
     def _take_records_in_groups(self) -> None:
         """A universal checkpoint's load sets every saved key of a param group on the group, the
@@ -124,10 +131,10 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
         # "dion3" group's partition is 1-D, its matrices not), with their logical shapes.
         self._check_records(read_records(state_dict), "checkpoint")
         shaped = {id(g): given for g, given in zip(self._groups, self._shaped)}
-        grouping.check_saved_groups(without_records(state_dict["param_groups"]), self.param_groups, options.DEEPSPEED,
-                                    lambda group: shaped[id(group)])
+        grouping.check_saved_groups(
+            without_records(state_dict["param_groups"]), self.param_groups, options.DEEPSPEED, lambda group: shaped[id(group)]
+        )
         grouping.check_state_shapes(state_dict, self.param_groups, _partition_state_shapes)
-
 
     # --- the step
 
@@ -146,8 +153,7 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
                     layout = slice_layout(part.flat, originals, where)
                 else:
                     position = {id(p): j for j, p in enumerate(originals)}
-                    layout = partition_layout(part.flat, part.params, [position[id(p)] for p in part.params],
-                                              part.process_group, where)
+                    layout = partition_layout(part.flat, part.params, [position[id(p)] for p in part.params], part.process_group, where)
                 plans.append(zero.PartitionPlan(self._groups[part.group_index], layout, part.group_index))
             self._step_plan = zero.ZeroStep(plans, self._groups, self.cuda_graph, self._restored)
         return self._step_plan
@@ -168,8 +174,10 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
         for p in handed:
             i = index.get(id(p))
             if i is None:
-                raise RuntimeError(f"Dion3: ZeRO stepped a flat tensor of {p.numel()} elements that is none of the "
-                                   f"{len(self._partitions)} partitions it built")
+                raise RuntimeError(
+                    f"Dion3: ZeRO stepped a flat tensor of {p.numel()} elements that is none of the "
+                    f"{len(self._partitions)} partitions it built"
+                )
             if i in self._pending:  # a partition handed again: a new step (the last one was interrupted)
                 self._pending.clear()
             self._pending[i] = p.grad

@@ -53,8 +53,7 @@ class StepGraph:
         self.factors: Optional[torch.Tensor] = None
         self._stream: Optional[torch.cuda.Stream] = None
 
-    def run(self, key: Hashable, step: Callable[[torch.Tensor], None], factor_values: list[float],
-            device: torch.device) -> None:
+    def run(self, key: Hashable, step: Callable[[torch.Tensor], None], factor_values: list[float], device: torch.device) -> None:
         """Run ``step(factors)``: eagerly while warming up, else by replaying its graph.
 
         ``factors`` is a (len(factor_values),) fp32 device tensor holding ``factor_values``.
@@ -85,8 +84,9 @@ class StepGraph:
             current.wait_stream(stream)
             self.graph.replay()
 
-    def run_with_factors(self, key: Hashable, step: Callable[[list[UpdateFactors]], None],
-                         factors: list[UpdateFactors], device: torch.device) -> None:
+    def run_with_factors(
+        self, key: Hashable, step: Callable[[list[UpdateFactors]], None], factors: list[UpdateFactors], device: torch.device
+    ) -> None:
         """:meth:`run` for a step that takes one :class:`UpdateFactors` per batch of matrices: given
         as numbers here, the step receives them as views of the graph's device tensor."""
         sizes = [len(f.shrink) for f in factors]
@@ -95,7 +95,7 @@ class StepGraph:
         values = [v for f in factors for v in f.shrink] + [v for f in factors for v in f.coef]
 
         def unpacked(t: torch.Tensor) -> None:
-            step([UpdateFactors(t[a:b], t[total + a:total + b]) for a, b in zip(starts, starts[1:])])
+            step([UpdateFactors(t[a:b], t[total + a : total + b]) for a, b in zip(starts, starts[1:])])
 
         self.run(key, unpacked, values, device)
 
@@ -109,4 +109,3 @@ class StepGraph:
         with torch.cuda.stream(stream):
             fn()
         current.wait_stream(stream)
-

@@ -77,10 +77,19 @@ class Dion3Engine:
     (:func:`~.exchange.allocate_group_state`).
     """
 
-    def __init__(self, shards: list[MatrixShard], cuda_graph: bool = True,
-                 check_group: Optional[dist.ProcessGroup] = None, step_share: float = 1.0, *,
-                 local: bool = False, fresh_grads: bool = False, speeds: Optional[AgreedSpeeds] = None,
-                 chosen: Optional[Mapping[str, float]] = None, momentum_in_place: bool = False) -> None:
+    def __init__(
+        self,
+        shards: list[MatrixShard],
+        cuda_graph: bool = True,
+        check_group: Optional[dist.ProcessGroup] = None,
+        step_share: float = 1.0,
+        *,
+        local: bool = False,
+        fresh_grads: bool = False,
+        speeds: Optional[AgreedSpeeds] = None,
+        chosen: Optional[Mapping[str, float]] = None,
+        momentum_in_place: bool = False,
+    ) -> None:
         if not isinstance(cuda_graph, bool):
             raise ValueError(f"cuda_graph must be a bool, got {cuda_graph!r}")
         if not 0 < step_share <= 1:
@@ -118,8 +127,9 @@ class Dion3Engine:
         return chosen_fractions(self.plan)
 
     @torch.no_grad()
-    def step(self, prologue: Optional[Callable[[], None]] = None, epilogue: Optional[Callable[[], None]] = None,
-             around_key: Hashable = ()) -> None:
+    def step(
+        self, prologue: Optional[Callable[[], None]] = None, epilogue: Optional[Callable[[], None]] = None, around_key: Hashable = ()
+    ) -> None:
         """One Dion3 step for every shard. When every shape group steps on the device alone (held
         whole, or on the static exchange), the whole step, collectives included, replays from one
         CUDA graph; otherwise :meth:`start_step`, then :meth:`finish_step`.
@@ -144,11 +154,13 @@ class Dion3Engine:
         if not self.cuda_graph or not self.plan:
             return False  # (an empty plan: a data-parallel rank that owns no matrix)
         device = self.plan[0].shards[0].weight.device
-        return (cuda_graph_module.usable(device) and all(ex.static for ex in self.exchanges)
-                and all(s.weight.device == device for sg in self.plan for s in sg.shards))
+        return (
+            cuda_graph_module.usable(device)
+            and all(ex.static for ex in self.exchanges)
+            and all(s.weight.device == device for sg in self.plan for s in sg.shards)
+        )
 
-    def _step_graphed(self, prologue: Optional[Callable[[], None]], epilogue: Optional[Callable[[], None]],
-                      around_key: Hashable) -> None:
+    def _step_graphed(self, prologue: Optional[Callable[[], None]], epilogue: Optional[Callable[[], None]], around_key: Hashable) -> None:
         """The whole step from one CUDA graph: the tensors it touches and all sizes are fixed, and
         nothing waits for the host. ``collectives`` and ``buffer_numels`` fill on eager calls only."""
         self.traffic.reset()
@@ -172,8 +184,7 @@ class Dion3Engine:
             if epilogue is not None:
                 epilogue()
 
-        key = (prologue is not None, epilogue is not None, around_key,
-               tuple(part for ex in self.exchanges for part in ex.graph_key()))
+        key = (prologue is not None, epilogue is not None, around_key, tuple(part for ex in self.exchanges for part in ex.graph_key()))
         self._graph.run_with_factors(key, step, factors, self.plan[0].shards[0].weight.device)
 
     def _accumulate_fresh(self, whole: list[WholeExchange]) -> None:

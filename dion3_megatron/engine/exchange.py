@@ -121,8 +121,7 @@ class Traffic:
         self.collectives.append("all_reduce")
         dist.all_reduce(flat, group=group)
 
-    def all_to_all(self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
-                   sg: ShapeGroup) -> torch.Tensor:
+    def all_to_all(self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], sg: ShapeGroup) -> torch.Tensor:
         if sg.world == 1:
             return send
         recv = self.buffer(sum(recv_sizes), send.device)
@@ -147,8 +146,10 @@ class Exchange:
         tensors a caller replaced (a checkpoint load)."""
         built, now = self.sg.built_staleness, self.sg.hp.staleness
         if now != built:  # the rows' ages exist only when the group was built with staleness
-            raise ValueError(f"Dion3 engine: staleness changed from {built!r} to {now!r} since the engine was built "
-                             f"({self.sg.shards[0].name}); build a new engine (the front ends do so)")
+            raise ValueError(
+                f"Dion3 engine: staleness changed from {built!r} to {now!r} since the engine was built "
+                f"({self.sg.shards[0].name}); build a new engine (the front ends do so)"
+            )
 
     def score(self) -> torch.Tensor:
         """Add the gradients to the momentum; this rank's partial row scores (B, n) of the group,
@@ -173,10 +174,15 @@ class Exchange:
         """A :attr:`static` exchange: what a captured step of the group bakes in."""
         raise NotImplementedError
 
-    def round_trip(self, send_parts: list[list[torch.Tensor]], recv_sizes: list[int],
-                   assemble: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], back_sizes: list[int],
-                   pack: Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]],
-                   result_sizes: list[int]) -> torch.Tensor:
+    def round_trip(
+        self,
+        send_parts: list[list[torch.Tensor]],
+        recv_sizes: list[int],
+        assemble: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        back_sizes: list[int],
+        pack: Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]],
+        result_sizes: list[int],
+    ) -> torch.Tensor:
         """The megabatch: ``send_parts[d]`` (this rank's pieces for owner d) travel in ONE
         all-to-all; ``assemble(received)`` builds the owned (B, k, m) blocks and (B, k) variances,
         which are orthogonalized and normalized as one batch; ``pack(normalized, new_variance)``
@@ -229,8 +235,9 @@ class BlockExchange(Exchange):
         scores = torch.zeros(len(sg.shards), sg.key.shape[0], dtype=torch.float32, device=device)
         for sub in self.subs:
             decay = folded_decay_of(sg, sub_batch_mu(sg, sub, device))
-            block = rule.accumulate_and_score(sub.momentum, [sg.shards[j].stepped_grad().view(sub.momentum.shape[1:])
-                                                             for j in sub.index], decay=decay)
+            block = rule.accumulate_and_score(
+                sub.momentum, [sg.shards[j].stepped_grad().view(sub.momentum.shape[1:]) for j in sub.index], decay=decay
+            )
             if sub.age is not None:
                 block = rule.staleness_boost(block, sub.age, sg.hp.staleness, sg.fraction)
             mine = sub.rect[sg.rank]
@@ -257,11 +264,22 @@ class BlockExchange(Exchange):
             assert momentum is not None and variance is not None  # a static exchange's, made by bind()
             padded.append((momentum, variance))
         return tuple(
-            (m.data_ptr(), v.data_ptr(), tuple(m.shape),
-             sub.age.data_ptr() if sub.age is not None else None,
-             sg.key, sg.fraction,
-             tuple((sg.shards[j].weight.data_ptr(), sg.shards[j].stepped_grad().data_ptr(),
-                    cuda_graph_module.baked_settings(sg.shards[j].hp)) for j in sub.index))
+            (
+                m.data_ptr(),
+                v.data_ptr(),
+                tuple(m.shape),
+                sub.age.data_ptr() if sub.age is not None else None,
+                sg.key,
+                sg.fraction,
+                tuple(
+                    (
+                        sg.shards[j].weight.data_ptr(),
+                        sg.shards[j].stepped_grad().data_ptr(),
+                        cuda_graph_module.baked_settings(sg.shards[j].hp),
+                    )
+                    for j in sub.index
+                ),
+            )
             for sub, (m, v) in zip(self.subs, padded)
         )
 
@@ -279,20 +297,20 @@ class BlockExchange(Exchange):
                 offset += count * width
                 variances[id(sub)].append(result[offset : offset + count])
                 offset += count
-        return ({key: torch.cat(parts) for key, parts in steps.items()},
-                {key: torch.cat(parts) for key, parts in variances.items()})
+        return ({key: torch.cat(parts) for key, parts in steps.items()}, {key: torch.cat(parts) for key, parts in variances.items()})
 
     def _pack(self, rows_of: Callable[["SubBatch", int], tuple]):
         """Owner side: per rank q and part, q's columns of the rows ``rows_of(sub, q)`` indexes
         (block positions, rows within the blocks) and their new variances."""
+
         def pack(normalized: torch.Tensor, new_variance: torch.Tensor) -> list[torch.Tensor]:
             parts = []
             for q in range(self.sg.world):
                 for sub in self.subs:
                     rows = rows_of(sub, q)
-                    parts += [normalized[(*rows, slice(sub.rect[q].c0, sub.rect[q].c1))].reshape(-1),
-                              new_variance[rows].reshape(-1)]
+                    parts += [normalized[(*rows, slice(sub.rect[q].c0, sub.rect[q].c1))].reshape(-1), new_variance[rows].reshape(-1)]
             return parts
+
         return pack
 
 
@@ -323,8 +341,10 @@ def _end_to_end_runs(sg: ShapeGroup, index: list[int]) -> list[list[int]]:
             raise ValueError(f"{sg.shards[j].name}: momentum stepped in place must be contiguous")
         if runs:
             last = sg.shards[runs[-1][-1]].state["momentum"]
-            if (last.untyped_storage().data_ptr() == momentum.untyped_storage().data_ptr()
-                    and momentum.storage_offset() == last.storage_offset() + last.numel()):
+            if (
+                last.untyped_storage().data_ptr() == momentum.untyped_storage().data_ptr()
+                and momentum.storage_offset() == last.storage_offset() + last.numel()
+            ):
                 runs[-1].append(j)
                 continue
         runs.append([j])

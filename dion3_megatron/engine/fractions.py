@@ -70,8 +70,9 @@ def _link_of(group: dist.ProcessGroup) -> float:
     return LINK_BYTES_PER_S.get(str(dist.get_backend(group)), LINK_BYTES_PER_S["gloo"])
 
 
-def for_group(device: torch.device, dtype: torch.dtype, group: Optional[dist.ProcessGroup],
-              step_share: float = 1.0) -> tuple[DeviceSpeed, float]:
+def for_group(
+    device: torch.device, dtype: torch.dtype, group: Optional[dist.ProcessGroup], step_share: float = 1.0
+) -> tuple[DeviceSpeed, float]:
     """This device's speed with the link of ``group``'s backend, and ``step_share``, agreed over the
     group's members (a collective when the group has more than one rank) so that all of them choose
     the same f: the slowest member's numbers, since a step that needs all of them waits for it, and
@@ -80,8 +81,9 @@ def for_group(device: torch.device, dtype: torch.dtype, group: Optional[dist.Pro
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return speed, step_share
     link = _link_of(group)
-    values = torch.tensor([speed.matmul_flops, -speed.launch_seconds, speed.memory_bytes_per_s, link, -step_share],
-                          dtype=torch.float64, device=device)
+    values = torch.tensor(
+        [speed.matmul_flops, -speed.launch_seconds, speed.memory_bytes_per_s, link, -step_share], dtype=torch.float64, device=device
+    )
     dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
     flops, neg_launch, memory, link, neg_share = values.tolist()
     return DeviceSpeed(flops, -neg_launch, memory, link), -neg_share
@@ -89,12 +91,17 @@ def for_group(device: torch.device, dtype: torch.dtype, group: Optional[dist.Pro
 
 def slowest(a: DeviceSpeed, b: DeviceSpeed) -> DeviceSpeed:
     """Each number of the two speeds at its slower value."""
-    return DeviceSpeed(min(a.matmul_flops, b.matmul_flops), max(a.launch_seconds, b.launch_seconds),
-                       min(a.memory_bytes_per_s, b.memory_bytes_per_s), min(a.link_bytes_per_s, b.link_bytes_per_s))
+    return DeviceSpeed(
+        min(a.matmul_flops, b.matmul_flops),
+        max(a.launch_seconds, b.launch_seconds),
+        min(a.memory_bytes_per_s, b.memory_bytes_per_s),
+        min(a.link_bytes_per_s, b.link_bytes_per_s),
+    )
 
 
-def agree_per_dtype(local: Sequence[tuple[torch.device, torch.dtype]],
-                    group: Optional[dist.ProcessGroup]) -> dict[torch.dtype, DeviceSpeed]:
+def agree_per_dtype(
+    local: Sequence[tuple[torch.device, torch.dtype]], group: Optional[dist.ProcessGroup]
+) -> dict[torch.dtype, DeviceSpeed]:
     """The speed of every Newton-Schulz dtype that a member of ``group`` steps, agreed in ONE
     collective whatever this rank holds (no dtype, one, or several on several devices), so that
     every member makes the same call: each dtype at its slowest member's numbers (only the members
@@ -116,8 +123,11 @@ def agree_per_dtype(local: Sequence[tuple[torch.device, torch.dtype]],
     if str(dist.get_backend(group)) == "nccl":
         values = values.to(torch.device("cuda", torch.cuda.current_device()))
     dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
-    return {dtype: DeviceSpeed(flops, -neg_launch, memory, link)
-            for dtype, (flops, neg_launch, memory) in zip(order, values.tolist()) if flops != math.inf}
+    return {
+        dtype: DeviceSpeed(flops, -neg_launch, memory, link)
+        for dtype, (flops, neg_launch, memory) in zip(order, values.tolist())
+        if flops != math.inf
+    }
 
 
 @dataclass
@@ -138,15 +148,16 @@ class AgreedSpeeds:
     def of(self, device: torch.device, dtype: torch.dtype) -> DeviceSpeed:
         if dtype not in self.by_dtype:
             if self.distributed:
-                raise ValueError(f"fraction='auto' with ns_dtype={dtype}: no rank stepped a group of that dtype at the "
-                                 "first step, when the ranks agreed on the device's speed; give such groups from the "
-                                 "start, or set their fraction")
+                raise ValueError(
+                    f"fraction='auto' with ns_dtype={dtype}: no rank stepped a group of that dtype at the "
+                    "first step, when the ranks agreed on the device's speed; give such groups from the "
+                    "start, or set their fraction"
+                )
             self.by_dtype[dtype] = measure(device, dtype)
         return self.by_dtype[dtype]
 
 
-def agreed_speeds(local: Sequence[tuple[torch.device, torch.dtype]],
-                  group: Optional[dist.ProcessGroup] = None) -> AgreedSpeeds:
+def agreed_speeds(local: Sequence[tuple[torch.device, torch.dtype]], group: Optional[dist.ProcessGroup] = None) -> AgreedSpeeds:
     """The speeds of the Newton-Schulz dtypes this rank's whole matrices choose their automatic f
     by (``local``: (device, dtype) pairs), agreed over ``group`` (default: the world) in one
     collective under torch.distributed (:func:`agree_per_dtype`): every member makes the call,

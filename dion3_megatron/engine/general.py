@@ -37,8 +37,7 @@ class GeneralExchange(Exchange):
                 shard.state["momentum"].mul_(decay)
             if sg.hp.staleness:
                 r0, r1 = sg.spans[j][sg.rank]
-                scores[j, r0:r1] = rule.staleness_boost(scores[j, r0:r1], shard.state["row_age"], sg.hp.staleness,
-                                                        sg.fraction)
+                scores[j, r0:r1] = rule.staleness_boost(scores[j, r0:r1], shard.state["row_age"], sg.hp.staleness, sg.fraction)
         return scores
 
     def age(self, chosen: torch.Tensor) -> None:
@@ -62,8 +61,9 @@ class GeneralExchange(Exchange):
             momentum = shard.state["momentum"]
             send_parts[owner].append(shard.state["variance"][layout.provided_rows(j)])
             for t, rect in enumerate(rects[j][me]):
-                piece = rule.take_rows(rect.view(momentum), layout.rect_rows(j, t),
-                                       take_decay_of(sg, rule.momentum_decay(shard.hp, sg.fraction)))
+                piece = rule.take_rows(
+                    rect.view(momentum), layout.rect_rows(j, t), take_decay_of(sg, rule.momentum_decay(shard.hp, sg.fraction))
+                )
                 send_parts[owner].append(piece.reshape(-1))
         recv_sizes = [layout.forward_size(q) for q in range(world)]
         owned = self.owned()

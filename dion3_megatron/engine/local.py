@@ -55,15 +55,20 @@ class WholeMatrices:
 
     def graph_key(self) -> tuple:
         """What a captured step of this batch bakes in: buffers, weights, gradients, settings."""
-        weights = tuple(w.data_ptr() for w in self.weight) if isinstance(self.weight, (list, tuple)) \
-            else self.weight.data_ptr()
-        return (self.momentum.data_ptr(), tuple(self.momentum.shape), self.variance.data_ptr(),
-                tuple(self.variance.stride()), weights,
-                tuple(g.data_ptr() for g in self.grads) if self.grads is not None else None,
-                self.scores.data_ptr() if self.scores is not None else None,
-                self.age.data_ptr() if self.age is not None else None, self.momentum_decayed,
-                cuda_graph_module.baked_settings(self.hp),
-                tuple(cuda_graph_module.baked_settings(hp) for hp in self.hps) if self.hps is not None else None)
+        weights = tuple(w.data_ptr() for w in self.weight) if isinstance(self.weight, (list, tuple)) else self.weight.data_ptr()
+        return (
+            self.momentum.data_ptr(),
+            tuple(self.momentum.shape),
+            self.variance.data_ptr(),
+            tuple(self.variance.stride()),
+            weights,
+            tuple(g.data_ptr() for g in self.grads) if self.grads is not None else None,
+            self.scores.data_ptr() if self.scores is not None else None,
+            self.age.data_ptr() if self.age is not None else None,
+            self.momentum_decayed,
+            cuda_graph_module.baked_settings(self.hp),
+            tuple(cuda_graph_module.baked_settings(hp) for hp in self.hps) if self.hps is not None else None,
+        )
 
 
 def step_whole_matrices(entries: list[WholeMatrices], graph: Optional[cuda_graph_module.StepGraph] = None) -> None:
@@ -76,8 +81,7 @@ def step_whole_matrices(entries: list[WholeMatrices], graph: Optional[cuda_graph
     step adds them first (:func:`rule.accumulate_and_score`) and passes the ``scores``.
     """
     device = entries[0].momentum.device if entries else None
-    if graph is None or device is None or any(e.momentum.device != device for e in entries) \
-            or not cuda_graph_module.usable(device):
+    if graph is None or device is None or any(e.momentum.device != device for e in entries) or not cuda_graph_module.usable(device):
         _step_whole_eager(entries)
         return
     factors = [e.factors if e.factors is not None else _whole_factors(e) for e in entries]
@@ -154,14 +158,14 @@ class WholeExchange(BlockExchange):
         sg = self.sg
         n, m = sg.key.shape
         if self._accumulated is None:
-            self._accumulated = [(torch.empty(sub.momentum.shape[:2], dtype=torch.float32, device=sub.momentum.device),
-                                  False) for sub in self.subs]
+            self._accumulated = [
+                (torch.empty(sub.momentum.shape[:2], dtype=torch.float32, device=sub.momentum.device), False) for sub in self.subs
+            ]
         for p, sub in enumerate(self.subs):
             decay = folded_decay_of(sg, sub_batch_mu(sg, sub, sub.momentum.device))
             scores = self._accumulated[p][0]
             grads = [sg.shards[j].stepped_grad() for j in sub.index]  # (a transposed weight's gradient has no (n, m) view)
-            rule.accumulate_and_score(sub.momentum, [g if g.shape == (n, m) else g.view(n, m) for g in grads],
-                                      out=scores, decay=decay)
+            rule.accumulate_and_score(sub.momentum, [g if g.shape == (n, m) else g.view(n, m) for g in grads], out=scores, decay=decay)
             self._accumulated[p] = (scores, decay is not None)
 
     def graph_key(self) -> tuple:
@@ -178,18 +182,27 @@ class WholeExchange(BlockExchange):
         entries = []
         for p, sub in enumerate(self.subs):
             accumulated = self._accumulated[p] if self._accumulated is not None else None
-            entries.append(WholeMatrices(
-                [sg.shards[j].weight.view(n, m) for j in sub.index], sub.momentum, sub.variance, hp,
-                grads=None if accumulated else [sg.shards[j].stepped_grad().view(n, m) for j in sub.index],
-                scores=accumulated[0] if accumulated else None,
-                momentum_decayed=accumulated[1] if accumulated else False,
-                hps=[sg.shards[j].hp for j in sub.index], mu=sub_batch_mu(sg, sub, sub.momentum.device),
-                factors=factors[p] if factors is not None else None, age=sub.age))
+            entries.append(
+                WholeMatrices(
+                    [sg.shards[j].weight.view(n, m) for j in sub.index],
+                    sub.momentum,
+                    sub.variance,
+                    hp,
+                    grads=None if accumulated else [sg.shards[j].stepped_grad().view(n, m) for j in sub.index],
+                    scores=accumulated[0] if accumulated else None,
+                    momentum_decayed=accumulated[1] if accumulated else False,
+                    hps=[sg.shards[j].hp for j in sub.index],
+                    mu=sub_batch_mu(sg, sub, sub.momentum.device),
+                    factors=factors[p] if factors is not None else None,
+                    age=sub.age,
+                )
+            )
         return entries
 
     @staticmethod
-    def step_all(exchanges: list["WholeExchange"], graph: Optional[cuda_graph_module.StepGraph],
-                 factors: Optional[list[rule.UpdateFactors]] = None) -> None:
+    def step_all(
+        exchanges: list["WholeExchange"], graph: Optional[cuda_graph_module.StepGraph], factors: Optional[list[rule.UpdateFactors]] = None
+    ) -> None:
         """Accumulate, score, select, orthogonalize and update every group of ``exchanges``."""
         entries, start = [], 0
         for ex in exchanges:

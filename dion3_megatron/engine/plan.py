@@ -55,7 +55,8 @@ class ShapeGroup:
         """Every shard is whole or split into non-empty row or column blocks: the batched path."""
         return all(
             s.sharding.kind == "full"
-            or s.sharding.kind in ("rows", "cols") and all(a < b for a, b in zip(s.sharding.bounds, s.sharding.bounds[1:]))
+            or s.sharding.kind in ("rows", "cols")
+            and all(a < b for a, b in zip(s.sharding.bounds, s.sharding.bounds[1:]))
             for s in self.shards
         )
 
@@ -74,8 +75,11 @@ class ShapeGroup:
     def describe(self) -> list[str]:
         """One line per matrix: what the ranks holding its pieces must agree on (the settings
         that its rows' update depends on, beside those in the group's key)."""
-        return [f"{s.name} {s.shape} {s.sharding.kind}{list(s.sharding.bounds or s.sharding.boxes)} "
-                + " ".join(f"{k}={getattr(s.hp, k)}" for k in _MATRIX_SETTINGS) for s in self.shards]
+        return [
+            f"{s.name} {s.shape} {s.sharding.kind}{list(s.sharding.bounds or s.sharding.boxes)} "
+            + " ".join(f"{k}={getattr(s.hp, k)}" for k in _MATRIX_SETTINGS)
+            for s in self.shards
+        ]
 
 
 # Per-matrix settings (not in the batch key) that every rank holding a piece must share.
@@ -101,8 +105,16 @@ class BatchKey(NamedTuple):
 def _batch_key(shard: MatrixShard, world: int) -> BatchKey:
     hp = shard.hp
     return BatchKey(
-        shard.shape, hp.fraction, hp.num_heads, hp.beta2, hp.eps, hp.ns_method, str(hp.ns_dtype), hp.staleness,
-        group_ranks(shard.group) if world > 1 else (), str(shard.weight.device) if world == 1 else "",
+        shard.shape,
+        hp.fraction,
+        hp.num_heads,
+        hp.beta2,
+        hp.eps,
+        hp.ns_method,
+        str(hp.ns_dtype),
+        hp.staleness,
+        group_ranks(shard.group) if world > 1 else (),
+        str(shard.weight.device) if world == 1 else "",
     )
 
 
@@ -118,8 +130,9 @@ def _check_shard(shard: MatrixShard, world: int, rank: int) -> None:
     if s.kind == "block_flat":
         blocks = s.blocks
         if (n if s.split == "rows" else m) % blocks or sorted(set(s.places)) != sorted(s.places):
-            raise ValueError(f"{shard.name}: {blocks} {s.split} blocks do not split the {shard.shape} matrix evenly, "
-                             f"or places {s.places} repeat")
+            raise ValueError(
+                f"{shard.name}: {blocks} {s.split} blocks do not split the {shard.shape} matrix evenly, or places {s.places} repeat"
+            )
         height, width = s.block_shape(n, m)
         if s.bounds[-1] != height * width:
             raise ValueError(f"{shard.name}: block_flat bounds end at {s.bounds[-1]}, a block has {height * width} elements")
@@ -130,9 +143,7 @@ def _check_shard(shard: MatrixShard, world: int, rank: int) -> None:
             raise ValueError(f"{shard.name}: boxes {s.boxes} do not tile the {shard.shape} matrix")
     expected = s.local_shape(rank, n, m)
     if tuple(shard.weight.shape) != expected or not shard.weight.is_contiguous():
-        raise ValueError(
-            f"{shard.name}: local piece must be a contiguous tensor of shape {expected}, got {tuple(shard.weight.shape)}"
-        )
+        raise ValueError(f"{shard.name}: local piece must be a contiguous tensor of shape {expected}, got {tuple(shard.weight.shape)}")
 
 
 def _overlap(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> bool:
@@ -171,15 +182,18 @@ def check_plan_matches(plan: list[ShapeGroup], group: Optional[dist.ProcessGroup
             mine.setdefault(group_ranks(sg.group), []).extend([repr(sg.key)] + sg.describe())
     members = list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
     digests: list = [None] * len(members)
-    dist.all_gather_object(digests, {ranks: hashlib.sha1("\n".join(lines).encode()).hexdigest()
-                                     for ranks, lines in mine.items()}, group=group)
+    dist.all_gather_object(
+        digests, {ranks: hashlib.sha1("\n".join(lines).encode()).hexdigest() for ranks, lines in mine.items()}, group=group
+    )
     reported = dict(zip(members, digests))
     bad = []
     for ranks in sorted({ranks for d in digests for ranks in d}):
         outside = [r for r in ranks if r not in reported]
         if outside:
-            raise RuntimeError(f"Dion3 megabatch: matrices are split over the ranks {list(ranks)}, but the ranks "
-                               f"{outside} are outside the group the plan is checked on ({members})")
+            raise RuntimeError(
+                f"Dion3 megabatch: matrices are split over the ranks {list(ranks)}, but the ranks "
+                f"{outside} are outside the group the plan is checked on ({members})"
+            )
         if len({reported[r].get(ranks) for r in ranks}) > 1:
             bad.append(ranks)
     if not bad:
@@ -210,9 +224,12 @@ def chooses_fraction(hp: Dion3Hyperparameters) -> bool:
     return hp.fraction is None
 
 
-def resolve_fractions(plan: list[ShapeGroup], step_share: float = 1.0,
-                      speeds: Optional[fractions.AgreedSpeeds] = None,
-                      chosen: Optional[Mapping[str, float]] = None) -> None:
+def resolve_fractions(
+    plan: list[ShapeGroup],
+    step_share: float = 1.0,
+    speeds: Optional[fractions.AgreedSpeeds] = None,
+    chosen: Optional[Mapping[str, float]] = None,
+) -> None:
     """Set every group's f: its hp.fraction, or for "auto" the f chosen before (``chosen``, by
     matrix name, the first of the group's matrices found there: a resumed checkpoint, an engine
     rebuilt), else the f chosen on the device's measured speed, agreed over the group's process
@@ -225,9 +242,20 @@ def resolve_fractions(plan: list[ShapeGroup], step_share: float = 1.0,
     chosen = chosen or {}
     earlier = {id(sg): next((chosen[s.name] for s in sg.shards if s.name in chosen), None) for sg in plan}
     wanted = [sg for sg in plan if chooses_fraction(sg.hp) and earlier[id(sg)] is None]
-    requests = [fractions.FractionRequest(sg.key.shape, len(sg.shards), sg.world, sg.hp, sg.shards[0].weight.device,
-                                          group, step_share, speeds if speeds is not None and speeds.covers(group) else None)
-                for sg in wanted for group in [sg.group if sg.world > 1 else None]]
+    requests = [
+        fractions.FractionRequest(
+            sg.key.shape,
+            len(sg.shards),
+            sg.world,
+            sg.hp,
+            sg.shards[0].weight.device,
+            group,
+            step_share,
+            speeds if speeds is not None and speeds.covers(group) else None,
+        )
+        for sg in wanted
+        for group in [sg.group if sg.world > 1 else None]
+    ]
     resolved = dict(zip(map(id, wanted), fractions.resolve_fractions(requests)))
     for sg in plan:
         if not chooses_fraction(sg.hp):

@@ -54,9 +54,15 @@ class PlannedExchange(BlockExchange):
         held = {}
         for p, (sub, (counts, owner_major, owned)) in enumerate(zip(self.subs, plans)):
             held[id(sub)] = _HeldRows(
-                counts, owner_major, owned, on_device[p, "bi"], on_device[p, "local"], on_device[p, "var"],
+                counts,
+                owner_major,
+                owned,
+                on_device[p, "bi"],
+                on_device[p, "local"],
+                on_device[p, "var"],
                 {q: (on_device[p, "pos", q], on_device[p, "si", q]) for q in range(world)},
-                [sum(counts[me][b] for b, j in enumerate(sub.index) if j % world == d) for d in range(world)])
+                [sum(counts[me][b] for b, j in enumerate(sub.index) if j % world == d) for d in range(world)],
+            )
         return held
 
     def step(self, chosen: torch.Tensor, factors: Optional[rule.UpdateFactors] = None) -> None:
@@ -103,10 +109,10 @@ class PlannedExchange(BlockExchange):
             return blocks, block_variances
 
         back_sizes = [sum(from_rank(sub, q, 1) for sub in subs) for q in range(world)]
-        result_sizes = [sum(held[id(sub)].per_dest[d] * (sub.rect[me].c1 - sub.rect[me].c0 + 1) for sub in subs)
-                        for d in range(world)]
-        result = self.round_trip(send_parts, recv_sizes, assemble, back_sizes,
-                                 self._pack(lambda sub, q: held[id(sub)].owner_index[q]), result_sizes)
+        result_sizes = [sum(held[id(sub)].per_dest[d] * (sub.rect[me].c1 - sub.rect[me].c0 + 1) for sub in subs) for d in range(world)]
+        result = self.round_trip(
+            send_parts, recv_sizes, assemble, back_sizes, self._pack(lambda sub, q: held[id(sub)].owner_index[q]), result_sizes
+        )
 
         # Apply: results arrive per owner, per part, in the order this rank sent its pieces.
         steps, new_variances = self._split_returned(result, lambda sub, d: held[id(sub)].per_dest[d])

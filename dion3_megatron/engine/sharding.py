@@ -139,8 +139,7 @@ class Sharding:
             t, d = self.places[rank]
             height, width = self.block_shape(n, m)
             dr, dc = (t * height, 0) if self.split == "rows" else (0, t * width)
-            return [Rect(r.r0 + dr, r.r1 + dr, r.c0 + dc, r.c1 + dc, r.offset)
-                    for r in Sharding.flat(self.bounds).rects(d, height, width)]
+            return [Rect(r.r0 + dr, r.r1 + dr, r.c0 + dc, r.c1 + dc, r.offset) for r in Sharding.flat(self.bounds).rects(d, height, width)]
         if self.kind == "boxes":
             r0, r1, c0, c1 = self.boxes[rank]
             return [Rect(r0, r1, c0, c1, 0)] if r0 < r1 and c0 < c1 else []

@@ -29,8 +29,11 @@ class Route:
         by_dest = [[b for b, j in enumerate(sub.index) if sg.owner(j) == d] for d in range(sg.world)]
         order = [b for bs in by_dest for b in bs]
         owned = [sub.index[b] // sg.world for b in by_dest[sg.rank]]
-        return Route(torch.tensor(order, dtype=torch.long, device=device), [len(bs) for bs in by_dest],
-                      torch.tensor(owned, dtype=torch.long, device=device))
+        return Route(
+            torch.tensor(order, dtype=torch.long, device=device),
+            [len(bs) for bs in by_dest],
+            torch.tensor(owned, dtype=torch.long, device=device),
+        )
 
 
 STATIC_ROW_BLOCKS_MAX_WORLD = 2  # row blocks send world x the rows they hold on the static exchange
@@ -94,8 +97,7 @@ class StaticExchange(BlockExchange):
             for d, (piece, v) in enumerate(zip(pieces.split(route.per_dest), variances.split(route.per_dest))):
                 send_parts[d] += [piece.reshape(-1)] + ([v.reshape(-1)] if sub.provides[me] else [])
         width = {id(sub): [r.c1 - r.c0 for r in sub.rect] for sub in subs}
-        recv_sizes = [sum(routes[id(sub)].per_dest[me] * k * (width[id(sub)][q] + sub.provides[q]) for sub in subs)
-                      for q in range(world)]
+        recv_sizes = [sum(routes[id(sub)].per_dest[me] * k * (width[id(sub)][q] + sub.provides[q]) for sub in subs) for q in range(world)]
 
         def assemble(recv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """Add up the pieces of each owned matrix's k rows."""
@@ -116,8 +118,9 @@ class StaticExchange(BlockExchange):
 
         back_sizes = [sum(routes[id(sub)].per_dest[me] * k * (width[id(sub)][q] + 1) for sub in subs) for q in range(world)]
         result_sizes = [sum(routes[id(sub)].per_dest[d] * k * (width[id(sub)][me] + 1) for sub in subs) for d in range(world)]
-        result = self.round_trip(send_parts, recv_sizes, assemble, back_sizes,
-                                 self._pack(lambda sub, q: (routes[id(sub)].owned_pos, slice(None))), result_sizes)
+        result = self.round_trip(
+            send_parts, recv_sizes, assemble, back_sizes, self._pack(lambda sub, q: (routes[id(sub)].owned_pos, slice(None))), result_sizes
+        )
 
         # Apply: each owner's results, per part, in route order; row blocks keep the rows they hold.
         steps, new_variances = self._split_returned(result, lambda sub, d: routes[id(sub)].per_dest[d] * k)
@@ -135,6 +138,5 @@ class StaticExchange(BlockExchange):
             part = factors.part(start, start + len(sub.index))
             assert isinstance(part.coef, torch.Tensor)  # device factors: on_device() above, or a graph's
             coef = part.coef.view(-1, 1).expand(local.shape).to(torch.float32)
-            rule.apply_rows(weights, local, in_order, coef, part.shrink,
-                            padded=mask is not None)  # rows held elsewhere are skipped
+            rule.apply_rows(weights, local, in_order, coef, part.shrink, padded=mask is not None)  # rows held elsewhere are skipped
             start += len(sub.index)

@@ -9,5 +9,13 @@ their framework's layout into engine shards.
 from .gate import announce_skipped_step, gradients_usable, usable_on_every_rank
 from .matrices import matrix_count, matrix_shape, matrix_values, matrix_view, stacked_view
 
-__all__ = ["announce_skipped_step", "gradients_usable", "matrix_count", "matrix_shape", "matrix_values",
-           "matrix_view", "stacked_view", "usable_on_every_rank"]
+__all__ = [
+    "announce_skipped_step",
+    "gradients_usable",
+    "matrix_count",
+    "matrix_shape",
+    "matrix_values",
+    "matrix_view",
+    "stacked_view",
+    "usable_on_every_rank",
+]

@@ -59,16 +59,14 @@ def _sharded_dim(placement) -> Optional[int]:
 
 
 def _described(p: DTensor, why: str) -> str:
-    return (f"{why}; got shape {tuple(p.shape)} with placements {tuple(p.placements)} on a mesh of shape "
-            f"{tuple(p.device_mesh.shape)}")
+    return f"{why}; got shape {tuple(p.shape)} with placements {tuple(p.placements)} on a mesh of shape {tuple(p.device_mesh.shape)}"
 
 
 def _placement_refusal(p: DTensor) -> Optional[str]:
     """Why the engine does not step the DTensor parameter ``p`` as placed (None: it does)."""
     placements, mesh = tuple(p.placements), p.device_mesh
     if any(not isinstance(pl, (Shard, _StridedShard, Replicate)) for pl in placements):
-        return _described(p, "Dion3 takes DTensor parameters placed by Shard, _StridedShard (FSDP2 with tensor "
-                             "parallelism) or Replicate")
+        return _described(p, "Dion3 takes DTensor parameters placed by Shard, _StridedShard (FSDP2 with tensor parallelism) or Replicate")
     if p.dim() not in (2, 3):
         return _described(p, "Dion3 takes 2-D DTensor matrices and 3-D ones sharded by experts")
     matrix_dims = (p.dim() - 2, p.dim() - 1)
@@ -78,8 +76,12 @@ def _placement_refusal(p: DTensor) -> Optional[str]:
     for dim in range(p.dim()):  # contiguous pieces only: cut left to right, or FSDP2's cut of a TP block
         cuts = [(d, pl) for d, pl in enumerate(placements) if _sharded_dim(pl) == dim]
         strided = [d for d, pl in cuts if isinstance(pl, _StridedShard)]
-        if strided and (len(cuts) != 2 or strided != [cuts[0][0]] or isinstance(cuts[1][1], _StridedShard)
-                        or cast(_StridedShard, cuts[0][1]).split_factor != mesh.size(cuts[1][0])):
+        if strided and (
+            len(cuts) != 2
+            or strided != [cuts[0][0]]
+            or isinstance(cuts[1][1], _StridedShard)
+            or cast(_StridedShard, cuts[0][1]).split_factor != mesh.size(cuts[1][0])
+        ):
             return _described(p, f"dimension {dim} is cut into pieces that are not contiguous")
     return None
 
@@ -130,8 +132,9 @@ class HeldPieces:
         if grad.placements != p.placements:
             return _described(p, f"its gradient is placed {tuple(grad.placements)}, not like the parameter")
         if _local_shape(grad) != shape:
-            return _described(p, f"its gradient's piece on this rank is {tuple(_local_shape(grad))}, not the "
-                                 f"{tuple(shape)} its placements give")
+            return _described(
+                p, f"its gradient's piece on this rank is {tuple(_local_shape(grad))}, not the {tuple(shape)} its placements give"
+            )
         return None
 
     @staticmethod
@@ -140,9 +143,15 @@ class HeldPieces:
         mesh = p.device_mesh
         coordinate = mesh.get_coordinate()
         if coordinate is None:
-            return (_described(p, f"it lies on a device mesh of the ranks {mesh.mesh.flatten().tolist()}, which "
-                                  f"leaves this rank ({dist.get_rank()}) out; give each rank's optimizer the "
-                                  "parameters of the meshes that include it"), torch.Size())
+            return (
+                _described(
+                    p,
+                    f"it lies on a device mesh of the ranks {mesh.mesh.flatten().tolist()}, which "
+                    f"leaves this rank ({dist.get_rank()}) out; give each rank's optimizer the "
+                    "parameters of the meshes that include it",
+                ),
+                torch.Size(),
+            )
         if dion3 and (why := _placement_refusal(p)) is not None:
             return why, torch.Size()
         shape, _ = _compute_local_shape_and_global_offset(p.shape, mesh.shape, list(coordinate), p.placements)
@@ -171,8 +180,7 @@ def layout(p: DTensor) -> Layout:
 
 def _box(p: DTensor, coordinate: Sequence[int]) -> list[tuple[int, int]]:
     """[start, end) per tensor dimension of the piece the mesh coordinate holds."""
-    shape, offset = _compute_local_shape_and_global_offset(p.shape, p.device_mesh.shape, list(coordinate),
-                                                           p.placements)
+    shape, offset = _compute_local_shape_and_global_offset(p.shape, p.device_mesh.shape, list(coordinate), p.placements)
     return [(o, o + s) if s else (n, n) for o, s, n in zip(offset, shape, p.shape)]
 
 
@@ -209,8 +217,7 @@ def _group_over(mesh, dims: list[int]) -> dist.ProcessGroup:
     return _groups[ranks]
 
 
-def choices_held_elsewhere(experts: Sequence[tuple[DTensor, list[str]]],
-                           chosen_here: Mapping[str, float]) -> dict[str, float]:
+def choices_held_elsewhere(experts: Sequence[tuple[DTensor, list[str]]], chosen_here: Mapping[str, float]) -> dict[str, float]:
     """The automatic f the ranks chose for the experts each holds, gathered, so that every rank
     keeps the whole record (the rank writing a checkpoint's param groups among them).
 
@@ -254,14 +261,14 @@ def per_row(p: DTensor, values: torch.Tensor) -> torch.Tensor:
             placements.append(Shard(0))
         else:
             placements.append(Replicate())
-    return DTensor.from_local(values, p.device_mesh, placements, run_check=False, shape=torch.Size((count, n)),
-                             stride=(n, 1))
+    return DTensor.from_local(values, p.device_mesh, placements, run_check=False, shape=torch.Size((count, n)), stride=(n, 1))
 
 
 def empty_state(p: DTensor, parts: Sequence[str]) -> dict[str, torch.Tensor]:
     """The state of a parameter of which this rank holds no matrix (no local expert), placed like it."""
     n = p.shape[-2]
     values = {part: torch.zeros(0, n, dtype=torch.float32, device=local(p).device) for part in parts}
-    return {"momentum": param_shaped(p, torch.zeros(local(p).shape, dtype=torch.float32, device=local(p).device)),
-            **{part: per_row(p, v) for part, v in values.items()}}
-
+    return {
+        "momentum": param_shaped(p, torch.zeros(local(p).shape, dtype=torch.float32, device=local(p).device)),
+        **{part: per_row(p, v) for part, v in values.items()},
+    }

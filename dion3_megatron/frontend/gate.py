@@ -25,8 +25,7 @@ def gradients_usable(tensors: list[torch.Tensor]) -> torch.Tensor:
             by_device[t.device].append(t)
     if not by_device:
         return torch.ones((), dtype=torch.bool)
-    largest = [torch.stack([n.float() for n in torch._foreach_norm(same, float("inf"))]).max()
-               for same in by_device.values()]
+    largest = [torch.stack([n.float() for n in torch._foreach_norm(same, float("inf"))]).max() for same in by_device.values()]
     return torch.stack([m.to(largest[0].device) for m in largest]).max() < rule.GRADIENT_LIMIT
 
 

@@ -35,8 +35,7 @@ def split_by_algorithm(params: list) -> Optional[list[dict]]:
     return [{"params": ps, "algorithm": None if name == "dion3" else name} for name, ps in by_algorithm.items() if ps]
 
 
-def prepare(owner: str, front_end: str, params: Iterable[Any],
-            given: dict[str, Any]) -> tuple[dict[str, Any], list, dict, bool]:
+def prepare(owner: str, front_end: str, params: Iterable[Any], given: dict[str, Any]) -> tuple[dict[str, Any], list, dict, bool]:
     """What a whole-parameter front end's constructor needs: its settings (unknown names refused,
     the optimizer-wide ones checked here, the per-group ones with each group), the params or param
     groups for ``torch.optim.Optimizer`` (a plain list split by algorithm:
@@ -53,8 +52,11 @@ def warn_without_matrices(owner: str, groups: list[dict]) -> None:
     """Say so when no parameter takes Dion3 (every one would take AdamW)."""
     if not any(algorithm_of(g, p) == "dion3" for g in groups for p in g["params"]):
         count = sum(len(g["params"]) for g in groups)
-        warnings.warn(f"{owner}: none of the {count} parameters is a matrix for Dion3 (a tensor of >= 2 dims "
-                      "outside algorithm='adamw' groups): every parameter will take AdamW", stacklevel=3)
+        warnings.warn(
+            f"{owner}: none of the {count} parameters is a matrix for Dion3 (a tensor of >= 2 dims "
+            "outside algorithm='adamw' groups): every parameter will take AdamW",
+            stacklevel=3,
+        )
 
 
 def check_group_keys(where: str, group: dict, front_end: str) -> None:
@@ -115,22 +117,23 @@ def param_state_shapes(group: dict, p: torch.Tensor) -> list[dict[str, tuple]]:
     return [{"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}]
 
 
-def check_saved_groups(saved: list[dict], groups: list[dict], front_end: str,
-                       params_of: Callable[[dict], list[torch.Tensor]], hint: str = "") -> None:
+def check_saved_groups(
+    saved: list[dict], groups: list[dict], front_end: str, params_of: Callable[[dict], list[torch.Tensor]], hint: str = ""
+) -> None:
     """A checkpoint's param groups against the optimizer's: as many, each with as many parameters,
     and settings valid for them (``params_of(group)``: the tensors to check them against)."""
     if len(saved) != len(groups):
         raise ValueError(f"checkpoint has {len(saved)} param groups, the optimizer has {len(groups)}{hint}")
     for gi, (mine, theirs) in enumerate(zip(groups, saved)):
         if len(mine["params"]) != len(theirs["params"]):
-            raise ValueError(f"param group {gi}: checkpoint has {len(theirs['params'])} params, "
-                             f"the optimizer has {len(mine['params'])}")
+            raise ValueError(f"param group {gi}: checkpoint has {len(theirs['params'])} params, the optimizer has {len(mine['params'])}")
         settings = {k: v for k, v in theirs.items() if k != "params"}
         check_group(f"param group {gi}", {**mine, **settings}, front_end, params_of(mine))
 
 
-def check_state_shapes(state_dict: dict[str, Any], groups: list[dict],
-                       shapes_of: Callable[[dict, torch.Tensor], list[dict[str, tuple]]]) -> None:
+def check_state_shapes(
+    state_dict: dict[str, Any], groups: list[dict], shapes_of: Callable[[dict, torch.Tensor], list[dict[str, tuple]]]
+) -> None:
     """Every parameter's state in a checkpoint against ``shapes_of(group, p)``; ValueError naming the
     group, the parameter and both shapes."""
     for gi, (mine, saved) in enumerate(zip(groups, state_dict["param_groups"])):
@@ -141,8 +144,10 @@ def check_state_shapes(state_dict: dict[str, Any], groups: list[dict],
             expected = shapes_of(mine, p)
             got = {k: tuple(v.shape) for k, v in entry.items() if torch.is_tensor(v)}
             if got not in expected:
-                raise ValueError(f"param group {gi}, param {pid} (shape {tuple(p.shape)}): checkpoint state {got} "
-                                 f"does not match the expected {' or '.join(map(str, expected))}")
+                raise ValueError(
+                    f"param group {gi}, param {pid} (shape {tuple(p.shape)}): checkpoint state {got} "
+                    f"does not match the expected {' or '.join(map(str, expected))}"
+                )
 
 
 def loaded_state(state_dict: dict[str, Any], groups: list[dict]) -> dict[torch.Tensor, dict]:
@@ -153,8 +158,12 @@ def loaded_state(state_dict: dict[str, Any], groups: list[dict]) -> dict[torch.T
         for p, pid in zip(mine["params"], saved["params"]):
             entry = state_dict["state"].get(pid)
             if entry is not None:
-                loaded[p] = {k: v.detach().to(device=p.device if k != "step" else v.device, dtype=torch.float32)
-                             .clone(memory_format=torch.contiguous_format) for k, v in entry.items()}
+                loaded[p] = {
+                    k: v.detach()
+                    .to(device=p.device if k != "step" else v.device, dtype=torch.float32)
+                    .clone(memory_format=torch.contiguous_format)
+                    for k, v in entry.items()
+                }
     return loaded
 
 

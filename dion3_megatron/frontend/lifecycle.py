@@ -40,8 +40,7 @@ def read_records(state_dict: Mapping[str, Any], where: str = "checkpoint") -> li
             raise ValueError(f"{where}: param group {gi}: {RECORD!r} must map matrix names to f, got {record!r}")
         for name, f in record.items():
             if not isinstance(name, str) or f not in cost_model.CANDIDATE_FRACTIONS:
-                raise ValueError(f"{where}: param group {gi}: {name!r} has fraction {f!r}, not one of "
-                                 f"{cost_model.CANDIDATE_FRACTIONS}")
+                raise ValueError(f"{where}: param group {gi}: {name!r} has fraction {f!r}, not one of {cost_model.CANDIDATE_FRACTIONS}")
         records.append({name: float(f) for name, f in record.items()})
     return records
 
@@ -68,8 +67,9 @@ def _distributed(group: Optional[dist.ProcessGroup]) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def decide_step(check: Callable[[], Sequence[torch.Tensor]], device: torch.device,
-                group: Optional[dist.ProcessGroup] = None, collective: bool = True) -> bool:
+def decide_step(
+    check: Callable[[], Sequence[torch.Tensor]], device: torch.device, group: Optional[dist.ProcessGroup] = None, collective: bool = True
+) -> bool:
     """The step's one decision, the same on every rank of ``group`` (default: the world).
 
     ``check()`` runs this rank's checks (it raises, naming the parameter and the value, for what
@@ -91,12 +91,14 @@ def decide_step(check: Callable[[], Sequence[torch.Tensor]], device: torch.devic
         if float(agreed) == _REFUSED:
             flags = [torch.zeros((), device=device) for _ in range(dist.get_world_size(group))]
             dist.all_gather(flags, code, group=group)
-            refusing = [dist.get_global_rank(group, i) if group is not None else i
-                        for i, flag in enumerate(flags) if float(flag) == _REFUSED]
+            refusing = [
+                dist.get_global_rank(group, i) if group is not None else i for i, flag in enumerate(flags) if float(flag) == _REFUSED
+            ]
             if error is not None:
                 raise error
-            raise StepRefused(f"Dion3: the step was refused on rank(s) {refusing} (their error names the "
-                              "parameter); nothing changed on any rank")
+            raise StepRefused(
+                f"Dion3: the step was refused on rank(s) {refusing} (their error names the parameter); nothing changed on any rank"
+            )
         code = agreed
     if error is not None:
         raise error
@@ -123,8 +125,13 @@ class Dion3FrontEnd(torch.optim.Optimizer):
         self.skipped_steps += 1
         announce_skipped_step(self.skipped_steps, where)
 
-    def gate_step(self, check: Callable[[], Sequence[torch.Tensor]], device: torch.device,
-                  group: Optional[dist.ProcessGroup] = None, collective: bool = True) -> bool:
+    def gate_step(
+        self,
+        check: Callable[[], Sequence[torch.Tensor]],
+        device: torch.device,
+        group: Optional[dist.ProcessGroup] = None,
+        collective: bool = True,
+    ) -> bool:
         """:func:`decide_step`; a skipped step is counted and announced here."""
         if decide_step(check, device, group, collective):
             return True

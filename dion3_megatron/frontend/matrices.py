@@ -38,8 +38,12 @@ def stacked_view(views: list[torch.Tensor]) -> torch.Tensor:
     state of a parameter's matrices), stacked along a new first dimension."""
     first = views[0]
     size = first.numel()
-    if any(v.shape != first.shape or v.stride() != first.stride() or v.untyped_storage().data_ptr() !=
-           first.untyped_storage().data_ptr() or v.storage_offset() != first.storage_offset() + i * size
-           for i, v in enumerate(views)):
+    if any(
+        v.shape != first.shape
+        or v.stride() != first.stride()
+        or v.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+        or v.storage_offset() != first.storage_offset() + i * size
+        for i, v in enumerate(views)
+    ):
         raise RuntimeError("stacked_view: the tensors do not lie one after another in one buffer")
     return first.as_strided((len(views), *first.shape), (size, *first.stride()), first.storage_offset())

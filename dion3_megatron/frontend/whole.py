@@ -61,8 +61,11 @@ class WholeParameters:
 
     def fractions(self, names: dict[torch.Tensor, str]) -> Fractions:
         """The automatic f of each parameter that has one, by name (``names``: every parameter's)."""
-        chosen = {p: f for p, name in names.items()  # (a 3-D parameter: its first matrix's)
-                  if (f := next((self.chosen[m] for m in matrix_names(name, p) if m in self.chosen), None)) is not None}
+        chosen = {
+            p: f
+            for p, name in names.items()  # (a 3-D parameter: its first matrix's)
+            if (f := next((self.chosen[m] for m in matrix_names(name, p) if m in self.chosen), None)) is not None
+        }
         return Fractions(chosen, names)
 
     def group_records(self, groups: list[dict]) -> list[dict[str, float]]:
@@ -70,8 +73,7 @@ class WholeParameters:
         checkpoint keeps in each saved group (:data:`~.lifecycle.RECORD`; ``torch.distributed.checkpoint``
         keeps param groups, and loads each name into the group that holds it)."""
         names = param_names(groups)
-        return [{m: self.chosen[m] for p in group["params"] for m in matrix_names(names[p], p) if m in self.chosen}
-                for group in groups]
+        return [{m: self.chosen[m] for p in group["params"] for m in matrix_names(names[p], p) if m in self.chosen} for group in groups]
 
     def reset(self, records: list[dict[str, float]]) -> None:
         """After a checkpoint load: the records it held (one per param group); the next step builds
@@ -88,15 +90,20 @@ class WholeParameters:
         first gradient, a checkpoint without them) use what was agreed: no rank ever waits in a
         collective its peers do not make. A group of a dtype none agreed on is refused here.
         """
-        wanted = [(p.device, hyperparameters(group).ns_dtype or default_ns_dtype(p.device))
-                  for group in groups if plan.chooses_fraction(hyperparameters(group)) for p in group["params"][:1]]
+        wanted = [
+            (p.device, hyperparameters(group).ns_dtype or default_ns_dtype(p.device))
+            for group in groups
+            if plan.chooses_fraction(hyperparameters(group))
+            for p in group["params"][:1]
+        ]
         if self._speeds is None:
             self._speeds = fractions.agreed_speeds(wanted)
         for device, dtype in wanted:
             self._speeds.of(device, dtype)
 
-    def optimizer_step(self, groups: list[dict], state: dict, front_end: str, closure: Optional[Callable[[], float]],
-                       gate: Callable[..., bool]) -> Optional[float]:
+    def optimizer_step(
+        self, groups: list[dict], state: dict, front_end: str, closure: Optional[Callable[[], float]], gate: Callable[..., bool]
+    ) -> Optional[float]:
         """A whole ``torch.optim.Optimizer.step``: the closure, then the step's one decision
         (``gate(check, device, collective=...)``, :meth:`~.lifecycle.Dion3FrontEnd.gate_step`: every
         group's settings, every gradient, and every DTensor parameter's and gradient's placements and
@@ -123,8 +130,11 @@ class WholeParameters:
 
         # Each rank holds its own rows of a DTensor's gradient: the ranks decide together. Whole
         # parameters (one process, or DDP's identical replicas) decide alone.
-        device = sharded.device if sharded is not None else next(
-            (p.grad.device for group in groups for p in group["params"] if p.grad is not None), torch.device("cpu"))
+        device = (
+            sharded.device
+            if sharded is not None
+            else next((p.grad.device for group in groups for p in group["params"] if p.grad is not None), torch.device("cpu"))
+        )
         usable = gate(check, device, collective=sharded is not None)
         self.agree_speeds(groups)
         if usable:
@@ -152,9 +162,17 @@ class WholeParameters:
             group = groups[gi]
             for p in params:
                 _adamw_state(state, p)["step"] += 1
-            rule.adamw_step([local(p) for p in params], [local(_grad_of(p)) for p in params],
-                            [local(state[p]["exp_avg"]) for p in params], [local(state[p]["exp_avg_sq"]) for p in params], count,
-                            group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            rule.adamw_step(
+                [local(p) for p in params],
+                [local(_grad_of(p)) for p in params],
+                [local(state[p]["exp_avg"]) for p in params],
+                [local(state[p]["exp_avg_sq"]) for p in params],
+                count,
+                group["lr"],
+                group["betas"],
+                group["eps"],
+                group["weight_decay"],
+            )
         for gi, p in matrices:  # this step's gradients and schedule (lr, weight decay)
             grads = matrix_values(local(_grad_of(p))).unbind(0)
             for shard, grad in zip(self._shards[p], grads):
@@ -169,14 +187,18 @@ class WholeParameters:
             for p in copied:
                 p.copy_(self._copies[p])
 
-        engine.step(prologue=copy_in if copied else None, epilogue=copy_back if copied else None,
-                    around_key=tuple(p.data_ptr() for p in copied))
+        engine.step(
+            prologue=copy_in if copied else None, epilogue=copy_back if copied else None, around_key=tuple(p.data_ptr() for p in copied)
+        )
 
-    def _engine_for(self, groups: list[dict], matrices: list[tuple[int, torch.Tensor]],
-                    settings: list[Dion3Hyperparameters], state: dict) -> Dion3Engine:
+    def _engine_for(
+        self, groups: list[dict], matrices: list[tuple[int, torch.Tensor]], settings: list[Dion3Hyperparameters], state: dict
+    ) -> Dion3Engine:
         # (a DTensor's placements: re-placed on the same storage, its pieces lie elsewhere in the matrices)
-        key = (tuple((gi, id(p), local(p).data_ptr(), p.placements if is_dtensor(p) else None) for gi, p in matrices),
-               tuple(cuda_graph_module.baked_settings(hp) for hp in settings))
+        key = (
+            tuple((gi, id(p), local(p).data_ptr(), p.placements if is_dtensor(p) else None) for gi, p in matrices),
+            tuple(cuda_graph_module.baked_settings(hp) for hp in settings),
+        )
         if self.engine is not None and key == self._engine_key:
             return self.engine
         names = param_names(groups)  # (only when the engine is built: names are the matrices' in it)
@@ -186,27 +208,47 @@ class WholeParameters:
             carried: list[dict] = [{} for _ in range(matrix_count(local(p)))]
             if "momentum" in own:  # stepped before (or loaded): the engine copies it in
                 rows = [part for part in ("variance", "row_age") if part in own]
-                carried = [{"momentum": m, **{part: local(own[part])[e] for part in rows}}
-                           for e, m in enumerate(matrix_view(local(own["momentum"])))]
+                carried = [
+                    {"momentum": m, **{part: local(own[part])[e] for part in rows}}
+                    for e, m in enumerate(matrix_view(local(own["momentum"])))
+                ]
             names_of = matrix_names(names[p], p)
             if is_dtensor(p):  # this rank's piece of the logical matrices
                 placed = layout(p)
                 weight, grad = matrix_view(local(p)), matrix_values(local(_grad_of(p)))
-                shards[p] = [MatrixShard(names_of[placed.first_matrix + e], weight[e], grad[e], matrix_shape(p),
-                                         placed.sharding, placed.group, settings[gi], carried[e])
-                             for e in range(matrix_count(local(p)))]
+                shards[p] = [
+                    MatrixShard(
+                        names_of[placed.first_matrix + e],
+                        weight[e],
+                        grad[e],
+                        matrix_shape(p),
+                        placed.sharding,
+                        placed.group,
+                        settings[gi],
+                        carried[e],
+                    )
+                    for e in range(matrix_count(local(p)))
+                ]
                 continue
             weight = matrix_view(self._contiguous_weight(p))
             grad = matrix_values(_grad_of(p))
-            shards[p] = [MatrixShard(name, weight[e], grad[e], matrix_shape(p), Sharding.full(), None, settings[gi],
-                                     carried[e]) for e, name in enumerate(names_of)]
+            shards[p] = [
+                MatrixShard(name, weight[e], grad[e], matrix_shape(p), Sharding.full(), None, settings[gi], carried[e])
+                for e, name in enumerate(names_of)
+            ]
         # Construction is collective where a matrix is split (every rank steps every FSDP2 parameter).
-        engine = Dion3Engine([s for own in shards.values() for s in own], cuda_graph=self.cuda_graph,
-                             local=not any(is_dtensor(p) for p in shards), fresh_grads=True, speeds=self._speeds,
-                             chosen=self.chosen)
+        engine = Dion3Engine(
+            [s for own in shards.values() for s in own],
+            cuda_graph=self.cuda_graph,
+            local=not any(is_dtensor(p) for p in shards),
+            fresh_grads=True,
+            speeds=self._speeds,
+            chosen=self.chosen,
+        )
         chosen_here = engine.chosen_fractions()
-        experts = [(p, matrix_names(names[p], p)) for gi, p in matrices
-                   if is_dtensor(p) and p.dim() == 3 and plan.chooses_fraction(settings[gi])]
+        experts = [
+            (p, matrix_names(names[p], p)) for gi, p in matrices if is_dtensor(p) and p.dim() == 3 and plan.chooses_fraction(settings[gi])
+        ]
         self.chosen.update({**choices_held_elsewhere(experts, chosen_here), **chosen_here})
         for gi, p in matrices:  # the parameter's state: views of the engine's buffers
             own = shards[p]

@@ -17,15 +17,14 @@ import torch
 
 from . import config as kernel_config
 
+
 def transposed_view(t: torch.Tensor) -> bool:
     """t (..., M, K) is the transposed view (``.mT``) of a row-major (..., K, M) tensor, and not
     row-major itself: how Newton-Schulz holds a tall matrix (products read it in place)."""
     return t.mT.is_contiguous() and not t.is_contiguous()
 
 
-def _torch_matmul(
-    a: torch.Tensor, b: torch.Tensor, alpha: float, beta: float, c: Optional[torch.Tensor]
-) -> torch.Tensor:
+def _torch_matmul(a: torch.Tensor, b: torch.Tensor, alpha: float, beta: float, c: Optional[torch.Tensor]) -> torch.Tensor:
     """alpha * a @ b + beta * c."""
     if c is None:
         out = torch.matmul(a, b)
@@ -53,9 +52,7 @@ class MatmulBackend:
 
     name: str
     gram: Callable[[torch.Tensor, float, float, Optional[torch.Tensor]], torch.Tensor]
-    symmetric: Callable[
-        [torch.Tensor, torch.Tensor, float, float, Optional[torch.Tensor]], torch.Tensor
-    ]
+    symmetric: Callable[[torch.Tensor, torch.Tensor, float, float, Optional[torch.Tensor]], torch.Tensor]
     matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 

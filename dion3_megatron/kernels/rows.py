@@ -69,8 +69,11 @@ def runs_on(device: torch.device) -> bool:
     try:
         triton_rows.probe(device)
     except Exception as error:  # a compile or launch failure: nothing has been written yet
-        warnings.warn(f"dion3_megatron: the Triton row kernels do not run on {device} ({error!r}); using the "
-                      "torch forms (the same results to within rounding). DION3_FUSED_ROWS=0 skips this try.",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"dion3_megatron: the Triton row kernels do not run on {device} ({error!r}); using the "
+            "torch forms (the same results to within rounding). DION3_FUSED_ROWS=0 skips this try.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return False
     return True

@@ -39,8 +39,19 @@ SCORE_ROWS, SCORE_COLS = 4, 512  # whole rows per program: more programs, each l
 
 
 @triton.jit
-def _accumulate_and_score(m_ptr, m_stride, g_ptr, g_stride, score_ptr, decay, n_rows, n_cols,
-                   COL_BLOCKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _accumulate_and_score(
+    m_ptr,
+    m_stride,
+    g_ptr,
+    g_stride,
+    score_ptr,
+    decay,
+    n_rows,
+    n_cols,
+    COL_BLOCKS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     # COL_BLOCKS is a constant: older Triton interpreters cannot loop over a runtime bound
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_rows = rows < n_rows
@@ -57,8 +68,20 @@ def _accumulate_and_score(m_ptr, m_stride, g_ptr, g_stride, score_ptr, decay, n_
 
 
 @triton.jit
-def _apply_rows(w_ptr, w_stride, pos_ptr, step_ptr, scale_ptr, shrink_ptr, shrink, n_rows, n_cols,
-                SHRINK_ON_DEVICE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _apply_rows(
+    w_ptr,
+    w_stride,
+    pos_ptr,
+    step_ptr,
+    scale_ptr,
+    shrink_ptr,
+    shrink,
+    n_rows,
+    n_cols,
+    SHRINK_ON_DEVICE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_rows = rows < n_rows
@@ -67,8 +90,7 @@ def _apply_rows(w_ptr, w_stride, pos_ptr, step_ptr, scale_ptr, shrink_ptr, shrin
     w = tl.load(w_ptrs, mask=inside, other=0.0).to(tl.float32)
     pos = tl.load(pos_ptr + rows, mask=in_rows, other=-1)  # the row's place among the steps, or -1
     chosen = in_rows & (pos >= 0)
-    step = tl.load(step_ptr + pos[:, None].to(tl.int64) * n_cols + cols[None, :],
-                   mask=inside & chosen[:, None], other=0.0).to(tl.float32)
+    step = tl.load(step_ptr + pos[:, None].to(tl.int64) * n_cols + cols[None, :], mask=inside & chosen[:, None], other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr + pos, mask=chosen, other=0.0)
     if SHRINK_ON_DEVICE:
         shrink = tl.load(shrink_ptr)
@@ -77,8 +99,20 @@ def _apply_rows(w_ptr, w_stride, pos_ptr, step_ptr, scale_ptr, shrink_ptr, shrin
 
 
 @triton.jit
-def _take_selected(m_ptr, m_batch_stride, m_row_stride, idx_ptr, out_ptr, mu_ptr, mu, k, n_cols,
-               MU_ON_DEVICE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _take_selected(
+    m_ptr,
+    m_batch_stride,
+    m_row_stride,
+    idx_ptr,
+    out_ptr,
+    mu_ptr,
+    mu,
+    k,
+    n_cols,
+    MU_ON_DEVICE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     b = tl.program_id(0)
     picks = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -108,8 +142,7 @@ def _block_peak_and_squares(x_ptr, batch_stride, numel, peak_ptr, squares_ptr, B
 
 
 @triton.jit
-def _matrix_peak_and_inverse(peak_ptr, squares_ptr, blocks, norm_factor, eps, LOOPS: tl.constexpr,
-                             BLOCK: tl.constexpr):
+def _matrix_peak_and_inverse(peak_ptr, squares_ptr, blocks, norm_factor, eps, LOOPS: tl.constexpr, BLOCK: tl.constexpr):
     # per matrix, from its blocks' peaks and sums: its largest |x| (fp32's smallest normal for a zero
     # matrix), and 1 / (norm_factor * ||x / peak||_F + eps / peak), written over its first block's pair
     b = tl.program_id(0)
@@ -152,8 +185,7 @@ def _device_of(t: torch.Tensor):
 def usable(weights: list[torch.Tensor]) -> bool:
     """Every weight a CUDA matrix with unit column stride in a dtype the kernel writes."""
     return all(
-        w.is_cuda and w.dim() == 2 and w.stride(1) == 1 and w.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        for w in weights
+        w.is_cuda and w.dim() == 2 and w.stride(1) == 1 and w.dtype in (torch.float32, torch.bfloat16, torch.float16) for w in weights
     )
 
 
@@ -180,8 +212,9 @@ def normalized(x: torch.Tensor, dtype: torch.dtype, norm_factor: float, eps: flo
     out = torch.empty_like(x, dtype=dtype)  # x's strides: the same flat offsets
     with _device_of(x):
         _block_peak_and_squares[(batch, blocks)](x, numel, numel, peaks, squares, BLOCK=NORM_BLOCK)
-        _matrix_peak_and_inverse[(batch,)](peaks, squares, blocks, norm_factor, eps,
-                                           LOOPS=triton.cdiv(blocks, COMBINE_BLOCK), BLOCK=COMBINE_BLOCK)
+        _matrix_peak_and_inverse[(batch,)](
+            peaks, squares, blocks, norm_factor, eps, LOOPS=triton.cdiv(blocks, COMBINE_BLOCK), BLOCK=COMBINE_BLOCK
+        )
         # each matrix's peak and inverse now lead its row of peaks and squares
         _scale_into[(batch, blocks)](x, out, numel, numel, peaks, squares, blocks, BLOCK=NORM_BLOCK)
     return out
@@ -193,8 +226,9 @@ def probe(device: torch.device) -> None:
     accumulate_and_score(momentum, [torch.ones(2, 3, device=device)], torch.empty(1, 2, device=device))
 
 
-def accumulate_and_score(momentum: torch.Tensor, grads: list[torch.Tensor], out: torch.Tensor,
-                         decay: Optional[float] = None) -> torch.Tensor:
+def accumulate_and_score(
+    momentum: torch.Tensor, grads: list[torch.Tensor], out: torch.Tensor, decay: Optional[float] = None
+) -> torch.Tensor:
     """For each b: momentum[b] += grads[b]; out[b] = the L1 norm of every row of the new momentum[b];
     with ``decay``, momentum[b] is then multiplied by it (in the same pass).
 
@@ -205,14 +239,25 @@ def accumulate_and_score(momentum: torch.Tensor, grads: list[torch.Tensor], out:
     grid = (triton.cdiv(n, SCORE_ROWS),)
     with _device_of(momentum):
         for b, grad in enumerate(grads):
-            _accumulate_and_score[grid](momentum[b], momentum.stride(1), grad, grad.stride(0), out[b],
-                                        1.0 if decay is None else decay, n, c, COL_BLOCKS=triton.cdiv(c, SCORE_COLS),
-                                        BLOCK_R=SCORE_ROWS, BLOCK_C=SCORE_COLS)
+            _accumulate_and_score[grid](
+                momentum[b],
+                momentum.stride(1),
+                grad,
+                grad.stride(0),
+                out[b],
+                1.0 if decay is None else decay,
+                n,
+                c,
+                COL_BLOCKS=triton.cdiv(c, SCORE_COLS),
+                BLOCK_R=SCORE_ROWS,
+                BLOCK_C=SCORE_COLS,
+            )
     return out
 
 
-def apply_rows(weights: list[torch.Tensor], rows: torch.Tensor, steps: torch.Tensor, row_scale: torch.Tensor,
-               shrink: list[float] | torch.Tensor) -> None:
+def apply_rows(
+    weights: list[torch.Tensor], rows: torch.Tensor, steps: torch.Tensor, row_scale: torch.Tensor, shrink: list[float] | torch.Tensor
+) -> None:
     """For each b: weights[b] *= shrink[b]; weights[b][rows[b, i]] += row_scale[b, i] * steps[b, i].
 
     weights: B (n, c) matrices (see :func:`usable`); rows (B, k) distinct row indices per matrix,
@@ -231,10 +276,21 @@ def apply_rows(weights: list[torch.Tensor], rows: torch.Tensor, steps: torch.Ten
     grid = (triton.cdiv(n, BLOCK_ROWS), triton.cdiv(c, BLOCK_COLS))
     with _device_of(rows):
         for b, weight in enumerate(weights):
-            _apply_rows[grid](weight, weight.stride(0), pos[b], steps[b], row_scale[b],
-                              shrink[b:b + 1] if on_device else row_scale, 1.0 if on_device else float(shrink[b]),
-                              n, c, SHRINK_ON_DEVICE=on_device, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
-                              enable_fp_fusion=False)
+            _apply_rows[grid](
+                weight,
+                weight.stride(0),
+                pos[b],
+                steps[b],
+                row_scale[b],
+                shrink[b : b + 1] if on_device else row_scale,
+                1.0 if on_device else float(shrink[b]),
+                n,
+                c,
+                SHRINK_ON_DEVICE=on_device,
+                BLOCK_R=BLOCK_ROWS,
+                BLOCK_C=BLOCK_COLS,
+                enable_fp_fusion=False,
+            )
 
 
 def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float | torch.Tensor) -> torch.Tensor:
@@ -251,6 +307,18 @@ def take_selected(momentum: torch.Tensor, idx: torch.Tensor, mu: float | torch.T
     mu_tensor, mu_value = (mu.contiguous(), 1.0) if isinstance(mu, torch.Tensor) else (out, float(mu))
     grid = (batch, triton.cdiv(k, BLOCK_ROWS), triton.cdiv(c, BLOCK_COLS))
     with _device_of(momentum):
-        _take_selected[grid](momentum, momentum.stride(0), momentum.stride(1), idx, out, mu_tensor, mu_value, k, c,
-                         MU_ON_DEVICE=on_device, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
+        _take_selected[grid](
+            momentum,
+            momentum.stride(0),
+            momentum.stride(1),
+            idx,
+            out,
+            mu_tensor,
+            mu_value,
+            k,
+            c,
+            MU_ON_DEVICE=on_device,
+            BLOCK_R=BLOCK_ROWS,
+            BLOCK_C=BLOCK_COLS,
+        )
     return out

@@ -13,5 +13,4 @@ debug model with it (:mod:`.config_registry`). See docs/torchtitan.md.
 from .config import HIDDEN_MATRICES, optimizer_config
 from .registry import NAME, PATCH, build_dion3, is_registered, register, unregister
 
-__all__ = ["HIDDEN_MATRICES", "NAME", "PATCH", "build_dion3", "is_registered", "optimizer_config", "register",
-           "unregister"]
+__all__ = ["HIDDEN_MATRICES", "NAME", "PATCH", "build_dion3", "is_registered", "optimizer_config", "register", "unregister"]

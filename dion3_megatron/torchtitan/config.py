@@ -33,12 +33,15 @@ def optimizer_config(matrices: str = HIDDEN_MATRICES, **settings: Any) -> Optimi
     resolved = options.settings(where, options.TORCH, settings)
     options.check(where, **resolved)
     per_group = options.group_keys(options.TORCH)
-    adamw = {"lr": resolved["adamw_lr"], "betas": tuple(resolved["betas"]), "eps": resolved["eps"],
-             "weight_decay": resolved["weight_decay"]}
+    adamw = {
+        "lr": resolved["adamw_lr"],
+        "betas": tuple(resolved["betas"]),
+        "eps": resolved["eps"],
+        "weight_decay": resolved["weight_decay"],
+    }
     return OptimizersContainer.Config(
         param_groups=[
-            ParamGroupConfig(pattern=matrices, optimizer_name=NAME,
-                             optimizer_kwargs={k: resolved[k] for k in per_group}),
+            ParamGroupConfig(pattern=matrices, optimizer_name=NAME, optimizer_kwargs={k: resolved[k] for k in per_group}),
             ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs=adamw),
         ],
         optimizer_factory_kwargs_by_name={NAME: {k: resolved[k] for k in ("kernels", "cuda_graph")}},

@@ -22,8 +22,9 @@ NAME = "Dion3"
 PATCH = compat.Patch(
     "torchtitan.components.optimizer.optimizer:OptimizersContainer._resolve_optimizer_factory",
     "dion3_megatron.torchtitan.registry:resolver_with_dion3",
-    'the optimizer_name "Dion3" of a ParamGroupConfig builds dion3_megatron.Dion3 (build_dion3); the other '
-    "names resolve as in torchtitan", "torchtitan 0.3.x (read in 0.3.0)")
+    'the optimizer_name "Dion3" of a ParamGroupConfig builds dion3_megatron.Dion3 (build_dion3); the other names resolve as in torchtitan',
+    "torchtitan 0.3.x (read in 0.3.0)",
+)
 
 # Keys torchtitan adds to every param group besides the config's optimizer_kwargs: the parameters'
 # names (kept: checkpoints key state by them), and its `implementation` choice of torch's Adam
@@ -79,11 +80,12 @@ def build_dion3(params: list[dict[str, Any]], **settings: Any) -> Dion3:
     for index, group in enumerate(params):
         names = group.get(_NAMES)
         if not names or len(names) != len(group["params"]):
-            raise ValueError(f"{NAME} param group {index}: torchtitan's groups name their parameters ({_NAMES!r}); "
-                             f"got {names!r} for {len(group['params'])} parameters")
+            raise ValueError(
+                f"{NAME} param group {index}: torchtitan's groups name their parameters ({_NAMES!r}); "
+                f"got {names!r} for {len(group['params'])} parameters"
+            )
         given = {k: v for k, v in group.items() if k not in ("params", _NAMES, *_IMPLEMENTATION)}
-        _check_group_options(f"{NAME} optimizer_kwargs of {names[0]!r}" + (" and others" if len(names) > 1 else ""),
-                             given)
+        _check_group_options(f"{NAME} optimizer_kwargs of {names[0]!r}" + (" and others" if len(names) > 1 else ""), given)
         groups.extend({"params": [p], _NAMES: [name], **given, RECORD: {}} for p, name in zip(group["params"], names))
     return Dion3(groups, **settings)
 
@@ -94,8 +96,9 @@ def _check_group_options(where: str, given: dict[str, Any]) -> None:
         if name in per_group:
             continue
         if name in options.defaults_for(options.TORCH):
-            raise ValueError(f"{where}: {name} is one value per optimizer; give it in the config's "
-                             f"optimizer_factory_kwargs_by_name[{NAME!r}]")
+            raise ValueError(
+                f"{where}: {name} is one value per optimizer; give it in the config's optimizer_factory_kwargs_by_name[{NAME!r}]"
+            )
         hint = options.unknown_name_hint(name, per_group)
         raise TypeError(f"{where}: {name!r} is not a Dion3 option" + (f" ({hint})" if hint else ""))
     options.check(where, **given)

@@ -46,8 +46,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8, help="attention heads")
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights' initialization")
-    parser.add_argument("--cpu", action="store_true",
-                        help="gloo on CPU processes even where CUDA is available (without CUDA: always)")
+    parser.add_argument("--cpu", action="store_true", help="gloo on CPU processes even where CUDA is available (without CUDA: always)")
     parser.add_argument("--json", help="write losses and timings here (rank 0)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args = parser.parse_args()
@@ -109,18 +108,25 @@ def main() -> None:
         torch.distributed.all_reduce(loss_t)
         losses.append(loss_t.item() / world)
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss {losses[-1]:.4f}  iter {iter_times[-1] * 1e3:.1f} ms  "
-                  f"fwd {fwd_times[-1] * 1e3:.1f} ms  bwd {bwd_times[-1] * 1e3:.1f} ms  "
-                  f"engine.step {step_times[-1] * 1e3:.1f} ms  optimizer.step {inner_times[-1] * 1e3:.1f} ms",
-                  flush=True)
+            print(
+                f"step {step:4d}  loss {losses[-1]:.4f}  iter {iter_times[-1] * 1e3:.1f} ms  "
+                f"fwd {fwd_times[-1] * 1e3:.1f} ms  bwd {bwd_times[-1] * 1e3:.1f} ms  "
+                f"engine.step {step_times[-1] * 1e3:.1f} ms  optimizer.step {inner_times[-1] * 1e3:.1f} ms",
+                flush=True,
+            )
 
     warm = slice(min(5, args.steps - 1), None)
     summary = {
         "optimizer": name,
         "world": world,
         "config": config,
-        "model": {"width": args.width, "layers": args.layers, "heads": args.heads, "seq": args.seq,
-                  "params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())},  # (ZeRO-3: whole)
+        "model": {
+            "width": args.width,
+            "layers": args.layers,
+            "heads": args.heads,
+            "seq": args.seq,
+            "params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
+        },  # (ZeRO-3: whole)
         "losses": losses,
         "final_loss_mean_last10": statistics.mean(losses[-10:]),
         "median_iter_ms": statistics.median(iter_times[warm]) * 1e3,

@@ -71,15 +71,22 @@ def build_model(m: ModelArguments) -> torch.nn.Module:
     if m.model == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=m.width, intermediate_size=m.width * 8 // 3 // 64 * 64 or 64,
-                                            num_hidden_layers=m.layers, num_attention_heads=m.heads,
-                                            num_key_value_heads=m.heads, max_position_embeddings=m.seq,
-                                            tie_word_embeddings=False))
+        return LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=256,
+                hidden_size=m.width,
+                intermediate_size=m.width * 8 // 3 // 64 * 64 or 64,
+                num_hidden_layers=m.layers,
+                num_attention_heads=m.heads,
+                num_key_value_heads=m.heads,
+                max_position_embeddings=m.seq,
+                tie_word_embeddings=False,
+            )
+        )
     if m.model == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=m.width, n_layer=m.layers, n_head=m.heads,
-                                           n_positions=m.seq))
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=m.width, n_layer=m.layers, n_head=m.heads, n_positions=m.seq))
         if not m.keep_conv1d:
             dion3_megatron.deepspeed.conv1d_as_linear(model)
         return model
@@ -147,8 +154,7 @@ def main() -> None:
     torch.manual_seed(targs.seed)
     model = build_model(margs)
     timing, ref = Timing(), []
-    trainer = Trainer(model=model, args=targs, train_dataset=Bytes(margs.seq, margs.corpus_bytes),
-                      callbacks=[timing, LogLastStep()])
+    trainer = Trainer(model=model, args=targs, train_dataset=Bytes(margs.seq, margs.corpus_bytes), callbacks=[timing, LogLastStep()])
     ref.append(trainer)
     trainer.add_callback(WrapOnTrainBegin(ref, timing))
     trainer.train()

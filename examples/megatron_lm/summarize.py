@@ -71,19 +71,23 @@ def table(runs: list[Run]) -> str:
     """One row per run; Dion3's and every run's optimizer time against Muon's and Adam's."""
     by_optimizer = {r.optimizer: r.mean("optimizer_ms") for r in runs if not r.name.endswith(RESUMED)}
     muon, adam = by_optimizer.get("muon"), by_optimizer.get("adam")
-    rows = [("run", "optimizer", "layout", "iterations", "optimizer ms", "vs Muon", "vs Adam", "iteration ms",
-             "last lm loss")]
+    rows = [("run", "optimizer", "layout", "iterations", "optimizer ms", "vs Muon", "vs Adam", "iteration ms", "last lm loss")]
     for r in runs:
         opt_ms = r.mean("optimizer_ms")
         last = r.intervals[-1] if r.intervals else None
-        rows.append((
-            r.name, r.optimizer, r.layout, str(last.iteration if last else 0),
-            "-" if opt_ms is None else f"{opt_ms:.2f}",
-            "-" if opt_ms is None or not muon or r.optimizer == "muon" else f"{muon / opt_ms:.2f}x less",
-            "-" if opt_ms is None or adam is None or r.optimizer == "adam" else f"{opt_ms - adam:+.2f} ms",
-            "-" if r.mean("iteration_ms") is None else f"{r.mean('iteration_ms'):.1f}",
-            last.loss if last else "-",
-        ))
+        rows.append(
+            (
+                r.name,
+                r.optimizer,
+                r.layout,
+                str(last.iteration if last else 0),
+                "-" if opt_ms is None else f"{opt_ms:.2f}",
+                "-" if opt_ms is None or not muon or r.optimizer == "muon" else f"{muon / opt_ms:.2f}x less",
+                "-" if opt_ms is None or adam is None or r.optimizer == "adam" else f"{opt_ms - adam:+.2f} ms",
+                "-" if r.mean("iteration_ms") is None else f"{r.mean('iteration_ms'):.1f}",
+                last.loss if last else "-",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -107,8 +111,10 @@ def resume_verdicts(runs: list[Run]) -> list[str]:
         said = f"{r.name}: iteration {first.iteration} lm loss {first.loss} vs {before[first.iteration]} uninterrupted"
         if r.tensor_parallel != saved.tensor_parallel:
             relative = abs(float(first.loss) / float(before[first.iteration]) - 1)
-            verdicts.append(f"{said}, resumed at TP={r.tensor_parallel} from TP={saved.tensor_parallel}: "
-                            f"relative difference {relative:.1e} (another layout sums in another order)")
+            verdicts.append(
+                f"{said}, resumed at TP={r.tensor_parallel} from TP={saved.tensor_parallel}: "
+                f"relative difference {relative:.1e} (another layout sums in another order)"
+            )
         else:
             verdicts.append(f"{said}: {'identical' if before[first.iteration] == first.loss else 'DIFFERENT'}")
     return verdicts

@@ -36,6 +36,7 @@ def import_keeping_environment(name: str):
             os.environ.clear()
             os.environ.update(saved)
 
+
 VOCAB, WIDTH, HIDDEN, EXPERTS, EXPERT_ROWS, SEQ = 13, 12, 20, 3, 8, 5
 GLOBAL_BATCH = 4
 
@@ -68,10 +69,18 @@ class MoENet(Net):
         super().__init__()
         from deepspeed.moe.layer import MoE
 
-        expert = torch.nn.Sequential(torch.nn.Linear(WIDTH, 16, bias=False), torch.nn.GELU(),
-                                     torch.nn.Linear(16, WIDTH, bias=False))
-        self.moe = MoE(hidden_size=WIDTH, expert=expert, num_experts=4, ep_size=ep_size, k=1, capacity_factor=8.0,
-                       min_capacity=0, drop_tokens=False, use_rts=False)
+        expert = torch.nn.Sequential(torch.nn.Linear(WIDTH, 16, bias=False), torch.nn.GELU(), torch.nn.Linear(16, WIDTH, bias=False))
+        self.moe = MoE(
+            hidden_size=WIDTH,
+            expert=expert,
+            num_experts=4,
+            ep_size=ep_size,
+            k=1,
+            capacity_factor=8.0,
+            min_capacity=0,
+            drop_tokens=False,
+            use_rts=False,
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
@@ -204,13 +213,18 @@ def tensor_parallel_vs_single_process(stage: int, tp: int = 2, steps: int = 3, b
     expected["fc1"] = expected["fc1"].chunk(tp, 0)[tp_rank]
     expected["fc2"] = expected["fc2"].chunk(tp, 1)[tp_rank]
     got = params_of(engine)
-    pieces = [piece for plan in partition_plans(engine) for piece in plan.pieces
-              if piece.shard.sharding.kind != "full"]  # (the replicated mix lies whole in one slice)
+    pieces = [
+        piece for plan in partition_plans(engine) for piece in plan.pieces if piece.shard.sharding.kind != "full"
+    ]  # (the replicated mix lies whole in one slice)
     kinds = sorted({piece.shard.sharding.kind for piece in pieces})
     # Slices cut inside a TP block (the rest of the block on the other data-parallel rank).
     inside = sum(0 < piece.length < piece.shard.sharding.bounds[-1] for piece in pieces)
-    return {"diff": max_diff(got, expected), "piece_kinds": kinds, "cut_inside_a_block": inside,
-            "moved": min((got[n] - initial[n]).abs().max().item() for n in ("fc1", "fc2"))}
+    return {
+        "diff": max_diff(got, expected),
+        "piece_kinds": kinds,
+        "cut_inside_a_block": inside,
+        "moved": min((got[n] - initial[n]).abs().max().item() for n in ("fc1", "fc2")),
+    }
 
 
 def tensor_parallel_without_zero_warns(tp: int = 2) -> bool:
@@ -225,8 +239,7 @@ def tensor_parallel_without_zero_warns(tp: int = 2) -> bool:
     model = TensorParallelNet(tp, mpu.get_model_parallel_rank(), mpu.tp_group)
     cfg = config(0, world=mpu.get_data_parallel_world_size(), clip=0.0)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=dion3_ds.param_groups(model), config=cfg, mpu=mpu)
-    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH // mpu.get_data_parallel_world_size(), SEQ),
-                           generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH // mpu.get_data_parallel_world_size(), SEQ), generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine.backward(engine(tokens))
@@ -257,8 +270,7 @@ def config(stage: int, ga: int = 1, clip: float = 0.5, dtype: str = "fp32", worl
         "gradient_clipping": clip,
         # f = 1/2 steps at 2 lr (scale_lr_by_fraction): 0.02, and adamw_lr as much, so that the few
         # steps of these runs move the AdamW tensors visibly too
-        "optimizer": {"type": "Dion3", "params": {"lr": 0.01, "adamw_lr": 0.02, "fraction": 0.5, "ns_dtype": "float64",
-                                                  **params}},
+        "optimizer": {"type": "Dion3", "params": {"lr": 0.01, "adamw_lr": 0.02, "fraction": 0.5, "ns_dtype": "float64", **params}},
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10**9,
     }
@@ -383,9 +395,13 @@ def nan_in_one_partition(engine, partition: int) -> dict:
     inject_nan_once(engine, 0, partition)
     train(engine, 1, start=5)
     state_change = max((v - state[id(p)][k]).abs().max().item() for p, s in basic.state.items() for k, v in s.items())
-    out = {"partitions": len(basic._partitions), "skipped": basic.skipped_steps - skipped,
-           "change": max_diff(before, params_of(engine)), "state_change": state_change,
-           "deepspeed_skipped": engine.skipped_steps}
+    out = {
+        "partitions": len(basic._partitions),
+        "skipped": basic.skipped_steps - skipped,
+        "change": max_diff(before, params_of(engine)),
+        "state_change": state_change,
+        "deepspeed_skipped": engine.skipped_steps,
+    }
     train(engine, 1, start=6)
     out["then_moved"] = max_diff(before, params_of(engine))
     return out
@@ -426,8 +442,14 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
 
     # ZeRO-1/2 == ZeRO-0 (fp32, clipping active), with and without gradient accumulation.
     runs = {}
-    for name, stage, ga, groups in [("s0", 0, 1, False), ("s1", 1, 1, False), ("s2", 2, 1, False),
-                                    ("s0_ga", 0, 2, True), ("s1_ga", 1, 2, True), ("s2_ga", 2, 2, True)]:
+    for name, stage, ga, groups in [
+        ("s0", 0, 1, False),
+        ("s1", 1, 1, False),
+        ("s2", 2, 1, False),
+        ("s0_ga", 0, 2, True),
+        ("s1_ga", 1, 2, True),
+        ("s2_ga", 2, 2, True),
+    ]:
         engine = make_engine(config(stage, ga, world=world), groups=groups)
         runs[name] = (engine, train(engine, 4))
     initial = params_of(make_engine(config(0, world=world)))
@@ -445,8 +467,8 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
     flat_opt = _basic(runs["s1"][0])
     out["state_keys"] = [sorted(flat_opt.state[g["params"][0]]) for g in flat_opt.param_groups]
     out["state_shapes_match"] = all(
-        flat_opt.state[g["params"][0]][k].shape == g["params"][0].shape for g in flat_opt.param_groups
-        for k in ("exp_avg", "exp_avg_sq"))
+        flat_opt.state[g["params"][0]][k].shape == g["params"][0].shape for g in flat_opt.param_groups for k in ("exp_avg", "exp_avg_sq")
+    )
     out["replicas_equal"] = _replicas_equal(runs["s2"][0])
     out["momentum_in_exp_avg"] = _momentum_in_exp_avg(flat_opt)
     out["straddling"] = {k: _straddling(runs[k][0]) for k in ("s1", "s2", "s2_ga")}
@@ -457,8 +479,7 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
         train(engine, 3)
     out["auto_diff"] = max_diff(params_of(auto[1]), params_of(auto[0]))
     chosen = _basic(auto[1])._step_plan.chosen
-    matrices = [(piece.shard.name, piece.shard.sharding.kind == "full") for plan in partition_plans(auto[1])
-                for piece in plan.pieces]
+    matrices = [(piece.shard.name, piece.shard.sharding.kind == "full") for plan in partition_plans(auto[1]) for piece in plan.pieces]
     out["auto_fractions"] = {  # matrices one rank holds whole, and straddling ones
         "s0": sorted(set(_basic(auto[0]).fractions.values())),
         "s1_whole": sorted({chosen[name] for name, whole in matrices if whole}),
@@ -504,8 +525,7 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
     out["stale_state_keys"] = [sorted(flat_opt.state[g["params"][0]]) for g in flat_opt.param_groups]
     from deepspeed.utils import safe_get_full_optimizer_state  # the ages reach ZeRO's fragments too
 
-    out["stale_fragment_age"] = max(safe_get_full_optimizer_state(p, "row_age").max().item()
-                                    for p in engine.module.parameters())
+    out["stale_fragment_age"] = max(safe_get_full_optimizer_state(p, "row_age").max().item() for p in engine.module.parameters())
     ckpt = os.path.join(tmp, "stale_ckpt")
     engine = make_engine(config(2, world=world, staleness=1.0))
     train(engine, 3)
@@ -526,7 +546,8 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
     dist.barrier()
     out["stale_universal_ages"] = len(glob.glob(os.path.join(ckpt, "step3_universal", "zero", "*", "row_age.pt")))
     out["stale_universal_diff"], out["stale_universal_without_ages_diff"] = (
-        _universal_resume(ckpt, tag, config(1, world=world, staleness=1.0), target) for tag in ("step3_universal", "stock"))
+        _universal_resume(ckpt, tag, config(1, world=world, staleness=1.0), target) for tag in ("step3_universal", "stock")
+    )
     out["seconds"]["staleness"] = time.time() - t0
 
     # fraction="auto" resumed where the device measures another speed: the saved choices, bit-identical.
@@ -541,20 +562,19 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
         fractions.measure = lambda device, dtype: cost_model.DeviceSpeed(1e6, 0.0, 1e30, 1e30)  # slow matmuls: f = 1/8
         engine = make_engine(config(2, world=world, fraction="auto"))
         train(engine, 3)
-        engine.save_checkpoint(os.path.join(tmp, "auto_ckpt"), tag="step3",
-                               client_state=dion3_ckpt.universal_checkpoint_info())
+        engine.save_checkpoint(os.path.join(tmp, "auto_ckpt"), tag="step3", client_state=dion3_ckpt.universal_checkpoint_info())
         train(engine, 2, start=3)
         if rank == 0:  # resumed by the 4-rank session from a universal checkpoint
-            dion3_ckpt.convert_to_universal(os.path.join(tmp, "auto_ckpt", "step3"),
-                                            os.path.join(tmp, "auto_ckpt", "step3_universal"))
+            dion3_ckpt.convert_to_universal(os.path.join(tmp, "auto_ckpt", "step3"), os.path.join(tmp, "auto_ckpt", "step3_universal"))
             torch.save(params_of(engine), os.path.join(tmp, "auto_target.pt"))
         dist.barrier()
         sd = _basic(engine).state_dict()
         out["auto_resume_chosen"] = [group["fractions"] for group in sd["param_groups"]]
         out["auto_resume_top_level"] = sorted(k for k in sd if k not in ("state", "param_groups", "skipped_steps"))
         out["auto_resume_names"] = sorted({n for plan in partition_plans(engine) for n in plan.names})
-        out["auto_resume_straddling"] = [piece.shard.name for plan in partition_plans(engine)
-                                         for piece in plan.pieces if piece.shard.sharding.kind != "full"]
+        out["auto_resume_straddling"] = [
+            piece.shard.name for plan in partition_plans(engine) for piece in plan.pieces if piece.shard.sharding.kind != "full"
+        ]
         fractions.measure = lambda device, dtype: cost_model.DeviceSpeed(1e30, 1.0, 1e30, 1e30)  # slow launches: f = 1
         resumed_engine = make_engine(config(2, world=world, fraction="auto"), seed=1)
         resumed_engine.load_checkpoint(os.path.join(tmp, "auto_ckpt"), tag="step3")
@@ -568,16 +588,25 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
     t0 = time.time()
     bf16 = {}
     fp32_accumulation = {"data_types": {"grad_accum_dtype": "fp32"}}  # ZeRO-1 then runs DeepSpeed's BF16_Optimizer
-    for name, cfg in [("s0", config(0, dtype="bf16", world=world)), ("s1", config(1, dtype="bf16", world=world)),
-                      ("s1_fp32acc", {**config(1, dtype="bf16", world=world), **fp32_accumulation})]:
+    for name, cfg in [
+        ("s0", config(0, dtype="bf16", world=world)),
+        ("s1", config(1, dtype="bf16", world=world)),
+        ("s1_fp32acc", {**config(1, dtype="bf16", world=world), **fp32_accumulation}),
+    ]:
         engine = make_engine(cfg)
-        bf16[name] = (train(engine, 6, fixed=True)["losses"], params_of(engine), _basic(engine),
-                      type(engine.optimizer).__name__)
+        bf16[name] = (train(engine, 6, fixed=True)["losses"], params_of(engine), _basic(engine), type(engine.optimizer).__name__)
     out["bf16_losses"] = {k: v[0] for k, v in bf16.items()}
     out["bf16_wrappers"] = {k: v[3] for k, v in bf16.items()}
     out["bf16_diff"] = {k: max_diff(bf16["s0"][1], bf16[k][1]) for k in ("s1", "s1_fp32acc")}
-    out["bf16_state_dtypes"] = sorted({str(v.dtype) for k in ("s1", "s1_fp32acc") for s in bf16[k][2].state.values()
-                                       for v in s.values() if torch.is_tensor(v) and v.dim()})
+    out["bf16_state_dtypes"] = sorted(
+        {
+            str(v.dtype)
+            for k in ("s1", "s1_fp32acc")
+            for s in bf16[k][2].state.values()
+            for v in s.values()
+            if torch.is_tensor(v) and v.dim()
+        }
+    )
     out["seconds"]["bf16"] = time.time() - t0
 
     # A non-finite gradient on one rank skips the step on every rank (no hang, nothing changed).
@@ -605,8 +634,9 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
         **{f"type {name}": init_error(_with_type(config(1, world=world), name)) for name in NEAR_MISSES},
     }
     # Dion3's name in any case builds it
-    out["any_case"] = {name: type(_basic(make_engine(_with_type(config(1, world=world), name)))).__name__
-                       for name in ("DION3", "dion3", "Dion3")}
+    out["any_case"] = {
+        name: type(_basic(make_engine(_with_type(config(1, world=world), name)))).__name__ for name in ("DION3", "dion3", "Dion3")
+    }
     return out
 
 
@@ -632,8 +662,11 @@ def _auto_universal_resume(tmp: str, world: int) -> dict:
         engine.load_checkpoint(os.path.join(tmp, "auto_ckpt"), tag="step3_universal")
         train(engine, 2, start=3)
         record = [group["fractions"] for group in _basic(engine).state_dict()["param_groups"]]
-        return {"diff": max_diff(params_of(engine), torch.load(os.path.join(tmp, "auto_target.pt"))),
-                "fractions": sorted({f for r in record for f in r.values()}), "matrices": sum(map(len, record))}
+        return {
+            "diff": max_diff(params_of(engine), torch.load(os.path.join(tmp, "auto_target.pt"))),
+            "fractions": sorted({f for r in record for f in r.values()}),
+            "matrices": sum(map(len, record)),
+        }
     finally:
         cost_model.MIN_SELECTED_ROWS, fractions.measure, cost_model.TOKENS_PER_STEP = saved
 

@@ -61,8 +61,7 @@ def pieces(engine) -> dict[str, list[str]]:
     out: dict[str, list] = {}
     for plan in h.partition_plans(engine):
         for piece in plan.pieces:
-            out.setdefault(f"{piece.shard.name} {tuple(piece.shard.shape)}", []).append((piece.shard.sharding.kind,
-                                                                                          piece.length))
+            out.setdefault(f"{piece.shard.name} {tuple(piece.shard.shape)}", []).append((piece.shard.sharding.kind, piece.length))
     return out
 
 
@@ -115,8 +114,12 @@ def _nan_step(engine, world: int) -> dict:
     change = h.max_diff(before, h.params_of(engine))
     h.train(engine, 1, start=6)
     after = h.params_of(engine)
-    return {"change": change, "skipped": engine.skipped_steps + h._basic(engine).skipped_steps,
-            "then_moved": h.max_diff(before, after), "finite": all(torch.isfinite(t).all().item() for t in after.values())}
+    return {
+        "change": change,
+        "skipped": engine.skipped_steps + h._basic(engine).skipped_steps,
+        "then_moved": h.max_diff(before, after),
+        "finite": all(torch.isfinite(t).all().item() for t in after.values()),
+    }
 
 
 def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
@@ -145,8 +148,9 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
     flat_opt = h._basic(runs["s3"])
     sub_groups = zero3.partitions_of(runs["s3"].optimizer)
     out["state_keys"] = [sorted(flat_opt.state[s.flat]) for s in sub_groups]
-    out["state_shapes_match"] = all(flat_opt.state[s.flat][k].shape == s.flat.shape for s in sub_groups
-                                    for k in ("exp_avg", "exp_avg_sq", "row_age"))
+    out["state_shapes_match"] = all(
+        flat_opt.state[s.flat][k].shape == s.flat.shape for s in sub_groups for k in ("exp_avg", "exp_avg_sq", "row_age")
+    )
     out["params_between_steps"] = [len(g["params"]) for g in flat_opt.param_groups]
     del runs
     # Gradient accumulation: the rule runs once per optimizer step, not per micro-batch.
@@ -187,7 +191,8 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
         ds_to_universal.main(h.dion3_ckpt._converter_args(os.path.join(ckpt, "step3"), os.path.join(ckpt, "stock"), 1))
     dist.barrier()
     out["universal_diff"], out["universal_without_ages_diff"] = (
-        universal_resume(ckpt, tag, cfg3, target) for tag in ("step3_universal", "stock"))
+        universal_resume(ckpt, tag, cfg3, target) for tag in ("step3_universal", "stock")
+    )
     out["seconds"]["checkpoint"] = time.time() - t0
 
     t0 = time.time()
@@ -199,12 +204,12 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
 
     with h.deepspeed.zero.Init(config_dict_or_path=cfg3):
         model = Zero3Net()
-    out["plain_list_zero_init"] = [(g["algorithm"], sorted(len(p.ds_shape) for p in g["params"]))
-                                   for g in DeepSpeedDion3(model.parameters()).param_groups]
+    out["plain_list_zero_init"] = [
+        (g["algorithm"], sorted(len(p.ds_shape) for p in g["params"])) for g in DeepSpeedDion3(model.parameters()).param_groups
+    ]
 
     out["errors"] = {
-        "offload": h.init_error({**cfg3, "zero_optimization": {**cfg3["zero_optimization"],
-                                                               "offload_optimizer": {"device": "cpu"}}}),
+        "offload": h.init_error({**cfg3, "zero_optimization": {**cfg3["zero_optimization"], "offload_optimizer": {"device": "cpu"}}}),
     }
     return out
 
@@ -232,8 +237,11 @@ def _auto_fraction_resume(world: int, ckpt: str) -> dict:
         resumed = make(cfg, seed=1)
         resumed.load_checkpoint(ckpt, tag="step3")
         h.train(resumed, 2, start=3)
-        return {"diff": h.max_diff(h.params_of(resumed), h.params_of(engine)), "record": record,
-                "dion3_partitions": sum(plan.steps_matrices for plan in h.partition_plans(engine))}
+        return {
+            "diff": h.max_diff(h.params_of(resumed), h.params_of(engine)),
+            "record": record,
+            "dion3_partitions": sum(plan.steps_matrices for plan in h.partition_plans(engine)),
+        }
     finally:
         cost_model.MIN_SELECTED_ROWS, fractions.measure, cost_model.TOKENS_PER_STEP = saved
 
@@ -241,8 +249,18 @@ def _auto_fraction_resume(world: int, ckpt: str) -> dict:
 class Collectives:
     """Counts the torch.distributed collectives made inside Dion3's ``step()`` while active."""
 
-    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
-             "all_to_all_single", "broadcast", "reduce_scatter_tensor", "send", "recv")
+    NAMES = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "all_to_all",
+        "all_to_all_single",
+        "broadcast",
+        "reduce_scatter_tensor",
+        "send",
+        "recv",
+    )
 
     def __init__(self, optimizer) -> None:
         self.optimizer, self.count, self.inside = optimizer, 0, False
@@ -289,8 +307,11 @@ def collectives_per_step(world: int, sub_group_size: int) -> dict:
         counts.append(counted.count)
     from dion3_megatron.deepspeed import zero3
 
-    return {"counts": counts, "dion3_sub_groups": [p.group_index for p in zero3.partitions_of(engine.optimizer)].count(0),
-            "diff": h.max_diff(h.params_of(engine), h.params_of(stage0))}
+    return {
+        "counts": counts,
+        "dion3_sub_groups": [p.group_index for p in zero3.partitions_of(engine.optimizer)].count(0),
+        "diff": h.max_diff(h.params_of(engine), h.params_of(stage0)),
+    }
 
 
 def universal_resume(ckpt: str, tag: str, cfg: dict, target: dict, zero_init: bool = False) -> float:

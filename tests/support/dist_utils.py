@@ -19,8 +19,7 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     # `import deepspeed` in the parent sets this, and it breaks torch.compile in later workers.
     os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
     torch.set_num_threads(1)

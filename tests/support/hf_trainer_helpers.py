@@ -27,9 +27,10 @@ def ds_config(stage: int, **params: Any) -> dict:
         "gradient_clipping": "auto",
         "bf16": {"enabled": "auto"},
         "zero_optimization": {"stage": stage},
-        "optimizer": {"type": "Dion3",
-                      "params": {"lr": "auto", "weight_decay": "auto", "adamw_lr": 0.01, "fraction": 0.5,
-                                 "ns_dtype": "float32", **params}},
+        "optimizer": {
+            "type": "Dion3",
+            "params": {"lr": "auto", "weight_decay": "auto", "adamw_lr": 0.01, "fraction": 0.5, "ns_dtype": "float32", **params},
+        },
         "steps_per_print": 10**9,
     }
 
@@ -53,17 +54,27 @@ def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                        tie_word_embeddings=False))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def gpt2(linear: bool = False):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    )
     if linear:
         from dion3_megatron.deepspeed import conv1d_as_linear
 
@@ -74,11 +85,23 @@ def gpt2(linear: bool = False):
 def trainer(model, cfg: dict, out: str, steps: int = 10, save: bool = False):
     from transformers import Trainer, TrainingArguments
 
-    args = TrainingArguments(output_dir=out, deepspeed=cfg, max_steps=steps, per_device_train_batch_size=4,
-                             learning_rate=0.02, weight_decay=0.0, logging_steps=1, report_to="none",
-                             save_strategy="steps" if save else "no", save_steps=steps // 2 if save else 500,
-                             disable_tqdm=True, dataloader_num_workers=0, seed=0, use_cpu=True,
-                             lr_scheduler_type="constant")
+    args = TrainingArguments(
+        output_dir=out,
+        deepspeed=cfg,
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        learning_rate=0.02,
+        weight_decay=0.0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="steps" if save else "no",
+        save_steps=steps // 2 if save else 500,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        use_cpu=True,
+        lr_scheduler_type="constant",
+    )
     return Trainer(model=model, args=args, train_dataset=Repeats())
 
 
@@ -109,15 +132,19 @@ def session(rank: int, world: int, tmp: str) -> dict:
     # 5e-7. ZeRO-3's selection at fraction 1/2 equals stage 0's in tests/test_deepspeed_zero3.py; here
     # the GPT-2 runs and the resume keep fraction 1/2 under Trainer.
     whole = {"fraction": 1.0}
-    runs = [("llama", 1, llama, whole), ("llama", 2, llama, whole), ("llama", 3, llama, whole), ("gpt2", 1, gpt2, {}),
-            ("gpt2_linear", 2, lambda: gpt2(True), {})]
+    runs = [
+        ("llama", 1, llama, whole),
+        ("llama", 2, llama, whole),
+        ("llama", 3, llama, whole),
+        ("gpt2", 1, gpt2, {}),
+        ("gpt2_linear", 2, lambda: gpt2(True), {}),
+    ]
     for name, stage, build, params in runs:
         t0 = time.time()
         t = trainer(build(), ds_config(stage, **params), os.path.join(tmp, f"{name}{stage}"))
         t.train()
         key = f"{name}_zero{stage}"
-        out[key] = {"split": split_of(t.model_wrapped), "losses": losses_of(t),
-                    "zero": type(t.model_wrapped.optimizer).__name__}
+        out[key] = {"split": split_of(t.model_wrapped), "losses": losses_of(t), "zero": type(t.model_wrapped.optimizer).__name__}
         out["seconds"][key] = time.time() - t0
     # The default: a config that names no "fraction" gets fraction="auto", chosen under ZeRO-1.
     t0 = time.time()
@@ -126,9 +153,11 @@ def session(rank: int, world: int, tmp: str) -> dict:
     t = trainer(llama(), cfg, os.path.join(tmp, "default"))
     t.train()
     basic = t.model_wrapped.basic_optimizer
-    out["llama_default"] = {"losses": losses_of(t),
-                            "fractions": [g["fraction"] for g in basic.param_groups],
-                            "chosen": [g["fractions"] for g in basic.state_dict()["param_groups"]]}
+    out["llama_default"] = {
+        "losses": losses_of(t),
+        "fractions": [g["fraction"] for g in basic.param_groups],
+        "chosen": [g["fractions"] for g in basic.state_dict()["param_groups"]],
+    }
     out["seconds"]["llama_default"] = time.time() - t0
     # Resume: 10 steps saving at 5; a new Trainer resumes from step 5 and must end where the first did.
     t0 = time.time()
@@ -140,8 +169,7 @@ def session(rank: int, world: int, tmp: str) -> dict:
     t = trainer(llama(), ds_config(2), d, steps=10)
     t.train(resume_from_checkpoint=os.path.join(d, "checkpoint-5"))
     resumed = {n: p.detach() for n, p in t.model_wrapped.module.named_parameters()}
-    out["resume"] = {"diff": max((full[n] - resumed[n]).abs().max().item() for n in full),
-                     "losses": (full_losses[5:], losses_of(t)[-5:])}
+    out["resume"] = {"diff": max((full[n] - resumed[n]).abs().max().item() for n in full), "losses": (full_losses[5:], losses_of(t)[-5:])}
     out["seconds"]["resume"] = time.time() - t0
     # A plain Dion3 passed as optimizer= under ZeRO-1: a clear error naming the class to use.
     import deepspeed

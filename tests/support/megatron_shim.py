@@ -22,8 +22,9 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+    )
     model_parallel_cuda_manual_seed(1234)
 
 
@@ -31,12 +32,19 @@ def tiny_config(tp: int = 1, pp: int = 1, ep: int = 1, bf16: bool = False, num_e
     """The small GPT at 2 layers of width 64 (4 heads, 2 query groups); ``kw`` sets other fields."""
     more = dict(pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, sequence_parallel=False)
     if num_experts:
-        more.update(num_moe_experts=num_experts, moe_router_topk=2, moe_ffn_hidden_size=64,
-                    moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
-                    moe_router_load_balancing_type="none")
+        more.update(
+            num_moe_experts=num_experts,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=64,
+            moe_grouped_gemm=False,
+            moe_token_dispatcher_type="allgather",
+            moe_aux_loss_coeff=0.0,
+            moe_router_load_balancing_type="none",
+        )
     more.update(kw)
-    return megatron_config(layers=2, hidden=64, heads=4, query_groups=2, ffn=128, tp=tp,
-                           dtype=torch.bfloat16 if bf16 else torch.float32, init_std=0.05, **more)
+    return megatron_config(
+        layers=2, hidden=64, heads=4, query_groups=2, ffn=128, tp=tp, dtype=torch.bfloat16 if bf16 else torch.float32, init_std=0.05, **more
+    )
 
 
 def build_gpt(config, seed: int = 7):
@@ -104,10 +112,14 @@ class Reference:
                 vectors.append(p)
         hp = {**DION3, **dion3}
         self.opt = Dion3(
-            [dict(params=matrices, algorithm="dion3", weight_decay=WD, eps=1e-8),
-             dict(params=embeddings, algorithm="adamw", weight_decay=WD, eps=ADAM["adam_eps"]),
-             dict(params=vectors, algorithm="adamw", weight_decay=0.0, eps=ADAM["adam_eps"])],
-            lr=LR, betas=(ADAM["adam_beta1"], ADAM["adam_beta2"]), **hp,
+            [
+                dict(params=matrices, algorithm="dion3", weight_decay=WD, eps=1e-8),
+                dict(params=embeddings, algorithm="adamw", weight_decay=WD, eps=ADAM["adam_eps"]),
+                dict(params=vectors, algorithm="adamw", weight_decay=0.0, eps=ADAM["adam_eps"]),
+            ],
+            lr=LR,
+            betas=(ADAM["adam_beta1"], ADAM["adam_beta2"]),
+            **hp,
         )
 
     def step(self, batch: torch.Tensor, lr: float = LR, clip_grad: float = 0.0) -> float:
@@ -126,8 +138,7 @@ class Reference:
             group["lr"] = lr
         for name, leaves in self.leaves.items():
             p = self.names[name]
-            for leaf, data, grad in zip(leaves, logical_split(name, p.data, self.config),
-                                        logical_split(name, p.grad, self.config)):
+            for leaf, data, grad in zip(leaves, logical_split(name, p.data, self.config), logical_split(name, p.grad, self.config)):
                 leaf.data.copy_(data)
                 leaf.grad = grad
         self.opt.step()
@@ -148,7 +159,7 @@ def local_name_to_global(name: str, config) -> str:
     from megatron.core import parallel_state as ps
 
     while name.startswith("module."):
-        name = name[len("module."):]
+        name = name[len("module.") :]
     pp_rank = ps.get_pipeline_model_parallel_rank()
     per_stage = config.num_layers // ps.get_pipeline_model_parallel_world_size()
     name = re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + pp_rank * per_stage}.", name, count=1)
@@ -191,8 +202,18 @@ def max_diff_to_reference(model, ref_state: dict, config) -> tuple[float, int]:
     return worst, count
 
 
-def make_parallel(config, ref_init: dict, *, layer_wise: bool = True, bf16: bool = False, clip_grad: float = 0.0,
-                  init_lr: float = LR, warmup: int = 0, overlap: bool = False, **dion3):
+def make_parallel(
+    config,
+    ref_init: dict,
+    *,
+    layer_wise: bool = True,
+    bf16: bool = False,
+    clip_grad: float = 0.0,
+    init_lr: float = LR,
+    warmup: int = 0,
+    overlap: bool = False,
+    **dion3,
+):
     """Model chunk (DDP) + Megatron optimizer (optimizer='dion3') + lr scheduler, like pretrain()."""
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -202,21 +223,40 @@ def make_parallel(config, ref_init: dict, *, layer_wise: bool = True, bf16: bool
     model = build_gpt(config)
     load_reference_weights(model, ref_init, config)
     # overlap: --overlap-grad-reduce --overlap-param-gather (the all-gather moves to the next forward)
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=layer_wise, grad_reduce_in_fp32=True,
-                                               overlap_grad_reduce=overlap, overlap_param_gather=overlap)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=layer_wise, grad_reduce_in_fp32=True, overlap_grad_reduce=overlap, overlap_param_gather=overlap
+    )
     chunks = wrap_model_chunks_with_ddp([model], config, ddp_config, use_layer_wise_distributed_optimizer=layer_wise)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = chunks[0].no_sync
-    ocfg = OptimizerConfig(optimizer="dion3", lr=LR, min_lr=LR, weight_decay=WD, bf16=bf16, clip_grad=clip_grad,
-                           use_distributed_optimizer=layer_wise, use_layer_wise_distributed_optimizer=layer_wise,
-                           overlap_param_gather=overlap, **ADAM)
+    ocfg = OptimizerConfig(
+        optimizer="dion3",
+        lr=LR,
+        min_lr=LR,
+        weight_decay=WD,
+        bf16=bf16,
+        clip_grad=clip_grad,
+        use_distributed_optimizer=layer_wise,
+        use_layer_wise_distributed_optimizer=layer_wise,
+        overlap_param_gather=overlap,
+        **ADAM,
+    )
     for key, value in {**DION3, **dion3}.items():
         setattr(ocfg, f"dion3_{key}", value)
     opt = get_megatron_optimizer(ocfg, chunks)
-    sched = OptimizerParamScheduler(opt, init_lr=init_lr, max_lr=LR, min_lr=LR, lr_warmup_steps=warmup,
-                                    lr_decay_steps=100,
-                                    lr_decay_style="constant", start_wd=WD, end_wd=WD, wd_incr_steps=100,
-                                    wd_incr_style="constant")
+    sched = OptimizerParamScheduler(
+        opt,
+        init_lr=init_lr,
+        max_lr=LR,
+        min_lr=LR,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=100,
+        lr_decay_style="constant",
+        start_wd=WD,
+        end_wd=WD,
+        wd_incr_steps=100,
+        wd_incr_style="constant",
+    )
     return chunks, opt, sched
 
 
@@ -247,8 +287,12 @@ def train_step(chunks, opt, sched, batch: torch.Tensor, num_microbatches: int = 
         c.zero_grad_buffer()
     opt.zero_grad()
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro), model=chunks,
-        num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=micro[0].shape[0],
+        forward_step_func=forward_step,
+        data_iterator=iter(micro),
+        model=chunks,
+        num_microbatches=num_microbatches,
+        seq_length=SEQ,
+        micro_batch_size=micro[0].shape[0],
         forward_only=False,
     )
     ok, grad_norm, _ = opt.step()

@@ -13,7 +13,7 @@ def readme_megatron_commands() -> dict[str, list[str]]:
     """The commands of README.md's Megatron section: script -> its arguments (after the launcher)."""
     with open(README) as f:
         text = f.read()
-    section = text[text.index("## Megatron-LM / Megatron-Core"):text.index("## DeepSpeed")]
+    section = text[text.index("## Megatron-LM / Megatron-Core") : text.index("## DeepSpeed")]
     commands = {}
     for block in re.findall(r"```bash\n(.*?)```", section, re.S):
         words = shlex.split(block.replace("\\\n", " "))

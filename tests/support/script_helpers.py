@@ -12,8 +12,7 @@ import pytest
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
-def run_recording_python(script: Path, tmp_path: Path, env: dict, runs_exit: int = 0,
-                         results: bool = True) -> subprocess.CompletedProcess:
+def run_recording_python(script: Path, tmp_path: Path, env: dict, runs_exit: int = 0, results: bool = True) -> subprocess.CompletedProcess:
     """``bash script`` in tmp_path with ``env`` and a python3 first on PATH that runs nothing and
     appends its arguments to tmp_path/launched, one line per call (absent if nothing was launched);
     the training runs (torch.distributed.run) exit with ``runs_exit``. Results go to
@@ -22,8 +21,8 @@ def run_recording_python(script: Path, tmp_path: Path, env: dict, runs_exit: int
     run_env.pop("RESULTS", None)
     if results:
         run_env["RESULTS"] = str(tmp_path / "results")
-    (tmp_path / "python3").write_text(f"#!/bin/sh\necho \"$*\" >> {tmp_path}/launched\n"
-                                      f"case \"$*\" in *torch.distributed.run*) exit {runs_exit} ;; esac\n")
+    (tmp_path / "python3").write_text(
+        f'#!/bin/sh\necho "$*" >> {tmp_path}/launched\ncase "$*" in *torch.distributed.run*) exit {runs_exit} ;; esac\n'
+    )
     (tmp_path / "python3").chmod(0o755)
-    return subprocess.run(["bash", str(script)], cwd=tmp_path, env=run_env, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(["bash", str(script)], cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=60)

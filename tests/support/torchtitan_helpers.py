@@ -31,19 +31,27 @@ def model_config():
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
 
-    layers = _build_llama3_layers(n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=HIDDEN,
-                                  rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=SEQ, theta=500000,
-                                                          scaling="llama"), attn_backend="flex")
+    layers = _build_llama3_layers(
+        n_layers=LAYERS,
+        dim=DIM,
+        n_heads=HEADS,
+        n_kv_heads=KV_HEADS,
+        hidden_dim=HIDDEN,
+        rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=SEQ, theta=500000, scaling="llama"),
+        attn_backend="flex",
+    )
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return Llama3Model.Config(
-        dim=DIM, vocab_size=VOCAB,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
-                                        param_init={"weight": torch.nn.init.normal_}),
+        dim=DIM,
+        vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init={"weight": torch.nn.init.normal_}),
         norm=RMSNorm.Config(normalized_shape=DIM, param_init={"weight": torch.nn.init.ones_}),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB,
-                              param_init={"weight": lambda w: torch.nn.init.normal_(w, std=DIM ** -0.5)}),
-        layers=layers)
+        lm_head=Linear.Config(
+            in_features=DIM, out_features=VOCAB, param_init={"weight": lambda w: torch.nn.init.normal_(w, std=DIM**-0.5)}
+        ),
+        layers=layers,
+    )
 
 
 def built_model(parallelism=None) -> torch.nn.Module:
@@ -111,9 +119,15 @@ def parallelized(world: int, layout: str):
     context = get_spmd_context(parallel_dims=dims)
     model = built_model(parallelism)  # (outside the context: its initialization is of the whole tensors)
     with context():  # (these meshes, not those of a model parallelized before in this process)
-        model = parallelize_llama(model, parallel_dims=dims,
-                                  training=TrainingConfig(mixed_precision_param="float32"), parallelism=parallelism,
-                                  compile_config=CompileConfig(), ac_config=None, dump_folder="")
+        model = parallelize_llama(
+            model,
+            parallel_dims=dims,
+            training=TrainingConfig(mixed_precision_param="float32"),
+            parallelism=parallelism,
+            compile_config=CompileConfig(),
+            ac_config=None,
+            dump_folder="",
+        )
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
@@ -133,7 +147,7 @@ def container(model: torch.nn.Module, settings: dict):
 
 def train(model, optimizers, steps: range, shard: Shard = WHOLE) -> None:
     """torchtitan's step order: forward and backward, the optimizers' step, zero_grad."""
-    for tokens in batches()[steps.start:steps.stop]:
+    for tokens in batches()[steps.start : steps.stop]:
         with shard.context():
             loss_of(model(tokens[shard.rows], positions()[shard.rows])).backward()
         optimizers.step()
@@ -141,8 +155,7 @@ def train(model, optimizers, steps: range, shard: Shard = WHOLE) -> None:
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()}
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
 
 
 def checkpointer(folder: str, model, optimizers):
@@ -151,11 +164,10 @@ def checkpointer(folder: str, model, optimizers):
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.optimizer import LRSchedulersContainer
 
-    schedulers = LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0).build(optimizers=optimizers,
-                                                                                    training_steps=STEPS)
+    schedulers = LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0).build(optimizers=optimizers, training_steps=STEPS)
     manager = CheckpointManager.Config(enable=True, folder=folder, interval=1, keep_latest_k=0).build(
-        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers, states={},
-        sd_adapter=None)
+        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers, states={}, sd_adapter=None
+    )
     return manager, schedulers
 
 

@@ -41,8 +41,11 @@ def kernels_installed() -> bool:
     if not (_importable("cutlass") and _importable("cutlass.cute")):
         return False
     if not _importable("tvm_ffi"):
-        warnings.warn("nvidia-cutlass-dsl is installed but apache-tvm-ffi is not: the symmetric-GEMM kernels "
-                      "stay off (pip install 'dion3-megatron[kernels]' installs both)", stacklevel=2)
+        warnings.warn(
+            "nvidia-cutlass-dsl is installed but apache-tvm-ffi is not: the symmetric-GEMM kernels "
+            "stay off (pip install 'dion3-megatron[kernels]' installs both)",
+            stacklevel=2,
+        )
         return False
     return True
 
@@ -129,9 +132,7 @@ def _gram(x: torch.Tensor, alpha: float, beta: float, c: Optional[torch.Tensor])
     return out if x.dim() == 3 else out.reshape(*x.shape[:-1], x.shape[-2])
 
 
-def _symmetric(
-    a: torch.Tensor, b: torch.Tensor, alpha: float, beta: float, c: Optional[torch.Tensor]
-) -> torch.Tensor:
+def _symmetric(a: torch.Tensor, b: torch.Tensor, alpha: float, beta: float, c: Optional[torch.Tensor]) -> torch.Tensor:
     if a.shape != b.shape or a.dtype != b.dtype or a.shape[-2] != a.shape[-1]:
         return TORCH_BACKEND.symmetric(a, b, alpha, beta, c)
     a3, b3 = _as3(a), _as3(b)

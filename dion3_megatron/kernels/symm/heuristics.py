@@ -58,8 +58,7 @@ def checked_ctas_per_sm(tile_m: int, tile_n: int, ctas_per_sm: Optional[int]) ->
     if ctas_per_sm is None:
         return DEFAULT_CTAS_PER_SM.get((tile_m, tile_n), 1)
     if ctas_per_sm not in CTAS_PER_SM[tile_m, tile_n]:
-        raise ValueError(f"ctas_per_sm at tile {tile_m}x{tile_n} must be one of "
-                         f"{CTAS_PER_SM[tile_m, tile_n]}, got {ctas_per_sm!r}")
+        raise ValueError(f"ctas_per_sm at tile {tile_m}x{tile_n} must be one of {CTAS_PER_SM[tile_m, tile_n]}, got {ctas_per_sm!r}")
     return ctas_per_sm
 
 
@@ -147,8 +146,7 @@ L2_BOUND_TILES = ((256, 128),)
 SPLIT_WAVE_COST = 0.5
 
 
-def modelled_tile_time(m: int, batch: int, shape: tuple[int, int], throughput: float, sms: int,
-                       split: bool = False) -> float:
+def modelled_tile_time(m: int, batch: int, shape: tuple[int, int], throughput: float, sms: int, split: bool = False) -> float:
     """A product's modelled time at tile ``shape`` (arbitrary units): waves of CTAs over ``sms`` SMs
     (whole waves; with ``split``, stream-K's, the fraction plus :data:`SPLIT_WAVE_COST`) times one
     CTA's tile area over its relative ``throughput``."""
@@ -166,8 +164,12 @@ def default_tile(m: int, batch: int, k: int, split_allowed: bool = True) -> tupl
     sms = sm_count()
     l2_bound = batch * m * k * 2 > l2_bytes() // 2  # fp16 / bf16 operands
     offered = [shape for shape in TILES if l2_bound or shape not in L2_BOUND_TILES]
-    return min(offered, key=lambda shape: modelled_tile_time(
-        m, batch, shape, TILE_THROUGHPUT[shape], sms, split_allowed and stream_k_pays(batch, m, k, shape)))
+    return min(
+        offered,
+        key=lambda shape: modelled_tile_time(
+            m, batch, shape, TILE_THROUGHPUT[shape], sms, split_allowed and stream_k_pays(batch, m, k, shape)
+        ),
+    )
 
 
 def persistent_ctas(shape: tuple[int, int], ctas_per_sm: Optional[int] = None) -> int:
@@ -232,9 +234,18 @@ class LaunchChoice:
     stream_k: bool
 
 
-def choose_launch(batch: int, m: int, k: int, float32_out: bool, c_differs: bool, config: KernelConfig,
-                  tile=None, persistent: Optional[bool] = None, stream_k: Optional[bool] = None,
-                  ctas_per_sm: Optional[int] = None) -> LaunchChoice:
+def choose_launch(
+    batch: int,
+    m: int,
+    k: int,
+    float32_out: bool,
+    c_differs: bool,
+    config: KernelConfig,
+    tile=None,
+    persistent: Optional[bool] = None,
+    stream_k: Optional[bool] = None,
+    ctas_per_sm: Optional[int] = None,
+) -> LaunchChoice:
     """The launch of a (batch, m, k) product: what the caller asks for (``tile``, ``persistent``,
     ``stream_k``, ``ctas_per_sm``), else the configuration's, else the tile model's. The persistent
     launch stages the tile, and C, in the output dtype: a ``float32_out`` product, or one whose C
@@ -246,9 +257,11 @@ def choose_launch(batch: int, m: int, k: int, float32_out: bool, c_differs: bool
     can_persist = not float32_out and not c_differs
     can_split = can_persist and persistent is not False and CLUSTER_M.get(shape, 1) == 1
     if stream_k and not can_split:
-        raise ValueError(f"stream_k needs the persistent launch of a single-CTA tile; this product (tile "
-                         f"{shape[0]}x{shape[1]}, float32 out {float32_out}, C of another dtype {c_differs}, "
-                         f"persistent {persistent}) cannot take it")
+        raise ValueError(
+            f"stream_k needs the persistent launch of a single-CTA tile; this product (tile "
+            f"{shape[0]}x{shape[1]}, float32 out {float32_out}, C of another dtype {c_differs}, "
+            f"persistent {persistent}) cannot take it"
+        )
     if stream_k is None:
         stream_k = config.stream_k
         if stream_k is None:

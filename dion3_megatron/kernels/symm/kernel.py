@@ -119,9 +119,19 @@ class SymmGemmSm90(TileSchedule):
     ``stream_k``: a persistent launch that splits the tiles of its last waves along K among all
     its CTAs (:meth:`work_item`), so that no SM idles in a last, partial wave."""
 
-    def __init__(self, ab, d, c=None, tile=128, stages: Optional[int] = None, m_major: bool = False,
-                 ctas_per_sm: Optional[int] = None, persistent_ctas: Optional[int] = None,
-                 tile_group: int = kernel_config.DEFAULT_TILE_GROUP, stream_k: bool = False):
+    def __init__(
+        self,
+        ab,
+        d,
+        c=None,
+        tile=128,
+        stages: Optional[int] = None,
+        m_major: bool = False,
+        ctas_per_sm: Optional[int] = None,
+        persistent_ctas: Optional[int] = None,
+        tile_group: int = kernel_config.DEFAULT_TILE_GROUP,
+        stream_k: bool = False,
+    ):
         self.m_major = m_major
         self.tile_group = kernel_config.checked_tile_group(tile_group)
         self.tile_m, self.tile_n = tile_shape(tile)
@@ -133,8 +143,7 @@ class SymmGemmSm90(TileSchedule):
         deepest = max_stages(self.tile_m, self.tile_n, ctas_per_sm=ctas_per_sm, beside_ring=staging if persistent else 0)
         self.stages = stages or deepest
         if self.stages > deepest:
-            raise ValueError(f"{self.stages} stages do not fit in shared memory at tile {tile} "
-                             f"with {ctas_per_sm} CTAs per SM")
+            raise ValueError(f"{self.stages} stages do not fit in shared memory at tile {tile} with {ctas_per_sm} CTAs per SM")
         self.has_c = c is not None
         # A persistent launch's C comes by TMA into the staging tile (so it must be the output dtype)
         self.c_by_tma = persistent and self.has_c
@@ -145,8 +154,7 @@ class SymmGemmSm90(TileSchedule):
         self.stream_k = stream_k
         self.workspace_ctas = persistent_ctas or 1  # stream-K's slots of partial sums and flags
         if stream_k and not (persistent and self.cluster_m == 1):
-            raise ValueError(f"stream_k needs a persistent launch of single CTAs, got tile {tile} "
-                             f"with persistent_ctas={persistent_ctas}")
+            raise ValueError(f"stream_k needs a persistent launch of single CTAs, got tile {tile} with persistent_ctas={persistent_ctas}")
         # A persistent CTA's square tile goes out by TMA, staged twice: as computed and transposed
         # (the mirror block); a wider one (128 x 256) would not leave room for the ring
         self.d_by_tma = persistent and self.cta_m == self.tile_n
@@ -157,8 +165,7 @@ class SymmGemmSm90(TileSchedule):
         ring = self.stages * (self.cta_m + self.tile_n) * TILE_K * 2
         self.ring_elems = (ring if persistent else max(ring, staging)) // 2  # in 16-bit elements
         if 2 * self.ring_elems + (staging if persistent else 0) > smem_budget(ctas_per_sm):
-            raise ValueError(f"the epilogue tile does not fit in shared memory at tile {tile} "
-                             f"with {ctas_per_sm} CTAs per SM")
+            raise ValueError(f"the epilogue tile does not fit in shared memory at tile {tile} with {ctas_per_sm} CTAs per SM")
 
     # ---------------------------------------------------------------------------------------
     @cute.jit
@@ -195,8 +202,12 @@ class SymmGemmSm90(TileSchedule):
         # a CTA's partial sums as its consumer threads hold them: element e of thread t at (e, t),
         # so that a warp's stores of one element are contiguous
         per_thread = tm * tn // self.mma_threads
-        mW = cute.make_tensor(pW, cute.make_layout((per_thread, self.mma_threads, self.workspace_ctas),
-                                                   stride=(self.mma_threads, 1, per_thread * self.mma_threads)))
+        mW = cute.make_tensor(
+            pW,
+            cute.make_layout(
+                (per_thread, self.mma_threads, self.workspace_ctas), stride=(self.mma_threads, 1, per_thread * self.mma_threads)
+            ),
+        )
         mF = cute.make_tensor(pF, cute.make_layout(self.workspace_ctas))
 
         tile_mnk = (tm, tn, TILE_K)
@@ -214,9 +225,7 @@ class SymmGemmSm90(TileSchedule):
         )
         a_layout = sm90.make_smem_layout_a(gmem_order, tile_mnk, ab_dtype, self.stages)
         b_layout = sm90.make_smem_layout_b(gmem_order, tile_mnk, ab_dtype, self.stages)
-        tma_a, tA = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_layout, (None, None, 0)), (tm, TILE_K)
-        )
+        tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_layout, (None, None, 0)), (tm, TILE_K))
         b_op = cpasync.CopyBulkTensorTileG2SOp() if self.cluster_m == 1 else cpasync.CopyBulkTensorTileG2SMulticastOp()
         tma_b, tB = cpasync.make_tiled_tma_atom(
             b_op, mB, cute.slice_(b_layout, (None, None, 0)), (tn, TILE_K), num_multicast=self.cluster_m
@@ -229,8 +238,7 @@ class SymmGemmSm90(TileSchedule):
         e_layout = cute.make_layout((tm, tn), stride=(tn + D_PAD, 1))
         tma_c, tC, tma_d, tD = tma_a, tA, tma_a, tA  # stand-ins unless C comes, or D goes, by TMA
         if const_expr(self.c_by_tma or self.d_by_tma):
-            e_layout = cute.slice_(sm90.make_smem_layout_epi(self.d_dtype, LayoutEnum.ROW_MAJOR, (tm, tn), 1),
-                                   (None, None, 0))
+            e_layout = cute.slice_(sm90.make_smem_layout_epi(self.d_dtype, LayoutEnum.ROW_MAJOR, (tm, tn), 1), (None, None, 0))
         if const_expr(self.c_by_tma):
             tma_c, tC = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mC, e_layout, (tm, tn))
         if const_expr(self.d_by_tma):
@@ -254,15 +262,26 @@ class SymmGemmSm90(TileSchedule):
             grid = (self.persistent_ctas, 1, 1)
         # several CTAs per SM: registers capped for that many (minctasm), the largest shared-memory carveout
         occupancy = {} if self.ctas_per_sm == 1 else dict(min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)
-        self.kernel(tma_a, tA, tma_b, tB, tma_c, tC, tma_d, tD, mC, mD, mW, mF, alpha, beta, tiled_mma, a_layout,
-                    b_layout, e_layout).launch(
-            grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_m, 1, 1), stream=stream, **occupancy
-        )
+        self.kernel(
+            tma_a, tA, tma_b, tB, tma_c, tC, tma_d, tD, mC, mD, mW, mF, alpha, beta, tiled_mma, a_layout, b_layout, e_layout
+        ).launch(grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_m, 1, 1), stream=stream, **occupancy)
 
     @cute.jit
-    def exchange_partial_sums(self, acc: cute.Tensor, mW: cute.Tensor, mF: cute.Tensor, t: Int32, k0: Int32,
-                              k1: Int32, k_tiles: Int32, ct: Int32, split_from: Int32, base: Int32, rem: Int32,
-                              cta: Int32):
+    def exchange_partial_sums(
+        self,
+        acc: cute.Tensor,
+        mW: cute.Tensor,
+        mF: cute.Tensor,
+        t: Int32,
+        k0: Int32,
+        k1: Int32,
+        k_tiles: Int32,
+        ct: Int32,
+        split_from: Int32,
+        base: Int32,
+        rem: Int32,
+        cta: Int32,
+    ):
         """Stream-K, by the consumers after a work item's MMAs: a later part of a split tile
         (``k0 > 0``) leaves its partial sums in this CTA's slot of the workspace and raises the
         CTA's flag; the part with K block 0, whose CTA stores the tile, adds the partial sums of
@@ -302,15 +321,23 @@ class SymmGemmSm90(TileSchedule):
     def copy_out(self, tma_d: cute.CopyAtom, staged: cute.Tensor, mD_tma: cute.Tensor, i: Int32, j: Int32, bz: Int32):
         """Start the TMA copy of the staged tile to D's block (i, j) of matrix bz."""
         gD = cute.local_tile(mD_tma, (self.cta_m, self.tile_n), (i, j, bz))
-        tDsD, tDgD = cpasync.tma_partition(
-            tma_d, 0, cute.make_layout(1), cute.group_modes(staged, 0, 2), cute.group_modes(gD, 0, 2)
-        )
+        tDsD, tDgD = cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(staged, 0, 2), cute.group_modes(gD, 0, 2))
         cute.copy(tma_d, tDsD, tDgD)
 
     @cute.jit
-    def store_tile(self, sD: cute.Tensor, mC: cute.Tensor, mD: cute.Tensor, beta: Float32,
-                   row0: Int32, col0: Int32, bz: Int32, tid: Int32, threads: cutlass.Constexpr[int],
-                   add_c: cutlass.Constexpr[bool]):
+    def store_tile(
+        self,
+        sD: cute.Tensor,
+        mC: cute.Tensor,
+        mD: cute.Tensor,
+        beta: Float32,
+        row0: Int32,
+        col0: Int32,
+        bz: Int32,
+        tid: Int32,
+        threads: cutlass.Constexpr[int],
+        add_c: cutlass.Constexpr[bool],
+    ):
         """Store the staged tile sD (tm x tn, alpha applied; fp32, or the output dtype) whose
         top-left element is D[row0, col0], and its mirror, by ``threads`` threads (this one ``tid``).
 
@@ -457,9 +484,7 @@ class SymmGemmSm90(TileSchedule):
             barrier_storage=st.bars.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.mma_threads if multicast else self.n_mma_wg * 4
-            ),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads if multicast else self.n_mma_wg * 4),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
             mcast_mode_mn=(0, 1),
@@ -483,8 +508,7 @@ class SymmGemmSm90(TileSchedule):
                     )
                     # each CTA of a cluster loads 1 / cluster_m of B and multicasts it to all of them
                     tBsB, tBgB = cpasync.tma_partition(
-                        tma_b, rank, cute.make_layout(self.cluster_m), cute.group_modes(sB, 0, 2),
-                        cute.group_modes(gB, 0, 2)
+                        tma_b, rank, cute.make_layout(self.cluster_m), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
                     )
                     for k in cutlass.range(k0, k1, unroll=1):
                         pipe.producer_acquire(prod)
@@ -493,8 +517,7 @@ class SymmGemmSm90(TileSchedule):
                         if const_expr(self.cluster_m == 1):
                             cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
                         else:
-                            cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, prod.index)], tma_bar_ptr=bar,
-                                      mcast_mask=b_mask)
+                            cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, prod.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
                         pipe.producer_commit(prod)
                         prod.advance()
             if const_expr(persistent):
@@ -514,8 +537,7 @@ class SymmGemmSm90(TileSchedule):
                                         cute.arch.mbarrier_arrive_and_expect_tx(c_full, c_bytes)
                                     gC = cute.local_tile(mC_tma, (tm, tn), (ti, tj, bz))
                                     tCsC, tCgC = cpasync.tma_partition(
-                                        tma_c, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2),
-                                        cute.group_modes(gC, 0, 2)
+                                        tma_c, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), cute.group_modes(gC, 0, 2)
                                     )
                                     cute.copy(tma_c, tCgC, tCsC, tma_bar_ptr=c_full)
                             cute.arch.barrier_arrive(barrier_id=FREE, number_of_threads=staging_sync)  # sD is read
@@ -528,8 +550,7 @@ class SymmGemmSm90(TileSchedule):
                                             self.copy_out(tma_d, sT, mD_tma, tj, ti, bz)
                                             cute.arch.cp_async_bulk_commit_group()
                                 elif ti == tj:  # (above it, a 256 x 128 tile's top CTA: nothing)
-                                    self.store_tile(sD, mC, mD, beta, ti * tm, tj * tn, bz, tidx - 32, STORE_THREADS,
-                                                    False)
+                                    self.store_tile(sD, mC, mD, beta, ti * tm, tj * tn, bz, tidx - 32, STORE_THREADS, False)
                             else:
                                 self.store_tile(sD, mC, mD, beta, ti * tm, tj * tn, bz, tidx - 32, STORE_THREADS, False)
                             if const_expr(self.has_c):  # every storing warp done with sD before C goes over it
@@ -626,6 +647,7 @@ class SymmGemmSm90(TileSchedule):
             # no CTA exits while a peer may still arrive on its barriers
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+
 
 # -------------------------------------------------------------------------------------------
 # Host side: compile once per (dtypes, tile, stages, has_c); launch on raw pointers (cheap).

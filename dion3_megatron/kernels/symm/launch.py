@@ -73,14 +73,22 @@ def _ffi_function(compiled: Any) -> Callable:
     raw = getattr(compiled, "__tvm_ffi_object__", None)
     function = raw() if raw is not None else compiled
     if function is None:
-        raise RuntimeError("the compiled symmetric-GEMM kernel has no TVM-FFI function on this machine "
-                           "(compiled without a CUDA driver?)")
+        raise RuntimeError("the compiled symmetric-GEMM kernel has no TVM-FFI function on this machine (compiled without a CUDA driver?)")
     return function
 
 
-def compiled(ab: torch.dtype, d: torch.dtype, c: Optional[torch.dtype], tile, stages: Optional[int] = None,
-             m_major: bool = False, ctas_per_sm: Optional[int] = None, persistent: bool = False,
-             tile_group: int = kernel_config.DEFAULT_TILE_GROUP, stream_k: bool = False) -> Callable:
+def compiled(
+    ab: torch.dtype,
+    d: torch.dtype,
+    c: Optional[torch.dtype],
+    tile,
+    stages: Optional[int] = None,
+    m_major: bool = False,
+    ctas_per_sm: Optional[int] = None,
+    persistent: bool = False,
+    tile_group: int = kernel_config.DEFAULT_TILE_GROUP,
+    stream_k: bool = False,
+) -> Callable:
     """The launchable function of one configuration (compiled on first use, then cached);
     ctas_per_sm None: the tile's default (:data:`.heuristics.DEFAULT_CTAS_PER_SM`); persistent: a
     grid of the CTAs that stay resident (:func:`.heuristics.persistent_ctas`), each walking tiles;
@@ -95,10 +103,22 @@ def compiled(ab: torch.dtype, d: torch.dtype, c: Optional[torch.dtype], tile, st
     key = (ab, d, c, shape, stages, m_major, ctas_per_sm, grid, tile_group, stream_k)
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = _ffi_function(compile_kernel(SymmGemmSm90(
-            _TORCH_TO_CUTLASS[ab], _TORCH_TO_CUTLASS[d], _TORCH_TO_CUTLASS[c] if c is not None else None, shape, stages,
-            m_major, ctas_per_sm, grid, tile_group, stream_k,
-        )))
+        fn = _COMPILED[key] = _ffi_function(
+            compile_kernel(
+                SymmGemmSm90(
+                    _TORCH_TO_CUTLASS[ab],
+                    _TORCH_TO_CUTLASS[d],
+                    _TORCH_TO_CUTLASS[c] if c is not None else None,
+                    shape,
+                    stages,
+                    m_major,
+                    ctas_per_sm,
+                    grid,
+                    tile_group,
+                    stream_k,
+                )
+            )
+        )
     return fn
 
 
@@ -109,8 +129,10 @@ def split_workspace(ctas: int, tile_elems: int, device: int, stream: int) -> tup
     stream that a CUDA graph captures, its zeroing is captured too (harmless: the flags are zero then)."""
     ws = _WORKSPACES.get((device, stream))
     if ws is None or ws[0].numel() < ctas * tile_elems or ws[1].numel() < ctas:
-        ws = _WORKSPACES[device, stream] = (torch.empty(ctas * tile_elems, dtype=torch.float32, device=device),
-                                            torch.zeros(ctas, dtype=torch.int32, device=device))
+        ws = _WORKSPACES[device, stream] = (
+            torch.empty(ctas * tile_elems, dtype=torch.float32, device=device),
+            torch.zeros(ctas, dtype=torch.int32, device=device),
+        )
     return ws
 
 
@@ -130,30 +152,63 @@ class Launch:
     split_ctas: int
     split_tile_elems: int
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], out: torch.Tensor,
-                 alpha: float, beta: float) -> None:
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], out: torch.Tensor, alpha: float, beta: float) -> None:
         batch, m, k = a.shape
         device = out.get_device()
         stream = _current_stream(device)
         workspace = flags = out  # stand-ins unless stream-K
         if self.split_ctas:
             workspace, flags = split_workspace(self.split_ctas, self.split_tile_elems, device, stream)
-        self.function(a.data_ptr(), b.data_ptr(), (out if c is None else c).data_ptr(), out.data_ptr(),
-                      workspace.data_ptr(), flags.data_ptr(), m, k, batch, float(alpha), float(beta), stream)
+        self.function(
+            a.data_ptr(),
+            b.data_ptr(),
+            (out if c is None else c).data_ptr(),
+            out.data_ptr(),
+            workspace.data_ptr(),
+            flags.data_ptr(),
+            m,
+            k,
+            batch,
+            float(alpha),
+            float(beta),
+            stream,
+        )
 
 
-def launch_for(batch: int, m: int, k: int, ab: torch.dtype, out: torch.dtype, c: Optional[torch.dtype],
-               m_major: bool, tile=None, stages: Optional[int] = None, ctas_per_sm: Optional[int] = None,
-               persistent: Optional[bool] = None, stream_k: Optional[bool] = None) -> Launch:
+def launch_for(
+    batch: int,
+    m: int,
+    k: int,
+    ab: torch.dtype,
+    out: torch.dtype,
+    c: Optional[torch.dtype],
+    m_major: bool,
+    tile=None,
+    stages: Optional[int] = None,
+    ctas_per_sm: Optional[int] = None,
+    persistent: Optional[bool] = None,
+    stream_k: Optional[bool] = None,
+) -> Launch:
     """The :class:`Launch` of a product (decided and compiled on first use, then cached)."""
     config = kernel_config.current()
     key = (batch, m, k, ab, out, c, m_major, tile, stages, ctas_per_sm, persistent, stream_k, config)
     launch = _LAUNCHES.get(key)
     if launch is None:
-        choice = heuristics.choose_launch(batch, m, k, out == torch.float32, c is not None and c != out, config,
-                                          tile, persistent, stream_k, ctas_per_sm)
-        function = compiled(ab, out, c, choice.tile, stages, m_major, choice.ctas_per_sm, choice.persistent,
-                            tile_group=config.tile_group, stream_k=choice.stream_k)
+        choice = heuristics.choose_launch(
+            batch, m, k, out == torch.float32, c is not None and c != out, config, tile, persistent, stream_k, ctas_per_sm
+        )
+        function = compiled(
+            ab,
+            out,
+            c,
+            choice.tile,
+            stages,
+            m_major,
+            choice.ctas_per_sm,
+            choice.persistent,
+            tile_group=config.tile_group,
+            stream_k=choice.stream_k,
+        )
         split_ctas = heuristics.persistent_ctas(choice.tile, choice.ctas_per_sm) if choice.stream_k else 0
         launch = _LAUNCHES[key] = Launch(choice, function, split_ctas, choice.tile[0] * choice.tile[1])
     return launch
@@ -220,7 +275,8 @@ def symm_gemm(
     elif out.shape != (batch, m, m) or not out.is_contiguous():
         raise ValueError("out must be a contiguous (L, M, M) tensor")
     c = c.expand(batch, m, m).contiguous() if c is not None and beta != 0.0 else None  # beta 0: C unread
-    launch = launch_for(batch, m, k, a.dtype, out.dtype, c.dtype if c is not None else None, m_major, tile, stages,
-                        ctas_per_sm, persistent, stream_k)
+    launch = launch_for(
+        batch, m, k, a.dtype, out.dtype, c.dtype if c is not None else None, m_major, tile, stages, ctas_per_sm, persistent, stream_k
+    )
     launch(a, b, c, out, alpha, beta)
     return out.squeeze(0) if squeeze else out

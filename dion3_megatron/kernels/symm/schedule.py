@@ -122,8 +122,9 @@ class TileSchedule:
         return whole, split_from, base, rem, items
 
     @cute.jit
-    def work_item(self, w: Int32, first: Int32, stride: Int32, whole: Int32, split_from: Int32, base: Int32,
-                  rem: Int32, k_tiles: Int32, cta: Int32):
+    def work_item(
+        self, w: Int32, first: Int32, stride: Int32, whole: Int32, split_from: Int32, base: Int32, rem: Int32, k_tiles: Int32, cta: Int32
+    ):
         """This CTA's ``w``-th work item: (linear tile index, its K blocks [k0, k1)). Tiles
         ``first``, ``first + stride``, ... whole; with stream-K, after ``whole`` of them, the
         parts of the split tiles in this CTA's share (:meth:`stream_k_split`)."""
