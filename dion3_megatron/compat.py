@@ -37,7 +37,7 @@ import importlib.metadata
 import importlib.util
 import re
 import types
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypedDict
 
 ALWAYS = "always"
 WITHOUT_APEX_OR_TE = "without apex or Transformer Engine"
@@ -74,9 +74,17 @@ _TORCH_ADAM = "dion3_megatron.megatron.torch_adam"
 _MULTI_TENSOR = "dion3_megatron.megatron.multi_tensor"
 _DS = "dion3_megatron.deepspeed"
 
+
+class _Condition(TypedDict):
+    """The ``when`` and ``only_if`` fields that several entries share."""
+
+    when: str
+    only_if: str
+
+
 # Megatron fell back to torch's AdamW (no apex, no Transformer Engine); to its per-tensor loops.
-_TORCH_ADAM_FALLBACK = dict(when=WITHOUT_APEX_OR_TE, only_if=f"{_TORCH_ADAM}:megatron_adam_is_torch")
-_LOOP_FALLBACK = dict(when=WITHOUT_APEX_OR_TE, only_if=f"{_MULTI_TENSOR}:is_local_fallback")
+_TORCH_ADAM_FALLBACK = _Condition(when=WITHOUT_APEX_OR_TE, only_if=f"{_TORCH_ADAM}:megatron_adam_is_torch")
+_LOOP_FALLBACK = _Condition(when=WITHOUT_APEX_OR_TE, only_if=f"{_MULTI_TENSOR}:is_local_fallback")
 
 MEGATRON: tuple[Patch, ...] = (
     Patch("megatron.core.optimizer.emerging_optimizers:_EMERGING_OPTIMIZERS['dion3']", f"{_REGISTRY}:dion3_entry",

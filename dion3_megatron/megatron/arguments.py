@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Sequence
 from typing import Any, Callable, NoReturn
 
 from .. import options
@@ -174,15 +175,19 @@ def _one_line_errors(parser: argparse.ArgumentParser) -> None:
             _fail(parser, line)
         error(message)
 
-    def parse_known_args_checking_dion3(args=None, namespace=None):
+    def parse_known_args_checking_dion3(
+        args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
         known, extras = parse_known_args(args, namespace)
         for token in extras:
             if token.startswith(_FLAG_PREFIX):
                 _fail(parser, unknown_flag_error(token))
         return known, extras
 
-    parser.error = dion3_error
-    parser.parse_known_args = parse_known_args_checking_dion3
+    # The parser is the caller's (Megatron-LM builds its own), so its methods are replaced on this
+    # instance; setattr, because mypy refuses assigning to a method (method-assign).
+    setattr(parser, "error", dion3_error)
+    setattr(parser, "parse_known_args", parse_known_args_checking_dion3)
 
 
 def add_dion3_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -19,7 +19,7 @@ import os
 import runpy
 import sys
 from collections.abc import MutableMapping
-from typing import Any
+from typing import Any, NoReturn
 
 PROG = "python -m dion3_megatron.megatron.launch"
 
@@ -105,6 +105,15 @@ def single_process_world(environ: MutableMapping[str, str]) -> None:
         environ.setdefault(name, value)
 
 
+class _FirstRankErrorParser(argparse.ArgumentParser):
+    """A parser whose errors are one line without the usage, printed by the first rank alone."""
+
+    def error(self, message: str) -> NoReturn:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{PROG}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def check_arguments(args: list[str]) -> None:
     """Check a script's Dion3 arguments before it starts: the ``--dion3-*`` values, and with
     ``--optimizer dion3`` ``--lr`` and ``--weight-decay`` (which Dion3 takes), by the option spec.
@@ -113,15 +122,8 @@ def check_arguments(args: list[str]) -> None:
     from .. import options
     from .arguments import OPTIMIZER_NAME, add_dion3_arguments
 
-    parser = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)
+    parser = _FirstRankErrorParser(prog=PROG, add_help=False, allow_abbrev=False)
     parser.add_argument("--optimizer")
-
-    def error(message: str) -> None:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"{PROG}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-    parser.error = error
     add_dion3_arguments(parser)
     if parser.parse_known_args(args)[0].optimizer == OPTIMIZER_NAME:  # another optimizer's --lr is Megatron's
         for name in ("lr", "weight_decay"):

@@ -56,6 +56,11 @@ def decision_device(fallback: torch.device) -> torch.device:
 # Megatron's lr and weight decay, and the per-group options.
 _GROUP_SETTINGS = ("lr", "weight_decay", *options.group_keys(options.MEGATRON))
 
+# A parameter and its state dict entry (momentum, variance, and with staleness row_age).
+_Entry = tuple[torch.Tensor, dict[str, torch.Tensor]]
+# The engine's parameters (their ids) and each param group's staleness.
+_EngineKey = tuple[tuple[int, ...], tuple[Any, ...]]
+
 
 @options.documented(options.MEGATRON)
 class MegatronDion3(Dion3FrontEnd):
@@ -108,11 +113,11 @@ class MegatronDion3(Dion3FrontEnd):
         self._chosen: dict[str, float] = {}  # matrix name -> the automatic f this rank's matrices step at
         self._records: list[dict[str, float]] = []  # per param group: every rank's automatic f, by matrix name
         self._saved_fractions: dict[str, float] = {}  # matrix name -> f, from a checkpoint
-        self._pending: list = []  # (param, state dict entry) loaded, set at the next engine build
+        self._pending: list[_Entry] = []  # loaded, set at the next engine build
         self._speeds: Optional[fractions.AgreedSpeeds] = None  # whole matrices' speeds, agreed at the first build
         self._finite_vouched = False
-        self._engine = None
-        self._engine_key = None
+        self._engine: Optional[Dion3Engine] = None
+        self._engine_key: Optional[_EngineKey] = None  # what self._engine was built for
         self._shards: dict[torch.Tensor, list] = {}
         self._work: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stamps: dict[torch.Tensor, tuple] = {}  # per param: what its shards' views were cut from
@@ -148,6 +153,7 @@ class MegatronDion3(Dion3FrontEnd):
         if layout.perm is not None:
             buffers = self._work.get(p)
             if buffers is None:
+                assert layout.inv_perm is not None  # set with perm (describe_param)
                 layout.perm = layout.perm.to(p.device)
                 layout.inv_perm = layout.inv_perm.to(p.device)
                 buffers = (torch.empty(p.shape, dtype=p.dtype, device=p.device),
@@ -195,8 +201,9 @@ class MegatronDion3(Dion3FrontEnd):
         own = sum(p.numel() for p, _ in params)
         return min(1.0, own / self._model_matrix_numel) if self._model_matrix_numel and own else 1.0
 
-    def _ensure_engine(self, with_grads: bool) -> None:
+    def _ensure_engine(self, with_grads: bool) -> Dion3Engine:
         """Build (once) the MatrixShards of every parameter and the engine; refresh per-step fields.
+        Returns the engine.
 
         Building is collective (the engine checks its plan against the other ranks): every rank
         builds at the same call, the first step or the first state access (checkpointing).
@@ -204,12 +211,12 @@ class MegatronDion3(Dion3FrontEnd):
         params = self._params()
         # The engine plans with the staleness (its rows' ages exist only when it is > 0): a change
         # builds the engine anew, carrying the state over (ages switched on start at 0).
-        key = (tuple(id(p) for p, _ in params), tuple(group["staleness"] for group in self.param_groups))
+        key: _EngineKey = (tuple(id(p) for p, _ in params), tuple(group["staleness"] for group in self.param_groups))
         if self._engine is not None and self._engine_key == key:
             self._refresh_shards(with_grads)
-            return
-        carried = []
-        if self._engine is not None and self._engine_key[0] == key[0]:
+            return self._engine
+        carried: list[_Entry] = []
+        if self._engine is not None and self._engine_key is not None and self._engine_key[0] == key[0]:
             carried = [(p, self._saved_state(p)) for p, _ in params]
         carried, self._pending = carried + self._pending, []
         self._shards = {}
@@ -240,13 +247,13 @@ class MegatronDion3(Dion3FrontEnd):
                 [(p.device, hp.ns_dtype or default_ns_dtype(p.device)) for p, group in params
                  if plan.chooses_fraction(hp := group_hp[id(group)])])
         # chosen before a checkpoint: not measured again
-        self._engine = Dion3Engine(all_shards, cuda_graph=self.cuda_graph, step_share=step_share,
-                                   speeds=self._speeds, chosen=self._saved_fractions)
-        auto = self._engine.auto_fractions()
+        engine = self._engine = Dion3Engine(all_shards, cuda_graph=self.cuda_graph, step_share=step_share,
+                                            speeds=self._speeds, chosen=self._saved_fractions)
+        auto = engine.auto_fractions()
         if auto and (not dist.is_initialized() or dist.get_rank() == 0):
             logger.info("Dion3 fraction=auto chose (rows x cols: f) %s; this rank steps %.2f of the model's matrices",
                         ", ".join(f"{n}x{m}: {f:g}" for (n, m), f in sorted(auto.items())), step_share)
-        self._chosen = self._engine.chosen_fractions()
+        self._chosen = engine.chosen_fractions()
         self._records = self._gathered_records()
         self._engine_key = key
         # What changes from step to step: each group's lr and weight decay, and the gradient (and,
@@ -258,6 +265,7 @@ class MegatronDion3(Dion3FrontEnd):
         ]
         self._permuted = [(p, self.layout_of(p).perm, *self._work[p]) for p, _ in params if p in self._work]
         self._set_state(carried)
+        return engine
 
     def _gathered_records(self) -> list[dict[str, float]]:
         """Per param group, the automatic f of its matrices on every rank, by matrix name: gathered
@@ -346,7 +354,7 @@ class MegatronDion3(Dion3FrontEnd):
         a resume, at any data-parallel size, does not measure the device again."""
         self._saved_fractions = {name: f for record in records for name, f in record.items()}
 
-    def _loaded_entries(self, state_dict: dict[str, Any]) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    def _loaded_entries(self, state_dict: dict[str, Any]) -> list[_Entry]:
         """(param, its entry) of every parameter the state dict holds state for; ValueError naming
         the group and the parameter where the groups or an entry's shapes do not fit.
 
@@ -391,7 +399,7 @@ class MegatronDion3(Dion3FrontEnd):
         """The groups take the checkpoint's settings; the engine built next takes the loaded state
         (the parameters the checkpoint holds none for keep theirs)."""
         loaded = self._loaded_entries(state_dict)
-        kept = []
+        kept: list[_Entry] = []
         if self._engine is not None:
             ids = {id(p) for p, _ in loaded}
             kept = [(p, self._saved_state(p)) for p, _ in self._params() if id(p) not in ids]
@@ -399,7 +407,7 @@ class MegatronDion3(Dion3FrontEnd):
             mine.update({k: v for k, v in saved.items() if k != "params" and k in mine})
         self._engine, self._pending = None, kept + loaded
 
-    def _set_state(self, entries: list) -> None:
+    def _set_state(self, entries: list[_Entry]) -> None:
         """Copy (param, state dict entry) pairs into the engine's state. An engine with row ages
         (staleness) takes the entry's, or 0 for an entry without them (a fresh run's ages)."""
         for p, entry in entries:
@@ -454,7 +462,7 @@ class MegatronDion3(Dion3FrontEnd):
         # engine's collectives unmatched).
         if not vouched and not self.gate_step(self.step_check, self._device()):
             return loss
-        self._ensure_engine(with_grads=True)
+        engine = self._ensure_engine(with_grads=True)
         prologue, epilogue, key = self._permuted_copies()
-        self._engine.step(prologue, epilogue, key)
+        engine.step(prologue, epilogue, key)
         return loss

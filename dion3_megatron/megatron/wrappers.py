@@ -24,7 +24,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,17 @@ def _world_size(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
+class _MegatronOptimizer(Protocol):
+    """The methods of Megatron's optimizer classes (which carry no type information) that
+    :class:`StepGate` calls, on the class it is mixed into or on the optimizers below it."""
+
+    def prepare_grads(self) -> bool: ...
+    def get_grad_norm(self) -> float: ...
+    def step(self) -> Any: ...
+    def get_grad_stats_parallel_group(self) -> dist.ProcessGroup: ...
+    def grads_states_parallel_group_is_shared(self) -> bool: ...
+
+
 class StepGate:
     """Mixed into the outermost Megatron wrapper: the step's one decision for every chained
     optimizer, on every rank (see the module docstring)."""
@@ -66,6 +77,10 @@ class StepGate:
         self._gates_step = True  # False for a layer-wise wrapper inside Dion3's chain
         self._step_norm: Optional[float] = None  # the norm prepare_grads took, for this step's get_grad_norm
         self._norm_global: Optional[bool] = None  # whether Megatron's norm is reduced over every rank
+
+    def _megatron(self) -> _MegatronOptimizer:
+        """The Megatron class this is mixed into: the next class in the method resolution order."""
+        return cast(_MegatronOptimizer, super())
 
     def _dion3(self) -> list[MegatronDion3]:
         return dion3_optimizers(self)
@@ -80,9 +95,9 @@ class StepGate:
         """The Megatron optimizers below that hold parameters themselves (not chains)."""
         return [o for o in _below(self) if hasattr(o, "get_grads_for_grad_norm") and not hasattr(o, "chained_optimizers")]
 
-    def _norm_is_global(self, optimizer=None) -> bool:
+    def _norm_is_global(self, optimizer: Optional[_MegatronOptimizer] = None) -> bool:
         """Whether this object's ``get_grad_norm`` is reduced over every rank."""
-        o = self if optimizer is None else optimizer
+        o = cast(_MegatronOptimizer, self) if optimizer is None else optimizer
         if isinstance(o, layer_wise_class()):
             return True  # LayerWiseDistributedOptimizer reduces over the whole world
         children = getattr(o, "chained_optimizers", None)
@@ -120,14 +135,14 @@ class StepGate:
     def step(self, *args, **kwargs):
         """Megatron's step, with the foreach forms of its multi-tensor loops (:mod:`.multi_tensor`)."""
         with dion3_step():
-            return super().step(*args, **kwargs)
+            return self._megatron().step(*args, **kwargs)
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
-        found_inf = super().prepare_grads()
+        found_inf = self._megatron().prepare_grads()
         if found_inf or not self._gates_step:
             return found_inf
-        grad_norm = super().get_grad_norm()
+        grad_norm = self._megatron().get_grad_norm()
         dion3 = self._dion3()
         if not self._step_goes_ahead(grad_norm, dion3):
             if dion3:  # counted once: by the first, the others agree
@@ -145,7 +160,7 @@ class StepGate:
         if self._step_norm is not None:  # taken by prepare_grads for this step
             grad_norm, self._step_norm = self._step_norm, None
             return grad_norm
-        return super().get_grad_norm()
+        return self._megatron().get_grad_norm()
 
 
 def layer_wise_class() -> type:
