@@ -87,88 +87,172 @@ _TORCH_ADAM_FALLBACK = _Condition(when=WITHOUT_APEX_OR_TE, only_if=f"{_TORCH_ADA
 _LOOP_FALLBACK = _Condition(when=WITHOUT_APEX_OR_TE, only_if=f"{_MULTI_TENSOR}:is_local_fallback")
 
 MEGATRON: tuple[Patch, ...] = (
-    Patch("megatron.core.optimizer.emerging_optimizers:_EMERGING_OPTIMIZERS['dion3']", f"{_REGISTRY}:dion3_entry",
-          "the registry entry Megatron's optimizer factory reads for optimizer='dion3': MegatronDion3, its "
-          "init_state_fn and config_to_kwargs, and AdamW for embeddings, the output layer and non-2-D "
-          "parameters (the default_param_overrides Muon has)", MCORE_019),
-    Patch("megatron.core.optimizer:_get_megatron_emerging_optimizer", f"{_REGISTRY}:emerging_optimizer_factory",
-          "for dion3 only, Megatron's own factory runs without its check for the emerging-optimizers package "
-          "(Dion3 needs nothing from it) and wraps Dion3 in dion3_megatron.megatron.wrappers' subclasses of "
-          "its layer-wise and chained optimizers: fp32 without --bf16 (stock 0.19 fails ChainedOptimizer's "
-          "config assertion), a step with a non-finite gradient anywhere skipped whole on every rank",
-          MCORE_019, rebinds=("HAVE_EMERGING_OPTIMIZERS", "LayerWiseDistributedOptimizer", "ChainedOptimizer")),
-    Patch("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
-          f"{_TORCH_ADAM}:set_main_param_and_optimizer_states",
-          "torch AdamW's resume under the distributed optimizer: the loaders copied back the 'step' of before "
-          "the load (bias corrections restart) or looked for a 'step' the checkpoint never holds (KeyError)",
-          MCORE_019, **_TORCH_ADAM_FALLBACK),
-    Patch("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict", f"{_TORCH_ADAM}:state_dict",
-          "torch AdamW before its first step has no 'step', which state_dict() asserts it finds (load_checkpoint "
-          "builds the state dict to load into from a fresh optimizer)",
-          MCORE_019, **_TORCH_ADAM_FALLBACK),
-    Patch("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict",
-          f"{_TORCH_ADAM}:load_state_dict",
-          "load_state_dict() hands every parameter the same 'step' tensor, which torch AdamW increments once per "
-          "parameter and step: the bias corrections ran ahead",
-          MCORE_019, **_TORCH_ADAM_FALLBACK),
-    Patch("megatron.core.optimizer.clip_grads:l2_norm_impl", f"{_MULTI_TENSOR}:foreach_form",
-          "the gradient norm as torch foreach ops: Megatron's loop synchronizes the device once per gradient",
-          MCORE_019, **_LOOP_FALLBACK),
-    Patch("megatron.core.optimizer.clip_grads:multi_tensor_scale_impl", f"{_MULTI_TENSOR}:foreach_form",
-          "gradient clipping as torch foreach ops (bit-identical): Megatron's loop allocates a temporary per tensor",
-          MCORE_019, **_LOOP_FALLBACK),
-    Patch("megatron.core.optimizer.optimizer:multi_tensor_scale_impl", f"{_MULTI_TENSOR}:foreach_form",
-          "the main-to-model parameter copies as torch foreach ops (bit-identical)",
-          MCORE_019, **_LOOP_FALLBACK),
-    Patch("megatron.training.arguments:add_megatron_arguments", f"{_REGISTRY}:megatron_arguments",
-          "Megatron-LM's parser gets 'dion3' among --optimizer's choices and the --dion3-* group, and its --help "
-          "works (0.19.2 has a help string with a bare '%' that argparse cannot format)",
-          MLM_019, optional=True),
-    Patch("megatron.training.training:get_megatron_optimizer_config", f"{_REGISTRY}:optimizer_config_from_args",
-          "copies the --dion3-* values from Megatron-LM's args onto the OptimizerConfig (upstream copies only "
-          "OptimizerConfig's own fields), and warns when Adam would take a Dion3-sized --lr",
-          MLM_019, optional=True),
-    Patch("megatron.training.models.dist_utils:_ddp_wrap", f"{_REGISTRY}:layer_wise_ddp_wrap",
-          "pretrain()'s model-config path (Megatron-LM's pretrain_gpt.py) ignores the layer-wise distributed "
-          "optimizer and all-reduces; for --optimizer dion3 --use-distributed-optimizer it builds the layer-wise "
-          "ZeRO-1 layout, as the model-provider path (get_model) does for every emerging optimizer",
-          MLM_019, optional=True, rebinds=("DistributedOptimizer",)),
-    Patch("megatron.core.datasets.utils:compile_helpers", "dion3_megatron.megatron.launch:skip_compile_helpers",
-          "Megatron-LM's initialize_megatron runs make for the dataset helpers, which the wheel ships compiled "
-          "but without their Makefile: a script run against the wheel would stop there",
-          MCORE_019, when=LAUNCHER, only_if="dion3_megatron.megatron.launch:helpers_prebuilt"),
+    Patch(
+        "megatron.core.optimizer.emerging_optimizers:_EMERGING_OPTIMIZERS['dion3']",
+        f"{_REGISTRY}:dion3_entry",
+        "the registry entry Megatron's optimizer factory reads for optimizer='dion3': MegatronDion3, its "
+        "init_state_fn and config_to_kwargs, and AdamW for embeddings, the output layer and non-2-D "
+        "parameters (the default_param_overrides Muon has)",
+        MCORE_019,
+    ),
+    Patch(
+        "megatron.core.optimizer:_get_megatron_emerging_optimizer",
+        f"{_REGISTRY}:emerging_optimizer_factory",
+        "for dion3 only, Megatron's own factory runs without its check for the emerging-optimizers package "
+        "(Dion3 needs nothing from it) and wraps Dion3 in dion3_megatron.megatron.wrappers' subclasses of "
+        "its layer-wise and chained optimizers: fp32 without --bf16 (stock 0.19 fails ChainedOptimizer's "
+        "config assertion), a step with a non-finite gradient anywhere skipped whole on every rank",
+        MCORE_019,
+        rebinds=("HAVE_EMERGING_OPTIMIZERS", "LayerWiseDistributedOptimizer", "ChainedOptimizer"),
+    ),
+    Patch(
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
+        f"{_TORCH_ADAM}:set_main_param_and_optimizer_states",
+        "torch AdamW's resume under the distributed optimizer: the loaders copied back the 'step' of before "
+        "the load (bias corrections restart) or looked for a 'step' the checkpoint never holds (KeyError)",
+        MCORE_019,
+        **_TORCH_ADAM_FALLBACK,
+    ),
+    Patch(
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict",
+        f"{_TORCH_ADAM}:state_dict",
+        "torch AdamW before its first step has no 'step', which state_dict() asserts it finds (load_checkpoint "
+        "builds the state dict to load into from a fresh optimizer)",
+        MCORE_019,
+        **_TORCH_ADAM_FALLBACK,
+    ),
+    Patch(
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict",
+        f"{_TORCH_ADAM}:load_state_dict",
+        "load_state_dict() hands every parameter the same 'step' tensor, which torch AdamW increments once per "
+        "parameter and step: the bias corrections ran ahead",
+        MCORE_019,
+        **_TORCH_ADAM_FALLBACK,
+    ),
+    Patch(
+        "megatron.core.optimizer.clip_grads:l2_norm_impl",
+        f"{_MULTI_TENSOR}:foreach_form",
+        "the gradient norm as torch foreach ops: Megatron's loop synchronizes the device once per gradient",
+        MCORE_019,
+        **_LOOP_FALLBACK,
+    ),
+    Patch(
+        "megatron.core.optimizer.clip_grads:multi_tensor_scale_impl",
+        f"{_MULTI_TENSOR}:foreach_form",
+        "gradient clipping as torch foreach ops (bit-identical): Megatron's loop allocates a temporary per tensor",
+        MCORE_019,
+        **_LOOP_FALLBACK,
+    ),
+    Patch(
+        "megatron.core.optimizer.optimizer:multi_tensor_scale_impl",
+        f"{_MULTI_TENSOR}:foreach_form",
+        "the main-to-model parameter copies as torch foreach ops (bit-identical)",
+        MCORE_019,
+        **_LOOP_FALLBACK,
+    ),
+    Patch(
+        "megatron.training.arguments:add_megatron_arguments",
+        f"{_REGISTRY}:megatron_arguments",
+        "Megatron-LM's parser gets 'dion3' among --optimizer's choices and the --dion3-* group, and its --help "
+        "works (0.19.2 has a help string with a bare '%' that argparse cannot format)",
+        MLM_019,
+        optional=True,
+    ),
+    Patch(
+        "megatron.training.training:get_megatron_optimizer_config",
+        f"{_REGISTRY}:optimizer_config_from_args",
+        "copies the --dion3-* values from Megatron-LM's args onto the OptimizerConfig (upstream copies only "
+        "OptimizerConfig's own fields), and warns when Adam would take a Dion3-sized --lr",
+        MLM_019,
+        optional=True,
+    ),
+    Patch(
+        "megatron.training.models.dist_utils:_ddp_wrap",
+        f"{_REGISTRY}:layer_wise_ddp_wrap",
+        "pretrain()'s model-config path (Megatron-LM's pretrain_gpt.py) ignores the layer-wise distributed "
+        "optimizer and all-reduces; for --optimizer dion3 --use-distributed-optimizer it builds the layer-wise "
+        "ZeRO-1 layout, as the model-provider path (get_model) does for every emerging optimizer",
+        MLM_019,
+        optional=True,
+        rebinds=("DistributedOptimizer",),
+    ),
+    Patch(
+        "megatron.core.datasets.utils:compile_helpers",
+        "dion3_megatron.megatron.launch:skip_compile_helpers",
+        "Megatron-LM's initialize_megatron runs make for the dataset helpers, which the wheel ships compiled "
+        "but without their Makefile: a script run against the wheel would stop there",
+        MCORE_019,
+        when=LAUNCHER,
+        only_if="dion3_megatron.megatron.launch:helpers_prebuilt",
+    ),
 )
 
 DEEPSPEED: tuple[Patch, ...] = (
-    Patch("deepspeed.runtime.config:DEEPSPEED_OPTIMIZERS[+]", f"{_DS}:config_name",
-          'DeepSpeed lower-cases a config "type" that names one of its own optimizers: "Dion3", "DION3" and '
-          '"dion3" all become "dion3"', DS_019, optional=True),
-    Patch("torch.optim:dion3", f"{_DS}:deepspeed_class",
-          'DeepSpeed 0.19 looks the optimizer of a config "type" up in torch.optim: "dion3" builds DeepSpeedDion3',
-          DS_019, adds=True),
-    Patch("deepspeed.runtime.engine:DeepSpeedEngine._is_supported_optimizer", f"{_DS}:name_hint",
-          'a config "type" close to Dion3\'s ("Dion", "dion-3", "Dion3Optimizer") fails with one line naming "Dion3" '
-          "instead of DeepSpeed's bare assertion", DS_019, optional=True),
-    Patch("deepspeed.runtime.zero.utils:ZERO_SUPPORTED_OPTIMIZERS[+]", f"{_DS}:deepspeed_class",
-          'ZeRO takes DeepSpeedDion3 without "zero_allow_untested_optimizer"', DS_019, optional=True),
-    Patch("deepspeed.runtime.engine:DeepSpeedEngine._configure_basic_optimizer", f"{_DS}:split_config_params",
-          'with "type": "Dion3" the parameters DeepSpeed was given are split by the engine\'s model: embeddings, '
-          "the output head, norms and vectors take AdamW, hidden matrices Dion3", DS_019, optional=True),
-    Patch("deepspeed.runtime.engine:DeepSpeedEngine._do_optimizer_sanity_check", f"{_DS}:stage_class",
-          "where DeepSpeed decides how to wrap the optimizer, DeepSpeedDion3 becomes DeepSpeedZeroDion3 if ZeRO-1/2/3 "
-          "or BF16_Optimizer will hand it flat partitions; a plain dion3_megatron.Dion3 there is refused at "
-          "initialize, by name", DS_019, optional=True),
-    Patch("deepspeed.runtime.engine:DeepSpeedEngine._configure_zero_optimizer", f"{_DS}:zero_stage_checks",
-          "optimizer offload is refused for Dion3 with a message saying what to set; Dion3 learns ZeRO's "
-          "partitions (ZeRO-3: which parameters each sub-group's holds) and how to write one back to its "
-          "low-precision copy, and the partition-shaped state of every ZeRO partition is created before ZeRO "
-          "links state to parameters",
-          DS_019, optional=True),
-    Patch("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
-          f"{_DS}.zero3:load_universal_settings_and_ages",
-          "ZeRO-3's universal-checkpoint load gives every param group the first one's settings and drops every "
-          "state key but exp_avg and exp_avg_sq: for Dion3, each group gets its own settings back (Dion3 and "
-          "AdamW groups differ) and the rows' ages (row_age) are loaded too", DS_019, optional=True),
+    Patch(
+        "deepspeed.runtime.config:DEEPSPEED_OPTIMIZERS[+]",
+        f"{_DS}:config_name",
+        'DeepSpeed lower-cases a config "type" that names one of its own optimizers: "Dion3", "DION3" and "dion3" all become "dion3"',
+        DS_019,
+        optional=True,
+    ),
+    Patch(
+        "torch.optim:dion3",
+        f"{_DS}:deepspeed_class",
+        'DeepSpeed 0.19 looks the optimizer of a config "type" up in torch.optim: "dion3" builds DeepSpeedDion3',
+        DS_019,
+        adds=True,
+    ),
+    Patch(
+        "deepspeed.runtime.engine:DeepSpeedEngine._is_supported_optimizer",
+        f"{_DS}:name_hint",
+        'a config "type" close to Dion3\'s ("Dion", "dion-3", "Dion3Optimizer") fails with one line naming "Dion3" '
+        "instead of DeepSpeed's bare assertion",
+        DS_019,
+        optional=True,
+    ),
+    Patch(
+        "deepspeed.runtime.zero.utils:ZERO_SUPPORTED_OPTIMIZERS[+]",
+        f"{_DS}:deepspeed_class",
+        'ZeRO takes DeepSpeedDion3 without "zero_allow_untested_optimizer"',
+        DS_019,
+        optional=True,
+    ),
+    Patch(
+        "deepspeed.runtime.engine:DeepSpeedEngine._configure_basic_optimizer",
+        f"{_DS}:split_config_params",
+        'with "type": "Dion3" the parameters DeepSpeed was given are split by the engine\'s model: embeddings, '
+        "the output head, norms and vectors take AdamW, hidden matrices Dion3",
+        DS_019,
+        optional=True,
+    ),
+    Patch(
+        "deepspeed.runtime.engine:DeepSpeedEngine._do_optimizer_sanity_check",
+        f"{_DS}:stage_class",
+        "where DeepSpeed decides how to wrap the optimizer, DeepSpeedDion3 becomes DeepSpeedZeroDion3 if ZeRO-1/2/3 "
+        "or BF16_Optimizer will hand it flat partitions; a plain dion3_megatron.Dion3 there is refused at "
+        "initialize, by name",
+        DS_019,
+        optional=True,
+    ),
+    Patch(
+        "deepspeed.runtime.engine:DeepSpeedEngine._configure_zero_optimizer",
+        f"{_DS}:zero_stage_checks",
+        "optimizer offload is refused for Dion3 with a message saying what to set; Dion3 learns ZeRO's "
+        "partitions (ZeRO-3: which parameters each sub-group's holds) and how to write one back to its "
+        "low-precision copy, and the partition-shaped state of every ZeRO partition is created before ZeRO "
+        "links state to parameters",
+        DS_019,
+        optional=True,
+    ),
+    Patch(
+        "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
+        f"{_DS}.zero3:load_universal_settings_and_ages",
+        "ZeRO-3's universal-checkpoint load gives every param group the first one's settings and drops every "
+        "state key but exp_avg and exp_avg_sq: for Dion3, each group gets its own settings back (Dion3 and "
+        "AdamW groups differ) and the rows' ages (row_age) are loaded too",
+        DS_019,
+        optional=True,
+    ),
 )
 
 
@@ -224,8 +308,10 @@ def _changed(patch: Patch, what: str) -> str:
         installed = f"{distribution} {importlib.metadata.version(distribution)}"
     except importlib.metadata.PackageNotFoundError:
         installed = distribution
-    return (f"dion3_megatron cannot patch {patch.target}: {what} in the installed {installed}; the entry of "
-            f"dion3_megatron/compat.py was written for {patch.upstream}")
+    return (
+        f"dion3_megatron cannot patch {patch.target}: {what} in the installed {installed}; the entry of "
+        f"dion3_megatron/compat.py was written for {patch.upstream}"
+    )
 
 
 def is_patched(value: Any) -> bool:
@@ -327,8 +413,9 @@ def rebound(target: str, function: Callable, values: dict[str, Any]) -> Callable
     (patch,) = [p for p in MEGATRON + DEEPSPEED if p.target == target]
     assert sorted(values) == sorted(patch.rebinds), (target, sorted(values), patch.rebinds)
     _check_rebinds(patch, function)
-    copy = types.FunctionType(function.__code__, {**function.__globals__, **values}, function.__name__,
-                              function.__defaults__, function.__closure__)
+    copy = types.FunctionType(
+        function.__code__, {**function.__globals__, **values}, function.__name__, function.__defaults__, function.__closure__
+    )
     copy.__kwdefaults__ = function.__kwdefaults__
     return copy
 
@@ -360,6 +447,21 @@ def restore_deepspeed() -> None:
     restore(DEEPSPEED)
 
 
-__all__ = ["ALWAYS", "DEEPSPEED", "LAUNCHER", "MEGATRON", "WITHOUT_APEX_OR_TE", "Patch", "UpstreamChanged",
-           "apply", "apply_deepspeed", "apply_megatron", "is_patched", "rebound", "require_megatron", "restore",
-           "restore_deepspeed", "restore_megatron"]
+__all__ = [
+    "ALWAYS",
+    "DEEPSPEED",
+    "LAUNCHER",
+    "MEGATRON",
+    "WITHOUT_APEX_OR_TE",
+    "Patch",
+    "UpstreamChanged",
+    "apply",
+    "apply_deepspeed",
+    "apply_megatron",
+    "is_patched",
+    "rebound",
+    "require_megatron",
+    "restore",
+    "restore_deepspeed",
+    "restore_megatron",
+]

@@ -219,6 +219,7 @@ def test_environment_section_names_what_from_environment_reads(monkeypatch):
     assert list(found) == read
     for name in read:
         monkeypatch.delenv(name, raising=False)
+
     def settings() -> dict:
         config = kernel_config.from_environment()
         return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.compare}

@@ -301,25 +301,6 @@ def test_load_state_dict_refuses_row_ages_that_do_not_match_the_staleness(genera
     _assert_state_is(opt, before)
 
 
-def test_a_checkpoint_from_before_the_option_loads_with_every_row_at_age_zero(generator):
-    # Its groups carry no staleness: the optimizer's own holds, and the ages start where a fresh
-    # run starts them (as Dion3 does when staleness is switched on later).
-    params, names = _params(generator)
-    old = _megatron(params, names, staleness=0.0)  # a run before the option: no ages
-    _one_step(old, params, generator)
-    sd = old.state_dict()
-    for group in sd["param_groups"]:
-        del group["staleness"]
-    clones = _clones(params)
-    new = _megatron(clones, {c: names[p] for c, p in zip(clones, params)}, staleness=1.0)
-    _one_step(new, clones, generator)  # ages of its own, which the load must not keep
-    new.load_state_dict(sd)
-    assert new.param_groups[0]["staleness"] == 1.0
-    for index, state in new.state_dict()["state"].items():
-        assert torch.equal(state["momentum"], sd["state"][index]["momentum"])
-        assert torch.equal(state["row_age"], torch.zeros_like(state["row_age"]))
-
-
 @pytest.mark.parametrize("fraction", [0.5, "auto"])
 def test_fractions_of_names_each_logical_matrix_with_the_f_its_steps_use(generator, fraction):
     from dion3_megatron.core.cost_model import CANDIDATE_FRACTIONS

@@ -63,9 +63,8 @@ def refuse_unknown_fields(source: Any, where: str) -> None:
     otherwise leave its option at the default, silently."""
     for name in sorted(vars(source) if hasattr(source, "__dict__") else ()):
         if name.startswith(_PREFIX) and name not in DION3_DEFAULTS:
-            hint = _hint(name[len(_PREFIX):], lambda option: repr(config_field(option)))
-            raise ValueError(f"{where}: unknown attribute {name}; "
-                             + (hint or f"the Dion3 fields are {', '.join(DION3_DEFAULTS)}"))
+            hint = _hint(name[len(_PREFIX) :], lambda option: repr(config_field(option)))
+            raise ValueError(f"{where}: unknown attribute {name}; " + (hint or f"the Dion3 fields are {', '.join(DION3_DEFAULTS)}"))
 
 
 def check_dion3_values(values: dict[str, Any], where: str) -> None:
@@ -85,9 +84,12 @@ def warn_if_adam_takes_the_dion3_lr(args: Any) -> None:
     output layer, norms) at a Dion3-sized ``--lr`` because ``--decoupled-lr`` is not given."""
     lr = getattr(args, "lr", None)
     if getattr(args, "decoupled_lr", None) is None and lr is not None and lr > ADAM_LR_LIMIT:
-        warnings.warn(f"--optimizer dion3 --lr {lr} without --decoupled-lr: Megatron's Adam steps the embeddings "
-                      f"and the output layer at lr {lr} too, more than suits Adam there (above {ADAM_LR_LIMIT}); "
-                      "pass --decoupled-lr, e.g. 0.002 (docs/tuning.md, What takes AdamW)", stacklevel=2)
+        warnings.warn(
+            f"--optimizer dion3 --lr {lr} without --decoupled-lr: Megatron's Adam steps the embeddings "
+            f"and the output layer at lr {lr} too, more than suits Adam there (above {ADAM_LR_LIMIT}); "
+            "pass --decoupled-lr, e.g. 0.002 (docs/tuning.md, What takes AdamW)",
+            stacklevel=2,
+        )
 
 
 def _default_text(option: options.Option) -> str:
@@ -111,8 +113,9 @@ def _add(group, option: options.Option) -> None:
     elif option.kind == options.CHOICE:
         group.add_argument(flag(option.name), dest=dest, choices=option.choices, default=option.default, help=help)
     elif option.kind in (options.REAL, options.FRACTION):
-        group.add_argument(flag(option.name), dest=dest, type=option.argparse_type(), default=option.default,
-                           metavar=option.name.upper(), help=help)
+        group.add_argument(
+            flag(option.name), dest=dest, type=option.argparse_type(), default=option.default, metavar=option.name.upper(), help=help
+        )
     else:
         raise AssertionError(f"no Megatron flag for an option of kind {option.kind!r} ({option.name})")
 
@@ -136,7 +139,7 @@ def unknown_flag_error(token: str) -> str:
     """The one line for an unknown ``--dion3-*`` flag, e.g. ``--dion3-momentum: unknown flag; Dion3
     calls its momentum --dion3-mu``."""
     given = token.split("=", 1)[0]
-    hint = _hint(given[len(_FLAG_PREFIX):].replace("-", "_"), flag)
+    hint = _hint(given[len(_FLAG_PREFIX) :].replace("-", "_"), flag)
     return f"{given}: unknown flag" + (f"; {hint}" if hint else "")
 
 
@@ -147,8 +150,14 @@ def _optimizer_error(parser: argparse.ArgumentParser, message: str) -> str | Non
     if match is None:
         return None
     value = match[1]
-    choices = next((list(a.choices) for a in parser._actions  # noqa: SLF001
-                    if "--optimizer" in a.option_strings and a.choices), [])
+    choices = next(
+        (
+            list(a.choices)
+            for a in parser._actions  # noqa: SLF001
+            if "--optimizer" in a.option_strings and a.choices
+        ),
+        [],
+    )
     close = [c for c in choices if c.lower() == value.lower()] or difflib.get_close_matches(value, choices, n=1)
     return f"--optimizer {value}: did you mean {OPTIMIZER_NAME}?" if close == [OPTIMIZER_NAME] else None
 

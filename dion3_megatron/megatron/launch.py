@@ -50,12 +50,20 @@ def help_parser() -> argparse.ArgumentParser:
     from .arguments import add_dion3_arguments
 
     parser = argparse.ArgumentParser(
-        prog=PROG, usage=f"{PROG} [-h] SCRIPT [SCRIPT ARGS ...]\n       torchrun [...] -m dion3_megatron.megatron.launch "
-                         "SCRIPT [SCRIPT ARGS ...]",
-        description=_DESCRIPTION, epilog=_EPILOG, formatter_class=_Formatter, allow_abbrev=False)
+        prog=PROG,
+        usage=f"{PROG} [-h] SCRIPT [SCRIPT ARGS ...]\n       torchrun [...] -m dion3_megatron.megatron.launch SCRIPT [SCRIPT ARGS ...]",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=_Formatter,
+        allow_abbrev=False,
+    )
     parser.add_argument("script", metavar="SCRIPT", help="the training script (e.g. Megatron-LM's pretrain_gpt.py)")
-    parser.add_argument("args", metavar="SCRIPT ARGS", nargs=argparse.REMAINDER,
-                        help="its arguments: Megatron-LM's flags, --optimizer dion3 and the flags below")
+    parser.add_argument(
+        "args",
+        metavar="SCRIPT ARGS",
+        nargs=argparse.REMAINDER,
+        help="its arguments: Megatron-LM's flags, --optimizer dion3 and the flags below",
+    )
     return add_dion3_arguments(parser)
 
 
@@ -100,8 +108,9 @@ def single_process_world(environ: MutableMapping[str, str]) -> None:
     with socket.socket() as s:  # a free port on this host, as torchrun --standalone picks one
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+    for name, value in dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    ).items():
         environ.setdefault(name, value)
 
 

@@ -72,8 +72,7 @@ def describe_param(
     partition = {0: "rows", 1: "cols"}.get(partition_dim)
     row_mult = tp if partition == "rows" else 1
     m_full = m_loc * (tp if partition == "cols" else 1)
-    layout = ParamLayout(name, (n_loc, m_loc), [], partition, tp_group if partition else None,
-                         tp if partition else 1)
+    layout = ParamLayout(name, (n_loc, m_loc), [], partition, tp_group if partition else None, tp if partition else 1)
 
     split_shapes = getattr(param, "qkv_split_shapes", None)
     if split_qkv and getattr(param, "is_qkv", False) and split_shapes and n_loc % sum(split_shapes) == 0:
@@ -83,7 +82,7 @@ def describe_param(
         perm, start, offset = [], 0, 0
         suffixes = ["q", "k", "v"] if len(split_shapes) == 3 else [f"part{i}" for i in range(len(split_shapes))]
         for suffix, size in zip(suffixes, split_shapes):
-            perm.append(rows[:, offset:offset + size].reshape(-1))
+            perm.append(rows[:, offset : offset + size].reshape(-1))
             count = groups * size
             layout.matrices.append(LogicalMatrix(suffix, start, start + count, (count * row_mult, m_full)))
             start += count
@@ -93,8 +92,10 @@ def describe_param(
         return layout
     if split_glu and gated_linear_unit and _GLU_FC1.search(name) and n_loc % 2 == 0:
         half = n_loc // 2
-        layout.matrices = [LogicalMatrix("gate", 0, half, (half * row_mult, m_full)),
-                         LogicalMatrix("up", half, n_loc, (half * row_mult, m_full))]
+        layout.matrices = [
+            LogicalMatrix("gate", 0, half, (half * row_mult, m_full)),
+            LogicalMatrix("up", half, n_loc, (half * row_mult, m_full)),
+        ]
         return layout
     layout.matrices = [LogicalMatrix("", 0, n_loc, (n_loc * row_mult, m_full))]
     return layout
@@ -102,7 +103,7 @@ def describe_param(
 
 def _strip_wrappers(name: str) -> str:
     while name.startswith("module."):
-        name = name[len("module."):]
+        name = name[len("module.") :]
     return name
 
 
@@ -135,6 +136,5 @@ def describe_model(
             is_expert = getattr(param, "expert_tp", False) or ("experts" in name and "shared" not in name)
             group = expt_tp_group if is_expert else tp_group
             prefix = f"chunk{chunk_index}." if chunk_index else ""
-            layouts[param] = describe_param(prefix + name, param, group, split_qkv=split_qkv,
-                                            split_glu=split_glu, gated_linear_unit=gated)
+            layouts[param] = describe_param(prefix + name, param, group, split_qkv=split_qkv, split_glu=split_glu, gated_linear_unit=gated)
     return layouts

@@ -52,8 +52,10 @@ def foreach_l2_norm(
     global _announced
     if not _announced:
         _announced = True
-        logger.info("Megatron-Core without apex or Transformer Engine: its gradient norm, clipping and "
-                    "parameter copies run as torch foreach ops (dion3_megatron.megatron.multi_tensor)")
+        logger.info(
+            "Megatron-Core without apex or Transformer Engine: its gradient norm, clipping and "
+            "parameter copies run as torch foreach ops (dion3_megatron.megatron.multi_tensor)"
+        )
     tensors = tensor_lists[0]
     if not tensors:
         return torch.zeros(1, device=noop_flag.device), None

@@ -66,18 +66,18 @@ _EngineKey = tuple[tuple[int, ...], tuple[Any, ...]]
 class MegatronDion3(Dion3FrontEnd):
     """Dion3 for the 2-D hidden matrices of a Megatron-Core model (any TP / PP / EP / DP).
 
-    Args:
-        params: Megatron's param groups (``lr`` and ``weight_decay`` set by its lr scheduler).
-        lr, weight_decay: defaults for groups that lack them.
-        model_chunks: the model, to read parameter names and marks (main fp32 params of the bf16
-            wrapper are matched to their model params through Megatron's ``param.main_param``).
-        pg_collection: Megatron's process groups (``tp``, ``expt_tp``).
-        layouts: parameter -> :class:`ParamLayout`, instead of describing ``model_chunks``.
-        **settings: the options below (keyword only; declared in :mod:`dion3_megatron.options`;
-            :func:`config_to_kwargs` reads them from ``OptimizerConfig.dion3_<name>``).
+        Args:
+            params: Megatron's param groups (``lr`` and ``weight_decay`` set by its lr scheduler).
+            lr, weight_decay: defaults for groups that lack them.
+            model_chunks: the model, to read parameter names and marks (main fp32 params of the bf16
+                wrapper are matched to their model params through Megatron's ``param.main_param``).
+            pg_collection: Megatron's process groups (``tp``, ``expt_tp``).
+            layouts: parameter -> :class:`ParamLayout`, instead of describing ``model_chunks``.
+            **settings: the options below (keyword only; declared in :mod:`dion3_megatron.options`;
+                :func:`config_to_kwargs` reads them from ``OptimizerConfig.dion3_<name>``).
 
-    Options:
-{options}
+        Options:
+    {options}
     """
 
     FRONT_END = options.MEGATRON
@@ -94,8 +94,7 @@ class MegatronDion3(Dion3FrontEnd):
     ) -> None:
         settings = options.settings(type(self).__name__, options.MEGATRON, settings)
         options.check(type(self).__name__, lr=lr, weight_decay=weight_decay, **settings)
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay,
-                                      **{k: settings[k] for k in options.group_keys(options.MEGATRON)}))
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, **{k: settings[k] for k in options.group_keys(options.MEGATRON)}))
         self.cuda_graph = settings["cuda_graph"]
         self.split_qkv = settings["split_qkv"]
         self.split_glu = settings["split_glu"]
@@ -104,12 +103,12 @@ class MegatronDion3(Dion3FrontEnd):
         self._model_chunks = list(model_chunks) if model_chunks is not None else []
         self._layouts: dict[torch.Tensor, ParamLayout] = dict(layouts) if layouts else {}
         if model_chunks is not None and not layouts:
-            self._layouts = describe_model(model_chunks, pg_collection, split_qkv=self.split_qkv,
-                                           split_glu=self.split_glu)
+            self._layouts = describe_model(model_chunks, pg_collection, split_qkv=self.split_qkv, split_glu=self.split_glu)
         # The model's Dion3 matrices (2-D, not embedding or output), against which the automatic f
         # weighs the share this optimizer steps (0: no model given).
-        self._model_matrix_numel = sum(q.numel() for q in self._layouts
-                                       if not getattr(q, "is_embedding_or_output_parameter", False)) if model_chunks else 0
+        self._model_matrix_numel = (
+            sum(q.numel() for q in self._layouts if not getattr(q, "is_embedding_or_output_parameter", False)) if model_chunks else 0
+        )
         self._chosen: dict[str, float] = {}  # matrix name -> the automatic f this rank's matrices step at
         self._records: list[dict[str, float]] = []  # per param group: every rank's automatic f, by matrix name
         self._saved_fractions: dict[str, float] = {}  # matrix name -> f, from a checkpoint
@@ -156,8 +155,7 @@ class MegatronDion3(Dion3FrontEnd):
                 assert layout.inv_perm is not None  # set with perm (describe_param)
                 layout.perm = layout.perm.to(p.device)
                 layout.inv_perm = layout.inv_perm.to(p.device)
-                buffers = (torch.empty(p.shape, dtype=p.dtype, device=p.device),
-                           torch.empty(p.shape, dtype=torch.float32, device=p.device))
+                buffers = (torch.empty(p.shape, dtype=p.dtype, device=p.device), torch.empty(p.shape, dtype=torch.float32, device=p.device))
                 self._work[p] = buffers
             return buffers
         grad = p.grad if with_grad else None
@@ -236,31 +234,52 @@ class MegatronDion3(Dion3FrontEnd):
                 else:
                     sharding, group_arg = Sharding.even_cols(matrix.full_shape[1], layout.group_size), layout.group
                 hp = group_hp[id(group)]
-                shards.append(MatrixShard(name=name, weight=weight[rows], grad=grad[rows] if grad is not None else None,
-                                          shape=matrix.full_shape, sharding=sharding, group=group_arg, hp=hp, state={}))
+                shards.append(
+                    MatrixShard(
+                        name=name,
+                        weight=weight[rows],
+                        grad=grad[rows] if grad is not None else None,
+                        shape=matrix.full_shape,
+                        sharding=sharding,
+                        group=group_arg,
+                        hp=hp,
+                        state={},
+                    )
+                )
             self._shards[p] = shards
         all_shards = [s for p, _ in params for s in self._shards[p]]
         step_share = self._step_share(params)
         if self._speeds is None:  # one collective, at the first build (collective on every rank anyway):
             # replicas of a whole matrix (data parallelism without the distributed optimizer) choose one f
             self._speeds = fractions.agreed_speeds(
-                [(p.device, hp.ns_dtype or default_ns_dtype(p.device)) for p, group in params
-                 if plan.chooses_fraction(hp := group_hp[id(group)])])
+                [
+                    (p.device, hp.ns_dtype or default_ns_dtype(p.device))
+                    for p, group in params
+                    if plan.chooses_fraction(hp := group_hp[id(group)])
+                ]
+            )
         # chosen before a checkpoint: not measured again
-        engine = self._engine = Dion3Engine(all_shards, cuda_graph=self.cuda_graph, step_share=step_share,
-                                            speeds=self._speeds, chosen=self._saved_fractions)
+        engine = self._engine = Dion3Engine(
+            all_shards, cuda_graph=self.cuda_graph, step_share=step_share, speeds=self._speeds, chosen=self._saved_fractions
+        )
         auto = engine.auto_fractions()
         if auto and (not dist.is_initialized() or dist.get_rank() == 0):
-            logger.info("Dion3 fraction=auto chose (rows x cols: f) %s; this rank steps %.2f of the model's matrices",
-                        ", ".join(f"{n}x{m}: {f:g}" for (n, m), f in sorted(auto.items())), step_share)
+            logger.info(
+                "Dion3 fraction=auto chose (rows x cols: f) %s; this rank steps %.2f of the model's matrices",
+                ", ".join(f"{n}x{m}: {f:g}" for (n, m), f in sorted(auto.items())),
+                step_share,
+            )
         self._chosen = engine.chosen_fractions()
         self._records = self._gathered_records()
         self._engine_key = key
         # What changes from step to step: each group's lr and weight decay, and the gradient (and,
         # rarely, weight) storage of the parameters used in place (the permuted ones use buffers).
         self._refresh_plan = [
-            (group, [(p, self._shards[p], self.layout_of(p).matrices) for p in group["params"] if p not in self._work],
-             [s for p in group["params"] for s in self._shards[p]])
+            (
+                group,
+                [(p, self._shards[p], self.layout_of(p).matrices) for p in group["params"] if p not in self._work],
+                [s for p in group["params"] for s in self._shards[p]],
+            )
             for group in self.param_groups
         ]
         self._permuted = [(p, self.layout_of(p).perm, *self._work[p]) for p, _ in params if p in self._work]
@@ -273,8 +292,10 @@ class MegatronDion3(Dion3FrontEnd):
         record, so the one Megatron's torch_dist checkpoint keeps (the param groups of one rank)
         names every matrix, and a resume at another data-parallel size finds each one's f (a
         name on several ranks: the lowest rank's f)."""
-        mine = [{s.name: self._chosen[s.name] for p in group["params"] for s in self._shards.get(p, [])
-                 if s.name in self._chosen} for group in self.param_groups]
+        mine = [
+            {s.name: self._chosen[s.name] for p in group["params"] for s in self._shards.get(p, []) if s.name in self._chosen}
+            for group in self.param_groups
+        ]
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return mine
         everyone: list = [None] * dist.get_world_size()
@@ -301,8 +322,8 @@ class MegatronDion3(Dion3FrontEnd):
                 weight, grad = self._working(p, self.layout_of(p), with_grads)
                 self._stamps[p] = (weight.data_ptr(), None if grad is None else grad.data_ptr())
                 for shard, matrix in zip(shards, matrices):
-                    shard.weight = weight[matrix.start:matrix.stop]
-                    shard.grad = grad[matrix.start:matrix.stop] if grad is not None else None
+                    shard.weight = weight[matrix.start : matrix.stop]
+                    shard.grad = grad[matrix.start : matrix.stop] if grad is not None else None
 
     @torch.no_grad()
     def init_state(self) -> None:
@@ -327,8 +348,10 @@ class MegatronDion3(Dion3FrontEnd):
         """A parameter's entry of the state dict: its momentum, its row variances and (with
         staleness) row ages, param-shaped (copies)."""
         momentum, *rows = self._param_state(p)
-        return {"momentum": momentum.clone(),
-                **{key: t.unsqueeze(1).expand(momentum.shape).contiguous() for key, t in zip(("variance", "row_age"), rows)}}
+        return {
+            "momentum": momentum.clone(),
+            **{key: t.unsqueeze(1).expand(momentum.shape).contiguous() for key, t in zip(("variance", "row_age"), rows)},
+        }
 
     def fractions_of(self, p: torch.Tensor) -> list[tuple[tuple[int, int], float | str]]:
         """(full shape, f) of each logical matrix of ``p`` as its steps use them: the group's f, or
@@ -369,19 +392,20 @@ class MegatronDion3(Dion3FrontEnd):
             merged = {**mine, **saved}
             options.check(f"param group {gi}", **{k: merged[k] for k in _GROUP_SETTINGS})
             if len(saved["params"]) != len(mine["params"]):
-                raise ValueError(f"param group {gi}: checkpoint has {len(saved['params'])} params, "
-                                 f"the optimizer has {len(mine['params'])}")
+                raise ValueError(f"param group {gi}: checkpoint has {len(saved['params'])} params, the optimizer has {len(mine['params'])}")
             staleness = merged["staleness"]
-            keys = ("momentum", "variance", "row_age") if staleness and "staleness" in saved else ("momentum", "variance")
+            keys = ("momentum", "variance", "row_age") if staleness else ("momentum", "variance")
             for p, pid in zip(mine["params"], saved["params"]):
                 entry = state_dict["state"].get(pid)
                 if entry is None:
                     continue
                 got = {k: tuple(v.shape) for k, v in entry.items() if torch.is_tensor(v)}
                 if got != {key: tuple(p.shape) for key in keys}:
-                    raise ValueError(f"param group {gi}, param {pid} (shape {tuple(p.shape)}): checkpoint state {got} "
-                                     f"is not Dion3 state of this parameter at staleness={staleness!r} "
-                                     f"(expected {list(keys)}, each of the parameter's shape)")
+                    raise ValueError(
+                        f"param group {gi}, param {pid} (shape {tuple(p.shape)}): checkpoint state {got} "
+                        f"is not Dion3 state of this parameter at staleness={staleness!r} "
+                        f"(expected {list(keys)}, each of the parameter's shape)"
+                    )
                 entries.append((p, entry))
         return entries
 
@@ -420,7 +444,7 @@ class MegatronDion3(Dion3FrontEnd):
                 if layout.perm is not None:
                     value = value.index_select(0, layout.perm.to(p.device))
                 for shard, matrix in zip(self._shards[p], layout.matrices):
-                    shard.state[key].copy_(value[matrix.start:matrix.stop])
+                    shard.state[key].copy_(value[matrix.start : matrix.stop])
 
     # -------------------------------------------------------------------------------------------
     # The step.
@@ -436,8 +460,7 @@ class MegatronDion3(Dion3FrontEnd):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise ValueError(f"param group {gi}: {self.layout_of(p).name}: Dion3 does not support sparse "
-                                     "gradients")
+                    raise ValueError(f"param group {gi}: {self.layout_of(p).name}: Dion3 does not support sparse gradients")
                 grads.append(p.grad)
         return grads
 

@@ -47,7 +47,6 @@ _FACTORY = "megatron.core.optimizer:_get_megatron_emerging_optimizer"
 _DDP_WRAP = "megatron.training.models.dist_utils:_ddp_wrap"
 
 
-
 def dion3_values(config=None) -> dict[str, Any]:
     """The ``dion3_*`` options: from ``config`` attributes, else Megatron-LM's global args, else defaults."""
     args = None
@@ -120,11 +119,15 @@ def emerging_optimizer_factory(factory):
     def build(config, *args, **kwargs):
         if not is_dion3(getattr(config, "optimizer", None)):
             return factory(config, *args, **kwargs)
-        dion3_factory = compat.rebound(_FACTORY, factory, {
-            "HAVE_EMERGING_OPTIMIZERS": True,
-            "LayerWiseDistributedOptimizer": wrappers.layer_wise_class(),
-            "ChainedOptimizer": wrappers.chained_class(),
-        })
+        dion3_factory = compat.rebound(
+            _FACTORY,
+            factory,
+            {
+                "HAVE_EMERGING_OPTIMIZERS": True,
+                "LayerWiseDistributedOptimizer": wrappers.layer_wise_class(),
+                "ChainedOptimizer": wrappers.chained_class(),
+            },
+        )
         return dion3_factory(config, *args, **kwargs)
 
     return build
@@ -163,9 +166,12 @@ def layer_wise_dion3_run() -> bool:
     from megatron.training import global_vars
 
     args = getattr(global_vars, "_GLOBAL_ARGS", None)
-    return (args is not None and is_dion3(getattr(args, "optimizer", None))
-            and bool(getattr(args, "use_layer_wise_distributed_optimizer", False))
-            and bool(getattr(args, "use_layer_wise_param_layout", True)))
+    return (
+        args is not None
+        and is_dion3(getattr(args, "optimizer", None))
+        and bool(getattr(args, "use_layer_wise_distributed_optimizer", False))
+        and bool(getattr(args, "use_layer_wise_param_layout", True))
+    )
 
 
 def layer_wise_ddp_wrap(ddp_wrap):
@@ -198,16 +204,37 @@ def layer_wise_ddp_wrap(ddp_wrap):
         compute_full_param_layout = staticmethod(LayerWiseDistributedOptimizer.compute_full_param_layout)
 
     @functools.wraps(ddp_wrap)
-    def _ddp_wrap(model, data_parallel_random_init, ddp_config, overlap_param_gather_with_optimizer_step,
-                  use_megatron_fsdp=False, use_torch_fsdp2=False, **kwargs):
+    def _ddp_wrap(
+        model,
+        data_parallel_random_init,
+        ddp_config,
+        overlap_param_gather_with_optimizer_step,
+        use_megatron_fsdp=False,
+        use_torch_fsdp2=False,
+        **kwargs,
+    ):
         if use_megatron_fsdp or use_torch_fsdp2 or not layer_wise_dion3_run():
-            return ddp_wrap(model, data_parallel_random_init, ddp_config, overlap_param_gather_with_optimizer_step,
-                            use_megatron_fsdp=use_megatron_fsdp, use_torch_fsdp2=use_torch_fsdp2, **kwargs)
+            return ddp_wrap(
+                model,
+                data_parallel_random_init,
+                ddp_config,
+                overlap_param_gather_with_optimizer_step,
+                use_megatron_fsdp=use_megatron_fsdp,
+                use_torch_fsdp2=use_torch_fsdp2,
+                **kwargs,
+            )
         ddp_config.use_distributed_optimizer = True
         tag_params_for_buffer_routing(model)
         layer_wise_wrap = compat.rebound(_DDP_WRAP, ddp_wrap, {"DistributedOptimizer": LayerWiseLayout})
-        return layer_wise_wrap(model, data_parallel_random_init, ddp_config, overlap_param_gather_with_optimizer_step,
-                               use_megatron_fsdp=False, use_torch_fsdp2=False, **kwargs)
+        return layer_wise_wrap(
+            model,
+            data_parallel_random_init,
+            ddp_config,
+            overlap_param_gather_with_optimizer_step,
+            use_megatron_fsdp=False,
+            use_torch_fsdp2=False,
+            **kwargs,
+        )
 
     return _ddp_wrap
 

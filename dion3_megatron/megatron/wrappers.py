@@ -183,8 +183,10 @@ def layer_wise_class() -> type:
             def __init__(self, optimizers, config, pg_collection=None, init_state_fn_list=None, model_chunks=None):
                 if not config.bf16:
                     fns = list(init_state_fn_list) if init_state_fn_list else [None] * len(optimizers)
-                    optimizers = [NestedFP32Optimizer(opt, config, fn) if isinstance(opt, torch.optim.Optimizer)
-                                  else opt for opt, fn in zip(optimizers, fns)]
+                    optimizers = [
+                        NestedFP32Optimizer(opt, config, fn) if isinstance(opt, torch.optim.Optimizer) else opt
+                        for opt, fn in zip(optimizers, fns)
+                    ]
                 super().__init__(optimizers, config, pg_collection, init_state_fn_list, model_chunks)
                 self._init_gate()
 
