@@ -167,6 +167,15 @@ MEGATRON: tuple[Patch, ...] = (
         optional=True,
     ),
     Patch(
+        "megatron.training.arguments:validate_args",
+        f"{_REGISTRY}:torch_fsdp2_validation",
+        "Megatron-LM refuses every emerging optimizer under --use-torch-fsdp2 (a guard of the layer-wise "
+        "ZeRO-1 layout, which FSDP2 replaces); for dion3 its other checks of that path run, and tensor "
+        "parallelism there is refused in one line",
+        MLM_019,
+        optional=True,
+    ),
+    Patch(
         "megatron.training.models.dist_utils:_ddp_wrap",
         f"{_REGISTRY}:layer_wise_ddp_wrap",
         "pretrain()'s model-config path (Megatron-LM's pretrain_gpt.py) ignores the layer-wise distributed "

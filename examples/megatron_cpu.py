@@ -30,6 +30,7 @@ import functools
 import logging
 import os
 import sys
+import types
 import warnings
 
 import torch
@@ -191,6 +192,15 @@ def install() -> None:
     cuda.nvtx.range_push = lambda *args, **kwargs: None
     cuda.nvtx.range_pop = lambda *args, **kwargs: None
 
+    # Megatron's torch FSDP2 wrapper builds its mesh on "cuda"; FSDP2 itself runs on a CPU mesh.
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as torch_fsdp
+    from torch.distributed.device_mesh import DeviceMesh
+
+    def cpu_mesh(group, device_type, *args, **kwargs):
+        return DeviceMesh.from_group(group, "cpu", *args, **kwargs)
+
+    torch_fsdp.DeviceMesh = types.SimpleNamespace(from_group=cpu_mesh)
+
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
@@ -237,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     from dion3_megatron.megatron import launch
 
     launch.check_arguments(argv[1:])  # a bad Dion3 value stops here, before the CPU patches and Megatron's start
+    if _given(argv, "--use-torch-fsdp2"):  # Megatron asks FSDP for several CUDA connections; the CPU has none
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"
     allow_pretrain()
     _readable_log()
     launch.main(argv)

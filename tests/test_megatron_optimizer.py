@@ -81,6 +81,28 @@ def test_describe_param_finds_q_k_v_and_gate_up(generator):
     assert [p.suffix for p in expert_fc2.matrices] == [""]
 
 
+@pytest.mark.parametrize("groups,split,ranks", [(2, (4, 2, 2), 2), (3, (2, 1, 1), 5), (4, (4, 2, 2), 3), (1, (4, 2, 2), 7)])
+def test_fsdp2_row_chunks_hold_each_logical_matrix_as_one_row_block(groups, split, ranks):
+    """torch FSDP2's Shard(0) chunks of a fused QKV weight, even or not, cutting query groups or
+    not, empty or not: on every rank the chunk's rows, in the piece's working order, are rows
+    [bounds[r], bounds[r + 1]) of Q, K and V, and the ranks' blocks cover each matrix once."""
+    from dion3_megatron.megatron.layout import data_parallel_piece
+
+    rows = groups * sum(split)
+    param = torch.randn(rows, 3)
+    param.is_qkv, param.qkv_split_shapes = True, list(split)
+    whole = describe_param("decoder.layers.0.self_attention.linear_qkv.weight", param)
+    working = param[whole.perm]
+    logical = [working[m.start : m.stop] for m in whole.matrices]
+    for rank, chunk in enumerate(torch.chunk(param, ranks) + (param[:0],) * (ranks - len(torch.chunk(param, ranks)))):
+        piece = data_parallel_piece(whole, rank, ranks, None)
+        assert piece.local_shape == tuple(chunk.shape)
+        local = chunk if piece.perm is None else chunk[piece.perm]
+        for held, matrix, full in zip(piece.matrices, whole.matrices, logical):
+            assert held.bounds[0] == 0 and held.bounds[-1] == matrix.stop - matrix.start and len(held.bounds) == ranks + 1
+            assert torch.equal(local[held.start : held.stop], full[held.bounds[rank] : held.bounds[rank + 1]])
+
+
 def _stepped_with_dion3(params, names, grads, switch_at=None):
     """(MegatronDion3, single-process Dion3 on the logical matrices (leaves)) stepped alike;
     staleness 1 from step ``switch_at`` on (None: never)."""

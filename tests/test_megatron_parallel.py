@@ -48,11 +48,19 @@ def _diffs(model, expected: dict, config) -> dict[str, float]:
 
     worst = {"dion3": 0.0, "adamw": 0.0, "moved": float("inf")}
     for name, p in model.named_parameters():
+        p = _whole(p)
         full = expected[ms.local_name_to_global(name, config)]
         diff = (p.detach().float() - ms.local_slice(name, p, full, config).float()).abs().max().item()
         kind = "dion3" if _is_dion3_param(name, p) else "adamw"
         worst[kind] = max(worst[kind], diff)
     return worst
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A torch FSDP2 parameter or state (a DTensor) whole, collectively; any other tensor as is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _find_dion3(opt):
@@ -76,14 +84,14 @@ def _snapshot(model, opt) -> dict[str, torch.Tensor]:
     (counters included) of every optimizer in Megatron's chain, Dion3's engine state too."""
     from dion3_megatron.megatron import MegatronDion3, wrappers
 
-    out = {f"model {n}": p.detach().clone() for n, p in model.named_parameters()}
+    out = {f"model {n}": _whole(p.detach()).clone() for n, p in model.named_parameters()}
     inner = [o for o in wrappers._below(opt) if isinstance(o, torch.optim.Optimizer)]
     for j, o in enumerate(inner):
         for g, group in enumerate(o.param_groups):
             for k, p in enumerate(group["params"]):
-                out[f"optimizer {j} group {g} param {k}"] = p.detach().clone()
+                out[f"optimizer {j} group {g} param {k}"] = _whole(p.detach()).clone()
                 for key, value in o.state.get(p, {}).items():
-                    out[f"optimizer {j} group {g} param {k} {key}"] = torch.as_tensor(value).clone()
+                    out[f"optimizer {j} group {g} param {k} {key}"] = _whole(torch.as_tensor(value)).clone()
         if isinstance(o, MegatronDion3):
             for shards in o._shards.values():
                 for s in shards:
@@ -265,6 +273,15 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
     def pp():
         return parallel(pp=2, microbatches=2)[0]
 
+    def fsdp2():
+        out, chunks, opt, _ = parallel(fsdp2=True)
+        (dion3,) = _find_dion3(opt)
+        shards = [s for shards in dion3._shards.values() for s in shards]
+        out["pieces"] = sorted(s.name for s in shards)
+        out["row_sharded"] = sorted({(s.sharding.kind, s.group is not None) for s in shards})
+        out["local_rows"] = sum(s.weight.shape[0] for s in shards)
+        return out
+
     def moe():
         out, chunks, opt, _ = parallel(ep=2, num_experts=4, init=moe_init, final=moe_final)
         (dion3,) = _find_dion3(opt)
@@ -410,7 +427,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
     def dp_overlap():
         return parallel(overlap=True)[0]
 
-    def bad_step(tp=1, bf16=False, poison="nan_loss", uncounted=False, checkpoint_to=None):
+    def bad_step(tp=1, bf16=False, poison="nan_loss", uncounted=False, checkpoint_to=None, fsdp2=False):
         # A bad step on rank 1 alone after STEPS clean ones: "nan_loss" (its loss times NaN), "adam_huge"
         # (one of its Adam gradients 1e30: finite, past 2**64) or "dion3_nan" (one of its Dion3
         # gradients NaN). Then one clean step, which must continue like the reference that never saw
@@ -424,7 +441,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         try:
             ms.init_parallel(tp=tp)
             cfg = ms.tiny_config(tp=tp, bf16=bf16)
-            chunks, opt, sched = ms.make_parallel(cfg, dense_init, bf16=bf16)
+            chunks, opt, sched = ms.make_parallel(cfg, dense_init, bf16=bf16, fsdp2=fsdp2)
             (dion3,) = _find_dion3(opt)
             if uncounted and rank == 1:
                 dion3.param_groups[0]["params"][-1].shared = True
@@ -473,7 +490,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
             out["next_ok"] = ok
             out.update(_diffs(model, bad_batch_skipped, cfg))
             out["moved"] = _diffs(model, dense_init, cfg)["dion3"]
-            out["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+            out["finite"] = all(bool(torch.isfinite(_whole(p)).all()) for p in model.parameters())
             return out
         finally:
             wrappers.decide_step = original
@@ -484,6 +501,8 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
         ("dp_overlap", dp_overlap),
         ("tp", tp),
         ("pp", pp),
+        ("fsdp2", fsdp2),
+        ("nan_loss_fsdp2", lambda: bad_step(fsdp2=True)),
         ("moe", moe),
         ("moe_etp", moe_etp),
         ("bf16", bf16),
@@ -560,6 +579,19 @@ def test_tp2_orthogonalizes_whole_logical_matrices(results):
     for suffix in ("linear_qkv.weight.q", "linear_qkv.weight.k", "linear_qkv.weight.v", "linear_fc1.weight.gate", "linear_fc1.weight.up"):
         assert f"decoder.layers.0.self_attention.{suffix}" in pieces or f"decoder.layers.0.mlp.{suffix}" in pieces
     assert len(per_rank[0]["partitioned"]) == 14  # 2 layers x (q, k, v, proj, gate, up, fc2): all TP-split
+
+
+def test_megatron_torch_fsdp2_equals_single_process(results):
+    # --use-torch-fsdp2: every parameter a DTensor whose rows FSDP2 splits over both ranks; Dion3
+    # steps each logical matrix (Q, K, V, gate, up apart) row-sharded over the data-parallel group.
+    per_rank = _get(results, "fsdp2")
+    _check_against_reference(per_rank)
+    pieces = per_rank[0]["pieces"]
+    for suffix in ("linear_qkv.weight.q", "linear_qkv.weight.k", "linear_qkv.weight.v", "linear_fc1.weight.gate", "linear_fc1.weight.up"):
+        assert sum(name.endswith(suffix) for name in pieces) == 2, (suffix, pieces)  # one per layer
+    assert all(r["row_sharded"] == [("rows", True)] for r in per_rank), per_rank[0]["row_sharded"]
+    # each rank holds half of every matrix's rows (64-wide model: 2 layers x (qkv 128 + proj 64 + fc1 256 + fc2 64))
+    assert [r["local_rows"] for r in per_rank] == [512, 512]
 
 
 def test_pp2_equals_single_process(results):
@@ -643,7 +675,8 @@ def test_grad_clipping_and_lr_warmup_match_single_process(results):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "layout", ["nan_loss_dp", "nan_loss_dp_bf16", "nan_loss_tp", "nan_loss_tp_bf16", "adam_huge_dp", "dion3_nan_uncounted"]
+    "layout",
+    ["nan_loss_dp", "nan_loss_dp_bf16", "nan_loss_tp", "nan_loss_tp_bf16", "nan_loss_fsdp2", "adam_huge_dp", "dion3_nan_uncounted"],
 )
 def test_a_bad_step_on_one_rank_is_skipped_whole_on_every_rank(results, layout):
     # As under loss scaling: step() returns (False, None, None), no optimizer of the chain (Dion3,

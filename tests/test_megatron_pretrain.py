@@ -141,6 +141,20 @@ def checkpoint(path: str) -> dict:
     return torch.load(path + ".pt", weights_only=False)
 
 
+def flat(tree, prefix: str = "") -> dict:
+    """A nested checkpoint (torch_dcp keeps the state dicts' nesting) as {dotted path: leaf}."""
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    else:
+        return {prefix: tree}
+    out: dict = {}
+    for key, value in items:
+        out.update(flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
 def assert_same_checkpoint(a: dict, b: dict) -> None:
     import torch
 
@@ -323,6 +337,68 @@ def test_a_checkpoint_resumes_in_another_layout(tmp_path, saved, loaded, fractio
     assert float(resumed[3][0]) == pytest.approx(float(first[3][0]), rel=1e-5)  # iteration 3: same weights
     for i in (3, 4):  # iteration 4's gradients follow Dion3's step 3, which used the loaded state
         assert float(resumed[i][1]) == pytest.approx(float(first[i][1]), rel=1e-3), (i, resumed, first)
+
+
+def torch_fsdp2(args: list[str]) -> list[str]:
+    """TINY under Megatron's torch FSDP2 (--use-torch-fsdp2, no distributed optimizer) with the
+    checkpoint format Megatron requires there for an optimizer outside its own: torch_dcp."""
+    args = [a for a in args if a != "--use-distributed-optimizer"]
+    args[args.index("--ckpt-format") + 1] = "torch_dcp"
+    return args + ["--use-torch-fsdp2"]
+
+
+def test_pretrain_torch_fsdp2_resumes_exactly_and_at_another_data_parallel_size(tmp_path):
+    """--optimizer dion3 --use-torch-fsdp2 through pretrain() at DP=2 (every parameter a DTensor
+    whose rows FSDP2 splits over both ranks; tests/test_megatron_parallel.py compares the step with
+    the single process): saved at iteration 2 (torch_dcp: Dion3's state as DTensors placed like
+    the parameters), resumed at DP=2 it ends with the uninterrupted run's checkpoint tensor for
+    tensor; resumed on one rank (DP=1) it repeats the losses and gradient norms."""
+    fsdp2 = ["--dion3-fraction", "0.5"]
+    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+    log = on_cpu([SCRIPT, *torch_fsdp2(TINY), *fsdp2, "--save", full])
+    assert re.search(r"^ +use_torch_fsdp2 \.+ True$", log, re.M) and re.search(r"^ +dion3_fraction \.+ 0\.5$", log, re.M)
+    assert "Layerwise param layout" not in log and "LayerWiseDistributedOptimizer" not in log
+    losses = iterations(log)
+    assert sorted(losses) == [1, 2, 3, 4] and float(losses[4][0]) < float(losses[1][0])
+
+    again = iterations(on_cpu([SCRIPT, *torch_fsdp2(TINY), *fsdp2, "--load", full, "--ckpt-step", "2", "--save", resumed]))
+    assert sorted(again) == [3, 4] and again[3] == losses[3] and again[4][1] == losses[4][1]
+    checkpoint_4, resumed_4 = (flat(checkpoint(os.path.join(run, "iter_0000004"))) for run in (full, resumed))
+    assert any(k.endswith(".momentum") for k in checkpoint_4) and any(k.endswith(".exp_avg_sq") for k in checkpoint_4)
+    # (args name the run's own --save and --load)
+    assert_same_checkpoint(*({k: v for k, v in c.items() if not k.startswith("args")} for c in (checkpoint_4, resumed_4)))
+
+    one_rank = iterations(on_cpu([SCRIPT, *torch_fsdp2(TINY), *fsdp2, "--load", full, "--ckpt-step", "2"], nproc=1))
+    assert sorted(one_rank) == [3, 4]
+    assert float(one_rank[3][0]) == pytest.approx(float(losses[3][0]), rel=1e-5)
+    for i in (3, 4):
+        assert float(one_rank[i][1]) == pytest.approx(float(losses[i][1]), rel=1e-3), (i, one_rank, losses)
+
+
+@pytest.mark.parametrize(
+    "flags,line",
+    [
+        (["--use-torch-fsdp2", "--tensor-model-parallel-size", "2"], "--optimizer dion3 --use-torch-fsdp2 steps tensor-parallel size 1"),
+        (["--use-megatron-fsdp"], "--optimizer dion3 does not run under Megatron-FSDP (--use-megatron-fsdp); use --use-torch-fsdp2"),
+    ],
+    ids=["torch-fsdp2-tp2", "megatron-fsdp"],
+)
+def test_an_fsdp_layout_dion3_does_not_step_is_refused_once_before_megatron_starts(flags, line):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    argv = [CPU, SCRIPT, *torch_fsdp2(TINY)[:-1], *flags]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count(line) == 1, out[-3000:]
+    assert "arguments ----" not in out and "building GPT model" not in out, out[-3000:]
 
 
 @pytest.mark.parametrize("launcher", ["launch", "cpu"])

@@ -96,6 +96,7 @@ def test_the_matrix_has_every_front_end_and_the_not_yet_rows():
         "DeepSpeed MoE",
         "Hugging Face Trainer",
         "torchtitan",
-        "Megatron's own FSDP",
+        "Megatron-LM, torch FSDP2",
+        "Megatron-FSDP",
     ):
         assert re.search(rf"^\| [^|]*{re.escape(row)}", text, re.M), row

@@ -92,6 +92,14 @@ def warn_if_adam_takes_the_dion3_lr(args: Any) -> None:
         )
 
 
+def fsdp2_tensor_parallel_refusal(tensor_parallel_size: int) -> str:
+    """The one line that refuses tensor parallelism under torch FSDP2 for Dion3."""
+    return (
+        f"--optimizer dion3 --use-torch-fsdp2 steps tensor-parallel size 1, got --tensor-model-parallel-size "
+        f"{tensor_parallel_size}; for tensor parallelism drop --use-torch-fsdp2 and pass --use-distributed-optimizer"
+    )
+
+
 def _default_text(option: options.Option) -> str:
     if option.kind == options.BOOL:
         return "on by default" if option.default else "default: off"

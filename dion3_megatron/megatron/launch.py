@@ -129,15 +129,27 @@ def check_arguments(args: list[str]) -> None:
     Megatron-LM would take them only after its imports and process group, on every rank; a bad one
     exits here with one line naming the flag and the value, printed by the first rank alone."""
     from .. import options
-    from .arguments import OPTIMIZER_NAME, add_dion3_arguments
+    from .arguments import OPTIMIZER_NAME, add_dion3_arguments, fsdp2_tensor_parallel_refusal
 
     parser = _FirstRankErrorParser(prog=PROG, add_help=False, allow_abbrev=False)
     parser.add_argument("--optimizer")
+    parser.add_argument("--use-torch-fsdp2", action="store_true")
+    parser.add_argument("--use-megatron-fsdp", action="store_true")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     add_dion3_arguments(parser)
-    if parser.parse_known_args(args)[0].optimizer == OPTIMIZER_NAME:  # another optimizer's --lr is Megatron's
-        for name in ("lr", "weight_decay"):
-            parser.add_argument(f"--{name.replace('_', '-')}", type=options.BY_NAME[name].argparse_type())
-        parser.parse_known_args(args)
+    known = parser.parse_known_args(args)[0]
+    if known.optimizer != OPTIMIZER_NAME:  # another optimizer's --lr is Megatron's
+        return
+    for name in ("lr", "weight_decay"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=options.BY_NAME[name].argparse_type())
+    parser.parse_known_args(args)
+    if known.use_megatron_fsdp:
+        parser.error(
+            "--optimizer dion3 does not run under Megatron-FSDP (--use-megatron-fsdp); use --use-torch-fsdp2 "
+            "(torch FSDP2) or --use-distributed-optimizer (the layer-wise ZeRO-1 layout)"
+        )
+    if known.use_torch_fsdp2 and known.tensor_model_parallel_size > 1:
+        parser.error(fsdp2_tensor_parallel_refusal(known.tensor_model_parallel_size))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,12 +18,15 @@ import torch.distributed as dist
 @dataclass
 class LogicalMatrix:
     """One logical matrix inside a parameter (Q, K or V of a fused QKV weight, gate or up of a SwiGLU
-    fc1, else the whole weight): working-layout rows [start, stop) of the local tensor."""
+    fc1, else the whole weight): working-layout rows [start, stop) of the local tensor. Under
+    data-parallel sharding (torch FSDP2), ``bounds``: data-parallel rank r holds the matrix's rows
+    [bounds[r], bounds[r + 1])."""
 
     suffix: str
     start: int
     stop: int
     full_shape: tuple[int, int]
+    bounds: tuple[int, ...] = ()
 
 
 @dataclass
@@ -31,8 +34,8 @@ class ParamLayout:
     name: str
     local_shape: tuple[int, int]
     matrices: list[LogicalMatrix]
-    partition: Optional[str] = None  # None (whole on this rank), "rows" or "cols"
-    group: Any = None  # the tensor-parallel group the partition spans
+    partition: Optional[str] = None  # None (whole on this rank), "rows" or "cols" (tensor parallel), "data" (FSDP2)
+    group: Any = None  # the group the partition spans
     group_size: int = 1
     perm: Optional[torch.Tensor] = None  # working row i is local row perm[i]; None = identity
     inv_perm: Optional[torch.Tensor] = field(default=None, repr=False)
@@ -99,6 +102,62 @@ def describe_param(
         return layout
     layout.matrices = [LogicalMatrix("", 0, n_loc, (n_loc * row_mult, m_full))]
     return layout
+
+
+def data_parallel_piece(whole: ParamLayout, rank: int, size: int, group: Any) -> ParamLayout:
+    """The layout of the rows of a parameter that torch FSDP2 gives data-parallel rank ``rank`` of
+    ``size`` (``Shard(0)``: chunks of ceil(rows / size) rows, the last ones shorter or empty), from
+    the layout of the whole parameter (tensor parallel size 1).
+
+    Each logical matrix's rows in a chunk are a contiguous block of that matrix (the rows of a
+    query group's Q, K or V follow those of the group before), so every matrix is row-sharded over
+    the data-parallel group; a fused QKV chunk is gathered into its working order by a permutation
+    of the chunk's own rows, as the whole parameter's is."""
+    if whole.partition is not None:
+        raise ValueError(f"{whole.name}: data-parallel sharding of a tensor-parallel piece is not supported")
+    n, m = whole.local_shape
+    chunk = -(-n // size)
+    starts = [min(r * chunk, n) for r in range(size + 1)]
+    rows = torch.arange(n) if whole.perm is None else whole.perm
+    lo, hi = starts[rank], starts[rank + 1]
+    piece = ParamLayout(whole.name, (hi - lo, m), [], "data", group, size)
+    local_rows, start = [], 0
+    for matrix in whole.matrices:
+        held = rows[matrix.start : matrix.stop]  # the matrix's rows of the parameter, in order
+        bounds = tuple(int(b) for b in torch.searchsorted(held, torch.tensor(starts)))
+        mine = held[bounds[rank] : bounds[rank + 1]]
+        local_rows.append(mine - lo)
+        piece.matrices.append(LogicalMatrix(matrix.suffix, start, start + len(mine), matrix.full_shape, bounds))
+        start += len(mine)
+    perm = torch.cat(local_rows) if local_rows else torch.zeros(0, dtype=torch.long)
+    if not torch.equal(perm, torch.arange(hi - lo)):
+        piece.perm, piece.inv_perm = perm, torch.argsort(perm)
+    return piece
+
+
+def fsdp_piece(p: torch.Tensor, whole: ParamLayout) -> ParamLayout:
+    """The layout of this rank's rows of a torch FSDP2 parameter (a DTensor, ``Shard(0)`` over the
+    data-parallel group), from the layout of the whole parameter; ValueError naming the
+    parameter for any other placement."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    assert isinstance(p, DTensor)
+    mesh = p.device_mesh
+    if mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+        raise ValueError(
+            f"{whole.name}: Dion3 under Megatron steps torch FSDP2 parameters sharded by rows over the data-parallel "
+            f"group (Shard(0) on a 1-D mesh), got {tuple(p.placements)} on a {mesh.ndim}-D mesh"
+        )
+    if whole.partition is not None:
+        raise ValueError(
+            f"{whole.name}: Dion3 under --use-torch-fsdp2 steps tensor-parallel size 1, got a tensor-parallel piece of "
+            f"{whole.group_size} ranks; for tensor parallelism use --use-distributed-optimizer without FSDP"
+        )
+    piece = data_parallel_piece(whole, mesh.get_local_rank(), mesh.size(), mesh.get_group())
+    held = tuple(p.to_local().shape)
+    if held != piece.local_shape:
+        raise ValueError(f"{whole.name}: this rank holds rows of shape {held}, torch FSDP2's Shard(0) gives {piece.local_shape}")
+    return piece
 
 
 def _strip_wrappers(name: str) -> str:

@@ -23,6 +23,12 @@ step and the weight written back, the state never moves. ``state_dict()`` assemb
 parameter's state in the parameter's own layout and stores ``variance`` (and ``row_age``)
 broadcast over the columns (param-shaped), because Megatron's torch_dist checkpoint shards every state tensor exactly like
 its parameter; so checkpoints reshard across tensor- and data-parallel sizes like Adam's.
+
+Under torch FSDP2 (``--use-torch-fsdp2``) a parameter is a DTensor whose rows are split over the
+data-parallel group: its local rows are described as a piece of the whole parameter
+(:func:`~.layout.fsdp_piece`), each logical matrix is row-sharded over that group, and the state
+dict holds DTensors placed like the parameter, which ``torch.distributed.checkpoint`` (Megatron's
+torch_dcp format) saves and reshards like the AdamW state beside it.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ from ..frontend.lifecycle import Dion3FrontEnd, without_records
 from ..core.ortho import default_ns_dtype
 from ..engine import Dion3Engine, MatrixShard, Sharding, fractions, plan
 from ..core.rule import Dion3Hyperparameters
-from .layout import ParamLayout, describe_model, describe_param
+from ..frontend.dtensor import is_dtensor, local, param_shaped
+from .layout import ParamLayout, describe_model, describe_param, fsdp_piece
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +111,7 @@ class MegatronDion3(Dion3FrontEnd):
         self._layouts: dict[torch.Tensor, ParamLayout] = dict(layouts) if layouts else {}
         if model_chunks is not None and not layouts:
             self._layouts = describe_model(model_chunks, pg_collection, split_qkv=self.split_qkv, split_glu=self.split_glu)
+        self._layouts = {q: fsdp_piece(q, layout) if is_dtensor(q) else layout for q, layout in self._layouts.items()}
         # The model's Dion3 matrices (2-D, not embedding or output), against which the automatic f
         # weighs the share this optimizer steps (0: no model given).
         self._model_matrix_numel = (
@@ -137,6 +145,7 @@ class MegatronDion3(Dion3FrontEnd):
         layout = self._layouts.get(p)
         if layout is None:  # no model given (plain use): one whole matrix
             layout = describe_param(f"param{len(self._layouts)}", p)
+            layout = fsdp_piece(p, layout) if is_dtensor(p) else layout
             self._layouts[p] = layout
         return layout
 
@@ -155,13 +164,14 @@ class MegatronDion3(Dion3FrontEnd):
                 assert layout.inv_perm is not None  # set with perm (describe_param)
                 layout.perm = layout.perm.to(p.device)
                 layout.inv_perm = layout.inv_perm.to(p.device)
-                buffers = (torch.empty(p.shape, dtype=p.dtype, device=p.device), torch.empty(p.shape, dtype=torch.float32, device=p.device))
+                shape = layout.local_shape
+                buffers = (torch.empty(shape, dtype=p.dtype, device=p.device), torch.empty(shape, dtype=torch.float32, device=p.device))
                 self._work[p] = buffers
             return buffers
-        grad = p.grad if with_grad else None
+        grad = local(p.grad) if with_grad and p.grad is not None else None
         if with_grad and grad is None:
-            grad = torch.zeros_like(p)
-        return p.data, grad
+            grad = torch.zeros(layout.local_shape, dtype=p.dtype, device=p.device)
+        return local(p.data), grad
 
     def _permuted_copies(self):
         """(prologue, epilogue, key) of the step: gather each row-permuted parameter's weight and
@@ -170,12 +180,12 @@ class MegatronDion3(Dion3FrontEnd):
         permuted = self._permuted
         if not permuted:
             return None, None, ()
-        grads = [p.grad for p, *_ in permuted]
-        key = tuple((p.data_ptr(), None if g is None else (g.data_ptr(), g.dtype)) for (p, *_), g in zip(permuted, grads))
+        grads = [None if p.grad is None else local(p.grad) for p, *_ in permuted]
+        key = tuple((local(p.data).data_ptr(), None if g is None else (g.data_ptr(), g.dtype)) for (p, *_), g in zip(permuted, grads))
 
         def prologue() -> None:
             for (p, perm, weight, grad_buffer), grad in zip(permuted, grads):
-                torch.index_select(p.data, 0, perm, out=weight)
+                torch.index_select(local(p.data), 0, perm, out=weight)
                 if grad is None:
                     grad_buffer.zero_()
                 elif grad.dtype == torch.float32:
@@ -185,7 +195,7 @@ class MegatronDion3(Dion3FrontEnd):
 
         def epilogue() -> None:
             for p, perm, weight, _ in permuted:
-                p.data.index_copy_(0, perm, weight)
+                local(p.data).index_copy_(0, perm, weight)
 
         return prologue, epilogue, key
 
@@ -196,7 +206,7 @@ class MegatronDion3(Dion3FrontEnd):
         """The share of the model's Dion3 matrices this optimizer steps: about 1 / DP under
         Megatron's layer-wise ZeRO-1, where each rank steps its layers' matrices and computes the
         forward and backward of all (1 without the model chunks to compare with)."""
-        own = sum(p.numel() for p, _ in params)
+        own = sum(local(p).numel() for p, _ in params)
         return min(1.0, own / self._model_matrix_numel) if self._model_matrix_numel and own else 1.0
 
     def _ensure_engine(self, with_grads: bool) -> Dion3Engine:
@@ -229,6 +239,8 @@ class MegatronDion3(Dion3FrontEnd):
                 name = layout.name + (f".{matrix.suffix}" if matrix.suffix else "")
                 if layout.partition is None:
                     sharding, group_arg = Sharding.full(), None
+                elif layout.partition == "data":
+                    sharding, group_arg = Sharding.rows(matrix.bounds), layout.group
                 elif layout.partition == "rows":
                     sharding, group_arg = Sharding.even_rows(matrix.full_shape[0], layout.group_size), layout.group
                 else:
@@ -315,8 +327,8 @@ class MegatronDion3(Dion3FrontEnd):
             for shard in group_shards:
                 shard.hp = hp
             for p, shards, matrices in in_place:
-                grad = p.grad if with_grads else None
-                stamp = (p.data_ptr(), None if grad is None else grad.data_ptr())
+                grad = local(p.grad) if with_grads and p.grad is not None else None
+                stamp = (local(p.data).data_ptr(), None if grad is None else grad.data_ptr())
                 if self._stamps.get(p) == stamp:
                     continue
                 weight, grad = self._working(p, self.layout_of(p), with_grads)
@@ -342,16 +354,17 @@ class MegatronDion3(Dion3FrontEnd):
         out = [torch.cat([s.state[key] for s in shards]) if len(shards) > 1 else shards[0].state[key] for key in keys]
         if layout.inv_perm is not None:
             out = [t.index_select(0, layout.inv_perm.to(t.device)) for t in out]
-        return (out[0].reshape(p.shape), *out[1:])
+        return (out[0].reshape(layout.local_shape), *out[1:])
 
     def _saved_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """A parameter's entry of the state dict: its momentum, its row variances and (with
         staleness) row ages, param-shaped (copies)."""
         momentum, *rows = self._param_state(p)
-        return {
+        entry = {
             "momentum": momentum.clone(),
             **{key: t.unsqueeze(1).expand(momentum.shape).contiguous() for key, t in zip(("variance", "row_age"), rows)},
         }
+        return {key: param_shaped(p, t) for key, t in entry.items()} if is_dtensor(p) else entry
 
     def fractions_of(self, p: torch.Tensor) -> list[tuple[tuple[int, int], float | str]]:
         """(full shape, f) of each logical matrix of ``p`` as its steps use them: the group's f, or
@@ -436,9 +449,9 @@ class MegatronDion3(Dion3FrontEnd):
         (staleness) takes the entry's, or 0 for an entry without them (a fresh run's ages)."""
         for p, entry in entries:
             layout = self.layout_of(p)
-            state = {"momentum": entry["momentum"].detach(), "variance": entry["variance"].detach()[:, 0]}
+            state = {"momentum": local(entry["momentum"].detach()), "variance": local(entry["variance"].detach())[:, 0]}
             if "row_age" in self._shards[p][0].state:
-                state["row_age"] = entry["row_age"].detach()[:, 0] if "row_age" in entry else torch.zeros(p.shape[0])
+                state["row_age"] = local(entry["row_age"].detach())[:, 0] if "row_age" in entry else torch.zeros(layout.local_shape[0])
             for key, value in state.items():
                 value = value.to(device=p.device, dtype=torch.float32)
                 if layout.perm is not None:
@@ -461,7 +474,7 @@ class MegatronDion3(Dion3FrontEnd):
                     continue
                 if p.grad.is_sparse:
                     raise ValueError(f"param group {gi}: {self.layout_of(p).name}: Dion3 does not support sparse gradients")
-                grads.append(p.grad)
+                grads.append(local(p.grad))
         return grads
 
     def _device(self) -> torch.device:

@@ -37,6 +37,7 @@ from .arguments import (
     add_dion3_arguments,
     check_dion3_values,
     config_field,
+    fsdp2_tensor_parallel_refusal,
     is_dion3,
     refuse_unknown_fields,
     warn_if_adam_takes_the_dion3_lr,
@@ -157,6 +158,30 @@ def optimizer_config_from_args(get_config):
         return config, overrides
 
     return get_megatron_optimizer_config
+
+
+def torch_fsdp2_validation(validate_args):
+    """Megatron-LM's ``validate_args``; for ``--optimizer dion3 --use-torch-fsdp2``, its own checks of
+    the torch FSDP2 path with the refusal of every emerging optimizer there lifted: that refusal
+    guards the layer-wise ZeRO-1 layout, which FSDP2 replaces, and Dion3 steps FSDP2's row-sharded
+    DTensors itself. Tensor parallelism is refused there (one line, naming the way out)."""
+
+    @functools.wraps(validate_args)
+    def validate(args, *rest, **kwargs):
+        if not (is_dion3(getattr(args, "optimizer", None)) and getattr(args, "use_torch_fsdp2", False)):
+            return validate_args(args, *rest, **kwargs)
+        if args.tensor_model_parallel_size > 1:
+            raise SystemExit(fsdp2_tensor_parallel_refusal(args.tensor_model_parallel_size))
+        # Validated as Adam (the optimizer name reaches no other check of this path), named dion3 after.
+        args.optimizer = "adam"
+        try:
+            validated = validate_args(args, *rest, **kwargs)
+        finally:
+            args.optimizer = OPTIMIZER_NAME
+        args.use_layer_wise_distributed_optimizer = False
+        return validated
+
+    return validate
 
 
 def layer_wise_dion3_run() -> bool:

@@ -29,6 +29,7 @@ from typing import Any, Optional, Protocol, cast
 import torch
 import torch.distributed as dist
 
+from ..frontend.dtensor import local
 from ..frontend.lifecycle import decide_step
 from .multi_tensor import dion3_step
 from .optimizer import MegatronDion3, decision_device
@@ -114,7 +115,7 @@ class StepGate:
         grads = []
         for leaf in self._leaves():
             counted = {id(g) for g in leaf.get_grads_for_grad_norm()} if self._norm_global else set()
-            grads += [p.grad for p in leaf.get_parameters() if p.grad is not None and id(p.grad) not in counted]
+            grads += [local(p.grad) for p in leaf.get_parameters() if p.grad is not None and id(p.grad) not in counted]
         return grads
 
     def _step_goes_ahead(self, grad_norm: float, dion3: list[MegatronDion3]) -> bool:
@@ -207,6 +208,20 @@ def chained_class() -> type:
                 for child in chained_optimizers:
                     if isinstance(child, StepGate):
                         child._gates_step = False
+
+            def state_dict(self, is_loading: bool = False):
+                """Megatron's torch_dcp load (torch FSDP2) asks with ``is_loading=True`` for the state
+                dict to load into, which ChainedOptimizer's does not take: every member's state is
+                created first (as Megatron's bf16 optimizer does for itself), torch Adam's ``step``
+                included, so that the checkpoint finds a tensor for each of its own."""
+                if is_loading:
+                    for child in self.chained_optimizers:
+                        if getattr(child, "init_state_fn", None) is not None:
+                            child.init_state_fn(child.optimizer, child.config)
+                        if isinstance(child.optimizer, torch.optim.Adam):
+                            for state in child.optimizer.state.values():
+                                state.setdefault("step", torch.tensor(0.0))
+                return super().state_dict()
 
         _CLASSES["chained"] = Dion3ChainedOptimizer
     return _CLASSES["chained"]

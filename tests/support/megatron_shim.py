@@ -212,9 +212,11 @@ def make_parallel(
     init_lr: float = LR,
     warmup: int = 0,
     overlap: bool = False,
+    fsdp2: bool = False,
     **dion3,
 ):
-    """Model chunk (DDP) + Megatron optimizer (optimizer='dion3') + lr scheduler, like pretrain()."""
+    """Model chunk (DDP, or with ``fsdp2`` Megatron's torch FSDP2 wrapper) + Megatron optimizer
+    (optimizer='dion3') + lr scheduler, like pretrain()."""
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -226,7 +228,14 @@ def make_parallel(
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=layer_wise, grad_reduce_in_fp32=True, overlap_grad_reduce=overlap, overlap_param_gather=overlap
     )
-    chunks = wrap_model_chunks_with_ddp([model], config, ddp_config, use_layer_wise_distributed_optimizer=layer_wise)
+    if fsdp2:  # --use-torch-fsdp2: no distributed optimizer, the parameters are row-sharded DTensors
+        from megatron.core.distributed import TorchFullyShardedDataParallel
+
+        layer_wise = ddp_config.use_distributed_optimizer = False
+        config.transformer_impl = "local"  # as --transformer-impl local: FSDP2 units are the layers, not their linears
+        chunks = [TorchFullyShardedDataParallel(config, ddp_config, model)]
+    else:
+        chunks = wrap_model_chunks_with_ddp([model], config, ddp_config, use_layer_wise_distributed_optimizer=layer_wise)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = chunks[0].no_sync
     ocfg = OptimizerConfig(
