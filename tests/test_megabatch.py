@@ -122,89 +122,110 @@ def max_relative_error(got, expected):
 SHAPES = [(24, 40)] * 5 + [(40, 24)] * 2
 
 
-@pytest.mark.parametrize(
-    "world,kind,fraction",
-    # Column blocks take the static exchange; row blocks on 2 ranks while f * world <= 1, else the
-    # host-planned one (rows 1.0, world 4).
-    [
-        (2, "rows", 0.25),
-        (2, "rowscols", 0.25),
-        (2, "cols", 1.0),
-        (2, "cols", 0.25),
-        (2, "flat", 0.25),
-        (4, "mixed", 0.25),
-        (4, "flat", 1.0),
-        (4, "rows", 0.25),
-        (4, "cols", 0.25),
-        (2, "rows", 1.0),
-        (4, "rowscols", 0.5),
-        (4, "block_flat", 0.25),
-    ],
+FP32, BF16 = HP["ns_dtype"], torch.bfloat16
+STALE_STEPS = 8  # several expected periods (1 / f = 4 steps): rows come back because they waited
+
+# (world, kind, fraction) of each test below. Column blocks take the static exchange; row blocks
+# on 2 ranks while f * world <= 1, else the host-planned one (rows 1.0, world 4); flat, block_flat
+# and mixed the general one.
+EQUAL = [
+    (2, "rows", 0.25),
+    (2, "rowscols", 0.25),
+    (2, "cols", 1.0),
+    (2, "cols", 0.25),
+    (2, "flat", 0.25),
+    (4, "mixed", 0.25),
+    (4, "flat", 1.0),
+    (4, "rows", 0.25),
+    (4, "cols", 0.25),
+    (2, "rows", 1.0),
+    (4, "rowscols", 0.5),
+    (4, "block_flat", 0.25),
+]
+STALE = [
+    (2, "rows", 0.25),
+    (4, "rows", 0.25),
+    (2, "cols", 0.25),
+    (2, "rowscols", 0.25),
+    (4, "rowscols", 0.5),
+    (2, "flat", 0.25),
+    (4, "block_flat", 0.25),
+    (4, "mixed", 0.25),
+]
+DEFAULT_MU = [(4, "rows", 0.125), (2, "flat", 0.125)]  # the static exchange and the general one
+HALF = [(2, "rows", 0.25), (2, "cols", 1.0), (4, "block_flat", 0.25)]
+
+# A case: (world, kind, fraction, staleness, steps, mu, ns_dtype), the arguments of sharded_worker
+# after the seed.
+CASES = (
+    [(*case, DEFAULT_STALENESS, STEPS, HP["mu"], FP32) for case in EQUAL]
+    + [(*case, 1.0, STALE_STEPS, HP["mu"], FP32) for case in STALE]
+    + [(*case, DEFAULT_STALENESS, STALE_STEPS, None, FP32) for case in DEFAULT_MU]
+    + [(*case, DEFAULT_STALENESS, STEPS, HP["mu"], BF16) for case in HALF]
 )
+
+
+def cases_worker(rank, world, cases):
+    return [sharded_worker(rank, world, kind, SHAPES, fraction, seed, *rest) for kind, fraction, seed, *rest in cases]
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    """case -> (the weights the sharded engine reassembled, the case's seed): every case of one
+    world size in one group of processes (starting one, mostly imports, costs more than a case),
+    each case with inputs drawn fresh."""
+    seeds = {case: torch.seed() % 2**31 for case in CASES}
+    out = {}
+    for world in (2, 4):
+        mine = [case for case in CASES if case[0] == world]
+        per_rank = run_distributed(
+            cases_worker, world, [(kind, fraction, seeds[case], *rest) for case in mine for _, kind, fraction, *rest in (case,)]
+        )
+        for i, case in enumerate(mine):
+            out[case] = (reassemble([pieces[i] for pieces in per_rank], case[1], SHAPES, world), seeds[case])
+    return out
+
+
+@pytest.mark.parametrize("world,kind,fraction", EQUAL)
 @pytest.mark.slow
-def test_sharded_step_equals_single_process(world, kind, fraction):
-    seed = torch.seed() % 2**31
-    pieces = run_distributed(sharded_worker, world, kind, SHAPES, fraction, seed)
-    got = reassemble(pieces, kind, SHAPES, world)
+def test_sharded_step_equals_single_process(sharded, world, kind, fraction):
+    got, seed = sharded[(world, kind, fraction, DEFAULT_STALENESS, STEPS, HP["mu"], FP32)]
     expected = single_process(SHAPES, fraction, seed)
     assert max_relative_error(got, expected) <= 1e-5, f"seed={seed}"
 
 
-STALE_STEPS = 8  # several expected periods (1 / f = 4 steps): rows come back because they waited
-
-
-@pytest.mark.parametrize(
-    "world,kind,fraction",
-    # every sharding kind, with each exchange: static (rows and cols on 2 ranks at f x world <= 1),
-    # planned (rows on 4 ranks, rowscols at f = 0.5 on 4), general (flat, block_flat, mixed)
-    [
-        (2, "rows", 0.25),
-        (4, "rows", 0.25),
-        (2, "cols", 0.25),
-        (2, "rowscols", 0.25),
-        (4, "rowscols", 0.5),
-        (2, "flat", 0.25),
-        (4, "block_flat", 0.25),
-        (4, "mixed", 0.25),
-    ],
-)
+@pytest.mark.parametrize("world,kind,fraction", STALE)
 @pytest.mark.slow
-def test_sharded_step_with_staleness_equals_single_process(world, kind, fraction):
-    seed = torch.seed() % 2**31
-    pieces = run_distributed(sharded_worker, world, kind, SHAPES, fraction, seed, 1.0, STALE_STEPS)
-    got = reassemble(pieces, kind, SHAPES, world)
+def test_sharded_step_with_staleness_equals_single_process(sharded, world, kind, fraction):
+    got, seed = sharded[(world, kind, fraction, 1.0, STALE_STEPS, HP["mu"], FP32)]
     expected = single_process(SHAPES, fraction, seed, 1.0, STALE_STEPS)
     assert max_relative_error(got, expected) <= 1e-5, f"seed={seed}"
     # staleness changed the result: the test would catch an engine that ignored it
     assert max_relative_error(single_process(SHAPES, fraction, seed, 0.0, STALE_STEPS), expected) > 1e-3
 
 
-@pytest.mark.parametrize("world,kind", [(4, "rows"), (2, "flat")])  # the static exchange and the general one
+@pytest.mark.parametrize("world,kind,fraction", DEFAULT_MU)
 @pytest.mark.slow
-def test_sharded_step_with_the_default_mu_at_one_eighth_equals_single_process(world, kind):
+def test_sharded_step_with_the_default_mu_at_one_eighth_equals_single_process(sharded, world, kind, fraction):
     # mu unset: each path must decay the applied rows by the f-dependent default (0.36 at f = 1/8)
-    seed = torch.seed() % 2**31
-    pieces = run_distributed(sharded_worker, world, kind, SHAPES, 0.125, seed, DEFAULT_STALENESS, STALE_STEPS, None)
-    got = reassemble(pieces, kind, SHAPES, world)
-    expected = single_process(SHAPES, 0.125, seed, DEFAULT_STALENESS, STALE_STEPS, None)
+    got, seed = sharded[(world, kind, fraction, DEFAULT_STALENESS, STALE_STEPS, None, FP32)]
+    expected = single_process(SHAPES, fraction, seed, DEFAULT_STALENESS, STALE_STEPS, None)
     assert max_relative_error(got, expected) <= 1e-5, f"seed={seed}"
     # the default is not f = 1/4's 0.6 here (a path that ignored f would fail the comparison above):
     # the updates differ, compared as updates since they are small against the weights
     start, _ = matrices_and_grads(SHAPES, seed, STALE_STEPS)
-    at_0_6 = single_process(SHAPES, 0.125, seed, DEFAULT_STALENESS, STALE_STEPS, 0.6)
+    at_0_6 = single_process(SHAPES, fraction, seed, DEFAULT_STALENESS, STALE_STEPS, 0.6)
     updates = lambda ws: [w - w0 for w, w0 in zip(ws, start)]  # noqa: E731
     assert max_relative_error(updates(at_0_6), updates(expected)) > 0.01
 
 
-@pytest.mark.parametrize("world,kind,fraction", [(2, "rows", 0.25), (2, "cols", 1.0), (4, "block_flat", 0.25)])
+@pytest.mark.parametrize("world,kind,fraction", HALF)
 @pytest.mark.slow
-def test_sharded_step_with_half_precision_newton_schulz_equals_single_process(world, kind, fraction):
+def test_sharded_step_with_half_precision_newton_schulz_equals_single_process(sharded, world, kind, fraction):
     """bf16 Newton-Schulz hands its result on in bf16 (no fp32 copy): every exchange must take it
     as the single process does (on GPUs this is the default's path; on the CPU only when asked)."""
-    seed = torch.seed() % 2**31
-    pieces = run_distributed(sharded_worker, world, kind, SHAPES, fraction, seed, DEFAULT_STALENESS, STEPS, HP["mu"], torch.bfloat16)
-    got = reassemble(pieces, kind, SHAPES, world)
-    expected = single_process(SHAPES, fraction, seed, ns_dtype=torch.bfloat16)
+    got, seed = sharded[(world, kind, fraction, DEFAULT_STALENESS, STEPS, HP["mu"], BF16)]
+    expected = single_process(SHAPES, fraction, seed, ns_dtype=BF16)
     assert max_relative_error(got, expected) <= 1e-5, f"seed={seed}"
     # bf16 Newton-Schulz did run: its steps are not fp32's
     assert max_relative_error(single_process(SHAPES, fraction, seed), expected) > 1e-4

@@ -250,11 +250,15 @@ def test_pretrain_dion3_layout_and_exact_resume(tmp_path, layout, fraction, buff
 
 def test_readme_example_command_runs_on_cpu():
     """README's examples/megatron_lm_pretrain_gpt.py command as written (bf16, the default NullTokenizer
-    and vocabulary), through the CPU runner it names, for 2 iterations instead of 100."""
+    and vocabulary), through the CPU runner it names, for 2 iterations instead of 100, of one
+    sequence of 64 tokens (bf16 matrix products are slow on CPUs)."""
     from support.readme import readme_megatron_commands
 
     argv = readme_megatron_commands()["examples/megatron_lm_pretrain_gpt.py"]
-    argv[argv.index("--train-iters") + 1] = "2"
+    for flag, value in (("--train-iters", "2"), ("--micro-batch-size", "1"), ("--global-batch-size", "1")):
+        argv[argv.index(flag) + 1] = value
+    for flag in ("--seq-length", "--max-position-embeddings"):
+        argv[argv.index(flag) + 1] = "64"
     # --logging-level 10: the CPU runner prints Megatron's arguments at its DEBUG level only
     log = on_cpu(["examples/megatron_lm_pretrain_gpt.py", *argv, "--log-interval", "1", "--logging-level", "10"], nproc=1)
     assert sorted(iterations(log)) == [1, 2]

@@ -7,10 +7,9 @@ the whole (tensor-parallel-local) matrices this data-parallel rank owns (ZeRO-1,
 owners) and wraps this optimizer for bf16 (fp32 main params).
 
 Every parameter is described once (:class:`~.layout.ParamLayout`): which logical matrices it holds
-and how they are split over tensor parallelism. Each logical
-matrix becomes one :class:`~dion3_megatron.engine.MatrixShard`; the megabatch engine then does
-the whole Dion3 step (math from :mod:`dion3_megatron.core.rule`), orthogonalizing whole logical matrices
-across the tensor-parallel group, never per-shard blocks.
+and how they are split over tensor parallelism. Each logical matrix becomes one
+:class:`~dion3_megatron.engine.MatrixShard`; the megabatch engine does the whole Dion3 step,
+orthogonalizing whole logical matrices across the tensor-parallel group, never per-shard blocks.
 
 State layout (documented choice). Per logical matrix the engine keeps ``momentum`` (fp32, the
 local piece's shape), ``variance`` (fp32, one value per row the piece touches) and, with
@@ -21,14 +20,11 @@ but a fused QKV weight, whose Q, K and V rows are gathered out of the per-group 
 ([q.. k v] per group) into [Q; K; V]; the QKV weight and gradient are copied into that layout each
 step and the weight written back, the state never moves. ``state_dict()`` assembles each
 parameter's state in the parameter's own layout and stores ``variance`` (and ``row_age``)
-broadcast over the columns (param-shaped), because Megatron's torch_dist checkpoint shards every state tensor exactly like
-its parameter; so checkpoints reshard across tensor- and data-parallel sizes like Adam's.
-
-Under torch FSDP2 (``--use-torch-fsdp2``) a parameter is a DTensor whose rows are split over the
-data-parallel group: its local rows are described as a piece of the whole parameter
-(:func:`~.layout.fsdp_piece`), each logical matrix is row-sharded over that group, and the state
-dict holds DTensors placed like the parameter, which ``torch.distributed.checkpoint`` (Megatron's
-torch_dcp format) saves and reshards like the AdamW state beside it.
+broadcast over the columns (param-shaped): Megatron's torch_dist checkpoint shards every state
+tensor like its parameter, so checkpoints reshard across tensor- and data-parallel sizes like Adam's.
+Under torch FSDP2 a parameter is a DTensor whose rows the data-parallel group splits: its rows are a
+piece of the whole (:func:`~.layout.fsdp_piece`), each logical matrix row-sharded over that group,
+and the state dict holds DTensors placed like it (torch_dcp saves and reshards them).
 """
 
 from __future__ import annotations
