@@ -104,21 +104,35 @@ TINY = [
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: (\S+) \|.*? grad norm: (\S+) \|")
 
 
-def on_cpu(argv: list[str], nproc: int = 2, timeout: int = 300) -> str:
-    """torchrun --standalone --nproc-per-node NPROC examples/megatron_cpu.py ARGV: its output."""
+def torchrun(argv: list[str], nproc: int = 2, timeout: int = 300) -> tuple[int, str]:
+    """torchrun --standalone --nproc-per-node NPROC ARGV: its exit status and output."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), CPU, *argv],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *argv],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def on_cpu(argv: list[str], nproc: int = 2, timeout: int = 300) -> str:
+    """torchrun --standalone --nproc-per-node NPROC examples/megatron_cpu.py ARGV: its output."""
+    code, out = torchrun([CPU, *argv], nproc, timeout)
+    assert code == 0, out[-6000:]
     return out
+
+
+def assert_stopped_once_before_megatron_starts(argv: list[str], line: str) -> None:
+    """ARGV on 2 ranks fails with ``line`` printed once, before Megatron parses its arguments (no
+    argument dump), let alone builds a model."""
+    code, out = torchrun(argv, timeout=120)
+    assert code != 0
+    assert out.count(line) == 1, out[-3000:]
+    assert "arguments ----" not in out and "building GPT model" not in out, out[-3000:]
 
 
 def pretrain(args: list[str]) -> str:
@@ -309,10 +323,12 @@ VALIDATION = re.compile(r"validation loss at iteration\s+(\d+) \| lm loss value:
 
 
 def test_cpu_command_on_two_ranks_learns_and_validation_loss_falls():
-    """The command, shortened (6 iterations, validation at 3 and 6; a 512-token language, whose
-    successor pairs a few steps can learn): training and validation, samples of one language, fall."""
+    """The command, shortened (6 iterations of 128-token sequences, validation at 3 and 6; a
+    512-token language, whose successor pairs a few steps can learn): training and validation,
+    samples of one language, fall."""
     argv = list(CPU_COMMAND)
-    for flag, value in (("--train-iters", "6"), ("--eval-interval", "3"), ("--eval-iters", "1")):
+    shorter = (("--seq-length", "128"), ("--max-position-embeddings", "128"))
+    for flag, value in (("--train-iters", "6"), ("--eval-interval", "3"), ("--eval-iters", "1"), *shorter):
         argv[argv.index(flag) + 1] = value
     log = on_cpu([SCRIPT, *argv, "--vocab-size", "512", "--log-interval", "1"])
     losses = iterations(log)
@@ -388,21 +404,7 @@ def test_pretrain_torch_fsdp2_resumes_exactly_and_at_another_data_parallel_size(
     ids=["torch-fsdp2-tp2", "megatron-fsdp"],
 )
 def test_an_fsdp_layout_dion3_does_not_step_is_refused_once_before_megatron_starts(flags, line):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    argv = [CPU, SCRIPT, *torch_fsdp2(TINY)[:-1], *flags]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *argv],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert out.count(line) == 1, out[-3000:]
-    assert "arguments ----" not in out and "building GPT model" not in out, out[-3000:]
+    assert_stopped_once_before_megatron_starts([CPU, SCRIPT, *torch_fsdp2(TINY)[:-1], *flags], line)
 
 
 @pytest.mark.parametrize("launcher", ["launch", "cpu"])
@@ -410,17 +412,5 @@ def test_a_bad_dion3_value_stops_both_ranks_before_megatron_starts_said_once(lau
     """--lr -1 with --optimizer dion3, under torchrun with 2 ranks: one line naming the flag and the
     value, before Megatron parses its arguments (no argument dump), let alone builds a model."""
     entry = ["-m", "dion3_megatron.megatron.launch"] if launcher == "launch" else [CPU]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *entry, SCRIPT, *TINY, "--lr", "-1"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert out.count("argument --lr: lr must be a finite number >= 0.0, got -1.0") == 1, out[-3000:]
-    assert "arguments ----" not in out and "building GPT model" not in out, out[-3000:]
+    line = "argument --lr: lr must be a finite number >= 0.0, got -1.0"
+    assert_stopped_once_before_megatron_starts([*entry, SCRIPT, *TINY, "--lr", "-1"], line)
