@@ -140,6 +140,11 @@ CHECK = textwrap.dedent("""
             out = normalized(x, torch.float16, 1.0, 1e-7)
             ref = x.double() / (x.double().flatten(1).norm(dim=1).view(-1, 1, 1) + 1e-7)
             assert ((out.double() - ref).abs() - 2 ** -10 * ref.abs()).max().item() <= 2 ** -24
+            # more blocks than a CUDA grid's second axis takes (65535), as a 64k-vocabulary matrix has
+            x = torch.randn(1, 16384, 8448, generator=gen).to(device)
+            out = normalized(x, torch.bfloat16, 1.0, 1e-7)
+            ref = x.double() / (x.double().norm() + 1e-7)
+            assert ((out.double() - ref).abs() - 2 ** -7 * ref.abs()).max().item() <= 2 ** -24
 """)
 
 

@@ -129,14 +129,16 @@ def _take_selected(
 
 @triton.jit
 def _block_peak_and_squares(x_ptr, batch_stride, numel, peak_ptr, squares_ptr, BLOCK: tl.constexpr):
-    # per block of one matrix: its largest |x| and the sum of (x / that)^2 (each term <= 1: no overflow)
-    b = tl.program_id(0)
-    block = tl.program_id(1)
+    # per block of one matrix: its largest |x| and the sum of (x / that)^2 (each term <= 1: no overflow).
+    # The blocks on the grid's first axis, the matrices on the second: CUDA allows 2**31 - 1 programs
+    # on the first and 65535 on the others, and a 64k x 8k matrix has 2**18 blocks.
+    block = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
     offsets = block * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + b.to(tl.int64) * batch_stride + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + b * batch_stride + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
     peak = tl.max(tl.abs(x), axis=0)
     unit = x / tl.maximum(peak, FP32_TINY)
-    at = b * tl.num_programs(1) + block
+    at = b * tl.num_programs(0) + block
     tl.store(peak_ptr + at, peak)
     tl.store(squares_ptr + at, tl.sum(unit * unit, axis=0))
 
@@ -166,11 +168,12 @@ def _matrix_peak_and_inverse(peak_ptr, squares_ptr, blocks, norm_factor, eps, LO
 
 @triton.jit
 def _scale_into(x_ptr, out_ptr, batch_stride, numel, peak_ptr, inverse_ptr, blocks, BLOCK: tl.constexpr):
-    # out = (x / peak) * inverse (matrix b's, at [b * blocks]), rounded once to out's dtype
-    b = tl.program_id(0)
-    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    # out = (x / peak) * inverse (matrix b's, at [b * blocks]), rounded once to out's dtype; the grid
+    # as _block_peak_and_squares's
+    b = tl.program_id(1).to(tl.int64)
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < numel
-    at = b.to(tl.int64) * batch_stride + offsets
+    at = b * batch_stride + offsets
     x = tl.load(x_ptr + at, mask=inside, other=0.0).to(tl.float32)
     unit = (x / tl.load(peak_ptr + b * blocks)) * tl.load(inverse_ptr + b * blocks)
     tl.store(out_ptr + at, unit.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=inside)
@@ -211,12 +214,12 @@ def normalized(x: torch.Tensor, dtype: torch.dtype, norm_factor: float, eps: flo
     squares = torch.empty_like(peaks)
     out = torch.empty_like(x, dtype=dtype)  # x's strides: the same flat offsets
     with _device_of(x):
-        _block_peak_and_squares[(batch, blocks)](x, numel, numel, peaks, squares, BLOCK=NORM_BLOCK)
+        _block_peak_and_squares[(blocks, batch)](x, numel, numel, peaks, squares, BLOCK=NORM_BLOCK)
         _matrix_peak_and_inverse[(batch,)](
             peaks, squares, blocks, norm_factor, eps, LOOPS=triton.cdiv(blocks, COMBINE_BLOCK), BLOCK=COMBINE_BLOCK
         )
         # each matrix's peak and inverse now lead its row of peaks and squares
-        _scale_into[(batch, blocks)](x, out, numel, numel, peaks, squares, blocks, BLOCK=NORM_BLOCK)
+        _scale_into[(blocks, batch)](x, out, numel, numel, peaks, squares, blocks, BLOCK=NORM_BLOCK)
     return out
 
 
