@@ -1,6 +1,6 @@
 """Optimizer step on very wide / tall matrices: time and peak extra GPU memory, Dion3 vs Muon.
 
-For a 65536 x 8192 and an 8192 x 65536 matrix (embedding-sized), one H200:
+For a 65536 x 8192 and an 8192 x 65536 matrix (embedding-sized), one GPU:
   - Dion3 (single-process optimizer) at fraction 1, 1/4, 1/8;
   - a Muon step (heavy-ball momentum, Keller-quintic NS5 in bf16 on the full matrix, torch).
 Peak extra memory = max_memory_allocated during a step (state already created) minus the memory
