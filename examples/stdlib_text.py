@@ -9,20 +9,25 @@ import sysconfig
 import torch
 
 
-def stdlib_bytes(max_bytes: int) -> bytes:
-    """Up to ``max_bytes`` of the standard library's ``.py`` sources, top level first, then one
-    level down, each level in sorted order (so every rank of a job reads the same bytes)."""
+def stdlib_files() -> list[pathlib.Path]:
+    """The standard library's ``.py`` sources, top level first, then one level down, each level in
+    sorted order (so every rank of a job reads the same files)."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     files = sorted(root.glob("*.py")) + sorted(root.glob("*/*.py"))
+    if not files:
+        raise FileNotFoundError(f"no Python sources under {root}")
+    return files
+
+
+def stdlib_bytes(max_bytes: int) -> bytes:
+    """Up to ``max_bytes`` of :func:`stdlib_files`, concatenated."""
     chunks, total = [], 0
-    for path in files:
+    for path in stdlib_files():
         if total >= max_bytes:
             break
         data = path.read_bytes()
         chunks.append(data)
         total += len(data)
-    if not chunks:
-        raise FileNotFoundError(f"no Python sources under {root}")
     return b"".join(chunks)[:max_bytes]
 
 

@@ -211,3 +211,30 @@ def test_a_checkpoint_of_checkpoint_manager_resumes_as_the_uninterrupted_run_at_
     for out in two_ranks:
         _assert_equal(out["resumed"], expected, "resumed at 2 ranks")
     _assert_equal(two_ranks[0]["resumed at one rank"], expected, "resumed at 1 rank")
+
+
+def test_the_trainer_benchmark_reads_torchtitan_s_step_lines_and_writes_its_corpus(tmp_path):
+    """benchmarks/bench_torchtitan.py reads the lines torchtitan's MetricsProcessor.log prints
+    (colours included) and leaves validation lines out; its corpus is JSON lines of the standard
+    library's sources, one file a line, as torchtitan's c4_test loader reads them."""
+    import json
+
+    from benchmarks import bench_torchtitan as bench
+    from examples.stdlib_text import stdlib_files
+
+    red, green, reset = "\x1b[31m", "\x1b[32m", "\x1b[39m"
+    log = "\n".join(
+        [
+            f"[rank0]: {red}step:  1  {green}loss: 10.87654  grad_norm:  2.1000  memory:  1.20GiB(1.51%)  "
+            f"tps: 1,234  tflops: 0.10  mfu: 0.01%{reset}",
+            f"[rank0]: {red}step: 12  {green}loss:  7.50000  grad_norm:  0.5000  memory:  1.20GiB(1.51%)  "
+            f"tps: 98,765  tflops: 3.20  mfu: 0.32%{reset}",
+            "[rank0]: validate step:  5  loss:  8.0000  memory:  1.20GiB(1.51%)  tps: 55,555",
+            "[rank0]: a line with no step",
+        ]
+    )
+    assert bench.steps_of(log) == {1: (10.87654, 1234.0), 12: (7.5, 98765.0)}
+    lines = (bench.write_stdlib_corpus(tmp_path / "c4_test") / "data.json").read_text().splitlines()
+    files = stdlib_files()
+    assert len(lines) == len(files) > 100
+    assert json.loads(lines[0]) == {"text": files[0].read_text(errors="replace")}
