@@ -201,6 +201,14 @@ def install() -> None:
 
     torch_fsdp.DeviceMesh = types.SimpleNamespace(from_group=cpu_mesh)
 
+    # Megatron's torch_dist writer collects its results through a multiprocessing Manager started
+    # by spawn, which imports the training script and Megatron again in a fresh process (about 7 s
+    # of a CPU run's first save); forked, the Manager starts at once.
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not isinstance(filesystem_async.get_write_results_queue, functools.partial):
+        filesystem_async.get_write_results_queue = functools.partial(filesystem_async.get_write_results_queue, mp_mode="fork")
+
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()

@@ -30,6 +30,7 @@ import shlex
 import subprocess
 import sys
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -683,18 +684,13 @@ class GpuCheck:
             )
 
     def finish(self) -> list[str]:
-        """Run what was collected: each script's --help (its flags), Megatron's parser."""
-        helps: dict[str, set[str] | str] = {}
+        """Run what was collected: each script's --help (its flags), Megatron's parser; the
+        processes side by side, one per core (each spends its time importing torch)."""
+        scripts = sorted({script for _, script, _ in self.script_flags})
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            parsed = pool.submit(megatron_parse, [a for _, a in self.megatron]) if self.megatron else None
+            helps = dict(zip(scripts, pool.map(script_flags, scripts)))
         for where, script, argv in self.script_flags:
-            if script not in helps:
-                out = subprocess.run(
-                    [sys.executable, script, "--help"], cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300
-                )
-                helps[script] = (
-                    set(re.findall(r"(?<![\w-])(--[A-Za-z0-9][\w-]*)", out.stdout))
-                    if out.returncode == 0
-                    else f"--help failed: {out.stderr[-800:]}"
-                )
             known = helps[script]
             if isinstance(known, str):
                 self.problems.append(f"{where}: {script} {known}")
@@ -702,21 +698,31 @@ class GpuCheck:
             unknown = [f for f in self.flags_of(argv) if f not in known]
             if unknown:
                 self.problems.append(f"{where}: {script} does not take {unknown}")
-        if self.megatron:
-            out = subprocess.run(
-                [sys.executable, "-c", MEGATRON_PARSE, json.dumps([a for _, a in self.megatron])],
-                cwd=ROOT,
-                env=environment(),
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            if out.returncode:
-                self.problems.append(f"Megatron's parser did not run: {out.stderr[-1500:]}")
+        if parsed is not None:
+            errors = parsed.result()
+            if isinstance(errors, str):
+                self.problems.append(errors)
             else:
-                errors = json.loads(out.stdout.strip().splitlines()[-1])
                 self.problems += [f"{where}: Megatron's parser: {error}" for (where, _), error in zip(self.megatron, errors) if error]
         return self.problems
+
+
+def script_flags(script: str) -> set[str] | str:
+    """The flags a script's --help lists, or what went wrong."""
+    out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300)
+    if out.returncode:
+        return f"--help failed: {out.stderr[-800:]}"
+    return set(re.findall(r"(?<![\w-])(--[A-Za-z0-9][\w-]*)", out.stdout))
+
+
+def megatron_parse(argvs: list[list[str]]) -> list[str | None] | str:
+    """Megatron's parser's error for each argv (None where it parses), or what went wrong."""
+    out = subprocess.run(
+        [sys.executable, "-c", MEGATRON_PARSE, json.dumps(argvs)], cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300
+    )
+    if out.returncode:
+        return f"Megatron's parser did not run: {out.stderr[-1500:]}"
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def check_gpu_blocks(blocks: list[Block]) -> list[str]:
