@@ -8,8 +8,9 @@ and layer-wise distributed optimizers, tensor/pipeline/expert parallelism and to
 checkpoints run over gloo on CPU processes. ``examples/pretrain_gpt.py`` (the CPU main job) and the
 Megatron tests use it.
 
-It patches ``torch`` and ``torch.cuda`` process-wide and cannot be undone: call it only in a
-process that will never use a GPU, before building any Megatron object. fp32 is the CPU dtype
+It patches ``torch`` and ``torch.cuda`` process-wide (and starts Megatron's checkpoint writer's
+helper process by fork) and cannot be undone: call it only in a process that will never use a GPU,
+before building any Megatron object. fp32 is the CPU dtype
 (bf16 works but is slow on CPU); apex, Transformer Engine and sequence parallelism are not
 available.
 
