@@ -1,7 +1,8 @@
 """DTensor parameters on CPU over gloo: FSDP2 (``fully_shard``) on a 1-D mesh, HSDP on a 2-D one,
-FSDP2 with tensor parallelism, 3-D experts sharded by experts. The torch ``Dion3`` steps each
-rank's piece as a piece of the whole logical matrices, and every step equals the single-process
-step on the full matrices, with uneven and empty shards; checkpoints reshard."""
+FSDP2 with tensor parallelism, 3-D experts sharded by experts or split inside their matrices. The
+torch ``Dion3`` steps each rank's piece as a piece of the whole logical matrices, and every step
+equals the single-process step on the full matrices, with uneven and empty shards; checkpoints
+reshard."""
 
 from __future__ import annotations
 
@@ -96,6 +97,7 @@ def _session(rank: int, world: int, cases: list[tuple[str, dict, int]], checkpoi
     out = {"cases": [_train(rank, world, layout, settings, bad_step) for layout, settings, bad_step in cases]}
     if checkpoint is not None:
         out["refused"] = _refusals(world)
+        out["split experts"] = _experts_split_inside(world)
         _dcp_worker(rank, world, "fsdp", checkpoint, range(0, 2), DCP_SETTINGS)
         out["auto resumed"] = _auto_resumed(world, checkpoint + "-auto")
     return out
@@ -296,7 +298,6 @@ def _refusals(world: int) -> list[str]:
     cases = {
         "partial": DTensor.from_local(torch.randn(8, 4, generator=gen), mesh, [Partial()]),
         "conv": distribute_tensor(torch.randn(8, 2, 3, 3, generator=gen), mesh, [Shard(0)]),
-        "expert rows": distribute_tensor(torch.randn(2, 8, 4, generator=gen), mesh, [Shard(1)]),
         # rows cut left to right, then strided: rank 0 would hold rows 0 and 2, not a block
         "strided rows": DTensor.from_local(
             torch.randn(2, 4, generator=gen),
@@ -334,14 +335,60 @@ def _refusals(world: int) -> list[str]:
 
 
 def test_placements_the_engine_does_not_take_are_refused_naming_the_parameter(two_ranks):
-    for partial, conv, experts, strided, grad, short in (out["refused"] for out in two_ranks):
+    for partial, conv, strided, grad, short in (out["refused"] for out in two_ranks):
         assert partial.startswith("partial: Dion3 takes DTensor parameters placed by Shard") and "Partial" in partial
-        assert conv.startswith("conv: Dion3 takes 2-D DTensor matrices and 3-D ones sharded by experts"), conv
-        assert experts.startswith("expert rows: Dion3 takes 3-D DTensor parameters (experts) sharded by experts"), experts
-        assert "Shard(dim=1)" in experts
+        assert conv.startswith("conv: Dion3 takes 2-D DTensor matrices and 3-D ones (a batch of matrices"), conv
         assert strided.startswith("strided rows: dimension 0 is cut into pieces that are not contiguous"), strided
         assert grad.startswith("replicated grad: its gradient is placed (Replicate(),), not like the parameter"), grad
         assert short.startswith("short piece: this rank holds (3, 4), not the (4, 4) its placements give"), short
+
+
+def _experts_split_inside(world: int) -> dict[str, dict[str, torch.Tensor]]:
+    """3-D parameters (3 experts of 7 x 5) split inside their matrices, by rows (Shard(1): 4/3 rows
+    at 2 ranks) and by columns (Shard(2): 3/2), three steps of the same gradients on every rank:
+    the whole parameters and their Dion3 state (momentum, variance, row ages) after them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dion3_megatron import Dion3
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(3)
+    start = torch.randn(3, 7, 5, generator=gen)
+    grads = [torch.randn(3, 7, 5, generator=gen) for _ in range(STEPS)]
+    out = {}
+    for name, dim in (("expert rows", 1), ("expert columns", 2)):
+        p = torch.nn.Parameter(distribute_tensor(start.clone(), mesh, [Shard(dim)]))
+        opt = Dion3([(name, p)], lr=0.05, fraction=0.5, staleness=1.0, ns_dtype=torch.float64)
+        for grad in grads:
+            p.grad = distribute_tensor(grad, mesh, [Shard(dim)])
+            opt.step()
+        state = {part: v.full_tensor() for part, v in opt.state[p].items()}
+        out[name] = {"param": p.detach().full_tensor(), **state}
+    return out
+
+
+def test_a_3d_parameter_split_inside_its_matrices_steps_as_the_single_process_step(two_ranks):
+    """Each local expert is a row or column piece of its matrix over the same ranks: the step, and
+    the state as the ranks place it (gathered whole), equal one process stepping whole experts."""
+    from dion3_megatron import Dion3
+
+    gen = torch.Generator().manual_seed(3)
+    start = torch.randn(3, 7, 5, generator=gen)
+    grads = [torch.randn(3, 7, 5, generator=gen) for _ in range(STEPS)]
+    p = torch.nn.Parameter(start.clone())
+    opt = Dion3([("experts", p)], lr=0.05, fraction=0.5, staleness=1.0, ns_dtype=torch.float64)
+    for grad in grads:
+        p.grad = grad.clone()
+        opt.step()
+    expected = {"param": p.detach(), **opt.state[p]}
+    assert set(expected) == {"param", "momentum", "variance", "row_age"}
+    assert (p.detach() - start).abs().max() > 1e-2  # the steps moved it
+    for out in two_ranks:
+        for name, held in out["split experts"].items():
+            assert held.keys() == expected.keys(), name
+            for part, value in held.items():
+                torch.testing.assert_close(value, expected[part], **TOL, msg=lambda m, n=name, q=part: f"{n} {q}: {m}")
 
 
 def test_the_fsdp2_example_trains_with_tensor_parallelism_on_two_cpu_processes():

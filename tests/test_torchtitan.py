@@ -58,12 +58,7 @@ def test_register_is_idempotent_and_unregister_restores_torchtitans_resolver():
 
 def test_the_default_config_gives_the_hidden_matrices_to_dion3_and_the_rest_to_adamw(registered):
     model = helpers.built_model()
-    optimizers = helpers.container(model, SETTINGS)
-    dion3, adamw = optimizers.optimizers
-    assert isinstance(dion3, Dion3) and isinstance(adamw, torch.optim.AdamW)
-    names = {o: {n for group in o.param_groups for n in group["param_names"]} for o in (dion3, adamw)}
-    assert names[dion3] == MATRICES
-    assert names[adamw] == {n for n, _ in model.named_parameters()} - MATRICES
+    optimizers, dion3, adamw = helpers.split_between_dion3_and_adamw(model, SETTINGS, MATRICES)
     assert {g["lr"] for g in dion3.param_groups} == {0.02} and {g["lr"] for g in adamw.param_groups} == {0.003}
     before = helpers.full_params(model)
     flat = optimizers.state_dict()  # torchtitan first steps a fresh optimizer with zero gradients at lr 0

@@ -7,7 +7,10 @@ tensor-parallel dimension a matrix is not split over): they step alike. The mesh
 split a matrix's rows or columns (``Shard(0)`` / ``Shard(1)``, and ``_StridedShard`` where FSDP2
 shards a tensor-parallel block further) span the process group the engine exchanges selected rows
 over; each rank's piece is a block of rows, of columns, or a box of both. A 3-D parameter (MoE
-experts) sharded by experts (``Shard(0)``) holds whole matrices.
+experts) is a batch of matrices: the mesh dimensions that split its experts (dim 0) give each rank
+its own experts, and those that split dims 1 and 2 split each of its local experts alike, over the
+ranks that hold the same experts (FSDP2's ``Shard(1)`` of torchtitan's experts when the expert
+FSDP degree times the expert-parallel degree exceeds the number of experts).
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Layout:
     """Where a DTensor parameter's local values lie: its matrices' sharding over ``group`` (None:
-    held whole), and for a 3-D parameter sharded by experts the index of its first local matrix."""
+    held whole; for a 3-D parameter, every local expert alike), and for a 3-D parameter the index of
+    its first local matrix (expert)."""
 
     sharding: Sharding
     group: Optional[dist.ProcessGroup]
@@ -68,11 +72,7 @@ def _placement_refusal(p: DTensor) -> Optional[str]:
     if any(not isinstance(pl, (Shard, _StridedShard, Replicate)) for pl in placements):
         return _described(p, "Dion3 takes DTensor parameters placed by Shard, _StridedShard (FSDP2 with tensor parallelism) or Replicate")
     if p.dim() not in (2, 3):
-        return _described(p, "Dion3 takes 2-D DTensor matrices and 3-D ones sharded by experts")
-    matrix_dims = (p.dim() - 2, p.dim() - 1)
-    split = [d for d, pl in enumerate(placements) if _sharded_dim(pl) in matrix_dims]
-    if p.dim() == 3 and split:
-        return _described(p, "Dion3 takes 3-D DTensor parameters (experts) sharded by experts (dim 0) only")
+        return _described(p, "Dion3 takes 2-D DTensor matrices and 3-D ones (a batch of matrices: MoE experts)")
     for dim in range(p.dim()):  # contiguous pieces only: cut left to right, or FSDP2's cut of a TP block
         cuts = [(d, pl) for d, pl in enumerate(placements) if _sharded_dim(pl) == dim]
         strided = [d for d, pl in cuts if isinstance(pl, _StridedShard)]
@@ -172,10 +172,12 @@ def layout(p: DTensor) -> Layout:
         return Layout(Sharding.full(), None, first)
     group = _group_over(mesh, split)
     boxes = []
-    for rank in dist.get_process_group_ranks(group):  # each member's coordinate: mine, but on the split dims
+    # Each member's coordinate: mine, but on the split dims. The members share this rank's
+    # coordinate on every other mesh dimension, so a 3-D parameter's members hold the same experts.
+    for rank in dist.get_process_group_ranks(group):
         at = (mesh.mesh == rank).nonzero()[0].tolist()
         boxes.append(_box(p, [at[d] if d in split else coordinate[d] for d in range(mesh.ndim)])[-2:])
-    return Layout(_sharding(boxes, *p.shape), group)
+    return Layout(_sharding(boxes, *p.shape[-2:]), group, first)
 
 
 def _box(p: DTensor, coordinate: Sequence[int]) -> list[tuple[int, int]]:
@@ -257,8 +259,8 @@ def per_row(p: DTensor, values: torch.Tensor) -> torch.Tensor:
         dim = _sharded_dim(pl)
         if dim == rows_dim:
             placements.append(_StridedShard(1, split_factor=pl.split_factor) if isinstance(pl, _StridedShard) else Shard(1))
-        elif dim == 0 and p.dim() == 3:
-            placements.append(Shard(0))
+        elif dim == 0 and p.dim() == 3:  # the experts: the state's dim 0 too, cut the same way
+            placements.append(pl)
         else:
             placements.append(Replicate())
     return DTensor.from_local(values, p.device_mesh, placements, run_check=False, shape=torch.Size((count, n)), stride=(n, 1))

@@ -34,16 +34,17 @@ def matrix_count(t: torch.Tensor) -> int:
 
 
 def stacked_view(views: list[torch.Tensor]) -> torch.Tensor:
-    """One tensor viewing same-shape tensors that lie one after another in one buffer (an engine's
-    state of a parameter's matrices), stacked along a new first dimension."""
+    """One tensor viewing same-shape tensors that lie one after another in one buffer, at equal
+    spacing (an engine's state of a parameter's matrices: end to end, or row blocks of a padded
+    buffer), stacked along a new first dimension."""
     first = views[0]
-    size = first.numel()
-    if any(
+    step = views[1].storage_offset() - first.storage_offset() if len(views) > 1 else first.numel()
+    if step < first.numel() or any(
         v.shape != first.shape
         or v.stride() != first.stride()
         or v.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-        or v.storage_offset() != first.storage_offset() + i * size
+        or v.storage_offset() != first.storage_offset() + i * step
         for i, v in enumerate(views)
     ):
-        raise RuntimeError("stacked_view: the tensors do not lie one after another in one buffer")
-    return first.as_strided((len(views), *first.shape), (size, *first.stride()), first.storage_offset())
+        raise RuntimeError("stacked_view: the tensors do not lie one after another in one buffer at equal spacing")
+    return first.as_strided((len(views), *first.shape), (step, *first.stride()), first.storage_offset())

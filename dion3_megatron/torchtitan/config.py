@@ -1,5 +1,5 @@
-"""The param-group config that gives the hidden matrices of torchtitan's llama-style models to Dion3
-and the rest to AdamW."""
+"""The param-group config that gives the hidden matrices of torchtitan's decoder models (llama3,
+qwen3 and its MoE, deepseek_v3) to Dion3 and the rest to AdamW."""
 
 from __future__ import annotations
 
@@ -10,12 +10,34 @@ from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfi
 from .. import options
 from .registry import NAME
 
-HIDDEN_MATRICES = r"(^|\.)(attention\.(qkv_linear\.)?w(qkv|q|k|v|o)|feed_forward\.w[123])\.weight$"
-"""The attention projections (fused ``wqkv`` or ``wq``/``wk``/``wv``, and ``wo``) and the feed-forward
-``w1``/``w2``/``w3`` weights of every layer, as torchtitan's llama3 (and qwen3-style dense) models name
-them, wherever an activation-checkpoint wrapper puts them (``layers.0._checkpoint_wrapped_module.
-attention.wo.weight``). Embeddings, the output head, norms (``q_norm``/``k_norm`` too) and biases
-do not match."""
+HIDDEN_MATRICES = (
+    r"(^|\.)("
+    r"attention\.((qkv_linear\.)?w(qkv|q|k|v)|wo|w(q_a|q_b|kv_a|kv_b))\.weight"
+    r"|(feed_forward|moe\.shared_experts)\.w[123]\.weight"
+    r"|moe\.router\.gate\.weight"
+    r"|moe\.routed_experts\.inner_experts\.(w1_EFD|w2_EDF|w3_EFD)"
+    r"|eh_proj\.weight"
+    r")$"
+)
+"""The hidden matrices of torchtitan's decoder models, wherever an activation-checkpoint wrapper puts
+them (``layers.0._checkpoint_wrapped_module.attention.wo.weight``):
+
+- attention: the fused ``wqkv`` or ``wq``/``wk``/``wv``, and ``wo`` (llama3, qwen3); multi-head
+  latent attention's ``wq`` or ``wq_a``/``wq_b``, ``wkv_a``, ``wkv_b`` and ``wo`` (deepseek_v3);
+- the feed-forward ``w1``/``w2``/``w3`` of dense layers and of MoE layers' shared experts;
+- the MoE router's ``gate`` (experts x dim): a hidden matrix, as Megatron's router weight is under
+  ``--optimizer dion3`` (Megatron routes only embeddings, the output layer and non-2-D tensors to
+  Adam);
+- the routed experts' ``w1_EFD``, ``w2_EDF``, ``w3_EFD``: 3-D, each expert's matrix a Dion3 matrix.
+  torchtitan stores them as ``nn.Linear`` stores a weight, (experts, out, in), and multiplies
+  ``x @ w.transpose(-2, -1)``, so each expert's rows are its output features, as a dense layer's
+  rows are: Dion3 selects and normalizes them as it does a dense ``w1``/``w2``/``w3``'s. The layout
+  suffix is part of the name: experts stored the other way round (other suffixes) are not matched;
+- the multi-token-prediction projection ``eh_proj`` (deepseek_v3's MTP layers).
+
+Embeddings, the output head, norms (``q_norm``, ``k_norm``, ``kv_norm`` too), biases and buffers
+(the MoE's ``expert_bias_E``) do not match, nor gpt_oss's experts (``mlp1_weight_EGD``, its gate and
+up projections interleaved) or a vision encoder's layers."""
 
 
 def optimizer_config(matrices: str = HIDDEN_MATRICES, **settings: Any) -> OptimizersContainer.Config:

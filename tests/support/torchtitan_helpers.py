@@ -25,14 +25,15 @@ STEPS = 3
 LAYOUTS = {"fsdp": (1, 1), "hsdp": (2, 1), "tp": (1, 2)}
 
 
-def model_config():
-    """torchtitan's llama3 debug model (fused QKV, SwiGLU, RMSNorm, untied head), shrunk."""
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+def model_config(n_layers: int = LAYERS):
+    """torchtitan's llama3 debug model (fused QKV, SwiGLU, RMSNorm, untied head), shrunk, with
+    ``n_layers`` layers."""
+    from torchtitan.models.common import ComplexRoPE
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
 
     layers = _build_llama3_layers(
-        n_layers=LAYERS,
+        n_layers=n_layers,
         dim=DIM,
         n_heads=HEADS,
         n_kv_heads=KV_HEADS,
@@ -45,21 +46,31 @@ def model_config():
     return Llama3Model.Config(
         dim=DIM,
         vocab_size=VOCAB,
+        layers=layers,
+        **ends(),
+    )
+
+
+def ends() -> dict:
+    """The token embedding, final norm and untied output head of the shrunk models, as config fields."""
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+
+    return dict(
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init={"weight": torch.nn.init.normal_}),
         norm=RMSNorm.Config(normalized_shape=DIM, param_init={"weight": torch.nn.init.ones_}),
         lm_head=Linear.Config(
             in_features=DIM, out_features=VOCAB, param_init={"weight": lambda w: torch.nn.init.normal_(w, std=DIM**-0.5)}
         ),
-        layers=layers,
     )
 
 
-def built_model(parallelism=None) -> torch.nn.Module:
-    """The model with its initial weights, the same on every rank and in the reference; with
-    ``parallelism`` (torchtitan's ParallelismConfig), its sharding declared for parallelize_llama."""
+def built_model(parallelism=None, n_layers: int = LAYERS) -> torch.nn.Module:
+    """The model (of ``n_layers`` layers) with its initial weights, the same on every rank and in the
+    reference; with ``parallelism`` (torchtitan's ParallelismConfig), its sharding declared for
+    parallelize_llama."""
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
-    config = model_config()
+    config = model_config(n_layers)
     if parallelism is not None:
         set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
     torch.manual_seed(0)
@@ -103,8 +114,7 @@ def parallelized(world: int, layout: str):
     context of its forward and backward passes (torchtitan's SPMD context of those meshes) and this
     rank's share of the batch (rows of the global batch) as a ``Shard``."""
     import torchtitan.distributed.parallel_dims as parallel_dims
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.utils import get_spmd_context
     from torchtitan.models.llama3.parallelize import parallelize_llama
@@ -118,8 +128,19 @@ def parallelized(world: int, layout: str):
     dims = _DIMS[world, layout]
     context = get_spmd_context(parallel_dims=dims)
     model = built_model(parallelism)  # (outside the context: its initialization is of the whole tensors)
-    with context():  # (these meshes, not those of a model parallelized before in this process)
-        model = parallelize_llama(
+    return parallelized_by(parallelize_llama, model, dims, parallelism, context, world)
+
+
+def parallelized_by(parallelize, model, dims, parallelism, context: Callable[[], ContextManager], world: int):
+    """``model`` parallelized by torchtitan's ``parallelize`` function of its model family (inside
+    ``context``: these meshes, not those of a model parallelized before in this process), with
+    FSDP's plain sum of gradients, and its ``Shard``: ``context`` and this rank's rows of the global
+    batch (the ranks of one tensor-parallel group, the mesh's innermost dimension, share rows)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import CompileConfig, TrainingConfig
+
+    with context():
+        model = parallelize(
             model,
             parallel_dims=dims,
             training=TrainingConfig(mixed_precision_param="float32"),
@@ -131,18 +152,32 @@ def parallelized(world: int, layout: str):
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
-    rank, dp = torch.distributed.get_rank(), world // tp
-    share = BATCH // dp
-    rows = slice(rank // tp * share, (rank // tp + 1) * share)  # tp is the mesh's innermost dimension
-    return model, Shard(context, rows)
+    tp = parallelism.tensor_parallel_degree
+    rank, share = torch.distributed.get_rank(), BATCH * tp // world
+    return model, Shard(context, slice(rank // tp * share, (rank // tp + 1) * share))
 
 
-def container(model: torch.nn.Module, settings: dict):
-    """torchtitan's optimizer for ``model``, built by its config's ``build`` (Dion3 registered)."""
+def container(model: torch.nn.Module | list[torch.nn.Module], settings: dict):
+    """torchtitan's optimizer for ``model`` (or a list of model parts: one Dion3 and one AdamW per
+    part), built by its config's ``build`` (Dion3 registered)."""
     from dion3_megatron.torchtitan import optimizer_config, register
 
     register()
-    return optimizer_config(**settings).build(model_parts=[model])
+    return optimizer_config(**settings).build(model_parts=model if isinstance(model, list) else [model])
+
+
+def split_between_dion3_and_adamw(model: torch.nn.Module, settings: dict, matrices: set[str]):
+    """torchtitan's optimizer for ``model`` (:func:`container`), checked to hold a Dion3 over exactly
+    the parameters named ``matrices`` and an AdamW over the rest; the container, the Dion3, the AdamW."""
+    from dion3_megatron import Dion3
+
+    optimizers = container(model, settings)
+    dion3, adamw = optimizers.optimizers
+    assert isinstance(dion3, Dion3) and isinstance(adamw, torch.optim.AdamW)
+    names = {o: {n for group in o.param_groups for n in group["param_names"]} for o in (dion3, adamw)}
+    assert names[dion3] == matrices
+    assert names[adamw] == {n for n, _ in model.named_parameters()} - matrices
+    return optimizers, dion3, adamw
 
 
 def train(model, optimizers, steps: range, shard: Shard = WHOLE) -> None:
@@ -159,14 +194,15 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
 
 def checkpointer(folder: str, model, optimizers):
-    """torchtitan's CheckpointManager over the model, its optimizers and an LR schedule that keeps
-    the configured lr (the reference steps at it)."""
+    """torchtitan's CheckpointManager over the model (or a list of model parts), its optimizers and
+    an LR schedule that keeps the configured lr (the reference steps at it)."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.optimizer import LRSchedulersContainer
 
     schedulers = LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0).build(optimizers=optimizers, training_steps=STEPS)
+    parts = model if isinstance(model, list) else [model]
     manager = CheckpointManager.Config(enable=True, folder=folder, interval=1, keep_latest_k=0).build(
-        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers, states={}, sd_adapter=None
+        dataloader=None, model_parts=parts, optimizers=optimizers, lr_schedulers=schedulers, states={}, sd_adapter=None
     )
     return manager, schedulers
 
@@ -197,8 +233,14 @@ def session(rank: int, world: int, layouts: list[str], settings: dict, folder: s
 def resumed(world: int, layout: str, settings: dict, folder: str, save: bool = True) -> dict[str, torch.Tensor]:
     """Steps 0-1 saved at step 2 by torchtitan's CheckpointManager (unless not ``save``: saved
     before, at another world size); then a fresh model and optimizer load it and take step 2."""
+    return resumed_from(lambda: parallelized(world, layout), settings, folder, save)
+
+
+def resumed_from(build: Callable[[], tuple], settings: dict, folder: str, save: bool = True) -> dict[str, torch.Tensor]:
+    """:func:`resumed` for the models ``build`` makes (a fresh parallelized model and its ``Shard``
+    at each call)."""
     if save:
-        model, shard = parallelized(world, layout)
+        model, shard = build()
         optimizers = container(model, settings)
         manager, schedulers = checkpointer(folder, model, optimizers)
         for step in range(2):
@@ -206,7 +248,7 @@ def resumed(world: int, layout: str, settings: dict, folder: str, save: bool = T
             schedulers.step()
         assert manager.save(curr_step=2)
         manager.close()
-    model, shard = parallelized(world, layout)
+    model, shard = build()
     optimizers = container(model, settings)
     manager, _ = checkpointer(folder, model, optimizers)
     assert manager.load(step=2)
@@ -217,23 +259,32 @@ def resumed(world: int, layout: str, settings: dict, folder: str, save: bool = T
     return full_params(model)
 
 
-def reference(settings: dict) -> dict[str, torch.Tensor]:
-    """The single-process run: the whole model, Dion3 on the matrices the default regex names and
-    torch's AdamW on the rest, with the settings optimizer_config hands each."""
+def reference(settings: dict, n_layers: int = LAYERS) -> dict[str, torch.Tensor]:
+    """The single-process run: the whole model (of ``n_layers`` layers), Dion3 on the matrices the
+    default regex names and torch's AdamW on the rest, with the settings optimizer_config hands each."""
+    model = built_model(n_layers=n_layers)
+    stepped_whole(model, settings)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def stepped_whole(model: torch.nn.Module, settings: dict):
+    """Three steps of the whole ``model`` in one process, ``dion3_megatron.Dion3`` on the matrices
+    :data:`~dion3_megatron.torchtitan.HIDDEN_MATRICES` names and torch's AdamW on the rest, built
+    without torchtitan's optimizer code with the settings optimizer_config hands each; the Dion3."""
     import re
 
     from dion3_megatron import Dion3
     from dion3_megatron.torchtitan import HIDDEN_MATRICES
 
-    model = built_model()
     named = list(model.named_parameters())
     hidden = [(n, p) for n, p in named if re.search(HIDDEN_MATRICES, n)]
     rest = [p for n, p in named if not re.search(HIDDEN_MATRICES, n)]
     adamw = {"lr": settings["adamw_lr"], "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": settings["weight_decay"]}
-    optimizers = [Dion3(hidden, **settings), torch.optim.AdamW(rest, **adamw)]
+    dion3 = Dion3(hidden, **settings)
+    optimizers = [dion3, torch.optim.AdamW(rest, **adamw)]
     for tokens in batches():
         loss_of(model(tokens, positions())).backward()
         for o in optimizers:
             o.step()
             o.zero_grad()
-    return {n: p.detach().clone() for n, p in named}
+    return dion3
