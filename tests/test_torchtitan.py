@@ -58,8 +58,9 @@ def test_register_is_idempotent_and_unregister_restores_torchtitans_resolver():
 
 def test_the_default_config_gives_the_hidden_matrices_to_dion3_and_the_rest_to_adamw(registered):
     model = helpers.built_model()
-    optimizers, dion3, adamw = helpers.split_between_dion3_and_adamw(model, SETTINGS, MATRICES)
-    assert {g["lr"] for g in dion3.param_groups} == {0.02} and {g["lr"] for g in adamw.param_groups} == {0.003}
+    optimizers, rule, adamw = helpers.one_dion3(model, SETTINGS, MATRICES)
+    assert {g["lr"] for g in rule} == {0.02} and {g["lr"] for g in adamw} == {0.003}
+    assert len(rule) == len(MATRICES) and len(adamw) == 1  # a group per matrix (its record of f); AdamW's whole
     before = helpers.full_params(model)
     flat = optimizers.state_dict()  # torchtitan first steps a fresh optimizer with zero gradients at lr 0
     assert flat["state.layers.0.attention.wo.weight.momentum"].shape == (helpers.DIM, helpers.DIM)
@@ -101,9 +102,21 @@ def test_the_trainer_configs_name_dion3_and_register_it():
             dion3_torchtitan.unregister()
             groups = make().optimizer.param_groups
             assert dion3_torchtitan.is_registered()
-            assert [(g.pattern, g.optimizer_name) for g in groups] == [(dion3_torchtitan.HIDDEN_MATRICES, "Dion3"), (".*", "AdamW")]
+            assert [(g.pattern, g.optimizer_name) for g in groups] == [(dion3_torchtitan.HIDDEN_MATRICES, "Dion3"), (".*", "Dion3")]
+            assert groups[1].optimizer_kwargs["algorithm"] == "adamw"
     finally:
         dion3_torchtitan.unregister()
+
+
+def test_a_non_finite_gradient_of_an_adamw_tensor_skips_the_whole_step(registered):
+    """One Dion3 holds the matrices and the AdamW tensors: a NaN in an embedding's gradient leaves
+    every weight and state as it was, and is counted; the same step without it changes weights."""
+    model = helpers.built_model()
+    optimizers = helpers.container(model, SETTINGS)
+    with pytest.warns(RuntimeWarning, match="non-finite gradient, step skipped"):
+        assert helpers.poisoned_step([model], optimizers, poison=True) == {"unchanged": True, "skipped": [1]}
+    assert not optimizers.optimizers[0].state  # no state made either
+    assert helpers.poisoned_step([model], optimizers, poison=False) == {"unchanged": False, "skipped": [1]}
 
 
 def _built_with(kwargs: dict, factory: dict | None = None):
@@ -196,7 +209,7 @@ def test_each_layout_of_parallelize_llama_steps_as_the_single_process_run(two_ra
     expected = two_ranks[1]["reference"]
     for out in two_ranks:
         for layout, case in zip(helpers.LAYOUTS, out["cases"]):
-            assert case["types"] == ["Dion3", "AdamW"]
+            assert case["types"] == ["Dion3"]
             _assert_equal(case["params"], expected, layout)
 
 

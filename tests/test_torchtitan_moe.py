@@ -129,7 +129,7 @@ def registered():
 
 def test_the_default_config_gives_moe_matrices_to_dion3_each_expert_a_matrix(registered):
     model = moe.built_model()
-    optimizers, dion3, adamw = helpers.split_between_dion3_and_adamw(model, SETTINGS, MATRICES)
+    optimizers, _, _ = helpers.one_dion3(model, SETTINGS, MATRICES)
     flat = optimizers.state_dict()  # torchtitan first steps a fresh optimizer with zero gradients at lr 0
     key = "state.layers.1.moe.routed_experts.inner_experts.{}.{}"
     assert flat[key.format("w1_EFD", "momentum")].shape == (moe.EXPERTS, moe.EXPERT_HIDDEN, moe.DIM)
@@ -167,7 +167,7 @@ def _assert_steps_as_the_reference(outs: list[dict], layouts: dict[str, moe.Layo
         for name, case in out["cases"].items():
             layout = layouts[name]
             expected = references[layout.experts, layout.top_k]
-            assert case["types"] == ["Dion3", "AdamW"]
+            assert case["types"] == ["Dion3"]
             _assert_equal(case["params"], expected["params"], name)
             assert case["state"].keys() == expected["state"].keys() == MATRICES
             for matrix, parts in case["state"].items():  # the state as the ranks place it, gathered

@@ -1,5 +1,5 @@
 """The param-group config that gives the hidden matrices of torchtitan's decoder models (llama3,
-qwen3 and its MoE, deepseek_v3) to Dion3 and the rest to AdamW."""
+qwen3 and its MoE, deepseek_v3) to the Dion3 rule and the rest to AdamW, in one Dion3."""
 
 from __future__ import annotations
 
@@ -41,21 +41,27 @@ up projections interleaved) or a vision encoder's layers."""
 
 
 def optimizer_config(matrices: str = HIDDEN_MATRICES, **settings: Any) -> OptimizersContainer.Config:
-    """torchtitan's optimizer config: the parameters whose name matches ``matrices`` (first match)
-    take Dion3, every other one AdamW.
+    """torchtitan's optimizer config: one Dion3 per model part, stepping the parameters whose name
+    matches ``matrices`` (first match) by the Dion3 rule and every other one by AdamW
+    (``algorithm="adamw"``).
+
+    One optimizer holds them all so that the step's one decision covers every parameter of the
+    part: a non-finite gradient anywhere (an embedding's too) skips the whole step on every rank,
+    AdamW's tensors included, and no check refuses on some tensors after others changed.
 
     ``settings`` are Dion3's options (the torch ``Dion3``'s, with its defaults), checked here: an
     unknown name is a TypeError with the closest option, a bad value a ValueError naming it. The
-    per-group ones are the Dion3 group's ``optimizer_kwargs``, written out in full (torchtitan's
+    per-group ones are the matrices' group's ``optimizer_kwargs``, written out in full (torchtitan's
     configs carry no implicit defaults); ``kernels`` and ``cuda_graph`` go to
     ``optimizer_factory_kwargs_by_name["Dion3"]``. The AdamW group takes what the torch ``Dion3``
-    gives its AdamW tensors: ``adamw_lr``, ``betas``, ``eps`` and ``weight_decay``.
+    gives its AdamW tensors: ``adamw_lr`` (as its ``lr``), ``betas``, ``eps`` and ``weight_decay``.
     """
     where = "dion3_megatron.torchtitan.optimizer_config"
     resolved = options.settings(where, options.TORCH, settings)
     options.check(where, **resolved)
     per_group = options.group_keys(options.TORCH)
     adamw = {
+        "algorithm": "adamw",
         "lr": resolved["adamw_lr"],
         "betas": tuple(resolved["betas"]),
         "eps": resolved["eps"],
@@ -64,7 +70,7 @@ def optimizer_config(matrices: str = HIDDEN_MATRICES, **settings: Any) -> Optimi
     return OptimizersContainer.Config(
         param_groups=[
             ParamGroupConfig(pattern=matrices, optimizer_name=NAME, optimizer_kwargs={k: resolved[k] for k in per_group}),
-            ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs=adamw),
+            ParamGroupConfig(pattern=r".*", optimizer_name=NAME, optimizer_kwargs=adamw),
         ],
         optimizer_factory_kwargs_by_name={NAME: {k: resolved[k] for k in ("kernels", "cuda_graph")}},
     )

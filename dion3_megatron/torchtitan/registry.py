@@ -71,10 +71,12 @@ def build_dion3(params: list[dict[str, Any]], **settings: Any) -> Dion3:
     unknown name is a TypeError with the closest option, an option that is one value per optimizer
     a ValueError saying where it goes, a bad value a ValueError naming the option.
 
-    Each parameter becomes a param group of its own, carrying the record of the automatic f
-    (:data:`~dion3_megatron.frontend.lifecycle.RECORD`, filled by ``state_dict()``): torchtitan's
-    checkpoint copies every group's settings under each of its parameters' names, so a record of a
-    whole group would be copied once per matrix, and it loads only the keys a live group has.
+    Each parameter of a Dion3-rule group becomes a param group of its own, carrying the record of
+    the automatic f (:data:`~dion3_megatron.frontend.lifecycle.RECORD`, filled by ``state_dict()``):
+    torchtitan's checkpoint copies every group's settings under each of its parameters' names, so a
+    record of a whole group would be copied once per matrix, and it loads only the keys a live
+    group has. An ``algorithm="adamw"`` group stays whole (its record is empty; its tensors step in
+    one multi-tensor AdamW call).
     """
     groups: list[dict[str, Any]] = []
     for index, group in enumerate(params):
@@ -86,7 +88,10 @@ def build_dion3(params: list[dict[str, Any]], **settings: Any) -> Dion3:
             )
         given = {k: v for k, v in group.items() if k not in ("params", _NAMES, *_IMPLEMENTATION)}
         _check_group_options(f"{NAME} optimizer_kwargs of {names[0]!r}" + (" and others" if len(names) > 1 else ""), given)
-        groups.extend({"params": [p], _NAMES: [name], **given, RECORD: {}} for p, name in zip(group["params"], names))
+        if given.get("algorithm") == "adamw":
+            groups.append({"params": list(group["params"]), _NAMES: list(names), **given, RECORD: {}})
+        else:
+            groups.extend({"params": [p], _NAMES: [name], **given, RECORD: {}} for p, name in zip(group["params"], names))
     return Dion3(groups, **settings)
 
 

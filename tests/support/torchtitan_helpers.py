@@ -158,26 +158,63 @@ def parallelized_by(parallelize, model, dims, parallelism, context: Callable[[],
 
 
 def container(model: torch.nn.Module | list[torch.nn.Module], settings: dict):
-    """torchtitan's optimizer for ``model`` (or a list of model parts: one Dion3 and one AdamW per
-    part), built by its config's ``build`` (Dion3 registered)."""
+    """torchtitan's optimizer for ``model`` (or a list of model parts: one Dion3 per part), built by
+    its config's ``build`` (Dion3 registered)."""
     from dion3_megatron.torchtitan import optimizer_config, register
 
     register()
     return optimizer_config(**settings).build(model_parts=model if isinstance(model, list) else [model])
 
 
-def split_between_dion3_and_adamw(model: torch.nn.Module, settings: dict, matrices: set[str]):
-    """torchtitan's optimizer for ``model`` (:func:`container`), checked to hold a Dion3 over exactly
-    the parameters named ``matrices`` and an AdamW over the rest; the container, the Dion3, the AdamW."""
+def one_dion3(model: torch.nn.Module, settings: dict, matrices: set[str]):
+    """torchtitan's optimizer for ``model`` (:func:`container`), checked to be one Dion3 that steps
+    exactly the parameters named ``matrices`` by the Dion3 rule and the rest by AdamW; the
+    container, the Dion3 rule's groups and the AdamW groups."""
     from dion3_megatron import Dion3
 
     optimizers = container(model, settings)
-    dion3, adamw = optimizers.optimizers
-    assert isinstance(dion3, Dion3) and isinstance(adamw, torch.optim.AdamW)
-    names = {o: {n for group in o.param_groups for n in group["param_names"]} for o in (dion3, adamw)}
-    assert names[dion3] == matrices
-    assert names[adamw] == {n for n, _ in model.named_parameters()} - matrices
-    return optimizers, dion3, adamw
+    (dion3,) = optimizers.optimizers
+    assert isinstance(dion3, Dion3)
+    rule, adamw = by_rule(dion3)
+    assert {n for g in rule for n in g["param_names"]} == matrices
+    assert {n for g in adamw for n in g["param_names"]} == {n for n, _ in model.named_parameters()} - matrices
+    return optimizers, rule, adamw
+
+
+def by_rule(dion3) -> tuple[list[dict], list[dict]]:
+    """A Dion3's param groups stepped by the Dion3 rule, and those stepped by AdamW."""
+    adamw = [g for g in dion3.param_groups if g.get("algorithm") == "adamw"]
+    return [g for g in dion3.param_groups if g.get("algorithm") != "adamw"], adamw
+
+
+def poisoned_step(parts: list[torch.nn.Module], optimizers, poison: bool) -> dict:
+    """A step of fresh random gradients, with (``poison``) this rank's first AdamW tensor's
+    gradient NaN: whether every parameter of ``parts`` kept its value, and each Dion3's count of
+    skipped steps."""
+    gen = torch.Generator().manual_seed(5)
+    before = []
+    for part in parts:
+        for p in part.parameters():
+            before.append(p.detach().clone())
+            values = torch.randn(p.shape, generator=gen)
+            p.grad = distribute_like(p, values)
+    if poison:
+        _, adamw = by_rule(optimizers.optimizers[0])
+        first = adamw[0]["params"][0].grad
+        (first.to_local() if hasattr(first, "to_local") else first).fill_(float("nan"))
+    optimizers.step()
+    after = [p.detach() for part in parts for p in part.parameters()]
+    unchanged = all(torch.equal(getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b)) for a, b in zip(before, after))
+    return {"unchanged": unchanged, "skipped": [o.skipped_steps for o in optimizers.optimizers]}
+
+
+def distribute_like(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """``whole`` (the parameter's full shape, the same on every rank) placed like ``p``."""
+    if not hasattr(p, "placements"):
+        return whole
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole, p.device_mesh, p.placements)
 
 
 def train(model, optimizers, steps: range, shard: Shard = WHOLE) -> None:

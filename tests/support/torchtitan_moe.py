@@ -203,7 +203,7 @@ def dion3_state(optimizers) -> dict[str, dict[str, torch.Tensor]]:
     out = {}
     for o in optimizers:
         if isinstance(o, Dion3):
-            for group in o.param_groups:
+            for group in helpers.by_rule(o)[0]:
                 for p, name in zip(group["params"], group["param_names"]):
                     out[name] = {
                         part: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()

@@ -2,8 +2,8 @@
 into stages by torchtitan's own ``pipeline_llm`` (its stage split by module names, one
 ``PipelineStage`` per stage over the mesh's ``pp`` group, ``parallelize_llama`` applied to every
 stage, the schedule of ``torch.distributed.pipelining`` built with ``scale_grads=False``), the
-optimizers built by its ``OptimizersContainer`` over the stages (one Dion3 and one AdamW per
-stage), stepped as its trainer's ``pp_forward_backward_step`` steps the schedule, checkpoints
+optimizers built by its ``OptimizersContainer`` over the stages (one Dion3 per stage),
+stepped as its trainer's ``pp_forward_backward_step`` steps the schedule, checkpoints
 through its ``CheckpointManager`` over the stages; compared with the single-process reference of
 :mod:`.torchtitan_helpers`.
 
@@ -145,7 +145,9 @@ def _case(pipe: Pipeline, optimizers) -> dict:
     return {
         "params": params(pipe.parts),
         "stages": [_modules(part) for part in pipe.parts],
-        "optimizers": [(type(o).__name__, sorted(n for g in o.param_groups for n in g["param_names"])) for o in optimizers],
+        "optimizers": [
+            (type(o).__name__, *(sorted(n for g in groups for n in g["param_names"]) for groups in helpers.by_rule(o))) for o in optimizers
+        ],
         "hidden": [sorted(n for n, _ in part.named_parameters() if re.search(HIDDEN_MATRICES, n)) for part in pipe.parts],
         "placements": sorted({(str(tuple(p.placements)), p.device_mesh.size()) for p in hidden}),
         "scale_grads": pipe.schedule.scale_grads,
@@ -188,6 +190,10 @@ def session(rank: int, world: int, settings: dict, folder: str, schedules: list[
         train(pipe, optimizers, range(helpers.STEPS))
         out["cases"][schedule] = _case(pipe, optimizers)
     out["resumed"] = resumed(world, settings, folder)
+    pipe = pipelined(world, schedules[0])
+    optimizers = helpers.container(pipe.parts, settings)
+    train(pipe, optimizers, range(1))
+    out["poisoned on rank 0"] = helpers.poisoned_step(pipe.parts, optimizers, poison=rank == 0)
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
