@@ -6,8 +6,8 @@ resolves (:data:`PATCH`); :func:`unregister` restores torchtitan's own resolver.
 :class:`dion3_megatron.Dion3` for the parameters its regex matches, with Dion3's options as the
 kwargs. :func:`optimizer_config` is the config that gives the hidden matrices of torchtitan's
 decoder models (:data:`HIDDEN_MATRICES`: llama3, qwen3 dense and MoE, deepseek_v3; the MoE experts'
-3-D weights and routers included) to Dion3 and everything else (embeddings, output head, norms) to
-AdamW.
+3-D weights and routers included) to the Dion3 rule and everything else (embeddings, output head,
+norms) to AdamW, in one Dion3 per model part.
 ``--module dion3_megatron.torchtitan --config llama3_debugmodel_dion3`` picks torchtitan's llama3
 debug model with it (:mod:`.config_registry`). See docs/torchtitan.md.
 """
