@@ -217,8 +217,10 @@ def test_each_layout_of_parallelize_llama_steps_as_the_single_process_run(two_ra
 def test_a_checkpoint_of_checkpoint_manager_resumes_as_the_uninterrupted_run_at_two_ranks_and_at_one(two_ranks):
     expected = two_ranks[1]["reference"]
     for out in two_ranks:
-        _assert_equal(out["resumed"], expected, "resumed at 2 ranks")
-    _assert_equal(two_ranks[0]["resumed at one rank"], expected, "resumed at 1 rank")
+        for layout in helpers.LAYOUTS:
+            _assert_equal(out["resumed"][layout], expected, f"{layout} resumed at 2 ranks")
+    for layout in helpers.LAYOUTS:
+        _assert_equal(two_ranks[0]["resumed at one rank"][layout], expected, f"{layout} resumed at 1 rank")
 
 
 def test_the_trainer_benchmark_reads_torchtitan_s_step_lines_and_writes_its_corpus(tmp_path):

@@ -245,9 +245,10 @@ def checkpointer(folder: str, model, optimizers):
 
 
 def session(rank: int, world: int, layouts: list[str], settings: dict, folder: str) -> dict:
-    """Three steps of each layout, the parameters after them; the first layout also saved after
-    step 2 through CheckpointManager, then resumed by a fresh model and optimizer that take step 2;
-    then rank 0 alone (a world of one) resumes that checkpoint while rank 1 runs the reference."""
+    """Three steps of each layout, the parameters after them; each layout also saved after step 2
+    through CheckpointManager (a folder per layout), then resumed by a fresh model and optimizer that
+    take step 2; then rank 0 alone (a world of one, FSDP2 over itself) resumes each checkpoint while
+    rank 1 runs the reference."""
     import torch.distributed as dist
 
     out: dict = {"cases": []}
@@ -256,12 +257,12 @@ def session(rank: int, world: int, layouts: list[str], settings: dict, folder: s
         optimizers = container(model, settings)
         train(model, optimizers, range(STEPS), shard)
         out["cases"].append({"params": full_params(model), "types": [type(o).__name__ for o in optimizers]})
-    out["resumed"] = resumed(world, layouts[0], settings, folder)
+    out["resumed"] = {layout: resumed(world, layout, settings, f"{folder}/{layout}") for layout in layouts}
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        out["resumed at one rank"] = resumed(1, layouts[0], settings, folder, save=False)
+        out["resumed at one rank"] = {layout: resumed(1, "fsdp", settings, f"{folder}/{layout}", save=False) for layout in layouts}
     else:
         out["reference"] = reference(settings)
     return out
