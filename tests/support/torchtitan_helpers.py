@@ -227,7 +227,9 @@ def train(model, optimizers, steps: range, shard: Shard = WHOLE) -> None:
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    """The whole parameters of ``model`` (or of a list of model parts), by name."""
+    parts = model if isinstance(model, list) else [model]
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for part in parts for n, p in part.named_parameters()}
 
 
 def checkpointer(folder: str, model, optimizers):
@@ -271,26 +273,32 @@ def session(rank: int, world: int, layouts: list[str], settings: dict, folder: s
 def resumed(world: int, layout: str, settings: dict, folder: str, save: bool = True) -> dict[str, torch.Tensor]:
     """Steps 0-1 saved at step 2 by torchtitan's CheckpointManager (unless not ``save``: saved
     before, at another world size); then a fresh model and optimizer load it and take step 2."""
-    return resumed_from(lambda: parallelized(world, layout), settings, folder, save)
+    return resumed_from(lambda: trainable(*parallelized(world, layout)), settings, folder, save)
+
+
+def trainable(model: torch.nn.Module, shard: Shard = WHOLE):
+    """``model`` and how its steps run (:func:`train` with ``shard``): what :func:`resumed_from`
+    builds."""
+    return model, lambda optimizers, steps: train(model, optimizers, steps, shard)
 
 
 def resumed_from(build: Callable[[], tuple], settings: dict, folder: str, save: bool = True) -> dict[str, torch.Tensor]:
-    """:func:`resumed` for the models ``build`` makes (a fresh parallelized model and its ``Shard``
-    at each call)."""
+    """:func:`resumed` for what ``build`` makes at each call: a fresh parallelized model (or list of
+    model parts) and the function that runs its steps (``run(optimizers, steps)``)."""
     if save:
-        model, shard = build()
+        model, run = build()
         optimizers = container(model, settings)
         manager, schedulers = checkpointer(folder, model, optimizers)
         for step in range(2):
-            train(model, optimizers, range(step, step + 1), shard)
+            run(optimizers, range(step, step + 1))
             schedulers.step()
         assert manager.save(curr_step=2)
         manager.close()
-    model, shard = build()
+    model, run = build()
     optimizers = container(model, settings)
     manager, _ = checkpointer(folder, model, optimizers)
     assert manager.load(step=2)
-    train(model, optimizers, range(2, STEPS), shard)
+    run(optimizers, range(2, STEPS))
     lrs = {group["lr"] for o in optimizers for group in o.param_groups}
     assert lrs == {settings["lr"], settings["adamw_lr"]}, lrs  # the schedule kept the configured lr
     manager.close()

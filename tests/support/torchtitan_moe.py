@@ -247,7 +247,7 @@ def session(rank: int, world: int, layouts: dict[str, Layout], resume: str, sett
 def resumed(world: int, layout: Layout, settings: dict, folder: str, save: bool = True) -> dict[str, torch.Tensor]:
     """Steps 1-2 saved at step 2 by torchtitan's CheckpointManager (unless not ``save``: saved
     before, in another layout), then a fresh model and optimizer load it and take step 3."""
-    return helpers.resumed_from(lambda: parallelized(world, layout), settings, folder, save)
+    return helpers.resumed_from(lambda: helpers.trainable(*parallelized(world, layout)), settings, folder, save)
 
 
 def reference(settings: dict, experts: int = EXPERTS, top_k: int = TOP_K) -> dict:

@@ -129,10 +129,6 @@ def train(pipe: Pipeline, optimizers, steps: range) -> None:
         optimizers.zero_grad()
 
 
-def params(parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
-    return {name: p for part in parts for name, p in helpers.full_params(part).items()}
-
-
 def _modules(part: torch.nn.Module) -> list[str]:
     """The model's modules a stage holds (``tok_embeddings``, ``layers.0``, ``norm``, ...)."""
     return sorted({".".join(n.split(".")[:2]) if n.startswith("layers.") else n.split(".")[0] for n, _ in part.named_parameters()})
@@ -143,7 +139,7 @@ def _case(pipe: Pipeline, optimizers) -> dict:
 
     hidden = [p for part in pipe.parts for n, p in part.named_parameters() if re.search(HIDDEN_MATRICES, n)]
     return {
-        "params": params(pipe.parts),
+        "params": helpers.full_params(pipe.parts),
         "stages": [_modules(part) for part in pipe.parts],
         "optimizers": [
             (type(o).__name__, *(sorted(n for g in groups for n in g["param_names"]) for groups in helpers.by_rule(o))) for o in optimizers
@@ -157,23 +153,12 @@ def _case(pipe: Pipeline, optimizers) -> dict:
 def resumed(world: int, settings: dict, folder: str) -> dict[str, torch.Tensor]:
     """1F1B steps 0-1 saved at step 2 by torchtitan's CheckpointManager over the stages; then fresh
     stages and optimizers load it and take step 2."""
-    pipe = pipelined(world, "1F1B")
-    optimizers = helpers.container(pipe.parts, settings)
-    manager, schedulers = helpers.checkpointer(folder, pipe.parts, optimizers)
-    for step in range(2):
-        train(pipe, optimizers, range(step, step + 1))
-        schedulers.step()
-    assert manager.save(curr_step=2)
-    manager.close()
-    pipe = pipelined(world, "1F1B")
-    optimizers = helpers.container(pipe.parts, settings)
-    manager, _ = helpers.checkpointer(folder, pipe.parts, optimizers)
-    assert manager.load(step=2)
-    train(pipe, optimizers, range(2, helpers.STEPS))
-    lrs = {group["lr"] for o in optimizers for group in o.param_groups}
-    assert lrs == {settings["lr"], settings["adamw_lr"]}, lrs  # the schedule kept the configured lr
-    manager.close()
-    return params(pipe.parts)
+
+    def build():
+        pipe = pipelined(world, "1F1B")
+        return pipe.parts, lambda optimizers, steps: train(pipe, optimizers, steps)
+
+    return helpers.resumed_from(build, settings, folder)
 
 
 def session(rank: int, world: int, settings: dict, folder: str, schedules: list[str]) -> dict:
