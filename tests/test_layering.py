@@ -2,8 +2,8 @@
 imports only the units :data:`ALLOWED` lists for it, and core/ does not communicate.
 
 An edge is any import of a unit, at module level or inside a function, relative or absolute, and
-any string that names a module of the package (``"dion3_megatron.x"`` or ``"dion3_megatron.x:name"``:
-how compat's patch table names the front ends' replacements, imported when a patch is applied).
+any string that names a module of the package (``"dion3_megatron.x"`` or ``"dion3_megatron.x:name"``,
+as ``importlib.import_module`` or a table of ``module:name`` strings would import it).
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import pathlib
 import re
 
 import pytest
-
-from dion3_megatron import compat
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "dion3_megatron"
@@ -50,8 +48,8 @@ ALLOWED: dict[str, tuple[frozenset[str], str]] = {
     ),
     "__main__": (frozenset({"report"}), "python -m dion3_megatron"),
     "compat": (
-        frozenset({"deepspeed", "megatron"}),
-        "the table of every framework patch: names the front ends' replacements, imported when applied",
+        frozenset(),
+        "applies, restores and checks the tables of patches that the front ends hand it; imports none of them",
     ),
     "__init__": (frozenset({"core", "optimizer"}), "the package's public names: Dion3 and its settings"),
 }
@@ -90,12 +88,6 @@ def named_modules(source: str) -> set[str]:
     }
 
 
-def compat_targets() -> set[str]:
-    """The modules of the package that compat's patches name as replacements or conditions."""
-    named = {value for patch in compat.MEGATRON + compat.DEEPSPEED for value in (patch.replacement, patch.only_if) if value is not None}
-    return {value.partition(":")[0] for value in named if value.startswith(PACKAGE)}
-
-
 def units() -> set[str]:
     """Every subpackage and top-level module of the package (``__init__``: the package itself)."""
     return {
@@ -112,22 +104,18 @@ def unit_of(name: str) -> str:
     return parts[1] if len(parts) > 1 and parts[1] in UNITS else "__init__"  # else: a name the package exports
 
 
-def edges(source: str, module: str, extra: set[str] = frozenset()) -> set[str]:
-    """The units other than its own that the module ``module`` reaches: its imports, the modules its
-    strings name, and ``extra`` (more module names)."""
+def edges(source: str, module: str) -> set[str]:
+    """The units other than its own that the module ``module`` reaches: its imports and the modules
+    its strings name."""
     mine = unit_of(module)
-    reached = {
-        name
-        for name in imported_names(source, module) | named_modules(source) | set(extra)
-        if name == PACKAGE or name.startswith(PACKAGE + ".")
-    }
+    reached = {name for name in imported_names(source, module) | named_modules(source) if name == PACKAGE or name.startswith(PACKAGE + ".")}
     return {unit_of(name) for name in reached} - {mine}
 
 
-def violations(source: str, module: str, extra: set[str] = frozenset()) -> set[str]:
+def violations(source: str, module: str) -> set[str]:
     """What ``module`` may not reach: units outside its row of ALLOWED, and FORBIDDEN_OUTSIDE modules."""
     unit = unit_of(module)
-    found = edges(source, module, extra) - ALLOWED[unit][0]
+    found = edges(source, module) - ALLOWED[unit][0]
     names = imported_names(source, module)
     for forbidden_unit, outside, _ in FORBIDDEN_OUTSIDE:
         if unit == forbidden_unit:
@@ -184,14 +172,6 @@ def test_a_forbidden_edge_is_caught(module, source, edge):
     assert violations(source, module) == {edge}
 
 
-def test_compat_names_front_end_modules_and_the_check_sees_them():
-    """compat's replacements are strings: they count as edges of compat (the f-string ones too)."""
-    targets = compat_targets()
-    assert {unit_of(name) for name in targets} == {"megatron", "deepspeed"}
-    assert "dion3_megatron.deepspeed.zero3" in targets  # written f"{_DS}.zero3:..."
-    assert violations("", "dion3_megatron.compat", extra={"dion3_megatron.optimizer"}) == {"optimizer"}
-
-
 def test_the_table_names_every_unit():
     assert set(ALLOWED) == UNITS
     assert all(targets <= UNITS and reason for targets, reason in ALLOWED.values())
@@ -200,6 +180,5 @@ def test_the_table_names_every_unit():
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: p.relative_to(SOURCES).as_posix())
 def test_every_module_imports_only_what_its_layer_allows(path):
     module = module_name(path)
-    extra = compat_targets() if module == f"{PACKAGE}.compat" else set()
-    found = violations(path.read_text(encoding="utf-8"), module, extra)
+    found = violations(path.read_text(encoding="utf-8"), module)
     assert not found, f"{module} ({unit_of(module)}) reaches {sorted(found)}: {ALLOWED[unit_of(module)][1]}"
