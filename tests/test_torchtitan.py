@@ -230,7 +230,7 @@ def test_the_trainer_benchmark_reads_torchtitan_s_step_lines_and_writes_its_corp
     import json
 
     from benchmarks import bench_torchtitan as bench
-    from examples.stdlib_text import stdlib_files
+    from examples.stdlib_text import stdlib_files, write_stdlib_corpus
 
     red, green, reset = "\x1b[31m", "\x1b[32m", "\x1b[39m"
     log = "\n".join(
@@ -244,7 +244,7 @@ def test_the_trainer_benchmark_reads_torchtitan_s_step_lines_and_writes_its_corp
         ]
     )
     assert bench.steps_of(log) == {1: (10.87654, 1234.0), 12: (7.5, 98765.0)}
-    lines = (bench.write_stdlib_corpus(tmp_path / "c4_test") / "data.json").read_text().splitlines()
+    lines = (write_stdlib_corpus(tmp_path / "c4_test") / "data.json").read_text().splitlines()
     files = stdlib_files()
     assert len(lines) == len(files) > 100
     assert json.loads(lines[0]) == {"text": files[0].read_text(errors="replace")}
