@@ -213,6 +213,18 @@ def ci_install_extras(ci_text: str) -> set[str]:
     return found
 
 
+def pinned(text: str) -> set[tuple[str, bool]]:
+    """The pinned requirements (``name==version``) of a text's pip install lines, each with whether
+    its line installs without requirements (``--no-deps``); torch's left out: CI pins the build it
+    tests, a reader has theirs."""
+    found = set()
+    for _, words, _ in commands(text):
+        if pip_extras([w for w in words if w not in ("-q", "--no-cache-dir")]) is not None:
+            pins = (w for w in words if re.fullmatch(r"[\w.-]+==[\w.]+", w) and not w.startswith("torch=="))
+            found |= {(pin, "--no-deps" in words) for pin in pins}
+    return found
+
+
 def ci_test_command(ci_text: str) -> str:
     lines = [line.strip() for line in ci_text.splitlines() if re.match(r"\s*python -m pytest", line)]
     assert len(lines) == 1, f".ci/run should call pytest once, found {lines}"
@@ -411,6 +423,22 @@ def test_the_readme_test_command_is_the_one_ci_runs():
     assert len(found) == 4 and "not the one .ci/run calls" in found[0], found
     assert "unexpected pytest argument 'tests/'" in found[1] and "'slowly' is not declared" in found[2]
     assert "installs ['docs', 'lint', 'test']" in found[3]
+
+
+def test_the_docs_install_the_pinned_packages_ci_installs():
+    """The README's tests install and every install block that installs without requirements
+    (torchtitan's) pin what .ci/run pins, as it does (with or without --no-deps)."""
+    ci = pinned((ROOT / ".ci" / "run").read_text(encoding="utf-8"))
+    assert ("torchtitan==0.3.0", True) in ci and ("datasets==5.2.0", False) in ci, ci
+    readme = parse_blocks(ROOT / "README.md")
+    (tests,) = [b for b in readme if b.mark == "tests"]
+    blocks = [[b for b in readme if b.mark == "install" and b.line < tests.line][-1]]
+    blocks += [b for b in blocks_marked("install") if "--no-deps" in b.text and b.path.name != "README.md"]
+    assert len(blocks) >= 3, [b.where for b in blocks]  # docs/install.md: torchtitan's install and the tests'
+    for block in blocks:
+        assert pinned(block.text) == ci, (block.where, pinned(block.text) ^ ci)
+    for wrong in (blocks[0].text.replace("datasets==5.2.0", "datasets==4.7.0"), blocks[0].text.replace("--no-deps ", "")):
+        assert pinned(wrong) != ci
 
 
 def test_python_blocks_compile():
