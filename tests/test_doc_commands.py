@@ -584,14 +584,15 @@ FORWARDS = {
     "examples/hf_trainer/compare_on_gpus.sh": "examples/hf_trainer/train.py",
 }
 LAUNCHER = "dion3_megatron.megatron.launch"
-# torchtitan's trainer: a module of another package, which needs torchtitan's data packages (not in
-# the tests' install). What is checked: our module and a trainer config it registers.
+# torchtitan's trainer on GPUs: a module of another package, run from a torchtitan checkout (its test
+# tokenizer and data). What is checked: our module and a trainer config it registers (the CPU command
+# of docs/torchtitan.md runs the trainer).
 TORCHTITAN_TRAIN, TORCHTITAN_MODULE = "torchtitan.train", "dion3_megatron.torchtitan"
 
 
 def torchtitan_configs() -> set[str]:
     """The trainer configs of ``--module dion3_megatron.torchtitan``: the public functions of its
-    config_registry (read with ast: torchtitan's trainer imports torchtitan's data packages)."""
+    config_registry (read with ast: importing it imports torchtitan's trainer)."""
     tree = ast.parse((ROOT / "dion3_megatron" / "torchtitan" / "config_registry.py").read_text(encoding="utf-8"))
     return {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
 
