@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train a small Megatron-Core GPT with Dion3: the dion3-megatron main job.
+"""Train a small Megatron-Core GPT with Dion3: the example the README runs first.
 
     python examples/pretrain_gpt.py                  # CPU: starts 2 processes over gloo (DP=2); ~70 s
     python examples/pretrain_gpt.py --tp 2 --query-groups 2   # CPU, tensor parallel instead
