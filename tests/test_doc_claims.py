@@ -5,30 +5,15 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import io
 import json
 import pathlib
 import re
+from typing import Any, Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-def per_shape_range(row: str, against: str) -> tuple[float, float]:
-    match = re.search(rf"(\d\.\d\d)-(\d\.\d\d)x against {against}", row)
-    assert match, (against, row)
-    return float(match.group(1)), float(match.group(2))
-
-
-def test_the_readme_orthogonalization_ranges_are_the_json_ratios_they_name():
-    ratios = json.loads((RESULTS / "gram-ns-h200.json").read_text(encoding="utf-8"))["ratios"]
-    quack = [r["eager: ours vs quack"] for r in ratios.values()]
-    faster = [r["eager: ours vs the faster of gram-torch and quack"] for r in ratios.values()]
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    row = next(line for line in readme.splitlines() if line.startswith("| [one orthogonalization"))
-    assert per_shape_range(row, "quack") == (min(quack), max(quack))
-    assert per_shape_range(row, "the faster of cuBLAS and quack") == (min(faster), max(faster))
-    assert min(quack) != min(faster) or max(quack) != max(faster)  # two different ranges: naming matters
 
 
 def test_the_troubleshooting_kernel_check_tells_the_truth_on_a_machine_without_kernels():
@@ -63,3 +48,414 @@ def test_the_docs_site_shows_the_results_plots_unchanged():
     assert assets
     for asset in assets:
         assert asset.read_bytes() == (RESULTS / asset.name).read_bytes(), asset.name
+
+
+# ------------------------------------------------------------------------------------------------
+# Figures: each measured figure of the README and the docs, read from its passage and compared with
+# the value of its JSON in benchmarks/results/ at the precision the doc gives it.
+
+
+def at(data: Any, path: str) -> Any:
+    """The value at a path of keys ("runs/14b/ms/Dion3 f=1/4"; "/" inside a key is written "\\/")."""
+    for key in re.split(r"(?<!\\)/", path):
+        key = key.replace("\\/", "/")
+        data = data[int(key)] if isinstance(data, list) else data[key]
+    return data
+
+
+@dataclasses.dataclass(frozen=True)
+class Figures:
+    """The figures of one passage of a doc: ``passage`` is a regex whose groups are the figures, in
+    the order of ``values``, each a JSON path or a function of the JSON (a range's ends)."""
+
+    doc: str
+    passage: str
+    result: str
+    values: tuple[str | Callable[[Any], float], ...]
+
+
+def states(written: str, value: float) -> bool:
+    """Whether a figure as written is the value at the precision written (its number of decimals)."""
+    decimals = len(written.split(".")[1]) if "." in written else 0
+    return float(written) == round(float(value), decimals)
+
+
+def vs_muon(size: str, family: str) -> str:
+    return f"sizes/{size}/vs_muon/{family}/vs_muon"
+
+
+SMALL_AUTO, SMALL_HALF = (
+    vs_muon("10.8M", "dion3 auto (f = 1 here), default settings, lr 0.01"),
+    vs_muon("10.8M", "dion3 f = 1\\/2, default settings, lr 0.02"),
+)
+SMALL_QUARTER, SMALL_EIGHTH = (
+    vs_muon("10.8M", "dion3 f = 1\\/4, default settings, lr 0.04"),
+    vs_muon("10.8M", "dion3 f = 1\\/8, default settings, lr 0.04"),
+)
+SMALL_ADAMW = vs_muon("10.8M", "adamw, lr 0.0015")
+MEDIUM_AUTO, MEDIUM_QUARTER = (
+    vs_muon("48.7M", "dion3 auto (f = 1 here), default settings, lr 0.01"),
+    vs_muon("48.7M", "dion3 f = 1\\/4, default settings, best lr 0.02"),
+)
+MEDIUM_EIGHTH, MEDIUM_ADAMW = vs_muon("48.7M", "dion3 f = 1\\/8, default settings, lr 0.04"), vs_muon("48.7M", "adamw, lr 0.00075")
+
+
+def quarter_range(data: Any) -> list[float]:
+    return sorted(at(data, p) for p in (SMALL_QUARTER, MEDIUM_QUARTER))
+
+
+def auto_range(data: Any) -> list[float]:
+    return sorted(-at(data, p) for p in (SMALL_AUTO, MEDIUM_AUTO))
+
+
+def per_shape(kind: str, end: Callable[[Any], float]) -> Callable[[Any], float]:
+    return lambda data: end(r[kind] for r in data["ratios"].values())
+
+
+STEP = ("ratio_vs_muon/dion3 f=1\\/4", "ratio_vs_muon/dion3 f=1\\/8", "ratio_vs_muon/dion3 f=1", "ratio_vs_muon/dion3 auto")
+FSDP2 = ("runs/14b/muon_over_this/Dion3 f=1\\/4", "runs/14b/ours_f_quarter_vs_microsoft_dion3")
+MEGATRON = (
+    "measurements/0/muon_over_dion3/call 1",
+    "measurements/0/muon_over_dion3/call 2",
+    "measurements/0/dion3_minus_adam_ms/call 1",
+    "measurements/0/dion3_minus_adam_ms/call 2",
+    "measurements/1/minus_adam_ms/dion3 auto",
+)
+ORTHO_QUACK = (per_shape("eager: ours vs quack", min), per_shape("eager: ours vs quack", max))
+ORTHO_FASTER = (
+    per_shape("eager: ours vs the faster of gram-torch and quack", min),
+    per_shape("eager: ours vs the faster of gram-torch and quack", max),
+)
+TRAINER = ("above_adamw_ms/dion3 f=1\\/4", "iteration_ms/adamw", "above_adamw_ms/muon")
+CONVERGENCE_ROW = (
+    r"\"auto\" \(f = 1 here\) \*\*([-+]\d\.\d+)\*\*;{} f = 1/4 \*\*([-+]\d\.\d+)\*\*; f = 1/8 ([-+]\d\.\d+); AdamW ([-+]\d\.\d+) \|"
+)
+FIGURES = [
+    # README: the opening paragraph and the table.
+    Figures(
+        "README.md",
+        r"the optimizer step takes\s+(\d+\.\d+)x less time than Muon's at f = 1/4 and (\d+\.\d+)x less at f = 1; the default picks f = 1/2 "
+        r"for the\s+square and wide ones there, (\d+\.\d+)x",
+        "step-14b-h200.json",
+        (STEP[0], STEP[2], STEP[3]),
+    ),
+    Figures(
+        "README.md",
+        r"f = 1/4\s+ended (\d\.\d+)-(\d\.\d+) nats per byte above Muon's loss, and the default, which picked f = 1 at those\s+sizes, "
+        r"(\d\.\d+)-(\d\.\d+) below it",
+        "convergence-summary.json",
+        (lambda d: quarter_range(d)[0], lambda d: quarter_range(d)[1], lambda d: auto_range(d)[0], lambda d: auto_range(d)[1]),
+    ),
+    Figures(
+        "README.md",
+        r"\| f = 1/4 \*\*(\d+\.\d+)x\*\* less time; f = 1/8 (\d+\.\d+)x; f = 1 (\d+\.\d+)x; \"auto\" (\d+\.\d+)x \| Muon \|",
+        "step-14b-h200.json",
+        STEP,
+    ),
+    Figures(
+        "README.md",
+        r"\| f = 1/4 \*\*(\d+\.\d+)x\*\* less time than microsoft/dion's Muon; (\d+\.\d+)x less than microsoft/dion's Dion3 at f = 1/4 \|",
+        "fsdp2-step-h200.json",
+        FSDP2,
+    ),
+    Figures(
+        "README.md",
+        r"\*\*(\d+\.\d+)x\*\* less time than Muon's NS5 over 8 shapes; (\d+\.\d+)x less than the same Gram Newton-Schulz "
+        r"on quack's kernels \(per shape (\d\.\d\d)-(\d\.\d\d)x against quack, (\d\.\d\d)-(\d\.\d\d)x against the faster of "
+        r"cuBLAS and quack\)",
+        "gram-ns-h200.json",
+        ("total_ratios/eager: ours vs muon", "total_ratios/eager: ours vs quack", *ORTHO_QUACK, *ORTHO_FASTER),
+    ),
+    Figures(
+        "README.md",
+        r"f = 1/4 \*\*(\d+\.\d+)x\*\* and \*\*(\d+\.\d+)x\*\* less \(two runs\), \+(\d+\.\d+) and \+(\d+\.\d+) ms above Adam; "
+        r"\"auto\" \(f = 1 at this width\) \+(\d+\.\d+) ms above Adam",
+        "megatron-lm-350m-1xh200.json",
+        MEGATRON,
+    ),
+    Figures(
+        "README.md",
+        r"10\.8M byte GPT.*?" + CONVERGENCE_ROW.format(""),
+        "convergence-summary.json",
+        (SMALL_AUTO, SMALL_QUARTER, SMALL_EIGHTH, SMALL_ADAMW),
+    ),
+    Figures(
+        "README.md",
+        r"48\.7M byte GPT.*?" + CONVERGENCE_ROW.format(""),
+        "convergence-summary.json",
+        (MEDIUM_AUTO, MEDIUM_QUARTER, MEDIUM_EIGHTH, MEDIUM_ADAMW),
+    ),
+    Figures(
+        "README.md",
+        r"f = 1/4 added\s+(\d+\.\d+) ms to AdamW's (\d+\.\d+) ms iteration and DeepSpeed's Muon (\d+\.\d+) ms",
+        "hf-trainer-25m-1xh100.json",
+        TRAINER,
+    ),
+    # docs/performance.md: the headline table and the sections' sentences.
+    Figures(
+        "docs/performance.md",
+        r"\| f = 1/4 \*\*(\d+\.\d+)x\*\* less time; f = 1/8 (\d+\.\d+)x; f = 1 (\d+\.\d+)x; \"auto\" (\d+\.\d+)x \(",
+        "step-14b-h200.json",
+        STEP,
+    ),
+    Figures(
+        "docs/performance.md",
+        r"\| f = 1/4 \*\*(\d+\.\d+)x\*\* less time than microsoft/dion's Muon, (\d+\.\d+)x less than microsoft/dion's Dion3 at f = 1/4 \|",
+        "fsdp2-step-h200.json",
+        FSDP2,
+    ),
+    Figures(
+        "docs/performance.md",
+        r"total over 8 shapes \*\*(\d+\.\d+)x\*\* less time than Muon's NS5 eager; (\d+\.\d+)x less than the same Gram Newton-Schulz on "
+        r"quack's kernels eager \(per shape (\d\.\d\d)-(\d\.\d\d)x\), (\d+\.\d+)x graphed",
+        "gram-ns-h200.json",
+        ("total_ratios/eager: ours vs muon", "total_ratios/eager: ours vs quack", *ORTHO_QUACK, "total_ratios/graph: ours vs quack"),
+    ),
+    Figures(
+        "docs/performance.md",
+        r"f = 1/4 \*\*(\d+\.\d+)x\*\* and \*\*(\d+\.\d+)x\*\* less \(two calls\), \+(\d+\.\d+) and \+(\d+\.\d+) ms above Adam; "
+        r"\"auto\" \(f = 1 at this width\) \+(\d+\.\d+) ms above Adam",
+        "megatron-lm-350m-1xh200.json",
+        MEGATRON,
+    ),
+    Figures(
+        "docs/performance.md",
+        r"f = 1/4 adds \*\*(\d+\.\d+) ms\*\* to AdamW's (\d+\.\d+); DeepSpeed's Muon adds (\d+\.\d+) \((\d+\.\d+)x more\)",
+        "hf-trainer-25m-1xh100.json",
+        (*TRAINER, "muon_over_dion3"),
+    ),
+    Figures(
+        "docs/performance.md",
+        r"10\.8M byte GPT.*?" + CONVERGENCE_ROW.format(r" f = 1/2 ([-+]\d\.\d+);"),
+        "convergence-summary.json",
+        (SMALL_AUTO, SMALL_HALF, SMALL_QUARTER, SMALL_EIGHTH, SMALL_ADAMW),
+    ),
+    Figures(
+        "docs/performance.md",
+        r"48\.7M byte GPT.*?" + CONVERGENCE_ROW.format(""),
+        "convergence-summary.json",
+        (MEDIUM_AUTO, MEDIUM_QUARTER, MEDIUM_EIGHTH, MEDIUM_ADAMW),
+    ),
+    Figures(
+        "docs/performance.md",
+        r"Median iteration: AdamW (\d+\.\d+) ms, Dion3 f = 1/4 (\d+\.\d+) ms \(\*\*\+(\d+\.\d+)\*\*\), DeepSpeed's Muon (\d+\.\d+) ms\s+"
+        r"\(\*\*\+(\d+\.\d+)\*\*\): Dion3 adds (\d+\.\d+)x less\. Train loss \(mean of the last 10 steps\) "
+        r"Dion3 (\d\.\d+), Muon (\d\.\d+),\s+AdamW (\d\.\d+)",
+        "hf-trainer-25m-1xh100.json",
+        (
+            "iteration_ms/adamw",
+            "iteration_ms/dion3 f=1\\/4",
+            "above_adamw_ms/dion3 f=1\\/4",
+            "iteration_ms/muon",
+            "above_adamw_ms/muon",
+            "muon_over_dion3",
+            "train_loss_mean_last_10_steps/dion3 f=1\\/4",
+            "train_loss_mean_last_10_steps/muon",
+            "train_loss_mean_last_10_steps/adamw",
+        ),
+    ),
+    Figures(
+        "docs/performance.md",
+        r"took \*\*(\d+\.\d+) ms against\s+Adam's (\d+\.\d+) \(\+(\d+\.\d+) ms\)\*\*, where f = 1/4 took (\d+\.\d+) ms",
+        "megatron-lm-350m-1xh200.json",
+        (
+            "measurements/1/optimizer_ms/dion3 auto",
+            "measurements/1/optimizer_ms/adam",
+            "measurements/1/minus_adam_ms/dion3 auto",
+            "measurements/1/optimizer_ms/dion3 f=1\\/4",
+        ),
+    ),
+    Figures(
+        "docs/performance.md",
+        r"At f = 1/4 the step takes (\d+\.\d+)x less time than microsoft/dion's at the 14B shapes and (\d+\.\d+)x less at\s+the 350M ones",
+        "fsdp2-step-h200.json",
+        ("runs/14b/ours_f_quarter_vs_microsoft_dion3", "runs/350m/ours_f_quarter_vs_microsoft_dion3"),
+    ),
+    Figures(
+        "docs/performance.md",
+        r"step timed alone\s+was (\d+\.\d+)x \(auto\), (\d+\.\d+)x \(f = 1/4\) and (\d+\.\d+)x \(f = 1/8\) cheaper than Muon's",
+        "convergence-summary.json",
+        tuple(p.removesuffix("vs_muon") + "optimizer_step_vs_muon" for p in (MEDIUM_AUTO, MEDIUM_QUARTER, MEDIUM_EIGHTH)),
+    ),
+    Figures(
+        "docs/performance.md",
+        r"where it was (\d\.\d\d)x of quack in the table's run and (\d\.\d\d)x and (\d\.\d\d)x in two runs of\s+that shape alone",
+        "gram-ns-h200.json",
+        ("ratios/16x1024x5120/eager: ours vs quack", "kv_batch_repeats/eager: ours vs quack/0", "kv_batch_repeats/eager: ours vs quack/1"),
+    ),
+    # docs/tuning.md: the table of f, its losses and its step ratios.
+    *(
+        Figures("docs/tuning.md", rf"\| {f} [^|]*\| ([-+]\d\.\d+) / ([-+]\d\.\d+) \|", "convergence-summary.json", (small, medium))
+        for f, small, medium in (
+            ("1", SMALL_AUTO, MEDIUM_AUTO),
+            ("1/4", SMALL_QUARTER, MEDIUM_QUARTER),
+            ("1/8", SMALL_EIGHTH, MEDIUM_EIGHTH),
+        )
+    ),
+    *(
+        Figures("docs/tuning.md", rf"\| {f} [^|]*\| [^|]* \| (\d+\.\d+)x less", "step-14b-h200.json", (step,))
+        for f, step in (("1", STEP[2]), ("1/4", STEP[0]), ("1/8", STEP[1]))
+    ),
+    Figures("docs/tuning.md", r"\| 1/2 \| ([-+]\d\.\d+) / not measured \|", "convergence-summary.json", (SMALL_HALF,)),
+    Figures("docs/tuning.md", r"\| 1/2 \|[^|]*\|[^|]*: (\d+\.\d+)x with f = 1 on the rest", "step-14b-h200.json", (STEP[3],)),
+]
+
+
+def figure_problems(figures: Figures, text: str | None = None) -> list[str]:
+    text = (ROOT / figures.doc).read_text(encoding="utf-8") if text is None else text
+    found = re.search(figures.passage, text, re.S)
+    if not found:
+        return [f"{figures.doc}: no passage {figures.passage[:70]!r}"]
+    data = json.loads((RESULTS / figures.result).read_text(encoding="utf-8"))
+    problems = []
+    for written, value in zip(found.groups(), figures.values):
+        expected = value(data) if callable(value) else at(data, value)
+        if not states(written, expected):
+            problems.append(f"{figures.doc}: {written} in {found.group(0)[:60]!r}..., but {figures.result} has {expected}")
+    return problems
+
+
+def test_every_figure_is_its_json_value_at_the_precision_written():
+    assert len(FIGURES) >= 25 and {f.doc for f in FIGURES} == {"README.md", "docs/performance.md", "docs/tuning.md"}
+    for figures in FIGURES:
+        assert len(figures.values) == re.compile(figures.passage).groups, figures.passage
+    problems = [p for figures in FIGURES for p in figure_problems(figures)]
+    assert not problems, "\n".join(problems)
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(figure_problems(FIGURES[2], readme.replace("17.92x", "17.93x"))) == 1
+    assert figure_problems(FIGURES[2], readme.replace("| Muon |", "| NS5 |"))  # a passage that is gone fails too
+    assert (
+        states("1.80", 1.8)
+        and states("-0.0066", -0.0066)
+        and not states("+0.0067", -0.0067)
+        and states("8.9", 8.92)
+        and not states("8.93", 8.92)
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Which figures are older: docs/performance.md's "Older figures" section holds exactly the results
+# marked older in benchmarks/results/README.md, the README names exactly its layouts, and a link
+# to an older figure anywhere says so.
+
+PERFORMANCE = ROOT / "docs" / "performance.md"
+OLDER = "older-figures"
+RESULT_LINK = re.compile(r"benchmarks/results/([\w.-]+\.json)\)")
+PERFORMANCE_LINK = re.compile(
+    r"\[([^\]]+)\]\((?:https://github\.com/dion3-megatron/dion3-megatron/blob/main/docs/)?performance\.md#([\w-]+)\)"
+)
+
+
+def anchor(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def sections(path: pathlib.Path) -> dict[str, tuple[int, str]]:
+    """Each heading's anchor: (its level, its text up to the next heading of its level or above)."""
+    lines = path.read_text(encoding="utf-8").split("\n")
+    found = {}
+    for i, line in enumerate(lines):
+        heading = re.match(r"^(#+) (.+)$", line)
+        if heading:
+            level = len(heading.group(1))
+            end = next((j for j in range(i + 1, len(lines)) if re.match(rf"^#{{1,{level}}} ", lines[j])), len(lines))
+            found[anchor(heading.group(2))] = (level, "\n".join(lines[i:end]))
+    return found
+
+
+def older_anchors() -> set[str]:
+    """The subsections of "Older figures"."""
+    level, text = sections(PERFORMANCE)[OLDER]
+    return {anchor(h) for h in re.findall(rf"^#{{{level + 1}}} (.+)$", text, re.M)}
+
+
+def marked_older() -> set[str]:
+    rows = re.findall(r"^\|.*\|$", (RESULTS / "README.md").read_text(encoding="utf-8"), re.M)
+    return {name for row in rows if "*(older)*" in row for name in re.findall(r"\[([\w.-]+\.json)\]", row)}
+
+
+def test_the_older_section_holds_exactly_the_results_marked_older():
+    all_sections = sections(PERFORMANCE)
+    older_text = all_sections[OLDER][1]
+    cited_older = set(RESULT_LINK.findall(older_text))
+    cited_elsewhere = set(RESULT_LINK.findall(PERFORMANCE.read_text(encoding="utf-8").replace(older_text, "")))
+    assert len(older_anchors()) == 3 and cited_older
+    assert cited_older <= marked_older(), cited_older - marked_older()
+    assert not cited_elsewhere & marked_older(), cited_elsewhere & marked_older()
+    for name in cited_older:
+        assert re.fullmatch(r"[0-9a-f]{7,40}", json.loads((RESULTS / name).read_text(encoding="utf-8")).get("code_revision", "")), name
+
+
+def older_link_problems(path: pathlib.Path, text: str | None = None) -> list[str]:
+    """A link to an older figure is labelled older (in its text or its sentence before it), and a
+    link labelled older leads to one."""
+    text = path.read_text(encoding="utf-8") if text is None else text
+    older = older_anchors() | {OLDER}
+    problems = []
+    for match in PERFORMANCE_LINK.finditer(text):
+        label, target = match.groups()
+        sentence = re.split(r"\.\s|\n\n|\||;", text[: match.start()])[-1]
+        says_older = "older" in (sentence + label).lower()
+        if (target in older) != says_older:
+            problems.append(f"{path.relative_to(ROOT)}: [{label}](...#{target}) {'is' if target in older else 'is not'} an older figure")
+    return problems
+
+
+def test_links_to_older_figures_say_so_and_only_those():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    problems = [p for page in pages for p in older_link_problems(page)]
+    assert not problems, "\n".join(problems)
+    sample = "timed with this release: [Trainer](performance.md#deepspeed-zero-1-606m-two-gpus); [older](performance.md#convergence)"
+    assert len(older_link_problems(ROOT / "README.md", sample)) == 2
+
+
+def test_the_readme_names_exactly_the_older_layouts():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    paragraph = next(p for p in readme.split("\n\n") if "code revisions whose optimizer step differs" in p)
+    named = {target for _, target in PERFORMANCE_LINK.findall(paragraph)} & (older_anchors() | {OLDER})
+    assert named == older_anchors(), named ^ older_anchors()
+
+
+# ------------------------------------------------------------------------------------------------
+# Each section of docs/performance.md that cites results states their GPU, date and versions.
+
+
+def stated_gpu(data: dict) -> str:
+    where = " ".join(str(data.get(k, "")) for k in ("gpu", "machine", "device"))
+    return next((g for g in ("H100", "H200") if g in where), "CPU")
+
+
+def stated_dates(data: dict) -> set[str]:
+    text = json.dumps({k: v for k, v in data.items() if k in ("date", "dates", "measurements", "meta")})
+    return set(re.findall(r"20\d\d-\d\d-\d\d", text))
+
+
+def provenance_problems(name: str, section_text: str) -> list[str]:
+    data = json.loads((RESULTS / name).read_text(encoding="utf-8"))
+    problems = []
+    if stated_gpu(data) not in section_text:
+        problems.append(f"{name}: its section does not name its machine, {stated_gpu(data)}")
+    dates = stated_dates(data)
+    if not dates or not any(d in section_text for d in dates):
+        problems.append(f"{name}: its section gives none of its dates {sorted(dates)}")
+    for package, version in {**data.get("versions", {}), **({"torch": data["torch"]} if "torch" in data else {})}.items():
+        number = re.match(r"\d+(?:\.\d+)+", str(version))
+        named = re.findall(rf"{re.escape(package)},?\s+(\d+(?:\.\d+)+)", section_text)
+        if number and named and number.group(0) not in named:
+            problems.append(f"{name}: its section gives {package} {named}, the JSON {version}")
+    return problems
+
+
+def test_every_performance_section_states_its_results_machine_date_and_versions():
+    checked = 0
+    for level, text in sections(PERFORMANCE).values():
+        if level < 2:
+            continue
+        own = text if level == 3 else re.split(r"^### ", text, flags=re.M)[0]
+        for name in set(re.findall(r"Raw: \[([\w.-]+\.json)\]", own)):
+            problems = provenance_problems(name, own)
+            assert not problems, "\n".join(problems)
+            checked += 1
+    assert checked >= 13
+    hf = sections(PERFORMANCE)["hugging-face-trainer--deepspeed-zero-1-25m-one-gpu"][1]
+    assert len(provenance_problems("hf-trainer-25m-1xh100.json", hf.replace("H100", "H200").replace("5.17.0", "5.16.0"))) == 2
