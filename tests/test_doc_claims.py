@@ -6,8 +6,10 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import inspect
 import io
 import json
+import math
 import pathlib
 import re
 from typing import Any, Callable
@@ -459,3 +461,149 @@ def test_every_performance_section_states_its_results_machine_date_and_versions(
     assert checked >= 13
     hf = sections(PERFORMANCE)["hugging-face-trainer--deepspeed-zero-1-25m-one-gpu"][1]
     assert len(provenance_problems("hf-trainer-25m-1xh100.json", hf.replace("H100", "H200").replace("5.17.0", "5.16.0"))) == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Constants the docs give: a model's chosen constant says so and is the code's; a fitted or measured
+# one is derived here from its results.
+
+TUNING = ROOT / "docs" / "tuning.md"
+SCALING = ROOT / "docs" / "scaling.md"
+
+
+def number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def two_figures(n: int) -> int:
+    """n rounded to two significant figures, as the docs write "about" a width."""
+    return round(n, 2 - len(str(n)))
+
+
+def loss_per_waiting_row_share(summary: dict) -> float:
+    """The largest (loss at f - loss at f = 1) / (1/f - 1) of the convergence study."""
+    per_unit = []
+    for size in summary["sizes"].values():
+        families = size["vs_muon"]
+        at_one = next(v["final"] for k, v in families.items() if k.startswith("dion3 auto"))
+        for family, result in families.items():
+            f = re.match(r"dion3 f = 1/(\d+)", family)
+            if f:
+                per_unit.append((result["final"] - at_one) / (int(f.group(1)) - 1))
+    return max(per_unit)
+
+
+def loss_per_log_time(summary: dict) -> tuple[float, float]:
+    """The fall of Muon's validation loss per unit of ln(steps) over the last evaluation interval of
+    its runs at its best lr: the smallest and the largest."""
+    falls = []
+    for size in summary["sizes"].values():
+        raw = json.loads((RESULTS / size["raw"]).read_text(encoding="utf-8"))
+        for run in raw["runs"]:
+            if run["opt"] == "muon" and run["lr"] == size["muon"]["lr"]:
+                every = run["val_loss"][1][0]
+                (s0, l0), (s1, l1) = [(s, v) for s, v in run["val_loss"] if s and s % every == 0][-2:]
+                falls.append((l0 - l1) / math.log(s1 / s0))
+    assert len(falls) == 4, falls  # two sizes, two seeds
+    return min(falls), max(falls)
+
+
+def test_the_auto_fractions_loss_constants_are_fitted_to_the_convergence_study():
+    from dion3_megatron.core import cost_model
+
+    text = TUNING.read_text(encoding="utf-8")
+    per_row, per_log = re.search(
+        r"Each f costs about (0\.\d+) x \(1/f - 1\) nats.*?worth about\s+(0\.\d+) x ln\(speed-up\)", text, re.S
+    ).groups()
+    assert number(per_row) == cost_model.LOSS_PER_WAITING_ROW_SHARE and number(per_log) == cost_model.LOSS_PER_LOG_TIME
+    step = " ".join(re.search(r"^3\. Each f costs.*?(?=\n\n)", text, re.S | re.M).group(0).split())
+    assert (
+        "(measured)" not in step and "`LOSS_PER_WAITING_ROW_SHARE` and `LOSS_PER_LOG_TIME` in `dion3_megatron/core/cost_model.py`" in step
+    )
+    assert "fitted to the convergence study" in step and "convergence-summary.json" in step and "convergence-medium.json" in step
+    summary = json.loads((RESULTS / "convergence-summary.json").read_text(encoding="utf-8"))
+    assert round(loss_per_waiting_row_share(summary), 4) == cost_model.LOSS_PER_WAITING_ROW_SHARE
+    low, high = loss_per_log_time(summary)
+    assert math.floor(low * 100) / 100 == cost_model.LOSS_PER_LOG_TIME
+    comment = re.search(r"falls by (0\.\d+)-(0\.\d+) per unit of ln\(steps\)", inspect.getsource(cost_model))
+    assert comment and (number(comment.group(1)), number(comment.group(2))) == (round(low, 2), round(high, 2))
+
+
+def test_the_widths_where_auto_takes_a_half_are_the_models_at_the_stated_speed():
+    from dion3_megatron.core import cost_model
+
+    text = " ".join(TUNING.read_text(encoding="utf-8").split())
+    flops, launch, memory = map(
+        number, re.search(r"at a speed like an H200's \((\d+) TFLOP/s [^,]*, (\d+) us a launch, (\d+) TB/s", text).groups()
+    )
+    speed = cost_model.DeviceSpeed(flops * 1e12, launch * 1e-6, memory * 1e12, link_bytes_per_s=1e11)
+
+    def first_below_one(shape: Callable[[int], tuple[int, int]], batch: int) -> int:
+        widths = range(128, 20000)
+        chosen = [cost_model.choose_fraction(*shape(n), speed, batch=batch) < 1 for n in widths[::16]]
+        coarse = widths[::16][chosen.index(True)]
+        return next(n for n in range(coarse - 16, coarse + 1) if cost_model.choose_fraction(*shape(n), speed, batch=batch) < 1)
+
+    square = re.search(
+        r"on square matrices from about ([\d,]+) wide for one matrix of a shape, ([\d,]+) for 8 of them and ([\d,]+) for 64", text
+    )
+    wide = re.search(r"on wide ones \(4 times as many columns as rows\) from about ([\d,]+) rows", text)
+    tall = re.search(r"on tall ones \(4 times as many rows\) only from about ([\d,]+) columns", text)
+    stated = [*map(number, square.groups()), number(wide.group(1)), number(tall.group(1))]
+    computed = [
+        *(first_below_one(lambda n: (n, n), batch) for batch in (1, 8, 64)),
+        first_below_one(lambda n: (n, 4 * n), 1),
+        first_below_one(lambda n: (4 * n, n), 1),
+    ]
+    assert stated == [two_figures(n) for n in computed], (stated, computed)
+    assert "up to 8192 wide" in text and "never gives f = 1/4's step" in text
+    shapes = [s for n in range(128, 8193, 64) for s in ((n, n), (n, 4 * n), (4 * n, n))]
+    assert min(cost_model.choose_fraction(r, c, speed, batch=b) for r, c in shapes for b in (1, 8, 64)) == 0.5
+
+
+def test_the_stated_auto_choices_are_the_measured_ones():
+    text = " ".join(TUNING.read_text(encoding="utf-8").split())
+    assert "On an H200 it chose f = 1 for every matrix of the study's models and of the 350M GPT" in text
+    study = [
+        f
+        for name in ("convergence-small.json", "convergence-medium.json")
+        for run in json.loads((RESULTS / name).read_text(encoding="utf-8"))["runs"]
+        if run.get("f") == "auto"
+        for fs in run["auto_fractions"].values()
+        for f in fs
+    ]
+    megatron = json.loads((RESULTS / "megatron-lm-350m-1xh200.json").read_text(encoding="utf-8"))["measurements"][1]["auto_chose"]
+    assert study and set(study) == {1.0} and set(megatron.values()) == {1}
+    chose = json.loads((RESULTS / "step-14b-h200.json").read_text(encoding="utf-8"))["auto_chose"]
+    stated = re.search(
+        r"on the 14B shapes f = 1/2 for the square and wide matrices \(([^)]+)\)"
+        r" and f = 1 for the tall MLP matrix \((\w+)\) and K/V \((\w+)\)",
+        text,
+    )
+    assert {s: 0.5 for s in stated.group(1).split(", ")} | {stated.group(2): 1.0, stated.group(3): 1.0} == chose
+
+
+def test_the_communication_models_constants_are_the_codes_and_its_ns_rate_is_measured():
+    from benchmarks import comm_model
+
+    text = " ".join(SCALING.read_text(encoding="utf-8").split())
+    constants = re.search(
+        r"alpha = (\d+) us \([^)]*\), beta = (\d+) GB/s \([^)]*\), HBM (\d+\.\d) TB/s \([^)]*\)"
+        r" and (\d+) us per eager op are chosen, not measured here; "
+        r"the NS rate, (\d+) TFLOP/s, is what plain-torch NS5 sustained on 5120 x 13824 on one H200, rounded down \((\d+\.\d+) ms for its "
+        r"(\d+\.\d) TFLOP of dense products: (\d+) TFLOP/s; \[gram-ns-h200\.json\]",
+        text,
+    )
+    assert constants, "docs/scaling.md: the model's constants, which are chosen and which measured"
+    alpha, beta, hbm, launch, rate, ms, tflop, sustained = map(number, constants.groups())
+    assert (alpha, beta, hbm, launch, rate) == (
+        round(comm_model.ALPHA_S * 1e6),
+        round(comm_model.BETA_BYTES_PER_S / 1e9),
+        comm_model.HBM_BYTES_PER_S / 1e12,
+        comm_model.LAUNCH_S * 1e6,
+        comm_model.NS_FLOPS_PER_S / 1e12,
+    )
+    measured_ms = json.loads((RESULTS / "gram-ns-h200.json").read_text(encoding="utf-8"))["results_ms"]["5120x13824"]["muon eager"]
+    flops = comm_model.dense_ns5_flops(5120, 13824)
+    assert states(f"{ms:.2f}", measured_ms) and tflop == round(flops / 1e12, 1) and sustained == round(flops / (measured_ms * 1e-3) / 1e12)
+    assert rate == math.floor(sustained / 10) * 10  # rounded down to ten
