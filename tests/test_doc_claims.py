@@ -129,6 +129,17 @@ ORTHO_FASTER = (
     per_shape("eager: ours vs the faster of gram-torch and quack", max),
 )
 TRAINER = ("above_adamw_ms/dion3 f=1\\/4", "iteration_ms/adamw", "above_adamw_ms/muon")
+
+
+def CPU_MINUTES(measurement: int) -> Callable[[Any], float]:  # noqa: N802 (a value path, like the constants beside it)
+    return lambda data: at(data, f"measurements/{measurement}/wall_clock_s") / 60
+
+
+def COMPARED(key: str, optimizer: str) -> Callable[[Any], float]:  # noqa: N802
+    """A value of one optimizer's run in examples/pretrain_gpt.py's --compare output."""
+    return lambda data: next(run[key] for run in data["results"] if run["optimizer"] == optimizer)
+
+
 CONVERGENCE_ROW = (
     r"\"auto\" \(f = 1 here\) \*\*([-+]\d\.\d+)\*\*;{} f = 1/4 \*\*([-+]\d\.\d+)\*\*; f = 1/8 ([-+]\d\.\d+); AdamW ([-+]\d\.\d+) \|"
 )
@@ -284,6 +295,37 @@ FIGURES = [
         r"where it was (\d\.\d\d)x of quack in the table's run and (\d\.\d\d)x and (\d\.\d\d)x in two runs of\s+that shape alone",
         "gram-ns-h200.json",
         ("ratios/16x1024x5120/eager: ours vs quack", "kv_batch_repeats/eager: ours vs quack/0", "kv_batch_repeats/eager: ours vs quack/1"),
+    ),
+    # The Megatron-Core GPT example on CPU, in the README and on the performance page.
+    Figures(
+        "README.md",
+        r"Without `--steps` it runs 400 steps \((\d+\.\d) minutes on 2 CPU cores, (\d+\.\d) on 2 cores\s+loaded by other work; "
+        r"validation loss (\d\.\d+)\)",
+        "pretrain-gpt-cpu.json",
+        (CPU_MINUTES(1), CPU_MINUTES(0), "measurements/0/final_validation_loss"),
+    ),
+    Figures(
+        "docs/performance.md",
+        r"ended at validation loss (\d\.\d+) in (\d+\.\d) minutes on cores loaded by other\s+work \(2026-12-07; (\d+\.\d) minutes when "
+        r"it ran with `--decoupled-lr 0\.003`, the same arithmetic, on\s+2026-12-04, to validation loss (\d\.\d+)\)",
+        "pretrain-gpt-cpu.json",
+        ("measurements/0/final_validation_loss", CPU_MINUTES(0), CPU_MINUTES(1), "measurements/1/final_validation_loss"),
+    ),
+    Figures("docs/performance.md", r"--compare --decoupled-lr 0\.003` took (\d+\.\d) minutes", "pretrain-gpt-cpu.json", (CPU_MINUTES(2),)),
+    Figures(
+        "docs/performance.md",
+        r"--compare --decoupled-lr 0\.003` took [^`]*`Dion3 f=auto: validation loss (\d\.\d+) vs Muon (\d\.\d+) \((-\d\.\d+)\), "
+        r"AdamW (\d\.\d+);\s+optimizer step (\d+\.\d)x slower than Muon \((\d+\.\d+) vs (\d+\.\d+) ms",
+        "pretrain-gpt-compare-cpu.json",
+        (
+            COMPARED("final_val_loss", "dion3"),
+            COMPARED("final_val_loss", "muon"),
+            lambda d: COMPARED("final_val_loss", "dion3")(d) - COMPARED("final_val_loss", "muon")(d),
+            COMPARED("final_val_loss", "adam"),
+            lambda d: COMPARED("optimizer_ms", "dion3")(d) / COMPARED("optimizer_ms", "muon")(d),
+            COMPARED("optimizer_ms", "dion3"),
+            COMPARED("optimizer_ms", "muon"),
+        ),
     ),
     # docs/tuning.md: the table of f, its losses and its step ratios.
     *(
@@ -454,11 +496,11 @@ def test_every_performance_section_states_its_results_machine_date_and_versions(
         if level < 2:
             continue
         own = text if level == 3 else re.split(r"^### ", text, flags=re.M)[0]
-        for name in set(re.findall(r"Raw: \[([\w.-]+\.json)\]", own)):
+        for name in set(re.findall(r"Raw:\s+\[([\w.-]+\.json)\]", own)):
             problems = provenance_problems(name, own)
             assert not problems, "\n".join(problems)
             checked += 1
-    assert checked >= 13
+    assert checked >= 14
     hf = sections(PERFORMANCE)["hugging-face-trainer--deepspeed-zero-1-25m-one-gpu"][1]
     assert len(provenance_problems("hf-trainer-25m-1xh100.json", hf.replace("H100", "H200").replace("5.17.0", "5.16.0"))) == 2
 
