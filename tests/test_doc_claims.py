@@ -464,9 +464,10 @@ def test_the_readme_names_exactly_the_older_layouts():
 # Each section of docs/performance.md that cites results states their GPU, date and versions.
 
 
-def stated_gpu(data: dict) -> str:
-    where = " ".join(str(data.get(k, "")) for k in ("gpu", "machine", "device"))
-    return next((g for g in ("H100", "H200") if g in where), "CPU")
+def stated_machines(data: dict) -> set[str]:
+    """The GPU models a result names as its machine, or CPU."""
+    where = " ".join(str(source.get(k, "")) for source in (data, data.get("meta", {})) for k in ("gpu", "machine", "device"))
+    return {g for g in ("H100", "H200") if g in where} or {"CPU"}
 
 
 def stated_dates(data: dict) -> set[str]:
@@ -477,8 +478,9 @@ def stated_dates(data: dict) -> set[str]:
 def provenance_problems(name: str, section_text: str) -> list[str]:
     data = json.loads((RESULTS / name).read_text(encoding="utf-8"))
     problems = []
-    if stated_gpu(data) not in section_text:
-        problems.append(f"{name}: its section does not name its machine, {stated_gpu(data)}")
+    for machine in sorted(stated_machines(data)):
+        if machine not in section_text:
+            problems.append(f"{name}: its section does not name its machine, {machine}")
     dates = stated_dates(data)
     if not dates or not any(d in section_text for d in dates):
         problems.append(f"{name}: its section gives none of its dates {sorted(dates)}")
@@ -649,3 +651,18 @@ def test_the_communication_models_constants_are_the_codes_and_its_ns_rate_is_mea
     flops = comm_model.dense_ns5_flops(5120, 13824)
     assert states(f"{ms:.2f}", measured_ms) and tflop == round(flops / 1e12, 1) and sustained == round(flops / (measured_ms * 1e-3) / 1e12)
     assert rate == math.floor(sustained / 10) * 10  # rounded down to ten
+
+
+def test_the_readme_tables_rows_are_measured_on_the_gpus_its_header_names():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    header = next(line for line in readme.splitlines() if line.startswith("| measured on"))
+    gpu = re.search(r"measured on NVIDIA (H\d00)s", header).group(1)
+    rows = [line for line in readme.splitlines() if line.startswith("| [")]
+    assert len(rows) >= 6
+    for row in rows:
+        (target,) = {t for _, t in PERFORMANCE_LINK.findall(row)}
+        text = sections(PERFORMANCE)[target][1]
+        names = set(re.findall(r"Raw:\s+\[([\w.-]+\.json)\]", text))
+        assert names, row[:60]
+        for name in names:
+            assert gpu in stated_machines(json.loads((RESULTS / name).read_text(encoding="utf-8"))), (row[:60], name)
