@@ -102,6 +102,7 @@ def registered():
     return json.loads(line[len("RESULT") :])
 
 
+@pytest.mark.slow
 def test_every_changed_attribute_is_listed_and_every_listed_one_applies_here(registered):
     listed = {p.target for p in compat.MEGATRON + compat.DEEPSPEED}
     changed, held = set(registered["changed"]), set(registered["held"])
@@ -113,6 +114,7 @@ def test_every_changed_attribute_is_listed_and_every_listed_one_applies_here(reg
     assert changed == listed and registered["megatron_lm"] is True
 
 
+@pytest.mark.slow
 def test_applying_twice_changes_nothing(registered):
     assert registered["same"], registered["differ"]
 
@@ -227,6 +229,7 @@ _UNREGISTER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_unregister_restores_every_original_and_register_works_again():
     out = subprocess.run([sys.executable, "-c", _UNREGISTER], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]

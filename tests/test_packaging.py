@@ -236,6 +236,7 @@ def test_ruff_holds_every_file_to_its_line_length():
 @pytest.mark.skipif(
     importlib.util.find_spec("ruff") is None, reason="ruff is not installed (it is in the [lint] extra: pip install -e '.[lint]')"
 )
+@pytest.mark.slow
 def test_ruff_passes():
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
