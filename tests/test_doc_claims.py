@@ -63,3 +63,12 @@ def test_the_docs_site_shows_the_results_plots_unchanged():
     assert assets
     for asset in assets:
         assert asset.read_bytes() == (RESULTS / asset.name).read_bytes(), asset.name
+
+
+def test_the_cost_the_half_installed_kernels_warning_states_is_the_measured_one():
+    """Gram Newton-Schulz on cuBLAS against the kernels, over the 14B shapes (eager)."""
+    from dion3_megatron.kernels.symm import backend
+
+    measured = json.loads((ROOT / "benchmarks" / "results" / "gram-ns-h200.json").read_text())
+    assert f", {measured['total_ratios']['eager: ours vs gram-torch']:.2f}x the time" in backend.COST
+    assert measured["gpu"].startswith("1 x NVIDIA H200") and "(14B shapes, one H200)" in backend.COST
