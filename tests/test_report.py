@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import tomllib
 
 import pytest
 import torch
+from packaging.requirements import Requirement
 
 from dion3_megatron import report
 
@@ -137,7 +139,7 @@ def test_a_front_end_whose_framework_is_not_installed_is_no_and_names_what_to_in
 
 
 def test_a_front_end_whose_framework_is_at_another_version_is_no_and_says_which_it_needs(monkeypatch):
-    _installed(monkeypatch, {"megatron-core": "0.18.1", "deepspeed": "0.20.0", "torch": "2.12.0+cu130"})
+    _installed(monkeypatch, {"megatron-core": "0.18.1", "deepspeed": "0.20.0", "torch": "2.12.0+cu130", "torchtitan": "0.3.0"})
     _imported(monkeypatch)
     declared = report.declared_requirements()
     lines = {line.label: line.value for line in report.front_ends()}
@@ -149,7 +151,9 @@ def test_a_front_end_whose_framework_is_at_another_version_is_no_and_says_which_
     assert lines['DeepSpeed ("type": "Dion3")'] == (
         f'no: deepspeed 0.20.0 installed, {wanted} needed (pip install "dion3-megatron[deepspeed]")'
     )
-    assert lines['torchtitan ("Dion3" in its optimizer config)'].startswith("no: torch 2.12.0+cu130 installed, >=2.13 needed")
+    assert lines['torchtitan ("Dion3" in its optimizer config)'] == (
+        'no: torch 2.12.0+cu130 installed, >=2.13 needed (pip install "dion3-megatron[torchtitan]")'
+    )
     assert lines["torch (dion3_megatron.Dion3)"] == "yes"  # 2.12: within the library's own range
 
 
@@ -192,11 +196,20 @@ def test_a_specifier_of_another_form_is_refused_naming_it():
         report.satisfies("1.0", ">=0.1,===1.0")
 
 
-def test_the_requirements_come_from_pyproject_in_a_source_tree_and_from_the_metadata_when_installed(tmp_path, monkeypatch):
-    with open(report.PYPROJECT, "rb") as f:
-        project = tomllib.load(f)["project"]
+def test_the_requirements_are_pyproject_s_whether_read_from_it_or_from_the_installed_metadata():
+    """From a source tree the report reads pyproject.toml; from a wheel, the metadata built from it."""
+    project = tomllib.loads((pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     declared = report.declared_requirements()
-    assert declared[None] == project["dependencies"] and declared["deepspeed"] == project["optional-dependencies"]["deepspeed"]
+
+    def read(requirements: list[str]) -> set[tuple[str, str]]:
+        return {(r.name, str(r.specifier)) for r in map(Requirement, requirements)}  # as pip reads them, in any order
+
+    assert read(declared[None]) == read(project["dependencies"])
+    for extra, requirements in project["optional-dependencies"].items():
+        assert read(declared[extra]) == read(requirements), extra
+
+
+def test_without_a_pyproject_beside_the_package_the_metadata_s_requirements_are_read_by_extra(tmp_path, monkeypatch):
     metadata = ["torch<2.15,>=2.11", 'megatron-core==0.19.*; extra == "megatron"', 'nvidia-cutlass-dsl[cu13]<4.9,>=4.8; extra == "kernels"']
     monkeypatch.setattr(importlib.metadata, "requires", lambda name: metadata if name == "dion3-megatron" else None)
     assert report.declared_requirements(tmp_path / "pyproject.toml") == {
