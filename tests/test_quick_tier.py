@@ -3,12 +3,14 @@ process, or takes over a second less its waits for a core, fails naming what it 
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
 import pathlib
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -84,6 +86,20 @@ def test_a_test_is_timed_less_its_waits_for_a_core_over_its_phases():
     assert breach == "took 1.10 s less its waits for a core, over the quick tier's 1 s: mark it slow or make it quicker"
 
 
+def test_loading_a_module_for_the_first_time_is_not_the_test_s_time_nor_its_process_starts(tmp_path, monkeypatch):
+    name = f"quick_tier_fresh_{tmp_path.name}"
+    (tmp_path / f"{name}.py").write_text("import subprocess, time\ntime.sleep(0.3)\nsubprocess.run(['true'], check=True)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    record = quick_tier.Record()
+    with record.phase():
+        importlib.import_module(name)
+        time.sleep(0.05)
+    assert record.importing >= 0.3 and 0.05 <= record.seconds < 0.2 and record.starts == [], (record.importing, record.seconds)
+    with record.phase():  # imported already: nothing to load
+        importlib.import_module(name)
+    assert record.importing < 0.4 and record.breaches() == []
+
+
 def test_torch_runs_on_one_thread_while_a_test_is_timed():
     torch.set_num_threads(2)  # restored by this test's own timed phase
     record = quick_tier.Record()
@@ -103,7 +119,7 @@ def test_the_suite_runs_under_the_rules(request):
     assert request.config.pluginmanager.get_plugin("quick_tier") is quick_tier
 
 
-_INNER = """
+_INNER = r"""
 import os, subprocess, sys, time
 
 import pytest
@@ -152,6 +168,12 @@ def test_over_a_second():
     busy(1.2)
 
 
+def test_a_first_import_over_a_second(tmp_path, monkeypatch):
+    (tmp_path / "slow_to_import.py").write_text("import time\nend = time.thread_time() + 1.2\nwhile time.thread_time() < end:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import slow_to_import  # noqa: F401
+
+
 @pytest.mark.slow
 def test_marked_slow():
     subprocess.run([sys.executable, "-c", "pass"], check=True)
@@ -189,6 +211,7 @@ def test_a_test_outside_slow_fails_for_a_process_or_over_a_second_and_says_so(tm
         "test_torchrun": "FAILED",
         "test_over_a_second_in_its_setup": "ERROR",
         "test_over_a_second": "FAILED",
+        "test_a_first_import_over_a_second": "PASSED",
         "test_marked_slow": "PASSED",
         "test_marked_gpu": "PASSED",
     }, out.stdout[-6000:] + out.stderr[-3000:]

@@ -6,19 +6,22 @@ A process start is any of the ways Python starts one: ``subprocess`` (and ``os.p
 ``multiprocessing`` and ``torch.multiprocessing`` (every start method, their helper processes
 included), ``torchrun`` in the process (its agent starts workers by one of those), ``os.fork``,
 ``os.system`` and ``os.posix_spawn``. Each start is recorded and let run; the test fails afterwards
-naming them.
+naming them. A process a module starts while it is first imported (Megatron-Core runs git) is the
+import's, not the test's.
 
-A test's time is that of its setup, call and teardown, less what the machine's load added: the
-time the test's thread waited for a core (Linux's ``/proc/thread-self/schedstat``; where that file
-is missing, the wall time). Torch runs on one thread meanwhile, so that no other thread's wait for a
-core stretches the test's (its thread would wait on it without queueing for a core): the rule holds
-on a shared, loaded machine. The first test to import a framework pays for the import: such a test
-imports it at module level, where collection pays for it once.
+A test's time is that of its setup, call and teardown, less what does not depend on the test:
+the time its thread waited for a core (Linux's ``/proc/thread-self/schedstat``; where that file is
+missing, nothing), so that the rule holds on a shared, loaded machine, and the time it spent loading
+modules that no test had imported yet, a cost of the process that whichever test imports a
+framework first would pay (collection pays most of it). Torch runs on one thread meanwhile, so that
+no other thread's wait for a core stretches the test's (its thread would wait on it without
+queueing for a core).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib._bootstrap
 import multiprocessing.process
 import multiprocessing.util
 import os
@@ -70,6 +73,15 @@ class ProcessStarts(list):
 
         return start
 
+    @contextlib.contextmanager
+    def ignored(self) -> Iterator[None]:
+        """A block whose process starts are not recorded."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
 
 def _command(popen: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> str:
     return f"subprocess {args if isinstance(args, str) else ' '.join(map(str, args))}"
@@ -107,25 +119,56 @@ def recording_process_starts() -> Iterator[ProcessStarts]:
 
 
 class Record:
-    """One test's process starts and its time (wall time less the time waited for a core), summed
-    over its phases; ``clock`` and ``waited`` are those two clocks, in seconds."""
+    """One test's process starts and its time (wall time less the time waited for a core and the
+    time spent loading modules for the first time), summed over its phases; ``clock`` and
+    ``waited`` are those two clocks, in seconds."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter, waited: Callable[[], float] = waited_for_a_core_s) -> None:
         self.starts: list[str] = []
         self.seconds = 0.0
+        self.importing = 0.0  # of which: loading modules for the first time (not counted in seconds)
         self.reported = False
         self._clock, self._waited = clock, waited
+
+    def _ran(self, start: tuple[float, float]) -> float:
+        """Seconds since ``start`` (clock, waited) less the waits for a core."""
+        return (self._clock() - start[0]) - (self._waited() - start[1])
+
+    @contextlib.contextmanager
+    def _timing_first_imports(self, starts: ProcessStarts) -> Iterator[None]:
+        """importlib's loading of a module not yet in sys.modules, timed (the outermost load only:
+        a module's own imports are part of its load), its process starts not recorded."""
+        original = importlib._bootstrap._find_and_load  # type: ignore[attr-defined]
+        depth = 0
+
+        def find_and_load(name: str, import_: Callable) -> Any:
+            nonlocal depth
+            start = (self._clock(), self._waited())
+            depth += 1
+            try:
+                with starts.ignored():
+                    return original(name, import_)
+            finally:
+                depth -= 1
+                if depth == 0:
+                    self.importing += self._ran(start)
+
+        importlib._bootstrap._find_and_load = find_and_load  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            importlib._bootstrap._find_and_load = original  # type: ignore[attr-defined]
 
     @contextlib.contextmanager
     def phase(self) -> Iterator[None]:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # no thread of torch's waits for a core while this one is timed
-        start, waited = self._clock(), self._waited()
-        with recording_process_starts() as starts:
+        start, importing = (self._clock(), self._waited()), self.importing
+        with recording_process_starts() as starts, self._timing_first_imports(starts):
             try:
                 yield
             finally:
-                self.seconds += (self._clock() - start) - (self._waited() - waited)
+                self.seconds += self._ran(start) - (self.importing - importing)
                 self.starts += starts
                 torch.set_num_threads(threads)
 
