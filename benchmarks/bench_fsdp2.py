@@ -3,7 +3,8 @@ microsoft/dion's Dion3 (its NorDion2, default per-shard selection) and Muon, and
 the same DTensor parameters: the matrices of ``--layers`` transformer layers of bench_step.py's
 shapes, each layer its own ``fully_shard`` unit over a 1-D mesh of all ranks. Gradients are drawn
 once; every optimizer steps the same parameters, timed runs interleaved (median of CUDA events on
-rank 0, after warm-up, which includes microsoft/dion's compilation). Ratios from one run.
+rank 0, after warm-up, which includes microsoft/dion's compilation). Ratios from one run; rank 0's
+peak memory printed and written to the JSON.
 
   torchrun --standalone --nproc-per-node 1 benchmarks/bench_fsdp2.py [--model 14b|350m] [--layers 4]
       [--dion-path DIR] [--json out.json]     # DIR: a checkout of microsoft/dion (else ours and AdamW only)
@@ -95,6 +96,11 @@ def main() -> None:
         )
         for name, ms in times.items():
             print(f"{name:28s} {ms:9.2f} ms" + (f"   microsoft/dion Muon / this {base / ms:6.2f}x" if base else ""))
+        memory = {
+            "peak_allocated": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "peak_reserved": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+        }
+        print(f"memory of rank 0: peak {memory['peak_allocated']:.1f} GiB allocated, {memory['peak_reserved']:.1f} GiB reserved")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(
@@ -107,6 +113,7 @@ def main() -> None:
                         "model": args.model,
                         "layers": args.layers,
                         "ms": times,
+                        "memory_gib": memory,
                     },
                     f,
                     indent=1,

@@ -6,9 +6,10 @@ docs/megatron.md's 350M model (width 1024, ffn 2816, 4 query groups; use ``--lay
 Muon: heavy-ball momentum and Keller-quintic NS5 in bf16 on each matrix, one at a time, as Muon
 ships. Dion3: the torch optimizer (same-shape blocks batched, Gram NS with the kernels where they
 pay). Median of CUDA-event timings, every optimizer's timed steps interleaved with the others';
-ratios from one run.
+ratios from one run. It prints the run's estimated memory (step_memory.py) and its peak, and
+writes both to its JSON.
 
-  python benchmarks/bench_step.py [--model 14b|350m] [--layers 8] [--json out.json]
+  python benchmarks/bench_step.py [--model 14b|350m] [--layers N] [--json out.json]
   python benchmarks/bench_step.py --profile 0.25     # where one eager Dion3 step's GPU time goes
   python benchmarks/bench_step.py --kernel-config tile=128x256   # Dion3 under a kernel setting
 """
@@ -19,6 +20,7 @@ import argparse
 import json
 
 import torch
+import step_memory
 from kernel_settings import add_kernel_config_option
 from timing import cuda_median_ms_interleaved
 
@@ -69,7 +71,12 @@ def profile(params, fraction: float, rows: int = 25) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(LAYERS), default="14b", help="whose layer shapes")
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="layers of matrices (default: 8 where their estimated memory fits the GPU, e.g. an H200; else 4, 2 or 1)",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--profile", type=float, default=None, metavar="FRACTION", help="only profile one eager Dion3 step at this fraction"
@@ -78,6 +85,21 @@ def main() -> None:
     args = parser.parse_args()
     settings = dict(args.kernel_config)
     kernels.configure(**settings)  # Dion3's steps; Muon below runs on plain torch whatever is set
+    gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    if args.layers is None:
+        args.layers = step_memory.default_layers(LAYERS[args.model], gpu_bytes)
+    estimate = step_memory.bench_step_bytes(LAYERS[args.model], args.layers)
+    print(
+        f"{args.layers} layers of {args.model} shapes: estimated {estimate['total'] / step_memory.GIB:.1f} GiB "
+        f"of the GPU's {gpu_bytes / step_memory.GIB:.1f} GiB"
+        + (
+            f" (8 layers: {step_memory.bench_step_bytes(LAYERS[args.model], 8)['total'] / step_memory.GIB:.1f} GiB)"
+            if args.layers < 8
+            else ""
+        ),
+        flush=True,
+    )
+    torch.cuda.reset_peak_memory_stats()
     gen = torch.Generator(device="cuda").manual_seed(0)
     params = []
     for _ in range(args.layers):
@@ -106,6 +128,12 @@ def main() -> None:
     steps = {"muon_ms": muon_step}
     steps.update({f"dion3_{fraction}": lambda i, opt=opt: opt.step() for fraction, opt in optimizers.items()})
     results.update(cuda_median_ms_interleaved(steps, reps=10, warmup=3))
+    results["memory_gib"] = {
+        "gpu": round(gpu_bytes / step_memory.GIB, 2),
+        "estimated": {part: round(b / step_memory.GIB, 2) for part, b in estimate.items()},
+        "peak_allocated": round(torch.cuda.max_memory_allocated() / step_memory.GIB, 2),
+        "peak_reserved": round(torch.cuda.max_memory_reserved() / step_memory.GIB, 2),
+    }
     print(
         f"{results['device']}, torch {results['torch']}: {args.layers} layers of {args.model} shapes "
         f"({sum(p.numel() for p in params) / 1e9:.2f}B params); kernel config {kernels.current()}"
@@ -119,6 +147,11 @@ def main() -> None:
     chosen = {f"{p.shape[0]}x{p.shape[1]}": fractions_chosen[p] for p in params if p in fractions_chosen}
     results["auto_fractions"] = chosen
     print("auto chose " + ", ".join(f"{shape}: {f}" for shape, f in chosen.items()))
+    memory = results["memory_gib"]
+    print(
+        f"memory: peak {memory['peak_allocated']:.1f} GiB allocated, {memory['peak_reserved']:.1f} GiB reserved; "
+        f"estimated {memory['estimated']['total']:.1f} GiB"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

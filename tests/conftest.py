@@ -4,12 +4,18 @@ import sys
 import pytest
 import torch
 
+from support import quick_tier
+
 # The repository root, once: the tests import the examples and benchmarks as packages
 # (``from examples import small_gpt``, ``from benchmarks import bench_convergence``), and spawned
 # workers inherit the path. The shared helpers are tests/support (tests/ is on the path already).
 ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(quick_tier, "quick_tier")  # no process, at most a second, outside `slow`
 
 
 def pytest_collection_modifyitems(config, items):

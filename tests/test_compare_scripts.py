@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from support.script_helpers import needs_bash, run_recording_python
 
-pytestmark = needs_bash
+pytestmark = [needs_bash, pytest.mark.slow]  # each test runs bash
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # script -> the settings of a short run of two optimizers on one GPU

@@ -173,10 +173,12 @@ def targets(paths) -> list[str]:
     return [patch.target for path in paths for patch in table(path)]
 
 
+@pytest.mark.slow  # (the audit runs one process per front end)
 def test_every_patch_the_package_builds_is_in_a_table(audit):
     assert audit["stray"] == [], "a Patch outside every table: compat's audits do not see it"
 
 
+@pytest.mark.slow  # (the audit runs one process per front end)
 @pytest.mark.parametrize("front_end", FRONT_END_PARAMS)
 def test_registration_changes_exactly_the_attributes_its_tables_list(audit, front_end):
     listed = set(targets(FRONT_ENDS[front_end][2]))
@@ -188,14 +190,17 @@ def test_registration_changes_exactly_the_attributes_its_tables_list(audit, fron
         assert audit["applied"][path] == {target: True for target in targets([path])}
 
 
+@pytest.mark.slow  # (the audit runs one process per front end)
 def test_every_attribute_holding_the_packages_objects_is_in_a_table(audit):
     assert set(audit["held"]) - set(targets([t for _, _, paths in INSTALLED.values() for t in paths])) == set()
 
 
+@pytest.mark.slow  # (the audit runs one process per front end)
 def test_applying_twice_changes_nothing(audit):
     assert audit["same"], audit["differ"]
 
 
+@pytest.mark.slow  # (the audit runs one process per front end)
 @pytest.mark.parametrize("path", TABLE_PARAMS)
 def test_unregister_restores_every_original_and_register_works_again(audit, path):
     assert audit["restored"][path] == targets([path])

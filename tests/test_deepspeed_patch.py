@@ -78,6 +78,7 @@ def patched(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_patch_applies_cleanly_and_is_not_yet_applied_upstream(patched):
     call = "dion3_megatron.deepspeed.register()"
     assert call in (patched / "deepspeed" / "__init__.py").read_text()

@@ -666,3 +666,12 @@ def test_the_readme_tables_rows_are_measured_on_the_gpus_its_header_names():
         assert names, row[:60]
         for name in names:
             assert gpu in stated_machines(json.loads((RESULTS / name).read_text(encoding="utf-8"))), (row[:60], name)
+
+
+def test_the_cost_the_half_installed_kernels_warning_states_is_the_measured_one():
+    """Gram Newton-Schulz on cuBLAS against the kernels, over the 14B shapes (eager)."""
+    from dion3_megatron.kernels.symm import backend
+
+    measured = json.loads((ROOT / "benchmarks" / "results" / "gram-ns-h200.json").read_text())
+    assert f", {measured['total_ratios']['eager: ours vs gram-torch']:.2f}x the time" in backend.COST
+    assert measured["gpu"].startswith("1 x NVIDIA H200") and "(14B shapes, one H200)" in backend.COST

@@ -41,6 +41,7 @@ def option_entries(help_text: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("script", WITH_OPTIONS)
+@pytest.mark.slow
 def test_every_option_has_help_with_its_default(script):
     out = run([script, "--help"])
     assert out.returncode == 0, out.stderr[-3000:]
@@ -58,6 +59,7 @@ def test_every_option_has_help_with_its_default(script):
         ("examples/pretrain_gpt.py", "--fraction", "--dion3-fraction"),
     ],
 )
+@pytest.mark.slow
 def test_another_front_ends_spelling_gets_a_hint(script, given, ours):
     out = run([script, given, "0.25"] if "=" not in given else [script, given])
     assert out.returncode == 2

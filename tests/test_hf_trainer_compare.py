@@ -9,7 +9,7 @@ import pytest
 from support.script_helpers import needs_bash, run_recording_python
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer" / "compare_on_gpus.sh"
-pytestmark = needs_bash
+pytestmark = [needs_bash, pytest.mark.slow]  # each test runs bash
 
 
 @pytest.mark.parametrize(

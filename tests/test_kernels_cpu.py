@@ -1,6 +1,7 @@
 """The kernels package on a machine without a GPU: it imports, and dispatch stays on torch."""
 
 import sys
+import warnings
 
 import pytest
 import torch
@@ -259,15 +260,65 @@ def test_each_kind_of_product_is_decided_once(capable, generator):
     assert backend._choice(x.float(), None) is None  # fp32: no kernel
 
 
-def test_the_dsl_without_tvm_ffi_leaves_the_kernels_off(monkeypatch):
-    present = {"cutlass", "cutlass.cute"}
-    monkeypatch.setattr(backend, "_importable", lambda name: name in present)
-    backend.kernels_installed.cache_clear()
-    try:
-        with pytest.warns(UserWarning, match="apache-tvm-ffi is not"):
-            assert not backend.kernels_installed()
-        backend.kernels_installed.cache_clear()
-        present.add("tvm_ffi")
-        assert backend.kernels_installed()
-    finally:
-        backend.kernels_installed.cache_clear()
+class _OnAHopper:
+    """What kernel_capable_device reads of a tensor on GPU 0 (a Hopper, as the test makes it)."""
+
+    is_cuda = True
+
+    def get_device(self) -> int:
+        return 0
+
+
+@pytest.fixture
+def on_a_hopper_with(monkeypatch):
+    """Returns a function that makes these modules the importable ones and GPU 0 a Hopper; the
+    cached answers are cleared before and after."""
+    monkeypatch.setattr(backend, "_device_capable", lambda index: True)
+
+    def importable(modules: set[str]) -> None:
+        monkeypatch.setattr(backend, "_importable", lambda name: name in modules)
+        backend.missing.cache_clear()
+        backend._warn_half_installed.cache_clear()
+
+    yield importable
+    backend.missing.cache_clear()
+    backend._warn_half_installed.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "importable, missing",
+    [({"cutlass.cute"}, "apache-tvm-ffi"), ({"tvm_ffi"}, "nvidia-cutlass-dsl")],
+    ids=["without-tvm-ffi", "without-cutlass-dsl"],
+)
+def test_half_installed_kernels_stay_off_and_the_first_step_on_a_hopper_says_so_once(on_a_hopper_with, importable, missing):
+    on_a_hopper_with(importable)
+    with pytest.warns(RuntimeWarning) as warned:
+        assert not backend.kernel_capable_device(_OnAHopper())
+    [warning] = warned
+    present = "nvidia-cutlass-dsl" if missing == "apache-tvm-ffi" else "apache-tvm-ffi"
+    assert str(warning.message) == (
+        f"dion3_megatron: the symmetric-GEMM kernels are off: {present} is installed but {missing} is not. Gram "
+        "Newton-Schulz runs on cuBLAS, 1.45x the time it takes on the kernels (14B shapes, one H200). pip install "
+        "'dion3-megatron[kernels]' installs what they need (DION3_KERNELS=0 runs torch without this warning)"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the next steps are quiet
+        assert backend.kernel_capable_device(_OnAHopper()) is False
+
+
+@pytest.mark.parametrize("importable, capable", [({"cutlass.cute", "tvm_ffi"}, True), (set(), False)], ids=["installed", "not-installed"])
+def test_kernels_installed_or_not_installed_at_all_step_without_a_warning(on_a_hopper_with, importable, capable):
+    on_a_hopper_with(importable)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backend.kernel_capable_device(_OnAHopper()) is capable
+        assert backend.kernels_installed() is capable
+
+
+def test_half_installed_kernels_on_another_gpu_or_the_cpu_say_nothing(on_a_hopper_with, monkeypatch):
+    on_a_hopper_with({"cutlass.cute"})
+    monkeypatch.setattr(backend, "_device_capable", lambda index: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not backend.kernel_capable_device(_OnAHopper())
+        assert not backend.kernel_capable_device(torch.empty(3))

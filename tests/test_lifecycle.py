@@ -57,6 +57,7 @@ def _decisions(rank: int, world: int) -> dict[str, Any]:
     return outcomes
 
 
+@pytest.mark.slow
 def test_decide_step_is_agreed_by_every_rank():
     rank0, rank1 = run_distributed(_decisions, 2, timeout=120)  # a rank left waiting fails by the timeout
     assert rank0["fine"] is rank1["fine"] is True

@@ -73,6 +73,7 @@ def run_script(tmp_path, env: dict):
     ],
     ids=["size", "opts", "tp", "resume-tp-alone", "resume-dp-too-large"],
 )
+@pytest.mark.slow
 def test_script_refuses_bad_settings_before_running_anything(tmp_path, env, message):
     out = run_script(tmp_path, env)
     assert out.returncode == 2 and message in out.stderr, (out.returncode, out.stderr)
@@ -80,6 +81,7 @@ def test_script_refuses_bad_settings_before_running_anything(tmp_path, env, mess
 
 
 @needs_bash
+@pytest.mark.slow
 def test_script_resumes_a_dp2_checkpoint_at_tp2_with_the_same_global_batch(tmp_path):
     out = run_script(tmp_path, {"GPUS": "2", "RESUME": "1", "RESUME_TP": "2", "OPTS": "dion3", "ITERS": "40"})
     assert out.returncode == 0, out.stderr
@@ -93,6 +95,7 @@ def test_script_resumes_a_dp2_checkpoint_at_tp2_with_the_same_global_batch(tmp_p
 
 
 @needs_bash
+@pytest.mark.slow
 def test_script_runs_each_optimizer_once_in_one_layout_by_default(tmp_path):
     out = run_script(tmp_path, {"OPTS": "dion3 adam", "ITERS": "40"})
     assert out.returncode == 0, out.stderr

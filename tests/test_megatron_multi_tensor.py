@@ -53,6 +53,7 @@ def test_scale_and_copy_are_bit_identical_to_megatrons_loop(generator, scale, ds
     assert all(torch.equal(a, b) for a, b in zip(in_place, reference))
 
 
+@pytest.mark.slow
 def test_registration_installs_them_for_dion3_steps_where_megatron_has_only_its_loops():
     """Outside a step of Dion3's wrappers (every other optimizer's run) Megatron's own loops run."""
     check = textwrap.dedent("""

@@ -189,6 +189,7 @@ def test_launcher_runs_a_megatron_script_with_dion3_registered(tmp_path):
     assert f"LAUNCHED __main__ {GOOD!r} dion3 0.125 world 1" in out.stdout
 
 
+@pytest.mark.slow
 def test_registration_mends_torch_adams_resume_where_megatron_falls_back_to_it():
     """Without apex or Transformer Engine (this machine, and a pip install on a GPU) Megatron's Adam
     is torch's AdamW, whose DistributedOptimizer resume the library mends on registration, for Dion3
@@ -523,6 +524,7 @@ def test_the_launcher_stops_an_unknown_dion3_flag_before_the_script_starts(capsy
     assert capsys.readouterr().err == f"{PROG}: error: --dion3-momentum: unknown flag; Dion3 calls its momentum --dion3-mu\n"
 
 
+@pytest.mark.slow
 def test_without_megatron_the_import_and_the_main_job_name_the_extra(tmp_path):
     """Megatron hidden from every process (a sitecustomize that blocks the import)."""
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['megatron'] = None\n")

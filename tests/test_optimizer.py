@@ -1,6 +1,7 @@
 """Dion3 as a torch.optim.Optimizer: batching, tensor layouts, checkpoints, bad input."""
 
 import copy
+import importlib.util
 import io
 import warnings
 
@@ -9,6 +10,10 @@ import torch
 
 from dion3_megatron import Dion3, frontend
 from dion3_megatron.core import rule
+
+NEEDS_MEGATRON = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core (the megatron extra)")
+if importlib.util.find_spec("megatron") is not None:  # imported at collection: its first import takes seconds
+    import dion3_megatron.megatron  # noqa: F401
 
 
 def step_with(params, grads, **kwargs):
@@ -475,7 +480,13 @@ def _step_both_and_compare(p, opt, twin, resumed, generator) -> None:
     assert torch.equal(p, twin)
 
 
-CHECKPOINTING_CLASSES = ["dion3_megatron.Dion3", "dion3_megatron.megatron.MegatronDion3"]
+CHECKPOINTING_CLASSES = [
+    "dion3_megatron.Dion3",
+    pytest.param(
+        "dion3_megatron.megatron.MegatronDion3",
+        marks=NEEDS_MEGATRON,
+    ),
+]
 
 
 @pytest.mark.parametrize("cls_path", CHECKPOINTING_CLASSES)

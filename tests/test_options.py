@@ -239,6 +239,7 @@ def test_a_tensor_lr_is_checked_as_a_number(name, bad):
         Dion3([torch.nn.Parameter(torch.zeros(4, 4))], **{name: bad})
 
 
+@pytest.mark.slow  # the first torch.compile of a process loads dynamo and inductor: over a second
 def test_a_compiled_step_is_the_eager_step(generator):
     """torch.compile(opt.step) runs the step eagerly (the step is excluded from tracing) and steps
     exactly as the eager step, past the first step, whose state the later ones update in place."""

@@ -19,6 +19,7 @@ import yaml
 from packaging.requirements import Requirement
 
 import dion3_megatron
+from dion3_megatron.kernels.symm import backend
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
@@ -163,6 +164,7 @@ def test_the_front_end_extras_bring_what_the_library_imports():
     assert names(EXTRAS["hf"]) == {"deepspeed", "transformers", "accelerate"}  # Trainer needs accelerate
     kernels = set().union(*(imported_modules(p) for p in (ROOT / "dion3_megatron" / "kernels").rglob("*.py")))
     assert "cutlass" in kernels and names(EXTRAS["kernels"]) == {"nvidia-cutlass-dsl", "apache-tvm-ffi"}
+    assert {distribution for distribution, _ in backend.REQUIRED} == names(EXTRAS["kernels"])  # what the kernels check for
     library = set().union(*(imported_modules(p) for p in (ROOT / "dion3_megatron").rglob("*.py")))
     third_party = {m for m in library if m not in sys.stdlib_module_names and m != "dion3_megatron"}
     # packaging: deepspeed's requirement; triton: torch's (CUDA wheels), imported only where installed
@@ -236,6 +238,7 @@ def test_ruff_holds_every_file_to_its_line_length():
 @pytest.mark.skipif(
     importlib.util.find_spec("ruff") is None, reason="ruff is not installed (it is in the [lint] extra: pip install -e '.[lint]')"
 )
+@pytest.mark.slow
 def test_ruff_passes():
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]

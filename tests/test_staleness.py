@@ -1,6 +1,7 @@
 """Staleness-aware row selection: rows that waited are favoured; state, checkpoints, bad input."""
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -141,6 +142,7 @@ def test_the_engine_refuses_a_staleness_changed_since_it_was_built(generator, bu
     assert torch.equal(weight, before)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (the deepspeed extra)")
 def test_deepspeed_takes_staleness_and_refuses_bad_values_naming_them(generator):
     from dion3_megatron.deepspeed.optimizer import DeepSpeedDion3
 

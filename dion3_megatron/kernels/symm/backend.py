@@ -2,7 +2,8 @@
 
 A product goes to the kernel only when every condition holds
   * CUDA tensor on a compute-capability 9.0 device (Hopper; the kernels use wgmma and TMA),
-  * nvidia-cutlass-dsl and apache-tvm-ffi importable (the ``kernels`` extra),
+  * nvidia-cutlass-dsl and apache-tvm-ffi importable (the ``kernels`` extra; with one of them
+    alone the first step on a Hopper GPU warns, once),
   * fp16/bf16 operands, 16-byte aligned rows (M and K multiples of 8),
   * the product is large enough to pay (:func:`.heuristics.routes_to_kernel`, with the thresholds
     of the kernel configuration, :class:`..config.KernelConfig`).
@@ -33,21 +34,50 @@ def _importable(name: str) -> bool:
         return False
 
 
+# What the kernels import, as (distribution, module): CuTe DSL compiles them; apache-tvm-ffi is the
+# light calling convention of their launch (a few microseconds of host time per product where the
+# DSL's own argument marshalling takes tens).
+REQUIRED = (("nvidia-cutlass-dsl", "cutlass.cute"), ("apache-tvm-ffi", "tvm_ffi"))
+INSTALL = "pip install 'dion3-megatron[kernels]'"
+# What running without them costs: Gram Newton-Schulz on cuBLAS against the kernels, summed over the
+# 14B model's shapes on an H200 (benchmarks/results/gram-ns-h200.json, total_ratios).
+COST = "Gram Newton-Schulz runs on cuBLAS, 1.45x the time it takes on the kernels (14B shapes, one H200)"
+
+
 @functools.lru_cache(maxsize=None)
+def missing() -> tuple[str, ...]:
+    """The distributions of :data:`REQUIRED` whose module does not import here (checked without
+    importing it)."""
+    return tuple(distribution for distribution, module in REQUIRED if not _importable(module))
+
+
 def kernels_installed() -> bool:
-    """nvidia-cutlass-dsl (CuTe DSL) and apache-tvm-ffi, its light calling convention, importable
-    (checked without importing them). The DSL without apache-tvm-ffi warns once and leaves the
-    kernels off: its own launch path costs tens of microseconds of host time per product."""
-    if not (_importable("cutlass") and _importable("cutlass.cute")):
-        return False
-    if not _importable("tvm_ffi"):
+    """nvidia-cutlass-dsl (CuTe DSL) and apache-tvm-ffi, its light calling convention, importable."""
+    return not missing()
+
+
+def half_installed() -> Optional[str]:
+    """Where some of the kernels' distributions are installed and others not, which: 'X is installed
+    but Y is not'; None otherwise."""
+    absent = missing()
+    if not absent or len(absent) == len(REQUIRED):
+        return None
+    present = [distribution for distribution, _ in REQUIRED if distribution not in absent]
+    return f"{' and '.join(present)} is installed but {' and '.join(absent)} is not"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_half_installed() -> None:
+    """Once per process, on a Hopper GPU (where the kernels would run): what is missing, what it
+    costs, how to install it."""
+    which = half_installed()
+    if which is not None:
         warnings.warn(
-            "nvidia-cutlass-dsl is installed but apache-tvm-ffi is not: the symmetric-GEMM kernels "
-            "stay off (pip install 'dion3-megatron[kernels]' installs both)",
+            f"dion3_megatron: the symmetric-GEMM kernels are off: {which}. {COST}. {INSTALL} installs "
+            "what they need (DION3_KERNELS=0 runs torch without this warning)",
+            RuntimeWarning,
             stacklevel=2,
         )
-        return False
-    return True
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,11 +86,17 @@ def _device_capable(index: int) -> bool:
 
 
 def kernel_capable_device(t: torch.Tensor) -> bool:
-    """t lives on a Hopper GPU and the kernels are installed."""
-    if not t.is_cuda or not kernels_installed():
+    """t lives on a Hopper GPU and the kernels are installed. On a Hopper GPU with the kernels half
+    installed the first step warns, once (:func:`half_installed`)."""
+    if not t.is_cuda:
         return False
     index = t.get_device()
-    return _device_capable(index if index >= 0 else torch.cuda.current_device())
+    if not _device_capable(index if index >= 0 else torch.cuda.current_device()):
+        return False
+    if kernels_installed():
+        return True
+    _warn_half_installed()
+    return False
 
 
 def symm_gemm(*args, **kwargs):
