@@ -35,6 +35,10 @@ GRADIENT_LIMIT = 2.0**64
 # The adjust_lr modes; update_scale() gives the lr multiplier of each.
 ADJUST_LR_CHOICES = ("spectral_norm", "rms_norm")
 
+# The fraction that asks the engine's plan to choose f per matrix (its one spelling everywhere: the
+# option's value, the settings' field, the plan's test).
+AUTO = "auto"
+
 
 @dataclass(frozen=True)
 class Dion3Hyperparameters:
@@ -43,7 +47,7 @@ class Dion3Hyperparameters:
     fills in the defaults)."""
 
     lr: float
-    fraction: Optional[float]  # None: chosen per matrix by the engine's plan before the rule runs
+    fraction: float | str  # a number in (0, 1], or AUTO: chosen per matrix by the engine's plan before the rule runs
     mu: Optional[float]  # None: by the fraction (see momentum_decay())
     beta2: float
     weight_decay: float
@@ -61,17 +65,17 @@ class Dion3Hyperparameters:
 # Row selection.
 
 
-def resolved(fraction: Optional[float]) -> float:
-    """A matrix's f, which the engine's plan has resolved from "auto" (None) before the rule runs."""
-    if fraction is None:
-        raise ValueError("fraction is None ('auto') here: the engine's plan resolves it before the rule runs")
+def resolved(fraction: float | str) -> float:
+    """A matrix's f, which the engine's plan has resolved from :data:`AUTO` before the rule runs."""
+    if isinstance(fraction, str):
+        raise ValueError(f"fraction is {fraction!r} here: the engine's plan resolves it before the rule runs")
     return fraction
 
 
 def selected_row_count(n_rows: int, fraction: float, num_heads: Optional[int] = None) -> int:
     """Rows selected per matrix: max(1, ceil(f * rows)), taken per head when num_heads is given."""
     if not isinstance(fraction, (int, float)):
-        raise ValueError(f"fraction must be a number here, got {fraction!r} (the plan resolves None before the rule runs)")
+        raise ValueError(f"fraction must be a number here, got {fraction!r} (the plan resolves {AUTO!r} before the rule runs)")
     if num_heads is None:
         return max(1, math.ceil(fraction * n_rows))
     if n_rows % num_heads:

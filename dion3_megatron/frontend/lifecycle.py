@@ -75,8 +75,8 @@ def decide_step(
     ``check()`` runs this rank's checks (it raises, naming the parameter and the value, for what
     the step does not take) and returns the gradients to gate. One all-reduce (MIN) of a code
     (refused, non-finite, step) agrees: if any rank refused, every rank raises (that rank its own
-    error, the others :class:`StepRefused` naming the ranks that refused, found by one all_gather
-    on that path alone), so none waits in a later collective; else True when every gradient on
+    error, the others :class:`StepRefused` naming the ranks that refused and the first one's error,
+    found by one all_gather on that path alone), so none waits in a later collective; else True when every gradient on
     every rank is usable (:func:`~.gate.gradients_usable`), False when the step is skipped.
     ``collective=False``: this rank decides alone (ranks that do not step together).
     """
@@ -89,15 +89,16 @@ def decide_step(
         agreed = code.clone()
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
         if float(agreed) == _REFUSED:
-            flags = [torch.zeros((), device=device) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(flags, code, group=group)
-            refusing = [
-                dist.get_global_rank(group, i) if group is not None else i for i, flag in enumerate(flags) if float(flag) == _REFUSED
-            ]
+            # (the refusal path alone: every rank learns which ranks refused, and why)
+            said: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(said, None if error is None else f"{type(error).__name__}: {error}", group=group)
+            refusing = [(dist.get_global_rank(group, i) if group is not None else i, why) for i, why in enumerate(said) if why is not None]
             if error is not None:
                 raise error
+            first_rank, first_why = refusing[0]
             raise StepRefused(
-                f"Dion3: the step was refused on rank(s) {refusing} (their error names the parameter); nothing changed on any rank"
+                f"Dion3: the step was refused on rank(s) {[r for r, _ in refusing]}; nothing changed on any rank. "
+                f"Rank {first_rank}: {first_why}"
             )
         code = agreed
     if error is not None:
