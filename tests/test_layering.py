@@ -2,8 +2,9 @@
 imports only the units :data:`ALLOWED` lists for it, and core/ does not communicate.
 
 An edge is any import of a unit, at module level or inside a function, relative or absolute, and
-any string that names a module of the package (``"dion3_megatron.x"`` or ``"dion3_megatron.x:name"``:
-how compat's patch table names the front ends' replacements, imported when a patch is applied).
+any string that names a module of the package (``"dion3_megatron.x"`` or ``"dion3_megatron.x:name"``,
+as ``importlib.import_module`` or a table of ``module:name`` strings would import it), whether a
+constant, an f-string or a ``+`` of strings, and a relative name given to ``import_module``.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+from typing import Optional
 
 import pytest
-
-from dion3_megatron import compat
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "dion3_megatron"
@@ -50,8 +50,8 @@ ALLOWED: dict[str, tuple[frozenset[str], str]] = {
     ),
     "__main__": (frozenset({"report"}), "python -m dion3_megatron"),
     "compat": (
-        frozenset({"deepspeed", "megatron"}),
-        "the table of every framework patch: names the front ends' replacements, imported when applied",
+        frozenset(),
+        "applies, restores and checks the tables of patches that the front ends hand it; imports none of them",
     ),
     "__init__": (frozenset({"core", "optimizer"}), "the package's public names: Dion3 and its settings"),
 }
@@ -81,19 +81,77 @@ def imported_names(source: str, module: str) -> set[str]:
     return names
 
 
-def named_modules(source: str) -> set[str]:
-    """The modules of the package that string constants of ``source`` name."""
+_UNKNOWN = "\0"  # a part of a string that the source alone does not tell
+_KNOWN_PREFIX = re.compile(rf"{PACKAGE}(\.\w+)*[.:]?")
+
+
+def _module_strings(tree: ast.Module) -> dict[str, str]:
+    """The module-level names bound to a string constant (``_DS = "dion3_megatron.deepspeed"``)."""
     return {
-        node.value.partition(":")[0]
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _MODULE_STRING.fullmatch(node.value)
+        target.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+        for target in node.targets
+        if isinstance(target, ast.Name)
     }
 
 
-def compat_targets() -> set[str]:
-    """The modules of the package that compat's patches name as replacements or conditions."""
-    named = {value for patch in compat.MEGATRON + compat.DEEPSPEED for value in (patch.replacement, patch.only_if) if value is not None}
-    return {value.partition(":")[0] for value in named if value.startswith(PACKAGE)}
+def _text(node: ast.AST, strings: dict[str, str]) -> Optional[str]:
+    """The string ``node`` evaluates to, :data:`_UNKNOWN` for each part not known; None where it is
+    no string (or nothing of it is known)."""
+    if isinstance(node, ast.Constant):
+        return node.value if isinstance(node.value, str) else None
+    if isinstance(node, ast.Name):
+        return strings.get(node.id, _UNKNOWN)
+    if isinstance(node, ast.JoinedStr):
+        parts = [_text(part.value if isinstance(part, ast.FormattedValue) else part, strings) for part in node.values]
+        return "".join(_UNKNOWN if part is None else part for part in parts)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _text(node.left, strings), _text(node.right, strings)
+        if left is None or right is None or left == right == _UNKNOWN:
+            return None
+        return left + right
+    return None
+
+
+def _named_module(text: str) -> Optional[str]:
+    """The module of the package that ``text`` names, the package where a part after it is not known."""
+    if _UNKNOWN not in text:
+        return text.partition(":")[0] if _MODULE_STRING.fullmatch(text) else None
+    known = text.partition(_UNKNOWN)[0]
+    if not _KNOWN_PREFIX.fullmatch(known):
+        return None
+    return known[:-1] if known.endswith((".", ":")) else known.rpartition(".")[0] or known
+
+
+def _relative_import(node: ast.AST, strings: dict[str, str], module: str) -> Optional[str]:
+    """The absolute name of ``import_module(".name")`` (relative to ``module``'s package, or the
+    package given as the second argument)."""
+    if not (isinstance(node, ast.Call) and node.args):
+        return None
+    called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+    name = _text(node.args[0], strings)
+    if called != "import_module" or not name or not name.startswith(".") or _UNKNOWN in name:
+        return None
+    given = _text(node.args[1], strings) if len(node.args) > 1 else None
+    package = given.split(".") if given and _UNKNOWN not in given else module.split(".")[:-1]
+    level = len(name) - len(name.lstrip("."))
+    return ".".join([*package[: len(package) - level + 1], name.lstrip(".")]).rstrip(".")
+
+
+def named_modules(source: str, module: str) -> set[str]:
+    """The modules of the package that strings of ``source`` (the module ``module``) name: string
+    constants, f-strings and ``+`` of strings, read with the module-level string constants they
+    use, and relative names given to ``import_module``."""
+    tree = ast.parse(source)
+    strings = _module_strings(tree)
+    named = set()
+    for node in ast.walk(tree):
+        text = _text(node, strings) if isinstance(node, (ast.Constant, ast.JoinedStr, ast.BinOp)) else None
+        found = (_named_module(text) if text is not None else None) or _relative_import(node, strings, module)
+        if found is not None:
+            named.add(found)
+    return named
 
 
 def units() -> set[str]:
@@ -112,22 +170,20 @@ def unit_of(name: str) -> str:
     return parts[1] if len(parts) > 1 and parts[1] in UNITS else "__init__"  # else: a name the package exports
 
 
-def edges(source: str, module: str, extra: set[str] = frozenset()) -> set[str]:
-    """The units other than its own that the module ``module`` reaches: its imports, the modules its
-    strings name, and ``extra`` (more module names)."""
+def edges(source: str, module: str) -> set[str]:
+    """The units other than its own that the module ``module`` reaches: its imports and the modules
+    its strings name."""
     mine = unit_of(module)
     reached = {
-        name
-        for name in imported_names(source, module) | named_modules(source) | set(extra)
-        if name == PACKAGE or name.startswith(PACKAGE + ".")
+        name for name in imported_names(source, module) | named_modules(source, module) if name == PACKAGE or name.startswith(PACKAGE + ".")
     }
     return {unit_of(name) for name in reached} - {mine}
 
 
-def violations(source: str, module: str, extra: set[str] = frozenset()) -> set[str]:
+def violations(source: str, module: str) -> set[str]:
     """What ``module`` may not reach: units outside its row of ALLOWED, and FORBIDDEN_OUTSIDE modules."""
     unit = unit_of(module)
-    found = edges(source, module, extra) - ALLOWED[unit][0]
+    found = edges(source, module) - ALLOWED[unit][0]
     names = imported_names(source, module)
     for forbidden_unit, outside, _ in FORBIDDEN_OUTSIDE:
         if unit == forbidden_unit:
@@ -178,18 +234,31 @@ def test_the_check_lets_allowed_imports_pass():
         ("dion3_megatron.core.rule", "import dion3_megatron", "__init__"),
         ("dion3_megatron.options", "from . import Dion3", "__init__"),
         ("dion3_megatron.engine.plan", 'HOOK = "dion3_megatron.megatron.registry:dion3_entry"', "megatron"),
+        ("dion3_megatron.compat", 'import importlib\nimportlib.import_module("dion3_megatron.deepspeed.zero3")', "deepspeed"),
+        ("dion3_megatron.compat", '_DS = "dion3_" + "megatron.deepspeed"\n', "deepspeed"),
+        ("dion3_megatron.compat", 'UNIT = "megatron"\nHOOK = f"dion3_megatron.{UNIT}.registry:dion3_entry"', "megatron"),
+        ("dion3_megatron.compat", 'def f(unit):\n    return f"dion3_megatron.{unit}.registry:dion3_entry"', "__init__"),
+        ("dion3_megatron.compat", 'def f(unit):\n    return "dion3_megatron.megatron." + unit', "megatron"),
+        ("dion3_megatron.compat", 'def f():\n    return importlib.import_module(".megatron.registry", __package__)', "megatron"),
+        ("dion3_megatron.megatron.registry", 'import_module("..deepspeed")', "deepspeed"),
+        ("dion3_megatron.compat", 'import_module(".launch", "dion3_megatron.megatron")', "megatron"),
     ],
 )
 def test_a_forbidden_edge_is_caught(module, source, edge):
     assert violations(source, module) == {edge}
 
 
-def test_compat_names_front_end_modules_and_the_check_sees_them():
-    """compat's replacements are strings: they count as edges of compat (the f-string ones too)."""
-    targets = compat_targets()
-    assert {unit_of(name) for name in targets} == {"megatron", "deepspeed"}
-    assert "dion3_megatron.deepspeed.zero3" in targets  # written f"{_DS}.zero3:..."
-    assert violations("", "dion3_megatron.compat", extra={"dion3_megatron.optimizer"}) == {"optimizer"}
+@pytest.mark.parametrize(
+    "source",
+    [
+        '"""Applied by dion3_megatron.megatron.register and dion3_megatron.deepspeed.register."""',
+        'raise ImportError(f"dion3_megatron.megatron needs Megatron-Core: {EXTRA}")',
+        'NAME = "megatron.core.optimizer:_get_megatron_emerging_optimizer"',
+        'x = a + b\ny = f"{a}.{b}"\nz = 1 + 2',
+    ],
+)
+def test_text_about_a_module_is_no_edge(source):
+    assert violations(source, "dion3_megatron.compat") == set()
 
 
 def test_the_table_names_every_unit():
@@ -200,6 +269,5 @@ def test_the_table_names_every_unit():
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: p.relative_to(SOURCES).as_posix())
 def test_every_module_imports_only_what_its_layer_allows(path):
     module = module_name(path)
-    extra = compat_targets() if module == f"{PACKAGE}.compat" else set()
-    found = violations(path.read_text(encoding="utf-8"), module, extra)
+    found = violations(path.read_text(encoding="utf-8"), module)
     assert not found, f"{module} ({unit_of(module)}) reaches {sorted(found)}: {ALLOWED[unit_of(module)][1]}"

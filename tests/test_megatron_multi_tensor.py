@@ -75,7 +75,7 @@ def test_registration_installs_them_for_dion3_steps_where_megatron_has_only_its_
             clip_grads.multi_tensor_scale_impl(0, None, [src, inside], 0.37)
         print(all(compat.is_patched(r) and r.__wrapped__ is o for r, o in zip(replaced, originals)),
               stock_calls == 0, len(calls) == 1, all(torch.equal(a, b) for a, b in zip(outside, inside)),
-              compat.apply_megatron()["megatron.core.optimizer.clip_grads:l2_norm_impl"])
+              compat.apply(dion3_megatron.megatron.registry.MEGATRON)["megatron.core.optimizer.clip_grads:l2_norm_impl"])
     """)
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,8 +1,8 @@
 """Dion3 for DeepSpeed: ``"optimizer": {"type": "Dion3", "params": {...}}`` in the JSON config.
 
 ``import dion3_megatron.deepspeed`` (or calling :func:`register`) is all a training script needs.
-It applies :data:`dion3_megatron.compat.DEEPSPEED` (every DeepSpeed attribute this package adds or
-replaces, with why and the upstream version), which
+It applies :data:`DEEPSPEED` (every DeepSpeed attribute this package adds or replaces, with why and
+the upstream version) through :mod:`dion3_megatron.compat`, which
 
 * makes ``"dion3"`` one of DeepSpeed's own optimizer names, which its config lower-cases, and
   exposes :class:`DeepSpeedDion3` as ``torch.optim.dion3``, where DeepSpeed 0.19 then looks it up:
@@ -30,6 +30,8 @@ import difflib
 import json
 import re
 
+from .. import compat
+from . import zero3
 from .base import become
 from .config import ALLOWED as CONFIG_KEYS
 from .config import normalize_params
@@ -74,29 +76,25 @@ def _check_deepspeed_version() -> None:
 
 
 def register() -> type:
-    """Make ``"type": "Dion3"`` (or ``"dion3"``) work in DeepSpeed configs: apply
-    :data:`dion3_megatron.compat.DEEPSPEED`, every DeepSpeed (and ``torch.optim``) attribute this
-    package adds or replaces, with why and the upstream version. Idempotent. Returns the class."""
+    """Make ``"type": "Dion3"`` (or ``"dion3"``) work in DeepSpeed configs: apply :data:`DEEPSPEED`,
+    every DeepSpeed (and ``torch.optim``) attribute this package adds or replaces, with why and the
+    upstream version. Idempotent. Returns the class."""
     global _REGISTERED
-    from .. import compat
-
     if not _REGISTERED:
         try:
             _check_deepspeed_version()
         except ImportError:  # no DeepSpeed: plain torch users can still construct DeepSpeedDion3
             pass
-    compat.apply_deepspeed()
+    compat.apply(DEEPSPEED)
     _REGISTERED = True
     return DeepSpeedDion3
 
 
 def unregister() -> None:
-    """Undo :func:`register`: every DeepSpeed and ``torch.optim`` attribute of
-    :data:`dion3_megatron.compat.DEEPSPEED` it replaced is the original again, every one it added
-    (``torch.optim.Dion3``, ZeRO's supported-optimizer entry) is gone."""
-    from .. import compat
-
-    compat.restore_deepspeed()
+    """Undo :func:`register`: every DeepSpeed and ``torch.optim`` attribute of :data:`DEEPSPEED` it
+    replaced is the original again, every one it added (``torch.optim.dion3``, ZeRO's
+    supported-optimizer entry) is gone."""
+    compat.restore(DEEPSPEED)
 
 
 def deepspeed_class(_current=None) -> type:
@@ -148,8 +146,6 @@ def zero_stage_checks(original):
         wrapped = original(self, optimizer)
         if isinstance(optimizer, DeepSpeedZeroDion3):
             if self.zero_optimization_stage() == 3:
-                from . import zero3
-
                 optimizer.adopt_partitions(zero3.partitions_of(wrapped), wrapped._reassign_or_swap_out_partitioned_parameters)
             else:
                 optimizer.adopt_partitions(
@@ -218,6 +214,79 @@ def stage_class(original):
         return wrapper
 
     return _do_optimizer_sanity_check
+
+
+DS_019 = "deepspeed 0.19.x (read in 0.19.8)"
+
+# Every DeepSpeed (and torch.optim) attribute that register() replaces or adds; the fields:
+# dion3_megatron.compat.
+DEEPSPEED: tuple[compat.Patch, ...] = (
+    compat.Patch(
+        "deepspeed.runtime.config:DEEPSPEED_OPTIMIZERS[+]",
+        config_name,
+        'DeepSpeed lower-cases a config "type" that names one of its own optimizers: "Dion3", "DION3" and "dion3" all become "dion3"',
+        DS_019,
+        optional=True,
+    ),
+    compat.Patch(
+        "torch.optim:dion3",
+        deepspeed_class,
+        'DeepSpeed 0.19 looks the optimizer of a config "type" up in torch.optim: "dion3" builds DeepSpeedDion3',
+        DS_019,
+        adds=True,
+    ),
+    compat.Patch(
+        "deepspeed.runtime.engine:DeepSpeedEngine._is_supported_optimizer",
+        name_hint,
+        'a config "type" close to Dion3\'s ("Dion", "dion-3", "Dion3Optimizer") fails with one line naming "Dion3" '
+        "instead of DeepSpeed's bare assertion",
+        DS_019,
+        optional=True,
+    ),
+    compat.Patch(
+        "deepspeed.runtime.zero.utils:ZERO_SUPPORTED_OPTIMIZERS[+]",
+        deepspeed_class,
+        'ZeRO takes DeepSpeedDion3 without "zero_allow_untested_optimizer"',
+        DS_019,
+        optional=True,
+    ),
+    compat.Patch(
+        "deepspeed.runtime.engine:DeepSpeedEngine._configure_basic_optimizer",
+        split_config_params,
+        'with "type": "Dion3" the parameters DeepSpeed was given are split by the engine\'s model: embeddings, '
+        "the output head, norms and vectors take AdamW, hidden matrices Dion3",
+        DS_019,
+        optional=True,
+    ),
+    compat.Patch(
+        "deepspeed.runtime.engine:DeepSpeedEngine._do_optimizer_sanity_check",
+        stage_class,
+        "where DeepSpeed decides how to wrap the optimizer, DeepSpeedDion3 becomes DeepSpeedZeroDion3 if ZeRO-1/2/3 "
+        "or BF16_Optimizer will hand it flat partitions; a plain dion3_megatron.Dion3 there is refused at "
+        "initialize, by name",
+        DS_019,
+        optional=True,
+    ),
+    compat.Patch(
+        "deepspeed.runtime.engine:DeepSpeedEngine._configure_zero_optimizer",
+        zero_stage_checks,
+        "optimizer offload is refused for Dion3 with a message saying what to set; Dion3 learns ZeRO's "
+        "partitions (ZeRO-3: which parameters each sub-group's holds) and how to write one back to its "
+        "low-precision copy, and the partition-shaped state of every ZeRO partition is created before ZeRO "
+        "links state to parameters",
+        DS_019,
+        optional=True,
+    ),
+    compat.Patch(
+        "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
+        zero3.load_universal_settings_and_ages,
+        "ZeRO-3's universal-checkpoint load gives every param group the first one's settings and drops every "
+        "state key but exp_avg and exp_avg_sq: for Dion3, each group gets its own settings back (Dion3 and "
+        "AdamW groups differ) and the rows' ages (row_age) are loaded too",
+        DS_019,
+        optional=True,
+    ),
+)
 
 
 register()

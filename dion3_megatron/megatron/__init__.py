@@ -1,7 +1,7 @@
 """Dion3 for Megatron-Core / Megatron-LM 0.19: ``--optimizer dion3``.
 
 :func:`register` is the one entry point: it applies every change this package makes to Megatron,
-each listed with its reason and the upstream version in :data:`dion3_megatron.compat.MEGATRON`;
+each listed with its reason and the upstream version in :data:`.registry.MEGATRON`;
 :func:`unregister` undoes them all.
 Importing this package calls it, and so do the launcher and a Megatron tree patched with
 patches/megatron-core-0.19-dion3.patch. Then either

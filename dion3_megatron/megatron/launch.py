@@ -4,8 +4,8 @@
     torchrun --nproc-per-node 8 -m dion3_megatron.megatron.launch pretrain_gpt.py ...
 
 The script runs as ``__main__`` with ``sys.argv = [script, *args]``, as ``python script`` would run
-it, after :func:`dion3_megatron.megatron.register` (``launcher=True``: with the one entry of
-:data:`dion3_megatron.compat.MEGATRON` that only the launcher applies, :func:`skip_compile_helpers`);
+it, after :func:`dion3_megatron.megatron.register` (``launcher=True``: with :data:`LAUNCHER`, the one
+change that only the launcher makes, :func:`skip_compile_helpers`);
 started without torchrun, it runs as the one process of a one-process world (what
 ``torchrun --nproc-per-node 1`` would set up). ``--help`` (alone) prints the usage
 and the ``--dion3-*`` flags without importing Megatron; ``SCRIPT --help`` prints the script's own
@@ -20,6 +20,9 @@ import runpy
 import sys
 from collections.abc import MutableMapping
 from typing import Any, NoReturn
+
+from .. import compat
+from .registry import MCORE_019
 
 PROG = "python -m dion3_megatron.megatron.launch"
 
@@ -87,13 +90,27 @@ def skip_compile_helpers(compile_helpers):
     (``helpers_cpp``) but not their Makefile, so a script run against the wheel (Megatron-LM's
     pretrain_gpt.py from a copy, or examples/megatron_lm_pretrain_gpt.py) would stop there. Under
     the launcher, where the compiled module imports (:func:`helpers_prebuilt`), the compile is
-    skipped (an entry of :data:`dion3_megatron.compat.MEGATRON`); a source tree without it builds
-    as before."""
+    skipped (the entry of :data:`LAUNCHER`); a source tree without it builds as before."""
 
     def compile_helpers():
         """Nothing to build: the dataset helpers come compiled (dion3_megatron.megatron.launch)."""
 
     return compile_helpers
+
+
+# What the launcher changes besides dion3_megatron.megatron.registry.MEGATRON (register(launcher=True)
+# applies both); the fields: dion3_megatron.compat.
+LAUNCHER: tuple[compat.Patch, ...] = (
+    compat.Patch(
+        "megatron.core.datasets.utils:compile_helpers",
+        skip_compile_helpers,
+        "Megatron-LM's initialize_megatron runs make for the dataset helpers, which the wheel ships compiled "
+        "but without their Makefile: a script run against the wheel would stop there",
+        MCORE_019,
+        when="where the dataset helpers come compiled (the megatron-core wheel)",
+        only_if=helpers_prebuilt,
+    ),
+)
 
 
 def single_process_world(environ: MutableMapping[str, str]) -> None:

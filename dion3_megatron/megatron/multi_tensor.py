@@ -10,7 +10,7 @@ layer-wise Dion3 optimizer and the embeddings' Adam are chained), so they weigh 
 
 :func:`foreach_form` gives ``torch._foreach_*`` forms of the same operations, which
 :func:`dion3_megatron.megatron.register` puts in their place (entries of
-:data:`dion3_megatron.compat.MEGATRON`): the same per-element arithmetic (scaling and copies
+:data:`.registry.MEGATRON`): the same per-element arithmetic (scaling and copies
 bit-identical; the norm the same sum of squares, reduced in another order on the device, so equal
 to a few ulps) and no synchronization until Megatron's own ``.item()``, for the steps of Dion3's
 Megatron wrappers alone (:func:`dion3_step`): every other call, every other optimizer's step,

@@ -2,9 +2,9 @@
 
 ``import dion3_megatron.megatron``, ``python -m dion3_megatron.megatron.launch`` and a Megatron tree
 patched with patches/megatron-core-0.19-dion3.patch all call :func:`register`. It applies
-:data:`dion3_megatron.compat.MEGATRON`, the list of every Megatron attribute this package replaces
-or adds, with why and the upstream version; this module holds the replacements that concern
-registration:
+:data:`MEGATRON`, the table of every Megatron attribute this package replaces or adds, with why
+and the upstream version (applied and restored by :mod:`dion3_megatron.compat`); this module holds
+that table and the replacements that concern registration:
 
 1. :func:`dion3_entry`: ``dion3`` in Megatron-Core's emerging-optimizer registry, with its hooks
    :func:`config_to_kwargs` (the ``dion3_*`` values of the ``OptimizerConfig`` or of Megatron-LM's
@@ -26,10 +26,10 @@ Without apex or Transformer Engine it also applies :mod:`.torch_adam` (torch Ada
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable, TypedDict
 
 from .. import compat, options
-from . import wrappers
+from . import multi_tensor, torch_adam, wrappers
 from .arguments import (
     DION3_DEFAULTS,
     OPTIMIZER_NAME,
@@ -121,6 +121,7 @@ def emerging_optimizer_factory(factory):
         if not is_dion3(getattr(config, "optimizer", None)):
             return factory(config, *args, **kwargs)
         dion3_factory = compat.rebound(
+            MEGATRON,
             _FACTORY,
             factory,
             {
@@ -250,7 +251,7 @@ def layer_wise_ddp_wrap(ddp_wrap):
             )
         ddp_config.use_distributed_optimizer = True
         tag_params_for_buffer_routing(model)
-        layer_wise_wrap = compat.rebound(_DDP_WRAP, ddp_wrap, {"DistributedOptimizer": LayerWiseLayout})
+        layer_wise_wrap = compat.rebound(MEGATRON, _DDP_WRAP, ddp_wrap, {"DistributedOptimizer": LayerWiseLayout})
         return layer_wise_wrap(
             model,
             data_parallel_random_init,
@@ -264,21 +265,150 @@ def layer_wise_ddp_wrap(ddp_wrap):
     return _ddp_wrap
 
 
+MCORE_019 = "megatron-core 0.19.x (read in 0.19.2)"
+MLM_019 = "megatron-core 0.19.x's megatron.training (read in 0.19.2)"
+WITHOUT_APEX_OR_TE = "without apex or Transformer Engine"
+
+
+class _Condition(TypedDict):
+    """The ``when`` and ``only_if`` fields that several entries share."""
+
+    when: str
+    only_if: Callable[[Any], bool]
+
+
+# Megatron fell back to torch's AdamW (no apex, no Transformer Engine); to its per-tensor loops.
+_TORCH_ADAM_FALLBACK = _Condition(when=WITHOUT_APEX_OR_TE, only_if=torch_adam.megatron_adam_is_torch)
+_LOOP_FALLBACK = _Condition(when=WITHOUT_APEX_OR_TE, only_if=multi_tensor.is_local_fallback)
+
+# Every attribute of Megatron-Core and Megatron-LM that register() replaces or adds (the launcher's
+# one more: LAUNCHER of launch.py); the fields: dion3_megatron.compat.
+MEGATRON: tuple[compat.Patch, ...] = (
+    compat.Patch(
+        "megatron.core.optimizer.emerging_optimizers:_EMERGING_OPTIMIZERS['dion3']",
+        dion3_entry,
+        "the registry entry Megatron's optimizer factory reads for optimizer='dion3': MegatronDion3, its "
+        "init_state_fn and config_to_kwargs, and AdamW for embeddings, the output layer and non-2-D "
+        "parameters (the default_param_overrides Muon has)",
+        MCORE_019,
+    ),
+    compat.Patch(
+        "megatron.core.optimizer:_get_megatron_emerging_optimizer",
+        emerging_optimizer_factory,
+        "for dion3 only, Megatron's own factory runs without its check for the emerging-optimizers package "
+        "(Dion3 needs nothing from it) and wraps Dion3 in dion3_megatron.megatron.wrappers' subclasses of "
+        "its layer-wise and chained optimizers: fp32 without --bf16 (stock 0.19 fails ChainedOptimizer's "
+        "config assertion), a step with a non-finite gradient anywhere skipped whole on every rank",
+        MCORE_019,
+        rebinds=("HAVE_EMERGING_OPTIMIZERS", "LayerWiseDistributedOptimizer", "ChainedOptimizer"),
+    ),
+    compat.Patch(
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
+        torch_adam.set_main_param_and_optimizer_states,
+        "torch AdamW's resume under the distributed optimizer: the loaders copied back the 'step' of before "
+        "the load (bias corrections restart) or looked for a 'step' the checkpoint never holds (KeyError)",
+        MCORE_019,
+        **_TORCH_ADAM_FALLBACK,
+    ),
+    compat.Patch(
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict",
+        torch_adam.state_dict,
+        "torch AdamW before its first step has no 'step', which state_dict() asserts it finds (load_checkpoint "
+        "builds the state dict to load into from a fresh optimizer)",
+        MCORE_019,
+        **_TORCH_ADAM_FALLBACK,
+    ),
+    compat.Patch(
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict",
+        torch_adam.load_state_dict,
+        "load_state_dict() hands every parameter the same 'step' tensor, which torch AdamW increments once per "
+        "parameter and step: the bias corrections ran ahead",
+        MCORE_019,
+        **_TORCH_ADAM_FALLBACK,
+    ),
+    compat.Patch(
+        "megatron.core.optimizer.clip_grads:l2_norm_impl",
+        multi_tensor.foreach_form,
+        "the gradient norm as torch foreach ops: Megatron's loop synchronizes the device once per gradient",
+        MCORE_019,
+        **_LOOP_FALLBACK,
+    ),
+    compat.Patch(
+        "megatron.core.optimizer.clip_grads:multi_tensor_scale_impl",
+        multi_tensor.foreach_form,
+        "gradient clipping as torch foreach ops (bit-identical): Megatron's loop allocates a temporary per tensor",
+        MCORE_019,
+        **_LOOP_FALLBACK,
+    ),
+    compat.Patch(
+        "megatron.core.optimizer.optimizer:multi_tensor_scale_impl",
+        multi_tensor.foreach_form,
+        "the main-to-model parameter copies as torch foreach ops (bit-identical)",
+        MCORE_019,
+        **_LOOP_FALLBACK,
+    ),
+    compat.Patch(
+        "megatron.training.arguments:add_megatron_arguments",
+        megatron_arguments,
+        "Megatron-LM's parser gets 'dion3' among --optimizer's choices and the --dion3-* group, and its --help "
+        "works (0.19.2 has a help string with a bare '%' that argparse cannot format)",
+        MLM_019,
+        optional=True,
+    ),
+    compat.Patch(
+        "megatron.training.training:get_megatron_optimizer_config",
+        optimizer_config_from_args,
+        "copies the --dion3-* values from Megatron-LM's args onto the OptimizerConfig (upstream copies only "
+        "OptimizerConfig's own fields), and warns when Adam would take a Dion3-sized --lr",
+        MLM_019,
+        optional=True,
+    ),
+    compat.Patch(
+        "megatron.training.arguments:validate_args",
+        torch_fsdp2_validation,
+        "Megatron-LM refuses every emerging optimizer under --use-torch-fsdp2 (a guard of the layer-wise "
+        "ZeRO-1 layout, which FSDP2 replaces); for dion3 its other checks of that path run, and tensor "
+        "parallelism there is refused in one line",
+        MLM_019,
+        optional=True,
+    ),
+    compat.Patch(
+        "megatron.training.models.dist_utils:_ddp_wrap",
+        layer_wise_ddp_wrap,
+        "pretrain()'s model-config path (Megatron-LM's pretrain_gpt.py) ignores the layer-wise distributed "
+        "optimizer and all-reduces; for --optimizer dion3 --use-distributed-optimizer it builds the layer-wise "
+        "ZeRO-1 layout, as the model-provider path (get_model) does for every emerging optimizer",
+        MLM_019,
+        optional=True,
+        rebinds=("DistributedOptimizer",),
+    ),
+)
+
+
 def register(*, launcher: bool = False) -> bool:
-    """Make ``optimizer='dion3'`` / ``--optimizer dion3`` work: apply
-    :data:`dion3_megatron.compat.MEGATRON` (with ``launcher``, the launcher's entries too). Safe to
-    call any number of times.
+    """Make ``optimizer='dion3'`` / ``--optimizer dion3`` work: apply :data:`MEGATRON` (with
+    ``launcher``, then :data:`.launch.LAUNCHER` too). Safe to call any number of times.
 
     Returns True when Megatron-LM's argument parser was extended too (``megatron.training``
     importable), False when only Megatron-Core was.
     """
-    return compat.apply_megatron(launcher=launcher)["megatron.training.arguments:add_megatron_arguments"]
+    compat.require_megatron()
+    applied = compat.apply(MEGATRON)
+    if launcher:
+        from .launch import LAUNCHER
+
+        compat.apply(LAUNCHER)
+    return applied["megatron.training.arguments:add_megatron_arguments"]
 
 
 def unregister() -> None:
-    """Undo :func:`register`: every attribute of :data:`dion3_megatron.compat.MEGATRON` it replaced is
-    Megatron's own again, every one it added is gone (``optimizer='dion3'`` no longer builds)."""
-    compat.restore_megatron()
+    """Undo :func:`register`: every attribute of :data:`MEGATRON` (and :data:`.launch.LAUNCHER`) it
+    replaced is Megatron's own again, every one it added is gone (``optimizer='dion3'`` no longer
+    builds)."""
+    from .launch import LAUNCHER
+
+    compat.restore(LAUNCHER)
+    compat.restore(MEGATRON)
 
 
 def is_registered() -> bool:

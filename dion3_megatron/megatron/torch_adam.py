@@ -18,7 +18,7 @@ DistributedOptimizer saves once, in its param groups, and restores from there. T
 
 With ``--optimizer dion3`` the embeddings and the output layer take that Adam, so a Dion3 run would
 not resume identically either. The three functions below replace the three methods; they are
-entries of :data:`dion3_megatron.compat.MEGATRON`, applied where Megatron's Adam is torch's AdamW
+entries of :data:`.registry.MEGATRON`, applied where Megatron's Adam is torch's AdamW
 (:func:`megatron_adam_is_torch`) by :func:`dion3_megatron.megatron.register`; a fused Adam keeps
 no per-parameter ``step`` and needs none of them. They change only the DistributedOptimizer of a
 Dion3 run (its config's ``optimizer`` is dion3: Megatron's factory gives the Adam part of an

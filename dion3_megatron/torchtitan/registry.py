@@ -3,7 +3,8 @@
 torchtitan 0.3 resolves a param-group config's ``optimizer_name`` in
 ``OptimizersContainer._resolve_optimizer_factory``, a fixed table (Adam, AdamW, DistMuon):
 :func:`register` puts a resolver in its place that answers ``"Dion3"`` with :func:`build_dion3`
-and every other name as torchtitan does; :func:`unregister` puts torchtitan's back.
+and every other name as torchtitan does (:data:`TORCHTITAN`, applied through
+:mod:`dion3_megatron.compat`); :func:`unregister` puts torchtitan's back.
 """
 
 from __future__ import annotations
@@ -19,13 +20,6 @@ from ..optimizer import Dion3
 
 NAME = "Dion3"
 
-PATCH = compat.Patch(
-    "torchtitan.components.optimizer.optimizer:OptimizersContainer._resolve_optimizer_factory",
-    "dion3_megatron.torchtitan.registry:resolver_with_dion3",
-    'the optimizer_name "Dion3" of a ParamGroupConfig builds dion3_megatron.Dion3 (build_dion3); the other names resolve as in torchtitan',
-    "torchtitan 0.3.x (read in 0.3.0)",
-)
-
 # Keys torchtitan adds to every param group besides the config's optimizer_kwargs: the parameters'
 # names (kept: checkpoints key state by them), and its `implementation` choice of torch's Adam
 # kernels (dropped: Dion3 chooses its kernels with its own `kernels` option).
@@ -36,7 +30,7 @@ _IMPLEMENTATION = ("fused", "foreach")
 def resolver_with_dion3(resolve: Callable[[str], Callable]) -> staticmethod:
     """torchtitan's resolver ``resolve``, answering :data:`NAME` with :func:`build_dion3`."""
 
-    @functools.wraps(resolve)  # (keeps torchtitan's as __wrapped__, which unregister() puts back)
+    @functools.wraps(resolve)
     def resolve_with_dion3(name: str) -> Callable:
         return build_dion3 if name == NAME else resolve(name)
 
@@ -44,17 +38,28 @@ def resolver_with_dion3(resolve: Callable[[str], Callable]) -> staticmethod:
     return staticmethod(resolve_with_dion3)
 
 
+# Every attribute of torchtitan that register() replaces; the fields: dion3_megatron.compat.
+TORCHTITAN: tuple[compat.Patch, ...] = (
+    compat.Patch(
+        "torchtitan.components.optimizer.optimizer:OptimizersContainer._resolve_optimizer_factory",
+        resolver_with_dion3,
+        'the optimizer_name "Dion3" of a ParamGroupConfig builds dion3_megatron.Dion3 (build_dion3); the other names '
+        "resolve as in torchtitan",
+        "torchtitan 0.3.x (read in 0.3.0)",
+    ),
+)
+
+
 def register() -> None:
-    """Make ``optimizer_name="Dion3"`` work in torchtitan's optimizer config. Idempotent;
-    :class:`~dion3_megatron.compat.UpstreamChanged` where torchtitan no longer has the resolver."""
-    compat.apply((PATCH,))
+    """Make ``optimizer_name="Dion3"`` work in torchtitan's optimizer config: apply
+    :data:`TORCHTITAN`. Idempotent; :class:`~dion3_megatron.compat.UpstreamChanged` where
+    torchtitan no longer has the resolver."""
+    compat.apply(TORCHTITAN)
 
 
 def unregister() -> None:
     """Restore torchtitan's own resolver (nothing to do when Dion3 is not registered)."""
-    current = OptimizersContainer._resolve_optimizer_factory
-    if compat.is_patched(current):
-        OptimizersContainer._resolve_optimizer_factory = staticmethod(current.__wrapped__)
+    compat.restore(TORCHTITAN)
 
 
 def is_registered() -> bool:
