@@ -383,9 +383,9 @@ def settings(where: str, front_end: str, given: dict[str, Any], hints: Optional[
     ValueError naming ``where``, the option and the value), in their torch spellings: ``betas`` a
     tuple, ``ns_dtype`` a torch.dtype."""
     known = defaults_for(front_end)
-    for name in given:
-        if name not in known:
-            raise unknown_option(where, name, known, hints)
+    unknown = [name for name in given if name not in known]
+    if unknown:
+        raise unknown_option(where, unknown, known, hints)
     resolved = {**known, **given}
     check(where, **resolved)
     if resolved.get("betas") is not None:  # (a JSON list)
@@ -397,9 +397,9 @@ def settings(where: str, front_end: str, given: dict[str, Any], hints: Optional[
 
 def refuse_unknown(where: str, front_end: str, unknown: dict[str, Any], hints: Optional[dict[str, str]] = None) -> None:
     """Refuse the keyword arguments a constructor caught beside its options (its ``**unknown``):
-    :class:`UnknownOptionError` naming the first, with the did-you-mean hint."""
-    for name in unknown:
-        raise unknown_option(where, name, defaults_for(front_end), hints)
+    :class:`UnknownOptionError` naming each, with its did-you-mean hint."""
+    if unknown:
+        raise unknown_option(where, unknown, defaults_for(front_end), hints)
 
 
 def from_signature(front_end: str, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -443,12 +443,17 @@ def close_option(name: str, known: Iterable[str]) -> Optional[str]:
     return close[0] if close else None
 
 
-def unknown_option(where: str, name: str, known: Iterable[str], hints: Optional[dict[str, str]] = None) -> UnknownOptionError:
-    """The error for ``name``, not one of ``known``, given in ``where``: with its hint
-    (:func:`unknown_name_hint`), else the known names."""
+def unknown_option(
+    where: str, names: str | Iterable[str], known: Iterable[str], hints: Optional[dict[str, str]] = None
+) -> UnknownOptionError:
+    """The error for ``names`` (one or several), not among ``known``, given in ``where``: each with
+    its hint (:func:`unknown_name_hint`), then the known names."""
     known = list(known)
-    hint = unknown_name_hint(name, known, hints)
-    return UnknownOptionError(f"{where}: {name!r} is not a Dion3 option here; " + (hint or f"the options are {', '.join(known)}"))
+    said = []
+    for name in [names] if isinstance(names, str) else names:
+        hint = unknown_name_hint(name, known, hints)
+        said.append(f"{name!r} is not a Dion3 option here" + (f" ({hint})" if hint else ""))
+    return UnknownOptionError(f"{where}: {', '.join(said)}; the options here are {', '.join(known)}")
 
 
 def check(where: str, prefix: str = "", **values: Any) -> None:

@@ -55,7 +55,7 @@ def test_dion3_graph_replay_equals_eager(generator, dtype, settings):
     graphed = [torch.nn.Parameter(p.detach().clone()) for p in base]
     opt_eager = train(eager, grads, lrs, cuda_graph=False, reload_at=5, **settings)
     opt_graphed = train(graphed, grads, lrs, cuda_graph=True, reload_at=5, **settings)
-    assert opt_graphed._whole.engine._graph.graph is not None and opt_eager._whole.engine._graph.graph is None
+    assert opt_graphed._whole.session.engine._graph.graph is not None and opt_eager._whole.session.engine._graph.graph is None
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
     for a, b in zip(eager, graphed):
@@ -174,9 +174,9 @@ def test_megatron_dion3_with_fused_qkv_graph_equals_eager(generator, stable_grad
             opt.step()
         runs.append((opt, params))
     (eager, eager_params), (graphed, graphed_params) = runs
-    assert eager._engine._graph.graph is None
+    assert eager._session.engine._graph.graph is None
     if stable_grads:
-        assert graphed._engine._graph.graph is not None
+        assert graphed._session.engine._graph.graph is not None
     for a, b in zip(eager_params, graphed_params):
         assert torch.equal(a, b)
     for a, b in zip(eager_params, graphed_params):

@@ -80,7 +80,7 @@ def test_torch_constructor_takes_exactly_the_torch_options():
     for name in options.group_keys(options.TORCH):
         assert group[name] == options.BY_NAME[name].default, name
     assert opt.cuda_graph is options.BY_NAME["cuda_graph"].default
-    with pytest.raises(options.UnknownOptionError, match="Dion3: 'fractoin' is not a Dion3 option here; did you mean 'fraction'\\?"):
+    with pytest.raises(options.UnknownOptionError, match="Dion3: 'fractoin' is not a Dion3 option here \\(did you mean 'fraction'\\?\\)"):
         Dion3([torch.nn.Parameter(torch.zeros(4, 4))], fractoin=0.5)
 
 
@@ -97,7 +97,7 @@ def test_names_of_other_optimizers_get_the_dion3_name_in_every_front_end(name, w
     """One table of hints (options.HINTS) and one exception type (options.UnknownOptionError, a
     TypeError): the torch class's unknown keyword and param-group key, the DeepSpeed class's and
     config's unknown key, Megatron's class's keyword."""
-    hinted = f"{name!r} is not a Dion3 option here; .*{re.escape(words)}"
+    hinted = f"{name!r} is not a Dion3 option here \\(.*{re.escape(words)}"
     with pytest.raises(options.UnknownOptionError, match=f"Dion3: {hinted}"):
         Dion3([torch.nn.Parameter(torch.zeros(4, 4))], **{name: 0.9})
     with pytest.raises(options.UnknownOptionError, match=f"param group 0: {hinted}"):

@@ -32,6 +32,12 @@ from .ortho import default_ns_dtype, orthogonalize
 # every update is then finite too. A larger (or a non-finite) gradient skips the whole step.
 GRADIENT_LIMIT = 2.0**64
 
+# Up to this many elements per matrix, apply_rows adds every matrix's update as a whole matrix (its
+# unselected rows zero) in one multi-tensor add instead of one index_add per matrix: the same sums,
+# and the per-matrix kernel launches of the small matrices were most of their step (on CPU: 5.4
+# against 1.3 us per 16 x 16 matrix; equal at 64 x 64; slower above).
+DENSE_UPDATE_LIMIT = 4096
+
 # The adjust_lr modes; update_scale() gives the lr multiplier of each.
 ADJUST_LR_CHOICES = ("spectral_norm", "rms_norm")
 
@@ -394,11 +400,19 @@ def apply_rows(
         triton_rows.apply_rows(weights, rows, steps, row_scale, shrink)
         return
     shrink_weights(weights, shrink)
+    n = weights[0].shape[0]
     if padded:  # the skipped rows add zeros to the last row
-        n = weights[0].shape[0]
         row_scale = row_scale * (rows < n)
         rows = rows.clamp(max=n - 1)
-    for weight, idx, step in zip(weights, rows.unbind(0), (steps * row_scale.unsqueeze(-1)).unbind(0)):
+    scaled = steps * row_scale.unsqueeze(-1)
+    dtype = weights[0].dtype
+    if weights[0].numel() <= DENSE_UPDATE_LIMIT and all(w.dtype == dtype for w in weights):
+        # small matrices: one multi-tensor add of the updates as whole matrices, rounded as the loop below rounds
+        update = torch.zeros((len(weights), n, scaled.shape[-1]), dtype=scaled.dtype, device=scaled.device)
+        update.scatter_add_(1, rows.unsqueeze(-1).expand(scaled.shape), scaled)  # (padded rows add their zeros)
+        torch._foreach_add_(weights, list(update.to(dtype).unbind(0)))
+        return
+    for weight, idx, step in zip(weights, rows.unbind(0), scaled.unbind(0)):
         weight.index_add_(0, idx, step if step.dtype == weight.dtype else step.to(weight.dtype))
 
 

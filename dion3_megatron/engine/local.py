@@ -184,7 +184,7 @@ class WholeExchange(BlockExchange):
             accumulated = self._accumulated[p] if self._accumulated is not None else None
             entries.append(
                 WholeMatrices(
-                    [sg.shards[j].weight.view(n, m) for j in sub.index],
+                    [w if (w := sg.shards[j].weight).shape == (n, m) else w.view(n, m) for j in sub.index],
                     sub.momentum,
                     sub.variance,
                     hp,

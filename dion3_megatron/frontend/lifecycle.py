@@ -10,6 +10,29 @@ hands over parameters; :class:`Dion3FrontEnd` owns the rest:
 * the record of the automatic f (:data:`RECORD`): one key and one schema in every checkpoint
   format;
 * ``load_state_dict``'s order: everything checked, then everything set.
+
+Beneath it, :class:`~dion3_megatron.engine.session.EngineSession` owns the engine across steps
+(speeds, builds, the record's gather), and the option spec (:mod:`dion3_megatron.options`) checks
+every setting where it enters.
+
+To add a front end:
+
+1. Subclass :class:`Dion3FrontEnd`, set ``FRONT_END`` (add its name to ``options.FRONT_ENDS`` and to
+   the ``front_ends`` of the options it takes), and spell its options out as keyword-only
+   constructor parameters ending in ``**unknown: Never``; check them with
+   ``options.refuse_unknown`` and ``options.settings`` (tests/test_options.py checks the signature
+   against the spec).
+2. Check param groups where they enter (``add_param_group``: ``frontend.groups.check_group_keys``
+   and ``check_group``) and read their settings at a step through ``frontend.groups.GroupSettings``.
+3. Describe what the framework hands over as :class:`~dion3_megatron.engine.MatrixShard` s (whole,
+   row or column blocks, boxes, flat pieces) and step them through one ``EngineSession``
+   (``engine_for`` with a key naming what they were built from; ``gather=True`` where ranks hold
+   different matrices).
+4. In ``step()``, run every check through :meth:`Dion3FrontEnd.gate_step` before anything changes.
+5. Implement :meth:`~Dion3FrontEnd.fraction_records` / :meth:`~Dion3FrontEnd.restore_fraction_records`
+   (the session's ``records`` / ``restore``), :meth:`~Dion3FrontEnd.check_loadable` and
+   :meth:`~Dion3FrontEnd.load_checked`.
+6. Compare every layout with the single-process ``Dion3`` on whole matrices in a test.
 """
 
 from __future__ import annotations

@@ -119,10 +119,10 @@ class WholeParameters:
                 for p in group["params"]:
                     if sharded is not None and is_dtensor(p) and (why := self._pieces.refusal(p, algorithm_of(group, p) == "dion3")):
                         raise ValueError(f"{param_names(groups)[p]}: {why}")
-                    if p.grad is not None:
-                        if p.grad.is_sparse:
+                    if (grad := p.grad) is not None:
+                        if grad.is_sparse:
                             raise ValueError(f"param group {gi}: Dion3 does not support sparse gradients")
-                        grads.append(local(p.grad))
+                        grads.append(local(grad) if sharded is not None else grad)
             return grads
 
         # Each rank holds its own rows of a DTensor's gradient: the ranks decide together. Whole
@@ -173,9 +173,12 @@ class WholeParameters:
                 group["weight_decay"],
             )
         for gi, p in matrices:  # this step's gradients and schedule (lr, weight decay)
-            grads = matrix_values(local(_grad_of(p))).unbind(0)
-            for shard, grad in zip(self._shards[p], grads):
-                shard.grad, shard.hp = grad, settings[gi]
+            shards, grad, hp = self._shards[p], local(_grad_of(p)), settings[gi]
+            if grad.dim() == 2:  # (one matrix: the gradient itself)
+                shards[0].grad, shards[0].hp = grad, hp
+                continue
+            for shard, matrix_grad in zip(shards, matrix_values(grad).unbind(0)):
+                shard.grad, shard.hp = matrix_grad, hp
         copied = [p for _, p in matrices if not p.is_contiguous()]
 
         def copy_in() -> None:
@@ -193,9 +196,13 @@ class WholeParameters:
     def _engine_for(
         self, groups: list[dict], matrices: list[tuple[int, torch.Tensor]], settings: list[Dion3Hyperparameters], state: dict
     ) -> Dion3Engine:
-        # (a DTensor's placements: re-placed on the same storage, its pieces lie elsewhere in the matrices)
+        # The parameters (by group), their storage and (DTensors) placements: re-placed on the same
+        # storage, a DTensor's pieces lie elsewhere in the matrices.
+        held = tuple((local(p).data_ptr(), p.placements) for _, p in matrices if is_dtensor(p))
         key = (
-            tuple((gi, id(p), local(p).data_ptr(), p.placements if is_dtensor(p) else None) for gi, p in matrices),
+            tuple(gi for gi, _ in matrices),
+            tuple(map(id, (p for _, p in matrices))),
+            tuple(p.data_ptr() for _, p in matrices) if not held else held,
             tuple(cuda_graph_module.baked_settings(hp) for hp in settings),
         )
         if (engine := self.session.current(key)) is not None:
