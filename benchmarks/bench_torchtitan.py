@@ -49,18 +49,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def write_stdlib_corpus(folder: Path) -> Path:
-    """The standard library's ``.py`` sources as JSON lines ``{"text": ...}``, one file a line,
-    in sorted order: a dataset torchtitan's ``c4_test`` loader reads."""
-    from examples.stdlib_text import stdlib_files
-
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "data.json", "w") as f:
-        for path in stdlib_files():
-            f.write(json.dumps({"text": path.read_text(errors="replace")}) + "\n")
-    return folder
-
-
 def steps_of(log: str) -> dict[int, tuple[float, float]]:
     """{step: (loss, tokens per second)} from a torchtitan log."""
     found = {}
@@ -108,6 +96,8 @@ def environment() -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from examples.stdlib_text import write_stdlib_corpus
+
     args = parse(argv)
     with tempfile.TemporaryDirectory() as tmp:
         extra = []

@@ -26,17 +26,17 @@ from dataclasses import dataclass
 from dion3_megatron.core.ortho import ns_flops
 from dion3_megatron.engine.static import STATIC_ROW_BLOCKS_MAX_WORLD
 
-# Measured on 2 x H200 (NVLink) with NCCL, torch 2.11: a 4 KB all-to-all
-# takes 43 us; 512 MB moves in 0.94 ms. Sustained NS rate: plain-torch Keller NS5 on 5120 x 13824
-# ran 13.9 ms for 8.6 TFLOP of dense matmul (~620 TFLOP/s).
+# The model's constants for two H200s over NVLink with NCCL (docs/scaling.md states them). Chosen,
+# not measured here: the latency of one collective, the bandwidth of a large one (512 MiB in
+# 0.94 ms), the device-memory bandwidth of the element-wise passes over the rank's matrices
+# (momentum, scores, gathers, weight update) and the launch and Python cost of one eager op.
 ALPHA_S = 43e-6
 BETA_BYTES_PER_S = 512 * 2**20 / 0.94e-3
-NS_FLOPS_PER_S = 620e12
-# Element-wise passes over the rank's matrices (momentum, scores, gathers, weight update) run at
-# device-memory speed: 4.3 TB/s copy bandwidth measured on an H200 (device KINDS.md). Each eager
-# PyTorch op costs ~8 us of launch and Python (an assumption, not a measurement).
 HBM_BYTES_PER_S = 4.3e12
 LAUNCH_S = 8e-6
+# The sustained NS rate: plain-torch Keller NS5 on 5120 x 13824 on one H200, 13.79 ms for 8.6 TFLOP
+# of dense products (benchmarks/results/gram-ns-h200.json: 623 TFLOP/s), rounded down.
+NS_FLOPS_PER_S = 620e12
 # Bytes moved in device memory per matrix element and step: Dion3 reads/writes the momentum, the
 # gradient, the scores and the weight (~24 B) plus ~40 B per selected element (gather, normalize,
 # scatter); Muon ~24 B (momentum, weight) plus the all-gathered copy and NS operands (~16 B).
@@ -125,6 +125,12 @@ def dion3_step(cfg: ModelConfig, layout: Layout, fraction: float) -> dict:
     return _timed(rounds, nbytes, flops, memory, ops)
 
 
+def dense_ns5_flops(s: int, length: int) -> float:
+    """Matmul FLOPs of Keller's NS5 on an s x L matrix (s <= L), every product dense: per step
+    X X^T and B X (2 s^2 L each) and A A (2 s^3)."""
+    return 5 * (4 * s * s * length + 2 * s**3)
+
+
 def muon_step(cfg: ModelConfig, layout: Layout) -> dict:
     w = layout.tp
     rounds = nbytes = flops = memory = ops = 0.0
@@ -133,7 +139,7 @@ def muon_step(cfg: ModelConfig, layout: Layout) -> dict:
             rounds += count
             nbytes += (w - 1) / w * count * n * m * 4  # all-gather of each fp32 momentum shard
         s, length = min(n, m), max(n, m)
-        flops += count * 5 * (4 * s * s * length + 2 * s**3)  # dense NS5, every TP rank, every matrix
+        flops += count * dense_ns5_flops(s, length)  # every TP rank, every matrix
         memory += count * n * m * MUON_BYTES_PER_ELEMENT
         ops += count * MUON_OPS
     return _timed(rounds, nbytes, flops, memory, ops)

@@ -1,5 +1,5 @@
-"""What the main job (examples/pretrain_gpt.py) reports on rank 0: the table, the one-line verdict,
-the JSON of every run and the loss plot (vs step and vs wall-clock seconds)."""
+"""What the Megatron-Core GPT example (examples/pretrain_gpt.py) reports on rank 0: the table, the
+one-line verdict, the JSON of every run and the loss plot (vs step and vs wall-clock seconds)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ buffers, ``torch.cuda.current_device()``, streams and events, the CUDA RNG track
 ``param.type()`` strings such as ``'torch.cuda.FloatTensor'``. :func:`install` redirects all of that
 to the CPU inside the current process, so that GPTModel (local layer spec), DDP, the distributed
 and layer-wise distributed optimizers, tensor/pipeline/expert parallelism and torch_dist
-checkpoints run over gloo on CPU processes. ``examples/pretrain_gpt.py`` (the CPU main job) and the
+checkpoints run over gloo on CPU processes. ``examples/pretrain_gpt.py`` (on CPU) and the
 Megatron tests use it.
 
 It patches ``torch`` and ``torch.cuda`` process-wide (and starts Megatron's checkpoint writer's

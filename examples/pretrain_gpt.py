@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train a small Megatron-Core GPT with Dion3: the dion3-megatron main job.
+"""Train a small Megatron-Core GPT with Dion3: the example the README runs first.
 
     python examples/pretrain_gpt.py                  # CPU: starts 2 processes over gloo (DP=2); ~70 s
     python examples/pretrain_gpt.py --tp 2 --query-groups 2   # CPU, tensor parallel instead
@@ -100,34 +100,28 @@ def parse_args(argv=None):
     m.add_argument("--global-batch", type=int, help=f"sequences per step, split over data-parallel ranks {_by_device('global_batch')}")
     m.add_argument("--steps", type=int, help=f"optimizer steps {_by_device('steps')}")
     o = p.add_argument_group("optimizer")
-    o.add_argument(
-        "--lr",
-        type=DION3_OPTIONS["lr"].argparse_type(),
-        default=DION3_OPTIONS["lr"].default,
-        help="Dion3's matrices at f = 1 (f < 1 steps at up to 4x), and norms, as Megatron does (default: the library's, %(default)s)",
-    )
+
+    def library_option(flag: str, name: str, text: str) -> None:
+        """A flag that takes a Dion3 option, with the spec's check and default."""
+        option = DION3_OPTIONS[name]
+        o.add_argument(flag, type=option.argparse_type(), default=option.default, help=f"{text} (default: the library's, %(default)s)")
+
+    library_option("--lr", "lr", "Dion3's matrices at f = 1 (f < 1 steps at up to 4x), and norms, as Megatron does")
     o.add_argument("--muon-lr", type=float, default=0.0025, help="the Muon run's matrices (and norms) (default: %(default)s)")
-    o.add_argument(
-        "--adam-lr",
-        type=float,
-        default=3e-3,
-        help="the AdamW run; embeddings and output layer in every run, Megatron's --decoupled-lr (default: %(default)s)",
+    library_option(
+        "--decoupled-lr",
+        "adamw_lr",
+        "the Dion3 run's embeddings and output layer, which take AdamW: Megatron's --decoupled-lr, Dion3's adamw_lr",
     )
     o.add_argument(
-        "--weight-decay",
-        type=DION3_OPTIONS["weight_decay"].argparse_type(),
-        default=0.01,
-        help="decoupled weight decay (default: %(default)s)",
+        "--adam-lr", type=float, default=3e-3, help="the AdamW run, and the Muon run's embeddings and output layer (default: %(default)s)"
     )
+    library_option("--weight-decay", "weight_decay", "decoupled weight decay")
     o.add_argument(
         "--clip-grad", type=float, default=1.0, help="gradient clipping: the global norm's limit, 0 for none (default: %(default)s)"
     )
-    o.add_argument(
-        "--dion3-fraction",
-        type=DION3_OPTIONS["fraction"].argparse_type(),
-        default=DION3_OPTIONS["fraction"].default,
-        help="Dion3's f: in (0, 1], or 'auto', chosen per matrix from its shape and this machine's "
-        "speed (default: the library's, %(default)s)",
+    library_option(
+        "--dion3-fraction", "fraction", "Dion3's f: in (0, 1], or 'auto', chosen per matrix from its shape and this machine's speed"
     )
     d = p.add_argument_group("data (default: the Python standard library's sources, byte-level)")
     d.add_argument("--text-file", help="train on this text file, byte-level (vocab 256)")
@@ -331,10 +325,42 @@ class Batches:
 # One training run
 
 
+def optimizer_config(args, name: str, cuda: bool):
+    """Megatron's OptimizerConfig of one run: Dion3 at the library's defaults unless a flag sets
+    them (its lr, the AdamW lr of its embeddings and output layer, weight decay, f); Muon and AdamW
+    at the script's own lrs."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    lr = {"adam": args.adam_lr, "muon": args.muon_lr}.get(name, args.lr)
+    decoupled = {"adam": None, "muon": args.adam_lr}.get(name, args.decoupled_lr)
+    # In fp32, Megatron 0.19's layer-wise wrapper chains Muon's raw torch optimizer, whose missing
+    # .config fails ChainedOptimizer's assertion (dion3's wrapper adds FP32Optimizer). So Muon's
+    # *optimizer* config says bf16 on CPU too: Megatron's bf16 wrapper then steps the fp32 model
+    # params in place (its fp32_from_fp32 groups: no copies, fp32 math).
+    ocfg = OptimizerConfig(
+        optimizer=name,
+        lr=lr,
+        min_lr=lr / 10,
+        weight_decay=args.weight_decay,
+        bf16=cuda or name == "muon",
+        clip_grad=args.clip_grad,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+        use_distributed_optimizer=True,
+        use_layer_wise_distributed_optimizer=name != "adam",
+        decoupled_lr=decoupled,
+        decoupled_min_lr=None if decoupled is None else decoupled / 10,
+    )
+    if name == "dion3":
+        ocfg.dion3_fraction = args.dion3_fraction
+    return ocfg
+
+
 def build(args, name: str, vocab: int, device: torch.device, cuda: bool):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.training.training import wrap_model_chunks_with_ddp
@@ -356,34 +382,15 @@ def build(args, name: str, vocab: int, device: torch.device, cuda: bool):
     model = megatron_gpt(config, padded_vocab, args.seq_length)
     model.to(device)
     # Emerging optimizers (dion3, muon) get Megatron's layer-wise ZeRO-1, as --use-distributed-optimizer
-    # gives them in pretrain(). In fp32, Megatron 0.19's layer-wise wrapper chains Muon's raw torch
-    # optimizer, whose missing .config fails ChainedOptimizer's assertion (dion3's wrapper adds
-    # FP32Optimizer). So Muon's *optimizer* config says bf16 on CPU too: Megatron's bf16 wrapper then
-    # steps the fp32 model params in place (its fp32_from_fp32 groups: no copies, fp32 math).
+    # gives them in pretrain().
     layer_wise = name != "adam"
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
     chunks = wrap_model_chunks_with_ddp([model], config, ddp_config, use_layer_wise_distributed_optimizer=layer_wise)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = chunks[0].no_sync
-    lr = {"adam": args.adam_lr, "muon": args.muon_lr}.get(name, args.lr)
-    ocfg = OptimizerConfig(
-        optimizer=name,
-        lr=lr,
-        min_lr=lr / 10,
-        weight_decay=args.weight_decay,
-        bf16=cuda or name == "muon",
-        clip_grad=args.clip_grad,
-        adam_beta1=0.9,
-        adam_beta2=0.95,
-        adam_eps=1e-8,
-        use_distributed_optimizer=True,
-        use_layer_wise_distributed_optimizer=layer_wise,
-        decoupled_lr=None if name == "adam" else args.adam_lr,
-        decoupled_min_lr=args.adam_lr / 10,
-    )
-    if name == "dion3":
-        ocfg.dion3_fraction = args.dion3_fraction
+    ocfg = optimizer_config(args, name, cuda)
     opt = get_megatron_optimizer(ocfg, chunks)
+    lr = ocfg.lr
     warmup = max(1, args.steps // 20)
     sched = OptimizerParamScheduler(
         opt,
@@ -655,6 +662,7 @@ def worker(args) -> None:
         lr=args.lr,
         muon_lr=args.muon_lr,
         adam_lr=args.adam_lr,
+        decoupled_lr=args.decoupled_lr,
         dion3_fraction=args.dion3_fraction,
     )
     if rank0:

@@ -12,9 +12,9 @@
     <!-- command: snippet -->  Python that needs the reader's model: compiled, not run
 
 Shell and Python blocks must carry a mark; ``text`` blocks are not commands and ``json`` blocks must
-parse. The docs' relative links must resolve, their words must not describe how the project was
-developed, and the figures of the README's and docs/performance.md's tables must be in the JSON files
-of benchmarks/results/ that their sections cite. Each checker is also run on a broken example, so
+parse. The docs' relative links must resolve, and the figures of the README's and
+docs/performance.md's tables must be in the JSON files of benchmarks/results/ that their sections
+cite (tests/test_shipped_words.py checks the docs' words). Each checker is also run on a broken example, so
 that it can be seen to fail.
 """
 
@@ -46,13 +46,6 @@ ALLOWED = {"cpu": SHELL | PYTHON, "gpu": SHELL, "install": SHELL, "tests": SHELL
 REPOSITORY_URL = "https://github.com/dion3-megatron/dion3-megatron/"
 # Paths a command may name that are the reader's, not this repository's.
 EXTERNAL = ("Megatron-LM/", "DeepSpeed")
-# Words about how the project was developed; none belongs in the user docs.
-HISTORY = re.compile(
-    r"session|issue [0-9]|issue #|parked|reverted|(?-i:DESIGN\.md)|\.carry|shared/tools|twenty|thirty|"
-    r"\bcommit [0-9a-f]{7}|`[0-9a-f]{7}`|not re-measured|that version|tried and|was the target|"
-    r"measurement-log|earlier day|the main job",
-    re.I,
-)
 
 
 @dataclass(frozen=True)
@@ -213,6 +206,18 @@ def ci_install_extras(ci_text: str) -> set[str]:
     return found
 
 
+def pinned(text: str) -> set[tuple[str, bool]]:
+    """The pinned requirements (``name==version``) of a text's pip install lines, each with whether
+    its line installs without requirements (``--no-deps``); torch's left out: CI pins the build it
+    tests, a reader has theirs."""
+    found = set()
+    for _, words, _ in commands(text):
+        if pip_extras([w for w in words if w not in ("-q", "--no-cache-dir")]) is not None:
+            pins = (w for w in words if re.fullmatch(r"[\w.-]+==[\w.]+", w) and not w.startswith("torch=="))
+            found |= {(pin, "--no-deps" in words) for pin in pins}
+    return found
+
+
 def ci_test_command(ci_text: str) -> str:
     lines = [line.strip() for line in ci_text.splitlines() if re.match(r"\s*python -m pytest", line)]
     assert len(lines) == 1, f".ci/run should call pytest once, found {lines}"
@@ -281,11 +286,6 @@ def link_problems(path: pathlib.Path, text: str | None = None) -> list[str]:
         elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
             problems.append(f"{path.name}: link to {target}: no such heading in {resolved.name}")
     return problems
-
-
-def history_problems(path: pathlib.Path, text: str | None = None) -> list[str]:
-    text = path.read_text(encoding="utf-8") if text is None else text
-    return [f"{path.name}:{n}: {line.strip()[:100]}" for n, line in enumerate(text.splitlines(), 1) if HISTORY.search(line)]
 
 
 def numbers(text: str) -> set[float]:
@@ -413,6 +413,22 @@ def test_the_readme_test_command_is_the_one_ci_runs():
     assert "installs ['docs', 'lint', 'test']" in found[3]
 
 
+def test_the_docs_install_the_pinned_packages_ci_installs():
+    """The README's tests install and every install block that installs without requirements
+    (torchtitan's) pin what .ci/run pins, as it does (with or without --no-deps)."""
+    ci = pinned((ROOT / ".ci" / "run").read_text(encoding="utf-8"))
+    assert ("torchtitan==0.3.0", True) in ci and ("datasets==5.2.0", False) in ci, ci
+    readme = parse_blocks(ROOT / "README.md")
+    (tests,) = [b for b in readme if b.mark == "tests"]
+    blocks = [[b for b in readme if b.mark == "install" and b.line < tests.line][-1]]
+    blocks += [b for b in blocks_marked("install") if "--no-deps" in b.text and b.path.name != "README.md"]
+    assert len(blocks) >= 3, [b.where for b in blocks]  # docs/install.md: torchtitan's install and the tests'
+    for block in blocks:
+        assert pinned(block.text) == ci, (block.where, pinned(block.text) ^ ci)
+    for wrong in (blocks[0].text.replace("datasets==5.2.0", "datasets==4.7.0"), blocks[0].text.replace("--no-deps ", "")):
+        assert pinned(wrong) != ci
+
+
 def test_python_blocks_compile():
     for block in ALL_BLOCKS:
         if block.lang in PYTHON:
@@ -445,13 +461,6 @@ def test_links_resolve():
         f"[f]({REPOSITORY_URL}blob/main/docs/tuning.md#learning-rate)"
     )
     assert len(link_problems(ROOT / "README.md", broken)) == 4
-
-
-def test_the_docs_do_not_describe_how_the_project_was_developed():
-    problems = [p for path in DOCS for p in history_problems(path)]
-    assert not problems, "\n".join(problems)
-    assert len(history_problems(ROOT / "README.md", "in the twelfth session\nparked as `c334710`\nfine")) == 2
-    assert len(history_problems(ROOT / "README.md", "This is the main job\nnot re-measured since\nmeasured")) == 2
 
 
 def test_the_tables_figures_are_in_the_results_they_cite():
@@ -556,14 +565,15 @@ FORWARDS = {
     "examples/hf_trainer/compare_on_gpus.sh": "examples/hf_trainer/train.py",
 }
 LAUNCHER = "dion3_megatron.megatron.launch"
-# torchtitan's trainer: a module of another package, which needs torchtitan's data packages (not in
-# the tests' install). What is checked: our module and a trainer config it registers.
+# torchtitan's trainer on GPUs: a module of another package, run from a torchtitan checkout (its test
+# tokenizer and data). What is checked: our module and a trainer config it registers (the CPU command
+# of docs/torchtitan.md runs the trainer).
 TORCHTITAN_TRAIN, TORCHTITAN_MODULE = "torchtitan.train", "dion3_megatron.torchtitan"
 
 
 def torchtitan_configs() -> set[str]:
     """The trainer configs of ``--module dion3_megatron.torchtitan``: the public functions of its
-    config_registry (read with ast: torchtitan's trainer imports torchtitan's data packages)."""
+    config_registry (read with ast: importing it imports torchtitan's trainer)."""
     tree = ast.parse((ROOT / "dion3_megatron" / "torchtitan" / "config_registry.py").read_text(encoding="utf-8"))
     return {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
 

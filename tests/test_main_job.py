@@ -261,6 +261,24 @@ def test_help_gives_every_flag_a_text_and_its_default_once(capsys):
     assert helps["--lr"].endswith("(default: the library's, 0.01)")
 
 
+def test_the_dion3_run_takes_the_librarys_defaults():
+    """The README says the example trains with the library's defaults: its Dion3 run's lr, the AdamW
+    lr of its embeddings and output layer (Megatron's decoupled lr), weight decay and f are the
+    option spec's, and the other runs keep their own lrs."""
+    from dion3_megatron import options
+
+    job = load_job()
+    args = job.parse_args([])
+    dion3 = job.optimizer_config(args, "dion3", cuda=False)
+    defaults = [options.BY_NAME[name].default for name in ("lr", "adamw_lr", "weight_decay", "fraction")]
+    assert [dion3.lr, dion3.decoupled_lr, dion3.weight_decay, dion3.dion3_fraction] == defaults
+    assert (dion3.min_lr, dion3.decoupled_min_lr) == (dion3.lr / 10, dion3.decoupled_lr / 10)
+    muon, adam = job.optimizer_config(args, "muon", cuda=False), job.optimizer_config(args, "adam", cuda=False)
+    assert (muon.lr, muon.decoupled_lr, adam.lr, adam.decoupled_lr) == (args.muon_lr, args.adam_lr, args.adam_lr, None)
+    set_by_flags = job.optimizer_config(job.parse_args(["--decoupled-lr", "0.001", "--lr", "0.02"]), "dion3", cuda=False)
+    assert (set_by_flags.lr, set_by_flags.decoupled_lr) == (0.02, 0.001)
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
@@ -277,6 +295,7 @@ def test_help_gives_every_flag_a_text_and_its_default_once(capsys):
         (["--lr", "-1"], "argument --lr: lr must be a finite number >= 0.0, got -1.0"),
         (["--weight-decay", "nan"], "argument --weight-decay: weight_decay must be a finite number >= 0.0, got nan"),
         (["--adam-lr", "-0.1"], "--adam-lr must be a finite number >= 0, got -0.1"),
+        (["--decoupled-lr", "0"], "argument --decoupled-lr: adamw_lr must be a finite number > 0.0, got 0.0"),
         (["--dion3-fraction", "0"], "argument --dion3-fraction: fraction must be in (0.0, 1.0], got 0.0"),
         (["--dion3-fraction", "half"], "argument --dion3-fraction: fraction must be a number, got 'half'"),
         (["--text-file", "/no/such/file"], "--text-file /no/such/file: no such file"),

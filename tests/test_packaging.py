@@ -270,6 +270,6 @@ def test_citation_cff():
         assert reference["type"] in ("article", "blog") and reference["title"] and reference["authors"], reference
         assert reference["url"].startswith("https://")
     arxiv = {i["value"] for r in citation["references"] for i in r.get("identifiers", [])}
-    assert arxiv == {"arXiv:2608.11612", "arXiv:2510.05491", "arXiv:2504.05295"}  # Dion3, NorMuon, Dion
+    assert arxiv == {"arXiv:2608.11612", "arXiv:2510.05491", "arXiv:2504.05295", "arXiv:2505.16932"}  # Dion3, NorMuon, Dion, Polar Express
     titles = " ".join(r["title"] for r in citation["references"])
-    assert all(name in titles for name in ("Dion3", "Muon", "NorMuon", "Gram Newton-Schulz", "Dion:"))
+    assert all(name in titles for name in ("Dion3", "Muon", "NorMuon", "Gram Newton-Schulz", "Dion:", "Polar Express"))

@@ -95,8 +95,7 @@ def test_the_default_regex_names_the_matrices_of_torchtitans_llama3_wherever_wra
 
 
 def test_the_trainer_configs_name_dion3_and_register_it():
-    pytest.importorskip("torchtitan.trainer")  # torchtitan's trainer needs its data packages
-    from dion3_megatron.torchtitan import config_registry
+    from dion3_megatron.torchtitan import config_registry  # imports torchtitan's trainer: its packages are the tests' install
 
     try:
         for make in (config_registry.llama3_debugmodel_dion3, config_registry.llama3_8b_dion3):
@@ -229,7 +228,7 @@ def test_the_trainer_benchmark_reads_torchtitan_s_step_lines_and_writes_its_corp
     import json
 
     from benchmarks import bench_torchtitan as bench
-    from examples.stdlib_text import stdlib_files
+    from examples.stdlib_text import stdlib_files, write_stdlib_corpus
 
     red, green, reset = "\x1b[31m", "\x1b[32m", "\x1b[39m"
     log = "\n".join(
@@ -243,7 +242,7 @@ def test_the_trainer_benchmark_reads_torchtitan_s_step_lines_and_writes_its_corp
         ]
     )
     assert bench.steps_of(log) == {1: (10.87654, 1234.0), 12: (7.5, 98765.0)}
-    lines = (bench.write_stdlib_corpus(tmp_path / "c4_test") / "data.json").read_text().splitlines()
+    lines = (write_stdlib_corpus(tmp_path / "c4_test") / "data.json").read_text().splitlines()
     files = stdlib_files()
     assert len(lines) == len(files) > 100
     assert json.loads(lines[0]) == {"text": files[0].read_text(errors="replace")}

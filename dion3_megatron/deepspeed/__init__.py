@@ -18,10 +18,8 @@ the upstream version) through :mod:`dion3_megatron.compat`, which
   plain :class:`dion3_megatron.Dion3` under ZeRO-1/2/3), instead of failing or silently
   misbehaving later.
 
-Supported: ZeRO stages 0, 1, 2 and 3 (also with ``deepspeed.zero.Init``); fp32, bf16 (and fp16 with
-DeepSpeed's loss scaling); gradient accumulation; gradient clipping (on raw gradients); MoE
-parameter groups (expert-data-parallel); checkpoints, elastic loading and ``ds_to_universal``. See
-docs/deepspeed.md.
+What is supported (ZeRO stages, precisions, MoE, checkpoint formats), each with the test that shows
+it: docs/support.md, the support matrix. How each stage steps: docs/deepspeed.md.
 """
 
 from __future__ import annotations

@@ -3,10 +3,9 @@
 Without apex's ``amp_C`` or Transformer Engine, Megatron computes the gradient norm, the clipping
 and the main-to-model parameter copies with per-tensor Python loops (``megatron.core.utils``):
 the norm turns a list of per-tensor norms into a tensor on the host, one device synchronization per
-gradient, and scaling or copying allocates a temporary per tensor. Measured on one H200 (202M GPT,
-pretrain() path, benchmarks/results/measurement-log.md): the gradient norm 2.9-4.6 ms and each
-clipping pass 0.6-1.3 ms of a 13.5-19.7 ms optimizer step. With ``--optimizer dion3`` the step runs these twice (the
-layer-wise Dion3 optimizer and the embeddings' Adam are chained), so they weigh on Dion3 most.
+gradient, and scaling or copying allocates a temporary per tensor. With ``--optimizer dion3`` the
+step runs these twice (the layer-wise Dion3 optimizer and the embeddings' Adam are chained), so they
+weigh on Dion3 most.
 
 :func:`foreach_form` gives ``torch._foreach_*`` forms of the same operations, which
 :func:`dion3_megatron.megatron.register` puts in their place (entries of
