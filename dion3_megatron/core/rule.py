@@ -33,9 +33,10 @@ from .ortho import default_ns_dtype, orthogonalize
 GRADIENT_LIMIT = 2.0**64
 
 # Up to this many elements per matrix, apply_rows adds every matrix's update as a whole matrix (its
-# unselected rows zero) in one multi-tensor add instead of one index_add per matrix: the same sums,
-# and the per-matrix kernel launches of the small matrices were most of their step (on CPU: 5.4
-# against 1.3 us per 16 x 16 matrix; equal at 64 x 64; slower above).
+# unselected rows zero) in one multi-tensor add instead of one index_add per matrix, and the
+# momentum takes its gradients stacked: the same sums, and the per-matrix kernel launches of the
+# small matrices were most of their step (on CPU: 5.4 against 1.3 us per 16 x 16 matrix; equal at
+# 64 x 64; slower above).
 DENSE_UPDATE_LIMIT = 4096
 
 # The adjust_lr modes; update_scale() gives the lr multiplier of each.
@@ -114,7 +115,10 @@ def accumulate_and_score(
         from ..kernels import triton_rows
 
         return triton_rows.accumulate_and_score(momentum, grads, out, decay)
-    torch._foreach_add_(list(momentum.unbind(0)), grads)
+    if momentum[0].numel() <= DENSE_UPDATE_LIMIT:  # small matrices: one add of them stacked (as in apply_rows)
+        momentum.add_(torch.stack(grads))
+    else:
+        torch._foreach_add_(list(momentum.unbind(0)), grads)
     row_scores(momentum, out=out)
     if decay is not None:
         momentum.mul_(decay)
@@ -213,6 +217,8 @@ def momentum_decay(hp: Dion3Hyperparameters, fraction: float) -> float:
 
 def momentum_decays(hps: Sequence[Dion3Hyperparameters], fraction: float) -> float | list[float]:
     """:func:`momentum_decay` of matrices with these settings: one number when they agree, else one each."""
+    if all(hp is hps[0] for hp in hps):  # (one param group's matrices: one settings object)
+        return momentum_decay(hps[0], fraction)
     mus = [momentum_decay(hp, fraction) for hp in hps]
     return mus[0] if len(set(mus)) == 1 else mus
 
@@ -361,6 +367,10 @@ class UpdateFactors:
 def update_factors(hps: Sequence[Dion3Hyperparameters], fraction: float, n_rows: int, n_cols: int) -> UpdateFactors:
     """The factors of n_rows x n_cols matrices with these settings (one each: lr, weight decay and
     the lr adjustment may differ between them), at ``fraction``."""
+    if all(hp is hps[0] for hp in hps):  # (one param group's matrices: one settings object)
+        one = update_factors(hps[:1], fraction, n_rows, n_cols) if len(hps) > 1 else None
+        if one is not None:
+            return UpdateFactors(one.shrink * len(hps), one.coef * len(hps))
     lrs = [hp.lr * fraction_lr_multiplier(fraction, hp.scale_lr_by_fraction) for hp in hps]
     scales = [update_scale(n_rows, n_cols, hp.adjust_lr) for hp in hps]
     return UpdateFactors.of(lrs, [hp.weight_decay for hp in hps], scales)
@@ -465,36 +475,3 @@ def orthogonalize_rows(selected: torch.Tensor, hp: Dion3Hyperparameters) -> torc
 
 # --------------------------------------------------------------------------------------------
 # AdamW for the parameters Dion3 does not take (biases, norms, embeddings, output head).
-
-
-def adamw_step(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    step: int,
-    lr: float | torch.Tensor,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """Decoupled-weight-decay Adam with bias correction for tensors that share ``step`` (from 1)
-    and the settings: multi-tensor ops, a handful of kernels for any number of tensors."""
-    if not params:
-        return
-    lr = float(lr)  # a 0-d tensor lr (torch's optimizers take one) as its number
-    beta1, beta2 = betas
-    g = [grad.to(m.dtype) for grad, m in zip(grads, exp_avgs)]
-    torch._foreach_lerp_(exp_avgs, g, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, g, g, value=1 - beta2)
-    bias1 = 1 - beta1**step
-    bias2 = 1 - beta2**step
-    denom = torch._foreach_div(exp_avg_sqs, bias2)
-    torch._foreach_sqrt_(denom)
-    torch._foreach_add_(denom, eps)
-    update = torch._foreach_div(exp_avgs, bias1)
-    torch._foreach_div_(update, denom)
-    if weight_decay:
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_add_(params, [u.to(p.dtype) for u, p in zip(update, params)], alpha=-lr)

@@ -86,11 +86,6 @@ def check_group(where: str, group: dict, front_end: str, params: Optional[list[t
             options.check_num_heads(where, group["num_heads"], matrix_shape(p)[0], f"param {i} (shape {tuple(p.shape)})")
 
 
-def hyperparameters(group: dict) -> Dion3Hyperparameters:
-    """The rule's settings of a param group."""
-    return options.hyperparameters(**{k: group[k] for k in Dion3Hyperparameters.__dataclass_fields__})
-
-
 SCHEDULED = ("lr", "weight_decay")  # what schedulers change between steps
 
 
