@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import rule
+from ..core.adamw import adamw_step
 from ..core.ortho import default_ns_dtype
 from ..engine import Dion3Engine, MatrixShard, Rect, Sharding, fractions
 from ..engine.plan import chooses_fraction
@@ -266,7 +267,7 @@ class PartitionPlan:
                 [t.narrow(0, start, length) for start, length in self.adamw_runs]
                 for t in (self.flat, grad, state["exp_avg"], state["exp_avg_sq"])
             )
-            rule.adamw_step(
+            adamw_step(
                 params,
                 grads,
                 exp_avgs,

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..core import rule
+from ..core.adamw import adamw_step
 from ..core.ortho import default_ns_dtype
 from ..core.rule import Dion3Hyperparameters
 from ..engine import Dion3Engine, MatrixShard, Sharding, cuda_graph as cuda_graph_module, fractions, plan
@@ -162,7 +162,7 @@ class WholeParameters:
             group = groups[gi]
             for p in params:
                 _adamw_state(state, p)["step"] += 1
-            rule.adamw_step(
+            adamw_step(
                 [local(p) for p in params],
                 [local(_grad_of(p)) for p in params],
                 [local(state[p]["exp_avg"]) for p in params],
