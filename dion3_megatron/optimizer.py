@@ -98,7 +98,8 @@ class Dion3(Dion3FrontEnd):
         grouping.check_state_shapes(state_dict, self.param_groups, grouping.param_state_shapes)
 
     def load_checked(self, state_dict: dict[str, Any]) -> None:
-        """Unlike torch's optimizers this keeps state in fp32 whatever the parameters' dtype."""
+        """Unlike torch's optimizers this keeps state in fp32 whatever the parameters' dtype, the
+        momentum in this optimizer's ``momentum_dtype`` (the checkpoint's converted, with a warning)."""
         grouping.load_saved(self, state_dict)
 
     # ----------------------------------------------------------------------------------------

@@ -122,6 +122,12 @@ class WholeParameters:
                 for p in group["params"]:
                     if is_dtensor(p) and (why := self._pieces.refusal(p, algorithm_of(group, p) == "dion3")):
                         raise ValueError(f"{param_names(groups)[p]}: {why}")
+                    if is_dtensor(p) and algorithm_of(group, p) == "dion3" and hyperparameters(group).momentum_dtype != torch.float32:
+                        raise ValueError(
+                            f"{param_names(groups)[p]}: momentum_dtype={group['momentum_dtype']!r} is taken for whole "
+                            "parameters; a DTensor parameter's momentum (FSDP2, tensor parallelism) is fp32: set "
+                            f"momentum_dtype='fp32' in param group {gi}"
+                        )
                     if p.grad is not None:
                         if p.grad.is_sparse:
                             raise ValueError(f"param group {gi}: Dion3 does not support sparse gradients")
@@ -207,7 +213,7 @@ class WholeParameters:
             own = state[p]
             carried: list[dict] = [{} for _ in range(matrix_count(local(p)))]
             if "momentum" in own:  # stepped before (or loaded): the engine copies it in
-                rows = [part for part in ("variance", "row_age") if part in own]
+                rows = [part for part in ("variance", "row_age", "rounding_step") if part in own]  # one per matrix
                 carried = [
                     {"momentum": m, **{part: local(own[part])[e] for part in rows}}
                     for e, m in enumerate(matrix_view(local(own["momentum"])))
@@ -260,6 +266,8 @@ class WholeParameters:
             parts["momentum"] = parts["momentum"].view(local(p).shape)
             if is_dtensor(p):
                 parts = {part: param_shaped(p, v) if part == "momentum" else per_row(p, v) for part, v in parts.items()}
+            if "rounding_step" not in parts:  # (a momentum_dtype changed to fp32)
+                state[p].pop("rounding_step", None)
             state[p].update(parts)
         self.engine, self._engine_key, self._shards = engine, key, shards
         return engine
