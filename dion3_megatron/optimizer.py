@@ -68,6 +68,7 @@ class Dion3(Dion3FrontEnd):
         num_heads: Optional[int] = None,
         ns_method: str = "gram",
         ns_dtype: Optional[torch.dtype | str] = None,
+        momentum_dtype: torch.dtype | str = "fp32",
         betas: tuple[float, float] = (0.9, 0.95),
         kernels: Optional[str] = None,
         cuda_graph: bool = True,
@@ -121,7 +122,8 @@ class Dion3(Dion3FrontEnd):
         grouping.check_state_shapes(state_dict, self.param_groups, grouping.param_state_shapes)
 
     def load_checked(self, state_dict: dict[str, Any]) -> None:
-        """Unlike torch's optimizers this keeps state in fp32 whatever the parameters' dtype."""
+        """Unlike torch's optimizers this keeps state in fp32 whatever the parameters' dtype, the
+        momentum in this optimizer's ``momentum_dtype`` (the checkpoint's converted, with a warning)."""
         grouping.load_saved(self, state_dict)
 
     # ----------------------------------------------------------------------------------------

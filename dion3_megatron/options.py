@@ -33,6 +33,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from .core.ortho import NS_DTYPES
+from .core.rounding import MOMENTUM_DTYPES
 from .core.rule import ADJUST_LR_CHOICES, AUTO, Dion3Hyperparameters
 from .kernels.config import KERNELS
 
@@ -51,6 +52,7 @@ BOOL = "bool"
 CHOICE = "choice"  # one of ``choices``
 HEADS = "heads"  # None or a positive int
 DTYPE = "dtype"  # None, or one of NS_DTYPES by name or as its torch.dtype
+STORAGE_DTYPE = "storage_dtype"  # one of MOMENTUM_DTYPES by name or as its torch.dtype
 BETAS = "betas"  # two REALs in [0, 1)
 _ANNOTATIONS = {
     REAL: float,
@@ -59,6 +61,7 @@ _ANNOTATIONS = {
     CHOICE: str,
     HEADS: Optional[int],
     DTYPE: Optional[Union[torch.dtype, str]],
+    STORAGE_DTYPE: Union[torch.dtype, str],
     BETAS: tuple[float, float],
 }
 
@@ -138,6 +141,9 @@ class Option:
             return "None or a positive int"
         if self.kind == DTYPE:
             return f"None, or one of {tuple(NS_DTYPES)} by name or as a torch.dtype"
+        if self.kind == STORAGE_DTYPE:
+            dtypes = " or ".join(dict.fromkeys(str(dtype) for dtype in MOMENTUM_DTYPES.values()))
+            return f"one of {tuple(MOMENTUM_DTYPES)}, or {dtypes}"
         if self.kind == BETAS:
             return "two values in [0, 1)"
         raise AssertionError(f"unknown option kind {self.kind!r}")
@@ -177,6 +183,8 @@ class Option:
             return value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
         if self.kind == DTYPE:
             return value is None or value in NS_DTYPES.values() or isinstance(value, str) and value in NS_DTYPES
+        if self.kind == STORAGE_DTYPE:
+            return value in MOMENTUM_DTYPES.values() or isinstance(value, str) and value in MOMENTUM_DTYPES
         if self.kind == BETAS:
             return isinstance(value, (tuple, list)) and len(value) == 2 and all(is_real(b) and 0 <= b < 1 for b in value)
         raise AssertionError(f"unknown option kind {self.kind!r}")
@@ -278,6 +286,14 @@ OPTIONS: tuple[Option, ...] = (
         "compute dtype of the orthogonalization: None is fp16 on GPUs and fp32 on CPU, or one of float16, bfloat16, float32, float64",
         front_ends=_NOT_MEGATRON,
     ),
+    Option(
+        "momentum_dtype",
+        STORAGE_DTYPE,
+        "fp32",
+        "what the momentum is stored in: fp32, or bf16 (half the bytes; computed in fp32, stored with "
+        "stochastic rounding, so small gradients still move it)",
+        front_ends=frozenset((TORCH,)),
+    ),
     Option("betas", BETAS, (0.9, 0.95), "AdamW betas, two values in [0, 1)", front_ends=_NOT_MEGATRON, hyperparameter=False),
     Option(
         "kernels",
@@ -357,8 +373,9 @@ def hyperparameters(**overrides: Any) -> Dion3Hyperparameters:
     """The rule's settings: the defaults of the options that are its fields, updated with
     ``overrides`` (ValueError for a name that is not one). Values are not checked here (see
     :func:`check`). Values become what the rule computes with: an ``ns_dtype`` name its torch.dtype,
-    a tensor lr its number; ``fraction="auto"`` stays itself, which the engine's plan resolves to a
-    number (:func:`dion3_megatron.engine.plan.resolve_fractions`)."""
+    a tensor lr its number, a ``momentum_dtype`` name its torch.dtype; ``fraction="auto"`` stays
+    itself, which the engine's plan resolves to a number
+    (:func:`dion3_megatron.engine.plan.resolve_fractions`)."""
     names = hyperparameter_names()
     for name in overrides:
         if name not in names:
@@ -367,9 +384,15 @@ def hyperparameters(**overrides: Any) -> Dion3Hyperparameters:
     values = {**{name: BY_NAME[name].default for name in names}, **overrides}
     if isinstance(values["ns_dtype"], str):
         values["ns_dtype"] = NS_DTYPES[values["ns_dtype"]]
+    values["momentum_dtype"] = momentum_dtype(values["momentum_dtype"])
     if is_number_tensor(values["lr"]):
         values["lr"] = values["lr"].item()
     return Dion3Hyperparameters(**values)
+
+
+def momentum_dtype(value: Union[torch.dtype, str]) -> torch.dtype:
+    """A ``momentum_dtype`` value (a name or a torch.dtype) as its torch.dtype."""
+    return MOMENTUM_DTYPES[value] if isinstance(value, str) else value
 
 
 def group_keys(front_end: str) -> tuple[str, ...]:

@@ -24,6 +24,7 @@ _BAD = {
     options.CHOICE: "nearby",
     options.HEADS: 0,
     options.DTYPE: "fp16",
+    options.STORAGE_DTYPE: "fp16",
     options.BETAS: (0.9, 1.0),
 }
 
@@ -64,7 +65,8 @@ def test_rule_hyperparameters_take_their_defaults_from_the_spec():
     hp = options.hyperparameters()
     defaults = {name: options.BY_NAME[name].default for name in options.hyperparameter_names()}
     assert defaults["fraction"] == hp.fraction == rule.AUTO  # the plan chooses f (engine.plan.chooses_fraction)
-    assert dataclasses.asdict(hp) == defaults
+    assert defaults["momentum_dtype"] == "fp32" and hp.momentum_dtype is torch.float32  # the name as its torch.dtype
+    assert dataclasses.asdict(hp) == {**defaults, "momentum_dtype": torch.float32}
     assert options.hyperparameters(fraction=0.5, mu=0.9) == dataclasses.replace(hp, fraction=0.5, mu=0.9)
     unknown = options.UnknownOptionError
     with pytest.raises(unknown, match="'fractoin' is not a field of Dion3Hyperparameters \\(did you mean 'fraction'\\?\\)"):

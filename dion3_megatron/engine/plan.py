@@ -104,6 +104,7 @@ class BatchKey(NamedTuple):
     eps: float
     ns_method: str
     ns_dtype: str
+    momentum_dtype: str  # what the group's momentum buffers hold
     staleness: float
     ranks: tuple[int, ...]  # the process group's ranks; () when the matrix is whole
     device: str  # where a whole matrix lies ("" for split ones: each rank has its own)
@@ -119,6 +120,7 @@ def _batch_key(shard: MatrixShard, world: int) -> BatchKey:
         hp.eps,
         hp.ns_method,
         str(hp.ns_dtype),
+        str(hp.momentum_dtype),
         hp.staleness,
         group_ranks(shard.group) if world > 1 else (),
         str(shard.weight.device) if world == 1 else "",

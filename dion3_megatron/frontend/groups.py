@@ -122,7 +122,8 @@ class GroupSettings:
             hp = dataclasses.replace(held[2], **dict(zip(SCHEDULED, snapshot[:scheduled])))
         else:
             self._check(where, group)
-            hp = options.hyperparameters(**{k: group[k] for k in self._keys if k in Dion3Hyperparameters.__dataclass_fields__})
+            fields = Dion3Hyperparameters.__dataclass_fields__
+            hp = options.hyperparameters(**{k: group[k] for k in self._keys if k in group and k in fields})
         self._resolved[id(group)] = (group, snapshot, hp)
         return hp
 
@@ -159,11 +160,12 @@ def matrix_names(name: str, p: torch.Tensor) -> list[str]:
 
 def param_state_shapes(group: dict, p: torch.Tensor) -> list[dict[str, tuple]]:
     """The state shapes a checkpoint may hold for a whole parameter (a Dion3 matrix stepped with
-    staleness also keeps each row's age)."""
+    staleness also keeps each row's age, with a bf16 momentum its count of steps)."""
     if algorithm_of(group, p) == "dion3":
         rows = (matrix_count(p), matrix_shape(p)[0])
         plain = {"momentum": tuple(p.shape), "variance": rows}
-        return [plain, {**plain, "row_age": rows}]
+        counted = {"rounding_step": (matrix_count(p),)}  # a bf16 momentum's (converted on load: any dtype's checkpoint loads)
+        return [plain, {**plain, "row_age": rows}, {**plain, **counted}, {**plain, "row_age": rows, **counted}]
     return [{"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}]
 
 
@@ -202,18 +204,33 @@ def check_state_shapes(
 
 def loaded_state(state_dict: dict[str, Any], groups: list[dict]) -> dict[torch.Tensor, dict]:
     """Every parameter's state from a checkpoint whose shapes :func:`check_state_shapes` accepted:
-    fp32 copies on the parameter's device (the step count stays where it was)."""
+    copies on the parameter's device (the step count stays where it was), fp32 but for a Dion3
+    momentum, which takes its group's ``momentum_dtype`` (a conversion is announced once), and the
+    count of steps of a bf16 one (``rounding_step``, int64; dropped for an fp32 momentum)."""
     loaded: dict[torch.Tensor, dict] = {}
+    conversions = set()
     for mine, saved in zip(groups, state_dict["param_groups"]):
+        momentum_dtype = options.momentum_dtype(mine.get("momentum_dtype", torch.float32))
+        dtypes = {"momentum": momentum_dtype, "rounding_step": torch.int64}
         for p, pid in zip(mine["params"], saved["params"]):
             entry = state_dict["state"].get(pid)
-            if entry is not None:
-                loaded[p] = {
-                    k: v.detach()
-                    .to(device=p.device if k != "step" else v.device, dtype=torch.float32)
-                    .clone(memory_format=torch.contiguous_format)
-                    for k, v in entry.items()
-                }
+            if entry is None:
+                continue
+            loaded[p] = {
+                k: v.detach()
+                .to(device=p.device if k != "step" else v.device, dtype=dtypes.get(k, torch.float32))
+                .clone(memory_format=torch.contiguous_format)
+                for k, v in entry.items()
+                if k != "rounding_step" or momentum_dtype != torch.float32
+            }
+            if "momentum" in entry and entry["momentum"].dtype != momentum_dtype:
+                conversions.add(f"{entry['momentum'].dtype} to {momentum_dtype}")
+    if conversions:
+        warnings.warn(
+            f"Dion3: the checkpoint's momentum was converted ({', '.join(sorted(conversions))}) to the "
+            "momentum_dtype of this optimizer's param groups",
+            stacklevel=4,
+        )
     return loaded
 
 
@@ -224,9 +241,14 @@ def with_adamw_lr(param_group: dict, adamw_lr: float | torch.Tensor) -> dict:
     return param_group
 
 
+# Group keys a checkpoint does not set: its parameters, and how this optimizer stores the momentum
+# (the checkpoint's momentum is converted to it).
+KEPT_ON_LOAD = ("params", "momentum_dtype")
+
+
 def load_saved(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    """Set an optimizer's state (fp32 copies, :func:`loaded_state`) and its groups' settings from a
-    checkpoint whose groups and shapes were checked."""
+    """Set an optimizer's state (:func:`loaded_state`) and its groups' settings but
+    :data:`KEPT_ON_LOAD` from a checkpoint whose groups and shapes were checked."""
     optimizer.state = defaultdict(dict, loaded_state(state_dict, optimizer.param_groups))
     for mine, saved in zip(optimizer.param_groups, without_records(state_dict["param_groups"])):
-        mine.update({k: v for k, v in saved.items() if k != "params"})
+        mine.update({k: v for k, v in saved.items() if k not in KEPT_ON_LOAD})

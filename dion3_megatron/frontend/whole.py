@@ -119,6 +119,13 @@ class WholeParameters:
                 for p in group["params"]:
                     if sharded is not None and is_dtensor(p) and (why := self._pieces.refusal(p, algorithm_of(group, p) == "dion3")):
                         raise ValueError(f"{param_names(groups)[p]}: {why}")
+                    dion3_dtensor = sharded is not None and is_dtensor(p) and algorithm_of(group, p) == "dion3"
+                    if dion3_dtensor and settings[-1].momentum_dtype != torch.float32:
+                        raise ValueError(
+                            f"{param_names(groups)[p]}: momentum_dtype={group['momentum_dtype']!r} is taken for whole "
+                            "parameters; a DTensor parameter's momentum (FSDP2, tensor parallelism) is fp32: set "
+                            f"momentum_dtype='fp32' in param group {gi}"
+                        )
                     if (grad := p.grad) is not None:
                         if grad.is_sparse:
                             raise ValueError(f"param group {gi}: Dion3 does not support sparse gradients")
@@ -230,6 +237,8 @@ class WholeParameters:
             parts["momentum"] = parts["momentum"].view(local(p).shape)
             if is_dtensor(p):
                 parts = {part: param_shaped(p, v) if part == "momentum" else per_row(p, v) for part, v in parts.items()}
+            if "rounding_step" not in parts:  # (a momentum_dtype changed to fp32)
+                state[p].pop("rounding_step", None)
             state[p].update(parts)
         return engine
 
@@ -243,7 +252,7 @@ class WholeParameters:
             own = state[p]
             carried: list[dict] = [{} for _ in range(matrix_count(local(p)))]
             if "momentum" in own:  # stepped before (or loaded): the engine copies it in
-                rows = [part for part in ("variance", "row_age") if part in own]
+                rows = [part for part in ("variance", "row_age", "rounding_step") if part in own]  # one per matrix
                 carried = [
                     {"momentum": m, **{part: local(own[part])[e] for part in rows}}
                     for e, m in enumerate(matrix_view(local(own["momentum"])))
