@@ -155,12 +155,14 @@ class Option:
         def parse(text: str) -> float | str:
             if self.kind == FRACTION and text == AUTO:
                 return text
+            # (a flag's value is text: a number, or "auto" where the option takes it, never a tensor)
+            what = self.allowed() if self.kind == FRACTION else self.number_text()
             try:
                 value = float(text)
             except ValueError:
-                raise argparse.ArgumentTypeError(f"{self.name} must be {self.allowed()}, got {text!r}") from None
+                raise argparse.ArgumentTypeError(f"{self.name} must be {what}, got {text!r}") from None
             if not self.valid(value):
-                raise argparse.ArgumentTypeError(f"{self.name} must be {self.allowed()}, got {value}")
+                raise argparse.ArgumentTypeError(f"{self.name} must be {what}, got {value}")
             return value
 
         parse.__name__ = self.name

@@ -41,6 +41,7 @@ def registered():
 
 
 def test_register_is_idempotent_and_unregister_restores_torchtitans_resolver():
+    dion3_torchtitan.unregister()  # (an earlier test of the process may have registered)
     stock = OptimizersContainer.__dict__["_resolve_optimizer_factory"].__func__
     try:
         dion3_torchtitan.register()
