@@ -10,7 +10,7 @@ plan also chooses the automatic f. The math itself lives in :mod:`dion3_megatron
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Never, Optional
 
 import torch
 
@@ -22,41 +22,65 @@ from .frontend.whole import Fractions, WholeParameters
 from .kernels import config as kernel_config
 
 
-@options.documented(options.TORCH)
 class Dion3(Dion3FrontEnd):
     """Dion3: top-fraction row selection, Gram Newton-Schulz, NorMuon normalization, error feedback.
 
-        Args:
-            params: parameters (or ``named_parameters()``) or param groups. A group may set
-                ``algorithm`` ("dion3" | "adamw") and any option below but ``kernels`` and
-                ``cuda_graph``; ``fraction`` and ``num_heads`` may differ per group.
-            **settings: the options below (keyword only; declared in :mod:`dion3_megatron.options`).
+    Args:
+        params: parameters (or ``named_parameters()``) or param groups. A group may set
+            ``algorithm`` ("dion3" | "adamw") and the options of one value per param group
+            (``lr``, ``fraction``, ``mu``, ...; not ``adamw_lr``, ``kernels``, ``cuda_graph``,
+            which are one value per optimizer: a group that sets one is refused).
 
-        The automatic fraction is chosen per matrix at its first step by :mod:`dion3_megatron.engine.plan` from its
-        shape and this device's measured speed (see :attr:`fractions`). Under torch.distributed every
-        rank must step that first step together (as DDP does): all take the slowest rank's speed and
-        agree. ``cuda_graph``: on one CUDA device the Dion3 part of the step (after the momentum
-        accumulation) is captured once the same matrices have stepped twice, and replayed: one launch
-        instead of hundreds. Bit-identical to the eager step; it keeps the step's temporaries
-        allocated. Any change of members, settings other than lr and weight decay, or tensor storage
-        captures anew.
+    The other arguments are the options (keyword only); docs/configuration.md describes each, with
+    its default and range, as declared in `dion3_megatron.options`.
 
-        A step with a non-finite gradient anywhere changes nothing, warns, and counts in
-        :attr:`skipped_steps`. A step that raises (a setting changed to an invalid value since
-        construction, a sparse gradient) raises before any weight, state or counter changes.
+    The automatic fraction is chosen per matrix at its first step by the engine's plan from its
+    shape and this device's measured speed (see `fractions`). Under torch.distributed every
+    rank must step that first step together (as DDP does): all take the slowest rank's speed and
+    agree. `cuda_graph`: on one CUDA device the Dion3 part of the step (after the momentum
+    accumulation) is captured once the same matrices have stepped twice, and replayed: one launch
+    instead of hundreds. Bit-identical to the eager step; it keeps the step's temporaries
+    allocated. Any change of members, settings other than lr and weight decay, or tensor storage
+    captures anew.
 
-        Options:
-    {options}
+    A step with a non-finite gradient anywhere changes nothing, warns, and counts in
+    `skipped_steps`. A step that raises (a setting changed to an invalid value since
+    construction, a sparse gradient) raises before any weight, state or counter changes.
     """
 
     FRONT_END = options.TORCH
 
-    def __init__(self, params: Iterable[Any], **settings: Any) -> None:
-        settings, params, defaults, _ = grouping.prepare(type(self).__name__, options.TORCH, params, settings)
+    def __init__(
+        self,
+        params: Iterable[Any],
+        *,
+        lr: float | torch.Tensor = 0.01,
+        adamw_lr: float | torch.Tensor = 0.002,
+        fraction: float | str = "auto",
+        mu: Optional[float] = None,
+        beta2: float = 0.95,
+        weight_decay: float = 0.01,
+        eps: float = 1e-8,
+        adjust_lr: str = "spectral_norm",
+        scale_lr_by_fraction: bool = True,
+        scale_mu_by_fraction: bool = False,
+        staleness: float = 1.0,
+        num_heads: Optional[int] = None,
+        ns_method: str = "gram",
+        ns_dtype: Optional[torch.dtype | str] = None,
+        momentum_dtype: torch.dtype | str = "fp32",
+        betas: tuple[float, float] = (0.9, 0.95),
+        kernels: Optional[str] = None,
+        cuda_graph: bool = True,
+        **unknown: Never,
+    ) -> None:
+        options.refuse_unknown(type(self).__name__, options.TORCH, unknown)
+        given = options.from_signature(options.TORCH, locals())
+        settings, params, defaults, _ = grouping.prepare(type(self).__name__, options.TORCH, params, given)
         self.cuda_graph: bool = settings["cuda_graph"]
         self.kernels: Optional[str] = settings["kernels"]
-        self.adamw_lr: float = settings["adamw_lr"]
-        self._whole = WholeParameters(self.cuda_graph)
+        self.adamw_lr: float | torch.Tensor = settings["adamw_lr"]
+        self._whole = WholeParameters(self.cuda_graph, options.TORCH)
         super().__init__(params, defaults)
         grouping.warn_without_matrices(type(self).__name__, self.param_groups)
 
@@ -64,11 +88,11 @@ class Dion3(Dion3FrontEnd):
     # Groups and validation.
 
     def add_param_group(self, param_group: dict) -> None:
-        index = len(self.param_groups)
+        where = grouping.group_where(len(self.param_groups), param_group)
         super().add_param_group(grouping.with_adamw_lr(param_group, self.adamw_lr))
         group = self.param_groups[-1]
-        grouping.check_group_keys(f"param group {index}", group, options.TORCH)
-        grouping.check_group(f"param group {index}", group, options.TORCH)
+        grouping.check_group_keys(where, group, options.TORCH, "Dion3(..., name=value)")
+        grouping.check_group(where, group, options.TORCH)
         sharded = [p for p in group["params"] if is_dtensor(p) and grouping.algorithm_of(group, p) == "dion3"]
         if sharded:  # refused here, before any step, naming the parameter
             names = grouping.param_names(self.param_groups)
@@ -78,7 +102,7 @@ class Dion3(Dion3FrontEnd):
     @property
     def fractions(self) -> Fractions:
         """The f each matrix of a group with the automatic fraction uses (filled at its first step), by
-        parameter name (given as ``named_parameters()``), else ``"group i / param j"``; a
+        parameter name (given as ``named_parameters()``), else ``"group<i>.param<j>"``; a
         parameter tensor works as a key too."""
         return self._whole.fractions(grouping.param_names(self.param_groups))
 
@@ -98,7 +122,8 @@ class Dion3(Dion3FrontEnd):
         grouping.check_state_shapes(state_dict, self.param_groups, grouping.param_state_shapes)
 
     def load_checked(self, state_dict: dict[str, Any]) -> None:
-        """Unlike torch's optimizers this keeps state in fp32 whatever the parameters' dtype."""
+        """Unlike torch's optimizers this keeps state in fp32 whatever the parameters' dtype, the
+        momentum in this optimizer's ``momentum_dtype`` (the checkpoint's converted, with a warning)."""
         grouping.load_saved(self, state_dict)
 
     # ----------------------------------------------------------------------------------------
@@ -110,4 +135,4 @@ class Dion3(Dion3FrontEnd):
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """One step of every parameter with a gradient. Everything that can be refused (sparse
         gradients, settings changed since construction) is checked before anything changes."""
-        return self._whole.optimizer_step(self.param_groups, self.state, options.TORCH, closure, self.gate_step)
+        return self._whole.optimizer_step(self.param_groups, self.state, closure, self.gate_step)

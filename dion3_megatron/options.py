@@ -1,9 +1,12 @@
-"""Every user-facing Dion3 option, declared once: name, kind, default, allowed values, help.
+"""Every user-facing Dion3 option, declared once: name, kind, default, allowed values, help; and
+how what a user gives is checked, wherever it enters.
 
 The front ends are derived from :data:`OPTIONS`:
 
-* the torch optimizer: ``Dion3(params, **settings)`` takes the options whose front ends include
-  ``"torch"``, with these defaults, and checks them (and every param group) with :func:`check`;
+* the torch optimizer: ``Dion3(params, ...)`` takes the options whose front ends include
+  ``"torch"`` as keyword arguments (its signature spells them out; tests/test_options.py checks
+  that every front end's signature and this spec agree), and checks them (and every param group)
+  with :func:`check`;
 * Megatron: ``--dion3-<name>`` flags (:mod:`dion3_megatron.megatron.arguments`), ``dion3_<name>``
   attributes of Megatron's ``OptimizerConfig``, and
   the ``MegatronDion3`` keyword arguments of the same names, read as Megatron-Core's
@@ -23,19 +26,17 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import inspect
 import math
-import textwrap
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
 
 import torch
 
 from .core.ortho import NS_DTYPES
-from .core.rule import ADJUST_LR_CHOICES, Dion3Hyperparameters
+from .core.rounding import MOMENTUM_DTYPES
+from .core.rule import ADJUST_LR_CHOICES, AUTO, Dion3Hyperparameters
 from .kernels.config import KERNELS
 
-AUTO = "auto"
 NS_METHODS = ("gram", "standard")
 
 TORCH, MEGATRON, DEEPSPEED = "torch", "megatron", "deepspeed"
@@ -51,14 +52,16 @@ BOOL = "bool"
 CHOICE = "choice"  # one of ``choices``
 HEADS = "heads"  # None or a positive int
 DTYPE = "dtype"  # None, or one of NS_DTYPES by name or as its torch.dtype
+STORAGE_DTYPE = "storage_dtype"  # one of MOMENTUM_DTYPES by name or as its torch.dtype
 BETAS = "betas"  # two REALs in [0, 1)
 _ANNOTATIONS = {
     REAL: float,
-    FRACTION: "float | str",
+    FRACTION: Union[float, str],
     BOOL: bool,
     CHOICE: str,
     HEADS: Optional[int],
     DTYPE: Optional[Union[torch.dtype, str]],
+    STORAGE_DTYPE: Union[torch.dtype, str],
     BETAS: tuple[float, float],
 }
 
@@ -138,6 +141,9 @@ class Option:
             return "None or a positive int"
         if self.kind == DTYPE:
             return f"None, or one of {tuple(NS_DTYPES)} by name or as a torch.dtype"
+        if self.kind == STORAGE_DTYPE:
+            dtypes = " or ".join(dict.fromkeys(str(dtype) for dtype in MOMENTUM_DTYPES.values()))
+            return f"one of {tuple(MOMENTUM_DTYPES)}, or {dtypes}"
         if self.kind == BETAS:
             return "two values in [0, 1)"
         raise AssertionError(f"unknown option kind {self.kind!r}")
@@ -149,12 +155,14 @@ class Option:
         def parse(text: str) -> float | str:
             if self.kind == FRACTION and text == AUTO:
                 return text
+            # (a flag's value is text: a number, or "auto" where the option takes it, never a tensor)
+            what = self.allowed() if self.kind == FRACTION else self.number_text()
             try:
                 value = float(text)
             except ValueError:
-                raise argparse.ArgumentTypeError(f"{self.name} must be a number, got {text!r}") from None
+                raise argparse.ArgumentTypeError(f"{self.name} must be {what}, got {text!r}") from None
             if not self.valid(value):
-                raise argparse.ArgumentTypeError(f"{self.name} must be {self.number_text(str)}, got {value}")
+                raise argparse.ArgumentTypeError(f"{self.name} must be {what}, got {value}")
             return value
 
         parse.__name__ = self.name
@@ -177,6 +185,8 @@ class Option:
             return value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
         if self.kind == DTYPE:
             return value is None or value in NS_DTYPES.values() or isinstance(value, str) and value in NS_DTYPES
+        if self.kind == STORAGE_DTYPE:
+            return value in MOMENTUM_DTYPES.values() or isinstance(value, str) and value in MOMENTUM_DTYPES
         if self.kind == BETAS:
             return isinstance(value, (tuple, list)) and len(value) == 2 and all(is_real(b) and 0 <= b < 1 for b in value)
         raise AssertionError(f"unknown option kind {self.kind!r}")
@@ -278,6 +288,14 @@ OPTIONS: tuple[Option, ...] = (
         "compute dtype of the orthogonalization: None is fp16 on GPUs and fp32 on CPU, or one of float16, bfloat16, float32, float64",
         front_ends=_NOT_MEGATRON,
     ),
+    Option(
+        "momentum_dtype",
+        STORAGE_DTYPE,
+        "fp32",
+        "what the momentum is stored in: fp32, or bf16 (half the bytes; computed in fp32, stored with "
+        "stochastic rounding, so small gradients still move it)",
+        front_ends=frozenset((TORCH,)),
+    ),
     Option("betas", BETAS, (0.9, 0.95), "AdamW betas, two values in [0, 1)", front_ends=_NOT_MEGATRON, hyperparameter=False),
     Option(
         "kernels",
@@ -331,8 +349,8 @@ def unknown_name_hint(name: str, known: Iterable[str], hints: Optional[dict[str,
     (default :data:`HINTS`), else the closest known name, else None."""
     hint = (HINTS if hints is None else hints).get(name)
     if hint is None:
-        close = difflib.get_close_matches(str(name), list(known), n=1)
-        hint = f"did you mean {close[0]!r}?" if close else None
+        close = close_option(name, known)
+        hint = f"did you mean {close!r}?" if close else None
     return hint
 
 
@@ -356,23 +374,27 @@ def hyperparameter_names() -> tuple[str, ...]:
 def hyperparameters(**overrides: Any) -> Dion3Hyperparameters:
     """The rule's settings: the defaults of the options that are its fields, updated with
     ``overrides`` (ValueError for a name that is not one). Values are not checked here (see
-    :func:`check`). Values become what the rule computes with: ``fraction="auto"`` becomes
-    ``fraction=None``, which the engine's plan resolves to a number
-    (:func:`dion3_megatron.engine.plan.resolve_fractions`); an ``ns_dtype`` name its torch.dtype; a
-    tensor lr its number."""
+    :func:`check`). Values become what the rule computes with: an ``ns_dtype`` name its torch.dtype,
+    a tensor lr its number, a ``momentum_dtype`` name its torch.dtype; ``fraction="auto"`` stays
+    itself, which the engine's plan resolves to a number
+    (:func:`dion3_megatron.engine.plan.resolve_fractions`)."""
     names = hyperparameter_names()
     for name in overrides:
         if name not in names:
             hint = unknown_name_hint(name, names)
-            raise ValueError(f"{name!r} is not a field of Dion3Hyperparameters" + (f" ({hint})" if hint else ""))
+            raise UnknownOptionError(f"{name!r} is not a field of Dion3Hyperparameters" + (f" ({hint})" if hint else ""))
     values = {**{name: BY_NAME[name].default for name in names}, **overrides}
-    if values["fraction"] == AUTO:
-        values["fraction"] = None
     if isinstance(values["ns_dtype"], str):
         values["ns_dtype"] = NS_DTYPES[values["ns_dtype"]]
+    values["momentum_dtype"] = momentum_dtype(values["momentum_dtype"])
     if is_number_tensor(values["lr"]):
         values["lr"] = values["lr"].item()
     return Dion3Hyperparameters(**values)
+
+
+def momentum_dtype(value: Union[torch.dtype, str]) -> torch.dtype:
+    """A ``momentum_dtype`` value (a name or a torch.dtype) as its torch.dtype."""
+    return MOMENTUM_DTYPES[value] if isinstance(value, str) else value
 
 
 def group_keys(front_end: str) -> tuple[str, ...]:
@@ -380,45 +402,83 @@ def group_keys(front_end: str) -> tuple[str, ...]:
     return tuple(option.name for option in options_for(front_end) if option.group_key)
 
 
-def settings(where: str, front_end: str, given: dict[str, Any]) -> dict[str, Any]:
+def settings(where: str, front_end: str, given: dict[str, Any], hints: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """A front end's options: the defaults updated with ``given``, which must name only its options
-    (TypeError otherwise, as for any unexpected keyword argument). Values are not checked here:
-    the front end checks them where its error messages say where they were set."""
+    (:class:`UnknownOptionError` otherwise, with the did-you-mean hint), checked (:func:`check`:
+    ValueError naming ``where``, the option and the value), in their torch spellings: ``betas`` a
+    tuple, ``ns_dtype`` a torch.dtype."""
     known = defaults_for(front_end)
-    for name in given:
-        if name not in known:
-            hint = unknown_name_hint(name, known)
-            raise TypeError(f"{where} got an unexpected keyword argument {name!r}" + (f" ({hint})" if hint else ""))
-    return {**known, **given}
+    unknown = [name for name in given if name not in known]
+    if unknown:
+        raise unknown_option(where, unknown, known, hints)
+    resolved = {**known, **given}
+    check(where, **resolved)
+    if resolved.get("betas") is not None:  # (a JSON list)
+        resolved["betas"] = tuple(resolved["betas"])
+    if isinstance(resolved.get("ns_dtype"), str):  # (a name)
+        resolved["ns_dtype"] = NS_DTYPES[resolved["ns_dtype"]]
+    return resolved
 
 
-def documented(front_end: str):
-    """Class decorator for a front end whose constructor takes its options as ``**settings``: the
-    constructor's signature (``help()``, ``inspect.signature``) lists them as keyword-only
-    parameters with their defaults, and ``{options}`` in the class docstring becomes their list."""
-
-    def apply(cls: type) -> type:
-        init = vars(cls)["__init__"]  # the class's own constructor
-        own = [p for p in inspect.signature(init).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        keyword = [
-            inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.annotation)
-            for o in options_for(front_end)
-        ]
-        init.__signature__ = inspect.Signature(own + keyword)
-        if cls.__doc__ is not None:  # (None under python -OO)
-            cls.__doc__ = cls.__doc__.replace("{options}", describe(front_end))
-        return cls
-
-    return apply
+def refuse_unknown(where: str, front_end: str, unknown: dict[str, Any], hints: Optional[dict[str, str]] = None) -> None:
+    """Refuse the keyword arguments a constructor caught beside its options (its ``**unknown``):
+    :class:`UnknownOptionError` naming each, with its did-you-mean hint."""
+    if unknown:
+        raise unknown_option(where, unknown, defaults_for(front_end), hints)
 
 
-def describe(front_end: str, indent: str = "        ") -> str:
-    """An "Args"-style list of a front end's options for its docstring."""
-    lines = []
-    for o in options_for(front_end):
-        text = f"{o.name}: {o.help}. Default {o.default!r}."
-        lines.append(textwrap.fill(text, 100, initial_indent=indent, subsequent_indent=indent + "    "))
-    return "\n".join(lines)
+def from_signature(front_end: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """The options a constructor whose signature spells out a front end's options was called with
+    (``arguments``: its ``locals()``)."""
+    return {option.name: arguments[option.name] for option in options_for(front_end)}
+
+
+def refuse_group_keys(where: str, group: dict, front_end: str, set_on: str, other_keys: Iterable[str] = ()) -> None:
+    """Refuse a param-group key that is an option of one value per optimizer (ValueError saying
+    where it goes: ``set_on``, the front end's place for optimizer-wide options) or looks like a
+    misspelt option (:class:`UnknownOptionError` with the hint). ``other_keys`` (the front end's own:
+    ``params``, ``algorithm``, ...) and keys far from every option pass: frameworks keep keys of
+    their own in param groups."""
+    per_group = group_keys(front_end)
+    for key in group:
+        option = BY_NAME.get(key)
+        if key in per_group or key in other_keys:
+            continue
+        if option is not None and front_end in option.front_ends:
+            instead = "set 'lr' in that group (an AdamW group's lr), or " if key == "adamw_lr" else ""
+            raise ValueError(
+                f"{where}: {key!r} is one value per optimizer, not per param group: {instead}set it in {set_on}. "
+                f"Per param group: {', '.join(per_group)}; per optimizer: "
+                f"{', '.join(o.name for o in options_for(front_end) if o.name not in per_group)}"
+            )
+        if option is not None or key in HINTS or close_option(key, per_group):
+            raise unknown_option(where, key, per_group)
+
+
+class UnknownOptionError(TypeError):
+    """A name that is no Dion3 option where an option is expected, in every front end: a keyword
+    argument, a param-group key, a DeepSpeed config key, a Megatron ``dion3_*`` field, a torchtitan
+    kwarg. A TypeError, as Python's own for an unexpected keyword argument; its message names the
+    option meant where one is close."""
+
+
+def close_option(name: str, known: Iterable[str]) -> Optional[str]:
+    """The known name closest to ``name``, if one is close."""
+    close = difflib.get_close_matches(str(name), list(known), n=1)
+    return close[0] if close else None
+
+
+def unknown_option(
+    where: str, names: str | Iterable[str], known: Iterable[str], hints: Optional[dict[str, str]] = None
+) -> UnknownOptionError:
+    """The error for ``names`` (one or several), not among ``known``, given in ``where``: each with
+    its hint (:func:`unknown_name_hint`), then the known names."""
+    known = list(known)
+    said = []
+    for name in [names] if isinstance(names, str) else names:
+        hint = unknown_name_hint(name, known, hints)
+        said.append(f"{name!r} is not a Dion3 option here" + (f" ({hint})" if hint else ""))
+    return UnknownOptionError(f"{where}: {', '.join(said)}; the options here are {', '.join(known)}")
 
 
 def check(where: str, prefix: str = "", **values: Any) -> None:

@@ -264,7 +264,7 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 def auto_choices(shapes: Iterable[tuple[int, int]], world: int = 1, batch: int = 1) -> list[Line]:
     """What ``fraction="auto"`` chooses for each shape on this machine's first device: the engine's
-    own request (:func:`dion3_megatron.engine.fractions.resolve_fractions`) on the speed it measures,
+    own request (:func:`dion3_megatron.engine.fractions.choose_fractions`) on the speed it measures,
     with the library's default settings, ``batch`` same-shape matrices stepped together over
     ``world`` ranks."""
     from .core.ortho import default_ns_dtype
@@ -278,7 +278,7 @@ def auto_choices(shapes: Iterable[tuple[int, int]], world: int = 1, batch: int =
     dtype = hp.ns_dtype or default_ns_dtype(here)
     shapes = list(shapes)
     requests = [fractions.FractionRequest(shape, batch, world, hp, here) for shape in shapes]
-    chosen = fractions.resolve_fractions(requests)
+    chosen = fractions.choose_fractions(requests)
     capable = here.type == "cuda" and current().kernels != "torch" and kernel_capable_device(torch.empty(1, device=here))
     lines = []
     for (n, c), f in zip(shapes, chosen):

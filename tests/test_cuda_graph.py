@@ -42,11 +42,22 @@ def train(params, grads, lrs, cuda_graph, reload_at=None, **kwargs):
     return opt
 
 
+@pytest.mark.parametrize("momentum_dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "settings", [{"fraction": 0.25}, {"fraction": "auto", "mu": 0.9, "scale_mu_by_fraction": True, "num_heads": 4}, {"staleness": 1.0}]
+    "settings",
+    [
+        {"fraction": 0.25},
+        {"fraction": "auto", "mu": 0.9, "scale_mu_by_fraction": True, "num_heads": 4},
+        {"staleness": 1.0},
+        {"fraction": 1.0, "mu": 0.9},  # the decay folded into the accumulation
+        {"fraction": 1.0, "mu": 0.0},  # the decay after the orthogonalization
+    ],
 )
-def test_dion3_graph_replay_equals_eager(generator, dtype, settings):
+def test_dion3_graph_replay_equals_eager(generator, dtype, settings, momentum_dtype):
+    """A bf16 momentum too: its rounding's noise is hashed on the device from each matrix's
+    rounding_step, which the reload's state dict carries."""
+    settings = {**settings, "momentum_dtype": momentum_dtype}
     steps = 8
     base = make_params(generator, dtype)
     grads = [[torch.randn(p.shape, generator=generator).cuda() for p in base] for _ in range(steps)]
@@ -55,16 +66,21 @@ def test_dion3_graph_replay_equals_eager(generator, dtype, settings):
     graphed = [torch.nn.Parameter(p.detach().clone()) for p in base]
     opt_eager = train(eager, grads, lrs, cuda_graph=False, reload_at=5, **settings)
     opt_graphed = train(graphed, grads, lrs, cuda_graph=True, reload_at=5, **settings)
-    assert opt_graphed._whole.engine._graph.graph is not None and opt_eager._whole.engine._graph.graph is None
+    assert opt_graphed._whole.session.engine._graph.graph is not None and opt_eager._whole.session.engine._graph.graph is None
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
     for a, b in zip(eager, graphed):
         for key, value in opt_eager.state[a].items():
             assert torch.equal(value, opt_graphed.state[b][key]), key
+    if momentum_dtype == "bf16":
+        assert opt_graphed.state[graphed[0]]["momentum"].dtype == torch.bfloat16
+        assert opt_graphed.state[graphed[0]]["rounding_step"].tolist() == [steps]
 
 
-def engine_run(weights, grads, lrs, cuda_graph, staleness=0.0):
-    hp = options.hyperparameters(fraction=0.25, weight_decay=0.1, scale_mu_by_fraction=True, staleness=staleness)
+def engine_run(weights, grads, lrs, cuda_graph, staleness=0.0, momentum_dtype="fp32"):
+    hp = options.hyperparameters(
+        fraction=0.25, weight_decay=0.1, scale_mu_by_fraction=True, staleness=staleness, momentum_dtype=momentum_dtype
+    )
     shards = [MatrixShard(f"m{j}", w, g, tuple(w.shape), Sharding.full(), None, hp) for j, (w, g) in enumerate(zip(weights, grads[0]))]
     engine = Dion3Engine(shards, cuda_graph=cuda_graph)
     for lr, step_grads in zip(lrs, grads):
@@ -75,8 +91,10 @@ def engine_run(weights, grads, lrs, cuda_graph, staleness=0.0):
     return engine, shards
 
 
+@pytest.mark.parametrize("momentum_dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("staleness", [0.0, 1.0])
-def test_engine_local_groups_graph_replay_equals_eager(generator, staleness):
+def test_engine_local_groups_graph_replay_equals_eager(generator, staleness, momentum_dtype):
+    """Stable gradient buffers: the accumulation (and a bf16 momentum's count of steps) replays in the graph."""
     steps = 6
     shapes = [(256, 128)] * 4 + [(128, 256)] * 2
     weights = [torch.randn(s, generator=generator).cuda() for s in shapes]
@@ -86,12 +104,13 @@ def test_engine_local_groups_graph_replay_equals_eager(generator, staleness):
     for use_graph in (False, True):
         copies = [w.clone() for w in weights]
         buffers = [[g.clone() for g in grads[0]]] + grads[1:]
-        runs.append(engine_run(copies, buffers, lrs, use_graph, staleness))
+        runs.append(engine_run(copies, buffers, lrs, use_graph, staleness, momentum_dtype))
     (eager, eager_shards), (graphed, graphed_shards) = runs
     assert graphed._graph.graph is not None and eager._graph.graph is None
+    rounded = {"rounding_step"} if momentum_dtype == "bf16" else set()
     for a, b in zip(eager_shards, graphed_shards):
         assert torch.equal(a.weight, b.weight)
-        assert a.state.keys() == b.state.keys() == ({"momentum", "variance"} | ({"row_age"} if staleness else set()))
+        assert a.state.keys() == b.state.keys() == ({"momentum", "variance"} | ({"row_age"} if staleness else set()) | rounded)
         for key in a.state:
             assert torch.equal(a.state[key], b.state[key]), key
 
@@ -174,9 +193,9 @@ def test_megatron_dion3_with_fused_qkv_graph_equals_eager(generator, stable_grad
             opt.step()
         runs.append((opt, params))
     (eager, eager_params), (graphed, graphed_params) = runs
-    assert eager._engine._graph.graph is None
+    assert eager._session.engine._graph.graph is None
     if stable_grads:
-        assert graphed._engine._graph.graph is not None
+        assert graphed._session.engine._graph.graph is not None
     for a, b in zip(eager_params, graphed_params):
         assert torch.equal(a, b)
     for a, b in zip(eager_params, graphed_params):

@@ -11,6 +11,7 @@ import torch
 
 from support.deepspeed_helpers import import_keeping_environment
 from dion3_megatron.frontend.groups import algorithm_of
+from dion3_megatron.options import UnknownOptionError
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("needs deepspeed", allow_module_level=True)
@@ -56,9 +57,9 @@ def test_stage0_keeps_the_record_in_each_param_group_and_checks_it_on_load():
     sd = opt.state_dict()
     assert sorted(sd) == ["param_groups", "skipped_steps", "state"]  # no record outside the groups
     assert [g["fractions"] for g in sd["param_groups"]] == [{}, {}]  # no automatic f here
-    sd["param_groups"][0]["fractions"] = {"group 0 / param 0": 0.3}
+    sd["param_groups"][0]["fractions"] = {"group0.param0": 0.3}
     before = matrix.detach().clone()
-    with pytest.raises(ValueError, match=r"param group 0: 'group 0 / param 0' has fraction 0.3"):
+    with pytest.raises(ValueError, match=r"param group 0: 'group0.param0' has fraction 0.3"):
         opt.load_state_dict(sd)
     assert torch.equal(matrix, before)
 
@@ -93,11 +94,25 @@ def test_adamw_lr_sets_the_lr_of_the_adamw_parameters_only():
         ({"lr": 0.1, "fractoin": 0.5}, ["'fractoin'", "did you mean 'fraction'"]),
         ({"max_grad_norm": 1.0}, ["gradient_clipping"]),
         ({"torch_adam": True}, ["torch_adam"]),
-        ({"fraction": 0}, ["fraction must be in (0, 1]"]),
-        ({"fraction": 1.5}, ["fraction must be in (0, 1]"]),
-        ({"fraction": "half"}, ["fraction must be a finite number"]),
-        ({"adamw_lr": 0}, ["adamw_lr must be a finite number > 0"]),
         ({"adam_lr": 0.002}, ["'adam_lr'", "Dion3 calls it 'adamw_lr'"]),
+    ],
+)
+def test_unknown_params_raise_the_unknown_option_error(params, words):
+    with pytest.raises(UnknownOptionError) as info:
+        DeepSpeedDion3([torch.nn.Parameter(torch.zeros(4, 4))], **params)
+    message = str(info.value)
+    assert '"type": "Dion3"' in message
+    for w in words:
+        assert w in message, (w, message)
+
+
+@pytest.mark.parametrize(
+    "params, words",
+    [
+        ({"fraction": 0}, ["fraction must be in (0, 1] or 'auto'"]),
+        ({"fraction": 1.5}, ["fraction must be in (0, 1] or 'auto'"]),
+        ({"fraction": "half"}, ["fraction must be in (0, 1] or 'auto', got 'half'"]),
+        ({"adamw_lr": 0}, ["adamw_lr must be a finite number > 0"]),
         ({"mu": 1.0}, ["mu must be in [0, 1)"]),
         ({"beta2": -0.1}, ["beta2 must be in [0, 1)"]),
         ({"lr": -1}, ["lr must be a finite number >= 0"]),
@@ -105,17 +120,17 @@ def test_adamw_lr_sets_the_lr_of_the_adamw_parameters_only():
         ({"lr": float("nan")}, ["lr must be a finite number"]),
         ({"weight_decay": "0.1"}, ["weight_decay must be a finite number"]),
         ({"eps": 0}, ["eps must be a finite number > 0"]),
-        ({"betas": [0.9, 1.0]}, ["betas must be two numbers in [0, 1)"]),
-        ({"betas": 0.9}, ["betas must be two numbers"]),
+        ({"betas": [0.9, 1.0]}, ["betas must be two values in [0, 1)"]),
+        ({"betas": 0.9}, ["betas must be two values"]),
         ({"adjust_lr": "spectral"}, ["adjust_lr must be one of"]),
         ({"ns_method": "svd"}, ["ns_method must be one of"]),
-        ({"ns_dtype": "fp16"}, ["ns_dtype must be null or one of"]),
+        ({"ns_dtype": "fp16"}, ["ns_dtype must be None, or one of"]),
         ({"num_heads": 0}, ["num_heads must be None or a positive int"]),
-        ({"num_heads": True}, ["num_heads must be null or a positive int"]),
+        ({"num_heads": True}, ["num_heads must be None or a positive int"]),
         ({"scale_lr_by_fraction": "yes"}, ["scale_lr_by_fraction must be a bool"]),
         ({"scale_mu_by_fraction": 1}, ["scale_mu_by_fraction must be a bool"]),
         ({"scale_mu_by_fraction": True}, ["scale_mu_by_fraction=True scales an explicit mu, got mu=None"]),
-        ({"mu": "0.9"}, ["mu must be a finite number"]),
+        ({"mu": "0.9"}, ["mu must be in [0, 1), got '0.9'"]),
         ({"cuda_graph": "off"}, ["cuda_graph must be a bool"]),
     ],
 )

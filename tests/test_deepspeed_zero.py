@@ -178,10 +178,10 @@ def test_a_setting_refused_on_one_rank_raises_on_every_rank_and_changes_nothing(
 @pytest.mark.parametrize(
     "case, words",
     [
-        ("unknown", ["'momentum'", "'mu'", "'fractoin'", "did you mean 'fraction'", "Allowed keys"]),
+        ("unknown", ["'momentum'", "'mu'", "'fractoin'", "did you mean 'fraction'", "the options here are lr, adamw_lr, fraction"]),
         ("range", ["fraction must be in (0, 1]", "0.0"]),
         ("type", ["lr must be a finite number", "'0.1'"]),
-        ("betas", ["betas must be two numbers"]),
+        ("betas", ["betas must be two values"]),
         ("offload", ["does not support ZeRO optimizer offload", "offload_optimizer device 'cpu'"]),
     ],
 )

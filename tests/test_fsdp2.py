@@ -483,6 +483,7 @@ def test_a_gradient_placed_unlike_its_parameter_at_a_later_step_is_refused_on_ev
                 assert kind == "ValueError" and message.startswith(f"{name}: its gradient"), (name, change, message)
             else:
                 assert kind == "StepRefused" and "rank(s) [1]" in message, (name, change, message)
+                assert f"Rank 1: ValueError: {name}: its gradient" in message, (name, change, message)
         assert out["skipped"] == 0
         for name, value in out["params"].items():  # the refusals left the run as it was
             torch.testing.assert_close(value, expected[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
@@ -512,4 +513,5 @@ def _outside_the_mesh(rank: int, world: int) -> tuple[str, str]:
 def test_a_parameter_on_a_mesh_without_this_rank_is_refused_on_every_rank():
     (kind0, message0), (kind1, message1) = run_distributed(_outside_the_mesh, 2, timeout=60)
     assert kind0 == "StepRefused" and "rank(s) [1]" in message0, message0
+    assert "Rank 1: ValueError: alone: " in message0, message0  # rank 0's log names the parameter and why
     assert kind1 == "ValueError" and message1.startswith("alone: ") and "[0]" in message1, message1

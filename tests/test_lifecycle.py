@@ -65,6 +65,7 @@ def test_decide_step_is_agreed_by_every_rank():
     for case in ("refused on rank 1", "refused on rank 1, non-finite on rank 0"):
         kind, message = rank0[case]
         assert kind == "StepRefused" and "rank(s) [1]" in message and "nothing changed" in message, rank0[case]
+        assert message.endswith("Rank 1: ValueError: w: refused here"), message  # every rank's log says why
         assert rank1[case] == ("ValueError", "w: refused here"), rank1[case]
     assert rank0["refused on every rank"] == rank1["refused on every rank"] == ("ValueError", "w: refused here")
 

@@ -65,10 +65,22 @@ HP = dict(lr=0.02, mu=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, ns_dtype=torc
 
 
 def sharded_worker(
-    rank, world, kind, shapes, fraction, seed, staleness=DEFAULT_STALENESS, steps=STEPS, mu=HP["mu"], ns_dtype=HP["ns_dtype"]
+    rank,
+    world,
+    kind,
+    shapes,
+    fraction,
+    seed,
+    staleness=DEFAULT_STALENESS,
+    steps=STEPS,
+    mu=HP["mu"],
+    ns_dtype=HP["ns_dtype"],
+    momentum_dtype="fp32",
 ):
     weights, grads = matrices_and_grads(shapes, seed, steps)
-    hp = options.hyperparameters(fraction=fraction, staleness=staleness, **dict(HP, mu=mu, ns_dtype=ns_dtype))
+    hp = options.hyperparameters(
+        fraction=fraction, staleness=staleness, momentum_dtype=momentum_dtype, **dict(HP, mu=mu, ns_dtype=ns_dtype)
+    )
     group = dist.new_group(list(range(world)))
     shards = []
     for j, (w, shape) in enumerate(zip(weights, shapes)):
@@ -103,10 +115,13 @@ def reassemble(pieces_per_rank, kind, shapes, world):
     return out
 
 
-def single_process(shapes, fraction, seed, staleness=DEFAULT_STALENESS, steps=STEPS, mu=HP["mu"], ns_dtype=HP["ns_dtype"]):
+def single_process(
+    shapes, fraction, seed, staleness=DEFAULT_STALENESS, steps=STEPS, mu=HP["mu"], ns_dtype=HP["ns_dtype"], momentum_dtype="fp32"
+):
     weights, grads = matrices_and_grads(shapes, seed, steps)
     params = [torch.nn.Parameter(w) for w in weights]
-    opt = Dion3(params, fraction=fraction, staleness=staleness, **dict(HP, mu=mu, ns_dtype=ns_dtype))
+    named = [(f"m{j}", p) for j, p in enumerate(params)]  # the sharded run's names: a bf16 momentum's noise is hashed from them
+    opt = Dion3(named, fraction=fraction, staleness=staleness, momentum_dtype=momentum_dtype, **dict(HP, mu=mu, ns_dtype=ns_dtype))
     for step in range(steps):
         for p, g in zip(params, grads[step]):
             p.grad = g
@@ -154,6 +169,8 @@ STALE = [
 ]
 DEFAULT_MU = [(4, "rows", 0.125), (2, "flat", 0.125)]  # the static exchange and the general one
 HALF = [(2, "rows", 0.25), (2, "cols", 1.0), (4, "block_flat", 0.25)]
+# bf16 momentum on each exchange: static (row and column blocks, f = 1's folded decay), planned, general
+BF16_MOMENTUM = [(2, "rows", 0.25), (2, "cols", 1.0), (4, "rows", 0.25), (2, "flat", 0.25), (4, "mixed", 0.25)]
 
 # A case: (world, kind, fraction, staleness, steps, mu, ns_dtype), the arguments of sharded_worker
 # after the seed.
@@ -162,6 +179,7 @@ CASES = (
     + [(*case, 1.0, STALE_STEPS, HP["mu"], FP32) for case in STALE]
     + [(*case, DEFAULT_STALENESS, STALE_STEPS, None, FP32) for case in DEFAULT_MU]
     + [(*case, DEFAULT_STALENESS, STEPS, HP["mu"], BF16) for case in HALF]
+    + [(*case, 1.0, STALE_STEPS, HP["mu"], FP32, "bf16") for case in BF16_MOMENTUM]
 )
 
 
@@ -229,6 +247,18 @@ def test_sharded_step_with_half_precision_newton_schulz_equals_single_process(sh
     assert max_relative_error(got, expected) <= 1e-5, f"seed={seed}"
     # bf16 Newton-Schulz did run: its steps are not fp32's
     assert max_relative_error(single_process(SHAPES, fraction, seed), expected) > 1e-4
+
+
+@pytest.mark.parametrize("world,kind,fraction", BF16_MOMENTUM)
+@pytest.mark.slow
+def test_sharded_step_with_bf16_momentum_equals_single_process(sharded, world, kind, fraction):
+    """A bf16 momentum's rounding noise is hashed from each entry's place in the logical matrix:
+    every rank rounds its piece as the single process rounds the whole matrix."""
+    got, seed = sharded[(world, kind, fraction, 1.0, STALE_STEPS, HP["mu"], FP32, "bf16")]
+    expected = single_process(SHAPES, fraction, seed, 1.0, STALE_STEPS, momentum_dtype="bf16")
+    assert max_relative_error(got, expected) <= 1e-5, f"seed={seed}"
+    # the momentum was bf16: its steps are not fp32's
+    assert max_relative_error(single_process(SHAPES, fraction, seed, 1.0, STALE_STEPS), expected) > 3e-5
 
 
 def test_unsharded_matrices_step_locally_like_the_optimizer():

@@ -285,7 +285,7 @@ def _scenarios(rank: int, world: int, ckpt_dir: str) -> dict:
     def moe():
         out, chunks, opt, _ = parallel(ep=2, num_experts=4, init=moe_init, final=moe_final)
         (dion3,) = _find_dion3(opt)
-        plan = dion3._engine.plan
+        plan = dion3._session.engine.plan
         expert_groups = [sg for sg in plan if any("experts" in s.name for s in sg.shards)]
         out["expert_batches"] = [(sg.key[0], sum("experts" in s.name for s in sg.shards)) for sg in expert_groups]
         return out

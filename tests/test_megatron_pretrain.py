@@ -412,5 +412,5 @@ def test_a_bad_dion3_value_stops_both_ranks_before_megatron_starts_said_once(lau
     """--lr -1 with --optimizer dion3, under torchrun with 2 ranks: one line naming the flag and the
     value, before Megatron parses its arguments (no argument dump), let alone builds a model."""
     entry = ["-m", "dion3_megatron.megatron.launch"] if launcher == "launch" else [CPU]
-    line = "argument --lr: lr must be a finite number >= 0.0, got -1.0"
+    line = "argument --lr: lr must be a finite number >= 0, got -1.0"
     assert_stopped_once_before_megatron_starts([*entry, SCRIPT, *TINY, "--lr", "-1"], line)

@@ -15,6 +15,8 @@ import warnings
 import pytest
 from support.readme import readme_megatron_commands
 
+from dion3_megatron import options
+
 pytest.importorskip("megatron.core")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,10 +83,10 @@ def test_registered_parser_accepts_dion3_flags():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--dion3-fraction", "1.5"], "argument --dion3-fraction: fraction must be in (0.0, 1.0], got 1.5"),
-        (["--dion3-fraction", "0"], "argument --dion3-fraction: fraction must be in (0.0, 1.0], got 0.0"),
-        (["--dion3-fraction", "quarter"], "argument --dion3-fraction: fraction must be a number, got 'quarter'"),
-        (["--dion3-mu", "1.0"], "argument --dion3-mu: mu must be in [0.0, 1.0), got 1.0"),
+        (["--dion3-fraction", "1.5"], "argument --dion3-fraction: fraction must be in (0, 1] or 'auto', got 1.5"),
+        (["--dion3-fraction", "0"], "argument --dion3-fraction: fraction must be in (0, 1] or 'auto', got 0.0"),
+        (["--dion3-fraction", "quarter"], "argument --dion3-fraction: fraction must be in (0, 1] or 'auto', got 'quarter'"),
+        (["--dion3-mu", "1.0"], "argument --dion3-mu: mu must be in [0, 1), got 1.0"),
         (["--dion3-ns-method", "cubic"], "argument --dion3-ns-method: invalid choice: 'cubic'"),
         (["--optimizer", "dion4"], "--optimizer dion4: did you mean dion3?"),
         (["--optimizer", "adamw"], "argument --optimizer: invalid choice: 'adamw'"),
@@ -221,7 +223,7 @@ def test_launcher_checks_the_dion3_values_first_and_leaves_other_optimizers_lr_a
         check_arguments(["--num-layers", "4", "--optimizer=dion3", "--weight-decay", "-1"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == (
-        "python -m dion3_megatron.megatron.launch: error: argument --weight-decay: weight_decay must be a finite number >= 0.0, got -1.0\n"
+        "python -m dion3_megatron.megatron.launch: error: argument --weight-decay: weight_decay must be a finite number >= 0, got -1.0\n"
     )
     monkeypatch.setenv("RANK", "1")  # torchrun's other ranks exit alike, silently
     with pytest.raises(SystemExit):
@@ -468,19 +470,19 @@ def test_an_unknown_dion3_attribute_of_the_config_or_the_args_is_refused_with_th
     config = OptimizerConfig(optimizer="dion3", lr=0.01)
     config.dion3_fractoin = 0.25
     with pytest.raises(
-        ValueError,
+        options.UnknownOptionError,
         match=r"^Megatron optimizer config: unknown attribute dion3_fractoin; "
         r"did you mean 'dion3_fraction'\?$",
     ):
         dm.config_to_kwargs(config, [], None)
     del config.dion3_fractoin
     config.dion3_xyz = 1
-    with pytest.raises(ValueError, match=r"unknown attribute dion3_xyz; the Dion3 fields are dion3_fraction, dion3_mu"):
+    with pytest.raises(options.UnknownOptionError, match=r"unknown attribute dion3_xyz; the Dion3 fields are dion3_fraction, dion3_mu"):
         dm.config_to_kwargs(config, [], None)
     del config.dion3_xyz
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", SimpleNamespace(dion3_momentum=0.9))
     with pytest.raises(
-        ValueError,
+        options.UnknownOptionError,
         match=r"^Megatron-LM args: unknown attribute dion3_momentum; "
         r"Dion3 calls its momentum 'dion3_mu'$",
     ):
@@ -497,7 +499,7 @@ def test_an_unknown_dion3_attribute_of_the_config_or_the_args_is_refused_with_th
         (["--dion3-cuda-graph"], "--dion3-cuda-graph: unknown flag; did you mean --dion3-no-cuda-graph?"),
         (["--optimizer", "Dion3"], "--optimizer Dion3: did you mean dion3?"),
         (["--optimizer", "dion"], "--optimizer dion: did you mean dion3?"),
-        (["--dion3-fraction", "1.5"], "argument --dion3-fraction: fraction must be in (0.0, 1.0], got 1.5"),
+        (["--dion3-fraction", "1.5"], "argument --dion3-fraction: fraction must be in (0, 1] or 'auto', got 1.5"),
     ],
 )
 def test_a_mistake_in_a_dion3_flag_stops_megatron_s_parser_with_one_line(flags, line, capsys, monkeypatch):

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from dion3_megatron import Dion3, frontend
+from dion3_megatron import Dion3, frontend, options
 from dion3_megatron.core import rule
 
 NEEDS_MEGATRON = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core (the megatron extra)")
@@ -330,7 +330,10 @@ def test_dion3_lowers_the_loss_of_a_small_model(generator):
     ],
 )
 def test_bad_hyperparameters_are_refused(kwargs, match):
-    with pytest.raises(ValueError, match=f"param group 0: {match}"):
+    """A bad keyword argument is refused where it is given (the constructor, "Dion3: ..."); a setting
+    that does not fit a parameter, by the group that gives it to the parameter."""
+    where = "param group 0" if match.startswith("num_heads=") else "Dion3"
+    with pytest.raises(ValueError, match=f"{where}: {match}"):
         Dion3([torch.nn.Parameter(torch.randn(4, 4))], **kwargs)
 
 
@@ -506,9 +509,10 @@ def test_a_checkpoint_without_a_newer_group_option_loads_with_its_default(cls_pa
 
 def test_a_misspelled_option_in_a_param_group_is_refused_with_a_hint_and_other_keys_pass():
     w = torch.nn.Parameter(torch.randn(8, 4))
-    with pytest.raises(ValueError, match=r"param group 0: 'fracton' is not a Dion3 option \(did you mean 'fraction'\?\)"):
+    with pytest.raises(options.UnknownOptionError, match=r"param group 0: 'fracton' is not a Dion3 option here \(did you mean 'fraction'"):
         Dion3([{"params": [w], "fracton": 0.5}])
-    with pytest.raises(ValueError, match=r"param group 0: 'momentum' is not a Dion3 option \(Dion3 calls its momentum 'mu'\)"):
+    unknown = options.UnknownOptionError
+    with pytest.raises(unknown, match=r"param group 0: 'momentum' is not a Dion3 option here \(Dion3 calls its momentum 'mu'\)"):
         Dion3([{"params": [w], "momentum": 0.9}])
     opt = Dion3([{"params": [w], "name": "hidden", "initial_lr": 0.01, "fractions": {}}])  # frameworks' own keys
     assert opt.param_groups[0]["name"] == "hidden"

@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import inspect
 import re
+import typing
 
 import pytest
 import torch
@@ -23,12 +24,25 @@ _BAD = {
     options.CHOICE: "nearby",
     options.HEADS: 0,
     options.DTYPE: "fp16",
+    options.STORAGE_DTYPE: "fp16",
     options.BETAS: (0.9, 1.0),
 }
 
 
-def _keyword_defaults(cls) -> dict:
-    return {name: p.default for name, p in inspect.signature(cls).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+def _assert_signature_is_the_spec(cls, front_end: str) -> None:
+    """A constructor spells out the front end's options, keyword only, in the spec's order, with
+    the spec's defaults and types (what an IDE or a type checker shows), and catches nothing else
+    but to refuse it (``**unknown: Never``)."""
+    parameters = inspect.signature(cls).parameters
+    keyword = [p for p in parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    spec = options.options_for(front_end)
+    assert [p.name for p in keyword] == [o.name for o in spec]
+    hints = typing.get_type_hints(cls.__init__)
+    for p, option in zip(keyword, spec):
+        assert p.default == option.default, option.name
+        assert hints[option.name] == option.annotation, (option.name, hints[option.name], option.annotation)
+    catch_all = [p for p in parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    assert [p.name for p in catch_all] == ["unknown"] and hints["unknown"] is typing.Never
 
 
 def test_spec_is_consistent():
@@ -50,48 +64,57 @@ def test_rule_hyperparameters_take_their_defaults_from_the_spec():
     assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING for f in fields)
     hp = options.hyperparameters()
     defaults = {name: options.BY_NAME[name].default for name in options.hyperparameter_names()}
-    assert defaults["fraction"] == "auto" and hp.fraction is None  # the plan chooses f (engine.plan.chooses_fraction)
-    assert dataclasses.asdict(hp) == {**defaults, "fraction": None}
+    assert defaults["fraction"] == hp.fraction == rule.AUTO  # the plan chooses f (engine.plan.chooses_fraction)
+    assert defaults["momentum_dtype"] == "fp32" and hp.momentum_dtype is torch.float32  # the name as its torch.dtype
+    assert dataclasses.asdict(hp) == {**defaults, "momentum_dtype": torch.float32}
     assert options.hyperparameters(fraction=0.5, mu=0.9) == dataclasses.replace(hp, fraction=0.5, mu=0.9)
-    with pytest.raises(ValueError, match="'fractoin' is not a field of Dion3Hyperparameters \\(did you mean 'fraction'\\?\\)"):
+    unknown = options.UnknownOptionError
+    with pytest.raises(unknown, match="'fractoin' is not a field of Dion3Hyperparameters \\(did you mean 'fraction'\\?\\)"):
         options.hyperparameters(fractoin=0.5)
-    with pytest.raises(ValueError, match="'betas' is not a field"):
+    with pytest.raises(options.UnknownOptionError, match="'betas' is not a field"):
         options.hyperparameters(betas=(0.9, 0.95))
 
 
 def test_torch_constructor_takes_exactly_the_torch_options():
-    assert _keyword_defaults(Dion3) == options.defaults_for(options.TORCH)
+    _assert_signature_is_the_spec(Dion3, options.TORCH)
     opt = Dion3([torch.nn.Parameter(torch.zeros(4, 4))])
     group = opt.param_groups[0]
     for name in options.group_keys(options.TORCH):
         assert group[name] == options.BY_NAME[name].default, name
     assert opt.cuda_graph is options.BY_NAME["cuda_graph"].default
-    with pytest.raises(TypeError, match="unexpected keyword argument 'fractoin' \\(did you mean 'fraction'\\?\\)"):
+    with pytest.raises(options.UnknownOptionError, match="Dion3: 'fractoin' is not a Dion3 option here \\(did you mean 'fraction'\\?\\)"):
         Dion3([torch.nn.Parameter(torch.zeros(4, 4))], fractoin=0.5)
 
 
 @pytest.mark.parametrize(
     "name, words",
     [
-        ("momentum", "(Dion3 calls its momentum 'mu')"),
+        ("momentum", "Dion3 calls its momentum 'mu'"),
         ("nesterov", "there is no Nesterov option"),
         ("beta1", "Dion3 calls its momentum 'mu'"),
         ("adam_lr", "Dion3 calls it 'adamw_lr'"),
     ],
 )
 def test_names_of_other_optimizers_get_the_dion3_name_in_every_front_end(name, words):
-    """One table of hints (options.HINTS): the torch class's unknown keyword, Megatron's class's, and
-    the DeepSpeed config's unknown key say what Dion3 calls it."""
-    with pytest.raises(TypeError, match=f"Dion3 got an unexpected keyword argument '{name}' .*{re.escape(words)}"):
+    """One table of hints (options.HINTS) and one exception type (options.UnknownOptionError, a
+    TypeError): the torch class's unknown keyword and param-group key, the DeepSpeed class's and
+    config's unknown key, Megatron's class's keyword."""
+    hinted = f"{name!r} is not a Dion3 option here \\(.*{re.escape(words)}"
+    with pytest.raises(options.UnknownOptionError, match=f"Dion3: {hinted}"):
         Dion3([torch.nn.Parameter(torch.zeros(4, 4))], **{name: 0.9})
+    with pytest.raises(options.UnknownOptionError, match=f"param group 0: {hinted}"):
+        Dion3([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], name: 0.9}])
     from support.deepspeed_helpers import import_keeping_environment
 
-    with pytest.raises(ValueError, match=f"unknown key\\(s\\) '{name}' .*{re.escape(words)}"):
-        import_keeping_environment("dion3_megatron.deepspeed").normalize_params({name: 0.9})
+    dion3_ds = import_keeping_environment("dion3_megatron.deepspeed")
+    with pytest.raises(options.UnknownOptionError, match=hinted):
+        dion3_ds.normalize_params({name: 0.9})
+    with pytest.raises(options.UnknownOptionError, match=f"DeepSpeedDion3 .*: {hinted}"):
+        dion3_ds.DeepSpeedDion3([torch.nn.Parameter(torch.zeros(4, 4))], **{name: 0.9})
     if importlib.util.find_spec("megatron") is not None:
         from dion3_megatron.megatron.optimizer import MegatronDion3
 
-        with pytest.raises(TypeError, match=f"MegatronDion3 got an unexpected keyword argument '{name}' .*{re.escape(words)}"):
+        with pytest.raises(options.UnknownOptionError, match=f"MegatronDion3: {hinted}"):
             MegatronDion3([torch.nn.Parameter(torch.zeros(4, 4))], **{name: 0.9})
 
 
@@ -129,10 +152,12 @@ def test_deepspeed_keys_are_the_deepspeed_options():
     CONFIG_KEYS, DeepSpeedDion3, normalize_params = dion3_ds.CONFIG_KEYS, dion3_ds.DeepSpeedDion3, dion3_ds.normalize_params
 
     assert list(CONFIG_KEYS) == [o.name for o in options.options_for(options.DEEPSPEED)]
-    assert _keyword_defaults(DeepSpeedDion3) == options.defaults_for(options.DEEPSPEED)
+    _assert_signature_is_the_spec(DeepSpeedDion3, options.DEEPSPEED)
     for option in options.options_for(options.DEEPSPEED):
         with pytest.raises(ValueError, match=f"{option.name} must be"):
             normalize_params({option.name: _BAD[option.kind]})
+        with pytest.raises(ValueError, match=f"{option.name} must be"):
+            DeepSpeedDion3([torch.nn.Parameter(torch.zeros(4, 4))], **{option.name: _BAD[option.kind]})
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
@@ -144,7 +169,7 @@ def test_megatron_flags_config_fields_and_kwargs_are_the_megatron_options():
     from dion3_megatron.megatron import arguments
 
     megatron = options.options_for(options.MEGATRON)
-    assert _keyword_defaults(dm.MegatronDion3) == options.defaults_for(options.MEGATRON)
+    _assert_signature_is_the_spec(dm.MegatronDion3, options.MEGATRON)
     parser = arguments.add_dion3_arguments(argparse.ArgumentParser())
     parsed = vars(parser.parse_args([]))
     assert parsed == {f"dion3_{o.name}": o.default for o in megatron}
@@ -244,3 +269,71 @@ def test_a_compiled_step_is_the_eager_step(generator):
     """torch.compile(opt.step) runs the step eagerly (the step is excluded from tracing) and steps
     exactly as the eager step, past the first step, whose state the later ones update in place."""
     _assert_equal(_trained(generator, step=lambda opt: torch.compile(opt.step)), _trained(generator))
+
+
+def test_an_optimizer_wide_option_in_a_param_group_is_refused_saying_where_it_goes():
+    """A param group that sets an option of one value per optimizer is refused, not ignored: the
+    group's adamw_lr would otherwise leave its lr at the optimizer's, kernels and cuda_graph at
+    theirs."""
+    w, b = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4))
+    adamw = {"params": [b], "algorithm": "adamw"}
+    words = "param group 1: 'adamw_lr' is one value per optimizer, not per param group: set 'lr' in that group"
+    with pytest.raises(ValueError, match=words):
+        Dion3([{"params": [w]}, {**adamw, "adamw_lr": 0.5, "kernels": "bogus", "cuda_graph": "maybe"}], lr=0.01)
+    for key, value in (("kernels", "torch"), ("cuda_graph", False)):
+        words = f"param group 1: '{key}' is one value per optimizer.* set it in Dion3\\(\\.\\.\\., name=value\\)"
+        with pytest.raises(ValueError, match=words):
+            Dion3([{"params": [w]}, {**adamw, key: value}])
+    opt = Dion3([{"params": [w]}, {**adamw, "lr": 0.5}])  # what the message says to do
+    assert opt.param_groups[1]["lr"] == 0.5
+    with pytest.raises(options.UnknownOptionError, match="'split_qkv' is not a Dion3 option here"):
+        Dion3([{"params": [w], "split_qkv": False}])
+
+
+def test_deepspeed_groups_refuse_optimizer_wide_options_too():
+    from support.deepspeed_helpers import import_keeping_environment
+
+    DeepSpeedDion3 = import_keeping_environment("dion3_megatron.deepspeed").DeepSpeedDion3
+    w = torch.nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match='\'kernels\' is one value per optimizer.*the config\'s "optimizer" "params"'):
+        DeepSpeedDion3([{"params": [w], "kernels": "torch"}])
+
+
+def test_every_fraction_error_names_auto():
+    """A fraction that is neither a number in (0, 1] nor 'auto' is refused saying 'auto' is one,
+    in every front end's spelling: keyword, DeepSpeed config, Megatron flag and config field."""
+    from support.deepspeed_helpers import import_keeping_environment
+
+    words = "fraction must be in (0, 1] or 'auto', got 'abc'"
+    with pytest.raises(ValueError, match=re.escape(words)):
+        Dion3([torch.nn.Parameter(torch.zeros(4, 4))], fraction="abc")
+    with pytest.raises(ValueError, match=re.escape(words)):
+        import_keeping_environment("dion3_megatron.deepspeed").normalize_params({"fraction": "abc"})
+    parse = options.BY_NAME["fraction"].argparse_type()
+    for text, value in (("abc", "'abc'"), ("1.5", "1.5")):
+        with pytest.raises(Exception, match=re.escape(f"fraction must be in (0, 1] or 'auto', got {value}")):
+            parse(text)
+    assert parse("auto") == "auto" and parse("0.25") == 0.25
+
+
+def test_a_step_checks_settings_only_where_they_changed(monkeypatch, generator):
+    """The step resolves each group's settings where they enter: a step with the groups unchanged
+    checks nothing again; a scheduled lr is checked alone; an edited setting is checked again (and
+    refused before anything changes)."""
+    p = torch.nn.Parameter(torch.randn(8, 8, generator=generator))
+    opt = Dion3([p], fraction=0.5)
+    p.grad = torch.randn(8, 8, generator=generator)
+    opt.step()
+    checked: list[dict] = []
+    check = options.check
+    monkeypatch.setattr(options, "check", lambda where, prefix="", **values: (checked.append(values), check(where, prefix, **values))[1])
+    opt.step()
+    assert checked == []
+    opt.param_groups[0]["lr"] = 0.02
+    opt.step()
+    assert checked == [{"lr": 0.02, "weight_decay": options.BY_NAME["weight_decay"].default}]
+    opt.param_groups[0]["fraction"] = 2.0
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="param group 0: fraction must be"):
+        opt.step()
+    assert torch.equal(p.detach(), before)

@@ -19,10 +19,12 @@ SHIPPED = [
     *sorted((ROOT / "dion3_megatron").rglob("*.py")),
     *sorted(p for p in (ROOT / "examples").rglob("*") if p.suffix in (".py", ".sh", ".md", ".json")),
 ]
-# Words about how the project was developed, not what it is. A figure's own revision is stated as
+# Words about how the project was developed, not what it is ("session" alone is the engine session,
+# engine/session.py: a session of work is "this session", "the twelfth session"...). A figure's own revision is stated as
 # "code revision" with its hash, in docs/performance.md's older figures and their JSON.
 HISTORY = re.compile(
-    r"session|issue [0-9]|issue #|parked|reverted|(?-i:DESIGN\.md)|\.carry|shared/tools|\btwenty|\bthirty|"
+    r"\b(this|that|previous|earlier|last|next|later|\w+th) sessions?\b|\bsessions? \d|"
+    r"issue [0-9]|issue #|parked|reverted|(?-i:DESIGN\.md)|\.carry|shared/tools|\btwenty|\bthirty|"
     r"\bcommit [0-9a-f]{7}|`[0-9a-f]{7}`|not re-measured|not yet measured|to be measured|that version|"
     r"earlier version|previously|tried and|we tried|tried for it|was the target|measurement-log|earlier day|"
     r"main job|in this call|repeats of|aborted \d+ times|for now\b",

@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))  # this checkout's spec, not an installed copy
 
 from dion3_megatron import options  # noqa: E402
 from dion3_megatron.kernels import config as kernel_config  # noqa: E402
-from dion3_megatron.options import BOOL, DEEPSPEED, DTYPE, MEGATRON, REAL, TORCH, Option  # noqa: E402
+from dion3_megatron.options import BOOL, DEEPSPEED, DTYPE, MEGATRON, REAL, STORAGE_DTYPE, TORCH, Option  # noqa: E402
 
 DEFAULT_PATH = REPO / "docs" / "configuration.md"
 REFERENCE_COMMAND = "python tools/configuration_md.py"
@@ -116,7 +116,7 @@ def torch_cell(option: Option) -> str:
     if TORCH not in option.front_ends:
         return "—"
     where = "param-group key" if option.group_key else "one per optimizer"
-    dtype = " (a `torch.dtype` or its name)" if option.kind == DTYPE else ""
+    dtype = {DTYPE: " (a `torch.dtype` or its name)", STORAGE_DTYPE: " (or its `torch.dtype`)"}.get(option.kind, "")
     return f"`{option.name}={option.default!r}`{dtype}, {where}"
 
 

@@ -10,38 +10,60 @@ partitions (:func:`become`). The object stays the one the engine, and a client's
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Never, Optional
+
+import torch
 
 from .. import options
 from ..frontend import groups as grouping
 from ..frontend.lifecycle import Dion3FrontEnd
-from .config import normalize_params
+from .config import HINTS, WHERE
 from .layout import logical
 
 
-@options.documented(options.DEEPSPEED)
 class DeepSpeedFrontEnd(Dion3FrontEnd):
     """Dion3 for DeepSpeed, either stage: the config's ``params`` checked, the groups split and
-        checked; a subclass steps, keeps the record and loads (:class:`~dion3_megatron.frontend.lifecycle.Dion3FrontEnd`),
-        and :meth:`_start` sets what only it holds.
+    checked; a subclass steps, keeps the record and loads (`dion3_megatron.frontend.lifecycle.Dion3FrontEnd`),
+    and `_start` sets what only it holds.
 
-        Takes the options below, the config's ``params`` (JSON spellings: ``betas`` a list,
-        ``ns_dtype`` a string). Unknown keys and out-of-range values raise ValueError at
-        construction, i.e. at ``deepspeed.initialize``.
-
-        Options:
-    {options}
+    Takes the options (keyword only; docs/configuration.md lists them): the config's ``params``, in
+    their JSON spellings too (``betas`` a list, ``ns_dtype`` a string). An unknown key is an
+    `dion3_megatron.options.UnknownOptionError` naming the closest option, an out-of-range value a
+    ValueError naming it, at construction, i.e. at ``deepspeed.initialize``.
     """
 
     FRONT_END = options.DEEPSPEED
 
-    def __init__(self, params: Iterable[Any], **kwargs: Any) -> None:
-        settings, params, defaults, _ = grouping.prepare(
-            type(self).__name__, options.DEEPSPEED, _split_partitioned(list(params)), normalize_params(kwargs)
-        )
+    def __init__(
+        self,
+        params: Iterable[Any],
+        *,
+        lr: float | torch.Tensor = 0.01,
+        adamw_lr: float | torch.Tensor = 0.002,
+        fraction: float | str = "auto",
+        mu: Optional[float] = None,
+        beta2: float = 0.95,
+        weight_decay: float = 0.01,
+        eps: float = 1e-8,
+        adjust_lr: str = "spectral_norm",
+        scale_lr_by_fraction: bool = True,
+        scale_mu_by_fraction: bool = False,
+        staleness: float = 1.0,
+        num_heads: Optional[int] = None,
+        ns_method: str = "gram",
+        ns_dtype: Optional[torch.dtype | str] = None,
+        betas: tuple[float, float] = (0.9, 0.95),
+        kernels: Optional[str] = None,
+        cuda_graph: bool = True,
+        **unknown: Never,
+    ) -> None:
+        where = f"{type(self).__name__} ({WHERE})"
+        options.refuse_unknown(where, options.DEEPSPEED, unknown, HINTS)
+        given = options.from_signature(options.DEEPSPEED, locals())
+        settings, params, defaults, _ = grouping.prepare(where, options.DEEPSPEED, _split_partitioned(list(params)), given)
         self.cuda_graph: bool = settings["cuda_graph"]
         self.kernels: str | None = settings["kernels"]
-        self.adamw_lr: float = settings["adamw_lr"]
+        self.adamw_lr: float | torch.Tensor = settings["adamw_lr"]
         super().__init__(params, defaults)
         grouping.warn_without_matrices(type(self).__name__, [{**g, "params": [logical(p) for p in g["params"]]} for g in self.param_groups])
         self._start()
@@ -54,7 +76,7 @@ class DeepSpeedFrontEnd(Dion3FrontEnd):
         index = len(self.param_groups)
         super().add_param_group(grouping.with_adamw_lr(param_group, self.adamw_lr))
         group = self.param_groups[-1]
-        grouping.check_group_keys(f"param group {index}", group, options.DEEPSPEED)
+        grouping.check_group_keys(f"param group {index}", group, options.DEEPSPEED, 'the config\'s "optimizer" "params"')
         grouping.check_group(f"param group {index}", group, options.DEEPSPEED, [logical(p) for p in group["params"]])
 
     def load_checked(self, state_dict: dict[str, Any]) -> None:

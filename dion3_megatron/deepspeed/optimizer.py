@@ -30,7 +30,7 @@ class DeepSpeedDion3(DeepSpeedFrontEnd):
     """
 
     def _start(self) -> None:
-        self._whole = WholeParameters(self.cuda_graph)
+        self._whole = WholeParameters(self.cuda_graph, options.DEEPSPEED)
 
     @property
     def fractions(self) -> Fractions:
@@ -54,4 +54,4 @@ class DeepSpeedDion3(DeepSpeedFrontEnd):
     @kernel_config.scoped_step
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         zero.warn_if_tensor_parallel_without_zero()
-        return self._whole.optimizer_step(self.param_groups, self.state, options.DEEPSPEED, closure, self.gate_step)
+        return self._whole.optimizer_step(self.param_groups, self.state, closure, self.gate_step)

@@ -40,15 +40,17 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..core import rule
+from ..core.adamw import adamw_step
 from ..core.ortho import default_ns_dtype
-from ..engine import Dion3Engine, MatrixShard, Rect, Sharding, fractions
+from ..engine import Dion3Engine, MatrixShard, Rect, Sharding
 from ..engine.plan import chooses_fraction
+from ..engine.session import EngineSession
 from ..frontend import groups as grouping
 from .layout import FlatLayout, logical, param_bounds
 
@@ -139,7 +141,7 @@ class PartitionPlan:
     """What one flat ZeRO partition holds, read once from its layout: its pieces of Dion3 matrices
     (the shards :class:`ZeroStep`'s engine steps) and its AdamW element runs."""
 
-    def __init__(self, group: dict, layout: FlatLayout, index: int) -> None:
+    def __init__(self, group: dict, hp: rule.Dion3Hyperparameters, layout: FlatLayout, index: int) -> None:
         self.flat = layout.flat
         self.group_index = index  # the param group's position among the optimizer's
         self.group_pg = layout.group
@@ -151,7 +153,6 @@ class PartitionPlan:
         # Every rank whose pieces one step's collectives join: the tensor x data-parallel group with
         # tensor parallelism, else the data-parallel group. They check the plan, and skip a step, together.
         self.check_group = tensor_parallel.group if tensor_parallel is not None else self.group_pg
-        hp = grouping.hyperparameters(group)
         self.pieces: list[_SlicePiece] = []  # every Dion3 matrix this rank holds any of: the engine's shards
         # Some rank of the group holds a Dion3 matrix (the same on every rank): then every rank
         # builds the engine, whose construction is collective, also one that holds none.
@@ -170,23 +171,27 @@ class PartitionPlan:
                 continue
             self.steps_matrices = True
             # one block of a tensor-parallel matrix: through the engine over TP x DP
+            names = grouping.matrix_names(grouping.param_name(index, j), shaped)
             if tensor_parallel is not None and (split := tensor_parallel.split_of(p, shaped)) is not None:
-                self.names.add(f"group{index}.param{j}")
-                self._add_tensor_parallel(shaped, split, bounds, hp_start, lp_lo, tensor_parallel, hp, f"group{index}.param{j}")
+                self.names.add(names[0])
+                self._add_tensor_parallel(shaped, split, bounds, hp_start, lp_lo, tensor_parallel, hp, names[0])
                 continue
             for e, (a, n, m) in enumerate(matrices_of(shaped)):
                 mbounds = [min(max(b - a, 0), n * m) for b in bounds]
                 lo, hi = mbounds[self.rank], mbounds[self.rank + 1]
                 offset = hp_start + (a + lo - lp_lo) if hi > lo else 0
                 holders = [q for q in range(self.world) if mbounds[q + 1] > mbounds[q]]
-                name = f"group{index}.param{j}" + (f".matrix{e}" if shaped.dim() == 3 else "")
+                name = names[e]
                 self.names.add(name)
                 if len(holders) > 1:
                     self._add_piece(name, offset, hi - lo, lo, m, (n, m), Sharding.flat(mbounds), self.group_pg, hp)
                 elif holders == [self.rank]:  # whole in this rank's slice: stepped here alone, no communication
                     self._add_piece(name, offset, n * m, 0, m, (n, m), Sharding.full(), None, hp)
         self.adamw_runs = _merge_runs(adamw_runs)
-        self.chooses_fraction = self.steps_matrices and chooses_fraction(hp)
+
+    def chooses_fraction(self, hp: rule.Dion3Hyperparameters) -> bool:
+        """Whether the plan chooses f for matrices of this partition (on every rank alike)."""
+        return self.steps_matrices and chooses_fraction(hp)
 
     def _add_tensor_parallel(
         self,
@@ -266,7 +271,7 @@ class PartitionPlan:
                 [t.narrow(0, start, length) for start, length in self.adamw_runs]
                 for t in (self.flat, grad, state["exp_avg"], state["exp_avg_sq"])
             )
-            rule.adamw_step(
+            adamw_step(
                 params,
                 grads,
                 exp_avgs,
@@ -284,73 +289,53 @@ class ZeroStep:
     sub-group): all their pieces of Dion3 matrices are the shards of ONE engine, so a step makes one
     set of collectives whatever the number of partitions; the AdamW runs step element by element.
 
-    Built at the first step by every rank alike (the engine's construction and the agreement on the
-    device's speed are collective over :attr:`check_group`); the engine is built again where the
+    The engine is the front end's session's (:class:`~dion3_megatron.engine.session.EngineSession`),
+    whose ranks are :attr:`check_group`: built at the first step by every rank alike (the engine's
+    construction and the agreement on the device's speed are collective over it), again where the
     partitions' state tensors, or a group's staleness, changed (a checkpoint load)."""
 
-    def __init__(self, partitions: list[PartitionPlan], groups: list[dict], cuda_graph: bool, chosen: Mapping[str, float]) -> None:
+    def __init__(self, partitions: list[PartitionPlan], hps: list[rule.Dion3Hyperparameters], session: EngineSession) -> None:
         self.partitions = partitions
-        self.use_graph = cuda_graph
         self.check_group = _widest([p.check_group for p in partitions])
+        self.session = session
+        session.group = self.check_group
         device = partitions[0].flat.device
-        wanted = sorted(
-            {
-                (device, hp.ns_dtype or default_ns_dtype(device))
-                for p in partitions
-                if p.chooses_fraction
-                for hp in [grouping.hyperparameters(groups[p.group_index])]
-            },
-            key=str,
-        )
-        distributed = dist.get_world_size(self.check_group) > 1
-        self.speeds = fractions.agreed_speeds(wanted, self.check_group) if wanted else fractions.AgreedSpeeds({}, distributed)
-        self.choose = bool(wanted)  # some group has the automatic f: the ranks share their choices at each build
-        # The automatic f chosen, by matrix name (a checkpoint keeps it, so a resume does not measure
-        # again), of every matrix of every partition on any rank: each rank's record is whole.
-        self.chosen: dict[str, float] = dict(chosen)
-        self.engine: Optional[Dion3Engine] = None
+        wanted = [(device, hp.ns_dtype or default_ns_dtype(device)) for p, hp in zip(partitions, hps) if p.chooses_fraction(hp)]
+        # Some group has the automatic f (the same on every rank): the ranks agree on the device's
+        # speed now, and share their choices at each build.
+        self.choose = bool(wanted)
+        if wanted:
+            session.agree_speeds(wanted)
         self._moves: list[_SliceMoves] = []
-        self._key: tuple = ()
 
     def names(self) -> dict[str, int]:
         """Every Dion3 matrix of the partitions (held here or not) -> its param group's index."""
         return {name: p.group_index for p in self.partitions for name in p.names}
 
-    def _build(self, states: list[dict], hps: list[rule.Dion3Hyperparameters]) -> Dion3Engine:
+    def _engine(self, states: list[dict], hps: list[rule.Dion3Hyperparameters]) -> Dion3Engine:
         """The engine over the partitions' pieces of Dion3 matrices (built again where their state tensors changed)."""
         stepped = [(p, state, hp) for p, state, hp in zip(self.partitions, states, hps) if p.steps_matrices]
-        key = tuple((id(s["exp_avg"]), id(s["exp_avg_sq"]), id(s.get("row_age")), hp.staleness) for _, s, hp in stepped)
-        if self.engine is not None and key == self._key:
-            return self.engine
+        key = tuple((id(s["exp_avg"]), id(s.get("exp_avg_sq")), id(s.get("row_age")), hp.staleness) for _, s, hp in stepped)
+        if (engine := self.session.current(key)) is not None:
+            return engine
         for p, _, hp in stepped:
             if chooses_fraction(hp):  # refused here on every rank alike where the ranks agreed no speed for it
-                self.speeds.of(p.flat.device, hp.ns_dtype or default_ns_dtype(p.flat.device))
-        for p, state, hp in stepped:
-            p.bind(state, hp)
-        self.engine = Dion3Engine(
-            [piece.shard for p, _, _ in stepped for piece in p.pieces],
-            cuda_graph=self.use_graph,
-            check_group=self.check_group,
-            fresh_grads=True,
-            speeds=self.speeds,
-            chosen=self.chosen,
-            momentum_in_place=True,
-        )
-        self._moves = [p.moves(state, hp) for p, state, hp in stepped]
-        chosen = self.engine.chosen_fractions()
-        if self.choose and dist.get_world_size(self.check_group) > 1:
-            every: list = [None] * dist.get_world_size(self.check_group)
-            dist.all_gather_object(every, chosen, group=self.check_group)
-            chosen = {name: f for theirs in every for name, f in theirs.items()}
-        self.chosen.update(chosen)
-        self._key = key
-        return self.engine
+                self.session.agree_speeds([(p.flat.device, hp.ns_dtype or default_ns_dtype(p.flat.device))])
 
-    def step(self, groups: list[dict], states: list[dict], grads: list[torch.Tensor]) -> None:
-        """One step of every partition (``states``, ``grads``: theirs, in :attr:`partitions`' order)."""
-        hps = [grouping.hyperparameters(groups[p.group_index]) for p in self.partitions]
+        def shards() -> list[MatrixShard]:
+            for p, state, hp in stepped:
+                p.bind(state, hp)
+            return [piece.shard for p, _, _ in stepped for piece in p.pieces]
+
+        engine = self.session.engine_for(key, shards, groups_of=self.names(), fresh_grads=True, momentum_in_place=True, gather=self.choose)
+        self._moves = [p.moves(state, hp) for p, state, hp in stepped]
+        return engine
+
+    def step(self, groups: list[dict], states: list[dict], grads: list[torch.Tensor], hps: list[rule.Dion3Hyperparameters]) -> None:
+        """One step of every partition (``states``, ``grads``, ``hps``: their state, gradient and
+        settings, in :attr:`partitions`' order)."""
         if any(p.steps_matrices for p in self.partitions):
-            engine = self._build(states, hps)
+            engine = self._engine(states, hps)
             for p, grad, hp in zip(self.partitions, grads, hps):
                 if p.steps_matrices:
                     p.take_gradient(grad, hp)

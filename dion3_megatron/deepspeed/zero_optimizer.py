@@ -22,6 +22,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import options
+from ..core.rule import Dion3Hyperparameters
+from ..engine.session import EngineSession
 from ..frontend import groups as grouping
 from ..frontend.lifecycle import RECORD, read_records, without_records
 from ..kernels import config as kernel_config
@@ -59,7 +61,8 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
         self._write_back: Optional[Callable[[int], None]] = None
         self._pending: dict[int, Optional[torch.Tensor]] = {}  # partition index -> its gradient, this step
         self._step_plan: Optional[zero.ZeroStep] = None
-        self._restored: dict[str, float] = {}  # a checkpoint's record, for the next build
+        self._session = EngineSession(self.cuda_graph)  # (its group: the ZeroStep's check group)
+        self._settings = grouping.GroupSettings(self._check_group, options.group_keys(options.DEEPSPEED))
 
     def adopt_partitions(self, partitions: list[Partition], write_back: Optional[Callable[[int], None]]) -> None:
         """The partitions ZeRO built (in the order it steps them) and how to write partition ``i``
@@ -85,25 +88,21 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
 
     def _matrix_names(self) -> list[set[str]]:
         """Per param group, the names of its Dion3 matrices (as :class:`.zero.PartitionPlan` names them)."""
-        names: list[set[str]] = []
-        for gi, (group, shaped) in enumerate(zip(self._groups, self._shaped)):
-            names.append(
-                {
-                    f"group{gi}.param{j}" + (f".matrix{e}" if p.dim() == 3 else "")
-                    for j, p in enumerate(shaped)
-                    if grouping.algorithm_of(group, p) == "dion3"
-                    for e in range(p.shape[0] if p.dim() == 3 else 1)
-                }
-            )
-        return names
+        return [
+            {
+                name
+                for j, p in enumerate(shaped)
+                if grouping.algorithm_of(group, p) == "dion3"
+                for name in grouping.matrix_names(grouping.param_name(gi, j), p)
+            }
+            for gi, (group, shaped) in enumerate(zip(self._groups, self._shaped))
+        ]
 
     def fraction_records(self) -> list[dict[str, float]]:
-        chosen = {**self._restored, **(self._step_plan.chosen if self._step_plan is not None else {})}
-        return [{name: chosen[name] for name in sorted(names) if name in chosen} for names in self._matrix_names()]
+        return self._session.records(len(self._groups))
 
     def restore_fraction_records(self, records: list[dict[str, float]]) -> None:
-        self._restored = {name: f for record in records for name, f in record.items()}
-        self._step_plan = None  # built again at the next step, with these choices
+        self._session.restore(records)
 
     def _check_records(self, records: list[dict[str, float]], where: str) -> None:
         for gi, (record, names) in enumerate(zip(records, self._matrix_names())):
@@ -154,9 +153,16 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
                 else:
                     position = {id(p): j for j, p in enumerate(originals)}
                     layout = partition_layout(part.flat, part.params, [position[id(p)] for p in part.params], part.process_group, where)
-                plans.append(zero.PartitionPlan(self._groups[part.group_index], layout, part.group_index))
-            self._step_plan = zero.ZeroStep(plans, self._groups, self.cuda_graph, self._restored)
+                plans.append(zero.PartitionPlan(self._groups[part.group_index], self._hp(part.group_index), layout, part.group_index))
+            self._step_plan = zero.ZeroStep(plans, [self._hp(part.group_index) for part in self._partitions], self._session)
         return self._step_plan
+
+    def _check_group(self, where: str, group: dict) -> None:
+        gi = next(i for i, g in enumerate(self._groups) if g is group)
+        grouping.check_group(where, group, options.DEEPSPEED, self._shaped[gi])
+
+    def _hp(self, gi: int) -> Dion3Hyperparameters:
+        return self._settings.of(f"param group {gi}", self._groups[gi])
 
     @torch.no_grad()
     @kernel_config.scoped_step
@@ -196,8 +202,8 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
         present = [g for g in ordered if g is not None]  # all of them: the check refuses a missing one
 
         def check() -> list[torch.Tensor]:
-            for gi, group in enumerate(self._groups):  # a setting changed since construction
-                grouping.check_group(f"param group {gi}", group, options.DEEPSPEED, self._shaped[gi])
+            for gi in range(len(self._groups)):  # a setting changed since construction
+                self._hp(gi)
             missing = [i for i, g in enumerate(ordered) if g is None]
             if missing:
                 raise RuntimeError(f"Dion3: ZeRO handed partitions {missing} of {len(ordered)} without a gradient")
@@ -212,7 +218,7 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
             # not in place: ZeRO-3's universal-checkpoint load gives every partition one step tensor
             state["step"] = state["step"] + 1
             states.append(state)
-        plan.step(self._groups, states, present)
+        plan.step(self._groups, states, present, [self._hp(part.group_index) for part in self._partitions])
         if self._write_back is not None:
             for i in range(len(self._partitions)):
                 if i not in handed:  # ZeRO writes back the ones of this call itself

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..core import rounding as bf16_rounding
 from ..core import rule
+from ..core.rounding import Rounding
 from ..core.rule import Dion3Hyperparameters
 from . import cuda_graph as cuda_graph_module
 from .plan import ShapeGroup
@@ -59,10 +61,11 @@ class SubBatch:
     # ranks point at, so every rank sends exactly k rows per matrix (see StaticExchange).
     momentum_padded: Optional[torch.Tensor] = None
     variance_padded: Optional[torch.Tensor] = None
-    state_views: dict = field(default_factory=dict)  # "momentum"/"variance"/"row_age" -> the views the shards hold
+    state_views: dict = field(default_factory=dict)  # "momentum"/"variance"/"row_age"/"rounding_step" -> the shards' views
     route: Optional["Route"] = None
     mus: list = field(default_factory=list)  # per-matrix mu when they differ, and its device copy
     mu_on_device: Optional[torch.Tensor] = None
+    rounding: Optional[Rounding] = None  # a momentum stored below fp32: what its rounding hashes
 
 
 def sub_batch_mu(sg: ShapeGroup, sub: SubBatch, device: torch.device) -> float | torch.Tensor:
@@ -235,9 +238,10 @@ class BlockExchange(Exchange):
         scores = torch.zeros(len(sg.shards), sg.key.shape[0], dtype=torch.float32, device=device)
         for sub in self.subs:
             decay = folded_decay_of(sg, sub_batch_mu(sg, sub, device))
-            block = rule.accumulate_and_score(
-                sub.momentum, [sg.shards[j].stepped_grad().view(sub.momentum.shape[1:]) for j in sub.index], decay=decay
-            )
+            if sub.rounding is not None:
+                sub.rounding.advance()
+            grads = [sg.shards[j].stepped_grad().view(sub.momentum.shape[1:]) for j in sub.index]
+            block = rule.accumulate_and_score(sub.momentum, grads, decay=decay, rounding=sub.rounding)
             if sub.age is not None:
                 block = rule.staleness_boost(block, sub.age, sg.hp.staleness, sg.fraction)
             mine = sub.rect[sg.rank]
@@ -269,6 +273,7 @@ class BlockExchange(Exchange):
                 v.data_ptr(),
                 tuple(m.shape),
                 sub.age.data_ptr() if sub.age is not None else None,
+                sub.rounding.steps.data_ptr() if sub.rounding is not None else None,
                 sg.key,
                 sg.fraction,
                 tuple(
@@ -358,11 +363,17 @@ def _sub_batch(sg: ShapeGroup, sharding: Sharding, index: list[int], padded: boo
     device = first.weight.device
     extra = int(padded and sharding.kind == "rows")
     rows, width = first.weight.shape
+    dtype = sg.hp.momentum_dtype
     if in_place:  # the caller's momentum, as one (matrices, rows, width) view
         given = first.state["momentum"]
+        if given.dtype != dtype:
+            raise ValueError(
+                f"{first.name}: momentum_dtype={dtype} is not taken where the momentum is stepped in place "
+                f"(a ZeRO slice's {given.dtype} exp_avg); set momentum_dtype to {given.dtype}"
+            )
         momentum = given.as_strided((len(index), rows, width), (rows * width, width, 1), given.storage_offset())
     else:
-        momentum = torch.zeros((len(index), rows + extra, width), dtype=torch.float32, device=device)
+        momentum = torch.zeros((len(index), rows + extra, width), dtype=dtype, device=device)
     variance = torch.zeros(len(index), r1 - r0 + extra, dtype=torch.float32, device=device)
     # Ages of the rows the piece touches, like the variance (pieces of a row age alike).
     age = torch.zeros(len(index), r1 - r0, dtype=torch.float32, device=device) if sg.hp.staleness else None
@@ -382,10 +393,17 @@ def _sub_batch(sg: ShapeGroup, sharding: Sharding, index: list[int], padded: boo
     sub.state_views = {"momentum": list(sub.momentum), "variance": list(sub.variance)}
     if age is not None:
         sub.state_views["row_age"] = list(age)
+    if dtype != torch.float32:  # each matrix's count of steps, which the rounding's noise is hashed from
+        steps = torch.zeros(len(index), dtype=torch.int64, device=device)
+        seeds = torch.tensor([bf16_rounding.matrix_seed(sg.shards[j].name) for j in index], dtype=torch.int64, device=device)
+        sub.rounding = Rounding(seeds, steps, m, sub.rect[sg.rank].r0, sub.rect[sg.rank].c0)
+        sub.state_views["rounding_step"] = list(steps)
     for b, j in enumerate(index):
         for key, views in sub.state_views.items():
             given = sg.shards[j].state.get(key)
             if given is not None and given.data_ptr() != views[b].data_ptr():  # state given by the caller
                 views[b].copy_(given)
             sg.shards[j].state[key] = views[b]
+        if sub.rounding is None:  # a count carried from a bf16 momentum, now fp32: nothing reads it
+            sg.shards[j].state.pop("rounding_step", None)
     return sub

@@ -1,6 +1,6 @@
 """The automatic fraction on the devices: the speeds the cost model (:mod:`dion3_megatron.core.cost_model`)
 takes, measured once per (device, dtype) and process, and agreed across the ranks that must choose
-the same f (:func:`for_group`, :func:`agree_per_dtype`), and :func:`resolve_fractions`, which the
+the same f (:func:`for_group`, :func:`agree_per_dtype`), and :func:`choose_fractions`, which the
 plan asks for its groups' f (the torch class's ranks agree the speeds once, :class:`AgreedSpeeds`).
 
 Three short timings per (device, dtype): a large matmul (FLOP/s), a tiny one (the fixed cost of a
@@ -188,7 +188,7 @@ def _speed_key(device: torch.device, hp: Dion3Hyperparameters, group: Optional[d
     return ranks, str(device), hp.ns_dtype or default_ns_dtype(device)
 
 
-def resolve_fractions(
+def choose_fractions(
     requests: Sequence[FractionRequest],
     joined: Sequence[tuple[torch.device, Dion3Hyperparameters, dist.ProcessGroup]] = (),
 ) -> list[float]:

@@ -8,7 +8,9 @@ from typing import Optional
 
 import torch
 
+from ..core import rounding as bf16_rounding
 from ..core import rule
+from ..core.rounding import Rounding
 from .exchange import Exchange, Traffic, folded_decay_of, take_decay_of, to_device, update_factors_of
 from .plan import ShapeGroup
 from .sharding import init_state
@@ -24,17 +26,33 @@ class GeneralExchange(Exchange):
         super().__init__(sg, traffic)
         for shard in sg.shards:
             init_state(shard, sg.rank)
+        device = sg.shards[0].weight.device
+        self._seeds = [torch.tensor([bf16_rounding.matrix_seed(shard.name)], device=device) for shard in sg.shards]
+
+    def _rounding(self, j: int) -> Optional[Rounding]:
+        """A bf16 momentum's rounding, over the shard's count of steps (its state, which a caller may replace)."""
+        state = self.sg.shards[j].state
+        return Rounding(self._seeds[j], state["rounding_step"].view(1), self.sg.key.shape[1]) if "rounding_step" in state else None
 
     def score(self) -> torch.Tensor:
         sg = self.sg
-        rule.accumulate([shard.state["momentum"] for shard in sg.shards], [shard.stepped_grad() for shard in sg.shards])
+        rounded = sg.key.momentum_dtype != str(torch.float32)
+        if not rounded:
+            rule.accumulate([shard.state["momentum"] for shard in sg.shards], [shard.stepped_grad() for shard in sg.shards])
         scores = torch.zeros(len(sg.shards), sg.key.shape[0], dtype=torch.float32, device=sg.shards[0].weight.device)
         for j, shard in enumerate(sg.shards):
-            for rect in sg.rects[j][sg.rank]:
-                scores[j, rect.r0 : rect.r1] += rule.row_scores(rect.view(shard.state["momentum"])[None])[0]
             decay = folded_decay_of(sg, rule.momentum_decay(shard.hp, sg.fraction))
-            if decay is not None:  # as rule.accumulate_and_score folds it
-                shard.state["momentum"].mul_(decay)
+            momentum, rounding = shard.state["momentum"], self._rounding(j)
+            if rounding is not None:  # added, scored and decayed in fp32 a rectangle at a time, stored rounded
+                rounding.advance()
+                for rect in sg.rects[j][sg.rank]:
+                    block, grad, at = rect.view(momentum)[None], [rect.view(shard.stepped_grad())], rounding.at(rect.r0, rect.c0)
+                    scores[j, rect.r0 : rect.r1] += rule.accumulate_and_score(block, grad, decay=decay, rounding=at)[0]
+            else:
+                for rect in sg.rects[j][sg.rank]:
+                    scores[j, rect.r0 : rect.r1] += rule.row_scores(rect.view(momentum)[None])[0]
+                if decay is not None:  # as rule.accumulate_and_score folds it
+                    momentum.mul_(decay)
             if sg.hp.staleness:
                 r0, r1 = sg.spans[j][sg.rank]
                 scores[j, r0:r1] = rule.staleness_boost(scores[j, r0:r1], shard.state["row_age"], sg.hp.staleness, sg.fraction)
@@ -58,12 +76,12 @@ class GeneralExchange(Exchange):
         send_parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
         for j, shard in enumerate(shards):
             owner = sg.owner(j)
-            momentum = shard.state["momentum"]
+            momentum, rounding = shard.state["momentum"], self._rounding(j)
             send_parts[owner].append(shard.state["variance"][layout.provided_rows(j)])
             for t, rect in enumerate(rects[j][me]):
-                piece = rule.take_rows(
-                    rect.view(momentum), layout.rect_rows(j, t), take_decay_of(sg, rule.momentum_decay(shard.hp, sg.fraction))
-                )
+                decay = take_decay_of(sg, rule.momentum_decay(shard.hp, sg.fraction))
+                at = rounding.at(rect.r0, rect.c0) if rounding is not None else None
+                piece = rule.take_rows(rect.view(momentum), layout.rect_rows(j, t), decay, rounding=at)
                 send_parts[owner].append(piece.reshape(-1))
         recv_sizes = [layout.forward_size(q) for q in range(world)]
         owned = self.owned()

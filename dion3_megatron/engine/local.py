@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from ..core import rule
+from ..core.rounding import Rounding
 from ..core.rule import Dion3Hyperparameters
 from . import cuda_graph as cuda_graph_module
 from .exchange import BlockExchange, Traffic, folded_decay_of, group_hp, sub_batch_mu, update_factors_of
@@ -29,7 +30,7 @@ class WholeMatrices:
     is written in place)."""
 
     weight: torch.Tensor | list[torch.Tensor]  # (B, n, c), or B separate (n, c) tensors
-    momentum: torch.Tensor  # (B, n, c) fp32
+    momentum: torch.Tensor  # (B, n, c) fp32, or bf16 with a rounding
     variance: torch.Tensor  # (B, n) fp32
     hp: Dion3Hyperparameters  # the batch's settings, fraction already a number
     grads: Optional[list[torch.Tensor]] = None  # B (n, c), added to the momentum by the step
@@ -41,6 +42,7 @@ class WholeMatrices:
     # the caller's accumulation left the momentum decayed (rule.folded_decay): the step, which
     # selects every row, orthogonalizes it as it is and does not decay it again
     momentum_decayed: bool = False
+    rounding: Optional[Rounding] = None  # a bf16 momentum's: its rounded writes hash their noise from it
 
     def __post_init__(self) -> None:
         if self.hps is not None and self.mu is None:  # their mus may differ: the caller keeps the device copy
@@ -65,6 +67,7 @@ class WholeMatrices:
             tuple(g.data_ptr() for g in self.grads) if self.grads is not None else None,
             self.scores.data_ptr() if self.scores is not None else None,
             self.age.data_ptr() if self.age is not None else None,
+            self.rounding.steps.data_ptr() if self.rounding is not None else None,
             self.momentum_decayed,
             cuda_graph_module.baked_settings(self.hp),
             tuple(cuda_graph_module.baked_settings(hp) for hp in self.hps) if self.hps is not None else None,
@@ -104,7 +107,9 @@ def _step_whole_eager(entries: list[WholeMatrices]) -> None:
         decayed = e.momentum_decayed
         if e.grads is not None:
             decay = rule.folded_decay(hp, e.momentum.shape[1], e.mu)
-            scores = rule.accumulate_and_score(e.momentum, e.grads, out=e.scores, decay=decay)
+            if e.rounding is not None:
+                e.rounding.advance()
+            scores = rule.accumulate_and_score(e.momentum, e.grads, out=e.scores, decay=decay, rounding=e.rounding)
             decayed = decay is not None
         else:
             scores = e.scores if e.scores is not None else rule.row_scores(e.momentum)
@@ -122,15 +127,18 @@ def _step_whole_eager(entries: list[WholeMatrices]) -> None:
         every_row = idx.shape[1] == e.momentum.shape[1]
         if decayed and not every_row:
             raise RuntimeError("the momentum came decayed for a step that does not select every row")
-        selected = e.momentum if every_row else rule.take_selected(e.momentum, idx, mu)
-        key = (tuple(selected.shape[1:]), selected.device, hp.ns_method, hp.ns_dtype)
+        selected = e.momentum if every_row else rule.take_selected(e.momentum, idx, mu, e.rounding)
+        key = (tuple(selected.shape[1:]), selected.device, selected.dtype, hp.ns_method, hp.ns_dtype)
         batches.setdefault(key, []).append((e, idx, selected, mu if every_row and not decayed else None))
     for batch in batches.values():
         stacked = torch.cat([b[2] for b in batch]) if len(batch) > 1 else batch[0][2]
         ortho = rule.orthogonalize_rows(stacked, batch[0][0].hp).split([b[2].shape[0] for b in batch])
         for (e, idx, _, later_mu), block in zip(batch, ortho):
             if later_mu is not None:  # the orthogonalization has read it
-                rule.decay_momentum(e.momentum, later_mu)
+                if e.rounding is None:
+                    rule.decay_momentum(e.momentum, later_mu)
+                else:
+                    rule.decay_momentum(e.momentum, later_mu, e.rounding)
             weights = list(e.weight.unbind(0)) if torch.is_tensor(e.weight) else list(e.weight)
             factors = e.factors if e.factors is not None else _whole_factors(e)
             rule.normalize_and_apply(weights, e.variance, idx, block, e.hp.beta2, e.hp.eps, factors)
@@ -165,7 +173,10 @@ class WholeExchange(BlockExchange):
             decay = folded_decay_of(sg, sub_batch_mu(sg, sub, sub.momentum.device))
             scores = self._accumulated[p][0]
             grads = [sg.shards[j].stepped_grad() for j in sub.index]  # (a transposed weight's gradient has no (n, m) view)
-            rule.accumulate_and_score(sub.momentum, [g if g.shape == (n, m) else g.view(n, m) for g in grads], out=scores, decay=decay)
+            if sub.rounding is not None:
+                sub.rounding.advance()
+            grads = [g if g.shape == (n, m) else g.view(n, m) for g in grads]
+            rule.accumulate_and_score(sub.momentum, grads, out=scores, decay=decay, rounding=sub.rounding)
             self._accumulated[p] = (scores, decay is not None)
 
     def graph_key(self) -> tuple:
@@ -184,7 +195,7 @@ class WholeExchange(BlockExchange):
             accumulated = self._accumulated[p] if self._accumulated is not None else None
             entries.append(
                 WholeMatrices(
-                    [sg.shards[j].weight.view(n, m) for j in sub.index],
+                    [w if (w := sg.shards[j].weight).shape == (n, m) else w.view(n, m) for j in sub.index],
                     sub.momentum,
                     sub.variance,
                     hp,
@@ -195,6 +206,7 @@ class WholeExchange(BlockExchange):
                     mu=sub_batch_mu(sg, sub, sub.momentum.device),
                     factors=factors[p] if factors is not None else None,
                     age=sub.age,
+                    rounding=sub.rounding,
                 )
             )
         return entries

@@ -13,7 +13,7 @@ from typing import Mapping, NamedTuple, Optional
 
 import torch.distributed as dist
 
-from ..core.rule import Dion3Hyperparameters
+from ..core.rule import AUTO, Dion3Hyperparameters
 from ..core.rule import resolved as resolved_fraction
 from . import fractions
 from .sharding import MatrixShard, Rect
@@ -36,7 +36,14 @@ class ShapeGroup:
     world: int
     rank: int
     shards: list[MatrixShard]
-    fraction: float = 0.0  # hp.fraction, or what "auto" resolved to (resolve_fractions sets it)
+    resolved_fraction: Optional[float] = None  # set by resolve_fractions (None until then)
+
+    @property
+    def fraction(self) -> float:
+        """The group's f: its hp.fraction, or what "auto" resolved to (:func:`resolve_fractions`)."""
+        if self.resolved_fraction is None:
+            raise AssertionError("the plan's fractions are read before resolve_fractions set them")
+        return self.resolved_fraction
 
     @property
     def hp(self) -> Dion3Hyperparameters:
@@ -91,12 +98,13 @@ class BatchKey(NamedTuple):
     fields cannot read a wrong one. Its repr orders the groups and enters the plan's digest."""
 
     shape: tuple[int, int]
-    fraction: Optional[float]
+    fraction: float | str
     num_heads: Optional[int]
     beta2: float
     eps: float
     ns_method: str
     ns_dtype: str
+    momentum_dtype: str  # what the group's momentum buffers hold
     staleness: float
     ranks: tuple[int, ...]  # the process group's ranks; () when the matrix is whole
     device: str  # where a whole matrix lies ("" for split ones: each rank has its own)
@@ -112,6 +120,7 @@ def _batch_key(shard: MatrixShard, world: int) -> BatchKey:
         hp.eps,
         hp.ns_method,
         str(hp.ns_dtype),
+        str(hp.momentum_dtype),
         hp.staleness,
         group_ranks(shard.group) if world > 1 else (),
         str(shard.weight.device) if world == 1 else "",
@@ -219,9 +228,8 @@ def check_plan_matches(plan: list[ShapeGroup], group: Optional[dist.ProcessGroup
 
 
 def chooses_fraction(hp: Dion3Hyperparameters) -> bool:
-    """True where the plan chooses the matrix's f: its fraction option is "auto", which the
-    settings carry as None (:func:`dion3_megatron.options.hyperparameters`)."""
-    return hp.fraction is None
+    """True where the plan chooses the matrix's f: its fraction is :data:`~dion3_megatron.core.rule.AUTO`."""
+    return hp.fraction == AUTO
 
 
 def resolve_fractions(
@@ -233,7 +241,7 @@ def resolve_fractions(
     """Set every group's f: its hp.fraction, or for "auto" the f chosen before (``chosen``, by
     matrix name, the first of the group's matrices found there: a resumed checkpoint, an engine
     rebuilt), else the f chosen on the device's measured speed, agreed over the group's process
-    group (:func:`fractions.resolve_fractions`) so that all members select the same number of rows.
+    group (:func:`fractions.choose_fractions`) so that all members select the same number of rows.
     ``speeds``: the speeds agreed before (:class:`~.fractions.AgreedSpeeds`), taken for every group
     whose ranks all took part (whole matrices; split ones too where they were agreed over the
     world, so that data-parallel replicas of a split matrix choose alike): no collective then (the
@@ -256,12 +264,14 @@ def resolve_fractions(
         for sg in wanted
         for group in [sg.group if sg.world > 1 else None]
     ]
-    resolved = dict(zip(map(id, wanted), fractions.resolve_fractions(requests)))
+    chosen_now = dict(zip(map(id, wanted), fractions.choose_fractions(requests)))
     for sg in plan:
         if not chooses_fraction(sg.hp):
-            sg.fraction = resolved_fraction(sg.hp.fraction)
+            sg.resolved_fraction = resolved_fraction(sg.hp.fraction)
         else:
-            sg.fraction = resolved_fraction(resolved.get(id(sg), earlier[id(sg)]))
+            f = chosen_now.get(id(sg), earlier[id(sg)])
+            assert f is not None  # chosen now where not chosen before
+            sg.resolved_fraction = f
 
 
 def chosen_fractions(plan: list[ShapeGroup]) -> dict[str, float]:

@@ -78,7 +78,7 @@ class PlannedExchange(BlockExchange):
         send_parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
         for sub in subs:
             h = held[id(sub)]
-            pieces = rule.take_rows(sub.momentum, h.local_rows, take_decay_of(sg, sub_batch_mu(sg, sub, device)), h.batch)
+            pieces = rule.take_rows(sub.momentum, h.local_rows, take_decay_of(sg, sub_batch_mu(sg, sub, device)), h.batch, sub.rounding)
             variances = sub.variance[h.batch, h.variance_rows]
             for d, (piece, v) in enumerate(zip(pieces.split(h.per_dest), variances.split(h.per_dest))):
                 send_parts[d] += [piece.reshape(-1)] + ([v] if sub.provides[me] else [])

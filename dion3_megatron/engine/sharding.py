@@ -189,12 +189,21 @@ class MatrixShard:
 
 
 def init_state(shard: MatrixShard, rank: int) -> None:
-    """Zero momentum (fp32, the piece's shape) and variance (fp32, rows the piece touches); with
-    staleness also the ages of those rows (``row_age``). State a caller gave is kept."""
+    """Zero momentum (``momentum_dtype``, the piece's shape) and variance (fp32, rows the piece
+    touches); with staleness also the ages of those rows (``row_age``); with a bf16 momentum its
+    count of steps (``rounding_step``). State a caller gave is kept (a momentum of another dtype
+    converted)."""
     r0, r1 = shard.sharding.row_span(rank, *shard.shape)
     device = shard.weight.device
+    dtype = shard.hp.momentum_dtype
     if "momentum" not in shard.state:
-        shard.state["momentum"] = torch.zeros(shard.weight.shape, dtype=torch.float32, device=device)
+        shard.state["momentum"] = torch.zeros(shard.weight.shape, dtype=dtype, device=device)
+    elif shard.state["momentum"].dtype != dtype:
+        shard.state["momentum"] = shard.state["momentum"].to(dtype)
+    if dtype == torch.float32:
+        shard.state.pop("rounding_step", None)
+    elif "rounding_step" not in shard.state:
+        shard.state["rounding_step"] = torch.zeros((), dtype=torch.int64, device=device)
     if "variance" not in shard.state:
         shard.state["variance"] = torch.zeros(r1 - r0, dtype=torch.float32, device=device)
     if shard.hp.staleness and "row_age" not in shard.state:

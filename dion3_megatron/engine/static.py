@@ -88,7 +88,7 @@ class StaticExchange(BlockExchange):
             if sub.sharding.kind == "rows":  # rows another rank holds point at the zero row
                 mask = (local >= 0) & (local < rows)
                 local = torch.where(mask, local, rows)
-            pieces = rule.take_selected(momentum, local, take_decay_of(sg, sub_batch_mu(sg, sub, device)))
+            pieces = rule.take_selected(momentum, local, take_decay_of(sg, sub_batch_mu(sg, sub, device)), sub.rounding)
             variances = torch.gather(variance, 1, local)
             if mask is not None:
                 variances = variances * mask

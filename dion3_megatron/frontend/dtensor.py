@@ -16,7 +16,7 @@ FSDP degree times the expert-parallel degree exceeds the number of experts).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence, TypeGuard, cast
+from typing import TYPE_CHECKING, Optional, Sequence, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
@@ -217,29 +217,6 @@ def _group_over(mesh, dims: list[int]) -> dist.ProcessGroup:
         assert isinstance(group, dist.ProcessGroup)  # made by its members alone: this rank is one
         _groups[ranks] = group
     return _groups[ranks]
-
-
-def choices_held_elsewhere(experts: Sequence[tuple[DTensor, list[str]]], chosen_here: Mapping[str, float]) -> dict[str, float]:
-    """The automatic f the ranks chose for the experts each holds, gathered, so that every rank
-    keeps the whole record (the rank writing a checkpoint's param groups among them).
-
-    ``experts``: the DTensor 3-D parameters with the automatic f and their matrix names;
-    ``chosen_here``: this rank's engine's choices. One ``all_gather_object`` per group of ranks that
-    split a parameter's experts, at every engine build (collective already where a matrix is split):
-    whether a rank gathers depends on the parameters' placements alone, so none waits alone.
-    """
-    wanted: dict[dist.ProcessGroup, list[str]] = {}
-    for p, names in experts:
-        dims = [d for d, pl in enumerate(p.placements) if _sharded_dim(pl) == 0]
-        if dims:
-            wanted.setdefault(_group_over(p.device_mesh, dims), []).extend(names)
-    gathered: dict[str, float] = {}
-    for group, names in wanted.items():
-        everyone: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, {name: chosen_here[name] for name in names if name in chosen_here}, group=group)
-        for theirs in everyone:
-            gathered.update(theirs)
-    return gathered
 
 
 def param_shaped(p: DTensor, values: torch.Tensor) -> torch.Tensor:

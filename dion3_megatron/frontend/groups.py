@@ -1,9 +1,11 @@
 """Param groups of the front ends that hold parameters whole (the torch optimizer, DeepSpeed's):
-which algorithm a tensor takes, a group's settings checked and read, parameter and matrix names,
-and a checkpoint's groups and state checked in full before anything is loaded."""
+which algorithm a tensor takes, a group's settings checked where they enter and resolved into the
+rule's settings once (:class:`GroupSettings`), parameter and matrix names, and a checkpoint's groups
+and state checked in full before anything is loaded."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
@@ -36,13 +38,12 @@ def split_by_algorithm(params: list) -> Optional[list[dict]]:
 
 
 def prepare(owner: str, front_end: str, params: Iterable[Any], given: dict[str, Any]) -> tuple[dict[str, Any], list, dict, bool]:
-    """What a whole-parameter front end's constructor needs: its settings (unknown names refused,
-    the optimizer-wide ones checked here, the per-group ones with each group), the params or param
-    groups for ``torch.optim.Optimizer`` (a plain list split by algorithm:
-    :func:`split_by_algorithm`), the groups' defaults, and whether the list was split."""
+    """What a whole-parameter front end's constructor needs: its settings (unknown names and bad
+    values refused: :func:`~dion3_megatron.options.settings`), the params or param groups for
+    ``torch.optim.Optimizer`` (a plain list split by algorithm: :func:`split_by_algorithm`), the
+    groups' defaults, and whether the list was split."""
     settings = options.settings(owner, front_end, given)
     keys = options.group_keys(front_end)
-    options.check(owner, **{k: v for k, v in settings.items() if k not in keys})
     params = list(params)
     split = split_by_algorithm(params)
     return settings, split or params, {**{k: settings[k] for k in keys}, "algorithm": None}, split is not None
@@ -59,16 +60,14 @@ def warn_without_matrices(owner: str, groups: list[dict]) -> None:
         )
 
 
-def check_group_keys(where: str, group: dict, front_end: str) -> None:
-    """Refuse a param-group key that looks like a misspelled option (its hint names the option), as
-    the keyword arguments are refused; other keys pass (frameworks keep their own in param groups)."""
-    known = set(options.group_keys(front_end)) | {"params", "param_names", "algorithm", RECORD}
-    for key in group:
-        if key in known or key in options.BY_NAME:
-            continue
-        hint = options.unknown_name_hint(key, options.BY_NAME)
-        if hint is not None:
-            raise ValueError(f"{where}: {key!r} is not a Dion3 option ({hint})")
+GROUP_KEYS = ("params", "param_names", "algorithm", RECORD)  # a param group's keys besides the options
+
+
+def check_group_keys(where: str, group: dict, front_end: str, set_on: str) -> None:
+    """Refuse a param-group key that is an optimizer-wide option (saying where it goes: ``set_on``)
+    or looks like a misspelled option (its hint names the option), as the keyword arguments are
+    refused (:func:`~dion3_megatron.options.refuse_group_keys`)."""
+    options.refuse_group_keys(where, group, front_end, set_on, GROUP_KEYS)
 
 
 def check_group(where: str, group: dict, front_end: str, params: Optional[list[torch.Tensor]] = None) -> None:
@@ -87,33 +86,86 @@ def check_group(where: str, group: dict, front_end: str, params: Optional[list[t
             options.check_num_heads(where, group["num_heads"], matrix_shape(p)[0], f"param {i} (shape {tuple(p.shape)})")
 
 
-def hyperparameters(group: dict) -> Dion3Hyperparameters:
-    """The rule's settings of a param group."""
-    return options.hyperparameters(**{k: group[k] for k in Dion3Hyperparameters.__dataclass_fields__})
+SCHEDULED = ("lr", "weight_decay")  # what schedulers change between steps
+
+
+class GroupSettings:
+    """Each param group's settings, checked and resolved into the rule's settings where they enter
+    and again only where a value in the group changed, so a step reads them without parsing them
+    again: a scheduled lr or weight decay (:data:`SCHEDULED`) alone is checked alone; any other
+    change (a user's edit of the group) checks the whole group again.
+
+    ``check(where, group)`` raises ValueError naming the setting and its value (the front end's
+    check of a group and its parameters); ``keys``: every group key the settings are read from (the
+    rule's settings a group does not carry take their defaults)."""
+
+    def __init__(self, check: Callable[[str, dict], None], keys: Iterable[str]) -> None:
+        self._check = check
+        self._keys = SCHEDULED + tuple(k for k in keys if k not in SCHEDULED)
+        self._resolved: dict[int, tuple[dict, tuple, Dion3Hyperparameters]] = {}
+
+    def _snapshot(self, group: dict) -> tuple:
+        # A tensor value (torch's optimizers take a tensor lr, which schedulers change in place) by
+        # its number; the params list by identity and length.
+        values = tuple(v.item() if isinstance(v, torch.Tensor) else v for v in (group.get(k) for k in self._keys))
+        return values + (id(group["params"]), len(group["params"]))
+
+    def of(self, where: str, group: dict) -> Dion3Hyperparameters:
+        """The group's settings, checked where they changed since the last call."""
+        snapshot = self._snapshot(group)
+        held = self._resolved.get(id(group))
+        if held is not None and held[0] is group and held[1] == snapshot:
+            return held[2]
+        scheduled = len(SCHEDULED)
+        if held is not None and held[0] is group and held[1][scheduled:] == snapshot[scheduled:]:
+            options.check(where, **{k: group[k] for k in SCHEDULED})
+            hp = dataclasses.replace(held[2], **dict(zip(SCHEDULED, snapshot[:scheduled])))
+        else:
+            self._check(where, group)
+            fields = Dion3Hyperparameters.__dataclass_fields__
+            hp = options.hyperparameters(**{k: group[k] for k in self._keys if k in group and k in fields})
+        self._resolved[id(group)] = (group, snapshot, hp)
+        return hp
+
+
+def group_where(index: int, group: dict) -> str:
+    """How an error names a param group: its index, and its first parameter's name where the group
+    names its parameters (``named_parameters()``, torchtitan's groups)."""
+    names = group.get("param_names")
+    if not names:
+        return f"param group {index}"
+    return f"param group {index} ({names[0]!r}{' and others' if len(names) > 1 else ''})"
+
+
+def param_name(group_index: int, index: int) -> str:
+    """The name of a parameter given without one: the j-th of param group i."""
+    return f"group{group_index}.param{index}"
 
 
 def param_names(groups: list[dict]) -> dict[torch.Tensor, str]:
-    """Each parameter's name: given by ``named_parameters()``, else ``"group i / param j"``."""
+    """Each parameter's name: given by ``named_parameters()``, else :func:`param_name`."""
     names = {}
     for gi, group in enumerate(groups):
         given = group.get("param_names")
         for j, p in enumerate(group["params"]):
-            names[p] = given[j] if given else f"group {gi} / param {j}"
+            names[p] = given[j] if given else param_name(gi, j)
     return names
 
 
 def matrix_names(name: str, p: torch.Tensor) -> list[str]:
-    """The names of a parameter's matrices in the engine and the record of chosen fractions."""
+    """The names of a parameter's matrices in the engine and the record of chosen fractions: the
+    parameter's own for a matrix, ``name.matrix<e>`` for each of a 3-D parameter's."""
     return [f"{name}.matrix{e}" for e in range(p.shape[0])] if p.dim() == 3 else [name]
 
 
 def param_state_shapes(group: dict, p: torch.Tensor) -> list[dict[str, tuple]]:
     """The state shapes a checkpoint may hold for a whole parameter (a Dion3 matrix stepped with
-    staleness also keeps each row's age)."""
+    staleness also keeps each row's age, with a bf16 momentum its count of steps)."""
     if algorithm_of(group, p) == "dion3":
         rows = (matrix_count(p), matrix_shape(p)[0])
         plain = {"momentum": tuple(p.shape), "variance": rows}
-        return [plain, {**plain, "row_age": rows}]
+        counted = {"rounding_step": (matrix_count(p),)}  # a bf16 momentum's (converted on load: any dtype's checkpoint loads)
+        return [plain, {**plain, "row_age": rows}, {**plain, **counted}, {**plain, "row_age": rows, **counted}]
     return [{"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}]
 
 
@@ -152,31 +204,51 @@ def check_state_shapes(
 
 def loaded_state(state_dict: dict[str, Any], groups: list[dict]) -> dict[torch.Tensor, dict]:
     """Every parameter's state from a checkpoint whose shapes :func:`check_state_shapes` accepted:
-    fp32 copies on the parameter's device (the step count stays where it was)."""
+    copies on the parameter's device (the step count stays where it was), fp32 but for a Dion3
+    momentum, which takes its group's ``momentum_dtype`` (a conversion is announced once), and the
+    count of steps of a bf16 one (``rounding_step``, int64; dropped for an fp32 momentum)."""
     loaded: dict[torch.Tensor, dict] = {}
+    conversions = set()
     for mine, saved in zip(groups, state_dict["param_groups"]):
+        momentum_dtype = options.momentum_dtype(mine.get("momentum_dtype", torch.float32))
+        dtypes = {"momentum": momentum_dtype, "rounding_step": torch.int64}
         for p, pid in zip(mine["params"], saved["params"]):
             entry = state_dict["state"].get(pid)
-            if entry is not None:
-                loaded[p] = {
-                    k: v.detach()
-                    .to(device=p.device if k != "step" else v.device, dtype=torch.float32)
-                    .clone(memory_format=torch.contiguous_format)
-                    for k, v in entry.items()
-                }
+            if entry is None:
+                continue
+            loaded[p] = {
+                k: v.detach()
+                .to(device=p.device if k != "step" else v.device, dtype=dtypes.get(k, torch.float32))
+                .clone(memory_format=torch.contiguous_format)
+                for k, v in entry.items()
+                if k != "rounding_step" or momentum_dtype != torch.float32
+            }
+            if "momentum" in entry and entry["momentum"].dtype != momentum_dtype:
+                conversions.add(f"{entry['momentum'].dtype} to {momentum_dtype}")
+    if conversions:
+        warnings.warn(
+            f"Dion3: the checkpoint's momentum was converted ({', '.join(sorted(conversions))}) to the "
+            "momentum_dtype of this optimizer's param groups",
+            stacklevel=4,
+        )
     return loaded
 
 
-def with_adamw_lr(param_group: dict, adamw_lr: float) -> dict:
+def with_adamw_lr(param_group: dict, adamw_lr: float | torch.Tensor) -> dict:
     """An ``algorithm="adamw"`` group without an lr of its own takes the optimizer's ``adamw_lr``."""
     if param_group.get("algorithm") == "adamw" and "lr" not in param_group:
         return {**param_group, "lr": adamw_lr}
     return param_group
 
 
+# Group keys a checkpoint does not set: its parameters, and how this optimizer stores the momentum
+# (the checkpoint's momentum is converted to it).
+KEPT_ON_LOAD = ("params", "momentum_dtype")
+
+
 def load_saved(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    """Set an optimizer's state (fp32 copies, :func:`loaded_state`) and its groups' settings from a
-    checkpoint whose groups and shapes were checked."""
+    """Set an optimizer's state (:func:`loaded_state`) and its groups' settings but
+    :data:`KEPT_ON_LOAD` from a checkpoint whose groups and shapes were checked."""
     optimizer.state = defaultdict(dict, loaded_state(state_dict, optimizer.param_groups))
     for mine, saved in zip(optimizer.param_groups, without_records(state_dict["param_groups"])):
-        mine.update({k: v for k, v in saved.items() if k != "params"})
+        mine.update({k: v for k, v in saved.items() if k not in KEPT_ON_LOAD})

@@ -10,6 +10,29 @@ hands over parameters; :class:`Dion3FrontEnd` owns the rest:
 * the record of the automatic f (:data:`RECORD`): one key and one schema in every checkpoint
   format;
 * ``load_state_dict``'s order: everything checked, then everything set.
+
+Beneath it, :class:`~dion3_megatron.engine.session.EngineSession` owns the engine across steps
+(speeds, builds, the record's gather), and the option spec (:mod:`dion3_megatron.options`) checks
+every setting where it enters.
+
+To add a front end:
+
+1. Subclass :class:`Dion3FrontEnd`, set ``FRONT_END`` (add its name to ``options.FRONT_ENDS`` and to
+   the ``front_ends`` of the options it takes), and spell its options out as keyword-only
+   constructor parameters ending in ``**unknown: Never``; check them with
+   ``options.refuse_unknown`` and ``options.settings`` (tests/test_options.py checks the signature
+   against the spec).
+2. Check param groups where they enter (``add_param_group``: ``frontend.groups.check_group_keys``
+   and ``check_group``) and read their settings at a step through ``frontend.groups.GroupSettings``.
+3. Describe what the framework hands over as :class:`~dion3_megatron.engine.MatrixShard` s (whole,
+   row or column blocks, boxes, flat pieces) and step them through one ``EngineSession``
+   (``engine_for`` with a key naming what they were built from; ``gather=True`` where ranks hold
+   different matrices).
+4. In ``step()``, run every check through :meth:`Dion3FrontEnd.gate_step` before anything changes.
+5. Implement :meth:`~Dion3FrontEnd.fraction_records` / :meth:`~Dion3FrontEnd.restore_fraction_records`
+   (the session's ``records`` / ``restore``), :meth:`~Dion3FrontEnd.check_loadable` and
+   :meth:`~Dion3FrontEnd.load_checked`.
+6. Compare every layout with the single-process ``Dion3`` on whole matrices in a test.
 """
 
 from __future__ import annotations
@@ -75,8 +98,8 @@ def decide_step(
     ``check()`` runs this rank's checks (it raises, naming the parameter and the value, for what
     the step does not take) and returns the gradients to gate. One all-reduce (MIN) of a code
     (refused, non-finite, step) agrees: if any rank refused, every rank raises (that rank its own
-    error, the others :class:`StepRefused` naming the ranks that refused, found by one all_gather
-    on that path alone), so none waits in a later collective; else True when every gradient on
+    error, the others :class:`StepRefused` naming the ranks that refused and the first one's error,
+    found by one all_gather on that path alone), so none waits in a later collective; else True when every gradient on
     every rank is usable (:func:`~.gate.gradients_usable`), False when the step is skipped.
     ``collective=False``: this rank decides alone (ranks that do not step together).
     """
@@ -89,15 +112,16 @@ def decide_step(
         agreed = code.clone()
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
         if float(agreed) == _REFUSED:
-            flags = [torch.zeros((), device=device) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(flags, code, group=group)
-            refusing = [
-                dist.get_global_rank(group, i) if group is not None else i for i, flag in enumerate(flags) if float(flag) == _REFUSED
-            ]
+            # (the refusal path alone: every rank learns which ranks refused, and why)
+            said: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(said, None if error is None else f"{type(error).__name__}: {error}", group=group)
+            refusing = [(dist.get_global_rank(group, i) if group is not None else i, why) for i, why in enumerate(said) if why is not None]
             if error is not None:
                 raise error
+            first_rank, first_why = refusing[0]
             raise StepRefused(
-                f"Dion3: the step was refused on rank(s) {refusing} (their error names the parameter); nothing changed on any rank"
+                f"Dion3: the step was refused on rank(s) {[r for r, _ in refusing]}; nothing changed on any rank. "
+                f"Rank {first_rank}: {first_why}"
             )
         code = agreed
     if error is not None:

@@ -12,18 +12,20 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..core import rule
+from .. import options
+from ..core.adamw import adamw_step
 from ..core.ortho import default_ns_dtype
 from ..core.rule import Dion3Hyperparameters
-from ..engine import Dion3Engine, MatrixShard, Sharding, cuda_graph as cuda_graph_module, fractions, plan
-from .dtensor import HeldPieces, choices_held_elsewhere, empty_state, is_dtensor, layout, local, param_shaped, per_row
-from .groups import algorithm_of, check_group, hyperparameters, matrix_names, param_names
+from ..engine import Dion3Engine, MatrixShard, Sharding, cuda_graph as cuda_graph_module, plan
+from ..engine.session import EngineSession
+from .dtensor import HeldPieces, empty_state, is_dtensor, layout, local, param_shaped, per_row
+from .groups import GroupSettings, algorithm_of, check_group, matrix_names, param_names
 from .matrices import matrix_count, matrix_shape, matrix_values, matrix_view, stacked_view
 
 
 class Fractions(dict):
     """The automatic f chosen per parameter, ``{parameter name: f}``: the names of named
-    parameters, else ``"group i / param j"`` (a 3-D parameter's matrices share one f). A parameter
+    parameters, else ``"group<i>.param<j>"`` (a 3-D parameter's matrices share one f). A parameter
     tensor works as a key too (``fractions[p]``, ``p in fractions``, ``fractions.get(p)``)."""
 
     def __init__(self, chosen: dict[torch.Tensor, float], names: dict[torch.Tensor, str]) -> None:
@@ -45,16 +47,14 @@ class Fractions(dict):
 
 
 class WholeParameters:
-    """One optimizer's whole parameters: the engine of their matrices (rebuilt when the set with a
+    """One optimizer's whole parameters: the session of their engine (rebuilt when the set with a
     gradient, their storage or their groups' batch settings change, or a checkpoint replaced their
-    state), the speeds its replicas agreed, and the record of the automatic f chosen."""
+    state), and the groups' settings, resolved where they change."""
 
-    def __init__(self, cuda_graph: bool) -> None:
-        self.cuda_graph = cuda_graph
-        self.chosen: dict[str, float] = {}  # the automatic f chosen, by matrix name (the checkpoint's record)
-        self._speeds: Optional[fractions.AgreedSpeeds] = None  # the speeds the ranks agreed (None: not yet)
-        self.engine: Optional[Dion3Engine] = None
-        self._engine_key: Optional[tuple] = None
+    def __init__(self, cuda_graph: bool, front_end: str) -> None:
+        self.session = EngineSession(cuda_graph)
+        self.front_end = front_end
+        self.settings = GroupSettings(lambda where, group: check_group(where, group, front_end), options.group_keys(front_end))
         self._shards: dict[torch.Tensor, list[MatrixShard]] = {}  # a stepped matrix parameter -> its matrices
         self._copies: dict[torch.Tensor, torch.Tensor] = {}  # non-contiguous Dion3 weight -> its working copy
         self._pieces = HeldPieces()  # the per-step check of DTensor parameters and their gradients
@@ -64,24 +64,23 @@ class WholeParameters:
         chosen = {
             p: f
             for p, name in names.items()  # (a 3-D parameter: its first matrix's)
-            if (f := next((self.chosen[m] for m in matrix_names(name, p) if m in self.chosen), None)) is not None
+            if (f := next((f for m in matrix_names(name, p) if (f := self.session.chosen(m)) is not None), None)) is not None
         }
         return Fractions(chosen, names)
 
     def group_records(self, groups: list[dict]) -> list[dict[str, float]]:
-        """Per param group, the automatic f its matrices use here, by matrix name: the record a
-        checkpoint keeps in each saved group (:data:`~.lifecycle.RECORD`; ``torch.distributed.checkpoint``
+        """Per param group, the automatic f of its matrices, by matrix name: the record a checkpoint
+        keeps in each saved group (:data:`~.lifecycle.RECORD`; ``torch.distributed.checkpoint``
         keeps param groups, and loads each name into the group that holds it)."""
-        names = param_names(groups)
-        return [{m: self.chosen[m] for p in group["params"] for m in matrix_names(names[p], p) if m in self.chosen} for group in groups]
+        return self.session.records(len(groups))
 
     def reset(self, records: list[dict[str, float]]) -> None:
         """After a checkpoint load: the records it held (one per param group); the next step builds
         an engine on the loaded state."""
-        self.chosen, self.engine = {name: f for record in records for name, f in record.items()}, None
+        self.session.restore(records)
 
-    def agree_speeds(self, groups: list[dict]) -> None:
-        """The speeds the automatic f is chosen by (:class:`~dion3_megatron.engine.fractions.AgreedSpeeds`).
+    def agree_speeds(self, groups: list[dict], settings: list[Dion3Hyperparameters]) -> None:
+        """The speeds the automatic f is chosen by (:meth:`~dion3_megatron.engine.session.EngineSession.agree_speeds`).
 
         Under torch.distributed the ranks agree on the device speed of each Newton-Schulz dtype in
         one collective over the world, at the optimizer's first step, whatever a rank holds (a
@@ -90,42 +89,47 @@ class WholeParameters:
         first gradient, a checkpoint without them) use what was agreed: no rank ever waits in a
         collective its peers do not make. A group of a dtype none agreed on is refused here.
         """
-        wanted = [
-            (p.device, hyperparameters(group).ns_dtype or default_ns_dtype(p.device))
-            for group in groups
-            if plan.chooses_fraction(hyperparameters(group))
+        self.session.agree_speeds(
+            (p.device, hp.ns_dtype or default_ns_dtype(p.device))
+            for group, hp in zip(groups, settings)
+            if plan.chooses_fraction(hp)
             for p in group["params"][:1]
-        ]
-        if self._speeds is None:
-            self._speeds = fractions.agreed_speeds(wanted)
-        for device, dtype in wanted:
-            self._speeds.of(device, dtype)
+        )
 
     def optimizer_step(
-        self, groups: list[dict], state: dict, front_end: str, closure: Optional[Callable[[], float]], gate: Callable[..., bool]
+        self, groups: list[dict], state: dict, closure: Optional[Callable[[], float]], gate: Callable[..., bool]
     ) -> Optional[float]:
         """A whole ``torch.optim.Optimizer.step``: the closure, then the step's one decision
         (``gate(check, device, collective=...)``, :meth:`~.lifecycle.Dion3FrontEnd.gate_step`: every
-        group's settings, every gradient, and every DTensor parameter's and gradient's placements and
-        pieces checked, the non-finite gate), the speeds agreed (at the first step, skipped or not:
-        the ranks agree together), and the step."""
+        group's settings where they changed, every gradient, and every DTensor parameter's and
+        gradient's placements and pieces checked, the non-finite gate), the speeds agreed (at the
+        first step, skipped or not: the ranks agree together), and the step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         sharded = next((p for group in groups for p in group["params"] if is_dtensor(p)), None)
+        settings: list[Dion3Hyperparameters] = []
 
         def check() -> list[torch.Tensor]:
             grads = []
+            settings.clear()
             for gi, group in enumerate(groups):
-                check_group(f"param group {gi}", group, front_end)
+                settings.append(self.settings.of(f"param group {gi}", group))
                 for p in group["params"]:
-                    if is_dtensor(p) and (why := self._pieces.refusal(p, algorithm_of(group, p) == "dion3")):
+                    if sharded is not None and is_dtensor(p) and (why := self._pieces.refusal(p, algorithm_of(group, p) == "dion3")):
                         raise ValueError(f"{param_names(groups)[p]}: {why}")
-                    if p.grad is not None:
-                        if p.grad.is_sparse:
+                    dion3_dtensor = sharded is not None and is_dtensor(p) and algorithm_of(group, p) == "dion3"
+                    if dion3_dtensor and settings[-1].momentum_dtype != torch.float32:
+                        raise ValueError(
+                            f"{param_names(groups)[p]}: momentum_dtype={group['momentum_dtype']!r} is taken for whole "
+                            "parameters; a DTensor parameter's momentum (FSDP2, tensor parallelism) is fp32: set "
+                            f"momentum_dtype='fp32' in param group {gi}"
+                        )
+                    if (grad := p.grad) is not None:
+                        if grad.is_sparse:
                             raise ValueError(f"param group {gi}: Dion3 does not support sparse gradients")
-                        grads.append(local(p.grad))
+                        grads.append(local(grad) if sharded is not None else grad)
             return grads
 
         # Each rank holds its own rows of a DTensor's gradient: the ranks decide together. Whole
@@ -136,15 +140,17 @@ class WholeParameters:
             else next((p.grad.device for group in groups for p in group["params"] if p.grad is not None), torch.device("cpu"))
         )
         usable = gate(check, device, collective=sharded is not None)
-        self.agree_speeds(groups)
+        if not settings:  # (a refused step raised; a skipped one checked every group)
+            settings = [self.settings.of(f"param group {gi}", group) for gi, group in enumerate(groups)]
+        self.agree_speeds(groups, settings)
         if usable:
-            self.step(groups, state)
+            self.step(groups, state, settings)
         return loss
 
-    def step(self, groups: list[dict], state: dict) -> None:
+    def step(self, groups: list[dict], state: dict, settings: list[Dion3Hyperparameters]) -> None:
         """One step of every parameter of ``groups`` with a gradient (``state``: the optimizer's,
-        by parameter). Everything that can refuse does so before any weight or state changes."""
-        settings = [hyperparameters(group) for group in groups]
+        by parameter; ``settings``: each group's). Everything that can refuse does so before any
+        weight or state changes."""
         matrices: list[tuple[int, torch.Tensor]] = []
         adamw: dict[tuple, list[torch.Tensor]] = defaultdict(list)  # (group, step count, device) -> params
         for gi, group in enumerate(groups):
@@ -162,7 +168,7 @@ class WholeParameters:
             group = groups[gi]
             for p in params:
                 _adamw_state(state, p)["step"] += 1
-            rule.adamw_step(
+            adamw_step(
                 [local(p) for p in params],
                 [local(_grad_of(p)) for p in params],
                 [local(state[p]["exp_avg"]) for p in params],
@@ -174,9 +180,12 @@ class WholeParameters:
                 group["weight_decay"],
             )
         for gi, p in matrices:  # this step's gradients and schedule (lr, weight decay)
-            grads = matrix_values(local(_grad_of(p))).unbind(0)
-            for shard, grad in zip(self._shards[p], grads):
-                shard.grad, shard.hp = grad, settings[gi]
+            shards, grad, hp = self._shards[p], local(_grad_of(p)), settings[gi]
+            if grad.dim() == 2:  # (one matrix: the gradient itself)
+                shards[0].grad, shards[0].hp = grad, hp
+                continue
+            for shard, matrix_grad in zip(shards, matrix_values(grad).unbind(0)):
+                shard.grad, shard.hp = matrix_grad, hp
         copied = [p for _, p in matrices if not p.is_contiguous()]
 
         def copy_in() -> None:
@@ -194,20 +203,56 @@ class WholeParameters:
     def _engine_for(
         self, groups: list[dict], matrices: list[tuple[int, torch.Tensor]], settings: list[Dion3Hyperparameters], state: dict
     ) -> Dion3Engine:
-        # (a DTensor's placements: re-placed on the same storage, its pieces lie elsewhere in the matrices)
+        # The parameters (by group), their storage and (DTensors) placements: re-placed on the same
+        # storage, a DTensor's pieces lie elsewhere in the matrices.
+        held = tuple((local(p).data_ptr(), p.placements) for _, p in matrices if is_dtensor(p))
         key = (
-            tuple((gi, id(p), local(p).data_ptr(), p.placements if is_dtensor(p) else None) for gi, p in matrices),
+            tuple(gi for gi, _ in matrices),
+            tuple(map(id, (p for _, p in matrices))),
+            tuple(p.data_ptr() for _, p in matrices) if not held else held,
             tuple(cuda_graph_module.baked_settings(hp) for hp in settings),
         )
-        if self.engine is not None and key == self._engine_key:
-            return self.engine
+        if (engine := self.session.current(key)) is not None:
+            return engine
         names = param_names(groups)  # (only when the engine is built: names are the matrices' in it)
-        shards: dict[torch.Tensor, list[MatrixShard]] = {}
+        sharded = any(is_dtensor(p) for _, p in matrices)
+        groups_of = {m: gi for gi, p in matrices for m in matrix_names(names[p], p)}
+        engine = self.session.engine_for(
+            key,
+            lambda: self._matrix_shards(matrices, names, settings, state),
+            groups_of=groups_of,
+            local=not sharded,
+            fresh_grads=True,
+            # the build is collective where matrices are split: the ranks gather their choices then
+            # (each holds its own experts of a 3-D parameter)
+            gather=sharded,
+        )
+        for gi, p in matrices:  # the parameter's state: views of the engine's buffers
+            own = self._shards[p]
+            if not own:  # a DTensor of which this rank holds no matrix (no local expert)
+                assert is_dtensor(p)
+                state[p].update(empty_state(p, ["variance"] + ["row_age"] * bool(settings[gi].staleness)))
+                continue
+            parts = {part: stacked_view([s.state[part] for s in own]) for part in own[0].state}
+            parts["momentum"] = parts["momentum"].view(local(p).shape)
+            if is_dtensor(p):
+                parts = {part: param_shaped(p, v) if part == "momentum" else per_row(p, v) for part, v in parts.items()}
+            if "rounding_step" not in parts:  # (a momentum_dtype changed to fp32)
+                state[p].pop("rounding_step", None)
+            state[p].update(parts)
+        return engine
+
+    def _matrix_shards(
+        self, matrices: list[tuple[int, torch.Tensor]], names: dict[torch.Tensor, str], settings: list[Dion3Hyperparameters], state: dict
+    ) -> list[MatrixShard]:
+        """Every matrix of the parameters with a gradient as an engine shard, with the state the
+        optimizer holds for it (stepped before, or loaded)."""
+        self._shards = {}
         for gi, p in matrices:
             own = state[p]
             carried: list[dict] = [{} for _ in range(matrix_count(local(p)))]
             if "momentum" in own:  # stepped before (or loaded): the engine copies it in
-                rows = [part for part in ("variance", "row_age") if part in own]
+                rows = [part for part in ("variance", "row_age", "rounding_step") if part in own]  # one per matrix
                 carried = [
                     {"momentum": m, **{part: local(own[part])[e] for part in rows}}
                     for e, m in enumerate(matrix_view(local(own["momentum"])))
@@ -216,7 +261,7 @@ class WholeParameters:
             if is_dtensor(p):  # this rank's piece of the logical matrices
                 placed = layout(p)
                 weight, grad = matrix_view(local(p)), matrix_values(local(_grad_of(p)))
-                shards[p] = [
+                self._shards[p] = [
                     MatrixShard(
                         names_of[placed.first_matrix + e],
                         weight[e],
@@ -232,37 +277,11 @@ class WholeParameters:
                 continue
             weight = matrix_view(self._contiguous_weight(p))
             grad = matrix_values(_grad_of(p))
-            shards[p] = [
+            self._shards[p] = [
                 MatrixShard(name, weight[e], grad[e], matrix_shape(p), Sharding.full(), None, settings[gi], carried[e])
                 for e, name in enumerate(names_of)
             ]
-        # Construction is collective where a matrix is split (every rank steps every FSDP2 parameter).
-        engine = Dion3Engine(
-            [s for own in shards.values() for s in own],
-            cuda_graph=self.cuda_graph,
-            local=not any(is_dtensor(p) for p in shards),
-            fresh_grads=True,
-            speeds=self._speeds,
-            chosen=self.chosen,
-        )
-        chosen_here = engine.chosen_fractions()
-        experts = [
-            (p, matrix_names(names[p], p)) for gi, p in matrices if is_dtensor(p) and p.dim() == 3 and plan.chooses_fraction(settings[gi])
-        ]
-        self.chosen.update({**choices_held_elsewhere(experts, chosen_here), **chosen_here})
-        for gi, p in matrices:  # the parameter's state: views of the engine's buffers
-            own = shards[p]
-            if not own:  # a DTensor of which this rank holds no matrix (no local expert)
-                assert is_dtensor(p)
-                state[p].update(empty_state(p, ["variance"] + ["row_age"] * bool(settings[gi].staleness)))
-                continue
-            parts = {part: stacked_view([s.state[part] for s in own]) for part in own[0].state}
-            parts["momentum"] = parts["momentum"].view(local(p).shape)
-            if is_dtensor(p):
-                parts = {part: param_shaped(p, v) if part == "momentum" else per_row(p, v) for part, v in parts.items()}
-            state[p].update(parts)
-        self.engine, self._engine_key, self._shards = engine, key, shards
-        return engine
+        return [s for own in self._shards.values() for s in own]
 
     def _contiguous_weight(self, p: torch.Tensor) -> torch.Tensor:
         """The weight itself, or for a non-contiguous one (a channels_last conv weight, a transposed

@@ -58,13 +58,15 @@ def _hint(unknown: str, spell: Callable[[str], str]) -> str:
 
 
 def refuse_unknown_fields(source: Any, where: str) -> None:
-    """Raise ValueError naming a ``dion3_*`` attribute of ``source`` (an ``OptimizerConfig`` or
-    Megatron-LM's args) that is no Dion3 option, with the did-you-mean hint: a misspelt one would
-    otherwise leave its option at the default, silently."""
+    """Raise :class:`~dion3_megatron.options.UnknownOptionError` naming a ``dion3_*`` attribute of
+    ``source`` (an ``OptimizerConfig`` or Megatron-LM's args) that is no Dion3 option, with the
+    did-you-mean hint: a misspelt one would otherwise leave its option at the default, silently."""
     for name in sorted(vars(source) if hasattr(source, "__dict__") else ()):
         if name.startswith(_PREFIX) and name not in DION3_DEFAULTS:
             hint = _hint(name[len(_PREFIX) :], lambda option: repr(config_field(option)))
-            raise ValueError(f"{where}: unknown attribute {name}; " + (hint or f"the Dion3 fields are {', '.join(DION3_DEFAULTS)}"))
+            raise options.UnknownOptionError(
+                f"{where}: unknown attribute {name}; " + (hint or f"the Dion3 fields are {', '.join(DION3_DEFAULTS)}")
+            )
 
 
 def check_dion3_values(values: dict[str, Any], where: str) -> None:

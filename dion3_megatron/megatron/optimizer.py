@@ -29,22 +29,21 @@ and the state dict holds DTensors placed like it (torch_dcp saves and reshards t
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Optional
+from typing import Any, Never, Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import options
 from ..kernels import config as kernel_config
+from ..frontend import groups as grouping
 from ..frontend.lifecycle import Dion3FrontEnd, without_records
 from ..core.ortho import default_ns_dtype
-from ..engine import Dion3Engine, MatrixShard, Sharding, fractions, plan
+from ..engine import Dion3Engine, MatrixShard, Sharding, plan
+from ..engine.session import EngineSession
 from ..core.rule import Dion3Hyperparameters
 from ..frontend.dtensor import is_dtensor, local, param_shaped
 from .layout import ParamLayout, describe_model, describe_param, fsdp_piece
-
-logger = logging.getLogger(__name__)
 
 
 def decision_device(fallback: torch.device) -> torch.device:
@@ -65,38 +64,51 @@ _Entry = tuple[torch.Tensor, dict[str, torch.Tensor]]
 _EngineKey = tuple[tuple[int, ...], tuple[Any, ...]]
 
 
-@options.documented(options.MEGATRON)
 class MegatronDion3(Dion3FrontEnd):
     """Dion3 for the 2-D hidden matrices of a Megatron-Core model (any TP / PP / EP / DP).
 
-        Args:
-            params: Megatron's param groups (``lr`` and ``weight_decay`` set by its lr scheduler).
-            lr, weight_decay: defaults for groups that lack them.
-            model_chunks: the model, to read parameter names and marks (main fp32 params of the bf16
-                wrapper are matched to their model params through Megatron's ``param.main_param``).
-            pg_collection: Megatron's process groups (``tp``, ``expt_tp``).
-            layouts: parameter -> :class:`ParamLayout`, instead of describing ``model_chunks``.
-            **settings: the options below (keyword only; declared in :mod:`dion3_megatron.options`;
-                :func:`config_to_kwargs` reads them from ``OptimizerConfig.dion3_<name>``).
+    Args:
+        params: Megatron's param groups (``lr`` and ``weight_decay`` set by its lr scheduler).
+        lr, weight_decay: defaults for groups that lack them.
+        model_chunks: the model, to read parameter names and marks (main fp32 params of the bf16
+            wrapper are matched to their model params through Megatron's ``param.main_param``).
+        pg_collection: Megatron's process groups (``tp``, ``expt_tp``).
+        layouts: parameter -> `ParamLayout`, instead of describing ``model_chunks``.
 
-        Options:
-    {options}
+    The other arguments are the options (keyword only; docs/configuration.md describes each):
+    `dion3_megatron.megatron.registry.config_to_kwargs` reads them from ``OptimizerConfig.dion3_<name>``.
     """
 
     FRONT_END = options.MEGATRON
 
     def __init__(
         self,
-        params,
-        lr: float = options.BY_NAME["lr"].default,
-        weight_decay: float = options.BY_NAME["weight_decay"].default,
+        params: Any,
+        lr: float = 0.01,
+        weight_decay: float = 0.01,
         model_chunks: Optional[list] = None,
-        pg_collection=None,
+        pg_collection: Any = None,
         layouts: Optional[dict] = None,
-        **settings: Any,
+        *,
+        fraction: float | str = "auto",
+        mu: Optional[float] = None,
+        beta2: float = 0.95,
+        eps: float = 1e-8,
+        adjust_lr: str = "spectral_norm",
+        scale_lr_by_fraction: bool = True,
+        scale_mu_by_fraction: bool = False,
+        staleness: float = 1.0,
+        ns_method: str = "gram",
+        kernels: Optional[str] = None,
+        cuda_graph: bool = True,
+        split_qkv: bool = True,
+        split_glu: bool = True,
+        **unknown: Never,
     ) -> None:
-        settings = options.settings(type(self).__name__, options.MEGATRON, settings)
-        options.check(type(self).__name__, lr=lr, weight_decay=weight_decay, **settings)
+        where = type(self).__name__
+        options.refuse_unknown(where, options.MEGATRON, unknown)
+        settings = options.settings(where, options.MEGATRON, options.from_signature(options.MEGATRON, locals()))
+        options.check(where, lr=lr, weight_decay=weight_decay)
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, **{k: settings[k] for k in options.group_keys(options.MEGATRON)}))
         self.cuda_graph = settings["cuda_graph"]
         self.split_qkv = settings["split_qkv"]
@@ -113,18 +125,16 @@ class MegatronDion3(Dion3FrontEnd):
         self._model_matrix_numel = (
             sum(q.numel() for q in self._layouts if not getattr(q, "is_embedding_or_output_parameter", False)) if model_chunks else 0
         )
-        self._chosen: dict[str, float] = {}  # matrix name -> the automatic f this rank's matrices step at
-        self._records: list[dict[str, float]] = []  # per param group: every rank's automatic f, by matrix name
-        self._saved_fractions: dict[str, float] = {}  # matrix name -> f, from a checkpoint
+        self._session = EngineSession(self.cuda_graph)  # its engine built at the first step or state access, on every rank
+        self._settings = grouping.GroupSettings(
+            lambda where, group: options.check(where, **{k: group[k] for k in _GROUP_SETTINGS}), _GROUP_SETTINGS
+        )
         self._pending: list[_Entry] = []  # loaded, set at the next engine build
-        self._speeds: Optional[fractions.AgreedSpeeds] = None  # whole matrices' speeds, agreed at the first build
         self._finite_vouched = False
-        self._engine: Optional[Dion3Engine] = None
-        self._engine_key: Optional[_EngineKey] = None  # what self._engine was built for
         self._shards: dict[torch.Tensor, list] = {}
         self._work: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stamps: dict[torch.Tensor, tuple] = {}  # per param: what its shards' views were cut from
-        self._refresh_plan: list = []  # per group: (group, params used in place, all its shards)
+        self._refresh_plan: list = []  # per group: (index, group, params used in place, all its shards)
         self._permuted: list = []  # (param, perm, weight buffer, grad buffer) of the row-permuted params
 
     # -------------------------------------------------------------------------------------------
@@ -139,14 +149,15 @@ class MegatronDion3(Dion3FrontEnd):
             if main is not None and main not in self._layouts:
                 self._layouts[main] = model_layout
         layout = self._layouts.get(p)
-        if layout is None:  # no model given (plain use): one whole matrix
-            layout = describe_param(f"param{len(self._layouts)}", p)
+        if layout is None:  # no model given (plain use): one whole matrix, named by its place
+            gi, j = next((gi, j) for gi, group in enumerate(self.param_groups) for j, q in enumerate(group["params"]) if q is p)
+            layout = describe_param(grouping.param_name(gi, j), p)
             layout = fsdp_piece(p, layout) if is_dtensor(p) else layout
             self._layouts[p] = layout
         return layout
 
-    def _hp(self, group: dict) -> Dion3Hyperparameters:
-        return options.hyperparameters(**{k: group[k] for k in _GROUP_SETTINGS})
+    def _hp(self, gi: int, group: dict) -> Dion3Hyperparameters:
+        return self._settings.of(f"param group {gi}", group)
 
     # -------------------------------------------------------------------------------------------
     # Shards and engine.
@@ -206,8 +217,8 @@ class MegatronDion3(Dion3FrontEnd):
         return min(1.0, own / self._model_matrix_numel) if self._model_matrix_numel and own else 1.0
 
     def _ensure_engine(self, with_grads: bool) -> Dion3Engine:
-        """Build (once) the MatrixShards of every parameter and the engine; refresh per-step fields.
-        Returns the engine.
+        """The engine (built at the first call, again where the parameters or a group's staleness
+        changed, through the session), its shards refreshed for this step.
 
         Building is collective (the engine checks its plan against the other ranks): every rank
         builds at the same call, the first step or the first state access (checkpointing).
@@ -216,23 +227,55 @@ class MegatronDion3(Dion3FrontEnd):
         # The engine plans with the staleness (its rows' ages exist only when it is > 0): a change
         # builds the engine anew, carrying the state over (ages switched on start at 0).
         key: _EngineKey = (tuple(id(p) for p, _ in params), tuple(group["staleness"] for group in self.param_groups))
-        if self._engine is not None and self._engine_key == key:
+        engine = self._session.current(key)
+        if engine is not None:
             self._refresh_shards(with_grads)
-            return self._engine
-        carried: list[_Entry] = []
-        if self._engine is not None and self._engine_key is not None and self._engine_key[0] == key[0]:
-            carried = [(p, self._saved_state(p)) for p, _ in params]
-        carried, self._pending = carried + self._pending, []
+            return engine
+        group_hp = {id(group): self._hp(gi, group) for gi, group in enumerate(self.param_groups)}
+        # One collective, at the first build (collective on every rank anyway): replicas of a whole
+        # matrix (data parallelism without the distributed optimizer) choose one f.
+        self._session.agree_speeds(
+            (p.device, hp.ns_dtype or default_ns_dtype(p.device)) for p, group in params if plan.chooses_fraction(hp := group_hp[id(group)])
+        )
+        group_index = {id(group): gi for gi, group in enumerate(self.param_groups)}
+        engine = self._session.engine_for(
+            key,
+            lambda: self._matrix_shards(params, group_hp, with_grads),
+            groups_of={self._matrix_name(p, m): group_index[id(g)] for p, g in params for m in self.layout_of(p).matrices},
+            step_share=self._step_share(params),
+            gather=True,  # each rank holds its own matrices (layer-wise ZeRO-1, pipeline stages)
+        )
+        # What changes from step to step: each group's lr and weight decay, and the gradient (and,
+        # rarely, weight) storage of the parameters used in place (the permuted ones use buffers).
+        self._refresh_plan = [
+            (
+                gi,
+                group,
+                [(p, self._shards[p], self.layout_of(p).matrices) for p in group["params"] if p not in self._work],
+                [s for p in group["params"] for s in self._shards[p]],
+            )
+            for gi, group in enumerate(self.param_groups)
+        ]
+        self._permuted = [(p, self.layout_of(p).perm, *self._work[p]) for p, _ in params if p in self._work]
+        pending, self._pending = self._pending, []
+        self._set_state(pending)
+        return engine
+
+    def _matrix_name(self, p: torch.Tensor, matrix: Any) -> str:
+        layout = self.layout_of(p)
+        return layout.name + (f".{matrix.suffix}" if matrix.suffix else "")
+
+    def _matrix_shards(self, params: list[tuple[torch.Tensor, dict]], group_hp: dict, with_grads: bool) -> list[MatrixShard]:
+        """Every logical matrix of every parameter as an engine shard: whole, row blocks or column
+        blocks over the tensor-parallel group, or row pieces over the data-parallel group (FSDP2)."""
         self._shards = {}
         self._stamps.clear()
-        group_hp = {id(group): self._hp(group) for group in self.param_groups}
         for p, group in params:
             layout = self.layout_of(p)
             weight, grad = self._working(p, layout, with_grads)
             shards = []
             for matrix in layout.matrices:
                 rows = slice(matrix.start, matrix.stop)
-                name = layout.name + (f".{matrix.suffix}" if matrix.suffix else "")
                 if layout.partition is None:
                     sharding, group_arg = Sharding.full(), None
                 elif layout.partition == "data":
@@ -241,87 +284,30 @@ class MegatronDion3(Dion3FrontEnd):
                     sharding, group_arg = Sharding.even_rows(matrix.full_shape[0], layout.group_size), layout.group
                 else:
                     sharding, group_arg = Sharding.even_cols(matrix.full_shape[1], layout.group_size), layout.group
-                hp = group_hp[id(group)]
                 shards.append(
                     MatrixShard(
-                        name=name,
+                        name=self._matrix_name(p, matrix),
                         weight=weight[rows],
                         grad=grad[rows] if grad is not None else None,
                         shape=matrix.full_shape,
                         sharding=sharding,
                         group=group_arg,
-                        hp=hp,
+                        hp=group_hp[id(group)],
                         state={},
                     )
                 )
             self._shards[p] = shards
-        all_shards = [s for p, _ in params for s in self._shards[p]]
-        step_share = self._step_share(params)
-        if self._speeds is None:  # one collective, at the first build (collective on every rank anyway):
-            # replicas of a whole matrix (data parallelism without the distributed optimizer) choose one f
-            self._speeds = fractions.agreed_speeds(
-                [
-                    (p.device, hp.ns_dtype or default_ns_dtype(p.device))
-                    for p, group in params
-                    if plan.chooses_fraction(hp := group_hp[id(group)])
-                ]
-            )
-        # chosen before a checkpoint: not measured again
-        engine = self._engine = Dion3Engine(
-            all_shards, cuda_graph=self.cuda_graph, step_share=step_share, speeds=self._speeds, chosen=self._saved_fractions
-        )
-        auto = engine.auto_fractions()
-        if auto and (not dist.is_initialized() or dist.get_rank() == 0):
-            logger.info(
-                "Dion3 fraction=auto chose (rows x cols: f) %s; this rank steps %.2f of the model's matrices",
-                ", ".join(f"{n}x{m}: {f:g}" for (n, m), f in sorted(auto.items())),
-                step_share,
-            )
-        self._chosen = engine.chosen_fractions()
-        self._records = self._gathered_records()
-        self._engine_key = key
-        # What changes from step to step: each group's lr and weight decay, and the gradient (and,
-        # rarely, weight) storage of the parameters used in place (the permuted ones use buffers).
-        self._refresh_plan = [
-            (
-                group,
-                [(p, self._shards[p], self.layout_of(p).matrices) for p in group["params"] if p not in self._work],
-                [s for p in group["params"] for s in self._shards[p]],
-            )
-            for group in self.param_groups
-        ]
-        self._permuted = [(p, self.layout_of(p).perm, *self._work[p]) for p, _ in params if p in self._work]
-        self._set_state(carried)
-        return engine
-
-    def _gathered_records(self) -> list[dict[str, float]]:
-        """Per param group, the automatic f of its matrices on every rank, by matrix name: gathered
-        over the world at engine construction (collective like it). Every rank then saves the same
-        record, so the one Megatron's torch_dist checkpoint keeps (the param groups of one rank)
-        names every matrix, and a resume at another data-parallel size finds each one's f (a
-        name on several ranks: the lowest rank's f)."""
-        mine = [
-            {s.name: self._chosen[s.name] for p in group["params"] for s in self._shards.get(p, []) if s.name in self._chosen}
-            for group in self.param_groups
-        ]
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return mine
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        records: list[dict[str, float]] = [{} for _ in self.param_groups]
-        for theirs in everyone:  # (by group index: a resume reads every group's names alike)
-            for record, their_record in zip(records, theirs):
-                for name, f in their_record.items():
-                    record.setdefault(name, f)
-        return records
+        return [s for p, _ in params for s in self._shards[p]]
 
     def _refresh_shards(self, with_grads: bool) -> None:
-        """Per step: the schedule's lr and weight decay into every shard, and new gradient (or
-        weight) storage into the shards' views. Runs on every step, hence the flat plan."""
-        for group, in_place, group_shards in self._refresh_plan:
-            hp = self._hp(group)
-            for shard in group_shards:
-                shard.hp = hp
+        """Per step: the schedule's lr and weight decay into every shard (for a step: ``with_grads``),
+        and new gradient (or weight) storage into the shards' views. Runs on every step, hence the
+        flat plan."""
+        for gi, group, in_place, group_shards in self._refresh_plan:
+            hp = self._hp(gi, group) if with_grads else None
+            if hp is not None and group_shards and group_shards[0].hp is not hp:  # (a new object only where a value changed)
+                for shard in group_shards:
+                    shard.hp = hp
             for p, shards, matrices in in_place:
                 grad = local(p.grad) if with_grads and p.grad is not None else None
                 stamp = (local(p.data).data_ptr(), None if grad is None else grad.data_ptr())
@@ -366,7 +352,7 @@ class MegatronDion3(Dion3FrontEnd):
         """(full shape, f) of each logical matrix of ``p`` as its steps use them: the group's f, or
         the automatic f chosen. Empty before the first step (or checkpoint access) builds the
         engine."""
-        return [(tuple(s.shape), self._chosen.get(s.name, s.hp.fraction)) for s in self._shards.get(p, [])]
+        return [(tuple(s.shape), f if (f := self._session.chosen(s.name)) is not None else s.hp.fraction) for s in self._shards.get(p, [])]
 
     def state_dict(self) -> dict[str, Any]:
         """Each parameter's state in its own layout (param-shaped), ``skipped_steps`` and, under
@@ -378,13 +364,16 @@ class MegatronDion3(Dion3FrontEnd):
         return sd
 
     def fraction_records(self) -> list[dict[str, float]]:
+        """Per param group, the automatic f of its matrices on every rank (gathered at each build:
+        every rank saves the same record, so the one Megatron's torch_dist checkpoint keeps, the
+        param groups of one rank, names every matrix)."""
         self._ensure_engine(with_grads=False)
-        return [dict(record) for record in self._records]
+        return self._session.records(len(self.param_groups))
 
     def restore_fraction_records(self, records: list[dict[str, float]]) -> None:
         """The saved f of every matrix named in any group's record, for the engine built next, so
         a resume, at any data-parallel size, does not measure the device again."""
-        self._saved_fractions = {name: f for record in records for name, f in record.items()}
+        self._session.restore(records)
 
     def _loaded_entries(self, state_dict: dict[str, Any]) -> list[_Entry]:
         """(param, its entry) of every parameter the state dict holds state for; ValueError naming
@@ -433,12 +422,12 @@ class MegatronDion3(Dion3FrontEnd):
         (the parameters the checkpoint holds none for keep theirs)."""
         loaded = self._loaded_entries(state_dict)
         kept: list[_Entry] = []
-        if self._engine is not None:
+        if self._session.engine is not None:
             ids = {id(p) for p, _ in loaded}
             kept = [(p, self._saved_state(p)) for p, _ in self._params() if id(p) not in ids]
         for mine, saved in zip(self.param_groups, without_records(state_dict["param_groups"])):
             mine.update({k: v for k, v in saved.items() if k != "params" and k in mine})
-        self._engine, self._pending = None, kept + loaded
+        self._pending = kept + loaded  # (the session builds a new engine: restore_fraction_records)
 
     def _set_state(self, entries: list[_Entry]) -> None:
         """Copy (param, state dict entry) pairs into the engine's state. An engine with row ages
@@ -464,7 +453,7 @@ class MegatronDion3(Dion3FrontEnd):
         naming the group and the parameter. Returns the gradients for the non-finite gate."""
         grads = []
         for gi, group in enumerate(self.param_groups):
-            options.check(f"param group {gi}", **{k: group[k] for k in _GROUP_SETTINGS})
+            self._hp(gi, group)
             for p in group["params"]:
                 if p.grad is None:
                     continue

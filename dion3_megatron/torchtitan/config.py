@@ -50,15 +50,15 @@ def optimizer_config(matrices: str = HIDDEN_MATRICES, **settings: Any) -> Optimi
     AdamW's tensors included, and no check refuses on some tensors after others changed.
 
     ``settings`` are Dion3's options (the torch ``Dion3``'s, with its defaults), checked here: an
-    unknown name is a TypeError with the closest option, a bad value a ValueError naming it. The
-    per-group ones are the matrices' group's ``optimizer_kwargs``, written out in full (torchtitan's
+    unknown name is an :class:`~dion3_megatron.options.UnknownOptionError` with the closest option,
+    a bad value a ValueError naming it. The per-group ones are the matrices' group's
+    ``optimizer_kwargs``, written out in full (torchtitan's
     configs carry no implicit defaults); ``kernels`` and ``cuda_graph`` go to
     ``optimizer_factory_kwargs_by_name["Dion3"]``. The AdamW group takes what the torch ``Dion3``
     gives its AdamW tensors: ``adamw_lr`` (as its ``lr``), ``betas``, ``eps`` and ``weight_decay``.
     """
     where = "dion3_megatron.torchtitan.optimizer_config"
     resolved = options.settings(where, options.TORCH, settings)
-    options.check(where, **resolved)
     per_group = options.group_keys(options.TORCH)
     adamw = {
         "algorithm": "adamw",

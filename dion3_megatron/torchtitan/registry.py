@@ -71,10 +71,11 @@ def build_dion3(params: list[dict[str, Any]], **settings: Any) -> Dion3:
     config's ``optimizer_factory_kwargs_by_name["Dion3"]``, Dion3's options that are one value per
     optimizer: ``kernels``, ``cuda_graph``, ``adamw_lr``).
 
-    A group's ``optimizer_kwargs`` are Dion3's per-group options (and ``algorithm``), checked here
-    on every rank alike before anything is built, naming the group by its first parameter: an
-    unknown name is a TypeError with the closest option, an option that is one value per optimizer
-    a ValueError saying where it goes, a bad value a ValueError naming the option.
+    A group's ``optimizer_kwargs`` are Dion3's per-group options (and ``algorithm``), their names
+    checked here on every rank alike before anything is built, naming the group by its first
+    parameter: an unknown name is an :class:`~dion3_megatron.options.UnknownOptionError` with the
+    closest option, an option that is one value per optimizer a ValueError saying where it goes;
+    ``Dion3`` checks the values as it takes the groups.
 
     Each parameter of a Dion3-rule group becomes a param group of its own, carrying the record of
     the automatic f (:data:`~dion3_megatron.frontend.lifecycle.RECORD`, filled by ``state_dict()``):
@@ -101,14 +102,9 @@ def build_dion3(params: list[dict[str, Any]], **settings: Any) -> Dion3:
 
 
 def _check_group_options(where: str, given: dict[str, Any]) -> None:
-    per_group = (*options.group_keys(options.TORCH), "algorithm")
+    """The keys of a group's ``optimizer_kwargs``: Dion3's per-group options and ``algorithm`` only
+    (their values are checked by ``Dion3`` as it takes the group)."""
+    options.refuse_group_keys(where, given, options.TORCH, f"the config's optimizer_factory_kwargs_by_name[{NAME!r}]", ("algorithm",))
     for name in given:
-        if name in per_group:
-            continue
-        if name in options.defaults_for(options.TORCH):
-            raise ValueError(
-                f"{where}: {name} is one value per optimizer; give it in the config's optimizer_factory_kwargs_by_name[{NAME!r}]"
-            )
-        hint = options.unknown_name_hint(name, per_group)
-        raise TypeError(f"{where}: {name!r} is not a Dion3 option" + (f" ({hint})" if hint else ""))
-    options.check(where, **given)
+        if name != "algorithm" and name not in options.group_keys(options.TORCH):
+            raise options.unknown_option(where, name, (*options.group_keys(options.TORCH), "algorithm"))

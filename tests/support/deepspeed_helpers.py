@@ -478,7 +478,7 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
     for engine in auto.values():
         train(engine, 3)
     out["auto_diff"] = max_diff(params_of(auto[1]), params_of(auto[0]))
-    chosen = _basic(auto[1])._step_plan.chosen
+    chosen = {name: f for name, (_, f) in _basic(auto[1])._session.record.items()}
     matrices = [(piece.shard.name, piece.shard.sharding.kind == "full") for plan in partition_plans(auto[1]) for piece in plan.pieces]
     out["auto_fractions"] = {  # matrices one rank holds whole, and straddling ones
         "s0": sorted(set(_basic(auto[0]).fractions.values())),
