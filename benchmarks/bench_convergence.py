@@ -14,9 +14,9 @@ The optimizers differ only on the block matrices (Q, K, V, O, gate, up, down):
 
 A config is ``opt[:key=value]...``. Keys: lr (a number, or "best": the best lr of ``--best-ref``'s
 finished runs), wd, seed, and for dion3/normuon the rule's options (OPTION_KEYS): f (a fraction or
-"auto"), mu, mu_by_f, lr_by_f (0/1 each), stale, and fwarm (the share of steps run at
-f = 1 before switching to f); a key left out takes the reference rule's value (mu 0.95, no
-scaling, no staleness), not the library's default. A config's family is the config without lr
+"auto"), mu, mu_by_f, lr_by_f (0/1 each), stale, mom (fp32 or bf16: the momentum's storage),
+and fwarm (the share of steps run at f = 1 before switching to f); a key left out takes the
+reference rule's value (mu 0.95, no scaling, no staleness, fp32), not the library's default. A config's family is the config without lr
 and seed.
 
   python benchmarks/bench_convergence.py --size small --configs muon:lr=0.025 dion3:f=0.25:lr=0.04 --extend --seeds 2
@@ -68,6 +68,14 @@ OPTIMIZERS = ("dion3", "normuon", "muon", "adamw")
 LABELS = {"dion3": "Dion3 f={f}", "normuon": "NorMuon (Dion3 f=1, std NS)", "muon": "Muon (torch.optim.Muon)", "adamw": "AdamW"}
 DEFAULT_WD = {"dion3": 0.01, "normuon": 0.01, "muon": 0.01, "adamw": 0.1}
 DEFAULT_LR = {"dion3": 0.02, "normuon": 0.02, "muon": 0.025, "adamw": 0.003}
+
+
+def _one_of(value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"must be one of {choices}, got {value!r}")
+    return value
+
+
 # Dion3 rule options a config may set: key -> (Dion3 keyword, parser, value when the config does not
 # set it). The values are the reference rule's (microsoft/dion's NorDion2), passed explicitly, so a
 # config names the same rule whatever the library's defaults are.
@@ -76,6 +84,7 @@ OPTION_KEYS = {
     "mu_by_f": ("scale_mu_by_fraction", lambda v: bool(int(v)), False),
     "lr_by_f": ("scale_lr_by_fraction", lambda v: bool(int(v)), False),
     "stale": ("staleness", float, 0.0),
+    "mom": ("momentum_dtype", lambda v: _one_of(v, ("fp32", "bf16")), "fp32"),  # the momentum's storage
     "fwarm": (None, float, 0.0),  # the benchmark's f schedule, not a Dion3 keyword
 }
 SIZES = {
@@ -148,7 +157,10 @@ def parse_config(text: str) -> dict:
 def named(cfg: dict) -> dict:
     """cfg with its family (everything but lr and seed) and name filled in."""
     parts = [cfg["opt"]] + ([f"f={cfg['f']}"] if cfg["opt"] == "dion3" else [])
-    parts += [f"{k}={v:g}" if not isinstance(v, bool) else f"{k}={int(v)}" for k, v in sorted(cfg["options"].items())]
+    parts += [
+        f"{k}={int(v)}" if isinstance(v, bool) else f"{k}={v}" if isinstance(v, str) else f"{k}={v:g}"
+        for k, v in sorted(cfg["options"].items())
+    ]
     if cfg["wd"] != DEFAULT_WD[cfg["opt"]]:
         parts.append(f"wd={cfg['wd']:g}")
     family = ":".join(parts)
@@ -163,6 +175,7 @@ def label(cfg: dict) -> str:
         "mu_by_f": "mu^(1/f)",
         "lr_by_f": "lr/max(f, 1/4)",
         "stale": "staleness {:g}",
+        "mom": "{} momentum",
         "fwarm": "f=1 for {:.0%} of steps",
     }
     words = [extras[k].format(v) for k, v in sorted(cfg["options"].items())]

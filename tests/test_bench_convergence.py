@@ -63,7 +63,10 @@ def test_config_parsing():
     assert bench.parse_config("dion3:f=0.25:mu=0.95:lr=0.02")["family"] == "dion3:f=0.25"  # reference values drop
     assert bench.parse_config("normuon")["f"] == 1.0 and bench.parse_config("muon")["lr"] == 0.025
     assert bench.parse_config("dion3:f=auto:lr=best")["name"] == "dion3:f=auto:lr=best"
-    for bad in ("sgd:lr=1", "muon:f=0.5", "dion3:f=2", "adamw:lr", "muon:mu=0.9", "dion3:fwarm=1", "dion3:bogus=1"):
+    bf16 = bench.parse_config("dion3:f=0.25:mom=bf16:lr=0.04")
+    assert bf16["family"] == "dion3:f=0.25:mom=bf16" and bench.label(bf16).endswith("bf16 momentum")
+    assert bench.parse_config("dion3:f=0.25:mom=fp32")["family"] == "dion3:f=0.25"  # the default drops
+    for bad in ("sgd:lr=1", "muon:f=0.5", "dion3:f=2", "adamw:lr", "muon:mu=0.9", "dion3:fwarm=1", "dion3:bogus=1", "dion3:mom=fp16"):
         with pytest.raises(ValueError, match="config"):
             bench.parse_config(bad)
 
