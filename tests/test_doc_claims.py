@@ -296,6 +296,19 @@ FIGURES = [
         "gram-ns-h200.json",
         ("ratios/16x1024x5120/eager: ours vs quack", "kv_batch_repeats/eager: ours vs quack/0", "kv_batch_repeats/eager: ours vs quack/1"),
     ),
+    # The step's host cost per matrix on CPU, against AdamW (foreach).
+    Figures(
+        "docs/performance.md",
+        r"Dion3 took \*\*(\d\.\d\d)x\*\* AdamW's time at 3,000 matrices\s+\((\d+\.\d) against (\d+\.\d) us\), (\d\.\d\d)x at 300 and (\d\.\d\d)x at 30",
+        "host-cost-cpu.json",
+        (
+            "measurements/3000/dion3 \\/ adamw",
+            "measurements/3000/dion3 us per matrix",
+            "measurements/3000/adamw us per matrix",
+            "measurements/300/dion3 \\/ adamw",
+            "measurements/30/dion3 \\/ adamw",
+        ),
+    ),
     # The Megatron-Core GPT example on CPU, in the README and on the performance page.
     Figures(
         "README.md",
