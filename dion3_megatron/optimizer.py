@@ -25,23 +25,22 @@ from .kernels import config as kernel_config
 class Dion3(Dion3FrontEnd):
     """Dion3: top-fraction row selection, Gram Newton-Schulz, NorMuon normalization, error feedback.
 
-    Args:
-        params: parameters (or ``named_parameters()``) or param groups. A group may set
-            ``algorithm`` ("dion3" | "adamw") and the options of one value per param group
-            (``lr``, ``fraction``, ``mu``, ...; not ``adamw_lr``, ``kernels``, ``cuda_graph``,
-            which are one value per optimizer: a group that sets one is refused).
+    ``params`` are parameters (or ``named_parameters()``) or param groups. A group may set
+    ``algorithm`` ("dion3" | "adamw") and the options of one value per param group
+    (``lr``, ``fraction``, ``mu``, ...; not ``adamw_lr``, ``kernels``, ``cuda_graph``,
+    which are one value per optimizer: a group that sets one is refused).
 
-    The other arguments are the options (keyword only); docs/configuration.md describes each, with
-    its default and range, as declared in `dion3_megatron.options`.
+    The other arguments are the options (keyword only); [docs/configuration.md](../configuration.md)
+    describes each, with its default and range, as declared in `dion3_megatron.options`.
 
     The automatic fraction is chosen per matrix at its first step by the engine's plan from its
-    shape and this device's measured speed (see `fractions`). Under torch.distributed every
-    rank must step that first step together (as DDP does): all take the slowest rank's speed and
-    agree. `cuda_graph`: on one CUDA device the Dion3 part of the step (after the momentum
-    accumulation) is captured once the same matrices have stepped twice, and replayed: one launch
-    instead of hundreds. Bit-identical to the eager step; it keeps the step's temporaries
-    allocated. Any change of members, settings other than lr and weight decay, or tensor storage
-    captures anew.
+    shape and this device's measured speed (see [`fractions`][dion3_megatron.Dion3.fractions]). Under
+    torch.distributed every rank must step that first step together (as DDP does): all take the
+    slowest rank's speed and agree. `cuda_graph`: on one CUDA device the Dion3 part of the step
+    (after the momentum accumulation) is captured once the same matrices have stepped twice, and
+    replayed: one launch instead of hundreds. Bit-identical to the eager step; it keeps the step's
+    temporaries allocated. Any change of members, settings other than lr and weight decay, or
+    tensor storage captures anew.
 
     A step with a non-finite gradient anywhere changes nothing, warns, and counts in
     `skipped_steps`. A step that raises (a setting changed to an invalid value since

@@ -1,25 +1,28 @@
 """Dion3 for DeepSpeed: ``"optimizer": {"type": "Dion3", "params": {...}}`` in the JSON config.
 
-``import dion3_megatron.deepspeed`` (or calling :func:`register`) is all a training script needs.
-It applies :data:`DEEPSPEED` (every DeepSpeed attribute this package adds or replaces, with why and
-the upstream version) through :mod:`dion3_megatron.compat`, which
+``import dion3_megatron.deepspeed`` (or calling [`register`][dion3_megatron.deepspeed.register]) is all
+a training script needs. It applies ``DEEPSPEED`` (every DeepSpeed attribute this package adds or
+replaces, with why and the upstream version) through ``dion3_megatron.compat``, which
 
 * makes ``"dion3"`` one of DeepSpeed's own optimizer names, which its config lower-cases, and
-  exposes :class:`DeepSpeedDion3` as ``torch.optim.dion3``, where DeepSpeed 0.19 then looks it up:
-  ``"Dion3"``, ``"dion3"`` (the spelling of Megatron's ``--optimizer dion3``), ``"DION3"`` all work,
-  and a near miss (``"Dion"``, ``"dion-3"``) fails at ``deepspeed.initialize`` saying ``"Dion3"``;
+  exposes [`DeepSpeedDion3`][dion3_megatron.deepspeed.DeepSpeedDion3] as ``torch.optim.dion3``, where
+  DeepSpeed 0.19 then looks it up: ``"Dion3"``, ``"dion3"`` (the spelling of Megatron's
+  ``--optimizer dion3``), ``"DION3"`` all work, and a near miss (``"Dion"``, ``"dion-3"``) fails at
+  ``deepspeed.initialize`` saying ``"Dion3"``;
 * lists it among ZeRO's supported optimizers (no ``zero_allow_untested_optimizer`` needed), and
-  makes it a :class:`DeepSpeedZeroDion3` where ZeRO stages 1-3 (or BF16_Optimizer) will hand it
-  flat partitions;
-* splits the parameters DeepSpeed was given by module (:func:`.groups.engine_param_groups`, using
-  the engine's model): embeddings, the output head and anything tied to it, norms and vectors
+  makes it a [`DeepSpeedZeroDion3`][dion3_megatron.deepspeed.DeepSpeedZeroDion3] where ZeRO stages 1-3
+  (or BF16_Optimizer) will hand it flat partitions;
+* splits the parameters DeepSpeed was given by module
+  ([`engine_param_groups`][dion3_megatron.deepspeed.engine_param_groups], using the engine's model):
+  embeddings, the output head and anything tied to it, norms and vectors
   take AdamW, hidden matrices Dion3; groups that set ``"algorithm"`` are kept;
 * makes ``deepspeed.initialize`` fail clearly for what it does not support (optimizer offload, a
-  plain :class:`dion3_megatron.Dion3` under ZeRO-1/2/3), instead of failing or silently
+  plain [`dion3_megatron.Dion3`][] under ZeRO-1/2/3), instead of failing or silently
   misbehaving later.
 
 What is supported (ZeRO stages, precisions, MoE, checkpoint formats), each with the test that shows
-it: docs/support.md, the support matrix. How each stage steps: docs/deepspeed.md.
+it: [docs/support.md](../support.md), the support matrix. How each stage steps:
+[docs/deepspeed.md](../deepspeed.md).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ __all__ = [
 CONFIG_NAME = "dion3"  # the config "type" as DeepSpeed keeps it (it lower-cases its own optimizers' names)
 
 SUPPORTED_DEEPSPEED = (">=0.19", "<0.20")
+"""The DeepSpeed versions this package is built for (the ``deepspeed`` extra's range); registering
+with another version warns."""
 _REGISTERED = False
 
 
@@ -74,7 +79,7 @@ def _check_deepspeed_version() -> None:
 
 
 def register() -> type:
-    """Make ``"type": "Dion3"`` (or ``"dion3"``) work in DeepSpeed configs: apply :data:`DEEPSPEED`,
+    """Make ``"type": "Dion3"`` (or ``"dion3"``) work in DeepSpeed configs: apply ``DEEPSPEED``,
     every DeepSpeed (and ``torch.optim``) attribute this package adds or replaces, with why and the
     upstream version. Idempotent. Returns the class."""
     global _REGISTERED

@@ -16,8 +16,9 @@ from .. import options
 
 WHERE = 'DeepSpeed config "optimizer": {"type": "Dion3", "params": ...}'
 
-# key -> what it means (also the error message's list of allowed keys).
 ALLOWED = {option.name: option.help for option in options.options_for(options.DEEPSPEED)}
+"""The keys of a config's Dion3 ``params``, each with what it means (also the error message's list of
+allowed keys)."""
 
 # Keys of DeepSpeed's own optimizer configs, with what to use instead (and the hints every front
 # end gives, options.HINTS).
@@ -34,7 +35,7 @@ def normalize_params(params: dict[str, Any]) -> dict[str, Any]:
     """Check a config's Dion3 ``params`` and return constructor keyword arguments (``betas`` a
     tuple, ``ns_dtype`` a torch.dtype).
 
-    Raises :class:`~dion3_megatron.options.UnknownOptionError` naming an unknown key (with the
+    Raises ``UnknownOptionError`` (``dion3_megatron.options``) naming an unknown key (with the
     closest option, or what to use instead of a key of DeepSpeed's own optimizers), ValueError
     naming the key, the value and what is allowed.
     """

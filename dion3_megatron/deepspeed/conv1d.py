@@ -54,7 +54,7 @@ def _load_from_conv1d(module: Conv1DAsLinear, state_dict: dict, prefix: str, *ar
 
 
 def conv1d_as_linear(model: torch.nn.Module) -> int:
-    """Replace every Hugging Face ``Conv1D`` in ``model`` by :class:`Conv1DAsLinear` (in place, the
+    """Replace every Hugging Face ``Conv1D`` in ``model`` by ``Conv1DAsLinear`` (in place, the
     same values); returns how many. Call it before training (before ``Trainer`` or
     ``deepspeed.initialize``) so that Dion3 takes those weights."""
     from .groups import is_conv1d

@@ -101,7 +101,8 @@ def param_groups(
     adamw: dict[str, Any] | None = None,
     params: Optional[Iterable[torch.Tensor]] = None,
 ) -> list[dict[str, Any]]:
-    """Split a model's parameters into a Dion3 group and an AdamW group (see the module docstring).
+    """Split a model's parameters into a Dion3 group and an AdamW group (which takes which: the
+    docstring of ``dion3_megatron.deepspeed.groups``).
 
     ``params``: the parameters to split, in this order (default: the model's trainable ones); a
     tensor that is not a parameter of ``model`` is split by its dims alone. ``dion3`` / ``adamw``
@@ -123,9 +124,9 @@ def engine_param_groups(module: torch.nn.Module, model_parameters: Any) -> list[
     """The param groups the config route hands Dion3: what DeepSpeed was given, split by module.
 
     A flat list of tensors (Hugging Face Trainer passes one) becomes a Dion3 group and an AdamW
-    group (:func:`param_groups` over exactly these tensors). A group that sets ``"algorithm"`` is
-    kept as it is; one that does not (e.g. DeepSpeed's MoE groups) is split in two, each keeping
-    the group's other keys. Logs one line with the counts.
+    group ([`param_groups`][dion3_megatron.deepspeed.param_groups] over exactly these tensors). A
+    group that sets ``"algorithm"`` is kept as it is; one that does not (e.g. DeepSpeed's MoE
+    groups) is split in two, each keeping the group's other keys. Logs one line with the counts.
     """
     if model_parameters is None:
         model_parameters = module.parameters()

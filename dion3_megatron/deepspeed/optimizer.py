@@ -23,9 +23,9 @@ from .base import DeepSpeedFrontEnd
 class DeepSpeedDion3(DeepSpeedFrontEnd):
     """Dion3 for DeepSpeed: validated config ``params``; whole parameters at ZeRO stage 0.
 
-    Takes the options of :class:`~dion3_megatron.deepspeed.base.DeepSpeedFrontEnd`, the config's
-    ``params``. Under ZeRO stages 1-3 ``deepspeed.initialize``
-    makes it a :class:`~dion3_megatron.deepspeed.DeepSpeedZeroDion3`, whose row selection is global
+    Takes the options of ``DeepSpeedFrontEnd``, the config's ``params``. Under ZeRO stages 1-3
+    ``deepspeed.initialize`` makes it a
+    [`DeepSpeedZeroDion3`][dion3_megatron.deepspeed.DeepSpeedZeroDion3], whose row selection is global
     (top-k over the whole logical matrix): ZeRO-1, 2 and 3 give the same parameters as ZeRO-0.
     """
 
@@ -35,7 +35,7 @@ class DeepSpeedDion3(DeepSpeedFrontEnd):
     @property
     def fractions(self) -> Fractions:
         """The f each matrix of a group with the automatic fraction uses, by parameter name (as
-        :attr:`dion3_megatron.Dion3.fractions`)."""
+        [`dion3_megatron.Dion3.fractions`][])."""
         return self._whole.fractions(grouping.param_names(self.param_groups))
 
     def fraction_records(self) -> list[dict[str, float]]:

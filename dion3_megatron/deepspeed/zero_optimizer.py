@@ -45,10 +45,11 @@ class Partition:
 class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
     """Dion3 under ZeRO stages 1-3: every Dion3 matrix of every partition this rank holds (whole in
     its partition, or a piece of one split over ranks) goes to one megabatch engine; the state is
-    partition-shaped (:mod:`.zero`), so DeepSpeed's elastic and universal checkpoints handle it.
+    partition-shaped (``dion3_megatron.deepspeed.zero``), so DeepSpeed's elastic and universal
+    checkpoints handle it.
 
-    ``deepspeed.initialize`` makes the :class:`~dion3_megatron.deepspeed.DeepSpeedDion3` it built (or
-    was given) one of these where ZeRO will wrap it; it takes the same options.
+    ``deepspeed.initialize`` makes the [`DeepSpeedDion3`][dion3_megatron.deepspeed.DeepSpeedDion3] it
+    built (or was given) one of these where ZeRO will wrap it; it takes the same options.
     """
 
     def _start(self) -> None:
@@ -168,7 +169,7 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
     @kernel_config.scoped_step
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """Take the partitions ZeRO hands with this call; once every partition of this rank is in,
-        step them all (:mod:`this module <.zero_optimizer>`)."""
+        step them all (as ``dion3_megatron.deepspeed.zero_optimizer`` describes)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -48,6 +48,13 @@ def checked_tile_group(value: Any) -> int:
 
 @dataclass(frozen=True)
 class KernelConfig:
+    """The kernels' switches, one frozen value: ``kernels`` ("auto" | "torch"), a forced matmul
+    ``backend``, the ``routing`` of the symmetric GEMMs and its thresholds (``min_tiles``,
+    ``min_width``), their ``tile``, ``persistent`` and ``stream_k`` launches and ``tile_group``, and
+    the Triton row kernels (``fused_rows``). [`configure`][dion3_megatron.kernels.configure] sets it
+    for the process, [`using`][dion3_megatron.kernels.using] for a block;
+    [`current`][dion3_megatron.kernels.current] is the one in force."""
+
     kernels: str = "auto"
     backend: Optional[str] = None  # a registered matmul backend forced for every product (kernels.dispatch)
     routing: str = "measured"  # "always": every product the symmetric kernels can take (tests, benchmarks)
@@ -125,8 +132,9 @@ _scoped = threading.local()  # .stack: the configurations of the using() blocks 
 
 
 def current() -> KernelConfig:
-    """The configuration in force on this thread: the innermost :func:`using` block's, else the
-    process's (:func:`configure`), else the environment's."""
+    """The configuration in force on this thread: the innermost
+    [`using`][dion3_megatron.kernels.using] block's, else the process's
+    ([`configure`][dion3_megatron.kernels.configure]), else the environment's."""
     stack = getattr(_scoped, "stack", None)
     if stack:
         return stack[-1]

@@ -1,8 +1,8 @@
 """Dion3 for Megatron-Core / Megatron-LM 0.19: ``--optimizer dion3``.
 
-:func:`register` is the one entry point: it applies every change this package makes to Megatron,
-each listed with its reason and the upstream version in :data:`.registry.MEGATRON`;
-:func:`unregister` undoes them all.
+[`register`][dion3_megatron.megatron.register] is the one entry point: it applies every change this
+package makes to Megatron, each listed with its reason and the upstream version in
+``dion3_megatron.megatron.registry.MEGATRON``; ``unregister`` undoes them all.
 Importing this package calls it, and so do the launcher and a Megatron tree patched with
 patches/megatron-core-0.19-dion3.patch. Then either
 
@@ -11,7 +11,7 @@ patches/megatron-core-0.19-dion3.patch. Then either
 * Megatron-Core: ``OptimizerConfig(optimizer="dion3", ...)`` and ``get_megatron_optimizer``; set
   ``config.dion3_fraction`` etc. as attributes to change the Dion3 hyper-parameters.
 
-See docs/megatron.md.
+See [docs/megatron.md](../megatron.md).
 """
 
 import sys as _sys

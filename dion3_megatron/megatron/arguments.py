@@ -24,6 +24,7 @@ from typing import Any, Callable, NoReturn
 from .. import options
 
 OPTIMIZER_NAME = "dion3"
+"""The ``OptimizerConfig.optimizer`` / ``--optimizer`` value that selects Dion3 (``"dist_dion3"`` too)."""
 OPTIONS = options.options_for(options.MEGATRON)
 
 
@@ -44,8 +45,8 @@ def flag(name: str) -> str:
     return f"--dion3-{'no-' if negated else ''}{name.replace('_', '-')}"
 
 
-# config field -> default, for every Dion3 option Megatron carries.
 DION3_DEFAULTS = {config_field(option.name): option.default for option in OPTIONS}
+"""``OptimizerConfig`` attribute (``dion3_<option>``) -> default, for every Dion3 option Megatron carries."""
 _PREFIX, _FLAG_PREFIX = config_field(""), flag("")
 
 
@@ -212,8 +213,8 @@ def _one_line_errors(parser: argparse.ArgumentParser) -> None:
 def add_dion3_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``dion3`` to ``--optimizer``'s choices (when the parser has that flag) and the Dion3 group,
     make the parser's ``--help`` survive help strings it cannot format
-    (:func:`escape_unformattable_help`) and its errors about Dion3 flags one line each
-    (:func:`_one_line_errors`).
+    (``escape_unformattable_help``) and its errors about Dion3 flags one line each
+    (``_one_line_errors``).
 
     Idempotent: a parser that already has ``--dion3-fraction`` gets no second group.
     """

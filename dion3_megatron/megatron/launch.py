@@ -4,8 +4,8 @@
     torchrun --nproc-per-node 8 -m dion3_megatron.megatron.launch pretrain_gpt.py ...
 
 The script runs as ``__main__`` with ``sys.argv = [script, *args]``, as ``python script`` would run
-it, after :func:`dion3_megatron.megatron.register` (``launcher=True``: with :data:`LAUNCHER`, the one
-change that only the launcher makes, :func:`skip_compile_helpers`);
+it, after [`dion3_megatron.megatron.register`][] (``launcher=True``: with ``LAUNCHER``, the one
+change that only the launcher makes, ``skip_compile_helpers``);
 started without torchrun, it runs as the one process of a one-process world (what
 ``torchrun --nproc-per-node 1`` would set up). ``--help`` (alone) prints the usage
 and the ``--dion3-*`` flags without importing Megatron; ``SCRIPT --help`` prints the script's own

@@ -67,16 +67,16 @@ _EngineKey = tuple[tuple[int, ...], tuple[Any, ...]]
 class MegatronDion3(Dion3FrontEnd):
     """Dion3 for the 2-D hidden matrices of a Megatron-Core model (any TP / PP / EP / DP).
 
-    Args:
-        params: Megatron's param groups (``lr`` and ``weight_decay`` set by its lr scheduler).
-        lr, weight_decay: defaults for groups that lack them.
-        model_chunks: the model, to read parameter names and marks (main fp32 params of the bf16
-            wrapper are matched to their model params through Megatron's ``param.main_param``).
-        pg_collection: Megatron's process groups (``tp``, ``expt_tp``).
-        layouts: parameter -> `ParamLayout`, instead of describing ``model_chunks``.
+    - ``params``: Megatron's param groups (``lr`` and ``weight_decay`` set by its lr scheduler);
+    - ``lr``, ``weight_decay``: defaults for groups that lack them;
+    - ``model_chunks``: the model, to read parameter names and marks (main fp32 params of the bf16
+      wrapper are matched to their model params through Megatron's ``param.main_param``);
+    - ``pg_collection``: Megatron's process groups (``tp``, ``expt_tp``);
+    - ``layouts``: parameter -> `ParamLayout`, instead of describing ``model_chunks``.
 
-    The other arguments are the options (keyword only; docs/configuration.md describes each):
-    `dion3_megatron.megatron.registry.config_to_kwargs` reads them from ``OptimizerConfig.dion3_<name>``.
+    The other arguments are the options (keyword only; [docs/configuration.md](../configuration.md)
+    describes each): `dion3_megatron.megatron.registry.config_to_kwargs` reads them from
+    ``OptimizerConfig.dion3_<name>``.
     """
 
     FRONT_END = options.MEGATRON
@@ -411,7 +411,7 @@ class MegatronDion3(Dion3FrontEnd):
         self._loaded_entries(state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Everything checked, then everything set (:class:`Dion3FrontEnd`); the engine is then
+        """Everything checked, then everything set (``Dion3FrontEnd``); the engine is then
         built anew (collectively: every rank loads the same checkpoint) with the checkpoint's
         staleness and f, and takes the loaded state."""
         super().load_state_dict(state_dict)
@@ -466,9 +466,10 @@ class MegatronDion3(Dion3FrontEnd):
         return decision_device(next((p.device for p, _ in self._params()), torch.device("cpu")))
 
     def vouch_finite(self, finite: bool) -> None:
-        """Set by a Megatron wrapper before each step (see :mod:`.wrappers`): True when its decision
-        (this optimizer's :meth:`step_check` included) let the coming step go ahead on every
-        rank, so the step takes no decision of its own. The next step consumes it."""
+        """Set by a Megatron wrapper before each step (see ``dion3_megatron.megatron.wrappers``): True
+        when its decision (this optimizer's [`step_check`][dion3_megatron.megatron.MegatronDion3.step_check]
+        included) let the coming step go ahead on every rank, so the step takes no decision of its
+        own. The next step consumes it."""
         self._finite_vouched = finite
 
     @torch.no_grad()

@@ -386,8 +386,9 @@ MEGATRON: tuple[compat.Patch, ...] = (
 
 
 def register(*, launcher: bool = False) -> bool:
-    """Make ``optimizer='dion3'`` / ``--optimizer dion3`` work: apply :data:`MEGATRON` (with
-    ``launcher``, then :data:`.launch.LAUNCHER` too). Safe to call any number of times.
+    """Make ``optimizer='dion3'`` / ``--optimizer dion3`` work: apply
+    ``dion3_megatron.megatron.registry.MEGATRON`` (with ``launcher``, then
+    ``dion3_megatron.megatron.launch.LAUNCHER`` too). Safe to call any number of times.
 
     Returns True when Megatron-LM's argument parser was extended too (``megatron.training``
     importable), False when only Megatron-Core was.
@@ -412,6 +413,8 @@ def unregister() -> None:
 
 
 def is_registered() -> bool:
+    """Whether Megatron-Core builds ``optimizer='dion3'``: [`register`][dion3_megatron.megatron.register]
+    has run, and ``unregister`` not since."""
     from megatron.core.optimizer import emerging_optimizers as eo
 
     return OPTIMIZER_NAME in eo._EMERGING_OPTIMIZERS  # noqa: SLF001

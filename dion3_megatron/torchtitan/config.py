@@ -50,7 +50,7 @@ def optimizer_config(matrices: str = HIDDEN_MATRICES, **settings: Any) -> Optimi
     AdamW's tensors included, and no check refuses on some tensors after others changed.
 
     ``settings`` are Dion3's options (the torch ``Dion3``'s, with its defaults), checked here: an
-    unknown name is an :class:`~dion3_megatron.options.UnknownOptionError` with the closest option,
+    unknown name is an ``UnknownOptionError`` (``dion3_megatron.options``) with the closest option,
     a bad value a ValueError naming it. The per-group ones are the matrices' group's
     ``optimizer_kwargs``, written out in full (torchtitan's
     configs carry no implicit defaults); ``kernels`` and ``cuda_graph`` go to

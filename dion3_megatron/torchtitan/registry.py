@@ -19,6 +19,7 @@ from ..frontend.lifecycle import RECORD
 from ..optimizer import Dion3
 
 NAME = "Dion3"
+"""The optimizer name of Dion3 in torchtitan's config (``optimizer_name="Dion3"``)."""
 
 # Keys torchtitan adds to every param group besides the config's optimizer_kwargs: the parameters'
 # names (kept: checkpoints key state by them), and its `implementation` choice of torch's Adam
@@ -52,7 +53,7 @@ TORCHTITAN: tuple[compat.Patch, ...] = (
 
 def register() -> None:
     """Make ``optimizer_name="Dion3"`` work in torchtitan's optimizer config: apply
-    :data:`TORCHTITAN`. Idempotent; :class:`~dion3_megatron.compat.UpstreamChanged` where
+    ``TORCHTITAN``. Idempotent; ``UpstreamChanged`` (``dion3_megatron.compat``) where
     torchtitan no longer has the resolver."""
     compat.apply(TORCHTITAN)
 
@@ -63,6 +64,8 @@ def unregister() -> None:
 
 
 def is_registered() -> bool:
+    """Whether torchtitan resolves ``optimizer_name="Dion3"``: [`register`][dion3_megatron.torchtitan.register]
+    has run, and [`unregister`][dion3_megatron.torchtitan.unregister] not since."""
     return compat.is_patched(OptimizersContainer._resolve_optimizer_factory)
 
 
@@ -73,12 +76,12 @@ def build_dion3(params: list[dict[str, Any]], **settings: Any) -> Dion3:
 
     A group's ``optimizer_kwargs`` are Dion3's per-group options (and ``algorithm``), their names
     checked here on every rank alike before anything is built, naming the group by its first
-    parameter: an unknown name is an :class:`~dion3_megatron.options.UnknownOptionError` with the
+    parameter: an unknown name is an ``UnknownOptionError`` (``dion3_megatron.options``) with the
     closest option, an option that is one value per optimizer a ValueError saying where it goes;
     ``Dion3`` checks the values as it takes the groups.
 
     Each parameter of a Dion3-rule group becomes a param group of its own, carrying the record of
-    the automatic f (:data:`~dion3_megatron.frontend.lifecycle.RECORD`, filled by ``state_dict()``):
+    the automatic f (``RECORD`` of ``dion3_megatron.frontend.lifecycle``, filled by ``state_dict()``):
     torchtitan's checkpoint copies every group's settings under each of its parameters' names, so a
     record of a whole group would be copied once per matrix, and it loads only the keys a live
     group has. An ``algorithm="adamw"`` group stays whole (its record is empty; its tensors step in

@@ -86,8 +86,8 @@ def _device_capable(index: int) -> bool:
 
 
 def kernel_capable_device(t: torch.Tensor) -> bool:
-    """t lives on a Hopper GPU and the kernels are installed. On a Hopper GPU with the kernels half
-    installed the first step warns, once (:func:`half_installed`)."""
+    """``t`` lives on a Hopper GPU and the kernels are installed. On a Hopper GPU with the kernels
+    half installed the first step warns, once (``half_installed``)."""
     if not t.is_cuda:
         return False
     index = t.get_device()
