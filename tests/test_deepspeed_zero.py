@@ -234,3 +234,23 @@ def test_tensor_parallel_matrices_are_stepped_whole_under_zero(four_ranks):
         assert r["diff"] < 0.015, (rank, r)
     # Without ZeRO each TP block is stepped as a matrix of its own, and a warning says so.
     assert all(out["tensor_parallel_stage0_warns"] for out in four_ranks)
+
+
+def _gradients_held_after_a_step(rank: int, world: int) -> dict:
+    """ZeRO-1 and ZeRO-2 on one rank, a step each: the engine's shards that still hold a gradient
+    (ZeRO frees its gradient partition after the step; a shard holding a view keeps it in memory)."""
+    from support import deepspeed_helpers as h
+
+    h.init()
+    held = {}
+    for stage in (1, 2):
+        engine = h.make_engine(h.config(stage, world=world), groups=True)
+        h.train(engine, 1)
+        shards = [piece.shard for part in h.partition_plans(engine) for piece in part.pieces]
+        held[stage] = (len(shards), sum(shard.grad is not None for shard in shards))
+    return held
+
+
+def test_the_step_keeps_no_gradient_partition_in_memory():
+    (held,) = run_distributed(_gradients_held_after_a_step, 1, timeout=180)
+    assert all(shards > 0 and with_gradient == 0 for shards, with_gradient in held.values()), held

@@ -358,6 +358,83 @@ FIGURES = [
 ]
 
 
+# docs/memory.md: its table, which is every case of benchmarks/bench_memory.py's results in the
+# order measured and nothing else (the passage is the whole table), and the figures its text gives.
+MEMORY = "memory-cpu.json"
+MEMORY_TORCH, MEMORY_TORCH_NO_AGES = "Dion3, f = 1/4 (torch `Dion3`)", "Dion3, f = 1/4, staleness 0 (torch `Dion3`)"
+MEMORY_ZERO, MEMORY_ZERO_NO_AGES = "Dion3, f = 1/4 (DeepSpeed ZeRO-1)", "Dion3, f = 1/4, staleness 0 (DeepSpeed ZeRO-1)"
+MEMORY_ADAMW, MEMORY_MUON = "AdamW, fp32 moments (torch `AdamW`)", "Muon, fp32 momentum (`torch.optim.Muon`)"
+
+
+def MEMORY_CASE(name: str, key: str, scale: float = 1.0) -> Callable[[Any], float]:  # noqa: N802 (a value path, like the constants)
+    """A figure of one case of memory-cpu.json, by the case's name (divided by ``scale``)."""
+    return lambda data: next(case[key] for case in data["cases"] if case["name"] == name) / scale
+
+
+def loose(passage: str) -> str:
+    """A passage whose every space may be any run of white space (a line break of the doc)."""
+    return passage.replace(" ", r"\s+")
+
+
+def memory_table() -> Figures:
+    cases = [case["name"] for case in json.loads((RESULTS / MEMORY).read_text(encoding="utf-8"))["cases"]]
+    header = (
+        r"\| optimizer \(front end\) \| bytes per parameter of the model \| bytes per parameter of the hidden matrices \| MiB \|\n"
+        r"\|---\|---\|---\|---\|\n"
+    )
+    rows = "".join(rf"\| {re.escape(name)} \| (\d+\.\d+) \| (\d+\.\d+) \| (\d+\.\d+) \|\n" for name in cases)
+    values = tuple(
+        value
+        for name in cases
+        for value in (
+            MEMORY_CASE(name, "bytes per parameter"),
+            MEMORY_CASE(name, "bytes per matrix parameter"),
+            MEMORY_CASE(name, "bytes", 2**20),
+        )
+    )
+    return Figures("docs/memory.md", header + rows + r"(?!\|)", MEMORY, values)
+
+
+FIGURES += [
+    memory_table(),
+    Figures(
+        "docs/memory.md",
+        loose(
+            r"(\d+) layers of width (\d+) \((\d+) heads, (\d+) key/value heads, a SwiGLU MLP of width (\d+), RMSNorms, "
+            r"a (\d+)-token embedding tied to the output head\): (\d+\.\d)M parameters, (\d+\.\d)M of them in the hidden matrices"
+        ),
+        MEMORY,
+        (
+            *(f"model/shapes/{key}" for key in ("layers", "width", "heads", "kv_heads", "hidden", "vocab")),
+            lambda data: data["model"]["parameters"] / 1e6,
+            lambda data: data["model"]["hidden matrix parameters"] / 1e6,
+        ),
+    ),
+    Figures(
+        "docs/memory.md",
+        loose(
+            r"(\d\.\d+) bytes per parameter of these matrices \((\d\.\d+) with `staleness=0`\), where Muon's one fp32 momentum "
+            r"takes (\d\.\d+)\. Over the whole model, with AdamW's state of the embedding, that is (\d\.\d+) bytes per parameter "
+            r"against AdamW's (\d\.\d+)"
+        ),
+        MEMORY,
+        (
+            MEMORY_CASE(MEMORY_TORCH, "bytes per matrix parameter"),
+            MEMORY_CASE(MEMORY_TORCH_NO_AGES, "bytes per matrix parameter"),
+            MEMORY_CASE(MEMORY_MUON, "bytes per matrix parameter"),
+            MEMORY_CASE(MEMORY_TORCH, "bytes per parameter"),
+            MEMORY_CASE(MEMORY_ADAMW, "bytes per parameter"),
+        ),
+    ),
+    Figures(
+        "docs/memory.md",
+        loose(r"That is (\d+\.\d+) bytes per parameter of the model with staleness, and (\d\.\d+) with `staleness=0`"),
+        MEMORY,
+        (MEMORY_CASE(MEMORY_ZERO, "bytes per parameter"), MEMORY_CASE(MEMORY_ZERO_NO_AGES, "bytes per parameter")),
+    ),
+]
+
+
 def figure_problems(figures: Figures, text: str | None = None) -> list[str]:
     text = (ROOT / figures.doc).read_text(encoding="utf-8") if text is None else text
     found = re.search(figures.passage, text, re.S)
@@ -373,7 +450,7 @@ def figure_problems(figures: Figures, text: str | None = None) -> list[str]:
 
 
 def test_every_figure_is_its_json_value_at_the_precision_written():
-    assert len(FIGURES) >= 25 and {f.doc for f in FIGURES} == {"README.md", "docs/performance.md", "docs/tuning.md"}
+    assert len(FIGURES) >= 25 and {f.doc for f in FIGURES} == {"README.md", "docs/performance.md", "docs/tuning.md", "docs/memory.md"}
     for figures in FIGURES:
         assert len(figures.values) == re.compile(figures.passage).groups, figures.passage
     problems = [p for figures in FIGURES for p in figure_problems(figures)]
@@ -505,9 +582,12 @@ def provenance_problems(name: str, section_text: str) -> list[str]:
     return problems
 
 
-def test_every_performance_section_states_its_results_machine_date_and_versions():
+MEMORY_PAGE = ROOT / "docs" / "memory.md"
+
+
+def test_every_section_citing_results_states_their_machine_date_and_versions():
     checked = 0
-    for level, text in sections(PERFORMANCE).values():
+    for level, text in (section for page in (PERFORMANCE, MEMORY_PAGE) for section in sections(page).values()):
         if level < 2:
             continue
         own = text if level == 3 else re.split(r"^### ", text, flags=re.M)[0]
@@ -515,7 +595,7 @@ def test_every_performance_section_states_its_results_machine_date_and_versions(
             problems = provenance_problems(name, own)
             assert not problems, "\n".join(problems)
             checked += 1
-    assert checked >= 14
+    assert checked >= 15
     hf = sections(PERFORMANCE)["hugging-face-trainer--deepspeed-zero-1-25m-one-gpu"][1]
     assert len(provenance_problems("hf-trainer-25m-1xh100.json", hf.replace("H100", "H200").replace("5.17.0", "5.16.0"))) == 2
 

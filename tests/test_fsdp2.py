@@ -56,10 +56,13 @@ def _batches() -> list[torch.Tensor]:
 
 def _sharded(world: int, layout: str, settings: dict):
     """The model on ``world`` ranks: "fsdp" (a 1-D mesh), "hsdp" (2 x world/2: replicas of a
-    sharded model) or "tp" (tensor parallelism 2 inside, FSDP2 over world/2: up by rows, down by
-    columns), and its Dion3."""
+    sharded model), "tp" (tensor parallelism 2 inside, FSDP2 over world/2: up by rows, down by
+    columns), "offload" (a 1-D mesh with ``CPUOffloadPolicy``: the pieces, their gradients and so
+    Dion3's state on the CPU; on CPU processes without page-locking, which needs CUDA) or
+    "offload-cuda" (the same on a CUDA mesh: the forward and backward on the GPU, the pieces in
+    page-locked CPU memory), and its Dion3."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from dion3_megatron import Dion3
@@ -67,6 +70,10 @@ def _sharded(world: int, layout: str, settings: dict):
     model = _Net()
     if layout == "fsdp":
         fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    elif layout.startswith("offload"):
+        on_cuda = layout == "offload-cuda"
+        mesh = init_device_mesh("cuda" if on_cuda else "cpu", (world,))
+        fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=on_cuda))
     elif layout == "hsdp":
         fully_shard(model, mesh=init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")))
     else:
@@ -78,16 +85,35 @@ def _sharded(world: int, layout: str, settings: dict):
 
 def _train(rank: int, world: int, layout: str, settings: dict, bad_step: int) -> dict:
     model, opt = _sharded(world, layout, settings)
+    device = model.up.weight.device_mesh.device_type  # where the forward runs: the mesh's device
     for step, x in enumerate(_batches()):  # every rank the same batch: FSDP's averaged gradient is that batch's
         opt.zero_grad()
-        model(x).square().mean().backward()
+        model(x.to(device)).square().mean().backward()
         if step == bad_step and rank == world - 1:
             model.up.weight.grad.to_local().view(-1)[0] = float("nan")
         opt.step()
     return {
-        "params": {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()},
+        "params": {n: p.detach().full_tensor().cpu().clone() for n, p in model.named_parameters()},
         "skipped": opt.skipped_steps,
         "fractions": dict(opt.fractions),
+        "held": _held_where(model, opt),
+    }
+
+
+def _held_where(model: torch.nn.Module, opt) -> dict:
+    """The device types of this rank's pieces of the weights, their gradients and the optimizer's
+    state; whether the weights' pieces are page-locked, and whether FSDP2 offloads them all."""
+    from dion3_megatron.frontend.dtensor import local
+
+    params = list(model.parameters())
+    # (FSDP2 has no public accessor of the policy a module was sharded with)
+    fsdp_params = [fp for group in model._get_fsdp_state()._fsdp_param_groups for fp in group.fsdp_params]
+    return {
+        "weights": {local(p).device.type for p in params},
+        "gradients": {local(p.grad).device.type for p in params if p.grad is not None},
+        "state": {local(v).device.type for p in params for v in opt.state[p].values() if v.dim()},  # (AdamW's step: a scalar)
+        "pinned": all(local(p).is_pinned() for p in params),
+        "offloaded": all(fp.offload_to_cpu for fp in fsdp_params),
     }
 
 
@@ -181,6 +207,99 @@ def test_auto_fraction_is_chosen_alike_on_every_rank(session):
         assert set(chosen[0]) == MATRICES, (cases[case], chosen)
         for c in chosen:  # a rank that holds no expert has no choice for them
             assert c == {k: v for k, v in chosen[0].items() if k in c} and set(chosen[0]) - set(c) <= {"experts"}, chosen
+
+
+# FSDP2 with CPUOffloadPolicy: the weights' pieces and their gradients live in CPU memory, so does
+# Dion3's state (made like each piece), and the step runs there. CPU processes cannot page-lock
+# memory (that needs CUDA): they run the policy with pin_memory=False; the GPU test runs it as a
+# GPU job does (a CUDA mesh, page-locked pieces, NCCL for FSDP2's collectives and gloo for the CPU
+# tensors of Dion3's, as torchtitan's enable_cpu_offload sets up its process group).
+OFFLOAD_CASES = [("offload", {"fraction": 0.5}, -1), ("offload", *STALENESS), ("offload", *SKIP)]
+
+
+def _check_offloaded_runs(cases: list, outs: list[list[dict]], pinned: bool) -> None:
+    """Every rank's run of each case equals the single-process step, with the weights, their
+    gradients and Dion3's state in CPU memory (the weights page-locked where ``pinned``)."""
+    held = {"weights": {"cpu"}, "gradients": {"cpu"}, "state": {"cpu"}, "pinned": pinned, "offloaded": True}
+    for (layout, settings, bad_step), *per_rank in zip(cases, *outs):
+        expected = _single_process(settings, bad_step)
+        for out in per_rank:
+            assert out["held"] == held, out["held"]
+            assert out["skipped"] == (bad_step >= 0), (layout, settings, bad_step)
+            for name, value in out["params"].items():
+                torch.testing.assert_close(value, expected[name], **TOL, msg=lambda m, n=name, c=settings: f"{layout} {c} {n}: {m}")
+
+
+def test_fsdp2_with_cpu_offload_policy_steps_as_the_single_process_step():
+    outs = run_distributed(_session, 2, OFFLOAD_CASES, timeout=300)
+    _check_offloaded_runs(OFFLOAD_CASES, [out["cases"] for out in outs], pinned=False)
+
+
+@pytest.mark.gpu
+def test_fsdp2_with_cpu_offload_policy_on_a_gpu_steps_as_the_single_process_step():
+    cases = [("offload-cuda", settings, bad_step) for _, settings, bad_step in OFFLOAD_CASES]
+    outs = run_distributed(_session, 1, cases, timeout=300, backend="cuda:nccl,cpu:gloo")
+    _check_offloaded_runs(cases, [out["cases"] for out in outs], pinned=True)
+
+
+def _pieces_in_cpu_memory_of_a_cuda_mesh(rank: int, world: int) -> dict:
+    """DTensor parameters as FSDP2's CPUOffloadPolicy makes them on GPUs, on CPU processes: a mesh
+    whose device type is CUDA (its process group gloo) and each rank's row piece in CPU memory.
+    Three steps of the same gradients on every rank: this rank's pieces of the weight and of its
+    Dion3 state, and where that state lies."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    from dion3_megatron import Dion3
+
+    mesh = DeviceMesh("cpu", torch.arange(world))
+    mesh._device_type = "cuda"  # what a GPU job's mesh says, its pieces left where they are
+
+    def piece(whole: torch.Tensor) -> DTensor:
+        spec = DTensorSpec(mesh, (Shard(0),), tensor_meta=TensorMeta(whole.shape, whole.stride(), whole.dtype))
+        return DTensor(whole.chunk(world)[rank].clone(), spec, requires_grad=False)
+
+    start, grads = _offload_steps()
+    p = torch.nn.Parameter(piece(start))
+    opt = Dion3([("w", p)], lr=0.05, fraction=0.5, staleness=1.0, ns_dtype=torch.float64)
+    for grad in grads:
+        p.grad = piece(grad)
+        opt.step()
+    state = {part: v.to_local() for part, v in opt.state[p].items()}
+    return {
+        "param": p.to_local().detach().clone(),
+        **{part: v.clone() for part, v in state.items()},
+        "devices": {v.device.type for v in state.values()},
+    }
+
+
+def _stepped_whole(name: str, start: torch.Tensor, grads: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One process's steps of the whole parameter (f = 1/2, staleness): the weight and its state after them."""
+    from dion3_megatron import Dion3
+
+    p = torch.nn.Parameter(start.clone())
+    opt = Dion3([(name, p)], lr=0.05, fraction=0.5, staleness=1.0, ns_dtype=torch.float64)
+    for grad in grads:
+        p.grad = grad.clone()
+        opt.step()
+    return {"param": p.detach(), **opt.state[p]}
+
+
+def _offload_steps() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    return torch.randn(7, 5, generator=gen), [torch.randn(7, 5, generator=gen) for _ in range(STEPS)]
+
+
+def test_pieces_in_cpu_memory_of_a_cuda_mesh_keep_their_state_there():
+    """The state DTensors are the engine's buffers where the pieces lie: not copies on the mesh's
+    device type (which ``DTensor.from_local`` makes), which the step would never update."""
+    whole = _stepped_whole("w", *_offload_steps())
+    for rank, out in enumerate(run_distributed(_pieces_in_cpu_memory_of_a_cuda_mesh, 2, timeout=120)):
+        assert out.pop("devices") == {"cpu"}
+        for part, value in out.items():
+            expected = whole[part].chunk(2, dim=0 if part in ("param", "momentum") else 1)[rank]
+            torch.testing.assert_close(value, expected, **TOL, msg=lambda m, q=part, r=rank: f"rank {r} {q}: {m}")
 
 
 def _dcp_worker(rank: int, world: int, layout: str, directory: str, steps: range, settings: dict) -> dict:
@@ -371,19 +490,11 @@ def _experts_split_inside(world: int) -> dict[str, dict[str, torch.Tensor]]:
 def test_a_3d_parameter_split_inside_its_matrices_steps_as_the_single_process_step(two_ranks):
     """Each local expert is a row or column piece of its matrix over the same ranks: the step, and
     the state as the ranks place it (gathered whole), equal one process stepping whole experts."""
-    from dion3_megatron import Dion3
-
     gen = torch.Generator().manual_seed(3)
     start = torch.randn(3, 7, 5, generator=gen)
-    grads = [torch.randn(3, 7, 5, generator=gen) for _ in range(STEPS)]
-    p = torch.nn.Parameter(start.clone())
-    opt = Dion3([("experts", p)], lr=0.05, fraction=0.5, staleness=1.0, ns_dtype=torch.float64)
-    for grad in grads:
-        p.grad = grad.clone()
-        opt.step()
-    expected = {"param": p.detach(), **opt.state[p]}
+    expected = _stepped_whole("experts", start, [torch.randn(3, 7, 5, generator=gen) for _ in range(STEPS)])
     assert set(expected) == {"param", "momentum", "variance", "row_age"}
-    assert (p.detach() - start).abs().max() > 1e-2  # the steps moved it
+    assert (expected["param"] - start).abs().max() > 1e-2  # the steps moved it
     for out in two_ranks:
         for name, held in out["split experts"].items():
             assert held.keys() == expected.keys(), name

@@ -279,6 +279,22 @@ def test_state_stays_fp32_for_bf16_params(generator):
     assert torch.equal(fresh.state[p]["momentum"], opt.state[p]["momentum"])
 
 
+def test_zero_grad_frees_the_gradients_the_step_read(generator):
+    """After the step the optimizer holds no gradient: ``zero_grad()`` frees them all, so the next
+    backward does not find the last step's gradients still in memory."""
+    import weakref
+
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in ((8, 16), (8, 16), (3, 8, 4), (16,))]
+    opt = Dion3(params, fraction=0.5)
+    for _ in range(2):  # the first step builds the engine, the second reuses it
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator)
+        opt.step()
+        grads = [weakref.ref(p.grad) for p in params]
+        opt.zero_grad()
+        assert [g() is None for g in grads] == [True] * len(params)
+
+
 def test_mismatched_checkpoint_is_refused_whole(generator):
     model, opt = make_model_and_optimizer()
     train(model, opt, random_batches(generator, 1))

@@ -85,6 +85,7 @@ def test_the_matrix_has_every_front_end_and_the_not_yet_rows():
         "FSDP2, 1-D",
         "HSDP",
         "FSDP2 with tensor parallelism",
+        "FSDP2 with `CPUOffloadPolicy`",
         "Megatron-Core, tensor parallel",
         "Megatron-Core, pipeline parallel",
         "distributed optimizer",

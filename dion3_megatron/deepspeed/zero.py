@@ -265,6 +265,10 @@ class PartitionPlan:
             if piece.shard.hp != hp:
                 piece.shard.hp = hp
 
+    def drop_gradient(self) -> None:
+        for piece in self.pieces:
+            piece.shard.grad = None
+
     def adamw_step(self, group: dict, state: dict, grad: torch.Tensor) -> None:
         if self.adamw_runs:
             params, grads, exp_avgs, exp_avg_sqs = (
@@ -344,6 +348,8 @@ class ZeroStep:
             engine.step()
             for moves in self._moves:
                 moves.write()
+            for p in self.partitions:  # ZeRO frees its gradient partition after the step: let it
+                p.drop_gradient()
         for p, state, grad in zip(self.partitions, states, grads):
             p.adamw_step(groups[p.group_index], state, grad)
 

@@ -25,6 +25,7 @@ from ..engine import Sharding
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # a torch without DTensor: no parameter is one
@@ -219,10 +220,18 @@ def _group_over(mesh, dims: list[int]) -> dist.ProcessGroup:
     return _groups[ranks]
 
 
+def _held_as(values: torch.Tensor, mesh, placements: Sequence[Placement], shape: torch.Size, stride: tuple[int, ...]) -> DTensor:
+    """``values`` themselves as this rank's piece of a DTensor, where they lie. ``DTensor.from_local``
+    would copy them to the mesh's device type, and under FSDP2's ``CPUOffloadPolicy`` a CUDA mesh's
+    pieces lie in CPU memory: the state would be a copy on the GPU that the step never updates."""
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, values.dtype))
+    return DTensor(values, spec, requires_grad=False)
+
+
 def param_shaped(p: DTensor, values: torch.Tensor) -> torch.Tensor:
     """This rank's values of a state the parameter's shape, as a DTensor placed like ``p`` (a view:
     ``torch.distributed.checkpoint`` saves and reshards it like an FSDP2 AdamW's state)."""
-    return DTensor.from_local(values, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return _held_as(values, p.device_mesh, p.placements, p.shape, p.stride())
 
 
 def per_row(p: DTensor, values: torch.Tensor) -> torch.Tensor:
@@ -240,7 +249,7 @@ def per_row(p: DTensor, values: torch.Tensor) -> torch.Tensor:
             placements.append(pl)
         else:
             placements.append(Replicate())
-    return DTensor.from_local(values, p.device_mesh, placements, run_check=False, shape=torch.Size((count, n)), stride=(n, 1))
+    return _held_as(values, p.device_mesh, placements, torch.Size((count, n)), (n, 1))
 
 
 def empty_state(p: DTensor, parts: Sequence[str]) -> dict[str, torch.Tensor]:

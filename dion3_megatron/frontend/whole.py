@@ -199,6 +199,9 @@ class WholeParameters:
         engine.step(
             prologue=copy_in if copied else None, epilogue=copy_back if copied else None, around_key=tuple(p.data_ptr() for p in copied)
         )
+        for _, p in matrices:  # the gradients are the caller's: zero_grad() frees them before the next backward
+            for shard in self._shards[p]:
+                shard.grad = None
 
     def _engine_for(
         self, groups: list[dict], matrices: list[tuple[int, torch.Tensor]], settings: list[Dion3Hyperparameters], state: dict

@@ -24,7 +24,7 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
     os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
     torch.set_num_threads(1)
     try:
-        if backend == "nccl":
+        if "nccl" in backend:  # "nccl", or NCCL with a CPU backend beside it ("cuda:nccl,cpu:gloo")
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world)
         results[rank] = ("ok", fn(rank, world, *args))
@@ -40,7 +40,8 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
 
 
 def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 300, backend: str = "gloo") -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` processes (gloo, or nccl with a GPU each).
+    """Run ``fn(rank, world, *args)`` on ``world`` processes (gloo; or nccl, alone or beside gloo as
+    "cuda:nccl,cpu:gloo", with a GPU each).
 
     ``fn`` must be importable (module level). Raises AssertionError with every failing rank's
     traceback.
