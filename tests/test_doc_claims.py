@@ -299,7 +299,8 @@ FIGURES = [
     # The step's host cost per matrix on CPU, against AdamW (foreach).
     Figures(
         "docs/performance.md",
-        r"Dion3 took \*\*(\d\.\d\d)x\*\* AdamW's time at 3,000 matrices\s+\((\d+\.\d) against (\d+\.\d) us\), (\d\.\d\d)x at 300 and (\d\.\d\d)x at 30",
+        r"Dion3 took \*\*(\d\.\d\d)x\*\* AdamW's time at 3,000 matrices\s+\((\d+\.\d) against (\d+\.\d) us\), "
+        r"(\d\.\d\d)x at 300 and (\d\.\d\d)x at 30",
         "host-cost-cpu.json",
         (
             "measurements/3000/dion3 \\/ adamw",
