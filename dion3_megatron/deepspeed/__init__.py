@@ -15,7 +15,7 @@ the upstream version) through :mod:`dion3_megatron.compat`, which
   the engine's model): embeddings, the output head and anything tied to it, norms and vectors
   take AdamW, hidden matrices Dion3; groups that set ``"algorithm"`` are kept;
 * with ZeRO's ``"offload_optimizer": {"device": "cpu"}``, keeps Dion3's state in host memory
-  beside DeepSpeed's fp32 partitions and steps them on the GPU (:mod:`dion3_megatron.engine.offload`);
+  beside DeepSpeed's partitions and steps them on the GPU (:mod:`dion3_megatron.engine.offload`);
 * makes ``deepspeed.initialize`` fail clearly for what it does not support (offload to NVMe or of
   a part of the state, a plain :class:`dion3_megatron.Dion3` under ZeRO-1/2/3), instead of failing
   or silently misbehaving later.
