@@ -22,13 +22,13 @@ CPU = torch.device("cpu")
 SHAPES = [(24, 40)] * 3 + [(40, 24)] * 2 + [(16, 48)]  # three shape groups
 
 
-def whole_engine(device, fraction=0.25, staleness=1.0, seed=0, steps=4, in_place=False):
+def whole_engine(device, fraction=0.25, staleness=1.0, seed=0, steps=4, in_place=False, momentum_dtype="fp32"):
     """Whole matrices stepped ``steps`` times by an engine offloaded to ``device`` (None: not);
     ``in_place``: their momentum is given as views of one flat tensor and stepped where it lies
     (DeepSpeed's exp_avg). Returns (weights, states, engine, the flat momentum)."""
     gen = torch.Generator().manual_seed(seed)
     weights = [torch.randn(s, generator=gen) for s in SHAPES]
-    hp = options.hyperparameters(fraction=fraction, staleness=staleness, mu=0.9, ns_dtype=torch.float32)
+    hp = options.hyperparameters(fraction=fraction, staleness=staleness, mu=0.9, ns_dtype=torch.float32, momentum_dtype=momentum_dtype)
     flat = torch.zeros(sum(n * m for n, m in SHAPES))
     shards, offset = [], 0
     for j, (w, (n, m)) in enumerate(zip(weights, SHAPES)):
@@ -50,10 +50,13 @@ def assert_equal_states(a, b):
             assert torch.equal(x[key], y[key]), key
 
 
-@pytest.mark.parametrize("fraction,staleness", [(0.25, 1.0), (1.0, 0.0), (0.5, 0.0)])
-def test_an_offloaded_step_of_whole_matrices_equals_the_step_without(fraction, staleness):
-    weights, states, _, _ = whole_engine(None, fraction, staleness)
-    offloaded, offloaded_states, engine, _ = whole_engine(CPU, fraction, staleness)
+@pytest.mark.parametrize(
+    "fraction,staleness,momentum_dtype", [(0.25, 1.0, "fp32"), (1.0, 0.0, "fp32"), (0.5, 0.0, "fp32"), (0.25, 1.0, "bf16")]
+)
+def test_an_offloaded_step_of_whole_matrices_equals_the_step_without(fraction, staleness, momentum_dtype):
+    """Also with a bf16 momentum, whose count of steps (the rounding's) travels with it."""
+    weights, states, _, _ = whole_engine(None, fraction, staleness, momentum_dtype=momentum_dtype)
+    offloaded, offloaded_states, engine, _ = whole_engine(CPU, fraction, staleness, momentum_dtype=momentum_dtype)
     for a, b in zip(weights, offloaded):
         assert torch.equal(a, b)
     assert_equal_states(states, offloaded_states)
@@ -62,20 +65,23 @@ def test_an_offloaded_step_of_whole_matrices_equals_the_step_without(fraction, s
 
 def test_each_group_steps_on_copies_of_its_state_and_weights_which_are_then_put_back(monkeypatch):
     """During a group's step the exchange holds device copies (here fresh CPU tensors), not the host
-    buffers; after it, the host buffers and weights again, holding the result."""
+    buffers (a bf16 momentum's count of steps too); after it, the host buffers and weights again,
+    holding the result."""
     seen = []
     step_all = WholeExchange.step_all
 
+    def pointers(ex):
+        sub = ex.subs[0]
+        return (sub.momentum.data_ptr(), ex.sg.shards[0].weight.data_ptr(), sub.rounding.steps.data_ptr())
+
     def recording(exchanges, graph, factors=None):
-        for ex in exchanges:
-            seen.append((ex.subs[0].momentum.data_ptr(), ex.sg.shards[0].weight.data_ptr()))
+        seen.extend(pointers(ex) for ex in exchanges)
         step_all(exchanges, graph, factors)
 
     monkeypatch.setattr(WholeExchange, "step_all", staticmethod(recording))
-    weights, states, engine, _ = whole_engine(CPU, steps=1)
-    held = {(ex.subs[0].momentum.data_ptr(), ex.sg.shards[0].weight.data_ptr()) for ex in engine.exchanges}
-    assert len(seen) == 3 and not held & {(m, w) for m, w in seen}
-    assert all(m not in {h[0] for h in held} and w not in {h[1] for h in held} for m, w in seen)
+    weights, states, engine, _ = whole_engine(CPU, steps=1, momentum_dtype="bf16")
+    held = [pointers(ex) for ex in engine.exchanges]
+    assert len(seen) == 3 and all(a != b for during in seen for host in held for a, b in zip(during, host))
     for ex in engine.exchanges:  # the host tensors again, the shards' state views of them
         assert ex.sg.shards[0].weight.data_ptr() in {w.data_ptr() for w in weights}
         assert ex.sg.shards[0].state["momentum"].data_ptr() == ex.subs[0].momentum[0].data_ptr()
@@ -197,14 +203,14 @@ def test_offload_is_a_bool_of_the_whole_optimizer():
 # Split matrices: every exchange, over 2 ranks.
 
 
-def _split_engine_run(rank, world, shardings, fraction, device, staleness):
+def _split_engine_run(rank, world, shardings, fraction, device, staleness, momentum_dtype):
     """Pieces of matrices of two shapes, split as ``shardings`` says, stepped 3 times over the
     world (gloo) by an engine offloaded to ``device`` (None: not): (weights, states, exchanges)."""
     import torch.distributed as dist
 
     gen = torch.Generator().manual_seed(7)
     shapes = [(12, 20)] * 3 + [(20, 12)] * 3
-    hp = options.hyperparameters(fraction=fraction, staleness=staleness, mu=0.9, ns_dtype=torch.float32)
+    hp = options.hyperparameters(fraction=fraction, staleness=staleness, mu=0.9, ns_dtype=torch.float32, momentum_dtype=momentum_dtype)
     group = dist.new_group(list(range(world)))
     shards, fulls = [], []
     for j, (n, m) in enumerate(shapes):
@@ -231,20 +237,21 @@ def _split_engine_run(rank, world, shardings, fraction, device, staleness):
 
 def split_worker(rank, world, cases):
     out = []
-    for shardings, fraction, staleness in cases:
-        weights, states, exchanges = _split_engine_run(rank, world, shardings, fraction, None, staleness)
-        offloaded, offloaded_states, _ = _split_engine_run(rank, world, shardings, fraction, CPU, staleness)
+    for case in cases:
+        weights, states, exchanges = _split_engine_run(rank, world, *case[:2], None, *case[2:])
+        offloaded, offloaded_states, _ = _split_engine_run(rank, world, *case[:2], CPU, *case[2:])
         diff = max((a - b).abs().max().item() for a, b in zip(weights, offloaded))
         state_diff = max((x[k] - y[k]).abs().max().item() for x, y in zip(states, offloaded_states) for k in x if x[k].numel())
-        moved = max(s["momentum"].abs().max().item() for s in states)
+        moved = max(s["momentum"].float().abs().max().item() for s in states)
         out.append((exchanges, diff, state_diff, moved))
     return out
 
 
 SPLIT_CASES = [
-    (("rows", "cols"), 0.25, 1.0),  # the static exchange (row and column blocks)
-    (("rows",), 1.0, 0.0),  # the host-planned one (f x world > 1)
-    (("flat", "rows"), 0.25, 1.0),  # the general one (ZeRO-like slices), with a static one
+    (("rows", "cols"), 0.25, 1.0, "fp32"),  # the static exchange (row and column blocks)
+    (("rows",), 1.0, 0.0, "fp32"),  # the host-planned one (f x world > 1)
+    (("flat", "rows"), 0.25, 1.0, "fp32"),  # the general one (ZeRO-like slices), with a static one
+    (("flat", "cols"), 0.25, 1.0, "bf16"),  # a bf16 momentum: its count of steps travels with it
 ]
 
 

@@ -35,13 +35,14 @@ def step(params, opt, steps, seed=1):
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("fraction", [0.25, 1.0])
-def test_an_offloaded_dion3_step_on_a_gpu_equals_the_step_without_bit_for_bit(fraction):
+@pytest.mark.parametrize("fraction,momentum_dtype", [(0.25, "fp32"), (1.0, "fp32"), (0.25, "bf16")])
+def test_an_offloaded_dion3_step_on_a_gpu_equals_the_step_without_bit_for_bit(fraction, momentum_dtype):
     """The step without offload replays a CUDA graph from its third step (graph == eager bit for
-    bit); the offloaded one runs eagerly, group by group: the same kernels on the same numbers."""
+    bit); the offloaded one runs eagerly, group by group: the same kernels on the same numbers. A
+    bf16 momentum's count of steps travels with it."""
     plain, offloaded = params_on("cuda"), params_on("cuda")
-    opt = Dion3(plain, fraction=fraction)
-    opt_offloaded = Dion3(offloaded, fraction=fraction, offload=True)
+    opt = Dion3(plain, fraction=fraction, momentum_dtype=momentum_dtype)
+    opt_offloaded = Dion3(offloaded, fraction=fraction, momentum_dtype=momentum_dtype, offload=True)
     step(plain, opt, 5)
     step(offloaded, opt_offloaded, 5)
     assert opt_offloaded._whole.session.engine.offload == torch.device("cuda", torch.cuda.current_device())

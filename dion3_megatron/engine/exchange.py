@@ -395,8 +395,10 @@ def _sub_batch(sg: ShapeGroup, sharding: Sharding, index: list[int], padded: boo
         sub.state_views["row_age"] = list(age)
     if dtype != torch.float32:  # each matrix's count of steps, which the rounding's noise is hashed from
         steps = torch.zeros(len(index), dtype=torch.int64, device=device, pin_memory=pinned)
-        seeds = [bf16_rounding.matrix_seed(sg.shards[j].name) for j in index]  # (constants: where the step runs)
-        seeds = torch.tensor(seeds, dtype=torch.int64, device=sg.offload or first.weight.device)
+        names = [sg.shards[j].name for j in index]  # (the seeds are constants: where the step runs)
+        seeds = torch.tensor(
+            [bf16_rounding.matrix_seed(name) for name in names], dtype=torch.int64, device=sg.offload or first.weight.device
+        )
         sub.rounding = Rounding(seeds, steps, m, sub.rect[sg.rank].r0, sub.rect[sg.rank].c0)
         sub.state_views["rounding_step"] = list(steps)
     for b, j in enumerate(index):
