@@ -132,7 +132,7 @@ class Dion3(Dion3FrontEnd):
     def load_checked(self, state_dict: dict[str, Any]) -> None:
         """Unlike torch's optimizers this keeps state in fp32 whatever the parameters' dtype, the
         momentum in this optimizer's ``momentum_dtype`` (the checkpoint's converted, with a warning)."""
-        grouping.load_saved(self, state_dict)
+        grouping.load_saved(self, state_dict, offloaded=self.offload)
 
     # ----------------------------------------------------------------------------------------
     # The step.

@@ -265,3 +265,21 @@ def test_an_offloaded_step_of_split_matrices_equals_the_step_without_on_every_ex
             assert moved > 0 and diff == 0.0 and state_diff == 0.0, (rank, case, diff, state_diff)
     covered = {name for results in per_rank for exchanges, *_ in results for name in exchanges}
     assert covered == {"StaticExchange", "PlannedExchange", "GeneralExchange"}, covered
+
+
+def _dtensor_offload_refusal(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    weight = torch.nn.Parameter(distribute_tensor(torch.ones(8, 4), init_device_mesh("cpu", (world,)), [Shard(0)]))
+    with pytest.raises(ValueError) as error:
+        Dion3([("sharded", weight)], offload=True)
+    return str(error.value)
+
+
+@pytest.mark.slow  # a process of its own
+def test_dtensor_parameters_refuse_offload_at_construction_naming_them():
+    from support.dist_utils import run_distributed
+
+    (message,) = run_distributed(_dtensor_offload_refusal, 1)
+    assert message.startswith("sharded: Dion3(offload=True) keeps the state of parameters a process holds whole"), message

@@ -55,6 +55,25 @@ def test_an_offloaded_dion3_step_on_a_gpu_equals_the_step_without_bit_for_bit(fr
             assert torch.equal(value.cpu(), held), key
 
 
+def test_a_resume_loads_the_offloaded_state_into_host_memory_and_continues_bit_for_bit():
+    params, resumed = params_on("cuda"), params_on("cuda", seed=3)
+    opt = Dion3(params, fraction=0.25, offload=True)
+    step(params, opt, 3)
+    saved = opt.state_dict()
+    for p, q in zip(params, resumed):
+        q.data.copy_(p.data)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    opt_resumed = Dion3(resumed, fraction=0.25, offload=True)
+    opt_resumed.load_state_dict(saved)
+    assert torch.cuda.memory_allocated() - before < 0.02 * sum(p.numel() * 4 for p in params)
+    assert all(opt_resumed.state[q]["momentum"].device.type == "cpu" for q in resumed)
+    step(params, opt, 2, seed=4)
+    step(resumed, opt_resumed, 2, seed=4)
+    for a, b in zip(params, resumed):
+        assert torch.equal(a, b)
+
+
 def test_host_parameters_stream_to_the_gpu_and_step_as_there():
     """Parameters and gradients in host memory (as DeepSpeed's ZeRO-Offload keeps its partitions):
     each group's pieces travel with its state, step on the GPU and come back."""

@@ -83,7 +83,7 @@ class DeepSpeedFrontEnd(Dion3FrontEnd):
 
     def load_checked(self, state_dict: dict[str, Any]) -> None:
         """Each parameter's (or partition's) state, in fp32, and the saved groups' settings."""
-        grouping.load_saved(self, state_dict)
+        grouping.load_saved(self, state_dict, offloaded=self.offload)
 
 
 def become(optimizer: DeepSpeedFrontEnd, cls: type) -> None:
