@@ -107,6 +107,7 @@ def main() -> None:
     count = sum(p.numel() for p in params)
     results: dict = {
         "command": "python " + " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d"),
         "gpu": torch.cuda.get_device_name(),
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda},
         "layers": args.layers,
