@@ -313,12 +313,10 @@ OPTIONS: tuple[Option, ...] = (
         "offload",
         BOOL,
         False,
-        "keep the Dion3 state (momentum, row variances and ages) in pinned host memory and stream it through "
-        "the GPU at each step, one shape group at a time (the next group's copy overlapping this group's step, "
-        "which runs eagerly, without a CUDA graph): the GPU holds about two shape groups' state during the step "
-        "and none between steps, for the state's round trip over the host link each step; AdamW's state stays "
-        "beside its tensors. Without a GPU the state is in host memory already: no change. Under DeepSpeed ZeRO, "
-        "offload_optimizer sets it",
+        "keep the Dion3 state in pinned host memory and stream it through the GPU at each step, one shape group at a time "
+        "(the next group's copy overlapping this group's step, run eagerly): the GPU holds about two shape groups' state "
+        "during a step and none between steps, for the state's round trip over the host link; AdamW's state stays beside "
+        "its tensors. Without a GPU the state is in host memory already: no change. Under DeepSpeed ZeRO, offload_optimizer sets it",
         front_ends=_NOT_MEGATRON,
         **_OPTIMIZER_WIDE,
     ),
