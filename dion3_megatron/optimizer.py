@@ -40,7 +40,9 @@ class Dion3(Dion3FrontEnd):
     (after the momentum accumulation) is captured once the same matrices have stepped twice, and
     replayed: one launch instead of hundreds. Bit-identical to the eager step; it keeps the step's
     temporaries allocated. Any change of members, settings other than lr and weight decay, or
-    tensor storage captures anew.
+    tensor storage captures anew. `offload`: the Dion3 state lives in pinned host memory and
+    streams through the GPU at each step (``dion3_megatron.engine.offload``); parameters a process
+    holds whole only.
 
     A step with a non-finite gradient anywhere changes nothing, warns, and counts in
     `skipped_steps`. A step that raises (a setting changed to an invalid value since
@@ -71,6 +73,7 @@ class Dion3(Dion3FrontEnd):
         betas: tuple[float, float] = (0.9, 0.95),
         kernels: Optional[str] = None,
         cuda_graph: bool = True,
+        offload: bool = False,
         **unknown: Never,
     ) -> None:
         options.refuse_unknown(type(self).__name__, options.TORCH, unknown)
@@ -79,7 +82,8 @@ class Dion3(Dion3FrontEnd):
         self.cuda_graph: bool = settings["cuda_graph"]
         self.kernels: Optional[str] = settings["kernels"]
         self.adamw_lr: float | torch.Tensor = settings["adamw_lr"]
-        self._whole = WholeParameters(self.cuda_graph, options.TORCH)
+        self.offload: bool = settings["offload"]
+        self._whole = WholeParameters(self.cuda_graph, options.TORCH, self.offload)
         super().__init__(params, defaults)
         grouping.warn_without_matrices(type(self).__name__, self.param_groups)
 
@@ -97,6 +101,11 @@ class Dion3(Dion3FrontEnd):
             names = grouping.param_names(self.param_groups)
             for p in sharded:
                 check_placements(p, names[p])
+                if self.offload:
+                    raise ValueError(
+                        f"{names[p]}: Dion3(offload=True) keeps the state of parameters a process holds whole in host "
+                        "memory; a DTensor's state is a DTensor placed like it: leave offload off for DTensor parameters"
+                    )
 
     @property
     def fractions(self) -> Fractions:
@@ -123,7 +132,7 @@ class Dion3(Dion3FrontEnd):
     def load_checked(self, state_dict: dict[str, Any]) -> None:
         """Unlike torch's optimizers this keeps state in fp32 whatever the parameters' dtype, the
         momentum in this optimizer's ``momentum_dtype`` (the checkpoint's converted, with a warning)."""
-        grouping.load_saved(self, state_dict)
+        grouping.load_saved(self, state_dict, offloaded=self.offload)
 
     # ----------------------------------------------------------------------------------------
     # The step.

@@ -310,6 +310,17 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("cuda_graph", BOOL, True, "replay the part of the step that one GPU runs alone as a CUDA graph", **_OPTIMIZER_WIDE),
     Option(
+        "offload",
+        BOOL,
+        False,
+        "keep the Dion3 state in pinned host memory and stream it through the GPU at each step, one shape group at a time "
+        "(the next group's copy overlapping this group's step, run eagerly): the GPU holds about two shape groups' state "
+        "during a step and none between steps, for the state's round trip over the host link; AdamW's state stays beside "
+        "its tensors. Without a GPU the state is in host memory already: no change. Under DeepSpeed ZeRO, offload_optimizer sets it",
+        front_ends=_NOT_MEGATRON,
+        **_OPTIMIZER_WIDE,
+    ),
+    Option(
         "split_qkv",
         BOOL,
         True,
@@ -341,6 +352,7 @@ HINTS = {
     "adam_lr": "Dion3 calls it 'adamw_lr'",
     "ns_steps": "Dion3 runs 5 Polar Express steps; choose the method with 'ns_method'",
     "rank_fraction": "did you mean 'fraction'?",
+    "offload": "Megatron offloads Dion3's state with its own --optimizer-cpu-offload",
 }
 
 

@@ -290,7 +290,12 @@ def test_rebound_leaves_the_module_alone():
 
     stock = (core_optimizer.HAVE_EMERGING_OPTIMIZERS, core_optimizer.ChainedOptimizer)
     factory = getattr(core_optimizer._get_megatron_emerging_optimizer, "__wrapped__", core_optimizer._get_megatron_emerging_optimizer)
-    names = {"HAVE_EMERGING_OPTIMIZERS": "x", "LayerWiseDistributedOptimizer": "y", "ChainedOptimizer": "z"}
+    names = {
+        "HAVE_EMERGING_OPTIMIZERS": "x",
+        "LayerWiseDistributedOptimizer": "y",
+        "ChainedOptimizer": "z",
+        "_get_megatron_optimizer_based_on_param_groups": "w",
+    }
     copy = compat.rebound(MEGATRON, "megatron.core.optimizer:_get_megatron_emerging_optimizer", factory, names)
     assert copy.__code__ is factory.__code__ and copy.__globals__["ChainedOptimizer"] == "z"
     assert (core_optimizer.HAVE_EMERGING_OPTIMIZERS, core_optimizer.ChainedOptimizer) == stock

@@ -414,3 +414,36 @@ def test_a_bad_dion3_value_stops_both_ranks_before_megatron_starts_said_once(lau
     entry = ["-m", "dion3_megatron.megatron.launch"] if launcher == "launch" else [CPU]
     line = "argument --lr: lr must be a finite number >= 0, got -1.0"
     assert_stopped_once_before_megatron_starts([*entry, SCRIPT, *TINY, "--lr", "-1"], line)
+
+
+def test_pretrain_with_megatrons_cpu_offload_flags_trains_as_the_run_without_them():
+    """--use-precision-aware-optimizer --optimizer-cpu-offload (Megatron-LM asks for both) at DP=2:
+    Megatron's checks pass for dion3, which takes the offload (on CPU there is no GPU to stream its
+    state to: it lives in host memory already, as the log says), Megatron's Adam part is built as
+    without it, and the run repeats the losses and gradient norms of the run without the flags."""
+    half = ["--dion3-fraction", "0.5"]
+    plain = iterations(pretrain(half))
+    log = pretrain([*half, "--use-precision-aware-optimizer", "--optimizer-cpu-offload"])
+    assert re.search(r"^ +optimizer_cpu_offload \.+ True$", log, re.M)
+    assert re.search(r"^ +use_precision_aware_optimizer \.+ True$", log, re.M)  # as given (at fp32 it changes nothing for dion3)
+    assert "Dion3 offload: no GPU to stream the state to; it lives in host memory already" in log
+    assert "HybridDeviceOptimizer" not in log
+    assert sorted(plain) == [1, 2, 3, 4] and iterations(log) == plain
+
+
+@pytest.mark.parametrize(
+    "flags,line",
+    [
+        (
+            ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"],
+            "--optimizer dion3 offloads all of its state or none: --optimizer-offload-fraction must be 1.0 (or 0: none), got 0.5",
+        ),
+        (
+            ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"],
+            "--optimizer dion3: --exp-avg-dtype must be fp32, got bf16: Dion3 keeps its momentum in fp32",
+        ),
+    ],
+    ids=["partial-offload", "bf16-momentum"],
+)
+def test_what_dion3_cannot_take_of_megatrons_offload_is_refused_once_before_megatron_starts(flags, line):
+    assert_stopped_once_before_megatron_starts([CPU, SCRIPT, *TINY, *flags], line)

@@ -59,6 +59,10 @@ MEGATRON_OWN = {
     ),
     "weight_decay": MegatronOwn((OwnFlag("--weight-decay", 0.01),), "{flags}: the matrices' and Megatron's Adam's"),
     "betas": MegatronOwn((OwnFlag("--adam-beta1", 0.9), OwnFlag("--adam-beta2", 0.999)), "Megatron's Adam: {flags}"),
+    "offload": MegatronOwn(
+        (OwnFlag("--optimizer-cpu-offload", False), OwnFlag("--optimizer-offload-fraction", 1.0)),
+        "{flags}: Dion3's state (a fraction of 0 offloads none; between 0 and 1 is refused); Megatron's Adam part stays on the GPU",
+    ),
 }
 
 # Options whose --dion3-* flag sets only part of what the option sets elsewhere: what Megatron's own flag steps.

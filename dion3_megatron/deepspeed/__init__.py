@@ -16,9 +16,11 @@ replaces, with why and the upstream version) through ``dion3_megatron.compat``, 
   ([`engine_param_groups`][dion3_megatron.deepspeed.engine_param_groups], using the engine's model):
   embeddings, the output head and anything tied to it, norms and vectors
   take AdamW, hidden matrices Dion3; groups that set ``"algorithm"`` are kept;
-* makes ``deepspeed.initialize`` fail clearly for what it does not support (optimizer offload, a
-  plain [`dion3_megatron.Dion3`][] under ZeRO-1/2/3), instead of failing or silently
-  misbehaving later.
+* with ZeRO's ``"offload_optimizer": {"device": "cpu"}``, keeps Dion3's state in host memory
+  beside DeepSpeed's partitions and steps them on the GPU (``dion3_megatron.engine.offload``);
+* makes ``deepspeed.initialize`` fail clearly for what it does not support (offload to NVMe or of
+  a part of the state, a plain [`dion3_megatron.Dion3`][] under ZeRO-1/2/3), instead of failing
+  or silently misbehaving later.
 
 What is supported (ZeRO stages, precisions, MoE, checkpoint formats), each with the test that shows
 it: [docs/support.md](../support.md), the support matrix. How each stage steps:
@@ -132,20 +134,48 @@ def name_hint(original):
     return _is_supported_optimizer
 
 
+def _offload_device(offload) -> str | None:
+    """The device of a ZeRO ``offload_optimizer`` config (DeepSpeed's ``DeepSpeedZeroOffloadOptimizerConfig``,
+    which holds it as a string or its enum), or None."""
+    device = getattr(offload, "device", None)
+    return getattr(device, "value", device)
+
+
+def offload_refusal(offload) -> str | None:
+    """What Dion3 cannot take of a ZeRO ``offload_optimizer`` config (or None), in one line; None
+    where it takes it all: the device "cpu" (DeepSpeed keeps the fp32 partitions and their
+    gradients in host memory; Dion3 keeps its state beside them and steps them on the GPU,
+    streamed group by group)."""
+    device = _offload_device(offload)
+    if device in (None, "none", "cpu"):
+        if device == "cpu" and offload.ratio != 1.0:
+            return (
+                f'Dion3 offloads all of its state or none: offload_optimizer "ratio" must be 1.0, got {offload.ratio} '
+                "(a GPU holds about two shape groups' state during an offloaded step, and none between steps)"
+            )
+        if device == "cpu" and offload.super_offload:
+            return 'offload_optimizer "super_offload" steps DeepSpeed\'s CPU Adam; Dion3 steps on the GPU: remove "super_offload"'
+        return None
+    return (
+        f"Dion3 offloads its state to host memory, not to {device!r} (offload_optimizer device {device!r}): "
+        'use "offload_optimizer": {"device": "cpu"}'
+    )
+
+
 def zero_stage_checks(original):
-    """``DeepSpeedEngine._configure_zero_optimizer``: refuse optimizer offload for Dion3, naming
-    what to set; once ZeRO has wrapped it, give it ZeRO's partitions and create their state."""
+    """``DeepSpeedEngine._configure_zero_optimizer``: refuse what Dion3 cannot take of optimizer
+    offload, naming what to set; with ``offload_optimizer`` to the CPU, Dion3 keeps its state in
+    host memory too (:meth:`DeepSpeedZeroDion3.offload_state`). Once ZeRO has wrapped it, give it
+    ZeRO's partitions and create their state."""
 
     def _configure_zero_optimizer(self, optimizer):
         if isinstance(optimizer, DeepSpeedZeroDion3):
             offload = self.zero_offload_optimizer()
-            device = getattr(offload, "device", None)
-            if device is not None and getattr(device, "value", device) != "none":
-                raise ValueError(
-                    f"Dion3 does not support ZeRO optimizer offload (offload_optimizer device "
-                    f"{getattr(device, 'value', device)!r}): its step runs collectives on the partitions. "
-                    "Remove offload_optimizer from the config."
-                )
+            refusal = offload_refusal(offload)
+            if refusal is not None:
+                raise ValueError(refusal)
+            if _offload_device(offload) == "cpu":
+                optimizer.offload_state()
         wrapped = original(self, optimizer)
         if isinstance(optimizer, DeepSpeedZeroDion3):
             if self.zero_optimization_stage() == 3:
@@ -213,7 +243,14 @@ def stage_class(original):
         if plain and wrapper == BFLOAT16:  # BF16_Optimizer: flat slices too
             raise TypeError(_plain_dion3_error(basic_optimizer, "DeepSpeed's BF16_Optimizer"))
         if isinstance(basic_optimizer, (DeepSpeedDion3, DeepSpeedZeroDion3)):
-            become(basic_optimizer, DeepSpeedZeroDion3 if wrapper in (ZERO_OPTIMIZATION, BFLOAT16) else DeepSpeedDion3)
+            partitioned = wrapper in (ZERO_OPTIMIZATION, BFLOAT16)
+            if partitioned and basic_optimizer.offload:
+                raise ValueError(
+                    f'Dion3 "offload": true under ZeRO stage {self.zero_optimization_stage()}: DeepSpeed keeps the fp32 '
+                    'partitions, so it decides where they and their state live: put "offload_optimizer": {"device": '
+                    '"cpu"} in "zero_optimization" instead (Dion3 then steps them on the GPU)'
+                )
+            become(basic_optimizer, DeepSpeedZeroDion3 if partitioned else DeepSpeedDion3)
         return wrapper
 
     return _do_optimizer_sanity_check
@@ -266,14 +303,15 @@ DEEPSPEED: tuple[compat.Patch, ...] = (
         stage_class,
         "where DeepSpeed decides how to wrap the optimizer, DeepSpeedDion3 becomes DeepSpeedZeroDion3 if ZeRO-1/2/3 "
         "or BF16_Optimizer will hand it flat partitions; a plain dion3_megatron.Dion3 there is refused at "
-        "initialize, by name",
+        'initialize, by name, and so is Dion3\'s own "offload" there (offload_optimizer is the switch)',
         DS_019,
         optional=True,
     ),
     compat.Patch(
         "deepspeed.runtime.engine:DeepSpeedEngine._configure_zero_optimizer",
         zero_stage_checks,
-        "optimizer offload is refused for Dion3 with a message saying what to set; Dion3 learns ZeRO's "
+        "with offload_optimizer to the CPU Dion3 keeps its state in host memory too; what Dion3 cannot take of "
+        "optimizer offload (NVMe, a ratio, super_offload) is refused with a message saying what to set; Dion3 learns ZeRO's "
         "partitions (ZeRO-3: which parameters each sub-group's holds) and how to write one back to its "
         "low-precision copy, and the partition-shaped state of every ZeRO partition is created before ZeRO "
         "links state to parameters",

@@ -55,6 +55,7 @@ class DeepSpeedFrontEnd(Dion3FrontEnd):
         betas: tuple[float, float] = (0.9, 0.95),
         kernels: Optional[str] = None,
         cuda_graph: bool = True,
+        offload: bool = False,
         **unknown: Never,
     ) -> None:
         where = f"{type(self).__name__} ({WHERE})"
@@ -64,6 +65,7 @@ class DeepSpeedFrontEnd(Dion3FrontEnd):
         self.cuda_graph: bool = settings["cuda_graph"]
         self.kernels: str | None = settings["kernels"]
         self.adamw_lr: float | torch.Tensor = settings["adamw_lr"]
+        self.offload: bool = settings["offload"]  # (under ZeRO also set by offload_optimizer: use_host_partitions)
         super().__init__(params, defaults)
         grouping.warn_without_matrices(type(self).__name__, [{**g, "params": [logical(p) for p in g["params"]]} for g in self.param_groups])
         self._start()
@@ -81,7 +83,7 @@ class DeepSpeedFrontEnd(Dion3FrontEnd):
 
     def load_checked(self, state_dict: dict[str, Any]) -> None:
         """Each parameter's (or partition's) state, in fp32, and the saved groups' settings."""
-        grouping.load_saved(self, state_dict)
+        grouping.load_saved(self, state_dict, offloaded=self.offload)
 
 
 def become(optimizer: DeepSpeedFrontEnd, cls: type) -> None:

@@ -30,7 +30,7 @@ class DeepSpeedDion3(DeepSpeedFrontEnd):
     """
 
     def _start(self) -> None:
-        self._whole = WholeParameters(self.cuda_graph, options.DEEPSPEED)
+        self._whole = WholeParameters(self.cuda_graph, options.DEEPSPEED, self.offload)
 
     @property
     def fractions(self) -> Fractions:

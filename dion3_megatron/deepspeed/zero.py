@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ from ..core import rule
 from ..core.adamw import adamw_step
 from ..core.ortho import default_ns_dtype
 from ..engine import Dion3Engine, MatrixShard, Rect, Sharding
+from ..engine.offload import step_on_device
 from ..engine.plan import chooses_fraction
 from ..engine.session import EngineSession
 from ..frontend import groups as grouping
@@ -141,15 +142,16 @@ class PartitionPlan:
     """What one flat ZeRO partition holds, read once from its layout: its pieces of Dion3 matrices
     (the shards :class:`ZeroStep`'s engine steps) and its AdamW element runs."""
 
-    def __init__(self, group: dict, hp: rule.Dion3Hyperparameters, layout: FlatLayout, index: int) -> None:
+    def __init__(self, group: dict, hp: rule.Dion3Hyperparameters, layout: FlatLayout, index: int, device: torch.device) -> None:
         self.flat = layout.flat
+        self.device = device  # where the step computes and its collectives run: the flat's device, or the GPU it is offloaded to
         self.group_index = index  # the param group's position among the optimizer's
         self.group_pg = layout.group
         self.world = dist.get_world_size(self.group_pg)
         self.rank = dist.get_rank(self.group_pg)
         tensor_parallel = TensorParallel.of_mpu(self.group_pg)
         if tensor_parallel is not None:
-            tensor_parallel.check_same_slices(layout.ranges, f"Dion3 param group {index}", self.flat.device)
+            tensor_parallel.check_same_slices(layout.ranges, f"Dion3 param group {index}", device)
         # Every rank whose pieces one step's collectives join: the tensor x data-parallel group with
         # tensor parallelism, else the data-parallel group. They check the plan, and skip a step, together.
         self.check_group = tensor_parallel.group if tensor_parallel is not None else self.group_pg
@@ -269,23 +271,25 @@ class PartitionPlan:
         for piece in self.pieces:
             piece.shard.grad = None
 
-    def adamw_step(self, group: dict, state: dict, grad: torch.Tensor) -> None:
-        if self.adamw_runs:
-            params, grads, exp_avgs, exp_avg_sqs = (
-                [t.narrow(0, start, length) for start, length in self.adamw_runs]
-                for t in (self.flat, grad, state["exp_avg"], state["exp_avg_sq"])
-            )
-            adamw_step(
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                int(state["step"].item()),
-                group["lr"],
-                group["betas"],
-                group["eps"],
-                group["weight_decay"],
-            )
+    def adamw_step(self, group: dict, state: dict, grad: torch.Tensor, offload: Optional[torch.device] = None) -> None:
+        """AdamW on the runs of the partition that are no Dion3 matrix's; ``offload``: the device
+        it runs on, the runs' tensors held on the host (:func:`~dion3_megatron.engine.offload.step_on_device`)."""
+        if not self.adamw_runs:
+            return
+        params, grads, exp_avgs, exp_avg_sqs = (
+            [t.narrow(0, start, length) for start, length in self.adamw_runs]
+            for t in (self.flat, grad, state["exp_avg"], state["exp_avg_sq"])
+        )
+        count = int(state["step"].item())
+
+        def adamw(read: list[list[torch.Tensor]], written: list[list[torch.Tensor]]) -> None:
+            (grads,), (params, exp_avgs, exp_avg_sqs) = read, written
+            adamw_step(params, grads, exp_avgs, exp_avg_sqs, count, group["lr"], group["betas"], group["eps"], group["weight_decay"])
+
+        if offload is None:
+            adamw([grads], [params, exp_avgs, exp_avg_sqs])
+        else:
+            step_on_device(offload, [grads], [params, exp_avgs, exp_avg_sqs], adamw)
 
 
 class ZeroStep:
@@ -303,7 +307,7 @@ class ZeroStep:
         self.check_group = _widest([p.check_group for p in partitions])
         self.session = session
         session.group = self.check_group
-        device = partitions[0].flat.device
+        device = partitions[0].device
         wanted = [(device, hp.ns_dtype or default_ns_dtype(device)) for p, hp in zip(partitions, hps) if p.chooses_fraction(hp)]
         # Some group has the automatic f (the same on every rank): the ranks agree on the device's
         # speed now, and share their choices at each build.
@@ -324,7 +328,7 @@ class ZeroStep:
             return engine
         for p, _, hp in stepped:
             if chooses_fraction(hp):  # refused here on every rank alike where the ranks agreed no speed for it
-                self.session.agree_speeds([(p.flat.device, hp.ns_dtype or default_ns_dtype(p.flat.device))])
+                self.session.agree_speeds([(p.device, hp.ns_dtype or default_ns_dtype(p.device))])
 
         def shards() -> list[MatrixShard]:
             for p, state, hp in stepped:
@@ -351,7 +355,7 @@ class ZeroStep:
             for p in self.partitions:  # ZeRO frees its gradient partition after the step: let it
                 p.drop_gradient()
         for p, state, grad in zip(self.partitions, states, grads):
-            p.adamw_step(groups[p.group_index], state, grad)
+            p.adamw_step(groups[p.group_index], state, grad, self.session.offload_device(p.flat.device))
 
 
 def _per_row(state: dict, hp: rule.Dion3Hyperparameters) -> dict[str, torch.Tensor]:
@@ -466,12 +470,13 @@ def _merge_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def init_slice_state(state: dict, flat: torch.Tensor, with_age: bool = False) -> None:
-    """Create the slice-shaped state of a flat partition if absent (fp32, on the slice's device);
-    ``with_age``: the rows' ages too (staleness), 0 where absent, as in a fresh run."""
+def init_slice_state(state: dict, flat: torch.Tensor, with_age: bool = False, pinned: bool = False) -> None:
+    """Create the slice-shaped state of a flat partition if absent (fp32, on the slice's device;
+    ``pinned``: a host slice's, in pinned memory); ``with_age``: the rows' ages too (staleness), 0
+    where absent, as in a fresh run."""
     for key in ("exp_avg", "exp_avg_sq", "row_age") if with_age else ("exp_avg", "exp_avg_sq"):
         if key not in state:
-            state[key] = torch.zeros_like(flat, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state[key] = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device, pin_memory=pinned)
     if "step" not in state:
         state["step"] = torch.zeros((), dtype=torch.float32)
     elif not torch.is_tensor(state["step"]):

@@ -62,7 +62,7 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
         self._write_back: Optional[Callable[[int], None]] = None
         self._pending: dict[int, Optional[torch.Tensor]] = {}  # partition index -> its gradient, this step
         self._step_plan: Optional[zero.ZeroStep] = None
-        self._session = EngineSession(self.cuda_graph)  # (its group: the ZeroStep's check group)
+        self._session = EngineSession(self.cuda_graph, offload=self.offload)  # (its group: the ZeroStep's check group)
         self._settings = grouping.GroupSettings(self._check_group, options.group_keys(options.DEEPSPEED))
 
     def adopt_partitions(self, partitions: list[Partition], write_back: Optional[Callable[[int], None]]) -> None:
@@ -78,12 +78,23 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
         self._partitions, self._write_back = partitions, write_back
         self._step_plan = None
 
+    def offload_state(self) -> None:
+        """DeepSpeed keeps the partitions in host memory (``offload_optimizer``): so is their
+        state, and each step streams them through the GPU (:mod:`dion3_megatron.engine.offload`)."""
+        self.offload = self._session.offload = True
+
     def create_partition_state(self) -> None:
         """Create every partition's state now. ZeRO-1/2 link every group's state to the
         parameters' fragments (``safe_get_full_optimizer_state``) once, right after the first call
         of ``step()``; ZeRO-3's universal-checkpoint load reads the first partition's ``step``."""
         for part in self._partitions:
-            zero.init_slice_state(self.state[part.flat], part.flat, with_age=self._groups[part.group_index]["staleness"] > 0)
+            self._init_state(part)
+
+    def _init_state(self, part: Partition) -> None:
+        """A partition's state, where absent: beside it, pinned where a GPU steps it from host memory."""
+        offload = self._session.offload_device(part.flat.device)
+        with_age = self._groups[part.group_index]["staleness"] > 0
+        zero.init_slice_state(self.state[part.flat], part.flat, with_age=with_age, pinned=offload is not None and offload.type == "cuda")
 
     # --- the record
 
@@ -154,7 +165,15 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
                 else:
                     position = {id(p): j for j, p in enumerate(originals)}
                     layout = partition_layout(part.flat, part.params, [position[id(p)] for p in part.params], part.process_group, where)
-                plans.append(zero.PartitionPlan(self._groups[part.group_index], self._hp(part.group_index), layout, part.group_index))
+                plans.append(
+                    zero.PartitionPlan(
+                        self._groups[part.group_index],
+                        self._hp(part.group_index),
+                        layout,
+                        part.group_index,
+                        self._session.compute_device(part.flat.device),
+                    )
+                )
             self._step_plan = zero.ZeroStep(plans, [self._hp(part.group_index) for part in self._partitions], self._session)
         return self._step_plan
 
@@ -210,12 +229,12 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
                 raise RuntimeError(f"Dion3: ZeRO handed partitions {missing} of {len(ordered)} without a gradient")
             return present
 
-        if not self.gate_step(check, self._partitions[0].flat.device, plan.check_group):
+        if not self.gate_step(check, self._session.compute_device(self._partitions[0].flat.device), plan.check_group):
             return
         states = []
         for part in self._partitions:
             state = self.state[part.flat]
-            zero.init_slice_state(state, part.flat, with_age=self._groups[part.group_index]["staleness"] > 0)
+            self._init_state(part)
             # not in place: ZeRO-3's universal-checkpoint load gives every partition one step tensor
             state["step"] = state["step"] + 1
             states.append(state)

@@ -30,6 +30,7 @@ from .exchange import Exchange, Traffic
 from .general import GeneralExchange
 from .local import WholeExchange
 from .fractions import AgreedSpeeds
+from .offload import Streamer, travellers
 from .plan import ShapeGroup, build_plan, check_plan_matches, chosen_fractions, chooses_fraction, group_ranks, resolve_fractions
 from .planned import PlannedExchange
 from .sharding import MatrixShard
@@ -74,7 +75,14 @@ class Dion3Engine:
     (:func:`~.plan.resolve_fractions`; :meth:`chosen_fractions` is the record to keep).
     momentum_in_place: the momentum the shards held whole come with is their storage (a ZeRO
     slice's ``exp_avg``): stepped where it lies, not copied into the engine's buffers
-    (:func:`~.exchange.allocate_group_state`).
+    (:func:`~.exchange.allocate_group_state`). offload: the device the step runs on while the
+    state lives in host memory (:mod:`.offload`; :func:`~.offload.step_device`): each shape group's
+    state (and the pieces of its weights and gradients held on the host) travels there for the
+    group's step and back, eagerly, group by group: each group's scores take an all-reduce of their
+    own. The math is the same: bit-identical to the step without offload where the step's order
+    does not change its numbers (groups whose selected blocks share a shape are orthogonalized in
+    one batch without offload, each in its own with it; sums over more than 2 ranks may round
+    otherwise in one all-reduce than in several, which can move a tie in the row selection).
     """
 
     def __init__(
@@ -89,6 +97,7 @@ class Dion3Engine:
         speeds: Optional[AgreedSpeeds] = None,
         chosen: Optional[Mapping[str, float]] = None,
         momentum_in_place: bool = False,
+        offload: Optional[torch.device] = None,
     ) -> None:
         if not isinstance(cuda_graph, bool):
             raise ValueError(f"cuda_graph must be a bool, got {cuda_graph!r}")
@@ -96,17 +105,21 @@ class Dion3Engine:
             raise ValueError(f"step_share must be in (0, 1], got {step_share!r}")
         self.cuda_graph = cuda_graph
         self.fresh_grads = fresh_grads
+        self.offload = offload
         self._graph = cuda_graph_module.StepGraph()
         self.plan = build_plan(shards)
+        for sg in self.plan:
+            sg.offload = offload
         if local:
             split = [s.name for sg in self.plan if sg.world > 1 for s in sg.shards]
             if split:
                 raise ValueError(f"a local Dion3 engine steps whole matrices only, got split ones: {split[:3]}")
         else:
             check_plan_matches(self.plan, check_group)
-        resolve_fractions(self.plan, step_share, speeds, chosen)
+        resolve_fractions(self.plan, step_share, speeds, chosen, device=offload)
         self.traffic = Traffic()
         self.exchanges: list[Exchange] = [exchange_for(sg, self.traffic, momentum_in_place) for sg in self.plan]
+        self._streamer = Streamer(offload) if offload is not None else None
 
     @property
     def collectives(self) -> list[str]:
@@ -137,13 +150,41 @@ class Dion3Engine:
         ``prologue`` and ``epilogue``: device work right before and after the step (a caller's
         copies into and out of the shards' tensors), inside the graph when the step is graphed;
         ``around_key`` names the tensors they touch, so a graph never replays into stale memory.
+        With offload the step is :meth:`_step_offloaded`.
         """
+        if self._streamer is not None:
+            self._step_offloaded(self._streamer, prologue, epilogue)
+            return
         if self._whole_step_graphable():
             self._step_graphed(prologue, epilogue, around_key)
             return
         if prologue is not None:
             prologue()
         self.finish_step(self.start_step())
+        if epilogue is not None:
+            epilogue()
+
+    def _step_offloaded(self, streamer: Streamer, prologue: Optional[Callable[[], None]], epilogue: Optional[Callable[[], None]]) -> None:
+        """The step of an engine whose state lives in host memory: group by group, each one's
+        state on the device for its own step (:class:`~.offload.Streamer`), which is the step
+        without offload restricted to the group."""
+        assert self.offload is not None  # (the streamer is made with it)
+        self.traffic.reset()
+        for ex in self.exchanges:
+            ex.bind()  # (on the host state: a caller's replaced tensors are copied in)
+        if prologue is not None:
+            prologue()
+
+        def step(i: int) -> None:
+            ex = self.exchanges[i]
+            if isinstance(ex, WholeExchange):
+                self._accumulate_fresh([ex])
+                WholeExchange.step_all([ex], None)
+                return
+            rows = self._select([i])[i]
+            ex.step(rows.cpu() if ex.host_rows else rows)
+
+        streamer.run([travellers(ex) for ex in self.exchanges], step)
         if epilogue is not None:
             epilogue()
 

@@ -22,7 +22,7 @@ from ..core.rounding import Rounding
 from ..core.rule import Dion3Hyperparameters
 from . import cuda_graph as cuda_graph_module
 from .plan import ShapeGroup
-from .sharding import Rect, Sharding
+from .sharding import Rect, Sharding, state_placement
 
 if TYPE_CHECKING:
     from .static import Route
@@ -360,7 +360,7 @@ def _sub_batch(sg: ShapeGroup, sharding: Sharding, index: list[int], padded: boo
     n, m = sg.key.shape
     first = sg.shards[index[0]]
     r0, r1 = sharding.row_span(sg.rank, n, m)
-    device = first.weight.device
+    device, pinned = state_placement(sg.offload, first.weight.device)
     extra = int(padded and sharding.kind == "rows")
     rows, width = first.weight.shape
     dtype = sg.hp.momentum_dtype
@@ -373,10 +373,10 @@ def _sub_batch(sg: ShapeGroup, sharding: Sharding, index: list[int], padded: boo
             )
         momentum = given.as_strided((len(index), rows, width), (rows * width, width, 1), given.storage_offset())
     else:
-        momentum = torch.zeros((len(index), rows + extra, width), dtype=dtype, device=device)
-    variance = torch.zeros(len(index), r1 - r0 + extra, dtype=torch.float32, device=device)
+        momentum = torch.zeros((len(index), rows + extra, width), dtype=dtype, device=device, pin_memory=pinned)
+    variance = torch.zeros(len(index), r1 - r0 + extra, dtype=torch.float32, device=device, pin_memory=pinned)
     # Ages of the rows the piece touches, like the variance (pieces of a row age alike).
-    age = torch.zeros(len(index), r1 - r0, dtype=torch.float32, device=device) if sg.hp.staleness else None
+    age = torch.zeros(len(index), r1 - r0, dtype=torch.float32, device=device, pin_memory=pinned) if sg.hp.staleness else None
     sub = SubBatch(
         index,
         sharding,
@@ -394,8 +394,11 @@ def _sub_batch(sg: ShapeGroup, sharding: Sharding, index: list[int], padded: boo
     if age is not None:
         sub.state_views["row_age"] = list(age)
     if dtype != torch.float32:  # each matrix's count of steps, which the rounding's noise is hashed from
-        steps = torch.zeros(len(index), dtype=torch.int64, device=device)
-        seeds = torch.tensor([bf16_rounding.matrix_seed(sg.shards[j].name) for j in index], dtype=torch.int64, device=device)
+        steps = torch.zeros(len(index), dtype=torch.int64, device=device, pin_memory=pinned)
+        names = [sg.shards[j].name for j in index]  # (the seeds are constants: where the step runs)
+        seeds = torch.tensor(
+            [bf16_rounding.matrix_seed(name) for name in names], dtype=torch.int64, device=sg.offload or first.weight.device
+        )
         sub.rounding = Rounding(seeds, steps, m, sub.rect[sg.rank].r0, sub.rect[sg.rank].c0)
         sub.state_views["rounding_step"] = list(steps)
     for b, j in enumerate(index):

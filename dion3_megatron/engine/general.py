@@ -25,8 +25,8 @@ class GeneralExchange(Exchange):
     def __init__(self, sg: ShapeGroup, traffic: Traffic) -> None:
         super().__init__(sg, traffic)
         for shard in sg.shards:
-            init_state(shard, sg.rank)
-        device = sg.shards[0].weight.device
+            init_state(shard, sg.rank, sg.offload)
+        device = sg.offload or sg.shards[0].weight.device  # (constants: where the step runs)
         self._seeds = [torch.tensor([bf16_rounding.matrix_seed(shard.name)], device=device) for shard in sg.shards]
 
     def _rounding(self, j: int) -> Optional[Rounding]:

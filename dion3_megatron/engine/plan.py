@@ -11,6 +11,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Optional
 
+import torch
 import torch.distributed as dist
 
 from ..core.rule import AUTO, Dion3Hyperparameters
@@ -37,6 +38,7 @@ class ShapeGroup:
     rank: int
     shards: list[MatrixShard]
     resolved_fraction: Optional[float] = None  # set by resolve_fractions (None until then)
+    offload: Optional[torch.device] = None  # the device an offloaded step runs on; its state is in host memory
 
     @property
     def fraction(self) -> float:
@@ -237,6 +239,7 @@ def resolve_fractions(
     step_share: float = 1.0,
     speeds: Optional[fractions.AgreedSpeeds] = None,
     chosen: Optional[Mapping[str, float]] = None,
+    device: Optional[torch.device] = None,
 ) -> None:
     """Set every group's f: its hp.fraction, or for "auto" the f chosen before (``chosen``, by
     matrix name, the first of the group's matrices found there: a resumed checkpoint, an engine
@@ -246,7 +249,8 @@ def resolve_fractions(
     whose ranks all took part (whole matrices; split ones too where they were agreed over the
     world, so that data-parallel replicas of a split matrix choose alike): no collective then (the
     ranks of a split group have the same step share). step_share: see
-    :func:`fractions.modelled_loss_change`."""
+    :func:`fractions.modelled_loss_change`. device: the device the step runs on, where not the
+    weights' (an offloaded step of weights held on the host)."""
     chosen = chosen or {}
     earlier = {id(sg): next((chosen[s.name] for s in sg.shards if s.name in chosen), None) for sg in plan}
     wanted = [sg for sg in plan if chooses_fraction(sg.hp) and earlier[id(sg)] is None]
@@ -256,7 +260,7 @@ def resolve_fractions(
             len(sg.shards),
             sg.world,
             sg.hp,
-            sg.shards[0].weight.device,
+            device or sg.shards[0].weight.device,
             group,
             step_share,
             speeds if speeds is not None and speeds.covers(group) else None,

@@ -20,6 +20,7 @@ from typing import Callable, Hashable, Iterable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from . import offload as offloading
 from .engine import Dion3Engine
 from .fractions import AgreedSpeeds, agreed_speeds
 from .sharding import MatrixShard
@@ -39,16 +40,28 @@ class EngineSession:
     group: the ranks that build their engines together (the engine's plan is checked over them),
     agree on the device speeds and share the record (None: the world). The front ends: the torch
     ``Dion3`` (whole parameters, DTensor pieces), DeepSpeed's classes (whole parameters, ZeRO
-    partitions over the tensor x data-parallel group) and ``MegatronDion3``.
+    partitions over the tensor x data-parallel group) and ``MegatronDion3``. offload: the engines
+    keep their state in host memory and stream it to the GPU for each step (:mod:`.offload`;
+    nothing changes where there is no GPU).
     """
 
-    def __init__(self, cuda_graph: bool, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, cuda_graph: bool, group: Optional[dist.ProcessGroup] = None, offload: bool = False) -> None:
         self.cuda_graph = cuda_graph
         self.group = group
+        self.offload = offload
         self.engine: Optional[Dion3Engine] = None
         self.speeds: Optional[AgreedSpeeds] = None
         self.record: Record = {}
         self._key: Optional[Hashable] = None
+
+    def offload_device(self, device: torch.device) -> Optional[torch.device]:
+        """The device an offloaded step of tensors held on ``device`` runs on; None where the step
+        is not offloaded (:func:`~.offload.step_device`)."""
+        return offloading.step_device(self.offload, device)
+
+    def compute_device(self, device: torch.device) -> torch.device:
+        """Where the step of tensors held on ``device`` computes (offloaded: on the GPU)."""
+        return self.offload_device(device) or device
 
     # ----------------------------------------------------------------------------------------
     # Speeds.
@@ -112,6 +125,7 @@ class EngineSession:
             speeds=self.speeds,
             chosen={name: f for name, (_, f) in self.record.items()},
             momentum_in_place=momentum_in_place,
+            offload=self.offload_device(built[0].weight.device) if built else None,
         )
         chosen: Record = {name: (groups_of[name], f) for name, f in engine.chosen_fractions().items()}
         if gather and _distributed(self.group):
@@ -136,13 +150,20 @@ class EngineSession:
             shard.state.update({k: v for k, v in old.state.items() if k != "row_age" or shard.hp.staleness})
 
     def _announce(self, engine: Dion3Engine, step_share: float) -> None:
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
         auto = engine.auto_fractions()
-        if auto and (not dist.is_initialized() or dist.get_rank() == 0):
+        if auto:
             logger.info(
                 "Dion3 fraction=auto chose (rows x cols: f) %s; this rank steps %.2f of the model's matrices",
                 ", ".join(f"{n}x{m}: {f:g}" for (n, m), f in sorted(auto.items())),
                 step_share,
             )
+        if self.offload and engine.plan:
+            if engine.offload is not None:
+                logger.info("Dion3 offload: the state lives in host memory and streams to %s for each step", engine.offload)
+            else:
+                logger.info("Dion3 offload: no GPU to stream the state to; it lives in host memory already")
 
     # ----------------------------------------------------------------------------------------
     # The record.

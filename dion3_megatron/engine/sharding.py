@@ -188,23 +188,33 @@ class MatrixShard:
         return self.grad
 
 
-def init_state(shard: MatrixShard, rank: int) -> None:
+def state_placement(offload: Optional[torch.device], device: torch.device) -> tuple[torch.device, bool]:
+    """(device, pinned) of the state of matrices held on ``device``: ``device``, or where the step
+    is offloaded (``offload``: the device it runs on, :mod:`.offload`) host memory, pinned where a
+    GPU reads it."""
+    if offload is None:
+        return device, False
+    return torch.device("cpu"), offload.type == "cuda"
+
+
+def init_state(shard: MatrixShard, rank: int, offload: Optional[torch.device] = None) -> None:
     """Zero momentum (``momentum_dtype``, the piece's shape) and variance (fp32, rows the piece
     touches); with staleness also the ages of those rows (``row_age``); with a bf16 momentum its
-    count of steps (``rounding_step``). State a caller gave is kept (a momentum of another dtype
+    count of steps (``rounding_step``); on the weight's device, or in host memory where the step is
+    offloaded (:func:`state_placement`). State a caller gave is kept (a momentum of another dtype
     converted)."""
     r0, r1 = shard.sharding.row_span(rank, *shard.shape)
-    device = shard.weight.device
+    device, pinned = state_placement(offload, shard.weight.device)
     dtype = shard.hp.momentum_dtype
     if "momentum" not in shard.state:
-        shard.state["momentum"] = torch.zeros(shard.weight.shape, dtype=dtype, device=device)
+        shard.state["momentum"] = torch.zeros(shard.weight.shape, dtype=dtype, device=device, pin_memory=pinned)
     elif shard.state["momentum"].dtype != dtype:
         shard.state["momentum"] = shard.state["momentum"].to(dtype)
     if dtype == torch.float32:
         shard.state.pop("rounding_step", None)
     elif "rounding_step" not in shard.state:
-        shard.state["rounding_step"] = torch.zeros((), dtype=torch.int64, device=device)
+        shard.state["rounding_step"] = torch.zeros((), dtype=torch.int64, device=device, pin_memory=pinned)
     if "variance" not in shard.state:
-        shard.state["variance"] = torch.zeros(r1 - r0, dtype=torch.float32, device=device)
+        shard.state["variance"] = torch.zeros(r1 - r0, dtype=torch.float32, device=device, pin_memory=pinned)
     if shard.hp.staleness and "row_age" not in shard.state:
-        shard.state["row_age"] = torch.zeros(r1 - r0, dtype=torch.float32, device=device)
+        shard.state["row_age"] = torch.zeros(r1 - r0, dtype=torch.float32, device=device, pin_memory=pinned)

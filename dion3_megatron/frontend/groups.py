@@ -202,11 +202,16 @@ def check_state_shapes(
                 )
 
 
-def loaded_state(state_dict: dict[str, Any], groups: list[dict]) -> dict[torch.Tensor, dict]:
+# A Dion3 matrix's state keys (the rest are AdamW's).
+DION3_STATE = ("momentum", "variance", "row_age", "rounding_step")
+
+
+def loaded_state(state_dict: dict[str, Any], groups: list[dict], offloaded: bool = False) -> dict[torch.Tensor, dict]:
     """Every parameter's state from a checkpoint whose shapes :func:`check_state_shapes` accepted:
-    copies on the parameter's device (the step count stays where it was), fp32 but for a Dion3
-    momentum, which takes its group's ``momentum_dtype`` (a conversion is announced once), and the
-    count of steps of a bf16 one (``rounding_step``, int64; dropped for an fp32 momentum)."""
+    copies on the parameter's device (the Dion3 state in host memory where it is ``offloaded``; the
+    step count stays where it was), fp32 but for a Dion3 momentum, which takes its group's
+    ``momentum_dtype`` (a conversion is announced once), and the count of steps of a bf16 one
+    (``rounding_step``, int64; dropped for an fp32 momentum)."""
     loaded: dict[torch.Tensor, dict] = {}
     conversions = set()
     for mine, saved in zip(groups, state_dict["param_groups"]):
@@ -216,9 +221,13 @@ def loaded_state(state_dict: dict[str, Any], groups: list[dict]) -> dict[torch.T
             entry = state_dict["state"].get(pid)
             if entry is None:
                 continue
+            host = torch.device("cpu")
             loaded[p] = {
                 k: v.detach()
-                .to(device=p.device if k != "step" else v.device, dtype=dtypes.get(k, torch.float32))
+                .to(
+                    device=v.device if k == "step" else host if offloaded and k in DION3_STATE else p.device,
+                    dtype=dtypes.get(k, torch.float32),
+                )
                 .clone(memory_format=torch.contiguous_format)
                 for k, v in entry.items()
                 if k != "rounding_step" or momentum_dtype != torch.float32
@@ -246,9 +255,10 @@ def with_adamw_lr(param_group: dict, adamw_lr: float | torch.Tensor) -> dict:
 KEPT_ON_LOAD = ("params", "momentum_dtype")
 
 
-def load_saved(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    """Set an optimizer's state (:func:`loaded_state`) and its groups' settings but
-    :data:`KEPT_ON_LOAD` from a checkpoint whose groups and shapes were checked."""
-    optimizer.state = defaultdict(dict, loaded_state(state_dict, optimizer.param_groups))
+def load_saved(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], offloaded: bool = False) -> None:
+    """Set an optimizer's state (:func:`loaded_state`; ``offloaded``: its Dion3 state in host
+    memory) and its groups' settings but :data:`KEPT_ON_LOAD` from a checkpoint whose groups and
+    shapes were checked."""
+    optimizer.state = defaultdict(dict, loaded_state(state_dict, optimizer.param_groups, offloaded))
     for mine, saved in zip(optimizer.param_groups, without_records(state_dict["param_groups"])):
         mine.update({k: v for k, v in saved.items() if k not in KEPT_ON_LOAD})

@@ -51,8 +51,8 @@ class WholeParameters:
     gradient, their storage or their groups' batch settings change, or a checkpoint replaced their
     state), and the groups' settings, resolved where they change."""
 
-    def __init__(self, cuda_graph: bool, front_end: str) -> None:
-        self.session = EngineSession(cuda_graph)
+    def __init__(self, cuda_graph: bool, front_end: str, offload: bool = False) -> None:
+        self.session = EngineSession(cuda_graph, offload=offload)
         self.front_end = front_end
         self.settings = GroupSettings(lambda where, group: check_group(where, group, front_end), options.group_keys(front_end))
         self._shards: dict[torch.Tensor, list[MatrixShard]] = {}  # a stepped matrix parameter -> its matrices
@@ -90,10 +90,10 @@ class WholeParameters:
         collective its peers do not make. A group of a dtype none agreed on is refused here.
         """
         self.session.agree_speeds(
-            (p.device, hp.ns_dtype or default_ns_dtype(p.device))
+            (device, hp.ns_dtype or default_ns_dtype(device))
             for group, hp in zip(groups, settings)
             if plan.chooses_fraction(hp)
-            for p in group["params"][:1]
+            for device in (self.session.compute_device(p.device) for p in group["params"][:1])
         )
 
     def optimizer_step(

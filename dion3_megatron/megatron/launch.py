@@ -142,17 +142,24 @@ class _FirstRankErrorParser(argparse.ArgumentParser):
 
 def check_arguments(args: list[str]) -> None:
     """Check a script's Dion3 arguments before it starts: the ``--dion3-*`` values, and with
-    ``--optimizer dion3`` ``--lr`` and ``--weight-decay`` (which Dion3 takes), by the option spec.
+    ``--optimizer dion3`` ``--lr`` and ``--weight-decay`` (which Dion3 takes), by the option spec,
+    and Megatron's offload and precision-aware settings (:func:`.offload.offload_refusal`).
     Megatron-LM would take them only after its imports and process group, on every rank; a bad one
     exits here with one line naming the flag and the value, printed by the first rank alone."""
     from .. import options
     from .arguments import OPTIMIZER_NAME, add_dion3_arguments, fsdp2_tensor_parallel_refusal
+    from .offload import offload_refusal
 
     parser = _FirstRankErrorParser(prog=PROG, add_help=False, allow_abbrev=False)
     parser.add_argument("--optimizer")
     parser.add_argument("--use-torch-fsdp2", action="store_true")
     parser.add_argument("--use-megatron-fsdp", action="store_true")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    for flag in ("--optimizer-cpu-offload", "--use-torch-optimizer-for-cpu-offload"):
+        parser.add_argument(flag, action="store_true")
+    parser.add_argument("--optimizer-offload-fraction", type=float, default=1.0)
+    for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype", "--main-params-dtype", "--main-grads-dtype"):
+        parser.add_argument(flag, default="fp32")
     add_dion3_arguments(parser)
     known = parser.parse_known_args(args)[0]
     if known.optimizer != OPTIMIZER_NAME:  # another optimizer's --lr is Megatron's
@@ -167,6 +174,9 @@ def check_arguments(args: list[str]) -> None:
         )
     if known.use_torch_fsdp2 and known.tensor_model_parallel_size > 1:
         parser.error(fsdp2_tensor_parallel_refusal(known.tensor_model_parallel_size))
+    refusal = offload_refusal(known, flags=True)
+    if refusal is not None:
+        parser.error(refusal)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -73,6 +73,8 @@ class MegatronDion3(Dion3FrontEnd):
       wrapper are matched to their model params through Megatron's ``param.main_param``);
     - ``pg_collection``: Megatron's process groups (``tp``, ``expt_tp``);
     - ``layouts``: parameter -> `ParamLayout`, instead of describing ``model_chunks``.
+    - ``offload``: keep the Dion3 state in pinned host memory and stream it through the GPU at each
+      step (``dion3_megatron.engine.offload``): Megatron's ``--optimizer-cpu-offload``.
 
     The other arguments are the options (keyword only; [docs/configuration.md](../configuration.md)
     describes each): `dion3_megatron.megatron.registry.config_to_kwargs` reads them from
@@ -89,6 +91,7 @@ class MegatronDion3(Dion3FrontEnd):
         model_chunks: Optional[list] = None,
         pg_collection: Any = None,
         layouts: Optional[dict] = None,
+        offload: bool = False,
         *,
         fraction: float | str = "auto",
         mu: Optional[float] = None,
@@ -108,7 +111,7 @@ class MegatronDion3(Dion3FrontEnd):
         where = type(self).__name__
         options.refuse_unknown(where, options.MEGATRON, unknown)
         settings = options.settings(where, options.MEGATRON, options.from_signature(options.MEGATRON, locals()))
-        options.check(where, lr=lr, weight_decay=weight_decay)
+        options.check(where, lr=lr, weight_decay=weight_decay, offload=offload)
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, **{k: settings[k] for k in options.group_keys(options.MEGATRON)}))
         self.cuda_graph = settings["cuda_graph"]
         self.split_qkv = settings["split_qkv"]
@@ -125,7 +128,9 @@ class MegatronDion3(Dion3FrontEnd):
         self._model_matrix_numel = (
             sum(q.numel() for q in self._layouts if not getattr(q, "is_embedding_or_output_parameter", False)) if model_chunks else 0
         )
-        self._session = EngineSession(self.cuda_graph)  # its engine built at the first step or state access, on every rank
+        self.offload = offload
+        # its engine built at the first step or state access, on every rank
+        self._session = EngineSession(self.cuda_graph, offload=offload)
         self._settings = grouping.GroupSettings(
             lambda where, group: options.check(where, **{k: group[k] for k in _GROUP_SETTINGS}), _GROUP_SETTINGS
         )

@@ -29,7 +29,7 @@ import functools
 from typing import Any, Callable, TypedDict
 
 from .. import compat, options
-from . import multi_tensor, torch_adam, wrappers
+from . import multi_tensor, offload, torch_adam, wrappers
 from .arguments import (
     DION3_DEFAULTS,
     OPTIMIZER_NAME,
@@ -74,12 +74,16 @@ def dion3_values(config=None) -> dict[str, Any]:
 def config_to_kwargs(config, model_chunks, pg_collection) -> dict[str, Any]:
     """Megatron ``OptimizerConfig`` -> :class:`MegatronDion3` constructor kwargs, as Megatron-Core's
     ``_kwargs_from_config`` reads a prefixed config: option ``name`` from ``config.dion3_<name>``,
-    lr and weight decay from Megatron's own fields."""
+    lr, weight decay and offload (:func:`.offload.offloads`) from Megatron's own fields."""
     values = dion3_values(config)
     check_dion3_values(values, "Megatron optimizer config")
+    refusal = offload.offload_refusal(config, flags=False)
+    if refusal is not None:
+        raise ValueError(refusal)
     return dict(
         lr=config.lr if config.lr is not None else options.BY_NAME["lr"].default,
         weight_decay=config.weight_decay,
+        offload=offload.offloads(config),
         **{option.name: values[config_field(option.name)] for option in OPTIONS},
         model_chunks=model_chunks,
         pg_collection=pg_collection,
@@ -106,12 +110,14 @@ def dion3_entry(current):
 
 
 def emerging_optimizer_factory(factory):
-    """Megatron's ``_get_megatron_emerging_optimizer``; for Dion3, its own code with three of the
+    """Megatron's ``_get_megatron_emerging_optimizer``; for Dion3, its own code with four of the
     names it reads bound for Dion3 (:func:`dion3_megatron.compat.rebound`): Megatron checks
     ``HAVE_EMERGING_OPTIMIZERS`` (the emerging-optimizers package) for every emerging optimizer,
-    which Dion3 does not use, and builds the layer-wise ZeRO-1 wrapper and the outer chain from
+    which Dion3 does not use, builds the layer-wise ZeRO-1 wrapper and the outer chain from
     ``LayerWiseDistributedOptimizer`` and ``ChainedOptimizer``, here Dion3's subclasses (fp32
-    support, a bad step skipped whole: see :mod:`.wrappers`). Other optimizers: Megatron's factory.
+    support, a bad step skipped whole: see :mod:`.wrappers`), and the Adam part with
+    ``_get_megatron_optimizer_based_on_param_groups``, here without the CPU offload Dion3 takes for
+    its own state (:func:`.offload.adam_part_on_device`). Other optimizers: Megatron's factory.
 
     The registry entry alone cannot do this: the factory checks ``HAVE_EMERGING_OPTIMIZERS`` before
     it reads the entry, and an entry carries the optimizer class, not the wrappers around it."""
@@ -128,6 +134,9 @@ def emerging_optimizer_factory(factory):
                 "HAVE_EMERGING_OPTIMIZERS": True,
                 "LayerWiseDistributedOptimizer": wrappers.layer_wise_class(),
                 "ChainedOptimizer": wrappers.chained_class(),
+                "_get_megatron_optimizer_based_on_param_groups": offload.adam_part_on_device(
+                    factory.__globals__["_get_megatron_optimizer_based_on_param_groups"]
+                ),
             },
         )
         return dion3_factory(config, *args, **kwargs)
@@ -183,6 +192,12 @@ def torch_fsdp2_validation(validate_args):
         return validated
 
     return validate
+
+
+def validation(validate_args):
+    """Megatron-LM's ``validate_args`` with both of Dion3's changes: optimizer offload
+    (:func:`.offload.offload_validation`) around the torch FSDP2 path (:func:`torch_fsdp2_validation`)."""
+    return offload.offload_validation(torch_fsdp2_validation(validate_args))
 
 
 def layer_wise_dion3_run() -> bool:
@@ -298,9 +313,15 @@ MEGATRON: tuple[compat.Patch, ...] = (
         "for dion3 only, Megatron's own factory runs without its check for the emerging-optimizers package "
         "(Dion3 needs nothing from it) and wraps Dion3 in dion3_megatron.megatron.wrappers' subclasses of "
         "its layer-wise and chained optimizers: fp32 without --bf16 (stock 0.19 fails ChainedOptimizer's "
-        "config assertion), a step with a non-finite gradient anywhere skipped whole on every rank",
+        "config assertion), a step with a non-finite gradient anywhere skipped whole on every rank; "
+        "--optimizer-cpu-offload offloads Dion3's state, and Megatron's Adam part is built without it",
         MCORE_019,
-        rebinds=("HAVE_EMERGING_OPTIMIZERS", "LayerWiseDistributedOptimizer", "ChainedOptimizer"),
+        rebinds=(
+            "HAVE_EMERGING_OPTIMIZERS",
+            "LayerWiseDistributedOptimizer",
+            "ChainedOptimizer",
+            "_get_megatron_optimizer_based_on_param_groups",
+        ),
     ),
     compat.Patch(
         "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
@@ -365,10 +386,12 @@ MEGATRON: tuple[compat.Patch, ...] = (
     ),
     compat.Patch(
         "megatron.training.arguments:validate_args",
-        torch_fsdp2_validation,
+        validation,
         "Megatron-LM refuses every emerging optimizer under --use-torch-fsdp2 (a guard of the layer-wise "
         "ZeRO-1 layout, which FSDP2 replaces); for dion3 its other checks of that path run, and tensor "
-        "parallelism there is refused in one line",
+        "parallelism there is refused in one line. It asserts --optimizer-cpu-offload only with "
+        "--use-precision-aware-optimizer (Megatron's CPU Adam needs it): for dion3 neither needs the other, and "
+        "what Dion3 cannot take of them (a partial offload, dtypes other than fp32) is refused in one line",
         MLM_019,
         optional=True,
     ),

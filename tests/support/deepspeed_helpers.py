@@ -630,7 +630,6 @@ def session_two_ranks(rank: int, world: int, tmp: str) -> dict:
         "range": init_error(config(2, world=world, fraction=0.0)),
         "type": init_error(config(0, world=world, lr="0.1")),
         "betas": init_error(config(1, world=world, betas=[0.9])),
-        "offload": init_error({**config(2, world=world), "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}),
         **{f"type {name}": init_error(_with_type(config(1, world=world), name)) for name in NEAR_MISSES},
     }
     # Dion3's name in any case builds it
