@@ -12,6 +12,7 @@ import json
 import math
 import pathlib
 import re
+import statistics
 from typing import Any, Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -138,6 +139,15 @@ def CPU_MINUTES(measurement: int) -> Callable[[Any], float]:  # noqa: N802 (a va
 def COMPARED(key: str, optimizer: str) -> Callable[[Any], float]:  # noqa: N802
     """A value of one optimizer's run in examples/pretrain_gpt.py's --compare output."""
     return lambda data: next(run[key] for run in data["results"] if run["optimizer"] == optimizer)
+
+
+BF16_MOMENTUM = "convergence-bf16-momentum-1xh100.json"
+
+
+def bf16_runs(data: Any, fraction: float, momentum: str, key: str = "final_val_loss") -> list[float]:
+    """``key`` of the runs at ``fraction`` with the momentum stored in ``momentum``, by seed."""
+    runs = [r for r in data["runs"] if r["f"] == fraction and r["options"].get("mom", "fp32") == momentum]
+    return [r[key] for r in sorted(runs, key=lambda r: r["seed"])]
 
 
 CONVERGENCE_ROW = (
@@ -296,6 +306,43 @@ FIGURES = [
         "gram-ns-h200.json",
         ("ratios/16x1024x5120/eager: ours vs quack", "kv_batch_repeats/eager: ours vs quack/0", "kv_batch_repeats/eager: ours vs quack/1"),
     ),
+    # bf16 momentum against fp32 momentum, the convergence protocol's runs.
+    *(
+        Figures(
+            "docs/performance.md",
+            rf"\| {label} \| (\d\.\d+) \((\d\.\d+), (\d\.\d+)\) \| (\d\.\d+) \((\d\.\d+), (\d\.\d+)\) \| ([+-]\d\.\d+) \| (\d\.\d+) \|",
+            BF16_MOMENTUM,
+            (
+                lambda data, f=f: statistics.mean(bf16_runs(data, f, "fp32")),
+                lambda data, f=f: bf16_runs(data, f, "fp32")[0],
+                lambda data, f=f: bf16_runs(data, f, "fp32")[1],
+                lambda data, f=f: statistics.mean(bf16_runs(data, f, "bf16")),
+                lambda data, f=f: bf16_runs(data, f, "bf16")[0],
+                lambda data, f=f: bf16_runs(data, f, "bf16")[1],
+                lambda data, f=f: statistics.mean(bf16_runs(data, f, "bf16")) - statistics.mean(bf16_runs(data, f, "fp32")),
+                lambda data, f=f: abs(bf16_runs(data, f, "fp32")[0] - bf16_runs(data, f, "fp32")[1]),
+            ),
+        )
+        for f, label in ((1.0, "f = 1"), (0.25, "f = 1/4"))
+    ),
+    Figures(
+        "docs/performance.md",
+        r"took (\d\.\d\d) ms against (\d\.\d\d) \(f = 1\) and (\d\.\d\d) against (\d\.\d\d) \(f = 1/4\) at\s+"
+        r"this width \(medians over the seeds\)",
+        BF16_MOMENTUM,
+        tuple(
+            (lambda data, f=f, mom=mom: statistics.median(bf16_runs(data, f, mom, "opt_ms")))
+            for f in (1.0, 0.25)
+            for mom in ("bf16", "fp32")
+        ),
+    ),
+    # bench_step's memory on an 80 GB GPU, measured.
+    Figures(
+        "docs/performance.md",
+        r"measured (\d+\.\d) GiB reserved at the peak \((\d+\.\d) GiB allocated\) on one H100",
+        "step-14b-before-after-1xh100.json",
+        ("memory_gib/peak_reserved", "memory_gib/peak_allocated"),
+    ),
     # The step's host cost per matrix on CPU, against AdamW (foreach).
     Figures(
         "docs/performance.md",
@@ -425,6 +472,15 @@ FIGURES += [
             MEMORY_CASE(MEMORY_MUON, "bytes per matrix parameter"),
             MEMORY_CASE(MEMORY_TORCH, "bytes per parameter"),
             MEMORY_CASE(MEMORY_ADAMW, "bytes per parameter"),
+        ),
+    ),
+    Figures(
+        "docs/memory.md",
+        loose(r"the math staying in fp32: (\d\.\d+) bytes per parameter of the hidden matrices, (\d\.\d+) over\s+the whole model"),
+        MEMORY,
+        (
+            MEMORY_CASE("Dion3, f = 1/4, bf16 momentum (torch `Dion3`)", "bytes per matrix parameter"),
+            MEMORY_CASE("Dion3, f = 1/4, bf16 momentum (torch `Dion3`)", "bytes per parameter"),
         ),
     ),
     Figures(
