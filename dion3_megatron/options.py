@@ -1,25 +1,15 @@
-"""Every user-facing Dion3 option, declared once: name, kind, default, allowed values, help; and
-how what a user gives is checked, wherever it enters.
+"""Every user-facing Dion3 option, declared once (:data:`OPTIONS`: name, kind, default, allowed
+values, help), and the checks of what a user gives, wherever it enters: the torch ``Dion3``'s and
+the DeepSpeed classes' keyword arguments (spelled out in their signatures) and param groups,
+DeepSpeed's ``"params"`` (:mod:`dion3_megatron.deepspeed.config`), Megatron's ``--dion3-<name>``
+flags, ``OptimizerConfig.dion3_<name>`` fields and ``MegatronDion3`` keyword arguments
+(:mod:`dion3_megatron.megatron.arguments`), torchtitan's kwargs. :func:`hyperparameters` fills the
+rule's settings (:class:`dion3_megatron.core.rule.Dion3Hyperparameters`) with these defaults.
 
-The front ends are derived from :data:`OPTIONS`:
-
-* the torch optimizer: ``Dion3(params, ...)`` takes the options whose front ends include
-  ``"torch"`` as keyword arguments (its signature spells them out; tests/test_options.py checks
-  that every front end's signature and this spec agree), and checks them (and every param group)
-  with :func:`check`;
-* Megatron: ``--dion3-<name>`` flags (:mod:`dion3_megatron.megatron.arguments`), ``dion3_<name>``
-  attributes of Megatron's ``OptimizerConfig``, and
-  the ``MegatronDion3`` keyword arguments of the same names, read as Megatron-Core's
-  ``_kwargs_from_config`` reads a prefixed config;
-* DeepSpeed: the keys of ``"optimizer": {"type": "Dion3", "params": {...}}``
-  (:mod:`dion3_megatron.deepspeed.config`);
-* the rule's settings, :class:`dion3_megatron.core.rule.Dion3Hyperparameters`: :func:`hyperparameters`
-  fills in these defaults.
-
-tests/test_options.py checks that every front end carries exactly its options with these
-defaults and ranges; tools/configuration_md.py renders them as docs/configuration.md. To add an
-option: declare it here, use it in the rule (or the front end that owns it), and extend that test
-where the new option needs a value of its own.
+tests/test_options.py checks that every front end takes exactly its options, with these defaults,
+ranges and types; tools/configuration_md.py renders them as docs/configuration.md. To add an
+option: declare it here, add it to the signatures of its front ends, use it in the rule (or the
+front end that owns it), and extend that test where the option needs a value of its own.
 """
 
 from __future__ import annotations
@@ -74,11 +64,6 @@ def is_real(value: Any) -> bool:
 def is_number_tensor(value: Any) -> bool:
     """A 0-d floating tensor: how torch's optimizers also take an lr."""
     return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
-
-
-def is_fraction_value(value: Any) -> bool:
-    """A value of the JSON type a fraction takes: a number, or the word that asks the plan to choose."""
-    return is_real(value) or value == AUTO
 
 
 @dataclass(frozen=True)
