@@ -307,7 +307,7 @@ def recorded_step(rank: int, world: int, path: str) -> dict:
         finally:
             for name, original in originals.items():
                 setattr(dist, name, original)
-    engine = getattr(getattr(opt, "_whole", None), "engine", None)
+    engine = opt._whole.session.engine
     return {"record": record, "collectives": list(engine.collectives) if engine is not None else None}
 
 
