@@ -5,14 +5,11 @@ mentions is one of its works'."""
 from __future__ import annotations
 
 import difflib
-import importlib.util
-import pathlib
 import re
-import sys
 
 import pytest
+from support.repository import ROOT, load_tool
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "citing.md"
 TOOL_PATH = ROOT / "tools" / "citing_md.py"
 # What ships: the README, the docs, the package (docstrings and comments), the examples and benchmarks.
@@ -26,15 +23,7 @@ SHIPPED = [
 ARXIV_MENTION = re.compile(r"arXiv[: ]\s*(\d{4}\.\d{4,5})|arxiv\.org/(?:abs|pdf)/(\d{4}\.\d{4,5})", re.I)
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("citing_md", TOOL_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _load_tool()
+tool = load_tool("citing_md")
 CITATION = tool.load()
 WORKS = CITATION["references"]
 

@@ -4,14 +4,14 @@ python3 that only records its arguments: a failed run fails the script; results 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 from support.script_helpers import needs_bash, run_recording_python
+from support.repository import ROOT
 
 pytestmark = [needs_bash, pytest.mark.slow]  # each test runs bash
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = ROOT / "examples"
 # script -> the settings of a short run of two optimizers on one GPU
 SETTINGS = {
     "megatron_lm": {"OPTS": "dion3 adam", "ITERS": "40"},

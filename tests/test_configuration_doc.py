@@ -12,30 +12,20 @@ import difflib
 import importlib.util
 import inspect
 import json
-import pathlib
 import re
-import sys
 
 import pytest
 import torch
+from support.repository import ROOT, load_tool
 
 from dion3_megatron import Dion3, options
 from dion3_megatron.kernels import config as kernel_config
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "configuration.md"
 TOOL_PATH = ROOT / "tools" / "configuration_md.py"
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("configuration_md", TOOL_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _load_tool()
+tool = load_tool("configuration_md")
 REFERENCE = tool.markdown_reference()
 TORCH_COLUMN, MEGATRON_COLUMN = "PyTorch (default)", "Megatron flag (default), config field"
 DEEPSPEED_COLUMN = 'DeepSpeed `"params"` (default)'

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import pathlib
 
 import pytest
 import torch
 
 from support.deepspeed_helpers import import_keeping_environment
+from support.repository import ROOT
 from dion3_megatron.frontend.groups import algorithm_of
 from dion3_megatron.options import UnknownOptionError
 
@@ -19,7 +19,7 @@ if importlib.util.find_spec("deepspeed") is None:
 dion3_ds = import_keeping_environment("dion3_megatron.deepspeed")
 DeepSpeedDion3, normalize_params = dion3_ds.DeepSpeedDion3, dion3_ds.normalize_params
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples" / "deepspeed"
+EXAMPLES = ROOT / "examples" / "deepspeed"
 
 
 def test_registration_exposes_the_class_where_deepspeed_looks():

@@ -14,11 +14,12 @@ import textwrap
 import importlib.util
 
 import pytest
+from support.dist_utils import free_port
+from support.repository import ROOT
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("needs deepspeed", allow_module_level=True)
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 PATCH = ROOT / "patches" / "deepspeed-0.19-dion3.patch"
 
 SCRIPT = textwrap.dedent(
@@ -95,7 +96,7 @@ def test_patched_deepspeed_builds_dion3_from_a_script_that_does_not_import_it(pa
         WORLD_SIZE="1",
         LOCAL_RANK="0",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
     )
     result = subprocess.run([sys.executable, "-c", SCRIPT, str(patched)], env=env, capture_output=True, text=True, timeout=240)
     lines = [l for l in result.stdout.splitlines() if l.startswith("RESULT")]
@@ -109,11 +110,3 @@ def test_patched_deepspeed_builds_dion3_from_a_script_that_does_not_import_it(pa
     assert out["moved"] > 0
     assert "'momentum'" in out["unknown"] and "'mu'" in out["unknown"]
     assert out["stage3_basic"] == "DeepSpeedZeroDion3" and out["stage3_finite"] and out["stage3_steps"] == 1
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -15,7 +15,8 @@ import re
 import statistics
 from typing import Any, Callable
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from support.repository import ROOT
+
 RESULTS = ROOT / "benchmarks" / "results"
 
 

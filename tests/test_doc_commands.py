@@ -34,8 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
+from support.repository import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKS = ("cpu", "gpu", "install", "tests", "snippet")
 MARK_LINE = re.compile(r"^<!-- command: ([a-z]+) -->$")

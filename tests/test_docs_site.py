@@ -14,8 +14,7 @@ import subprocess
 import sys
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from support.repository import ROOT
 
 # Markup that Markdown leaves as text, each with what it is: the prose outside code, line by line.
 SHOWN_AS_TEXT = {

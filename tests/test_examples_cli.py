@@ -12,8 +12,9 @@ import sys
 
 import pytest
 import torch
+from support import repository
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(repository.ROOT)
 WITH_OPTIONS = ["examples/quickstart.py", "examples/fsdp2_train.py", "examples/pretrain_gpt.py", "examples/deepspeed/train_gpt.py"]
 
 

@@ -6,7 +6,6 @@ reshard."""
 
 from __future__ import annotations
 
-import pathlib
 import re
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from support.dist_utils import run_distributed
+from support.repository import ROOT
 
 pytestmark = pytest.mark.slow  # multi-process
 
@@ -504,7 +504,7 @@ def test_a_3d_parameter_split_inside_its_matrices_steps_as_the_single_process_st
 
 def test_the_fsdp2_example_trains_with_tensor_parallelism_on_two_cpu_processes():
     # (the plain FSDP2 command of docs/fsdp2.md runs in the docs' command test)
-    example = pathlib.Path(__file__).resolve().parents[1] / "examples" / "fsdp2_train.py"
+    example = ROOT / "examples" / "fsdp2_train.py"
     run = subprocess.run(
         [
             sys.executable,

@@ -9,15 +9,13 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from support.repository import ROOT
 
 from dion3_megatron.core import rule
 from dion3_megatron.kernels import rows as row_kernels
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # Fresh random weights (row views of a wider buffer), distinct selected rows, steps and scales:
 # the kernel's result against a float64 reference of decay * W + scale * step, the unselected rows

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from support.script_helpers import needs_bash, run_recording_python
+from support.repository import ROOT
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer" / "compare_on_gpus.sh"
+SCRIPT = ROOT / "examples" / "hf_trainer" / "compare_on_gpus.sh"
 pytestmark = [needs_bash, pytest.mark.slow]  # each test runs bash
 
 

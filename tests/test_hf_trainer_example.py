@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.repository import ROOT
 
 pytestmark = pytest.mark.slow
 
 if importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("transformers") is None:
     pytest.skip("needs deepspeed and transformers", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "hf_trainer" / "train.py"
 
 

@@ -15,8 +15,8 @@ import re
 from typing import Optional
 
 import pytest
+from support.repository import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "dion3_megatron"
 SOURCES = ROOT / PACKAGE
 

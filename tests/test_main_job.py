@@ -13,10 +13,11 @@ import subprocess
 import sys
 
 import pytest
+from support import repository
 
 pytest.importorskip("megatron.core")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(repository.ROOT)
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt.py")
 TINY = [
     "--device",

@@ -3,16 +3,15 @@ logs (tests/data/megatron_lm: excerpts of the logs of an H200 run)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from support.script_helpers import needs_bash, run_recording_python
+from support.repository import ROOT, TESTS
 
 from examples.megatron_lm import summarize
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "megatron_lm"
-LOGS = Path(__file__).resolve().parent / "data" / "megatron_lm"
+LOGS = TESTS / "data" / "megatron_lm"
 
 
 def test_summary_reads_megatrons_optimizer_timer_and_loss():

@@ -20,12 +20,13 @@ import sys
 import warnings
 
 import pytest
+from support import repository
 
 pytest.importorskip("megatron.training")
 
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(repository.ROOT)
 SCRIPT = os.path.join(ROOT, "examples", "megatron_lm_pretrain_gpt.py")
 CPU = os.path.join(ROOT, "examples", "megatron_cpu.py")
 

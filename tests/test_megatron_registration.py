@@ -14,12 +14,13 @@ import warnings
 
 import pytest
 from support.readme import readme_megatron_commands
+from support import repository
 
 from dion3_megatron import options
 
 pytest.importorskip("megatron.core")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(repository.ROOT)
 PATCH = os.path.join(REPO, "patches", "megatron-core-0.19-dion3.patch")
 GOOD = ["--optimizer", "dion3", "--dion3-fraction", "0.125"]
 

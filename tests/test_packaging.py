@@ -17,11 +17,11 @@ import pytest
 import torch
 import yaml
 from packaging.requirements import Requirement
+from support.repository import ROOT
 
 import dion3_megatron
 from dion3_megatron.kernels.symm import backend
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 PROJECT = PYPROJECT["project"]
 EXTRAS = PROJECT["optional-dependencies"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
-import pathlib
 import subprocess
 import sys
 import textwrap
@@ -17,8 +16,7 @@ import torch
 import torch.multiprocessing as torch_mp
 
 from support import quick_tier
-
-TESTS = pathlib.Path(__file__).resolve().parent
+from support.repository import TESTS
 
 
 class NotStarted(Exception):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import tomllib
 import pytest
 import torch
 from packaging.requirements import Requirement
+from support.repository import ROOT
 
 from dion3_megatron import report
 
@@ -198,7 +198,7 @@ def test_a_specifier_of_another_form_is_refused_naming_it():
 
 def test_the_requirements_are_pyproject_s_whether_read_from_it_or_from_the_installed_metadata():
     """From a source tree the report reads pyproject.toml; from a wheel, the metadata built from it."""
-    project = tomllib.loads((pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     declared = report.declared_requirements()
 
     def read(requirements: list[str]) -> set[tuple[str, str]]:

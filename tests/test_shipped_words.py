@@ -9,8 +9,8 @@ import re
 import tomllib
 
 import pytest
+from support.repository import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHIPPED = [
     ROOT / "README.md",
     ROOT / "CHANGELOG.md",

@@ -5,13 +5,12 @@ and the figures docs/performance.md states."""
 from __future__ import annotations
 
 import json
-import pathlib
 import re
 import sys
 
 import pytest
+from support.repository import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT / "benchmarks") not in sys.path:  # the benchmarks import each other as the scripts they are
     sys.path.insert(0, str(ROOT / "benchmarks"))
 

@@ -8,7 +8,8 @@ import functools
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from support.repository import ROOT
+
 SUPPORT = ROOT / "docs" / "support.md"
 TESTS_URL = "https://github.com/dion3-megatron/dion3-megatron/blob/main/tests/"
 TEST_LINK = re.compile(r"\[`(\w+)`\]\(" + re.escape(TESTS_URL) + r"(test_\w+\.py)\) \((CPU|GPU)\)")

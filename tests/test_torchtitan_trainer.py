@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from support.repository import ROOT
 
 pytest.importorskip("torchtitan")  # its trainer's packages are in the tests' install (README): without them, these fail
 
@@ -20,7 +21,6 @@ from benchmarks.bench_torchtitan import ANSI, steps_of  # noqa: E402
 
 from dion3_megatron.torchtitan import HIDDEN_MATRICES  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS, SAVED = 4, 2
 TRAINER = [
     "--module", "dion3_megatron.torchtitan", "--config", "llama3_debugmodel_dion3",

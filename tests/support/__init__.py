@@ -2,6 +2,7 @@
 tests/conftest.py the repository root, so that the examples and benchmarks import as
 ``examples.X`` and ``benchmarks.X``). Importing a module here changes nothing in the process:
 
+- ``repository``: where the repository's files are (its root, tests/), and its tools/ scripts as modules.
 - ``dist_utils``: run a test function on N processes (gloo, or NCCL on GPUs).
 - ``megatron_shim``: a tiny Megatron-Core GPT on CPU, the single-process reference, a training step.
 - ``deepspeed_helpers``: DeepSpeed on CPU: tiny models, engines, the multi-rank sessions.
