@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from support.dist_utils import run_distributed
+from support.equality import TOL
 from support.repository import ROOT
 
 pytestmark = pytest.mark.slow  # multi-process
@@ -22,11 +23,6 @@ pytestmark = pytest.mark.slow  # multi-process
 # Row counts at 2 ranks: 34 -> 17/17 (with tensor parallelism 2 x 2: 9/8 of each 17-row block),
 # 3 -> 2/1 (at 4 ranks 1/1/1/0: an empty shard); the experts (3, 7, 7) -> 2/1 experts (1/1/1/0).
 STEPS = 3
-# Orthogonalized in fp64, so that what differs is fp32 rounding: of the weights and momentum (about
-# 2.5e-7 after three steps), and with tensor parallelism of the gradients, whose partial products
-# add in another order (about 1e-6). In fp32 the owner's other batch of the selected rows differs
-# by up to 2e-5 on these small matrices; a wrong row or a lost step differs by 1e-3 or more.
-TOL = {"rtol": 5e-6, "atol": 5e-6}
 
 
 class _Net(torch.nn.Module):

@@ -15,17 +15,14 @@ pytest.importorskip("torchtitan.components.optimizer")
 
 from support import torchtitan_helpers as helpers  # noqa: E402
 from support.dist_utils import run_distributed  # noqa: E402
+from support.equality import assert_equal  # noqa: E402
+from support.torchtitan_helpers import SETTINGS  # noqa: E402
 
 from dion3_megatron import Dion3  # noqa: E402
 from dion3_megatron.options import UnknownOptionError  # noqa: E402
 from dion3_megatron import torchtitan as dion3_torchtitan  # noqa: E402
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig  # noqa: E402
 
-# Orthogonalized in fp64, so that what differs is fp32 rounding of the weights, the momentum and the
-# gradients (reduced over ranks in another order): about 5e-7 after three steps, as in
-# tests/test_fsdp2.py. A wrong row, a lost step or a lost optimizer state differs by 1e-3 or more.
-TOL = {"rtol": 5e-6, "atol": 5e-6}
-SETTINGS = {"lr": 0.02, "adamw_lr": 0.003, "weight_decay": 0.01, "fraction": 0.5, "ns_dtype": torch.float64}
 MATRICES = {
     f"layers.{i}.{m}.weight"
     for i in range(helpers.LAYERS)
@@ -197,19 +194,13 @@ def two_ranks(tmp_path_factory):
     )
 
 
-def _assert_equal(params: dict, expected: dict, what: str) -> None:
-    assert params.keys() == expected.keys()
-    for name, value in params.items():
-        torch.testing.assert_close(value, expected[name], **TOL, msg=lambda m, n=name: f"{what} {n}: {m}")
-
-
 @pytest.mark.slow
 def test_each_layout_of_parallelize_llama_steps_as_the_single_process_run(two_ranks):
     expected = two_ranks[1]["reference"]
     for out in two_ranks:
         for layout, case in zip(helpers.LAYOUTS, out["cases"]):
             assert case["types"] == ["Dion3"]
-            _assert_equal(case["params"], expected, layout)
+            assert_equal(case["params"], expected, layout)
 
 
 @pytest.mark.slow
@@ -217,9 +208,9 @@ def test_a_checkpoint_of_checkpoint_manager_resumes_as_the_uninterrupted_run_at_
     expected = two_ranks[1]["reference"]
     for out in two_ranks:
         for layout in helpers.LAYOUTS:
-            _assert_equal(out["resumed"][layout], expected, f"{layout} resumed at 2 ranks")
+            assert_equal(out["resumed"][layout], expected, f"{layout} resumed at 2 ranks")
     for layout in helpers.LAYOUTS:
-        _assert_equal(two_ranks[0]["resumed at one rank"][layout], expected, f"{layout} resumed at 1 rank")
+        assert_equal(two_ranks[0]["resumed at one rank"][layout], expected, f"{layout} resumed at 1 rank")
 
 
 def test_the_trainer_benchmark_reads_torchtitan_s_step_lines_and_writes_its_corpus(tmp_path):

@@ -18,16 +18,13 @@ pytest.importorskip("torchtitan.models.common.moe")
 from support import torchtitan_helpers as helpers  # noqa: E402
 from support import torchtitan_moe as moe  # noqa: E402
 from support.dist_utils import run_distributed  # noqa: E402
+from support.equality import assert_equal  # noqa: E402
+from support.torchtitan_helpers import SETTINGS  # noqa: E402
 
 from dion3_megatron import torchtitan as dion3_torchtitan  # noqa: E402
 from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
-# As in tests/test_torchtitan.py: orthogonalized in fp64, so what differs is fp32 rounding (about
-# 6e-7 after three steps; 2e-6 with tensor parallelism, whose partial products add in another
-# order). A wrong row, a lost step or a lost optimizer state differs by 1e-3 or more.
-TOL = {"rtol": 5e-6, "atol": 5e-6}
-SETTINGS = {"lr": 0.02, "adamw_lr": 0.003, "weight_decay": 0.01, "fraction": 0.5, "ns_dtype": torch.float64}
 EXPERTS = tuple(f"moe.routed_experts.inner_experts.{w}" for w in ("w1_EFD", "w2_EDF", "w3_EFD"))
 MOE = ("moe.router.gate.weight", *(f"moe.shared_experts.w{i}.weight" for i in (1, 2, 3)), *EXPERTS)
 MLA = tuple(f"attention.{w}.weight" for w in ("wq", "wkv_a", "wkv_b", "wo"))
@@ -152,12 +149,6 @@ def _references(outs: list[dict]) -> dict[tuple[int, int], dict]:
     return {out["reference"]["model"]: out["reference"] for out in outs if "reference" in out}
 
 
-def _assert_equal(held: dict, expected: dict, what: str) -> None:
-    assert held.keys() == expected.keys(), what
-    for name, value in held.items():
-        torch.testing.assert_close(value, expected[name], **TOL, msg=lambda m, n=name: f"{what} {n}: {m}")
-
-
 def _assert_steps_as_the_reference(outs: list[dict], layouts: dict[str, moe.Layout]) -> None:
     references = _references(outs)
     for layout, reference in references.items():  # the steps moved every matrix: the comparison means something
@@ -168,10 +159,10 @@ def _assert_steps_as_the_reference(outs: list[dict], layouts: dict[str, moe.Layo
             layout = layouts[name]
             expected = references[layout.experts, layout.top_k]
             assert case["types"] == ["Dion3"]
-            _assert_equal(case["params"], expected["params"], name)
+            assert_equal(case["params"], expected["params"], name)
             assert case["state"].keys() == expected["state"].keys() == MATRICES
             for matrix, parts in case["state"].items():  # the state as the ranks place it, gathered
-                _assert_equal(parts, expected["state"][matrix], f"{name} state of {matrix}")
+                assert_equal(parts, expected["state"][matrix], f"{name} state of {matrix}")
 
 
 def _expert_placements(outs: list[dict], name: str) -> dict[str, tuple]:
@@ -194,8 +185,8 @@ def test_fsdp2_expert_and_tensor_parallelism_of_parallelize_deepseekv3_step_as_t
 def test_an_expert_parallel_checkpoint_resumes_as_the_uninterrupted_run_at_two_ranks_and_at_one(two_ranks):
     expected = _references(two_ranks)[moe.EXPERTS, moe.TOP_K]["params"]
     for out in two_ranks:
-        _assert_equal(out["resumed"], expected, "resumed at 2 ranks")
-    _assert_equal(two_ranks[0]["resumed at one rank"], expected, "resumed at 1 rank (FSDP2 alone)")
+        assert_equal(out["resumed"], expected, "resumed at 2 ranks")
+    assert_equal(two_ranks[0]["resumed at one rank"], expected, "resumed at 1 rank (FSDP2 alone)")
 
 
 @pytest.mark.slow
@@ -207,5 +198,5 @@ def test_experts_fsdp2_shards_by_rows_under_expert_parallelism_step_and_resume_a
     _assert_steps_as_the_reference(four_ranks, moe.LAYOUTS_4)
     expected = _references(four_ranks)[2, 1]["params"]
     for out in four_ranks:
-        _assert_equal(out["resumed"], expected, "resumed at 4 ranks")
-    _assert_equal(four_ranks[0]["resumed at one rank"], expected, "resumed at 1 rank (FSDP2 alone)")
+        assert_equal(out["resumed"], expected, "resumed at 4 ranks")
+    assert_equal(four_ranks[0]["resumed at one rank"], expected, "resumed at 1 rank (FSDP2 alone)")
