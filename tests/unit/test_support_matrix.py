@@ -12,7 +12,7 @@ from support.repository import ROOT
 
 SUPPORT = ROOT / "docs" / "support.md"
 TESTS_URL = "https://github.com/dion3-megatron/dion3-megatron/blob/main/tests/"
-TEST_LINK = re.compile(r"\[`(\w+)`\]\(" + re.escape(TESTS_URL) + r"(test_\w+\.py)\) \((CPU|GPU)\)")
+TEST_LINK = re.compile(r"\[`(\w+)`\]\(" + re.escape(TESTS_URL) + r"((?:\w+/)*test_\w+\.py)\) \((CPU|GPU)\)")
 
 
 def _marks(node: ast.AST) -> set[str]:
@@ -67,8 +67,8 @@ def test_every_linked_test_exists_and_runs_where_its_label_says():
     assert len(TEST_LINK.findall(text)) >= 30
     assert not link_problems(text), "\n".join(link_problems(text))
     broken = (
-        f"[`test_no_such_test`]({TESTS_URL}test_fsdp2.py) (CPU) [`test_x`]({TESTS_URL}test_nothing.py) (CPU) "
-        f"[`test_dion3_graph_replay_equals_eager`]({TESTS_URL}test_cuda_graph.py) (CPU)"
+        f"[`test_no_such_test`]({TESTS_URL}integration/test_fsdp2.py) (CPU) [`test_x`]({TESTS_URL}unit/test_nothing.py) (CPU) "
+        f"[`test_dion3_graph_replay_equals_eager`]({TESTS_URL}unit/test_cuda_graph.py) (CPU)"
     )
     assert [p.split(": ", 1)[1] for p in link_problems(broken)] == ["no such test", "no such test file", "labelled CPU, but it is GPU"]
 

@@ -1,5 +1,5 @@
 """Registration of ``--optimizer dion3``: registry entry, argparse flags, launcher, source patch (all through
-dion3_megatron.megatron.register; what it changes: tests/test_compat.py)."""
+dion3_megatron.megatron.register; what it changes: tests/unit/test_compat.py)."""
 
 from __future__ import annotations
 
@@ -196,7 +196,7 @@ def test_launcher_runs_a_megatron_script_with_dion3_registered(tmp_path):
 def test_registration_mends_torch_adams_resume_where_megatron_falls_back_to_it():
     """Without apex or Transformer Engine (this machine, and a pip install on a GPU) Megatron's Adam
     is torch's AdamW, whose DistributedOptimizer resume the library mends on registration, for Dion3
-    runs (the resume itself: tests/test_megatron_pretrain.py; other runs:
+    runs (the resume itself: tests/integration/test_megatron_pretrain.py; other runs:
     test_registration_leaves_another_optimizers_run_byte_identical). A fresh interpreter, no CPU shim."""
     check = textwrap.dedent("""
         import torch
@@ -449,7 +449,7 @@ def test_examples_extra_brings_what_megatrons_muon_imports():
 
 def test_readme_megatron_commands_parse():
     """Both README commands (Megatron-LM's pretrain_gpt.py, ours) are valid Megatron-LM arguments with
-    Dion3 registered (tests/test_megatron_pretrain.py runs ours on CPU)."""
+    Dion3 registered (tests/integration/test_megatron_pretrain.py runs ours on CPU)."""
     import dion3_megatron.megatron  # noqa: F401
 
     commands = readme_megatron_commands()

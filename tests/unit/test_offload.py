@@ -1,9 +1,9 @@
 """Offloaded state (dion3_megatron/engine/offload.py): the engine keeps a shape group's state in host
 memory and steps the group on a device it copies the state to (on a GPU, pinned memory and side
-streams: tests/test_offload_gpu.py). Here the device is the CPU itself, so every copy in and out,
+streams: tests/unit/test_offload_gpu.py). Here the device is the CPU itself, so every copy in and out,
 every tensor put in place and back, runs as on a GPU: the offloaded step equals the step without
 offload bit for bit, for whole matrices, for weights held on the host (DeepSpeed's ZeRO-Offload)
-and for each exchange of split matrices (tests/test_offload_distributed.py). Without a GPU the
+and for each exchange of split matrices (two processes, the last tests here). Without a GPU the
 front ends' ``offload`` changes nothing, as documented."""
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_momentum_stepped_in_place_is_written_back_where_it_lies():
 
 
 def test_the_state_of_an_offloaded_engine_lives_in_host_memory_pinned_for_a_gpu():
-    assert Sharding  # (the placement rule itself; a GPU run checks the pinning: tests/test_offload_gpu.py)
+    assert Sharding  # (the placement rule itself; a GPU run checks the pinning: tests/unit/test_offload_gpu.py)
     from dion3_megatron.engine.sharding import state_placement
 
     assert state_placement(None, torch.device("cuda", 1)) == (torch.device("cuda", 1), False)

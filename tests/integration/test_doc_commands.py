@@ -14,7 +14,7 @@
 Shell and Python blocks must carry a mark; ``text`` blocks are not commands and ``json`` blocks must
 parse. The docs' relative links must resolve, and the figures of the README's and
 docs/performance.md's tables must be in the JSON files of benchmarks/results/ that their sections
-cite (tests/test_shipped_words.py checks the docs' words). Each checker is also run on a broken example, so
+cite (tests/unit/test_shipped_words.py checks the docs' words). Each checker is also run on a broken example, so
 that it can be seen to fail.
 """
 

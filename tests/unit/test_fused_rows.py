@@ -238,7 +238,7 @@ def force_row_kernels() -> None:
 SINGLE_PROCESS = textwrap.dedent("""
     import torch
     from dion3_megatron import Dion3
-    from test_fused_rows import force_row_kernels
+    from unit.test_fused_rows import force_row_kernels
 
     def run(seed, fused):
         if fused:
@@ -277,7 +277,7 @@ def static_exchange_with_row_kernels(rank, world, fused, seed):
     """Row and column blocks on the static exchange (row blocks skip rows another rank holds)."""
     if fused:
         force_row_kernels()
-    from test_megabatch import static_exchange_worker
+    from integration.test_megabatch import static_exchange_worker
 
     return static_exchange_worker(rank, world, "rowscols", 0.25, seed)[0]
 

@@ -1,7 +1,7 @@
 """Megatron's optimizer offload for --optimizer dion3 (dion3_megatron/megatron/offload.py): what
 reaches MegatronDion3, what Megatron-LM's checks see, what is refused in one line, and the
 offloaded MegatronDion3 step (the CPU standing in for the GPU) against the step without offload.
-Through pretrain(): tests/test_megatron_pretrain.py."""
+Through pretrain(): tests/integration/test_megatron_pretrain.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytest.importorskip("megatron.core")
 
 from dion3_megatron.engine import offload as engine_offload  # noqa: E402
 from dion3_megatron.megatron import offload, registry  # noqa: E402
-from test_megatron_optimizer import _megatron, _params  # noqa: E402
+from unit.test_megatron_optimizer import _megatron, _params  # noqa: E402
 
 
 def args(**given) -> argparse.Namespace:

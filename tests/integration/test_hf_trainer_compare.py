@@ -1,5 +1,5 @@
 """examples/hf_trainer/compare_on_gpus.sh: its checks of its input, and what each run is given
-(the runs themselves are the Trainer path tests/test_hf_trainer.py covers on CPU)."""
+(the runs themselves are the Trainer path tests/integration/test_hf_trainer.py covers on CPU)."""
 
 from __future__ import annotations
 

@@ -195,7 +195,7 @@ def imported_modules(path: pathlib.Path) -> set[str]:
 
 def test_test_extra_brings_what_the_tests_import():
     local = {p.stem for folder in ("tests", "examples", "benchmarks", "tools") for p in (ROOT / folder).rglob("*.py")}
-    local |= {"dion3_megatron", "tests", "support", "examples", "benchmarks", "tools"}
+    local |= {"dion3_megatron", "tests", "support", "unit", "integration", "examples", "benchmarks", "tools"}
     imported = set().union(*(imported_modules(p) for p in (ROOT / "tests").rglob("*.py")))  # support/ too
     third_party = sorted(m for m in imported if m not in sys.stdlib_module_names and m not in local)
     assert {"torch", "pytest", "numpy", "megatron", "deepspeed", "transformers"} <= set(third_party)

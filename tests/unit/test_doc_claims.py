@@ -41,7 +41,7 @@ def _constant(test_file: str, name: str) -> float:
 
 def test_the_deepspeed_doc_states_the_tolerance_its_tests_check():
     doc = (ROOT / "docs" / "deepspeed.md").read_text(encoding="utf-8")
-    for test_file in ("test_deepspeed_zero.py", "test_deepspeed_zero3.py"):
+    for test_file in ("integration/test_deepspeed_zero.py", "integration/test_deepspeed_zero3.py"):
         stated = re.search(rf"{re.escape(test_file)}[^*]*?within ([0-9.e-]+) of stage 0", doc, re.S)
         assert stated, test_file
         assert float(stated.group(1)) == _constant(test_file, "TOL"), (test_file, stated.group(1))

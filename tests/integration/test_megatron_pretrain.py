@@ -342,7 +342,7 @@ def test_cpu_command_on_two_ranks_learns_and_validation_loss_falls():
 
 # DP=2 -> TP=2 at "auto" (f = 1 here) and PP=2 -> DP=2 at 0.5 (rows selected): between them both
 # resharding paths and both kinds of state; the shim's checkpoint scenarios check DP=2 -> TP=2 of
-# f < 1 state bit for bit (tests/test_megatron_parallel.py), without a ~35 s pretrain() pair.
+# f < 1 state bit for bit (tests/integration/test_megatron_parallel.py), without a ~35 s pretrain() pair.
 @pytest.mark.parametrize("saved,loaded,fraction", [("dp2", "tp2", "auto"), ("pp2", "dp2", "0.5")])
 def test_a_checkpoint_resumes_in_another_layout(tmp_path, saved, loaded, fraction):
     """Saved at DP=2 and loaded at TP=2, or saved at PP=2 and loaded at DP=2 (Megatron's fully
@@ -370,7 +370,7 @@ def torch_fsdp2(args: list[str]) -> list[str]:
 
 def test_pretrain_torch_fsdp2_resumes_exactly_and_at_another_data_parallel_size(tmp_path):
     """--optimizer dion3 --use-torch-fsdp2 through pretrain() at DP=2 (every parameter a DTensor
-    whose rows FSDP2 splits over both ranks; tests/test_megatron_parallel.py compares the step with
+    whose rows FSDP2 splits over both ranks; tests/integration/test_megatron_parallel.py compares the step with
     the single process): saved at iteration 2 (torch_dcp: Dion3's state as DTensors placed like
     the parameters), resumed at DP=2 it ends with the uninterrupted run's checkpoint tensor for
     tensor; resumed on one rank (DP=1) it repeats the losses and gradient norms."""

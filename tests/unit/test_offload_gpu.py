@@ -2,7 +2,7 @@
 on side streams, one shape group at a time. The offloaded step equals the step without offload bit
 for bit (torch Dion3 on GPU parameters, on host parameters, and DeepSpeed ZeRO-1 with
 ``offload_optimizer``), the state lives in pinned host memory, and the GPU holds none of it between
-steps. The same code on the CPU, every copy included: tests/test_offload.py."""
+steps. The same code on the CPU, every copy included: tests/unit/test_offload.py."""
 
 from __future__ import annotations
 

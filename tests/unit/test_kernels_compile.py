@@ -1,7 +1,7 @@
 """The symmetric-GEMM kernel compiles for sm_90a in every configuration the launch can pick, on a
 machine without a GPU (CuTe DSL needs none to compile): a kernel edit that does not build is
 caught before a GPU run. Runs where nvidia-cutlass-dsl is installed (the ``kernels`` extra);
-what the kernels compute is tested on the GPU (tests/test_kernels_gpu.py)."""
+what the kernels compute is tested on the GPU (tests/unit/test_kernels_gpu.py)."""
 
 from __future__ import annotations
 
