@@ -22,7 +22,7 @@ and the AdamW tensors (embeddings, norms), which take no collective in any of th
 What is modelled and what is measured: the collectives (kind, count, elements per destination,
 dtype) of every path are modelled from the code (microsoft/dion's from dion/megabatch_base.py,
 dion/nordion2.py, dion/dion2.py, dion/muon.py at commit 0a059a4542e5aa74b40dcd1dce363836c7afcd48)
-and --measure records them on a small case (tests/test_comm_fsdp2.py does so for dion3_megatron
+and --measure records them on a small case (tests/unit/test_comm_fsdp2.py does so for dion3_megatron
 at 2 and 4 ranks): they are equal, rank by rank. For the table the selected rows are taken as
 spread evenly over the shards (the engine sends only those a rank holds). Times are modelled
 only: alpha and beta are NCCL figures between two H200s; links between nodes at 16 to 64 ranks

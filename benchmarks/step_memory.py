@@ -13,7 +13,7 @@ GPU (Newton-Schulz in fp16 for Dion3, bf16 for Muon):
 * Muon's eager step on a k x c matrix: three bf16 copies of it and two s x s products.
 
 The single-matrix terms give exactly the extra memory measured on an H100 for a 65536 x 8192 and an
-8192 x 65536 matrix (benchmarks/results/wide-1xh100.json; tests/test_step_memory.py checks it). The
+8192 x 65536 matrix (benchmarks/results/wide-1xh100.json; tests/unit/test_step_memory.py checks it). The
 batched steps' totals are estimates until a run prints its peak (bench_step.py prints both).
 """
 

@@ -6,7 +6,7 @@ flags, ``OptimizerConfig.dion3_<name>`` fields and ``MegatronDion3`` keyword arg
 (:mod:`dion3_megatron.megatron.arguments`), torchtitan's kwargs. :func:`hyperparameters` fills the
 rule's settings (:class:`dion3_megatron.core.rule.Dion3Hyperparameters`) with these defaults.
 
-tests/test_options.py checks that every front end takes exactly its options, with these defaults,
+tests/unit/test_options.py checks that every front end takes exactly its options, with these defaults,
 ranges and types; tools/configuration_md.py renders them as docs/configuration.md. To add an
 option: declare it here, add it to the signatures of its front ends, use it in the rule (or the
 front end that owns it), and extend that test where the option needs a value of its own.

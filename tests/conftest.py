@@ -1,17 +1,16 @@
-import pathlib
 import sys
 
 import pytest
 import torch
 
 from support import quick_tier
+from support.repository import ROOT
 
 # The repository root, once: the tests import the examples and benchmarks as packages
 # (``from examples import small_gpt``, ``from benchmarks import bench_convergence``), and spawned
 # workers inherit the path. The shared helpers are tests/support (tests/ is on the path already).
-ROOT = str(pathlib.Path(__file__).resolve().parents[1])
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 
 def pytest_configure(config):

@@ -4,7 +4,7 @@ same as BibTeX.
 
     python tools/citing_md.py [PATH]
 
-tests/test_citing_doc.py fails while the page differs from what this writes.
+tests/unit/test_citing_doc.py fails while the page differs from what this writes.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python tools/configuration_md.py [PATH]
 
-tests/test_configuration_doc.py fails while the page differs from what this writes, and checks
+tests/unit/test_configuration_doc.py fails while the page differs from what this writes, and checks
 that every spelling the page gives is what the front ends (and Megatron's and Trainer's own
 flags) take.
 """

@@ -35,7 +35,7 @@ LOSS_PER_WAITING_ROW_SHARE = 0.0045
 # and near the end of training those GPTs' validation loss falls by 0.06-0.11 per unit of ln(steps)
 # (Muon's runs at its best lr, over their last evaluation interval), so a step x times shorter buys
 # about LOSS_PER_LOG_TIME * ln(x) at equal wall-clock time (the low end, rounded down; docs/tuning.md
-# states both constants and tests/test_doc_claims.py derives them from benchmarks/results).
+# states both constants and tests/unit/test_doc_claims.py derives them from benchmarks/results).
 LOSS_PER_LOG_TIME = 0.06
 
 

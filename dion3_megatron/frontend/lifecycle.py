@@ -20,7 +20,7 @@ To add a front end:
 1. Subclass :class:`Dion3FrontEnd`, set ``FRONT_END`` (add its name to ``options.FRONT_ENDS`` and to
    the ``front_ends`` of the options it takes), and spell its options out as keyword-only
    constructor parameters ending in ``**unknown: Never``; check them with
-   ``options.refuse_unknown`` and ``options.settings`` (tests/test_options.py checks the signature
+   ``options.refuse_unknown`` and ``options.settings`` (tests/unit/test_options.py checks the signature
    against the spec).
 2. Check param groups where they enter (``add_param_group``: ``frontend.groups.check_group_keys``
    and ``check_group``) and read their settings at a step through ``frontend.groups.GroupSettings``.

@@ -2,11 +2,13 @@
 tests/conftest.py the repository root, so that the examples and benchmarks import as
 ``examples.X`` and ``benchmarks.X``). Importing a module here changes nothing in the process:
 
+- ``repository``: where the repository's files are (its root, tests/), and its tools/ scripts as modules.
 - ``dist_utils``: run a test function on N processes (gloo, or NCCL on GPUs).
+- ``equality``: a distributed run's tensors against the single-process run's (names, tolerance).
 - ``megatron_shim``: a tiny Megatron-Core GPT on CPU, the single-process reference, a training step.
 - ``deepspeed_helpers``: DeepSpeed on CPU: tiny models, engines, the multi-rank sessions.
 - ``torchtitan_helpers``: torchtitan on CPU: its llama3 model parallelized by its own functions, its
-  optimizer container and checkpoint manager, the single-process reference, the session.
+  optimizer container and checkpoint manager, the settings, the single-process reference, the session.
 - ``hf_trainer_helpers``: Hugging Face Trainer + DeepSpeed on CPU: tiny models, the session.
 - ``script_helpers``: the examples' shell scripts run with a python3 that records its arguments.
 - ``readme``: the commands README.md shows.

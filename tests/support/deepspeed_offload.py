@@ -1,4 +1,4 @@
-"""DeepSpeed's optimizer offload for Dion3 on CPU (gloo), for tests/test_deepspeed_offload.py:
+"""DeepSpeed's optimizer offload for Dion3 on CPU (gloo), for tests/integration/test_deepspeed_offload.py:
 ``"offload_optimizer": {"device": "cpu"}`` at ZeRO 1, 2 and 3 against the same run without it,
 and with the CPU standing in for the GPU the offloaded step streams to (every copy in and out runs
 as on one: dion3_megatron.engine.offload); what Dion3 cannot take is refused at initialize."""

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO stage 3 on CPU (gloo) for tests/test_deepspeed_zero3.py: one session per world
+"""DeepSpeed ZeRO stage 3 on CPU (gloo) for tests/integration/test_deepspeed_zero3.py: one session per world
 size, each comparing stage 3 with stage 0 (the whole-parameter Dion3 step) on the same model and
 global batches. Uses :mod:`support.deepspeed_helpers` for the environment, configs and training."""
 

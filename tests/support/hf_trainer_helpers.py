@@ -129,7 +129,7 @@ def session(rank: int, world: int, tmp: str) -> dict:
     # those last-bit differences, grown over the steps, can flip the top-k row selection on a near tie
     # (relative score margin 2.5e-5 at step 8 on a CPU with AVX2 kernels; none within 10 steps with
     # ATen's default or AVX-512 ones) and the runs then part by 3e-3. At fraction 1 they agree to
-    # 5e-7. ZeRO-3's selection at fraction 1/2 equals stage 0's in tests/test_deepspeed_zero3.py; here
+    # 5e-7. ZeRO-3's selection at fraction 1/2 equals stage 0's in tests/integration/test_deepspeed_zero3.py; here
     # the GPT-2 runs and the resume keep fraction 1/2 under Trainer.
     whole = {"fraction": 1.0}
     runs = [

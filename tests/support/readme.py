@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
+from support.repository import ROOT
+
+README = ROOT / "README.md"
 
 
 def readme_megatron_commands() -> dict[str, list[str]]:

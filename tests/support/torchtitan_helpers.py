@@ -23,6 +23,9 @@ BATCH, SEQ = 4, 16  # the global batch of every step
 STEPS = 3
 # (data-parallel replicate, tensor-parallel) degrees; the rest of the world shards (FSDP2)
 LAYOUTS = {"fsdp": (1, 1), "hsdp": (2, 1), "tp": (1, 2)}
+# The optimizer settings of the torchtitan tests: Newton-Schulz in fp64, so that a distributed run
+# differs from the single-process one by fp32 rounding alone (support.equality.TOL).
+SETTINGS = {"lr": 0.02, "adamw_lr": 0.003, "weight_decay": 0.01, "fraction": 0.5, "ns_dtype": torch.float64}
 
 
 def model_config(n_layers: int = LAYERS):

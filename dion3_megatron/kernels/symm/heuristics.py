@@ -2,7 +2,7 @@
 which tile, persistent or one CTA per tile, split along K (stream-K) or not (the tile model).
 
 Pure Python over the product's shape and the kernel configuration (:mod:`..config`): no CuTe DSL
-import, so the decisions are tested on any machine (tests/test_kernels_cpu.py). The device's SM
+import, so the decisions are tested on any machine (tests/unit/test_kernels_cpu.py). The device's SM
 count, L2 size and cluster occupancy are read once per device. Every constant here was fitted
 to side-by-side measurements on an H200 (``benchmarks/bench_symm.py --sweep --fit``).
 """

@@ -44,7 +44,7 @@ def compile_kernel(kernel: SymmGemmSm90) -> Any:
     """``cute.compile`` of one configuration for sm_90a, callable through TVM-FFI. The pointers,
     sizes, scalars and stream are the launch's arguments, so stand-ins serve here, and no GPU is
     needed: a machine with nvidia-cutlass-dsl and no GPU compiles it too
-    (tests/test_kernels_compile.py)."""
+    (tests/unit/test_kernels_compile.py)."""
     from cutlass.runtime import make_fake_stream
 
     def dummy(dtype):
