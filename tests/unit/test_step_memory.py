@@ -67,9 +67,9 @@ def test_the_performance_page_states_the_estimates():
     assert f"runs\n4 layers ({_gib(four['total'])})" in section or f"runs 4 layers ({_gib(four['total'])})" in section
     table = text[text.index("## GPU memory of each command") : text.index("## On CPU")]
     rows = {row.split("|")[1].strip().strip("`"): row.split("|")[2].strip() for row in re.findall(r"^\|.*\|$", table, re.M)[2:]}
-    assert rows["python benchmarks/bench_step.py"].startswith(
+    assert rows["python benchmarks/bench_step.py"] == (
         f"{_gib(eight['total'])} at 8 layers (estimate): an H200; an 80 GB GPU runs 4 layers, {_gib(four['total'])} (estimate)"
-    )  # (then the measured peak, checked against its JSON by test_doc_claims)
+    )
     small = step_memory.bench_step_bytes(LAYERS["350m"], 24)["total"]
     assert rows["python benchmarks/bench_step.py --model 350m --layers 24"] == f"{_gib(small)} (estimate)"
     fsdp2 = next(value for command, value in rows.items() if "bench_fsdp2.py --model 14b --layers 4" in command)
