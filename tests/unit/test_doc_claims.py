@@ -340,15 +340,9 @@ FIGURES = [
     # bench_step's memory on an 80 GB GPU, measured.
     Figures(
         "docs/performance.md",
-        r"the 4 layers took (\d+\.\d) GiB reserved at the peak \((\d+\.\d) GiB\s+allocated\)",
+        r"ran 4 layers, and they took (\d+\.\d) GiB reserved\s+at the peak \((\d+\.\d) GiB allocated\) against the (\d+\.\d) GiB estimated",
         "step-14b-before-after-1xh100.json",
-        ("memory_gib/peak_reserved", "memory_gib/peak_allocated"),
-    ),
-    Figures(
-        "docs/performance.md",
-        r"f = 1/4 (\d+\.\d\d) and (\d+\.\d\d) ms before, (\d+\.\d\d)\s+and (\d+\.\d\d) after",
-        "step-14b-before-after-1xh100.json",
-        tuple(f"runs/{i}/step_ms/dion3 f=0.25" for i in (0, 2, 1, 3)),  # (before, before, after, after)
+        ("memory_gib/peak_reserved", "memory_gib/peak_allocated", "memory_gib/estimated/total"),
     ),
     # The step's host cost per matrix on CPU, against AdamW (foreach).
     Figures(
