@@ -273,7 +273,7 @@ class PartitionPlan:
 
     def adamw_step(self, group: dict, state: dict, grad: torch.Tensor, offload: Optional[torch.device] = None) -> None:
         """AdamW on the runs of the partition that are no Dion3 matrix's; ``offload``: the device
-        it runs on, the runs' tensors held on the host (:func:`~dion3_megatron.engine.offload.step_on_device`)."""
+        it runs on, the runs' tensors held on the host (``dion3_megatron.engine.offload.step_on_device``)."""
         if not self.adamw_runs:
             return
         params, grads, exp_avgs, exp_avg_sqs = (

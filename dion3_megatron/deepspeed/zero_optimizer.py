@@ -80,7 +80,7 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
 
     def offload_state(self) -> None:
         """DeepSpeed keeps the partitions in host memory (``offload_optimizer``): so is their
-        state, and each step streams them through the GPU (:mod:`dion3_megatron.engine.offload`)."""
+        state, and each step streams them through the GPU (``dion3_megatron.engine.offload``)."""
         self.offload = self._session.offload = True
 
     def create_partition_state(self) -> None:

@@ -49,7 +49,7 @@ SCRIPT = textwrap.dedent(
     out["moved"] = max((p - b).abs().max().item() for p, b in zip(engine.module.parameters(), before))
     try:
         build(params={"momentum": 0.9}); out["unknown"] = None
-    except ValueError as e:
+    except TypeError as e:  # (dion3_megatron.options.UnknownOptionError, as for every unknown name)
         out["unknown"] = str(e)
     engine = build(stage=3)
     out["stage3_basic"] = type(engine.optimizer.optimizer).__name__
