@@ -7,7 +7,7 @@
                                variables a script reads, patch files; torchtitan's trainer: the
                                trainer config it names is ours (slow tier)
     <!-- command: install -->  pip and venv lines; every extra named exists in the package metadata
-    <!-- command: tests -->    pytest lines; the first is the command .ci/run calls, and .ci/run
+    <!-- command: tests -->    pytest lines; .ci/run runs exactly these, in this order, and .ci/run
                                installs the extras of the install block before it
     <!-- command: snippet -->  Python that needs the reader's model: compiled, not run
 
@@ -218,17 +218,16 @@ def pinned(text: str) -> set[tuple[str, bool]]:
     return found
 
 
-def ci_test_command(ci_text: str) -> str:
-    lines = [line.strip() for line in ci_text.splitlines() if re.match(r"\s*python -m pytest", line)]
-    assert len(lines) == 1, f".ci/run should call pytest once, found {lines}"
-    return lines[0]
+def ci_test_commands(ci_text: str) -> list[str]:
+    """The pytest commands .ci/run runs, in order."""
+    return [shlex.join(shlex.split(line)) for line in ci_text.splitlines() if re.match(r"\s*python -m pytest", line)]
 
 
 def check_tests_block(block: Block, ci_text: str, extras_before: set[str] | None, markers: set[str]) -> list[str]:
     problems = []
     lines = [shlex.join(words) for _, words, _ in commands(block.text)]
-    if not lines or lines[0] != ci_test_command(ci_text):
-        problems.append(f"{block.where}: the first test command {lines[:1]} is not the one .ci/run calls, {ci_test_command(ci_text)!r}")
+    if lines != ci_test_commands(ci_text):
+        problems.append(f"{block.where}: the test commands {lines} are not the ones .ci/run runs, {ci_test_commands(ci_text)}")
     for _, words, _ in commands(block.text):
         if words[:3] != ["python", "-m", "pytest"]:
             problems.append(f"{block.where}: not a pytest command: {shlex.join(words)}")
@@ -408,7 +407,7 @@ def test_the_readme_test_command_is_the_one_ci_runs():
     assert not [b for b in ALL_BLOCKS if b.mark == "tests" and b.path != readme]
     wrong = Block(readme, 1, "bash", "tests", 'python -m pytest -q tests/\npython -m pytest -m "not slowly"')
     found = check_tests_block(wrong, ci, {"megatron"}, declared_markers())
-    assert len(found) == 4 and "not the one .ci/run calls" in found[0], found
+    assert len(found) == 4 and "are not the ones .ci/run runs" in found[0], found
     assert "unexpected pytest argument 'tests/'" in found[1] and "'slowly' is not declared" in found[2]
     assert "installs ['docs', 'lint', 'test']" in found[3]
 
