@@ -34,7 +34,7 @@ def args(**given) -> argparse.Namespace:
     return argparse.Namespace(**{**values, **given})
 
 
-def test_validation_lifts_megatrons_offload_check_for_dion3_and_leaves_the_precision_aware_optimizer_off():
+def test_validation_lifts_megatrons_offload_check_for_dion3_and_leaves_the_flags_as_given():
     seen = {}
 
     def validate_args(a, defaults={}):  # noqa: B006 - Megatron's signature
@@ -48,7 +48,7 @@ def test_validation_lifts_megatrons_offload_check_for_dion3_and_leaves_the_preci
         given = args(optimizer_cpu_offload=True, use_precision_aware_optimizer=precision_aware)
         assert validate(given) is given
         assert seen["use_precision_aware_optimizer"] is True and seen["optimizer_cpu_offload"] is True
-        assert given.optimizer_cpu_offload is True and given.use_precision_aware_optimizer is False
+        assert given.optimizer_cpu_offload is True and given.use_precision_aware_optimizer is precision_aware
     # Another optimizer's arguments reach Megatron's checks as they are.
     adam = args(optimizer="adam", optimizer_cpu_offload=True, use_precision_aware_optimizer=False)
     with pytest.raises(AssertionError):
@@ -58,10 +58,9 @@ def test_validation_lifts_megatrons_offload_check_for_dion3_and_leaves_the_preci
 @pytest.mark.parametrize(
     "given, line",
     [
-        (dict(exp_avg_dtype="bf16"), "--optimizer dion3: --exp-avg-dtype must be fp32, got bf16: Dion3 keeps its momentum in fp32"),
         (dict(exp_avg_sq_dtype=torch.float16), "--exp-avg-sq-dtype must be fp32, got fp16"),
         (dict(main_params_dtype="fp16"), "--main-params-dtype must be fp32, got fp16"),
-        (dict(use_torch_optimizer_for_cpu_offload=True), "--use-torch-optimizer-for-cpu-offload must be False"),
+        (dict(use_torch_optimizer_for_cpu_offload=True), "--optimizer dion3: --use-torch-optimizer-for-cpu-offload must be False"),
         (
             dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5),
             "--optimizer dion3 offloads all of its state or none: --optimizer-offload-fraction must be 1.0 (or 0: none), got 0.5",
