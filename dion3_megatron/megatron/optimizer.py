@@ -369,7 +369,7 @@ class MegatronDion3(Dion3FrontEnd):
         """Each parameter's state in its own layout (param-shaped, the momentum in its dtype),
         ``skipped_steps``, under each param group's ``"fractions"`` the automatic f of its matrices
         on every rank (the same on every rank), and in each group of a bf16 momentum the count of
-        steps its rounding hashes (:data:`~.saved_state.ROUNDING_STEP`)."""
+        steps its rounding hashes (``rounding_step``)."""
         self._ensure_engine(with_grads=False)
         sd = super().state_dict()  # param_groups packed with indices; self.state stays empty
         sd["state"] = {index: self._saved_state(p) for index, (p, _) in enumerate(self._params())}
