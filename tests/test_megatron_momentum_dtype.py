@@ -122,6 +122,29 @@ def test_the_state_dict_holds_the_bf16_momentum_and_the_count_and_a_resume_is_bi
         assert equal == same, count
 
 
+def test_a_group_switched_to_bf16_converts_its_momentum_and_counts_on_from_the_optimizers_steps(generator):
+    """momentum_dtype is a param-group setting: changed between steps, the engine is built anew
+    with the state converted (the matrices' count of steps: the optimizer's), and back."""
+    params, names = _params(generator)
+    opt = _megatron(params, names)
+    grads = _grads(generator, params, 4)
+    for step_grads in grads[:2]:
+        _step(opt, params, step_grads)
+    before = [s.state["momentum"].clone() for shards in opt._shards.values() for s in shards]
+    opt.param_groups[0]["momentum_dtype"] = BF16
+    opt.init_state()
+    after = [s.state["momentum"] for shards in opt._shards.values() for s in shards]
+    assert all(a.dtype == torch.bfloat16 and torch.equal(a, b.bfloat16()) for a, b in zip(after, before))
+    assert _counts(opt) == [2] * 6
+    _step(opt, params, grads[2])
+    assert _counts(opt) == [3] * 6 and opt.state_dict()["param_groups"][0][ROUNDING_STEP] == 3
+    opt.param_groups[0]["momentum_dtype"] = "fp32"
+    _step(opt, params, grads[3])
+    shards = [s for shards in opt._shards.values() for s in shards]
+    assert all(s.state["momentum"].dtype == torch.float32 and ROUNDING_STEP not in s.state for s in shards)
+    assert ROUNDING_STEP not in opt.state_dict()["param_groups"][0]
+
+
 @pytest.mark.parametrize("count", [-1, 1.5, True])
 def test_a_count_of_steps_that_is_none_is_refused_before_anything_changes(generator, count):
     params, names = _params(generator)

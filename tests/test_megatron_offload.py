@@ -96,11 +96,11 @@ def test_megatrons_adam_part_is_built_without_the_offload_dion3_takes():
     assert config.optimizer_cpu_offload is True  # (a copy: the run's config keeps it)
 
 
-def _stepped(offload: bool):
+def _stepped(offload: bool, momentum_dtype: str):
     """test_megatron_optimizer's fused QKV (its rows permuted around the step), fc1 and projection,
     stepped 3 times."""
     params, names = _params(torch.Generator().manual_seed(0))
-    opt = _megatron(params, names, offload=offload)
+    opt = _megatron(params, names, offload=offload, momentum_dtype=momentum_dtype)
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         for p in params:
@@ -109,14 +109,18 @@ def _stepped(offload: bool):
     return params, opt
 
 
-def test_an_offloaded_megatron_dion3_steps_and_saves_as_without_offload(monkeypatch):
+@pytest.mark.parametrize("momentum_dtype", ["fp32", "bf16"])
+def test_an_offloaded_megatron_dion3_steps_and_saves_as_without_offload(monkeypatch, momentum_dtype):
     monkeypatch.setattr(engine_offload, "step_device", lambda on, device: torch.device("cpu") if on else None)
-    params, opt = _stepped(False)
-    offloaded, opt_offloaded = _stepped(True)
+    params, opt = _stepped(False, momentum_dtype)
+    offloaded, opt_offloaded = _stepped(True, momentum_dtype)
     assert opt_offloaded._session.engine.offload == torch.device("cpu") and opt._session.engine.offload is None
     for a, b in zip(params, offloaded):
         assert torch.equal(a, b)
-    saved, saved_offloaded = opt.state_dict()["state"], opt_offloaded.state_dict()["state"]
+    saved, saved_offloaded = opt.state_dict(), opt_offloaded.state_dict()
+    assert saved["param_groups"][0].get("rounding_step") == saved_offloaded["param_groups"][0].get("rounding_step")
+    saved, saved_offloaded = saved["state"], saved_offloaded["state"]
+    assert saved[0]["momentum"].dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[momentum_dtype]
     for i, state in saved.items():
         for key, value in state.items():
             assert torch.equal(value, saved_offloaded[i][key]), (i, key)
