@@ -18,8 +18,10 @@ that table and the replacements that concern registration:
 4. :func:`layer_wise_ddp_wrap`: ``pretrain()`` builds the layer-wise ZeRO-1 layout for
    ``--optimizer dion3 --use-distributed-optimizer`` whichever way the script hands it the model.
 
-Without apex or Transformer Engine it also applies :mod:`.torch_adam` (torch AdamW's resume) and
-:mod:`.multi_tensor` (foreach gradient norm, clipping and copies), both for Dion3 runs only.
+The entries of :mod:`.offload` (``--optimizer-cpu-offload``) and :mod:`.precision`
+(``--use-precision-aware-optimizer``: ``--exp-avg-dtype`` is the momentum's dtype) are in the table
+too. Without apex or Transformer Engine it also applies :mod:`.torch_adam` (torch AdamW's resume)
+and :mod:`.multi_tensor` (foreach gradient norm, clipping and copies), both for Dion3 runs only.
 :func:`unregister` restores every original.
 """
 
