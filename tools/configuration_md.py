@@ -68,6 +68,11 @@ MEGATRON_OWN = {
 # Options whose --dion3-* flag sets only part of what the option sets elsewhere: what Megatron's own flag steps.
 MEGATRON_ALSO = {
     "eps": MegatronOwn((OwnFlag("--adam-eps", 1e-08),), "NorMuon's epsilon; Megatron's Adam takes {flags}"),
+    "momentum_dtype": MegatronOwn(
+        (OwnFlag("--use-precision-aware-optimizer", False), OwnFlag("--exp-avg-dtype", "fp32")),
+        "Megatron's precision-aware optimizer sets it too: {flags}, fp32 or bf16 (given both ways, the two must agree); "
+        "Megatron's Adam keeps fp32 moments",
+    ),
 }
 
 # DeepSpeed keys that Hugging Face Trainer also sets, with its flag (a TrainingArguments field) and default.

@@ -234,13 +234,19 @@ def loaded_state(state_dict: dict[str, Any], groups: list[dict], offloaded: bool
             }
             if "momentum" in entry and entry["momentum"].dtype != momentum_dtype:
                 conversions.add(f"{entry['momentum'].dtype} to {momentum_dtype}")
+    announce_conversions(conversions, stacklevel=5)
+    return loaded
+
+
+def announce_conversions(conversions: set[str], stacklevel: int) -> None:
+    """Say once which momentum dtypes a load converted (``"torch.float32 to torch.bfloat16"``):
+    a checkpoint's momentum takes the ``momentum_dtype`` of the optimizer that loads it."""
     if conversions:
         warnings.warn(
             f"Dion3: the checkpoint's momentum was converted ({', '.join(sorted(conversions))}) to the "
             "momentum_dtype of this optimizer's param groups",
-            stacklevel=4,
+            stacklevel=stacklevel,
         )
-    return loaded
 
 
 def with_adamw_lr(param_group: dict, adamw_lr: float | torch.Tensor) -> dict:

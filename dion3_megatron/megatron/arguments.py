@@ -127,6 +127,10 @@ def _add(group, option: options.Option) -> None:
         group.add_argument(
             flag(option.name), dest=dest, type=option.argparse_type(), default=option.default, metavar=option.name.upper(), help=help
         )
+    elif option.kind == options.STORAGE_DTYPE:
+        # Unset unless given: Megatron's --exp-avg-dtype may set it (dion3_megatron.megatron.precision).
+        help = f"{text[0].upper()}{text[1:]} (default: {option.default}, or --exp-avg-dtype under --use-precision-aware-optimizer)."
+        group.add_argument(flag(option.name), dest=dest, choices=tuple(options.MOMENTUM_DTYPES), default=None, help=help)
     else:
         raise AssertionError(f"no Megatron flag for an option of kind {option.kind!r} ({option.name})")
 

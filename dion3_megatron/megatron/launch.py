@@ -143,19 +143,21 @@ class _FirstRankErrorParser(argparse.ArgumentParser):
 def check_arguments(args: list[str]) -> None:
     """Check a script's Dion3 arguments before it starts: the ``--dion3-*`` values, and with
     ``--optimizer dion3`` ``--lr`` and ``--weight-decay`` (which Dion3 takes), by the option spec,
-    and Megatron's offload and precision-aware settings (:func:`.offload.offload_refusal`).
+    and Megatron's precision-aware and offload settings (:func:`.precision.refusal`,
+    :func:`.offload.offload_refusal`).
     Megatron-LM would take them only after its imports and process group, on every rank; a bad one
     exits here with one line naming the flag and the value, printed by the first rank alone."""
     from .. import options
     from .arguments import OPTIMIZER_NAME, add_dion3_arguments, fsdp2_tensor_parallel_refusal
     from .offload import offload_refusal
+    from .precision import refusal as precision_refusal
 
     parser = _FirstRankErrorParser(prog=PROG, add_help=False, allow_abbrev=False)
     parser.add_argument("--optimizer")
     parser.add_argument("--use-torch-fsdp2", action="store_true")
     parser.add_argument("--use-megatron-fsdp", action="store_true")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    for flag in ("--optimizer-cpu-offload", "--use-torch-optimizer-for-cpu-offload"):
+    for flag in ("--optimizer-cpu-offload", "--use-torch-optimizer-for-cpu-offload", "--use-precision-aware-optimizer"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("--optimizer-offload-fraction", type=float, default=1.0)
     for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype", "--main-params-dtype", "--main-grads-dtype"):
@@ -174,7 +176,7 @@ def check_arguments(args: list[str]) -> None:
         )
     if known.use_torch_fsdp2 and known.tensor_model_parallel_size > 1:
         parser.error(fsdp2_tensor_parallel_refusal(known.tensor_model_parallel_size))
-    refusal = offload_refusal(known, flags=True)
+    refusal = precision_refusal(known, flags=True) or offload_refusal(known, flags=True)
     if refusal is not None:
         parser.error(refusal)
 

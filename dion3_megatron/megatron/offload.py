@@ -7,11 +7,12 @@ which ``OptimizerConfig`` allows only for Adam under the distributed optimizer (
 Engine's FusedAdam with lower-precision states). For a Dion3 run this module, through the entries
 of :data:`~.registry.MEGATRON`:
 
-* lifts Megatron-LM's checks (:func:`offload_validation`): the precision-aware flag is accepted
-  and, with every dtype fp32, changes nothing (Megatron's Adam part runs as without it); what Dion3
-  cannot take is refused in one line (:func:`offload_refusal`), also by the launcher before Megatron
-  starts, and by ``config_to_kwargs`` for a Megatron-Core ``OptimizerConfig`` (which takes
-  ``optimizer_cpu_offload`` without the precision-aware optimizer);
+* lifts Megatron-LM's check that offload comes with the precision-aware optimizer
+  (:func:`offload_validation`): for Dion3 either works alone (the precision-aware optimizer's dtypes:
+  :mod:`.precision`); what Dion3 cannot take of the offload is refused in one line
+  (:func:`offload_refusal`), also by the launcher before Megatron starts, and by ``config_to_kwargs``
+  for a Megatron-Core ``OptimizerConfig`` (which takes ``optimizer_cpu_offload`` without the
+  precision-aware optimizer);
 * hands ``--optimizer-cpu-offload`` to ``MegatronDion3`` (:func:`offloads`) and builds Megatron's
   Adam part (embeddings, output layer, norms) as without it, on the GPU (:func:`adam_part_on_device`).
 """
@@ -22,35 +23,16 @@ import copy
 import functools
 from typing import Any, Optional
 
-import torch
-
 from .arguments import is_dion3
-
-# Megatron's settings Dion3 takes at one value only: (field, flag, the value, why).
-_ONE_VALUE = (
-    ("exp_avg_dtype", "--exp-avg-dtype", "fp32", "Dion3 keeps its momentum in fp32"),
-    ("exp_avg_sq_dtype", "--exp-avg-sq-dtype", "fp32", "Dion3 keeps its row variances in fp32"),
-    ("main_params_dtype", "--main-params-dtype", "fp32", "Dion3 steps fp32 main parameters"),
-    ("main_grads_dtype", "--main-grads-dtype", "fp32", "Dion3 steps fp32 main gradients"),
-    (
-        "use_torch_optimizer_for_cpu_offload",
-        "--use-torch-optimizer-for-cpu-offload",
-        False,
-        "Dion3 steps its offloaded state on the GPU, with no CPU optimizer",
-    ),
-)
-_DTYPE_NAMES: dict[Any, str] = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "fp8"}
 
 
 def offload_refusal(source: Any, flags: bool) -> Optional[str]:
-    """One line for what a Dion3 run cannot take of Megatron's optimizer offload and
-    precision-aware settings (``source``: Megatron-LM's args, dtypes as names or torch dtypes, or an
-    ``OptimizerConfig``), naming the flag (``flags``) or the config field; None where it takes all."""
-    for field, flag, value, why in _ONE_VALUE:
-        given = getattr(source, field, value)
-        given = _DTYPE_NAMES.get(given, given)
-        if given != value:
-            return f"--optimizer dion3: {flag if flags else field} must be {value}, got {given}: {why}"
+    """One line for what a Dion3 run cannot take of Megatron's optimizer offload (``source``:
+    Megatron-LM's args or an ``OptimizerConfig``), naming the flag (``flags``) or the config field;
+    None where it takes all."""
+    if getattr(source, "use_torch_optimizer_for_cpu_offload", False):
+        name = "--use-torch-optimizer-for-cpu-offload" if flags else "use_torch_optimizer_for_cpu_offload"
+        return f"--optimizer dion3: {name} must be False, got True: Dion3 steps its offloaded state on the GPU, with no CPU optimizer"
     if getattr(source, "optimizer_cpu_offload", False):
         fraction = getattr(source, "optimizer_offload_fraction", 1.0)
         if 0 < fraction < 1:
@@ -75,12 +57,10 @@ def offloads(config: Any) -> bool:
 
 def offload_validation(validate_args):
     """Megatron-LM's ``validate_args``; for ``--optimizer dion3``, what Dion3 cannot take of
-    optimizer offload and precision-aware settings stops the run in one line, Megatron's checks run
-    as if ``--use-precision-aware-optimizer`` came with ``--optimizer-cpu-offload`` (they assert it
-    does: Megatron's CPU Adam needs it; Dion3 needs neither for the other), and after them the
-    precision-aware optimizer is off: ``OptimizerConfig`` allows it for Adam only, and with every
-    dtype fp32 it changes nothing for Dion3 (Megatron's Adam part runs as without it). Megatron's
-    argument dump, printed by its checks, shows the flags as they were given."""
+    optimizer offload stops the run in one line, and Megatron's checks run as if
+    ``--use-precision-aware-optimizer`` came with ``--optimizer-cpu-offload`` (they assert it does:
+    Megatron's CPU Adam needs it; Dion3 needs neither for the other). After them the args hold the
+    flags as they were given."""
 
     @functools.wraps(validate_args)
     def validate(args, *rest, **kwargs):
@@ -89,11 +69,12 @@ def offload_validation(validate_args):
         refusal = offload_refusal(args, flags=True)
         if refusal is not None:
             raise SystemExit(refusal)
-        args.use_precision_aware_optimizer = args.use_precision_aware_optimizer or args.optimizer_cpu_offload
+        given = args.use_precision_aware_optimizer
+        args.use_precision_aware_optimizer = given or args.optimizer_cpu_offload
         try:
             return validate_args(args, *rest, **kwargs)
         finally:
-            args.use_precision_aware_optimizer = False
+            args.use_precision_aware_optimizer = given
 
     return validate
 

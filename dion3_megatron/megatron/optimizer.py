@@ -11,11 +11,12 @@ and how they are split over tensor parallelism. Each logical matrix becomes one
 :class:`~dion3_megatron.engine.MatrixShard`; the megabatch engine does the whole Dion3 step,
 orthogonalizing whole logical matrices across the tensor-parallel group, never per-shard blocks.
 
-State layout (documented choice). Per logical matrix the engine keeps ``momentum`` (fp32, the
-local piece's shape), ``variance`` (fp32, one value per row the piece touches) and, with
-staleness, ``row_age`` (fp32, the same rows: steps since each was applied) in its per-shape
-buffers. A parameter's logical matrices are contiguous row ranges of its *working layout*: its local rows
-reordered so each logical matrix's rows are contiguous. That is the identity for every parameter
+State layout (documented choice). Per logical matrix the engine keeps ``momentum`` (the local
+piece's shape, in ``momentum_dtype``: fp32, or bf16 with stochastic rounding and a count of steps),
+``variance`` (fp32, one value per row the piece touches) and, with staleness, ``row_age`` (fp32,
+the same rows: steps since each was applied) in its per-shape buffers. A parameter's logical
+matrices are contiguous row ranges of its *working layout*: its local rows reordered so each
+logical matrix's rows are contiguous. That is the identity for every parameter
 but a fused QKV weight, whose Q, K and V rows are gathered out of the per-group interleaving
 ([q.. k v] per group) into [Q; K; V]; the QKV weight and gradient are copied into that layout each
 step and the weight written back, the state never moves. ``state_dict()`` assembles each
@@ -24,7 +25,8 @@ broadcast over the columns (param-shaped): Megatron's torch_dist checkpoint shar
 tensor like its parameter, so checkpoints reshard across tensor- and data-parallel sizes like Adam's.
 Under torch FSDP2 a parameter is a DTensor whose rows the data-parallel group splits: its rows are a
 piece of the whole (:func:`~.layout.fsdp_piece`), each logical matrix row-sharded over that group,
-and the state dict holds DTensors placed like it (torch_dcp saves and reshards them).
+and the state dict holds DTensors placed like it (torch_dcp saves and reshards them). A bf16
+momentum's count of steps is the optimizer's, saved in the param groups (:mod:`.saved_state`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ from ..engine import Dion3Engine, MatrixShard, Sharding, plan
 from ..engine.session import EngineSession
 from ..core.rule import Dion3Hyperparameters
 from ..frontend.dtensor import is_dtensor, local, param_shaped
+from . import saved_state
 from .layout import ParamLayout, describe_model, describe_param, fsdp_piece
+from .saved_state import ROUNDING_STEP, Entry
 
 
 def decision_device(fallback: torch.device) -> torch.device:
@@ -58,9 +62,7 @@ def decision_device(fallback: torch.device) -> torch.device:
 # Megatron's lr and weight decay, and the per-group options.
 _GROUP_SETTINGS = ("lr", "weight_decay", *options.group_keys(options.MEGATRON))
 
-# A parameter and its state dict entry (momentum, variance, and with staleness row_age).
-_Entry = tuple[torch.Tensor, dict[str, torch.Tensor]]
-# The engine's parameters (their ids) and each param group's staleness.
+# The engine's parameters (their ids) and each param group's staleness and momentum dtype.
 _EngineKey = tuple[tuple[int, ...], tuple[Any, ...]]
 
 
@@ -102,6 +104,7 @@ class MegatronDion3(Dion3FrontEnd):
         scale_mu_by_fraction: bool = False,
         staleness: float = 1.0,
         ns_method: str = "gram",
+        momentum_dtype: torch.dtype | str = "fp32",
         kernels: Optional[str] = None,
         cuda_graph: bool = True,
         split_qkv: bool = True,
@@ -134,7 +137,8 @@ class MegatronDion3(Dion3FrontEnd):
         self._settings = grouping.GroupSettings(
             lambda where, group: options.check(where, **{k: group[k] for k in _GROUP_SETTINGS}), _GROUP_SETTINGS
         )
-        self._pending: list[_Entry] = []  # loaded, set at the next engine build
+        self._pending: list[Entry] = []  # loaded, set at the next engine build
+        self._rounding_step = 0  # steps taken: every bf16 momentum's count (ROUNDING_STEP)
         self._finite_vouched = False
         self._shards: dict[torch.Tensor, list] = {}
         self._work: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -229,9 +233,10 @@ class MegatronDion3(Dion3FrontEnd):
         builds at the same call, the first step or the first state access (checkpointing).
         """
         params = self._params()
-        # The engine plans with the staleness (its rows' ages exist only when it is > 0): a change
-        # builds the engine anew, carrying the state over (ages switched on start at 0).
-        key: _EngineKey = (tuple(id(p) for p, _ in params), tuple(group["staleness"] for group in self.param_groups))
+        # The engine plans with the staleness (its rows' ages exist only when it is > 0) and the
+        # momentum's dtype: a change builds the engine anew, carrying the state over (ages switched
+        # on start at 0, a momentum converted).
+        key: _EngineKey = (tuple(id(p) for p, _ in params), tuple((g["staleness"], g["momentum_dtype"]) for g in self.param_groups))
         engine = self._session.current(key)
         if engine is not None:
             self._refresh_shards(with_grads)
@@ -264,6 +269,10 @@ class MegatronDion3(Dion3FrontEnd):
         self._permuted = [(p, self.layout_of(p).perm, *self._work[p]) for p, _ in params if p in self._work]
         pending, self._pending = self._pending, []
         self._set_state(pending)
+        for shards in self._shards.values():  # every bf16 momentum at the optimizer's count
+            for shard in shards:
+                if ROUNDING_STEP in shard.state:
+                    shard.state[ROUNDING_STEP].fill_(self._rounding_step)
         return engine
 
     def _matrix_name(self, p: torch.Tensor, matrix: Any) -> str:
@@ -347,10 +356,7 @@ class MegatronDion3(Dion3FrontEnd):
         """A parameter's entry of the state dict: its momentum, its row variances and (with
         staleness) row ages, param-shaped (copies)."""
         momentum, *rows = self._param_state(p)
-        entry = {
-            "momentum": momentum.clone(),
-            **{key: t.unsqueeze(1).expand(momentum.shape).contiguous() for key, t in zip(("variance", "row_age"), rows)},
-        }
+        entry = saved_state.entry_of(momentum, rows)
         return {key: param_shaped(p, t) for key, t in entry.items()} if is_dtensor(p) else entry
 
     def fractions_of(self, p: torch.Tensor) -> list[tuple[tuple[int, int], float | str]]:
@@ -360,12 +366,16 @@ class MegatronDion3(Dion3FrontEnd):
         return [(tuple(s.shape), f if (f := self._session.chosen(s.name)) is not None else s.hp.fraction) for s in self._shards.get(p, [])]
 
     def state_dict(self) -> dict[str, Any]:
-        """Each parameter's state in its own layout (param-shaped), ``skipped_steps`` and, under
-        each param group's ``"fractions"``, the automatic f of its matrices on every rank (the
-        same on every rank)."""
+        """Each parameter's state in its own layout (param-shaped, the momentum in its dtype),
+        ``skipped_steps``, under each param group's ``"fractions"`` the automatic f of its matrices
+        on every rank (the same on every rank), and in each group of a bf16 momentum the count of
+        steps its rounding hashes (``rounding_step``)."""
         self._ensure_engine(with_grads=False)
         sd = super().state_dict()  # param_groups packed with indices; self.state stays empty
         sd["state"] = {index: self._saved_state(p) for index, (p, _) in enumerate(self._params())}
+        for saved, group in zip(sd["param_groups"], self.param_groups):
+            if options.momentum_dtype(group["momentum_dtype"]) != torch.float32:
+                saved[ROUNDING_STEP] = self._rounding_step
         return sd
 
     def fraction_records(self) -> list[dict[str, float]]:
@@ -380,40 +390,12 @@ class MegatronDion3(Dion3FrontEnd):
         a resume, at any data-parallel size, does not measure the device again."""
         self._session.restore(records)
 
-    def _loaded_entries(self, state_dict: dict[str, Any]) -> list[_Entry]:
-        """(param, its entry) of every parameter the state dict holds state for; ValueError naming
-        the group and the parameter where the groups or an entry's shapes do not fit.
-
-        Row ages (staleness): the groups step with the checkpoint's settings after the load, so a
-        checkpoint whose groups have staleness > 0 must hold every parameter's ``row_age``, and
-        one with staleness 0 none."""
-        groups = without_records(state_dict["param_groups"])
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"checkpoint has {len(groups)} param groups, the optimizer has {len(self.param_groups)}")
-        entries = []
-        for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
-            merged = {**mine, **saved}
-            options.check(f"param group {gi}", **{k: merged[k] for k in _GROUP_SETTINGS})
-            if len(saved["params"]) != len(mine["params"]):
-                raise ValueError(f"param group {gi}: checkpoint has {len(saved['params'])} params, the optimizer has {len(mine['params'])}")
-            staleness = merged["staleness"]
-            keys = ("momentum", "variance", "row_age") if staleness else ("momentum", "variance")
-            for p, pid in zip(mine["params"], saved["params"]):
-                entry = state_dict["state"].get(pid)
-                if entry is None:
-                    continue
-                got = {k: tuple(v.shape) for k, v in entry.items() if torch.is_tensor(v)}
-                if got != {key: tuple(p.shape) for key in keys}:
-                    raise ValueError(
-                        f"param group {gi}, param {pid} (shape {tuple(p.shape)}): checkpoint state {got} "
-                        f"is not Dion3 state of this parameter at staleness={staleness!r} "
-                        f"(expected {list(keys)}, each of the parameter's shape)"
-                    )
-                entries.append((p, entry))
-        return entries
+    def _loaded_entries(self, state_dict: dict[str, Any]) -> list[Entry]:
+        return saved_state.loaded_entries(self.param_groups, state_dict, _GROUP_SETTINGS)
 
     def check_loadable(self, state_dict: dict[str, Any]) -> None:
         self._loaded_entries(state_dict)
+        saved_state.loaded_rounding_step(state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Everything checked, then everything set (``Dion3FrontEnd``); the engine is then
@@ -426,15 +408,18 @@ class MegatronDion3(Dion3FrontEnd):
         """The groups take the checkpoint's settings; the engine built next takes the loaded state
         (the parameters the checkpoint holds none for keep theirs)."""
         loaded = self._loaded_entries(state_dict)
-        kept: list[_Entry] = []
+        kept: list[Entry] = []
         if self._session.engine is not None:
             ids = {id(p) for p, _ in loaded}
             kept = [(p, self._saved_state(p)) for p, _ in self._params() if id(p) not in ids]
-        for mine, saved in zip(self.param_groups, without_records(state_dict["param_groups"])):
-            mine.update({k: v for k, v in saved.items() if k != "params" and k in mine})
+        saved_groups = without_records(state_dict["param_groups"])
+        grouping.announce_conversions(saved_state.conversions(self.param_groups, saved_groups, loaded), stacklevel=4)
+        for mine, saved in zip(self.param_groups, saved_groups):
+            mine.update({k: v for k, v in saved.items() if k not in grouping.KEPT_ON_LOAD and k in mine})
+        self._rounding_step = saved_state.loaded_rounding_step(state_dict)
         self._pending = kept + loaded  # (the session builds a new engine: restore_fraction_records)
 
-    def _set_state(self, entries: list[_Entry]) -> None:
+    def _set_state(self, entries: list[Entry]) -> None:
         """Copy (param, state dict entry) pairs into the engine's state. An engine with row ages
         (staleness) takes the entry's, or 0 for an entry without them (a fresh run's ages)."""
         for p, entry in entries:
@@ -443,7 +428,7 @@ class MegatronDion3(Dion3FrontEnd):
             if "row_age" in self._shards[p][0].state:
                 state["row_age"] = local(entry["row_age"].detach())[:, 0] if "row_age" in entry else torch.zeros(layout.local_shape[0])
             for key, value in state.items():
-                value = value.to(device=p.device, dtype=torch.float32)
+                value = value.to(device=p.device, dtype=self._shards[p][0].state[key].dtype)
                 if layout.perm is not None:
                     value = value.index_select(0, layout.perm.to(p.device))
                 for shard, matrix in zip(self._shards[p], layout.matrices):
@@ -492,4 +477,5 @@ class MegatronDion3(Dion3FrontEnd):
         engine = self._ensure_engine(with_grads=True)
         prologue, epilogue, key = self._permuted_copies()
         engine.step(prologue, epilogue, key)
+        self._rounding_step += 1
         return loss

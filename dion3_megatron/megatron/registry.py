@@ -18,8 +18,10 @@ that table and the replacements that concern registration:
 4. :func:`layer_wise_ddp_wrap`: ``pretrain()`` builds the layer-wise ZeRO-1 layout for
    ``--optimizer dion3 --use-distributed-optimizer`` whichever way the script hands it the model.
 
-Without apex or Transformer Engine it also applies :mod:`.torch_adam` (torch AdamW's resume) and
-:mod:`.multi_tensor` (foreach gradient norm, clipping and copies), both for Dion3 runs only.
+The entries of :mod:`.offload` (``--optimizer-cpu-offload``) and :mod:`.precision`
+(``--use-precision-aware-optimizer``: ``--exp-avg-dtype`` is the momentum's dtype) are in the table
+too. Without apex or Transformer Engine it also applies :mod:`.torch_adam` (torch AdamW's resume)
+and :mod:`.multi_tensor` (foreach gradient norm, clipping and copies), both for Dion3 runs only.
 :func:`unregister` restores every original.
 """
 
@@ -29,7 +31,7 @@ import functools
 from typing import Any, Callable, TypedDict
 
 from .. import compat, options
-from . import multi_tensor, offload, torch_adam, wrappers
+from . import multi_tensor, offload, precision, torch_adam, wrappers
 from .arguments import (
     DION3_DEFAULTS,
     OPTIMIZER_NAME,
@@ -73,13 +75,17 @@ def dion3_values(config=None) -> dict[str, Any]:
 
 def config_to_kwargs(config, model_chunks, pg_collection) -> dict[str, Any]:
     """Megatron ``OptimizerConfig`` -> :class:`MegatronDion3` constructor kwargs, as Megatron-Core's
-    ``_kwargs_from_config`` reads a prefixed config: option ``name`` from ``config.dion3_<name>``,
-    lr, weight decay and offload (:func:`.offload.offloads`) from Megatron's own fields."""
+    ``_kwargs_from_config`` reads a prefixed config: option ``name`` from ``config.dion3_<name>``
+    (``momentum_dtype`` also from the precision-aware optimizer's ``exp_avg_dtype``:
+    :func:`.precision.momentum_dtype`), lr, weight decay and offload (:func:`.offload.offloads`) from
+    Megatron's own fields."""
     values = dion3_values(config)
-    check_dion3_values(values, "Megatron optimizer config")
-    refusal = offload.offload_refusal(config, flags=False)
+    refusal = precision.refusal(config, flags=False) or offload.offload_refusal(config, flags=False)
     if refusal is not None:
         raise ValueError(refusal)
+    momentum = config_field("momentum_dtype")
+    values[momentum] = precision.momentum_dtype(config, values[momentum])
+    check_dion3_values(values, "Megatron optimizer config")
     return dict(
         lr=config.lr if config.lr is not None else options.BY_NAME["lr"].default,
         weight_decay=config.weight_decay,
@@ -117,7 +123,8 @@ def emerging_optimizer_factory(factory):
     ``LayerWiseDistributedOptimizer`` and ``ChainedOptimizer``, here Dion3's subclasses (fp32
     support, a bad step skipped whole: see :mod:`.wrappers`), and the Adam part with
     ``_get_megatron_optimizer_based_on_param_groups``, here without the CPU offload Dion3 takes for
-    its own state (:func:`.offload.adam_part_on_device`). Other optimizers: Megatron's factory.
+    its own state (:func:`.offload.adam_part_on_device`); under the precision-aware optimizer it
+    builds from :func:`.precision.megatron_view` of the config. Other optimizers: Megatron's factory.
 
     The registry entry alone cannot do this: the factory checks ``HAVE_EMERGING_OPTIMIZERS`` before
     it reads the entry, and an entry carries the optimizer class, not the wrappers around it."""
@@ -126,6 +133,7 @@ def emerging_optimizer_factory(factory):
     def build(config, *args, **kwargs):
         if not is_dion3(getattr(config, "optimizer", None)):
             return factory(config, *args, **kwargs)
+        config = precision.megatron_view(config)
         dion3_factory = compat.rebound(
             MEGATRON,
             _FACTORY,
@@ -195,9 +203,10 @@ def torch_fsdp2_validation(validate_args):
 
 
 def validation(validate_args):
-    """Megatron-LM's ``validate_args`` with both of Dion3's changes: optimizer offload
-    (:func:`.offload.offload_validation`) around the torch FSDP2 path (:func:`torch_fsdp2_validation`)."""
-    return offload.offload_validation(torch_fsdp2_validation(validate_args))
+    """Megatron-LM's ``validate_args`` with Dion3's changes: the precision-aware settings
+    (:func:`.precision.precision_validation`) and optimizer offload (:func:`.offload.offload_validation`)
+    around the torch FSDP2 path (:func:`torch_fsdp2_validation`)."""
+    return precision.precision_validation(offload.offload_validation(torch_fsdp2_validation(validate_args)))
 
 
 def layer_wise_dion3_run() -> bool:
@@ -314,7 +323,8 @@ MEGATRON: tuple[compat.Patch, ...] = (
         "(Dion3 needs nothing from it) and wraps Dion3 in dion3_megatron.megatron.wrappers' subclasses of "
         "its layer-wise and chained optimizers: fp32 without --bf16 (stock 0.19 fails ChainedOptimizer's "
         "config assertion), a step with a non-finite gradient anywhere skipped whole on every rank; "
-        "--optimizer-cpu-offload offloads Dion3's state, and Megatron's Adam part is built without it",
+        "--optimizer-cpu-offload offloads Dion3's state, and Megatron's Adam part is built without it; "
+        "the precision-aware optimizer's --exp-avg-dtype is Dion3's momentum dtype, the rest is built without it",
         MCORE_019,
         rebinds=(
             "HAVE_EMERGING_OPTIMIZERS",
@@ -322,6 +332,14 @@ MEGATRON: tuple[compat.Patch, ...] = (
             "ChainedOptimizer",
             "_get_megatron_optimizer_based_on_param_groups",
         ),
+    ),
+    compat.Patch(
+        "megatron.core.optimizer.optimizer_config:OptimizerConfig.__post_init__",
+        precision.config_post_init,
+        "OptimizerConfig allows use_precision_aware_optimizer for adam only (with Transformer Engine's FusedAdam): "
+        "for dion3 its exp_avg_dtype is the dtype of Dion3's momentum (fp32 or bf16), the dtypes Dion3 cannot "
+        "take are refused in one line, and the other checks run as without it",
+        MCORE_019,
     ),
     compat.Patch(
         "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
@@ -390,8 +408,9 @@ MEGATRON: tuple[compat.Patch, ...] = (
         "Megatron-LM refuses every emerging optimizer under --use-torch-fsdp2 (a guard of the layer-wise "
         "ZeRO-1 layout, which FSDP2 replaces); for dion3 its other checks of that path run, and tensor "
         "parallelism there is refused in one line. It asserts --optimizer-cpu-offload only with "
-        "--use-precision-aware-optimizer (Megatron's CPU Adam needs it): for dion3 neither needs the other, and "
-        "what Dion3 cannot take of them (a partial offload, dtypes other than fp32) is refused in one line",
+        "--use-precision-aware-optimizer (Megatron's CPU Adam needs it): for dion3 neither needs the other; "
+        "--exp-avg-dtype sets Dion3's momentum dtype (--dion3-momentum-dtype must agree), and what Dion3 cannot "
+        "take (a partial offload, the other state dtypes other than fp32) is refused in one line",
         MLM_019,
         optional=True,
     ),

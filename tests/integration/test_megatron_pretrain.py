@@ -440,11 +440,62 @@ def test_pretrain_with_megatrons_cpu_offload_flags_trains_as_the_run_without_the
             "--optimizer dion3 offloads all of its state or none: --optimizer-offload-fraction must be 1.0 (or 0: none), got 0.5",
         ),
         (
-            ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"],
-            "--optimizer dion3: --exp-avg-dtype must be fp32, got bf16: Dion3 keeps its momentum in fp32",
+            ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--dion3-momentum-dtype", "fp32"],
+            "--optimizer dion3: --dion3-momentum-dtype fp32 and --exp-avg-dtype bf16 disagree",
         ),
     ],
-    ids=["partial-offload", "bf16-momentum"],
+    ids=["partial-offload", "momentum-dtypes-disagree"],
 )
 def test_what_dion3_cannot_take_of_megatrons_offload_is_refused_once_before_megatron_starts(flags, line):
     assert_stopped_once_before_megatron_starts([CPU, SCRIPT, *TINY, *flags], line)
+
+
+BF16_MOMENTUM = ["--dion3-fraction", "0.5", "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"]
+CONVERTED = "Dion3: the checkpoint's momentum was converted ({}) to the momentum_dtype of this optimizer's param groups"
+
+
+def dion3_momenta(path: str) -> tuple[dict, dict]:
+    """A torch_dist checkpoint's Dion3 momenta (by key) and its saved Dion3 param group (the one
+    that names a momentum_dtype: Adam's do not)."""
+    saved = flat(checkpoint(path))
+    (prefix,) = [k[: -len("momentum_dtype")] for k in saved if k.endswith(".param_groups.0.momentum_dtype")]
+    group = {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix) and "." not in k[len(prefix) :]}
+    return {k: v for k, v in saved.items() if ".optimizer.state.momentum." in k}, group
+
+
+def test_pretrain_with_bf16_momentum_saves_it_in_bf16_resumes_exactly_and_converts_the_other_dtype(tmp_path):
+    """--use-precision-aware-optimizer --exp-avg-dtype bf16 at DP=2: Dion3's momentum in bf16 (the
+    args and the log say so; Megatron's Adam part keeps fp32 moments), saved in bf16 with the count
+    of steps its rounding hashes in the param group; resumed at iteration 2 it ends with the
+    uninterrupted run's checkpoint, tensor for tensor. Resumed without the flags (fp32 momentum)
+    the checkpoint's momentum converts, each rank saying so once, and that run's fp32 checkpoint
+    (of iteration 3) loads converted back under bf16 and trains on."""
+    import torch
+
+    full, resumed, fp32 = (str(tmp_path / name) for name in ("full", "resumed", "fp32"))
+    log = pretrain([*BF16_MOMENTUM, "--save", full])
+    assert re.search(r"^ +dion3_momentum_dtype \.+ bf16$", log, re.M)
+    assert re.search(r"^ +use_precision_aware_optimizer \.+ True$", log, re.M)
+    assert "Dion3's momentum is stored in bf16; Megatron's Adam part (embeddings, output layer, norms, biases) keeps fp32 moments" in log
+    losses = iterations(log)
+    assert sorted(losses) == [1, 2, 3, 4] and float(losses[4][0]) < float(losses[1][0])
+    for iteration in (2, 4):
+        momenta, group = dion3_momenta(os.path.join(full, f"iter_000000{iteration}"))
+        assert momenta and {v.dtype for v in momenta.values()} == {torch.bfloat16}
+        assert group["momentum_dtype"] == "bf16" and group["rounding_step"] == iteration
+
+    again = iterations(pretrain([*BF16_MOMENTUM, "--load", full, "--ckpt-step", "2", "--save", resumed]))
+    assert sorted(again) == [3, 4] and again[3] == losses[3] and again[4][1] == losses[4][1]
+    checkpoint_4 = checkpoint(os.path.join(full, "iter_0000004"))
+    assert_same_checkpoint(checkpoint_4, checkpoint(os.path.join(resumed, "iter_0000004")))
+    assert dion3_momenta(os.path.join(resumed, "iter_0000004"))[1]["rounding_step"] == 4  # (common state, which the above skips)
+
+    log = pretrain(["--dion3-fraction", "0.5", "--load", full, "--ckpt-step", "2", "--save", fp32, "--save-interval", "1"])
+    assert log.count(CONVERTED.format("torch.bfloat16 to torch.float32")) == 2  # once on each rank
+    assert iterations(log)[3] == losses[3]
+    momenta, group = dion3_momenta(os.path.join(fp32, "iter_0000003"))
+    assert {v.dtype for v in momenta.values()} == {torch.float32}
+    assert group["momentum_dtype"] == "fp32" and "rounding_step" not in group
+    log = pretrain([*BF16_MOMENTUM, "--load", fp32, "--ckpt-step", "3"])
+    assert log.count(CONVERTED.format("torch.float32 to torch.bfloat16")) == 2
+    assert sorted(iterations(log)) == [4]

@@ -104,7 +104,8 @@ _SCRIPT = textwrap.dedent("""
                 where = f"{name}:{attr}"
                 seen[where] = id(value)
                 held |= {where} if ours(value) else set()
-                if isinstance(value, type) and value.__module__ == name:
+                # A class under its own name (megatron-core keeps aliases: AdamOptimizerConfig = OptimizerConfig)
+                if isinstance(value, type) and value.__module__ == name and value.__name__ == attr:
                     for key, item in list(vars(value).items()):
                         seen[f"{where}.{key}"] = id(item)
                         held |= {f"{where}.{key}"} if ours(item) else set()

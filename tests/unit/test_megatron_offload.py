@@ -34,7 +34,7 @@ def args(**given) -> argparse.Namespace:
     return argparse.Namespace(**{**values, **given})
 
 
-def test_validation_lifts_megatrons_offload_check_for_dion3_and_leaves_the_precision_aware_optimizer_off():
+def test_validation_lifts_megatrons_offload_check_for_dion3_and_leaves_the_flags_as_given():
     seen = {}
 
     def validate_args(a, defaults={}):  # noqa: B006 - Megatron's signature
@@ -48,7 +48,7 @@ def test_validation_lifts_megatrons_offload_check_for_dion3_and_leaves_the_preci
         given = args(optimizer_cpu_offload=True, use_precision_aware_optimizer=precision_aware)
         assert validate(given) is given
         assert seen["use_precision_aware_optimizer"] is True and seen["optimizer_cpu_offload"] is True
-        assert given.optimizer_cpu_offload is True and given.use_precision_aware_optimizer is False
+        assert given.optimizer_cpu_offload is True and given.use_precision_aware_optimizer is precision_aware
     # Another optimizer's arguments reach Megatron's checks as they are.
     adam = args(optimizer="adam", optimizer_cpu_offload=True, use_precision_aware_optimizer=False)
     with pytest.raises(AssertionError):
@@ -58,10 +58,9 @@ def test_validation_lifts_megatrons_offload_check_for_dion3_and_leaves_the_preci
 @pytest.mark.parametrize(
     "given, line",
     [
-        (dict(exp_avg_dtype="bf16"), "--optimizer dion3: --exp-avg-dtype must be fp32, got bf16: Dion3 keeps its momentum in fp32"),
         (dict(exp_avg_sq_dtype=torch.float16), "--exp-avg-sq-dtype must be fp32, got fp16"),
         (dict(main_params_dtype="fp16"), "--main-params-dtype must be fp32, got fp16"),
-        (dict(use_torch_optimizer_for_cpu_offload=True), "--use-torch-optimizer-for-cpu-offload must be False"),
+        (dict(use_torch_optimizer_for_cpu_offload=True), "--optimizer dion3: --use-torch-optimizer-for-cpu-offload must be False"),
         (
             dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5),
             "--optimizer dion3 offloads all of its state or none: --optimizer-offload-fraction must be 1.0 (or 0: none), got 0.5",
@@ -97,11 +96,11 @@ def test_megatrons_adam_part_is_built_without_the_offload_dion3_takes():
     assert config.optimizer_cpu_offload is True  # (a copy: the run's config keeps it)
 
 
-def _stepped(offload: bool):
+def _stepped(offload: bool, momentum_dtype: str):
     """test_megatron_optimizer's fused QKV (its rows permuted around the step), fc1 and projection,
     stepped 3 times."""
     params, names = _params(torch.Generator().manual_seed(0))
-    opt = _megatron(params, names, offload=offload)
+    opt = _megatron(params, names, offload=offload, momentum_dtype=momentum_dtype)
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         for p in params:
@@ -110,14 +109,18 @@ def _stepped(offload: bool):
     return params, opt
 
 
-def test_an_offloaded_megatron_dion3_steps_and_saves_as_without_offload(monkeypatch):
+@pytest.mark.parametrize("momentum_dtype", ["fp32", "bf16"])
+def test_an_offloaded_megatron_dion3_steps_and_saves_as_without_offload(monkeypatch, momentum_dtype):
     monkeypatch.setattr(engine_offload, "step_device", lambda on, device: torch.device("cpu") if on else None)
-    params, opt = _stepped(False)
-    offloaded, opt_offloaded = _stepped(True)
+    params, opt = _stepped(False, momentum_dtype)
+    offloaded, opt_offloaded = _stepped(True, momentum_dtype)
     assert opt_offloaded._session.engine.offload == torch.device("cpu") and opt._session.engine.offload is None
     for a, b in zip(params, offloaded):
         assert torch.equal(a, b)
-    saved, saved_offloaded = opt.state_dict()["state"], opt_offloaded.state_dict()["state"]
+    saved, saved_offloaded = opt.state_dict(), opt_offloaded.state_dict()
+    assert saved["param_groups"][0].get("rounding_step") == saved_offloaded["param_groups"][0].get("rounding_step")
+    saved, saved_offloaded = saved["state"], saved_offloaded["state"]
+    assert saved[0]["momentum"].dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[momentum_dtype]
     for i, state in saved.items():
         for key, value in state.items():
             assert torch.equal(value, saved_offloaded[i][key]), (i, key)
