@@ -20,8 +20,8 @@ pytest.importorskip("megatron.core")
 from dion3_megatron import Dion3  # noqa: E402
 from dion3_megatron.megatron import precision, registry  # noqa: E402
 from dion3_megatron.megatron.saved_state import ROUNDING_STEP  # noqa: E402
-from test_megatron_offload import args as megatron_args  # noqa: E402
-from test_megatron_optimizer import _clones, _grads, _megatron, _params, _split  # noqa: E402
+from unit.test_megatron_offload import args as megatron_args  # noqa: E402
+from unit.test_megatron_optimizer import _clones, _grads, _megatron, _params, _split  # noqa: E402
 
 BF16 = "bf16"
 
