@@ -84,3 +84,10 @@ def test_a_bf16_momentum_in_a_group_with_adamw_tensors_is_refused_at_zero_1_to_3
         message = out["mixed group"][1]
         assert message is not None and message.startswith("param group 0: momentum_dtype='bf16' stores the exp_avg"), message
         assert "take AdamW" in message and "\n" not in message, message
+
+
+def test_switching_a_group_to_bf16_converts_its_exp_avg_and_deepspeed_reads_the_new_one(two_ranks):
+    for out in two_ranks:
+        switched = out["switched to bf16"]
+        assert "exp_avg torch.bfloat16" in switched["dtypes"]["dion3"], switched
+        assert switched["bf16 values"] and switched["moved"], switched

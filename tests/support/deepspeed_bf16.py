@@ -143,4 +143,25 @@ def session(rank: int, world: int, tmp: str) -> dict:
         out["universal into fp32"][case] = {k: v for k, v in fp32.items() if k in ("dtypes", "momentum_dtype")}
 
     out["mixed group"] = {stage: _mixed_group_refusal(world, stage) for stage in (0, 1)}
+    out["switched to bf16"] = _switched_to_bf16(world, list(expected))
     return out
+
+
+def _switched_to_bf16(world: int, names: list[str]) -> dict[str, Any]:
+    """ZeRO-1 with an fp32 momentum for two steps, then ``momentum_dtype`` set to "bf16" in every
+    param group: the dtypes of the partitions' ``exp_avg`` after the next step, and whether
+    DeepSpeed's accessor then reads the momentum the steps write (bf16 values that a further step
+    changes) rather than the fp32 tensor the conversion replaced."""
+    engine = h.make_engine(config(1, world, momentum_dtype="fp32"))
+    h.train(engine, 2)
+    for group in h._basic(engine).param_groups:
+        group["momentum_dtype"] = "bf16"
+    h.train(engine, 1, start=2)
+    before = full_momenta(engine, names)
+    h.train(engine, 1, start=3)
+    after = full_momenta(engine, names)
+    return {
+        "dtypes": state_of(engine)["dtypes"],
+        "bf16 values": all(torch.equal(m, m.bfloat16().float()) for m in after.values()),
+        "moved": all(not torch.equal(before[n], after[n]) for n in names),
+    }
