@@ -1,6 +1,6 @@
 """DeepSpeed with a bf16 momentum (``"momentum_dtype": "bf16"``) on CPU (gloo) for
-tests/test_deepspeed_bf16_momentum.py: one 2-rank session comparing ZeRO stages 1-3 with stage 0,
-reading the partitions' state, resuming regular and universal checkpoints. Uses
+tests/integration/test_deepspeed_bf16_momentum.py: one 2-rank session comparing ZeRO stages 1-3
+with stage 0, reading the partitions' state, resuming regular and universal checkpoints. Uses
 :mod:`support.deepspeed_helpers` for the environment, configs and training."""
 
 from __future__ import annotations

@@ -240,7 +240,7 @@ def test_optimizer_config_with_a_bf16_momentum_steps_and_resumes_under_fsdp2(tmp
             apart = (value - expected[name]).norm() / (expected[name] - start[name]).norm()
             assert apart <= BF16_APART, (name, apart)
         assert all(torch.equal(value, case["params"][n]) for n, value in out["resumed"]["fsdp"].items())
-    _assert_equal(outs[0]["resumed at one rank"]["fsdp"], outs[0]["cases"][0]["params"], "fsdp, bf16 momentum, resumed at 1 rank")
+    assert_equal(outs[0]["resumed at one rank"]["fsdp"], outs[0]["cases"][0]["params"], "fsdp, bf16 momentum, resumed at 1 rank")
 
 
 def test_the_trainer_benchmark_reads_torchtitan_s_step_lines_and_writes_its_corpus(tmp_path):

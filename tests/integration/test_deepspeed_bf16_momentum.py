@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow  # every test reads the results of one multi-proce
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("needs deepspeed", allow_module_level=True)
 
-TOL = 1e-6  # stage 1-3 vs stage 0, as with an fp32 momentum (tests/test_deepspeed_zero.py)
+TOL = 1e-6  # stage 1-3 vs stage 0, as with an fp32 momentum (tests/integration/test_deepspeed_zero.py)
 
 
 @pytest.fixture(scope="module")
