@@ -243,6 +243,11 @@ CASES = [
     Case("Dion3, f = 1/4, bf16 momentum (torch `Dion3`)", torch_dion3(fraction=FRACTION, momentum_dtype="bf16")),
     Case("Dion3, f = 1/4 (DeepSpeed ZeRO-1)", deepspeed_zero1(fraction=FRACTION)),
     Case("Dion3, f = 1/4, staleness 0 (DeepSpeed ZeRO-1)", deepspeed_zero1(fraction=FRACTION, staleness=0.0)),
+    Case("Dion3, f = 1/4, bf16 momentum (DeepSpeed ZeRO-1)", deepspeed_zero1(fraction=FRACTION, momentum_dtype="bf16")),
+    Case(
+        "Dion3, f = 1/4, bf16 momentum, staleness 0 (DeepSpeed ZeRO-1)",
+        deepspeed_zero1(fraction=FRACTION, momentum_dtype="bf16", staleness=0.0),
+    ),
     Case("AdamW, fp32 moments (torch `AdamW`)", adamw),
     Case("AdamW, bf16 moments (torchtitan `fused_opt_states_bf16`)", adamw_bf16_moments),
     Case("Muon, fp32 momentum (`torch.optim.Muon`)", muon),

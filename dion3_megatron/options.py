@@ -279,7 +279,6 @@ OPTIONS: tuple[Option, ...] = (
         "fp32",
         "what the momentum is stored in: fp32, or bf16 (half the bytes; computed in fp32, stored with "
         "stochastic rounding, so small gradients still move it)",
-        front_ends=frozenset((TORCH, MEGATRON)),
     ),
     Option("betas", BETAS, (0.9, 0.95), "AdamW betas, two values in [0, 1)", front_ends=_NOT_MEGATRON, hyperparameter=False),
     Option(

@@ -34,7 +34,7 @@ import json
 import re
 
 from .. import compat
-from . import zero3
+from . import checkpoint, zero3
 from .base import become
 from .config import ALLOWED as CONFIG_KEYS
 from .config import normalize_params
@@ -315,6 +315,14 @@ DEEPSPEED: tuple[compat.Patch, ...] = (
         "partitions (ZeRO-3: which parameters each sub-group's holds) and how to write one back to its "
         "low-precision copy, and the partition-shaped state of every ZeRO partition is created before ZeRO "
         "links state to parameters",
+        DS_019,
+        optional=True,
+    ),
+    compat.Patch(
+        "deepspeed.runtime.base_optimizer:ZeROOptimizer.load_hp_checkpoint_state_from_checkpoint_dir",
+        checkpoint.keep_settings_on_universal_load,
+        "the universal-checkpoint load of ZeRO-1/2 and BF16_Optimizer sets every saved key of a param group on the "
+        "optimizer's: Dion3's groups keep their own momentum_dtype, as its other loads do",
         DS_019,
         optional=True,
     ),

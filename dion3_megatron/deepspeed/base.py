@@ -52,6 +52,7 @@ class DeepSpeedFrontEnd(Dion3FrontEnd):
         num_heads: Optional[int] = None,
         ns_method: str = "gram",
         ns_dtype: Optional[torch.dtype | str] = None,
+        momentum_dtype: torch.dtype | str = "fp32",
         betas: tuple[float, float] = (0.9, 0.95),
         kernels: Optional[str] = None,
         cuda_graph: bool = True,

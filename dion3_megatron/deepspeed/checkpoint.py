@@ -36,6 +36,34 @@ def universal_checkpoint_info() -> dict[str, Any]:
     return {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
 
 
+def kept_settings(groups: list[dict]) -> list[dict[str, Any]]:
+    """Per param group, the settings a checkpoint's groups do not set (how this optimizer stores its
+    momentum: ``momentum_dtype``), to set again after a load of DeepSpeed's that sets every saved key."""
+    from ..frontend.groups import KEPT_ON_LOAD
+
+    return [{k: group[k] for k in KEPT_ON_LOAD if k != "params" and k in group} for group in groups]
+
+
+def keep_settings_on_universal_load(original):
+    """``ZeROOptimizer.load_hp_checkpoint_state_from_checkpoint_dir`` (the universal-checkpoint
+    load of ZeRO-1/2 and BF16_Optimizer), which sets every key of each saved param group on the
+    optimizer's: Dion3's groups keep their ``momentum_dtype``, as its other loads keep it (the
+    momentum is converted to it at the next step)."""
+
+    def load_hp_checkpoint_state_from_checkpoint_dir(self, lp_groups_name: str, checkpoint_dir: str) -> None:
+        from .zero_optimizer import DeepSpeedZeroDion3
+
+        if not isinstance(self.optimizer, DeepSpeedZeroDion3):
+            return original(self, lp_groups_name, checkpoint_dir)
+        kept = kept_settings(self.optimizer.param_groups)
+        original(self, lp_groups_name, checkpoint_dir)
+        for group, settings in zip(self.optimizer.param_groups, kept):
+            group.update(settings)
+        return None
+
+    return load_hp_checkpoint_state_from_checkpoint_dir
+
+
 def convert_to_universal(input_folder: str, output_folder: str, workers: int = 1) -> None:
     """Run DeepSpeed's ``ds_to_universal`` in this process (``workers`` > 1 uses a process pool).
 

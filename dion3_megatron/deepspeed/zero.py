@@ -247,14 +247,22 @@ class PartitionPlan:
         self.pieces.append(_SlicePiece(shard, offset, length, _row_blocks(first, length, row_width)))
 
     def bind(self, state: dict, hp: rule.Dion3Hyperparameters) -> None:
-        """Give the shards their state from the partition's, before the engine is built on them: the
-        momentum, views of ``exp_avg`` (stepped where it lies); a variance and an age per touched row."""
+        """Give the shards their state from the partition's, before the engine is built on them (in
+        a step, after its count): the momentum, views of ``exp_avg`` (stepped where it lies); a
+        variance and an age per touched row; with a bf16 momentum each matrix's count of steps
+        before this one, the partition's (every matrix of a partition steps at each of its steps)."""
+        exp_avg = state["exp_avg"]
         for piece in self.pieces:
             piece.shard.hp = hp
             piece.shard.state.clear()
-            piece.shard.state["momentum"] = piece.of(state["exp_avg"])
+            piece.shard.state["momentum"] = piece.of(exp_avg)
             for key in _per_row(state, hp):
-                piece.shard.state[key] = torch.zeros(piece.rows, dtype=torch.float32, device=state["exp_avg"].device)
+                piece.shard.state[key] = torch.zeros(piece.rows, dtype=torch.float32, device=exp_avg.device)
+            if hp.momentum_dtype != torch.float32:
+                before = int(state["step"]) - 1
+                piece.shard.state["rounding_step"] = torch.full(
+                    (), before, dtype=torch.int64, device=exp_avg.device, pin_memory=exp_avg.is_pinned()
+                )
 
     def moves(self, state: dict, hp: rule.Dion3Hyperparameters) -> _SliceMoves:
         """What travels between the partition's state and the engine's (built on the shards' state)."""
@@ -468,16 +476,3 @@ def _merge_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             merged.append((start, length))
     return merged
-
-
-def init_slice_state(state: dict, flat: torch.Tensor, with_age: bool = False, pinned: bool = False) -> None:
-    """Create the slice-shaped state of a flat partition if absent (fp32, on the slice's device;
-    ``pinned``: a host slice's, in pinned memory); ``with_age``: the rows' ages too (staleness), 0
-    where absent, as in a fresh run."""
-    for key in ("exp_avg", "exp_avg_sq", "row_age") if with_age else ("exp_avg", "exp_avg_sq"):
-        if key not in state:
-            state[key] = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device, pin_memory=pinned)
-    if "step" not in state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
-    elif not torch.is_tensor(state["step"]):
-        state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .checkpoint import kept_settings
 from .zero_optimizer import Partition
 
 
@@ -40,8 +41,9 @@ def load_universal_settings_and_ages(original):
     DeepSpeed's load, which gives every param group the settings of the checkpoint's first one and
     loads only ``fp32``, ``exp_avg`` and ``exp_avg_sq``, give Dion3's param groups their own
     settings back (its matrices and AdamW tensors sit in different groups; each group's record of
-    the automatic f with them) and load the rows' ages (``row_age``, written by
-    :func:`.checkpoint.convert_to_universal`) where the checkpoint has them."""
+    the automatic f with them; its ``momentum_dtype`` its own, as every load keeps it) and load the
+    rows' ages (``row_age``, written by :func:`.checkpoint.convert_to_universal`) where the
+    checkpoint has them."""
 
     def load_hp_checkpoint_state_from_checkpoint_dir_stage3(self, checkpoint_dir):
         from .zero_optimizer import DeepSpeedZeroDion3
@@ -57,9 +59,10 @@ def load_universal_settings_and_ages(original):
             raise ValueError(
                 f"universal checkpoint {checkpoint_dir}: {len(saved_groups)} param groups, the Dion3 optimizer has {len(groups)}"
             )
+        kept = kept_settings(groups)
         original(self, checkpoint_dir)
-        for group, settings in zip(groups, saved_groups):
-            group.update({k: v for k, v in settings.items() if k != "params"})
+        for group, settings, own in zip(groups, saved_groups, kept):
+            group.update({k: v for k, v in settings.items() if k != "params"}, **own)
         for i, params in enumerate(self.fp16_groups):
             folders = [os.path.join(checkpoint_dir, "zero", self.param_names[p]) for p in params]
             if not all(os.path.isfile(os.path.join(folder, "row_age.pt")) for folder in folders):

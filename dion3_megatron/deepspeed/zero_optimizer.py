@@ -27,7 +27,7 @@ from ..engine.session import EngineSession
 from ..frontend import groups as grouping
 from ..frontend.lifecycle import RECORD, read_records, without_records
 from ..kernels import config as kernel_config
-from . import zero
+from . import slice_state, zero
 from .base import DeepSpeedFrontEnd
 from .layout import logical, partition_layout, slice_layout
 
@@ -64,6 +64,10 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
         self._step_plan: Optional[zero.ZeroStep] = None
         self._session = EngineSession(self.cuda_graph, offload=self.offload)  # (its group: the ZeroStep's check group)
         self._settings = grouping.GroupSettings(self._check_group, options.group_keys(options.DEEPSPEED))
+        # Whether a tensor of each group takes the Dion3 rule: its exp_avg then holds the momentum.
+        self._dion3_groups = [any(grouping.algorithm_of(g, p) == "dion3" for p in shaped) for g, shaped in zip(self._groups, self._shaped)]
+        for gi in range(len(self._groups)):  # at initialize: what only ZeRO refuses (_check_group)
+            self._hp(gi)
 
     def adopt_partitions(self, partitions: list[Partition], write_back: Optional[Callable[[int], None]]) -> None:
         """The partitions ZeRO built (in the order it steps them) and how to write partition ``i``
@@ -91,10 +95,21 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
             self._init_state(part)
 
     def _init_state(self, part: Partition) -> None:
-        """A partition's state, where absent: beside it, pinned where a GPU steps it from host memory."""
+        """A partition's state, where absent: beside it, pinned where a GPU steps it from host memory;
+        ``exp_avg`` in its group's momentum dtype (converted where it holds another, DeepSpeed's
+        views of it then taken again)."""
         offload = self._session.offload_device(part.flat.device)
-        with_age = self._groups[part.group_index]["staleness"] > 0
-        zero.init_slice_state(self.state[part.flat], part.flat, with_age=with_age, pinned=offload is not None and offload.type == "cuda")
+        gi = part.group_index
+        state = self.state[part.flat]
+        pinned = offload is not None and offload.type == "cuda"
+        with_age = self._groups[gi]["staleness"] > 0
+        if slice_state.init_slice_state(state, part.flat, with_age=with_age, pinned=pinned, momentum_dtype=self._slice_dtype(gi)):
+            slice_state.relink_fragments(part.params or self._originals[gi], part.flat, state)
+
+    def _slice_dtype(self, gi: int) -> torch.dtype:
+        """What the ``exp_avg`` of group ``gi``'s partitions holds: a Dion3 group's momentum dtype,
+        fp32 for AdamW's first moment."""
+        return self._hp(gi).momentum_dtype if self._dion3_groups[gi] else torch.float32
 
     # --- the record
 
@@ -137,6 +152,15 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
 
     # --- loading
 
+    def load_checked(self, state_dict: dict[str, Any]) -> None:
+        """Each partition's state (``exp_avg`` in its group's momentum dtype, the rest fp32) and
+        the saved groups' settings."""
+
+        def momentum_key(group: dict) -> Optional[str]:
+            return "exp_avg" if self._dion3_groups[self._group_index(group)] else None
+
+        grouping.load_saved(self, state_dict, offloaded=self.offload, momentum_key=momentum_key)
+
     def check_loadable(self, state_dict: dict[str, Any]) -> None:
         # A checkpoint's group settings are checked against the group's original parameters (a
         # "dion3" group's partition is 1-D, its matrices not), with their logical shapes.
@@ -178,8 +202,19 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
         return self._step_plan
 
     def _check_group(self, where: str, group: dict) -> None:
-        gi = next(i for i, g in enumerate(self._groups) if g is group)
+        gi = self._group_index(group)
         grouping.check_group(where, group, options.DEEPSPEED, self._shaped[gi])
+        adamw = [p for p in self._shaped[gi] if grouping.algorithm_of(group, p) == "adamw"]
+        if options.momentum_dtype(group["momentum_dtype"]) != torch.float32 and adamw and self._dion3_groups[gi]:
+            raise ValueError(
+                f"{where}: momentum_dtype={group['momentum_dtype']!r} stores the exp_avg of the group's ZeRO partitions in "
+                f"that dtype, and {len(adamw)} of its tensors take AdamW (shape {tuple(adamw[0].shape)} ...), whose first "
+                "moment would be stored so too: give them a param group of their own (algorithm 'adamw'), or set "
+                "momentum_dtype='fp32' for this group"
+            )
+
+    def _group_index(self, group: dict) -> int:
+        return next(i for i, g in enumerate(self._groups) if g is group)
 
     def _hp(self, gi: int) -> Dion3Hyperparameters:
         return self._settings.of(f"param group {gi}", self._groups[gi])

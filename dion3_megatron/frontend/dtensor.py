@@ -234,29 +234,48 @@ def param_shaped(p: DTensor, values: torch.Tensor) -> torch.Tensor:
     return _held_as(values, p.device_mesh, p.placements, p.shape, p.stride())
 
 
+def _state_placements(p: DTensor, rows: Optional[Placement]) -> list[Placement]:
+    """The placements of a state with one entry per matrix of ``p`` along its dim 0, cut as ``p``'s
+    experts are (a 3-D parameter's dim 0), and (``rows``: the placement of the mesh dimensions that
+    split ``p``'s rows, None for one value per matrix) along its dim 1 as ``p``'s rows are;
+    replicated over the other mesh dimensions."""
+    rows_dim = p.dim() - 2
+    placements: list[Placement] = []
+    for pl in p.placements:
+        dim = _sharded_dim(pl)
+        if rows is not None and dim == rows_dim:
+            placements.append(_StridedShard(1, split_factor=pl.split_factor) if isinstance(pl, _StridedShard) else rows)
+        elif dim == 0 and p.dim() == 3:  # the experts: the state's dim 0 too, cut the same way
+            placements.append(pl)
+        else:
+            placements.append(Replicate())
+    return placements
+
+
 def per_row(p: DTensor, values: torch.Tensor) -> torch.Tensor:
     """This rank's values of a state with one value per matrix row (a variance, an age), ``(matrices,
     rows)`` locally, as a DTensor of shape (the parameter's matrix count, rows) placed like the
     parameter's rows (a view): split where the rows are, replicated where the columns are."""
     count, n = (p.shape[0] if p.dim() == 3 else 1), p.shape[-2]
-    rows_dim = p.dim() - 2
-    placements: list[Placement] = []
-    for pl in p.placements:
-        dim = _sharded_dim(pl)
-        if dim == rows_dim:
-            placements.append(_StridedShard(1, split_factor=pl.split_factor) if isinstance(pl, _StridedShard) else Shard(1))
-        elif dim == 0 and p.dim() == 3:  # the experts: the state's dim 0 too, cut the same way
-            placements.append(pl)
-        else:
-            placements.append(Replicate())
-    return _held_as(values, p.device_mesh, placements, torch.Size((count, n)), (n, 1))
+    return _held_as(values, p.device_mesh, _state_placements(p, Shard(1)), torch.Size((count, n)), (n, 1))
 
 
-def empty_state(p: DTensor, parts: Sequence[str]) -> dict[str, torch.Tensor]:
-    """The state of a parameter of which this rank holds no matrix (no local expert), placed like it."""
-    n = p.shape[-2]
-    values = {part: torch.zeros(0, n, dtype=torch.float32, device=local(p).device) for part in parts}
-    return {
-        "momentum": param_shaped(p, torch.zeros(local(p).shape, dtype=torch.float32, device=local(p).device)),
-        **{part: per_row(p, v) for part, v in values.items()},
-    }
+def per_matrix(p: DTensor, values: torch.Tensor) -> torch.Tensor:
+    """This rank's values of a state with one value per matrix (a bf16 momentum's count of steps),
+    ``(matrices,)`` locally, as a DTensor of shape (the parameter's matrix count,) (a view): split
+    where a 3-D parameter's experts are, replicated elsewhere (every rank that holds a piece of a
+    matrix holds its count, the same on each), so ``torch.distributed.checkpoint`` saves each count
+    once and loads it on any mesh."""
+    count = p.shape[0] if p.dim() == 3 else 1
+    return _held_as(values, p.device_mesh, _state_placements(p, None), torch.Size((count,)), (1,))
+
+
+def empty_state(p: DTensor, momentum_dtype: torch.dtype, with_age: bool) -> dict[str, torch.Tensor]:
+    """The state of a parameter of which this rank holds no matrix (no local expert), placed like it:
+    the momentum in ``momentum_dtype`` (with its count of steps below fp32), the variance and
+    (``with_age``) the rows' ages."""
+    n, device = p.shape[-2], local(p).device
+    rows = {part: per_row(p, torch.zeros(0, n, dtype=torch.float32, device=device)) for part in ("variance", "row_age")[: 1 + with_age]}
+    if momentum_dtype != torch.float32:
+        rows["rounding_step"] = per_matrix(p, torch.zeros(0, dtype=torch.int64, device=device))
+    return {"momentum": param_shaped(p, torch.zeros(local(p).shape, dtype=momentum_dtype, device=device)), **rows}

@@ -206,17 +206,24 @@ def check_state_shapes(
 DION3_STATE = ("momentum", "variance", "row_age", "rounding_step")
 
 
-def loaded_state(state_dict: dict[str, Any], groups: list[dict], offloaded: bool = False) -> dict[torch.Tensor, dict]:
+def loaded_state(
+    state_dict: dict[str, Any],
+    groups: list[dict],
+    offloaded: bool = False,
+    momentum_key: Callable[[dict], Optional[str]] = lambda group: "momentum",
+) -> dict[torch.Tensor, dict]:
     """Every parameter's state from a checkpoint whose shapes :func:`check_state_shapes` accepted:
     copies on the parameter's device (the Dion3 state in host memory where it is ``offloaded``; the
-    step count stays where it was), fp32 but for a Dion3 momentum, which takes its group's
-    ``momentum_dtype`` (a conversion is announced once), and the count of steps of a bf16 one
-    (``rounding_step``, int64; dropped for an fp32 momentum)."""
+    step count stays where it was), fp32 but for a Dion3 momentum (the key ``momentum_key(group)``
+    names, None for a group without one), which takes its group's ``momentum_dtype`` (a conversion
+    is announced once), and the count of steps of a bf16 one (``rounding_step``, int64; dropped for
+    an fp32 momentum)."""
     loaded: dict[torch.Tensor, dict] = {}
     conversions = set()
     for mine, saved in zip(groups, state_dict["param_groups"]):
         momentum_dtype = options.momentum_dtype(mine.get("momentum_dtype", torch.float32))
-        dtypes = {"momentum": momentum_dtype, "rounding_step": torch.int64}
+        key = momentum_key(mine)
+        dtypes = {key: momentum_dtype, "rounding_step": torch.int64} if key is not None else {}
         for p, pid in zip(mine["params"], saved["params"]):
             entry = state_dict["state"].get(pid)
             if entry is None:
@@ -232,8 +239,8 @@ def loaded_state(state_dict: dict[str, Any], groups: list[dict], offloaded: bool
                 for k, v in entry.items()
                 if k != "rounding_step" or momentum_dtype != torch.float32
             }
-            if "momentum" in entry and entry["momentum"].dtype != momentum_dtype:
-                conversions.add(f"{entry['momentum'].dtype} to {momentum_dtype}")
+            if key in entry and entry[key].dtype != momentum_dtype:
+                conversions.add(f"{entry[key].dtype} to {momentum_dtype}")
     announce_conversions(conversions, stacklevel=5)
     return loaded
 
@@ -261,10 +268,15 @@ def with_adamw_lr(param_group: dict, adamw_lr: float | torch.Tensor) -> dict:
 KEPT_ON_LOAD = ("params", "momentum_dtype")
 
 
-def load_saved(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], offloaded: bool = False) -> None:
+def load_saved(
+    optimizer: torch.optim.Optimizer,
+    state_dict: dict[str, Any],
+    offloaded: bool = False,
+    momentum_key: Callable[[dict], Optional[str]] = lambda group: "momentum",
+) -> None:
     """Set an optimizer's state (:func:`loaded_state`; ``offloaded``: its Dion3 state in host
-    memory) and its groups' settings but :data:`KEPT_ON_LOAD` from a checkpoint whose groups and
-    shapes were checked."""
-    optimizer.state = defaultdict(dict, loaded_state(state_dict, optimizer.param_groups, offloaded))
+    memory; ``momentum_key``: the key of a group's Dion3 momentum) and its groups' settings but
+    :data:`KEPT_ON_LOAD` from a checkpoint whose groups and shapes were checked."""
+    optimizer.state = defaultdict(dict, loaded_state(state_dict, optimizer.param_groups, offloaded, momentum_key))
     for mine, saved in zip(optimizer.param_groups, without_records(state_dict["param_groups"])):
         mine.update({k: v for k, v in saved.items() if k not in KEPT_ON_LOAD})

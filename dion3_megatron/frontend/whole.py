@@ -18,7 +18,7 @@ from ..core.ortho import default_ns_dtype
 from ..core.rule import Dion3Hyperparameters
 from ..engine import Dion3Engine, MatrixShard, Sharding, cuda_graph as cuda_graph_module, plan
 from ..engine.session import EngineSession
-from .dtensor import HeldPieces, empty_state, is_dtensor, layout, local, param_shaped, per_row
+from .dtensor import HeldPieces, empty_state, is_dtensor, layout, local, param_shaped, per_matrix, per_row
 from .groups import GroupSettings, algorithm_of, check_group, matrix_names, param_names
 from .matrices import matrix_count, matrix_shape, matrix_values, matrix_view, stacked_view
 
@@ -119,13 +119,6 @@ class WholeParameters:
                 for p in group["params"]:
                     if sharded is not None and is_dtensor(p) and (why := self._pieces.refusal(p, algorithm_of(group, p) == "dion3")):
                         raise ValueError(f"{param_names(groups)[p]}: {why}")
-                    dion3_dtensor = sharded is not None and is_dtensor(p) and algorithm_of(group, p) == "dion3"
-                    if dion3_dtensor and settings[-1].momentum_dtype != torch.float32:
-                        raise ValueError(
-                            f"{param_names(groups)[p]}: momentum_dtype={group['momentum_dtype']!r} is taken for whole "
-                            "parameters; a DTensor parameter's momentum (FSDP2, tensor parallelism) is fp32: set "
-                            f"momentum_dtype='fp32' in param group {gi}"
-                        )
                     if (grad := p.grad) is not None:
                         if grad.is_sparse:
                             raise ValueError(f"param group {gi}: Dion3 does not support sparse gradients")
@@ -234,12 +227,13 @@ class WholeParameters:
             own = self._shards[p]
             if not own:  # a DTensor of which this rank holds no matrix (no local expert)
                 assert is_dtensor(p)
-                state[p].update(empty_state(p, ["variance"] + ["row_age"] * bool(settings[gi].staleness)))
+                state[p].update(empty_state(p, settings[gi].momentum_dtype, bool(settings[gi].staleness)))
                 continue
             parts = {part: stacked_view([s.state[part] for s in own]) for part in own[0].state}
             parts["momentum"] = parts["momentum"].view(local(p).shape)
             if is_dtensor(p):
-                parts = {part: param_shaped(p, v) if part == "momentum" else per_row(p, v) for part, v in parts.items()}
+                placed = {"momentum": param_shaped, "rounding_step": per_matrix}
+                parts = {part: placed.get(part, per_row)(p, v) for part, v in parts.items()}
             if "rounding_step" not in parts:  # (a momentum_dtype changed to fp32)
                 state[p].pop("rounding_step", None)
             state[p].update(parts)

@@ -13,6 +13,7 @@ from typing import Optional
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 from support.dist_utils import run_distributed
 from support.equality import TOL
@@ -93,6 +94,16 @@ def _train(rank: int, world: int, layout: str, settings: dict, bad_step: int) ->
         "skipped": opt.skipped_steps,
         "fractions": dict(opt.fractions),
         "held": _held_where(model, opt),
+        **({"dion3 state": _dion3_state(model, opt)} if "momentum_dtype" in settings else {}),
+    }
+
+
+def _dion3_state(model: torch.nn.Module, opt) -> dict[str, dict[str, tuple]]:
+    """Each Dion3 matrix's state, gathered whole, with the placements of its DTensors."""
+    return {
+        n: {part: (v.full_tensor().clone(), tuple(v.placements)) for part, v in opt.state[p].items()}
+        for n, p in model.named_parameters()
+        if n in MATRICES
     }
 
 
@@ -121,11 +132,13 @@ def _session(rank: int, world: int, cases: list[tuple[str, dict, int]], checkpoi
         out["refused"] = _refusals(world)
         out["split experts"] = _experts_split_inside(world)
         _dcp_worker(rank, world, "fsdp", checkpoint, range(0, 2), DCP_SETTINGS)
+        _dcp_worker(rank, world, "fsdp", checkpoint + "-bf16", range(0, 2), BF16)
         out["auto resumed"] = _auto_resumed(world, checkpoint + "-auto")
     return out
 
 
-def _single_process(settings: dict, bad_step: int) -> dict:
+def _single_process_run(settings: dict, bad_step: int):
+    """The model and its Dion3 after the steps of one process on the whole matrices."""
     from dion3_megatron import Dion3
 
     model = _Net()
@@ -136,27 +149,41 @@ def _single_process(settings: dict, bad_step: int) -> dict:
         if step == bad_step:
             continue  # what a skipped step does: nothing
         opt.step()
+    return model, opt
+
+
+def _single_process(settings: dict, bad_step: int) -> dict:
+    model, _ = _single_process_run(settings, bad_step)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 STALENESS, SKIP, AUTO = ({"fraction": 0.25, "staleness": 1.0}, -1), ({"fraction": 0.5}, 1), ({}, -1)
+DCP_SETTINGS = {"fraction": 0.5, "staleness": 1.0}
+BF16 = {**DCP_SETTINGS, "momentum_dtype": "bf16"}  # the momentum stored in bf16, stochastically rounded
 # (layout, settings, step whose gradient gets a NaN on the last rank, -1 for none) per world size
 CASES = {
-    2: [("fsdp", {"fraction": 0.5}, -1), ("fsdp", *STALENESS), ("fsdp", {"fraction": 1.0}, -1), ("fsdp", *SKIP), ("fsdp", *AUTO)],
+    2: [
+        ("fsdp", {"fraction": 0.5}, -1),
+        ("fsdp", *STALENESS),
+        ("fsdp", {"fraction": 1.0}, -1),
+        ("fsdp", *SKIP),
+        ("fsdp", *AUTO),
+        ("fsdp", BF16, -1),
+    ],
     4: [
         ("fsdp", {"fraction": 0.5}, -1),
         ("fsdp", *AUTO),
+        ("fsdp", BF16, 1),
         ("hsdp", *STALENESS),
         ("hsdp", *SKIP),
         ("hsdp", *AUTO),
+        ("hsdp", BF16, -1),
         ("tp", *STALENESS),
         ("tp", *SKIP),
         ("tp", *AUTO),
+        ("tp", BF16, -1),
     ],
 }
-
-
-DCP_SETTINGS = {"fraction": 0.5, "staleness": 1.0}
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +327,8 @@ def test_pieces_in_cpu_memory_of_a_cuda_mesh_keep_their_state_there():
 
 def _dcp_worker(rank: int, world: int, layout: str, directory: str, steps: range, settings: dict) -> dict:
     """Steps ``steps`` of the batches; saves through torch.distributed.checkpoint after them when
-    they start at 0, else first loads what a run at another world size saved."""
+    they start at 0, else first loads what a run at another world size saved: the parameters and
+    the Dion3 state after them (and the Dion3 state as loaded)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -310,28 +338,114 @@ def _dcp_worker(rank: int, world: int, layout: str, directory: str, steps: range
     )
 
     model, opt = _sharded(world, layout, settings)
+    out = {}
     if steps.start:
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
         dcp.load(state, checkpoint_id=directory)
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, opt, state["optim"])
+        out["loaded"] = _dion3_state(model, opt)
     for x in _batches()[steps.start : steps.stop]:
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
     if not steps.start:
         dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=directory)
-    return {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+    return {
+        **out,
+        "params": {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()},
+        "dion3 state": _dion3_state(model, opt),
+    }
 
 
 def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_and_at_four_with_tensor_parallelism(two_ranks, checkpoint):
     expected = _single_process(DCP_SETTINGS, bad_step=-1)
     for world, layout in ((1, "fsdp"), (4, "tp")):  # (saved after two steps by the two-rank session)
         for out in run_distributed(_dcp_worker, world, layout, checkpoint, range(2, STEPS), DCP_SETTINGS, timeout=180):
-            for name, value in out.items():
+            for name, value in out["params"].items():
                 torch.testing.assert_close(
                     value, expected[name], **TOL, msg=lambda m, n=name, w=world, lay=layout: f"{lay} at {w} ranks {n}: {m}"
                 )
+
+
+def _bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps (of the larger magnitude) two bf16 tensors differ by, entry by entry."""
+    spacing = torch.maximum(a.float().abs(), b.float().abs()) * 2.0**-7
+    return (a.float() - b.float()).abs() / spacing.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def _assert_bf16_state_is_the_single_process_one(state: dict, expected: dict, what: str) -> None:
+    """A DTensor run's Dion3 state (``_dion3_state``, gathered whole) against one process's on the
+    whole matrices: the momentum in bf16, its count of steps (``rounding_step``) one per matrix, the
+    same, replicated, or for the 3-D experts cut like them; the momentum the single process's bit
+    for bit but for an entry whose fp32 sum lay so near a rounding boundary that the fp32 rounding
+    of the distributed gradients put it across (at most 1 in 1000, by one bf16 step). Noise keyed by
+    the place in a rank's piece instead of in the logical matrix leaves most entries apart (86-92 %
+    after three steps at two ranks)."""
+    assert state.keys() == {n for n in expected if n in MATRICES}, what
+    for name, parts in state.items():
+        assert parts.keys() == {"momentum", "variance", "row_age", "rounding_step"}, (what, name)
+        counts, placements = parts["rounding_step"]
+        assert counts.dtype == torch.int64 and torch.equal(counts, expected[name]["rounding_step"]), (what, name, counts)
+        split = [pl for pl in placements if pl != Replicate()]
+        assert split == ([Shard(0)] if name == "experts" else []), (what, name, placements)
+        momentum = parts["momentum"][0]
+        assert momentum.dtype == torch.bfloat16, (what, name)
+        apart = _bf16_steps(momentum, expected[name]["momentum"])
+        assert (apart > 0).float().mean() <= 1e-3 and apart.max() <= 1, (what, name, (apart > 0).sum().item())
+        for part in ("variance", "row_age"):
+            torch.testing.assert_close(parts[part][0], expected[name][part], **TOL, msg=lambda m, q=part: f"{what} {name} {q}: {m}")
+
+
+def _single_process_dion3_state(settings: dict, bad_step: int) -> dict:
+    model, opt = _single_process_run(settings, bad_step)
+    return {n: opt.state[p] for n, p in model.named_parameters() if n in MATRICES}
+
+
+def test_a_bf16_momentum_of_dtensor_parameters_is_the_single_process_one(session):
+    cases, outs = session
+    bf16 = [i for i, (_, settings, _) in enumerate(cases) if settings.get("momentum_dtype") == "bf16"]
+    assert {cases[i][0] for i in bf16} == ({"fsdp"} if len(outs) == 2 else {"fsdp", "hsdp", "tp"})
+    for i in bf16:
+        layout, settings, bad_step = cases[i]
+        expected = _single_process_dion3_state(settings, bad_step)
+        assert {n: s["rounding_step"].tolist() for n, s in expected.items()} == {
+            n: [STEPS - (bad_step >= 0)] * (3 if n == "experts" else 1) for n in MATRICES
+        }
+        for rank, per_rank in enumerate(outs):
+            _assert_bf16_state_is_the_single_process_one(per_rank[i]["dion3 state"], expected, f"{layout} rank {rank}")
+
+
+def test_a_bf16_momentum_checkpoint_resumes_bit_identically_at_two_ranks_and_at_one(two_ranks, checkpoint):
+    """Saved at two ranks (experts 2/1) through torch.distributed.checkpoint, which keeps the
+    momentum in bf16 and each matrix's count of steps once (the experts' three counts as one
+    tensor): resumed at two ranks it is the uninterrupted run bit for bit, weights and state;
+    resumed at one it loads the state as saved, bit for bit, and steps as the single process."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = checkpoint + "-bf16"
+    saved = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    for name in MATRICES:
+        counts, momentum = saved[f"optim.state.{name}.rounding_step"], saved[f"optim.state.{name}.momentum"]
+        assert counts.size == (3 if name == "experts" else 1,) and counts.properties.dtype == torch.int64, (name, counts)
+        assert momentum.properties.dtype == torch.bfloat16, (name, momentum)
+    (uninterrupted,) = [i for i, (_, settings, _) in enumerate(CASES[2]) if settings == BF16]
+    for rank, out in enumerate(run_distributed(_dcp_worker, 2, "fsdp", directory, range(2, STEPS), BF16, timeout=180)):
+        went_on = two_ranks[rank]["cases"][uninterrupted]
+        for name, value in out["params"].items():
+            assert torch.equal(value, went_on["params"][name]), (rank, name)
+        for name, parts in out["dion3 state"].items():
+            for part, (value, placements) in parts.items():
+                assert torch.equal(value, went_on["dion3 state"][name][part][0]), (rank, name, part)
+        at_two = {n: {part: v for part, (v, _) in parts.items()} for n, parts in out["loaded"].items()}
+    (alone,) = run_distributed(_dcp_worker, 1, "fsdp", directory, range(2, STEPS), BF16, timeout=180)
+    for name, parts in alone["loaded"].items():
+        for part, (value, _) in parts.items():
+            assert torch.equal(value, at_two[name][part]), (name, part)
+    expected = _single_process(BF16, bad_step=-1)
+    for name, value in alone["params"].items():
+        torch.testing.assert_close(value, expected[name], **TOL, msg=lambda m, n=name: f"resumed at 1 rank {n}: {m}")
+    _assert_bf16_state_is_the_single_process_one(alone["dion3 state"], _single_process_dion3_state(BF16, -1), "resumed at 1 rank")
 
 
 class _AutoNet(torch.nn.Module):

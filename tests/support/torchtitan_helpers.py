@@ -235,6 +235,17 @@ def full_params(model) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for part in parts for n, p in part.named_parameters()}
 
 
+def state_dtypes(optimizers) -> dict[str, torch.dtype]:
+    """The dtype of every state tensor of the container's optimizers, by ``<parameter name>.<key>``."""
+    return {
+        f"{name}.{key}": value.dtype
+        for o in optimizers
+        for group in o.param_groups
+        for name, p in zip(group["param_names"], group["params"])
+        for key, value in o.state[p].items()
+    }
+
+
 def checkpointer(folder: str, model, optimizers):
     """torchtitan's CheckpointManager over the model (or a list of model parts), its optimizers and
     an LR schedule that keeps the configured lr (the reference steps at it)."""
@@ -261,7 +272,9 @@ def session(rank: int, world: int, layouts: list[str], settings: dict, folder: s
         model, shard = parallelized(world, layout)
         optimizers = container(model, settings)
         train(model, optimizers, range(STEPS), shard)
-        out["cases"].append({"params": full_params(model), "types": [type(o).__name__ for o in optimizers]})
+        out["cases"].append(
+            {"params": full_params(model), "types": [type(o).__name__ for o in optimizers], "state dtypes": state_dtypes(optimizers)}
+        )
     out["resumed"] = {layout: resumed(world, layout, settings, f"{folder}/{layout}") for layout in layouts}
     dist.barrier()
     dist.destroy_process_group()

@@ -372,25 +372,3 @@ def test_stochastic_rounding_is_what_keeps_the_momentum(seed, fraction, mu, monk
     assert error(momentum_after(seed, fraction, mu, BF16)) <= 0.03
     monkeypatch.setattr(rounding, "stochastic_round", nearest)
     assert error(momentum_after(seed, fraction, mu, BF16)) > 0.03
-
-
-def _dtensor_refusal(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (world,))
-    weight = torch.nn.Parameter(distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)]))
-    weight.grad = distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)])
-    opt = Dion3([("sharded", weight)], momentum_dtype=BF16)
-    with pytest.raises(ValueError) as error:
-        opt.step()
-    assert torch.equal(weight.detach().to_local(), torch.ones(8, 4)) and not opt.state[weight]
-    return str(error.value)
-
-
-@pytest.mark.slow  # a process of its own
-def test_dtensor_parameters_refuse_a_bf16_momentum_at_the_step_naming_them():
-    from support.dist_utils import run_distributed
-
-    (message,) = run_distributed(_dtensor_refusal, 1)
-    assert message.startswith("sharded: momentum_dtype='bf16' is taken for whole parameters") and "param group 0" in message

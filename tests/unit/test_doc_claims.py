@@ -412,6 +412,8 @@ FIGURES = [
 MEMORY = "memory-cpu.json"
 MEMORY_TORCH, MEMORY_TORCH_NO_AGES = "Dion3, f = 1/4 (torch `Dion3`)", "Dion3, f = 1/4, staleness 0 (torch `Dion3`)"
 MEMORY_ZERO, MEMORY_ZERO_NO_AGES = "Dion3, f = 1/4 (DeepSpeed ZeRO-1)", "Dion3, f = 1/4, staleness 0 (DeepSpeed ZeRO-1)"
+MEMORY_ZERO_BF16 = "Dion3, f = 1/4, bf16 momentum (DeepSpeed ZeRO-1)"
+MEMORY_ZERO_BF16_NO_AGES = "Dion3, f = 1/4, bf16 momentum, staleness 0 (DeepSpeed ZeRO-1)"
 MEMORY_ADAMW, MEMORY_MUON = "AdamW, fp32 moments (torch `AdamW`)", "Muon, fp32 momentum (`torch.optim.Muon`)"
 
 
@@ -489,6 +491,19 @@ FIGURES += [
         loose(r"That is (\d+\.\d+) bytes per parameter of the model with staleness, and (\d\.\d+) with `staleness=0`"),
         MEMORY,
         (MEMORY_CASE(MEMORY_ZERO, "bytes per parameter"), MEMORY_CASE(MEMORY_ZERO_NO_AGES, "bytes per parameter")),
+    ),
+    Figures(
+        "docs/memory.md",
+        loose(
+            r"param group in bf16: (\d+\.\d+) bytes per parameter of the hidden matrices \((\d\.\d+) with `staleness=0`\), "
+            r"(\d+\.\d+) over the whole model"
+        ),
+        MEMORY,
+        (
+            MEMORY_CASE(MEMORY_ZERO_BF16, "bytes per matrix parameter"),
+            MEMORY_CASE(MEMORY_ZERO_BF16_NO_AGES, "bytes per matrix parameter"),
+            MEMORY_CASE(MEMORY_ZERO_BF16, "bytes per parameter"),
+        ),
     ),
 ]
 
