@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from timing import cuda_median_ms_interleaved
 
-from dion3_megatron import Dion3
+from dion3_megatron import Dion3, report
 
 LAYER = [(5120, 5120), (1024, 5120), (1024, 5120), (5120, 5120), (13824, 5120), (13824, 5120), (5120, 13824)]
 GIB = 2**30
@@ -110,6 +110,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "gpu": torch.cuda.get_device_name(),
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda},
+        "kernels": {line.label: line.value for line in report.kernels()},
         "layers": args.layers,
         "parameters": count,
         "fraction": args.fraction,
