@@ -20,6 +20,7 @@ batched steps' totals are estimates until a run prints its peak (bench_step.py p
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Union
 
 GIB = 2**30
@@ -92,3 +93,116 @@ def fsdp2_state_bytes(layer: list[tuple[int, int]], layers: int) -> int:
     Muon momenta; 8 for AdamW's two moments (the optimizers' step memory beside it is not counted)."""
     parameters = sum(n * c * batch for n, c, batch in shape_groups(layer, layers))
     return parameters * (4 * 6 + 8)
+
+
+# ------------------------------------------------------------------------------------------------
+# The documented GPU commands that are not optimizer-step benchmarks: estimates per GPU, from the
+# shapes each script builds (docs/performance.md's table of every command; tests/unit/test_step_memory.py).
+
+MIB = 2**20
+
+
+def size_text(value: int) -> str:
+    """How the docs write an estimate: GiB to one decimal, or MiB below a tenth of a GiB."""
+    return f"{value / GIB:.1f} GiB" if value >= 0.1 * GIB else f"{value / MIB:.0f} MiB"
+
+
+def ortho_bench_bytes(shapes: list[tuple[int, int, int]], variants: int, muon: bool = True, sets: int = 2) -> int:
+    """bench_ortho.py at its largest shape: ``sets`` fp32 inputs of (batch, rows, cols), and per
+    variant one CUDA graph per input, each graph's pool holding that orthogonalization's working
+    memory (Gram Newton-Schulz in fp16; the Muon column NS5 in bf16), plus one eager call beside them."""
+
+    def at(batch: int, rows: int, cols: int) -> int:
+        gram = orthogonalization_bytes(rows, cols, batch)
+        ns5 = batch * muon_step_bytes(rows, cols)
+        graphs = sets * ((variants - muon) * gram + muon * ns5)
+        return sets * 4 * batch * rows * cols + graphs + max(gram, ns5)
+
+    return max(at(*shape) for shape in shapes)
+
+
+def eager_bench_bytes(normalized: list[tuple[int, int, int]], boundary: list[tuple[str, int, int, int]]) -> int:
+    """bench_eager.py's largest table: the normalization (two fp32 inputs, two forms each graphed per
+    input holding an fp16 result, one eager result beside them) or the products near the thresholds
+    (four fp16 operands, one result)."""
+    norm = max(2 * 4 * b * r * c + (2 * 2 + 1) * 2 * b * r * c for b, r, c in normalized)
+    products = max(4 * 2 * b * m * (k if kind == "gram" else m) + 2 * b * m * m for kind, b, m, k in boundary)
+    return max(norm, products)
+
+
+def megabatch_bytes(layer: list[tuple[int, int]], layers: int, world: int) -> int:
+    """bench_megabatch.py per rank: each matrix's 1/world shard as fp32 weight, gradient and momentum,
+    and the step counted as a gathered fp32 copy of every whole matrix and their orthogonalization at f = 1."""
+    groups = shape_groups(layer, layers)
+    parameters = sum(n * c * batch for n, c, batch in groups)
+    return 3 * 4 * parameters // world + 4 * parameters + dion3_step_bytes(groups, 1.0)
+
+
+@dataclass(frozen=True)
+class Gpt:
+    """A GPT's shapes as a training command builds them (ffn 0: 4 x hidden; query_groups 0: one
+    per head; gated: SwiGLU, fc1 holding gate and up; positions: rows of a learned position table)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    ffn: int = 0
+    query_groups: int = 0
+    gated: bool = False
+    tied: bool = False
+    positions: int = 0
+    biases: bool = False
+
+    def matrix_parameters(self) -> int:
+        """The layers' weight matrices: what Dion3 (or Muon) steps."""
+        h, f = self.hidden, self.ffn or 4 * self.hidden
+        kv = 2 * h * (h // self.heads) * (self.query_groups or self.heads)
+        return self.layers * (2 * h * h + kv + (3 if self.gated else 2) * h * f)
+
+    def other_parameters(self) -> int:
+        """Embeddings, output layer, position table, norms (two vectors each) and biases: AdamW's."""
+        h, f = self.hidden, self.ffn or 4 * self.hidden
+        biases = (3 * h + h + (2 if self.gated else 1) * f + h) if self.biases else 0
+        return self.vocab * h * (1 if self.tied else 2) + self.positions * h + self.layers * (4 * h + biases) + 2 * h
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Bytes per parameter and how the ranks divide them. shard: "zero1" divides the main weights and
+    the optimizer's state over the data-parallel ranks (Megatron's distributed optimizer, ZeRO-1),
+    "full" divides everything (FSDP2, ZeRO-3), "none" nothing. main 0: the weights are fp32 themselves.
+    momentum: bytes per matrix parameter on the GPU (Dion3's or Muon's fp32 momentum 4, bf16 2,
+    offloaded 0; an Adam run 8); adam: bytes per other parameter."""
+
+    gpus: int = 1
+    tp: int = 1
+    shard: str = "zero1"
+    weights: int = 2
+    main: int = 4
+    grads: int = 4
+    momentum: int = 4
+    adam: int = 8
+
+
+def training_bytes(
+    model: Gpt, micro_batch: int, layout: Layout, fused_attention: bool = False, activation_bytes: int = 2
+) -> dict[str, int]:
+    """One GPU's memory in a training run: ``state`` (weights, main weights, gradients, the optimizer's
+    state, divided as the layout shards them), ``activations`` and ``total``.
+
+    Activations follow Korthikanti et al. 2022 (no recomputation, 16-bit): s b h (10 + 24 / t +
+    5 a s / (h t)) bytes per layer at tensor-parallel size t, with the attention scores' 5 a s / (h t)
+    left out where a fused attention kernel keeps none (the paper's selective recomputation), and the
+    output layer's fp32 logits, 4 s b v / t; ``activation_bytes`` 4 doubles the layers' for fp32 runs."""
+    t, dp = layout.tp, layout.gpus // layout.tp
+    matrices, others = model.matrix_parameters() // t, model.other_parameters() // t
+    every = dp if layout.shard == "full" else 1
+    optimizer = dp if layout.shard in ("zero1", "full") else 1
+    state = (layout.weights + layout.grads) * (matrices + others) // every
+    state += (layout.main * (matrices + others) + layout.momentum * matrices + layout.adam * others) // optimizer
+    s, b, h, a = model.seq, micro_batch, model.hidden, model.heads
+    per_layer = s * b * h * (10 + 24 / t + (0 if fused_attention else 5 * a * s / (h * t)))
+    activations = int(model.layers * per_layer * activation_bytes / 2 + 4 * s * b * model.vocab / t)
+    return {"state": state, "activations": activations, "total": state + activations}
