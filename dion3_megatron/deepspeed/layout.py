@@ -50,8 +50,10 @@ def is_zero_linked(p: torch.Tensor) -> bool:
     return hasattr(p, "_hp_mapping") and hasattr(p, "_dp_group")
 
 
-def slice_layout(flat: torch.Tensor, originals: list[torch.Tensor], where: str) -> FlatLayout:
-    """A ZeRO-1/2 param group's flat slice (one all_gather of int ranges over its data-parallel group)."""
+def slice_layout(flat: torch.Tensor, originals: list[torch.Tensor], where: str, device: torch.device) -> FlatLayout:
+    """A ZeRO-1/2 param group's flat slice (one all_gather of int ranges over its data-parallel
+    group, on ``device``: where the step computes, the GPU when the slice is offloaded to the host,
+    since an NCCL group takes no CPU tensors)."""
     linked: list[ZeroParam] = [p for p in originals if is_zero_linked(p)]
     if not linked:
         raise RuntimeError(
@@ -62,7 +64,7 @@ def slice_layout(flat: torch.Tensor, originals: list[torch.Tensor], where: str) 
     if any(p._dp_group is not group for p in linked):
         raise RuntimeError(f"{where}: parameters span different data-parallel groups")
     starts = [p._hp_mapping.hp_fragment_address.start if p._hp_mapping is not None else 0 for p in linked]
-    return FlatLayout(flat, linked, list(range(len(linked))), starts, _gather_ranges(linked, group, flat.device), group)
+    return FlatLayout(flat, linked, list(range(len(linked))), starts, _gather_ranges(linked, group, device), group)
 
 
 def partition_layout(flat: torch.Tensor, params: list[ZeroParam], indices: list[int], group: Any, where: str) -> FlatLayout:

@@ -184,20 +184,13 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
             for i, part in enumerate(self._partitions):
                 where = f"Dion3 param group {part.group_index}"
                 originals = self._originals[part.group_index]
+                device = self._session.compute_device(part.flat.device)
                 if part.params is None:
-                    layout = slice_layout(part.flat, originals, where)
+                    layout = slice_layout(part.flat, originals, where, device)
                 else:
                     position = {id(p): j for j, p in enumerate(originals)}
                     layout = partition_layout(part.flat, part.params, [position[id(p)] for p in part.params], part.process_group, where)
-                plans.append(
-                    zero.PartitionPlan(
-                        self._groups[part.group_index],
-                        self._hp(part.group_index),
-                        layout,
-                        part.group_index,
-                        self._session.compute_device(part.flat.device),
-                    )
-                )
+                plans.append(zero.PartitionPlan(self._groups[part.group_index], self._hp(part.group_index), layout, part.group_index, device))
             self._step_plan = zero.ZeroStep(plans, [self._hp(part.group_index) for part in self._partitions], self._session)
         return self._step_plan
 

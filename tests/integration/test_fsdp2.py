@@ -113,8 +113,11 @@ def _held_where(model: torch.nn.Module, opt) -> dict:
     from dion3_megatron.frontend.dtensor import local
 
     params = list(model.parameters())
-    # (FSDP2 has no public accessor of the policy a module was sharded with)
-    fsdp_params = [fp for group in model._get_fsdp_state()._fsdp_param_groups for fp in group.fsdp_params]
+    # (FSDP2 has no public accessor of the policy a module was sharded with; newer torch holds a
+    # list of param groups where older holds one)
+    fsdp = model._get_fsdp_state()
+    groups = getattr(fsdp, "_fsdp_param_groups", None) or [fsdp._fsdp_param_group]
+    fsdp_params = [fp for group in groups for fp in group.fsdp_params]
     return {
         "weights": {local(p).device.type for p in params},
         "gradients": {local(p.grad).device.type for p in params if p.grad is not None},
