@@ -143,6 +143,7 @@ def COMPARED(key: str, optimizer: str) -> Callable[[Any], float]:  # noqa: N802
 
 
 BF16_MOMENTUM = "convergence-bf16-momentum-1xh100.json"
+OFFLOAD = "offload-14b-1xh100.json"
 
 
 def bf16_runs(data: Any, fraction: float, momentum: str, key: str = "final_val_loss") -> list[float]:
@@ -343,6 +344,48 @@ FIGURES = [
         r"ran 4 layers, and they took (\d+\.\d) GiB reserved\s+at the peak \((\d+\.\d) GiB allocated\) against the (\d+\.\d) GiB estimated",
         "step-14b-before-after-1xh100.json",
         ("memory_gib/peak_reserved", "memory_gib/peak_allocated", "memory_gib/estimated/total"),
+    ),
+    # Dion3's state offloaded to host memory against it on the GPU, and AdamW stepped on the host.
+    Figures(
+        "docs/performance.md",
+        r"8 layers of 14B shapes \((\d\.\d\d)B parameters, f = 1/4, fp32 momentum: (\d+\.\d\d) GiB of\s+state\)",
+        OFFLOAD,
+        (lambda data: data["parameters"] / 1e9, "state_gib"),
+    ),
+    Figures(
+        "docs/performance.md",
+        r"\| Dion3, state on the GPU \(one CUDA graph\) \| (\d+\.\d\d) ms \| (\d+\.\d\d) GiB \| (\d+\.\d\d) GiB \|\n"
+        r"\| Dion3, `offload=True` \| (\d+\.\d\d) ms \| (\d+\.\d\d) GiB \| (\d+\.\d\d) GiB \|\n"
+        r"\| AdamW offloaded as Megatron's `HybridDeviceOptimizer` steps it [^|]*\| (\d+\.\d\d) ms \|",
+        OFFLOAD,
+        (
+            "dion3_on_gpu_ms",
+            "memory/on_gpu/between_steps_gib",
+            "memory/on_gpu/peak_during_step_gib",
+            "dion3_offloaded_ms",
+            "memory/offloaded/between_steps_gib",
+            "memory/offloaded/peak_during_step_gib",
+            "adamw_offloaded_ms",
+        ),
+    ),
+    Figures(
+        "docs/performance.md",
+        r"takes (\d\.\d\d)x the on-GPU one: it moves the state both ways, which at the host\s+link's measured "
+        r"(\d+\.\d) GiB/s to the GPU and (\d+\.\d) GiB/s back takes (\d+\.\d) ms",
+        OFFLOAD,
+        ("offloaded_vs_on_gpu", "link_gib_per_s/to_gpu", "link_gib_per_s/to_host", "state_round_trip_ms_at_link"),
+    ),
+    Figures(
+        "docs/performance.md",
+        r"It is (\d\.\d\d)x faster than stepping AdamW\s+on the host",
+        OFFLOAD,
+        (lambda data: data["adamw_offloaded_ms"] / data["dion3_offloaded_ms"],),
+    ),
+    Figures(
+        "docs/performance.md",
+        r"\(offload-14b-1xh100\.json\): (\d+\.\d) GiB of parameters and gradients",
+        OFFLOAD,
+        (lambda data: data["parameters"] * 8 / 2**30,),  # fp32 parameters and gradients
     ),
     # The step's host cost per matrix on CPU, against AdamW (foreach).
     Figures(
