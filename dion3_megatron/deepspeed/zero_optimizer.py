@@ -190,7 +190,9 @@ class DeepSpeedZeroDion3(DeepSpeedFrontEnd):
                 else:
                     position = {id(p): j for j, p in enumerate(originals)}
                     layout = partition_layout(part.flat, part.params, [position[id(p)] for p in part.params], part.process_group, where)
-                plans.append(zero.PartitionPlan(self._groups[part.group_index], self._hp(part.group_index), layout, part.group_index, device))
+                plans.append(
+                    zero.PartitionPlan(self._groups[part.group_index], self._hp(part.group_index), layout, part.group_index, device)
+                )
             self._step_plan = zero.ZeroStep(plans, [self._hp(part.group_index) for part in self._partitions], self._session)
         return self._step_plan
 
