@@ -551,10 +551,18 @@ print(json.dumps(errors))
 """
 
 DEEPSPEED_PARSE = """
-import json, sys
+import contextlib, io, json, sys
 from deepspeed.launcher.runner import parse_args
-args = parse_args(sys.argv[1:])
-print(json.dumps([args.user_script, args.user_args]))
+parsed = []
+for argv in json.loads(sys.argv[1]):
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args = parse_args(argv)
+        parsed.append([args.user_script, args.user_args])
+    except SystemExit:
+        parsed.append(stderr.getvalue())
+print(json.dumps(parsed))
 """
 
 # What a comparison script does with the flags after it.
@@ -582,6 +590,7 @@ class GpuCheck:
         self.problems: list[str] = []
         self.megatron: list[tuple[str, list[str]]] = []  # (where, argv) for Megatron's parser
         self.script_flags: list[tuple[str, str, list[str]]] = []  # (where, script, argv)
+        self.deepspeed: list[tuple[str, list[str]]] = []  # (where, argv) for DeepSpeed's launcher's parser
 
     def flags_of(self, argv: list[str]) -> list[str]:
         return [a.split("=", 1)[0] for a in argv if a.startswith("--")]
@@ -641,18 +650,7 @@ class GpuCheck:
             target = ["-m", args.training_script] if args.module else [args.training_script]
             self.python(where, target + args.training_script_args)
         elif program == "deepspeed":
-            out = subprocess.run(
-                [sys.executable, "-c", DEEPSPEED_PARSE, *words[1:]],
-                capture_output=True,
-                text=True,
-                env={**environment(), "DS_ACCELERATOR": "cpu"},
-                timeout=120,
-            )
-            if out.returncode:
-                self.problems.append(f"{where}: deepspeed's flags: {out.stderr[-500:]}")
-                return
-            script, argv = json.loads(out.stdout.strip().splitlines()[-1])
-            self.script(where, script, argv)
+            self.deepspeed.append((where, words[1:]))
         elif re.fullmatch(r"python3?", program):
             self.python(where, words[1:])
         else:
@@ -692,9 +690,32 @@ class GpuCheck:
                 f"{TORCHTITAN_MODULE} ({sorted(torchtitan_configs())})"
             )
 
+    def deepspeed_scripts(self) -> None:
+        """The scripts the deepspeed commands run, with their flags, by DeepSpeed's launcher's
+        parser: every command's in one process (importing DeepSpeed costs seconds)."""
+        if not self.deepspeed:
+            return
+        out = subprocess.run(
+            [sys.executable, "-c", DEEPSPEED_PARSE, json.dumps([argv for _, argv in self.deepspeed])],
+            capture_output=True,
+            text=True,
+            env={**environment(), "DS_ACCELERATOR": "cpu"},
+            timeout=120,
+        )
+        if out.returncode:
+            self.problems.append(f"DeepSpeed's launcher's parser did not run: {out.stderr[-1500:]}")
+            return
+        for (where, _), parsed in zip(self.deepspeed, json.loads(out.stdout.strip().splitlines()[-1])):
+            if isinstance(parsed, str):
+                self.problems.append(f"{where}: deepspeed's flags: {parsed[-500:]}")
+            else:
+                self.script(where, *parsed)
+
     def finish(self) -> list[str]:
-        """Run what was collected: each script's --help (its flags), Megatron's parser; the
-        processes side by side, one per core (each spends its time importing torch)."""
+        """Run what was collected: DeepSpeed's launcher's parser, then each script's --help (its
+        flags) and Megatron's parser, side by side, one per core (each spends its time importing
+        torch)."""
+        self.deepspeed_scripts()
         scripts = sorted({script for _, script, _ in self.script_flags})
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
             parsed = pool.submit(megatron_parse, [a for _, a in self.megatron]) if self.megatron else None

@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from typing import Optional
 
 import pytest
 import torch
@@ -127,17 +126,42 @@ def _held_where(model: torch.nn.Module, opt) -> dict:
     }
 
 
-def _session(rank: int, world: int, cases: list[tuple[str, dict, int]], checkpoint: Optional[str] = None) -> dict:
-    """Every case on one process group (start-up dominates a tiny model's cost); with ``checkpoint``
-    also the refusals and the first steps of the checkpoint test, saved there."""
-    out = {"cases": [_train(rank, world, layout, settings, bad_step) for layout, settings, bad_step in cases]}
-    if checkpoint is not None:
-        out["refused"] = _refusals(world)
-        out["split experts"] = _experts_split_inside(world)
-        _dcp_worker(rank, world, "fsdp", checkpoint, range(0, 2), DCP_SETTINGS)
-        _dcp_worker(rank, world, "fsdp", checkpoint + "-bf16", range(0, 2), BF16)
-        out["auto resumed"] = _auto_resumed(world, checkpoint + "-auto")
+def _session(rank: int, world: int, cases: list[tuple[str, dict, int]]) -> dict:
+    """Every case on one process group (start-up dominates a tiny model's cost)."""
+    return {"cases": [_train(rank, world, layout, settings, bad_step) for layout, settings, bad_step in cases]}
+
+
+def _two_rank_session(rank: int, world: int, checkpoint: str) -> dict:
+    """Every two-rank run of this file on one process group: the cases, the offloaded ones, the
+    refusals, the first steps of the checkpoint tests (saved in ``checkpoint``) and the bf16
+    checkpoint's resume; last the runs whose steps are refused on every rank."""
+    out = _session(rank, world, CASES[2])
+    out["offload"] = _session(rank, world, OFFLOAD_CASES)["cases"]
+    out["refused"] = _refusals(world)
+    out["split experts"] = _experts_split_inside(world)
+    out["pieces in cpu memory"] = _pieces_in_cpu_memory_of_a_cuda_mesh(rank, world)
+    _dcp_worker(rank, world, "fsdp", checkpoint, range(0, 2), DCP_SETTINGS)
+    _dcp_worker(rank, world, "fsdp", checkpoint + "-bf16", range(0, 2), BF16)
+    out["bf16 resumed"] = _dcp_worker(rank, world, "fsdp", checkpoint + "-bf16", range(2, STEPS), BF16)
+    out["auto resumed"] = _auto_resumed(world, checkpoint + "-auto")
+    out["gradient changed"] = _gradient_changed_at_a_later_step(rank, world)
+    out["outside the mesh"] = _outside_the_mesh(rank, world)
     return out
+
+
+def _four_rank_session(rank: int, world: int, checkpoint: str) -> dict:
+    """The cases at four ranks, then the two-rank session's checkpoint resumed with tensor parallelism."""
+    out = _session(rank, world, CASES[4])
+    out["resumed"] = _dcp_worker(rank, world, "tp", checkpoint, range(2, STEPS), DCP_SETTINGS)
+    return out
+
+
+def _resumed_alone(rank: int, world: int, checkpoint: str) -> dict:
+    """The two-rank session's checkpoints, fp32 and bf16 momentum, resumed at one rank."""
+    return {
+        "fp32": _dcp_worker(rank, world, "fsdp", checkpoint, range(2, STEPS), DCP_SETTINGS),
+        "bf16": _dcp_worker(rank, world, "fsdp", checkpoint + "-bf16", range(2, STEPS), BF16),
+    }
 
 
 def _single_process_run(settings: dict, bad_step: int):
@@ -196,12 +220,18 @@ def checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def two_ranks(checkpoint):
-    return run_distributed(_session, 2, CASES[2], checkpoint, timeout=300)
+    return run_distributed(_two_rank_session, 2, checkpoint, timeout=300)
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
-    return run_distributed(_session, 4, CASES[4], timeout=300)
+def four_ranks(two_ranks, checkpoint):  # (after the two-rank session: it resumes its checkpoint)
+    return run_distributed(_four_rank_session, 4, checkpoint, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def one_rank(two_ranks, checkpoint):
+    (out,) = run_distributed(_resumed_alone, 1, checkpoint, timeout=180)
+    return out
 
 
 @pytest.fixture(params=[2, 4], ids=["2-ranks", "4-ranks"])
@@ -256,9 +286,8 @@ def _check_offloaded_runs(cases: list, outs: list[list[dict]], pinned: bool) -> 
                 torch.testing.assert_close(value, expected[name], **TOL, msg=lambda m, n=name, c=settings: f"{layout} {c} {n}: {m}")
 
 
-def test_fsdp2_with_cpu_offload_policy_steps_as_the_single_process_step():
-    outs = run_distributed(_session, 2, OFFLOAD_CASES, timeout=300)
-    _check_offloaded_runs(OFFLOAD_CASES, [out["cases"] for out in outs], pinned=False)
+def test_fsdp2_with_cpu_offload_policy_steps_as_the_single_process_step(two_ranks):
+    _check_offloaded_runs(OFFLOAD_CASES, [out["offload"] for out in two_ranks], pinned=False)
 
 
 @pytest.mark.gpu
@@ -317,11 +346,12 @@ def _offload_steps() -> tuple[torch.Tensor, list[torch.Tensor]]:
     return torch.randn(7, 5, generator=gen), [torch.randn(7, 5, generator=gen) for _ in range(STEPS)]
 
 
-def test_pieces_in_cpu_memory_of_a_cuda_mesh_keep_their_state_there():
+def test_pieces_in_cpu_memory_of_a_cuda_mesh_keep_their_state_there(two_ranks):
     """The state DTensors are the engine's buffers where the pieces lie: not copies on the mesh's
     device type (which ``DTensor.from_local`` makes), which the step would never update."""
     whole = _stepped_whole("w", *_offload_steps())
-    for rank, out in enumerate(run_distributed(_pieces_in_cpu_memory_of_a_cuda_mesh, 2, timeout=120)):
+    for rank, held in enumerate(per_rank["pieces in cpu memory"] for per_rank in two_ranks):
+        out = dict(held)  # (the fixture's, shared)
         assert out.pop("devices") == {"cpu"}
         for part, value in out.items():
             expected = whole[part].chunk(2, dim=0 if part in ("param", "momentum") else 1)[rank]
@@ -361,10 +391,11 @@ def _dcp_worker(rank: int, world: int, layout: str, directory: str, steps: range
     }
 
 
-def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_and_at_four_with_tensor_parallelism(two_ranks, checkpoint):
+def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_and_at_four_with_tensor_parallelism(one_rank, four_ranks):
     expected = _single_process(DCP_SETTINGS, bad_step=-1)
-    for world, layout in ((1, "fsdp"), (4, "tp")):  # (saved after two steps by the two-rank session)
-        for out in run_distributed(_dcp_worker, world, layout, checkpoint, range(2, STEPS), DCP_SETTINGS, timeout=180):
+    resumed = {(1, "fsdp"): [one_rank["fp32"]], (4, "tp"): [out["resumed"] for out in four_ranks]}
+    for (world, layout), outs in resumed.items():  # (saved after two steps by the two-rank session)
+        for out in outs:
             for name, value in out["params"].items():
                 torch.testing.assert_close(
                     value, expected[name], **TOL, msg=lambda m, n=name, w=world, lay=layout: f"{lay} at {w} ranks {n}: {m}"
@@ -419,7 +450,7 @@ def test_a_bf16_momentum_of_dtensor_parameters_is_the_single_process_one(session
             _assert_bf16_state_is_the_single_process_one(per_rank[i]["dion3 state"], expected, f"{layout} rank {rank}")
 
 
-def test_a_bf16_momentum_checkpoint_resumes_bit_identically_at_two_ranks_and_at_one(two_ranks, checkpoint):
+def test_a_bf16_momentum_checkpoint_resumes_bit_identically_at_two_ranks_and_at_one(two_ranks, one_rank, checkpoint):
     """Saved at two ranks (experts 2/1) through torch.distributed.checkpoint, which keeps the
     momentum in bf16 and each matrix's count of steps once (the experts' three counts as one
     tensor): resumed at two ranks it is the uninterrupted run bit for bit, weights and state;
@@ -433,7 +464,7 @@ def test_a_bf16_momentum_checkpoint_resumes_bit_identically_at_two_ranks_and_at_
         assert counts.size == (3 if name == "experts" else 1,) and counts.properties.dtype == torch.int64, (name, counts)
         assert momentum.properties.dtype == torch.bfloat16, (name, momentum)
     (uninterrupted,) = [i for i, (_, settings, _) in enumerate(CASES[2]) if settings == BF16]
-    for rank, out in enumerate(run_distributed(_dcp_worker, 2, "fsdp", directory, range(2, STEPS), BF16, timeout=180)):
+    for rank, out in enumerate(per_rank["bf16 resumed"] for per_rank in two_ranks):
         went_on = two_ranks[rank]["cases"][uninterrupted]
         for name, value in out["params"].items():
             assert torch.equal(value, went_on["params"][name]), (rank, name)
@@ -441,7 +472,7 @@ def test_a_bf16_momentum_checkpoint_resumes_bit_identically_at_two_ranks_and_at_
             for part, (value, placements) in parts.items():
                 assert torch.equal(value, went_on["dion3 state"][name][part][0]), (rank, name, part)
         at_two = {n: {part: v for part, (v, _) in parts.items()} for n, parts in out["loaded"].items()}
-    (alone,) = run_distributed(_dcp_worker, 1, "fsdp", directory, range(2, STEPS), BF16, timeout=180)
+    alone = one_rank["bf16"]
     for name, parts in alone["loaded"].items():
         for part, (value, _) in parts.items():
             assert torch.equal(value, at_two[name][part]), (name, part)
@@ -697,8 +728,8 @@ def _gradient_changed_at_a_later_step(rank: int, world: int) -> dict:
     }
 
 
-def test_a_gradient_placed_unlike_its_parameter_at_a_later_step_is_refused_on_every_rank():
-    outs = run_distributed(_gradient_changed_at_a_later_step, 2, timeout=120)
+def test_a_gradient_placed_unlike_its_parameter_at_a_later_step_is_refused_on_every_rank(two_ranks):
+    outs = [out["gradient changed"] for out in two_ranks]
     expected = _single_process({"fraction": 0.5}, bad_step=-1)
     for rank, out in enumerate(outs):
         for (name, change), (kind, message, changed) in out["refused"].items():
@@ -734,8 +765,8 @@ def _outside_the_mesh(rank: int, world: int) -> tuple[str, str]:
     return type(error.value).__name__, str(error.value)
 
 
-def test_a_parameter_on_a_mesh_without_this_rank_is_refused_on_every_rank():
-    (kind0, message0), (kind1, message1) = run_distributed(_outside_the_mesh, 2, timeout=60)
+def test_a_parameter_on_a_mesh_without_this_rank_is_refused_on_every_rank(two_ranks):
+    (kind0, message0), (kind1, message1) = (out["outside the mesh"] for out in two_ranks)
     assert kind0 == "StepRefused" and "rank(s) [1]" in message0, message0
     assert "Rank 1: ValueError: alone: " in message0, message0  # rank 0's log names the parameter and why
     assert kind1 == "ValueError" and message1.startswith("alone: ") and "[0]" in message1, message1

@@ -2,6 +2,7 @@
 matrices, with a constant number of collectives per shape and no full-matrix buffers."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -328,11 +329,14 @@ def static_exchange_worker(rank, world, kind, fraction, seed):
     return [s.weight for s in shards], to_host
 
 
+# (kind, fraction, whether the exchange is static) of the tensor-parallel blocks' test
+STATIC_EXCHANGES = [("rowscols", 0.25, True), ("rows", 1.0, False)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,fraction,static", [("rowscols", 0.25, True), ("rows", 1.0, False)])
-def test_tensor_parallel_blocks_exchange_without_the_host_while_f_times_world_fits(kind, fraction, static):
-    seed = torch.seed() % 2**31
-    results = run_distributed(static_exchange_worker, 2, kind, fraction, seed)
+@pytest.mark.parametrize("kind,fraction,static", STATIC_EXCHANGES)
+def test_tensor_parallel_blocks_exchange_without_the_host_while_f_times_world_fits(two_rank_runs, kind, fraction, static):
+    results, seed = two_rank_runs["static"][kind, fraction]
     for _, to_host in results:
         assert all((groups == []) == static for groups in to_host), to_host
     got = reassemble([weights for weights, _ in results], kind, SHAPES, 2)
@@ -352,6 +356,7 @@ def test_tensor_parallel_blocks_exchange_without_the_host_while_f_times_world_fi
 
 def counting_worker(rank, world, layers, fraction):
     counts = {"all_reduce": 0, "all_to_all_single": 0, "other": 0}
+    originals = {}
     for name in (
         "all_reduce",
         "all_to_all_single",
@@ -363,13 +368,22 @@ def counting_worker(rank, world, layers, fraction):
         "send",
         "recv",
     ):
-        original = getattr(dist, name)
+        original = originals[name] = getattr(dist, name)
 
         def counted(*args, _name=name, _original=original, **kwargs):
             counts[_name if _name in counts else "other"] += 1
             return _original(*args, **kwargs)
 
         setattr(dist, name, counted)
+    try:
+        return counted_step(rank, world, layers, fraction, counts)
+    finally:  # the session's later runs call torch.distributed's own
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def counted_step(rank, world, layers, fraction, counts):
+    """One engine step over ``layers`` layers, the collectives it calls counted in ``counts``."""
     group = dist.new_group(list(range(world)))
     hp = options.hyperparameters(fraction=fraction, **HP)
     hidden = 32
@@ -396,9 +410,8 @@ def counting_worker(rank, world, layers, fraction):
 
 
 @pytest.mark.slow
-def test_collectives_per_step_do_not_grow_with_depth_and_buffers_stay_small():
-    shallow = run_distributed(counting_worker, 2, 2, 0.25)[0]
-    deep = run_distributed(counting_worker, 2, 8, 0.25)[0]
+def test_collectives_per_step_do_not_grow_with_depth_and_buffers_stay_small(two_rank_runs):
+    shallow, deep = two_rank_runs["counts"][0]  # rank 0's
     (c2, shapes, _, _, _), (c8, _, biggest, bound, group_share) = shallow, deep
     assert c2 == c8, (c2, c8)
     assert c8["other"] == 0
@@ -428,12 +441,9 @@ def mismatch_worker(rank, world):
 
 
 @pytest.mark.slow
-def test_plan_mismatch_raises_a_clear_error_quickly():
-    import time
-
-    start = time.time()
-    messages = run_distributed(mismatch_worker, 2, timeout=60)
-    assert time.time() - start < 30
+def test_plan_mismatch_raises_a_clear_error_quickly(two_rank_runs):
+    messages, seconds = zip(*two_rank_runs["mismatch"])
+    assert max(seconds) < 30
     for message in messages:
         assert "plans differ across the ranks [0, 1]" in message and "'b (8, 8)" in message and "'c (8, 8)" in message
 
@@ -463,17 +473,46 @@ def one_sided_worker(rank, world, case):
     ],
 )
 @pytest.mark.slow
-def test_a_plan_that_differs_across_a_group_raises_on_every_rank_quickly(case, words):
+def test_a_plan_that_differs_across_a_group_raises_on_every_rank_quickly(two_rank_runs, case, words):
     # A rank without a matrix split over the group used to skip the check and hang the others; a
     # matrix stepped with different settings on its shards' ranks went unnoticed.
-    import time
-
-    start = time.time()
-    messages = run_distributed(one_sided_worker, 2, case, timeout=60)
-    assert time.time() - start < 40
+    messages, seconds = zip(*two_rank_runs["one sided"][case])
+    assert max(seconds) < 40
     for message in messages:
         for w in words:
             assert w in message, (w, message)
+
+
+def timed(fn, *args):
+    """``fn(*args)`` and the seconds it took on this rank."""
+    start = time.time()
+    return fn(*args), time.time() - start
+
+
+def two_rank_worker(rank, world, seeds):
+    """The two-rank runs of the tests above on one process group (starting one costs more than
+    they do); last the plans that differ across the ranks, each engine's build timed on its rank."""
+    return {
+        "static": {
+            (kind, fraction): static_exchange_worker(rank, world, kind, fraction, seeds[kind, fraction])
+            for kind, fraction, _ in STATIC_EXCHANGES
+        },
+        "counts": [counting_worker(rank, world, layers, 0.25) for layers in (2, 8)],
+        "mismatch": timed(mismatch_worker, rank, world),
+        "one sided": {case: timed(one_sided_worker, rank, world, case) for case in ("missing", "lr")},
+    }
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs():
+    """The two-rank worker's results, by test and then by rank; the static exchanges' with the
+    seed their inputs were drawn from (fresh in each run)."""
+    seeds = {(kind, fraction): torch.seed() % 2**31 for kind, fraction, _ in STATIC_EXCHANGES}
+    per_rank = run_distributed(two_rank_worker, 2, seeds, timeout=120)
+    static = {key: ([out["static"][key] for out in per_rank], seed) for key, seed in seeds.items()}
+    by_test = {key: [out[key] for out in per_rank] for key in ("counts", "mismatch")}
+    one_sided = {case: [out["one sided"][case] for out in per_rank] for case in ("missing", "lr")}
+    return {"static": static, **by_test, "one sided": one_sided}
 
 
 @pytest.mark.parametrize("share", [0.0, 1.5, float("nan")])

@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import warnings
+from typing import Callable
 
 import pytest
 from support import repository
@@ -218,6 +219,27 @@ MOE = [
 LAYOUTS = {"dp2": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"], "ep2": MOE}
 
 
+def dion3_layout(layout: str, fraction: str) -> list[str]:
+    """The flags of a layout of LAYOUTS at a Dion3 fraction ("auto", the default, is no flag)."""
+    return LAYOUTS[layout] + ([] if fraction == "auto" else ["--dion3-fraction", fraction])
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> Callable[[str, str], tuple[str, str]]:
+    """``saved_run(layout, fraction)``: TINY in that layout, saved; its log and the directory it
+    saved in. Each run once in the module: the layout test's DP=2 run at f = 1/2 is also the run
+    that the offload flags' run must repeat."""
+    runs: dict[tuple[str, str], tuple[str, str]] = {}
+
+    def run(layout: str, fraction: str) -> tuple[str, str]:
+        if (layout, fraction) not in runs:
+            full = str(tmp_path_factory.mktemp(f"{layout}-{fraction}") / "full")
+            runs[layout, fraction] = pretrain(dion3_layout(layout, fraction) + ["--save", full]), full
+        return runs[layout, fraction]
+
+    return run
+
+
 # buffers: the layer-wise buffers pretrain() logs, as (matrices, DP size). Dense: the two blocks'
 # QKV, projection, fc1 and fc2 in one. MoE: their QKV, projection and router at DP=2, and each
 # rank's 2 experts' fc1 and fc2 in a buffer of their own. share: the range of the share of its
@@ -228,17 +250,14 @@ LAYOUTS = {"dp2": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--p
     [("dp2", "0.5", [(8, 2)], None), ("tp2", "0.5", [(8, 1)], None), ("ep2", "auto", [(6, 2), (8, 1)], (0.75, 0.92))],
     ids=["dp2-0.5", "tp2-0.5", "ep2-auto"],
 )
-def test_pretrain_dion3_layout_and_exact_resume(tmp_path, layout, fraction, buffers, share):
+def test_pretrain_dion3_layout_and_exact_resume(saved_run, tmp_path, layout, fraction, buffers, share):
     """No --dion3-fraction is the default, "auto": the ranks choose f at the first step, by the
     share of the matrices whose forward and backward a rank computes that it steps, and the resumed
     run steps with the choices the checkpoint holds. The MoE run is Megatron's expert parallelism
     through the same loop: the experts' Dion3 state is saved and resumed with the rest."""
-    parallel = LAYOUTS[layout]
-    if fraction != "auto":  # "auto" is the default: no flag
-        parallel = parallel + ["--dion3-fraction", fraction]
-    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
-
-    log = pretrain(parallel + ["--save", full])
+    parallel = dion3_layout(layout, fraction)
+    log, full = saved_run(layout, fraction)
+    resumed = str(tmp_path / "resumed")
     assert_layer_wise_layout(log, buffers, fraction=fraction)
     if fraction == "auto":
         chose = re.search(r"Dion3 fraction=auto chose \(rows x cols: f\) (.*); this rank steps ([0-9.]+) of", log)
@@ -417,14 +436,13 @@ def test_a_bad_dion3_value_stops_both_ranks_before_megatron_starts_said_once(lau
     assert_stopped_once_before_megatron_starts([*entry, SCRIPT, *TINY, "--lr", "-1"], line)
 
 
-def test_pretrain_with_megatrons_cpu_offload_flags_trains_as_the_run_without_them():
+def test_pretrain_with_megatrons_cpu_offload_flags_trains_as_the_run_without_them(saved_run):
     """--use-precision-aware-optimizer --optimizer-cpu-offload (Megatron-LM asks for both) at DP=2:
     Megatron's checks pass for dion3, which takes the offload (on CPU there is no GPU to stream its
     state to: it lives in host memory already, as the log says), Megatron's Adam part is built as
     without it, and the run repeats the losses and gradient norms of the run without the flags."""
-    half = ["--dion3-fraction", "0.5"]
-    plain = iterations(pretrain(half))
-    log = pretrain([*half, "--use-precision-aware-optimizer", "--optimizer-cpu-offload"])
+    plain = iterations(saved_run("dp2", "0.5")[0])  # (saving changes no step)
+    log = pretrain([*dion3_layout("dp2", "0.5"), "--use-precision-aware-optimizer", "--optimizer-cpu-offload"])
     assert re.search(r"^ +optimizer_cpu_offload \.+ True$", log, re.M)
     assert re.search(r"^ +use_precision_aware_optimizer \.+ True$", log, re.M)  # as given (at fp32 it changes nothing for dion3)
     assert "Dion3 offload: no GPU to stream the state to; it lives in host memory already" in log
