@@ -7,12 +7,13 @@ median step time (CUDA events, the two interleaved), the GPU memory the optimize
 steps and its peak during a step (over the parameters and gradients), and the host link's measured
 bandwidth with what moving the state both ways costs at it.
 
-AdamW offloaded as Megatron's HybridDeviceOptimizer steps it (``--cpu-adamw``): the gradients copied
-to pinned host memory, torch's fused AdamW on fp32 copies of the parameters in host memory, the
-parameters copied back. DeepSpeed's CPU Adam (``DeepSpeedCPUAdam``) is a C++ extension DeepSpeed
-builds on first use; this script does not build it.
+AdamW stepped in host memory, the lever Adam users pull: the gradients copied to pinned host memory,
+AdamW on fp32 copies of the parameters there, the parameters copied back; by torch's fused AdamW, as
+Megatron's HybridDeviceOptimizer steps it (``--cpu-adamw``), or by DeepSpeed's CPU Adam, as
+ZeRO-Offload steps it (``--deepspeed-cpu-adam``: a C++ extension DeepSpeed builds on first use,
+which needs a C++ compiler and ninja; the build is not timed).
 
-  python benchmarks/bench_offload.py [--layers 8] [--fraction 0.25] [--cpu-adamw] [--json out.json]
+  python benchmarks/bench_offload.py [--layers 8] [--fraction 0.25] [--cpu-adamw] [--deepspeed-cpu-adam] [--json out.json]
 """
 
 from __future__ import annotations
@@ -67,16 +68,26 @@ def memory(opt: torch.optim.Optimizer) -> dict[str, float]:
     return {"between_steps_gib": between / GIB, "peak_during_step_gib": (torch.cuda.max_memory_allocated() - before) / GIB}
 
 
-class HostAdamW:
-    """AdamW offloaded as Megatron's HybridDeviceOptimizer steps it: gradients to pinned host
-    memory, torch's fused AdamW on fp32 host copies of the parameters, parameters back."""
+def torch_fused_adamw(host: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(host, lr=1e-4, fused=True)
 
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+
+def deepspeed_cpu_adam(host: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(host, lr=1e-4, adamw_mode=True)
+
+
+class HostAdamW:
+    """AdamW offloaded: gradients to pinned host memory, ``build``'s AdamW on fp32 host copies of
+    the parameters, parameters back."""
+
+    def __init__(self, params: list[torch.nn.Parameter], build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]) -> None:
         self.params = params
         self.host = [torch.nn.Parameter(p.detach().cpu().pin_memory()) for p in params]
         for h in self.host:
             h.grad = torch.empty_like(h).pin_memory()
-        self.adamw = torch.optim.AdamW(self.host, lr=1e-4, fused=True)
+        self.adamw = build(self.host)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -94,6 +105,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--fraction", type=float, default=0.25)
     parser.add_argument("--cpu-adamw", action="store_true", help="also time AdamW offloaded as Megatron's HybridDeviceOptimizer steps it")
+    parser.add_argument("--deepspeed-cpu-adam", action="store_true", help="also time AdamW offloaded as ZeRO-Offload steps it")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -132,9 +144,13 @@ def main() -> None:
     on_gpu, offloaded = Dion3(params, fraction=args.fraction), Dion3(params, fraction=args.fraction, offload=True)
     optimizers["dion3_on_gpu_ms"] = lambda i: on_gpu.step()
     optimizers["dion3_offloaded_ms"] = lambda i: offloaded.step()
-    if args.cpu_adamw:
-        host_adamw = HostAdamW(params)
-        optimizers["adamw_offloaded_ms"] = lambda i: host_adamw.step()
+    host_steppers = {
+        "adamw_offloaded_ms": (args.cpu_adamw, torch_fused_adamw),
+        "deepspeed_cpu_adam_ms": (args.deepspeed_cpu_adam, deepspeed_cpu_adam),
+    }
+    for key, (wanted, build) in host_steppers.items():
+        if wanted:
+            optimizers[key] = lambda i, host=HostAdamW(params, build): host.step()
     results.update(cuda_median_ms_interleaved(optimizers, reps=args.reps, warmup=3))
     results["offloaded_vs_on_gpu"] = results["dion3_offloaded_ms"] / results["dion3_on_gpu_ms"]
 
