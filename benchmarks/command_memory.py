@@ -1,6 +1,6 @@
 """GPU memory of each documented GPU command that trains or benchmarks outside bench_step.py, per GPU,
 estimated by step_memory.py from the shapes each script builds (its flags and defaults, read here as
-they are in the script). docs/performance.md states these; tests/unit/test_step_memory.py recomputes them.
+they are in the script). docs/performance.md states these; tests/unit/test_command_memory.py recomputes them.
 """
 
 from __future__ import annotations
