@@ -100,6 +100,16 @@ class HostAdamW:
             p.copy_(h, non_blocking=True)
 
 
+def rounded(value: object, digits: int = 2) -> object:
+    """``value`` with its floats at the precision printed (milliseconds, GiB, GiB/s): the figures
+    the docs cite, as written."""
+    if isinstance(value, float):
+        return round(value, digits)
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -166,7 +176,7 @@ def main() -> None:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump(rounded(results), f, indent=1)
 
 
 if __name__ == "__main__":
