@@ -5,6 +5,7 @@ CPU with its loss every few iterations and what fraction="auto" chose)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -25,6 +26,37 @@ def run(argv: list[str], timeout: int = 300, unset: tuple[str, ...] = ()) -> sub
     return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+# Each argv [SCRIPT, ARGS...] as `python SCRIPT ARGS...` runs it, up to its exit, in this one
+# interpreter (each would spend its seconds importing torch): SCRIPT as __main__ with its folder
+# first on sys.path. Prints [exit status, stdout, stderr] per argv, as JSON, on the last line.
+IN_ONE_PROCESS = """
+import contextlib, io, json, os, runpy, sys, traceback
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err, path, status = io.StringIO(), io.StringIO(), list(sys.path), 0
+    sys.argv, sys.path[:0] = argv, [os.path.dirname(os.path.abspath(argv[0]))]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as exit:
+            status = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+    sys.path[:] = path
+    results.append([status, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def run_in_one_process(argvs: list[list[str]]) -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """Each argv's run as :data:`IN_ONE_PROCESS` gives it, by argv, as ``run`` would return it."""
+    out = run(["-c", IN_ONE_PROCESS, json.dumps(argvs)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    return {tuple(argv): subprocess.CompletedProcess(argv, *result) for argv, result in zip(argvs, results)}
+
+
 def option_entries(help_text: str) -> dict[str, str]:
     """argparse's --help: each option's first flag -> its entry (the flags, the help, its continuation lines)."""
     entries: dict[str, str] = {}
@@ -43,8 +75,8 @@ def option_entries(help_text: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("script", WITH_OPTIONS)
 @pytest.mark.slow
-def test_every_option_has_help_with_its_default(script):
-    out = run([script, "--help"])
+def test_every_option_has_help_with_its_default(script, parsed):
+    out = parsed[script, "--help"]
     assert out.returncode == 0, out.stderr[-3000:]
     entries = option_entries(out.stdout)
     assert "--steps" in entries, out.stdout
@@ -52,17 +84,28 @@ def test_every_option_has_help_with_its_default(script):
     assert not undocumented, undocumented
 
 
-@pytest.mark.parametrize(
-    "script, given, ours",
-    [
-        ("examples/quickstart.py", "--dion3-fraction", "--fraction"),
-        ("examples/fsdp2_train.py", "--dion3-fraction=0.5", "--fraction"),
-        ("examples/pretrain_gpt.py", "--fraction", "--dion3-fraction"),
-    ],
-)
+HINTS = [
+    ("examples/quickstart.py", "--dion3-fraction", "--fraction"),
+    ("examples/fsdp2_train.py", "--dion3-fraction=0.5", "--fraction"),
+    ("examples/pretrain_gpt.py", "--fraction", "--dion3-fraction"),
+]
+
+
+def hint_argv(script: str, given: str) -> list[str]:
+    return [script, given, "0.25"] if "=" not in given else [script, given]
+
+
+@pytest.fixture(scope="module")
+def parsed() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """The scripts' runs that end in their parsers (the hints, then --help; DeepSpeed's script,
+    whose import brings DeepSpeed, last), in one process."""
+    return run_in_one_process([hint_argv(script, given) for script, given, _ in HINTS] + [[script, "--help"] for script in WITH_OPTIONS])
+
+
+@pytest.mark.parametrize("script, given, ours", HINTS)
 @pytest.mark.slow
-def test_another_front_ends_spelling_gets_a_hint(script, given, ours):
-    out = run([script, given, "0.25"] if "=" not in given else [script, given])
+def test_another_front_ends_spelling_gets_a_hint(script, given, ours, parsed):
+    out = parsed[tuple(hint_argv(script, given))]
     assert out.returncode == 2
     assert f"unrecognized arguments: {given.split('=')[0]} (did you mean {ours}?)" in out.stderr, out.stderr
 
