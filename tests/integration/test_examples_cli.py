@@ -5,7 +5,6 @@ CPU with its loss every few iterations and what fraction="auto" chose)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -13,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from support import repository
+from support import one_process, repository
 
 ROOT = str(repository.ROOT)
 WITH_OPTIONS = ["examples/quickstart.py", "examples/fsdp2_train.py", "examples/pretrain_gpt.py", "examples/deepspeed/train_gpt.py"]
@@ -26,35 +25,9 @@ def run(argv: list[str], timeout: int = 300, unset: tuple[str, ...] = ()) -> sub
     return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-# Each argv [SCRIPT, ARGS...] as `python SCRIPT ARGS...` runs it, up to its exit, in this one
-# interpreter (each would spend its seconds importing torch): SCRIPT as __main__ with its folder
-# first on sys.path. Prints [exit status, stdout, stderr] per argv, as JSON, on the last line.
-IN_ONE_PROCESS = """
-import contextlib, io, json, os, runpy, sys, traceback
-results = []
-for argv in json.loads(sys.argv[1]):
-    out, err, path, status = io.StringIO(), io.StringIO(), list(sys.path), 0
-    sys.argv, sys.path[:0] = argv, [os.path.dirname(os.path.abspath(argv[0]))]
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_path(argv[0], run_name="__main__")
-        except SystemExit as exit:
-            status = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
-        except BaseException:
-            traceback.print_exc()
-            status = 1
-    sys.path[:] = path
-    results.append([status, out.getvalue(), err.getvalue()])
-print(json.dumps(results))
-"""
-
-
 def run_in_one_process(argvs: list[list[str]]) -> dict[tuple[str, ...], subprocess.CompletedProcess]:
-    """Each argv's run as :data:`IN_ONE_PROCESS` gives it, by argv, as ``run`` would return it."""
-    out = run(["-c", IN_ONE_PROCESS, json.dumps(argvs)])
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
-    return {tuple(argv): subprocess.CompletedProcess(argv, *result) for argv, result in zip(argvs, results)}
+    """Each argv's run, by argv, as ``run`` would return it: all in one interpreter (support/one_process.py)."""
+    return one_process.results(argvs, run(one_process.arguments(argvs)))
 
 
 def option_entries(help_text: str) -> dict[str, str]:
