@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
+from support import one_process
 from support.repository import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -712,14 +713,14 @@ class GpuCheck:
                 self.script(where, *parsed)
 
     def finish(self) -> list[str]:
-        """Run what was collected: DeepSpeed's launcher's parser, then each script's --help (its
-        flags) and Megatron's parser, side by side, one per core (each spends its time importing
-        torch)."""
+        """Run what was collected: DeepSpeed's launcher's parser, then the scripts' --help (their
+        flags; all in one process) and Megatron's parser, side by side (each process spends its
+        time importing torch)."""
         self.deepspeed_scripts()
         scripts = sorted({script for _, script, _ in self.script_flags})
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        with ThreadPoolExecutor(max_workers=2) as pool:
             parsed = pool.submit(megatron_parse, [a for _, a in self.megatron]) if self.megatron else None
-            helps = dict(zip(scripts, pool.map(script_flags, scripts)))
+            helps = pool.submit(scripts_flags, scripts).result()
         for where, script, argv in self.script_flags:
             known = helps[script]
             if isinstance(known, str):
@@ -737,9 +738,17 @@ class GpuCheck:
         return self.problems
 
 
-def script_flags(script: str) -> set[str] | str:
-    """The flags a script's --help lists, or what went wrong."""
-    out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300)
+def scripts_flags(scripts: list[str]) -> dict[str, set[str] | str]:
+    """The flags each script's --help lists, or what went wrong, by script: every --help in one
+    process (support/one_process.py)."""
+    argvs = [[script, "--help"] for script in scripts]
+    command = [sys.executable, *one_process.arguments(argvs)]
+    runs = one_process.results(argvs, subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300))
+    return {script: script_flags(runs[script, "--help"]) for script in scripts}
+
+
+def script_flags(out: subprocess.CompletedProcess) -> set[str] | str:
+    """The flags a script's --help run lists, or what went wrong."""
     if out.returncode:
         return f"--help failed: {out.stderr[-800:]}"
     return set(re.findall(r"(?<![\w-])(--[A-Za-z0-9][\w-]*)", out.stdout))

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from support import repository
+from support import one_process, repository
 
 ROOT = str(repository.ROOT)
 WITH_OPTIONS = ["examples/quickstart.py", "examples/fsdp2_train.py", "examples/pretrain_gpt.py", "examples/deepspeed/train_gpt.py"]
@@ -23,6 +23,11 @@ def run(argv: list[str], timeout: int = 300, unset: tuple[str, ...] = ()) -> sub
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", *unset)}
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_in_one_process(argvs: list[list[str]]) -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """Each argv's run, by argv, as ``run`` would return it: all in one interpreter (support/one_process.py)."""
+    return one_process.results(argvs, run(one_process.arguments(argvs)))
 
 
 def option_entries(help_text: str) -> dict[str, str]:
@@ -43,8 +48,8 @@ def option_entries(help_text: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("script", WITH_OPTIONS)
 @pytest.mark.slow
-def test_every_option_has_help_with_its_default(script):
-    out = run([script, "--help"])
+def test_every_option_has_help_with_its_default(script, parsed):
+    out = parsed[script, "--help"]
     assert out.returncode == 0, out.stderr[-3000:]
     entries = option_entries(out.stdout)
     assert "--steps" in entries, out.stdout
@@ -52,17 +57,28 @@ def test_every_option_has_help_with_its_default(script):
     assert not undocumented, undocumented
 
 
-@pytest.mark.parametrize(
-    "script, given, ours",
-    [
-        ("examples/quickstart.py", "--dion3-fraction", "--fraction"),
-        ("examples/fsdp2_train.py", "--dion3-fraction=0.5", "--fraction"),
-        ("examples/pretrain_gpt.py", "--fraction", "--dion3-fraction"),
-    ],
-)
+HINTS = [
+    ("examples/quickstart.py", "--dion3-fraction", "--fraction"),
+    ("examples/fsdp2_train.py", "--dion3-fraction=0.5", "--fraction"),
+    ("examples/pretrain_gpt.py", "--fraction", "--dion3-fraction"),
+]
+
+
+def hint_argv(script: str, given: str) -> list[str]:
+    return [script, given, "0.25"] if "=" not in given else [script, given]
+
+
+@pytest.fixture(scope="module")
+def parsed() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """The scripts' runs that end in their parsers (the hints, then --help; DeepSpeed's script,
+    whose import brings DeepSpeed, last), in one process."""
+    return run_in_one_process([hint_argv(script, given) for script, given, _ in HINTS] + [[script, "--help"] for script in WITH_OPTIONS])
+
+
+@pytest.mark.parametrize("script, given, ours", HINTS)
 @pytest.mark.slow
-def test_another_front_ends_spelling_gets_a_hint(script, given, ours):
-    out = run([script, given, "0.25"] if "=" not in given else [script, given])
+def test_another_front_ends_spelling_gets_a_hint(script, given, ours, parsed):
+    out = parsed[tuple(hint_argv(script, given))]
     assert out.returncode == 2
     assert f"unrecognized arguments: {given.split('=')[0]} (did you mean {ours}?)" in out.stderr, out.stderr
 

@@ -11,5 +11,6 @@ tests/conftest.py the repository root, so that the examples and benchmarks impor
   optimizer container and checkpoint manager, the settings, the single-process reference, the session.
 - ``hf_trainer_helpers``: Hugging Face Trainer + DeepSpeed on CPU: tiny models, the session.
 - ``script_helpers``: the examples' shell scripts run with a python3 that records its arguments.
+- ``one_process``: scripts' runs that end in their parsers (--help, a usage error), many in one interpreter.
 - ``readme``: the commands README.md shows.
 """

@@ -2,6 +2,7 @@
 across ranks whose measured speeds differ."""
 
 import copy
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -229,11 +230,14 @@ def test_a_resume_keeps_the_saved_choices_on_a_machine_of_another_speed(monkeypa
         assert torch.equal(a, b)
 
 
+ENGINE_SHAPES = [(512, 64), (512, 64), (1024, 32)]  # the engine's matrices, drawn from seed 7
+
+
 def _engine_worker(rank, world, shapes, seed):
     # Each rank measures a different speed: alone, rank 0 would take 1/4 of (512, 64)'s rows and
     # rank 1 all of them.
     fractions.measure = lambda device, dtype: [FLOP_BOUND, LAUNCH_BOUND][rank]
-    cost_model.TOKENS_PER_STEP = 0  # the step is the whole iteration (a spawned process: not restored)
+    cost_model.TOKENS_PER_STEP = 0  # the step is the whole iteration (put back after the case)
     gen = torch.Generator().manual_seed(seed)
     weights = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
@@ -255,11 +259,11 @@ def _engine_worker(rank, world, shapes, seed):
 
 
 @pytest.mark.slow
-def test_engine_ranks_agree_on_the_slowest_speed_and_match_the_single_process_rule(step_time_only):
-    shapes = [(512, 64), (512, 64), (1024, 32)]
+def test_engine_ranks_agree_on_the_slowest_speed_and_match_the_single_process_rule(two_rank_runs, step_time_only):
+    shapes = ENGINE_SHAPES
     assert cost_model.choose_fraction(512, 64, FLOP_BOUND, world=2, batch=2) == 0.25
     assert cost_model.choose_fraction(512, 64, LAUNCH_BOUND, world=2, batch=2) == 1.0
-    results = run_distributed(_engine_worker, 2, shapes, 7)
+    results = two_rank_runs["engine"]
     (fractions0, pieces0, weights, grads), (fractions1, pieces1, _, _) = results
     assert fractions0 == fractions1
     slowest = cost_model.DeviceSpeed(FLOP_BOUND.matmul_flops, LAUNCH_BOUND.launch_seconds, 1e30, fractions.LINK_BYTES_PER_S["gloo"])
@@ -280,7 +284,7 @@ def _share_worker(rank, world):
     # The ranks of one exchange step shares of their models that differ: alone, rank 0 (share 1)
     # would take 1/4 of (512, 64)'s rows and rank 1 (share 0.1) 1/2; they must agree.
     fractions.measure = lambda device, dtype: FLOP_BOUND
-    cost_model.TOKENS_PER_STEP = 10  # a spawned process: not restored
+    cost_model.TOKENS_PER_STEP = 10  # put back after the case
     alone = [cost_model.choose_fraction(512, 64, FLOP_BOUND, world=2, batch=1, step_share=s) for s in (1.0, 0.1)]
     group = dist.new_group(list(range(world)))
     hp = options.hyperparameters(lr=0.02, fraction="auto", ns_dtype=torch.float32)
@@ -292,8 +296,8 @@ def _share_worker(rank, world):
 
 
 @pytest.mark.slow
-def test_ranks_of_one_exchange_agree_on_the_largest_step_share():
-    (alone, chosen0), (_, chosen1) = run_distributed(_share_worker, 2)
+def test_ranks_of_one_exchange_agree_on_the_largest_step_share(two_rank_runs):
+    (alone, chosen0), (_, chosen1) = two_rank_runs["share"]
     assert alone == [0.25, 0.5]
     assert chosen0 == chosen1 == {(512, 64): 0.25}
 
@@ -304,7 +308,7 @@ def _stage_worker(rank, world):
     # step rank 1 alone has a matrix added. Alone, rank 0 would keep every row of (512, 96) and
     # rank 1 would take 1/8 of (1024, 64); agreed on the slowest numbers of both, each takes 1/2.
     fractions.measure = lambda device, dtype: [LAUNCH_BOUND, FLOP_BOUND][rank]
-    cost_model.TOKENS_PER_STEP = 0  # a spawned process: not restored
+    cost_model.TOKENS_PER_STEP = 0  # put back after the case
     gen = torch.Generator().manual_seed(rank)
     bias = torch.nn.Parameter(torch.randn(96, generator=gen))
     params = [torch.nn.Parameter(torch.randn(512, 96, generator=gen)), bias] if rank == 0 else [bias]
@@ -330,10 +334,10 @@ def _stage_worker(rank, world):
 
 
 @pytest.mark.slow
-def test_ranks_without_matrices_or_with_a_skipped_first_step_still_agree_and_never_hang():
+def test_ranks_without_matrices_or_with_a_skipped_first_step_still_agree_and_never_hang(two_rank_runs):
     """The torch class's ranks agree on the speed once, at their first step, whatever each holds;
     a rank that waited in a collective its peer never made would time out here."""
-    (skipped0, chosen0, alone), (skipped1, chosen1, _) = run_distributed(_stage_worker, 2, timeout=120)
+    (skipped0, chosen0, alone), (skipped1, chosen1, _) = two_rank_runs["stage"]
     assert alone == [1.0, 0.125]
     assert (skipped0, skipped1) == (0, 1)
     assert chosen0 == chosen1 == [0.5]
@@ -343,7 +347,7 @@ def _dtypes_worker(rank, world):
     # Rank 0 steps "auto" groups of two Newton-Schulz dtypes, rank 1 one of them beside a group of
     # fixed f: one collective each all the same, every dtype at the slower rank of those stepping it.
     fractions.measure = lambda device, dtype: [LAUNCH_BOUND, FLOP_BOUND][rank]
-    cost_model.TOKENS_PER_STEP = 0  # a spawned process: not restored
+    cost_model.TOKENS_PER_STEP = 0  # put back after the case
     gen = torch.Generator().manual_seed(rank)
     shared = torch.nn.Parameter(torch.randn(1024, 64, generator=gen))
     own = torch.nn.Parameter(torch.randn(512, 96, generator=gen))
@@ -365,11 +369,11 @@ def _dtypes_worker(rank, world):
 
 
 @pytest.mark.slow
-def test_ranks_with_groups_of_other_dtypes_agree_in_one_collective():
+def test_ranks_with_groups_of_other_dtypes_agree_in_one_collective(two_rank_runs):
     """A rank with more Newton-Schulz dtypes in its "auto" groups than its peer makes no extra
     collective (its peer would wait in another, or pair it with the training loop's); a dtype that
     no rank stepped at the first step is refused later, naming it."""
-    (chosen0, expected0, error0), (chosen1, expected1, _) = run_distributed(_dtypes_worker, 2, timeout=120)
+    (chosen0, expected0, error0), (chosen1, expected1, _) = two_rank_runs["dtypes"]
     assert chosen0 == expected0 and chosen1 == expected1
     assert chosen0["shared"] == chosen1["shared"] and expected0["shared"] != expected0["own"]
     assert "give such groups from the start" in error0
@@ -381,7 +385,7 @@ def _megatron_replicas_worker(rank, world):
     from dion3_megatron.megatron import MegatronDion3
 
     fractions.measure = lambda device, dtype: [LAUNCH_BOUND, FLOP_BOUND][rank]
-    cost_model.TOKENS_PER_STEP = 0  # a spawned process: not restored
+    cost_model.TOKENS_PER_STEP = 0  # put back after the case
     weight = torch.nn.Parameter(torch.randn(512, 96, generator=torch.Generator().manual_seed(0)))
     opt = MegatronDion3([{"params": [weight]}], lr=0.02, fraction="auto")
     weight.grad = torch.randn(512, 96, generator=torch.Generator().manual_seed(1))
@@ -391,8 +395,40 @@ def _megatron_replicas_worker(rank, world):
 
 
 @pytest.mark.slow
-def test_megatron_replicas_of_a_whole_matrix_choose_one_fraction(step_time_only):
-    (chosen0, alone), (chosen1, _) = run_distributed(_megatron_replicas_worker, 2, timeout=120)
+def test_megatron_replicas_of_a_whole_matrix_choose_one_fraction(two_rank_runs, step_time_only):
+    (chosen0, alone), (chosen1, _) = two_rank_runs["megatron"]
     assert alone[0] != alone[1]
     expected = cost_model.choose_fraction(512, 96, fractions.slowest(LAUNCH_BOUND, FLOP_BOUND))
     assert chosen0 == chosen1 == [((512, 96), expected)]
+
+
+def _scoped(worker: Callable[..., Any], rank: int, world: int, *args: Any) -> Any:
+    """``worker``'s result, with what it replaces process-wide (``fractions.measure``,
+    ``cost_model.TOKENS_PER_STEP``) and the measured speeds put back after it: the cases share two
+    processes, and each must start from what a fresh process has."""
+    measure, tokens, measured = fractions.measure, cost_model.TOKENS_PER_STEP, dict(fractions._measured)
+    fractions._measured.clear()
+    try:
+        return worker(rank, world, *args)
+    finally:
+        fractions.measure, cost_model.TOKENS_PER_STEP = measure, tokens
+        fractions._measured.clear()
+        fractions._measured.update(measured)
+
+
+def _two_rank_worker(rank: int, world: int) -> dict[str, Any]:
+    """The two-rank cases above on one process group (starting one costs more than they do)."""
+    return {
+        "engine": _scoped(_engine_worker, rank, world, ENGINE_SHAPES, 7),
+        "share": _scoped(_share_worker, rank, world),
+        "stage": _scoped(_stage_worker, rank, world),
+        "dtypes": _scoped(_dtypes_worker, rank, world),
+        "megatron": _scoped(_megatron_replicas_worker, rank, world),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs() -> dict[str, list[Any]]:
+    """The two-rank worker's results, by case and then by rank."""
+    per_rank = run_distributed(_two_rank_worker, 2, timeout=300)
+    return {case: [out[case] for out in per_rank] for case in per_rank[0]}
