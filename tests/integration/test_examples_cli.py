@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from support import one_process, repository
+from support.megatron_flags import LOCAL_LAYERS
 
 ROOT = str(repository.ROOT)
 WITH_OPTIONS = ["examples/quickstart.py", "examples/fsdp2_train.py", "examples/pretrain_gpt.py", "examples/deepspeed/train_gpt.py"]
@@ -156,13 +157,7 @@ def test_megatron_lm_loop_on_cpu_logs_the_loss_and_what_auto_chose():
             "1000",
             "--eval-iters",
             "0",
-            "--transformer-impl",
-            "local",
-            "--no-gradient-accumulation-fusion",
-            "--no-masked-softmax-fusion",
-            "--no-bias-swiglu-fusion",
-            "--no-rope-fusion",
-            "--no-persist-layer-norm",
+            *LOCAL_LAYERS,
         ]
     )
     text = out.stdout + out.stderr

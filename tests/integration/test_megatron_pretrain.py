@@ -22,6 +22,7 @@ from typing import Callable
 
 import pytest
 from support import repository
+from support.megatron_flags import LOCAL_LAYERS
 
 pytest.importorskip("megatron.training")
 
@@ -79,13 +80,7 @@ TINY = [
     "0",
     "--attention-dropout",
     "0",
-    "--transformer-impl",
-    "local",
-    "--no-gradient-accumulation-fusion",
-    "--no-masked-softmax-fusion",
-    "--no-bias-swiglu-fusion",
-    "--no-rope-fusion",
-    "--no-persist-layer-norm",
+    *LOCAL_LAYERS,
     "--num-workers",
     "0",
     "--log-interval",
@@ -331,13 +326,7 @@ CPU_COMMAND = [
     "50",
     "--eval-iters",
     "2",
-    "--transformer-impl",
-    "local",
-    "--no-gradient-accumulation-fusion",
-    "--no-masked-softmax-fusion",
-    "--no-bias-swiglu-fusion",
-    "--no-rope-fusion",
-    "--no-persist-layer-norm",
+    *LOCAL_LAYERS,
 ]
 VALIDATION = re.compile(r"validation loss at iteration\s+(\d+) \| lm loss value: (\S+)")
 

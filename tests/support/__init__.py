@@ -5,6 +5,7 @@ tests/conftest.py the repository root, so that the examples and benchmarks impor
 - ``repository``: where the repository's files are (its root, tests/), and its tools/ scripts as modules.
 - ``dist_utils``: run a test function on N processes (gloo, or NCCL on GPUs).
 - ``equality``: a distributed run's tensors against the single-process run's (names, tolerance).
+- ``megatron_flags``: Megatron-LM flags the runs share (torch's own layers, no fused kernels).
 - ``megatron_shim``: a tiny Megatron-Core GPT on CPU, the single-process reference, a training step.
 - ``deepspeed_helpers``: DeepSpeed on CPU: tiny models, engines, the multi-rank sessions.
 - ``torchtitan_helpers``: torchtitan on CPU: its llama3 model parallelized by its own functions, its
