@@ -6,8 +6,12 @@ once; every optimizer steps the same parameters, timed runs interleaved (median 
 rank 0, after warm-up, which includes microsoft/dion's compilation). Ratios from one run; rank 0's
 peak memory printed and written to the JSON.
 
+``--cpu-offload-policy``: a second copy of the model under ``fully_shard(...,
+offload_policy=CPUOffloadPolicy())``, its pieces, gradients and optimizer state in (page-locked) CPU
+memory, stepped there by Dion3 and AdamW, timed beside the same optimizers on the GPU copy.
+
   torchrun --standalone --nproc-per-node 1 benchmarks/bench_fsdp2.py [--model 14b|350m] [--layers 4]
-      [--dion-path DIR] [--json out.json]     # DIR: a checkout of microsoft/dion (else ours and AdamW only)
+      [--dion-path DIR] [--cpu-offload-policy] [--json out.json]     # DIR: a checkout of microsoft/dion
 """
 
 from __future__ import annotations
@@ -21,11 +25,11 @@ import time
 import torch
 import torch.distributed as dist
 from bench_step import LAYERS
-from timing import cuda_median_ms_interleaved
+from timing import cuda_median_ms_interleaved, rounded
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-from dion3_megatron import Dion3
+from dion3_megatron import Dion3, report
 
 
 class _Layer(torch.nn.Module):
@@ -59,34 +63,53 @@ def _microsoft(dion_path: str, params: list, mesh, fraction: float) -> dict:
     }
 
 
+def _sharded_params(model: str, layers: int, device: torch.device, mesh, offload_policy: CPUOffloadPolicy | None) -> list:
+    """The model's DTensor parameters, each layer its own ``fully_shard`` unit, with gradients drawn
+    on each rank's piece (where the piece lies: the GPU, or CPU memory under ``offload_policy``)."""
+    policy = {} if offload_policy is None else {"offload_policy": offload_policy}
+    sharded = _Model(model, layers, device)
+    for layer in sharded.layers:
+        fully_shard(layer, mesh=mesh, **policy)
+    fully_shard(sharded, mesh=mesh, **policy)
+    params = list(sharded.parameters())
+    gen = torch.Generator(device=params[0].to_local().device).manual_seed(1)
+    for p in params:  # a gradient placed like its parameter
+        p.grad = p.detach().clone()
+        p.grad.to_local().normal_(generator=gen)
+    return params
+
+
+def _cpu() -> dict:
+    """The host that steps the offloaded copy: its model and the threads torch uses."""
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "unknown")
+    return {"model": model, "torch_threads": torch.get_num_threads(), "cores": os.cpu_count()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(LAYERS), default="14b")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dion-path", help="a checkout of microsoft/dion, to compare with")
+    parser.add_argument("--cpu-offload-policy", action="store_true", help="also step a copy under FSDP2's CPUOffloadPolicy")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--json")
     args = parser.parse_args()
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl")
+    # the policy's pieces live in CPU memory, so the optimizers' collectives need a CPU backend too
+    dist.init_process_group("cuda:nccl,cpu:gloo" if args.cpu_offload_policy else "nccl")
     device = torch.device("cuda", torch.cuda.current_device())
     world = dist.get_world_size()
     mesh = init_device_mesh("cuda", (world,))
-    model = _Model(args.model, args.layers, device)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    params = list(model.parameters())
-    gen = torch.Generator(device=device).manual_seed(1)
-    for p in params:  # a gradient placed like its parameter, drawn on each rank's piece
-        p.grad = p.detach().clone()
-        p.grad.to_local().normal_(generator=gen)
-
+    params = _sharded_params(args.model, args.layers, device, mesh, None)
     optimizers = {f"Dion3 f={name}": Dion3(params, fraction=f) for name, f in (("1/4", 0.25), ("1/8", 0.125))}
     if args.dion_path:
         optimizers.update(_microsoft(args.dion_path, params, mesh, 0.25))
     optimizers["AdamW (torch, foreach)"] = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    if args.cpu_offload_policy:
+        offloaded = _sharded_params(args.model, args.layers, device, mesh, CPUOffloadPolicy())
+        optimizers["Dion3 f=1/4, CPUOffloadPolicy"] = Dion3(offloaded, fraction=0.25)
+        optimizers["AdamW (torch, foreach), CPUOffloadPolicy"] = torch.optim.AdamW(offloaded, lr=1e-4, foreach=True)
     times = cuda_median_ms_interleaved({name: (lambda i, o=opt: o.step()) for name, opt in optimizers.items()}, reps=args.reps, warmup=3)
     if dist.get_rank() == 0:
         base = times.get("microsoft/dion Muon")
@@ -95,7 +118,7 @@ def main() -> None:
             f"torch {torch.__version__}; median ms per optimizer step"
         )
         for name, ms in times.items():
-            print(f"{name:28s} {ms:9.2f} ms" + (f"   microsoft/dion Muon / this {base / ms:6.2f}x" if base else ""))
+            print(f"{name:40s} {ms:9.2f} ms" + (f"   microsoft/dion Muon / this {base / ms:6.2f}x" if base else ""))
         memory = {
             "peak_allocated": round(torch.cuda.max_memory_allocated() / 2**30, 2),
             "peak_reserved": round(torch.cuda.max_memory_reserved() / 2**30, 2),
@@ -105,14 +128,16 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(
                     {
-                        "command": " ".join(sys.argv),
+                        "command": f"torchrun --standalone --nproc-per-node {world} " + " ".join(sys.argv),
                         "date": time.strftime("%Y-%m-%d"),
                         "world": world,
                         "gpu": torch.cuda.get_device_name(),
                         "torch": torch.__version__,
+                        "kernels": {line.label: line.value for line in report.kernels()},
                         "model": args.model,
                         "layers": args.layers,
-                        "ms": times,
+                        "cpu": _cpu() if args.cpu_offload_policy else None,
+                        "ms": rounded(times),
                         "memory_gib": memory,
                     },
                     f,

@@ -27,7 +27,7 @@ import time
 from typing import Callable
 
 import torch
-from timing import cuda_median_ms_interleaved
+from timing import cuda_median_ms_interleaved, rounded
 
 from dion3_megatron import Dion3, report
 
@@ -98,16 +98,6 @@ class HostAdamW:
         self.adamw.step()
         for p, h in zip(self.params, self.host):
             p.copy_(h, non_blocking=True)
-
-
-def rounded(value: object, digits: int = 2) -> object:
-    """``value`` with its floats at the precision printed (milliseconds, GiB, GiB/s): the figures
-    the docs cite, as written."""
-    if isinstance(value, float):
-        return round(value, digits)
-    if isinstance(value, dict):
-        return {k: rounded(v, digits) for k, v in value.items()}
-    return value
 
 
 def main() -> None:

@@ -69,3 +69,13 @@ def _timed_run(fn: Callable[[int], object], n_sets: int, iters: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def rounded(value: object, digits: int = 2) -> object:
+    """``value`` with its floats at the precision printed (milliseconds, GiB, GiB/s): the figures
+    the docs cite, as written."""
+    if isinstance(value, float):
+        return round(value, digits)
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    return value
