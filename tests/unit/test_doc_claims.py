@@ -144,6 +144,7 @@ def COMPARED(key: str, optimizer: str) -> Callable[[Any], float]:  # noqa: N802
 
 BF16_MOMENTUM = "convergence-bf16-momentum-1xh100.json"
 OFFLOAD = "offload-14b-1xh100.json"
+CPU_OFFLOAD_POLICY = "fsdp2-cpu-offload-policy-1xh100.json"
 
 
 def bf16_runs(data: Any, fraction: float, momentum: str, key: str = "final_val_loss") -> list[float]:
@@ -356,7 +357,8 @@ FIGURES = [
         "docs/performance.md",
         r"\| Dion3, state on the GPU \(one CUDA graph\) \| (\d+\.\d\d) ms \| (\d+\.\d\d) GiB \| (\d+\.\d\d) GiB \|\n"
         r"\| Dion3, `offload=True` \| (\d+\.\d\d) ms \| (\d+\.\d\d) GiB \| (\d+\.\d\d) GiB \|\n"
-        r"\| AdamW offloaded as Megatron's `HybridDeviceOptimizer` steps it [^|]*\| (\d+\.\d\d) ms \|",
+        r"\| AdamW offloaded as Megatron's `HybridDeviceOptimizer` steps it [^|]*\| (\d+\.\d\d) ms \| \| \|\n"
+        r"\| AdamW offloaded as DeepSpeed's ZeRO-Offload steps it [^|]*\| (\d+\.\d\d) ms \|",
         OFFLOAD,
         (
             "dion3_on_gpu_ms",
@@ -366,20 +368,68 @@ FIGURES = [
             "memory/offloaded/between_steps_gib",
             "memory/offloaded/peak_during_step_gib",
             "adamw_offloaded_ms",
+            "deepspeed_cpu_adam_ms",
         ),
     ),
     Figures(
         "docs/performance.md",
         r"takes (\d\.\d\d)x the on-GPU one: it moves the state both ways, which at the host\s+link's measured "
-        r"(\d+\.\d) GiB/s to the GPU and (\d+\.\d) GiB/s back takes (\d+\.\d) ms",
+        r"(\d+\.\d\d) GiB/s to the GPU and (\d+\.\d\d) GiB/s back takes (\d+\.\d) ms",
         OFFLOAD,
         ("offloaded_vs_on_gpu", "link_gib_per_s/to_gpu", "link_gib_per_s/to_host", "state_round_trip_ms_at_link"),
     ),
     Figures(
         "docs/performance.md",
-        r"It is (\d\.\d\d)x faster than stepping AdamW\s+on the host",
+        r"It is (\d\.\d\d)x faster than stepping AdamW\s+on the host with torch's fused AdamW, "
+        r"and (\d\.\d\d)x faster than with DeepSpeed's CPU Adam",
         OFFLOAD,
-        (lambda data: data["adamw_offloaded_ms"] / data["dion3_offloaded_ms"],),
+        (
+            lambda data: data["adamw_offloaded_ms"] / data["dion3_offloaded_ms"],
+            lambda data: data["deepspeed_cpu_adam_ms"] / data["dion3_offloaded_ms"],
+        ),
+    ),
+    # FSDP2's CPUOffloadPolicy: the step on the host against the same optimizers on the GPU.
+    Figures(
+        "docs/performance.md",
+        r"\| Dion3 f = 1/4 \| GPU \| (\d+\.\d\d) ms \|\n\| AdamW \(torch, foreach\) \| GPU \| (\d+\.\d\d) ms \|\n"
+        r"\| Dion3 f = 1/4, `CPUOffloadPolicy` \| host, (\d+) cores \| (\d+\.\d\d) ms \|\n"
+        r"\| AdamW \(torch, foreach\), `CPUOffloadPolicy` \| host, (\d+) cores \| (\d+\.\d\d) ms \|",
+        CPU_OFFLOAD_POLICY,
+        (
+            "ms/Dion3 f=1\\/4",
+            "ms/AdamW (torch, foreach)",
+            "cpu/torch_threads",
+            "ms/Dion3 f=1\\/4, CPUOffloadPolicy",
+            "cpu/torch_threads",
+            "ms/AdamW (torch, foreach), CPUOffloadPolicy",
+        ),
+    ),
+    Figures(
+        "docs/fsdp2.md",
+        r"Dion3's step at f = 1/4 took (\d+\.\d\d) ms on the host against torch AdamW's (\d+\.\d\d) ms there \((\d+\.\d)x\),\s+"
+        r"and (\d+\.\d\d) ms on the GPU without the policy",
+        CPU_OFFLOAD_POLICY,
+        (
+            "ms/Dion3 f=1\\/4, CPUOffloadPolicy",
+            "ms/AdamW (torch, foreach), CPUOffloadPolicy",
+            lambda data: data["ms"]["Dion3 f=1/4, CPUOffloadPolicy"] / data["ms"]["AdamW (torch, foreach), CPUOffloadPolicy"],
+            "ms/Dion3 f=1\\/4",
+        ),
+    ),
+    Figures(
+        "docs/fsdp2.md",
+        r"the step at f = 1/4 takes (\d+\.\d\d) ms\s+against (\d+\.\d\d) ms for microsoft/dion's Dion3 and (\d+\.\d\d) ms for its Muon",
+        "fsdp2-step-h200.json",
+        ("runs/14b/ms/Dion3 f=1\\/4", "runs/14b/ms/microsoft\\/dion Dion3 f=1\\/4", "runs/14b/ms/microsoft\\/dion Muon"),
+    ),
+    Figures(
+        "docs/performance.md",
+        r"On the host, Dion3's step takes (\d+\.\d)x AdamW's and (\d+)x its own step on the GPU",
+        CPU_OFFLOAD_POLICY,
+        (
+            lambda data: data["ms"]["Dion3 f=1/4, CPUOffloadPolicy"] / data["ms"]["AdamW (torch, foreach), CPUOffloadPolicy"],
+            lambda data: data["ms"]["Dion3 f=1/4, CPUOffloadPolicy"] / data["ms"]["Dion3 f=1/4"],
+        ),
     ),
     Figures(
         "docs/performance.md",
@@ -566,7 +616,8 @@ def figure_problems(figures: Figures, text: str | None = None) -> list[str]:
 
 
 def test_every_figure_is_its_json_value_at_the_precision_written():
-    assert len(FIGURES) >= 25 and {f.doc for f in FIGURES} == {"README.md", "docs/performance.md", "docs/tuning.md", "docs/memory.md"}
+    docs = {"README.md", "docs/performance.md", "docs/tuning.md", "docs/memory.md", "docs/fsdp2.md"}
+    assert len(FIGURES) >= 25 and {f.doc for f in FIGURES} == docs
     for figures in FIGURES:
         assert len(figures.values) == re.compile(figures.passage).groups, figures.passage
     problems = [p for figures in FIGURES for p in figure_problems(figures)]
