@@ -41,8 +41,8 @@ class Dion3(Dion3FrontEnd):
     replayed: one launch instead of hundreds. Bit-identical to the eager step; it keeps the step's
     temporaries allocated. Any change of members, settings other than lr and weight decay, or
     tensor storage captures anew. `offload`: the Dion3 state lives in pinned host memory and
-    streams through the GPU at each step (``dion3_megatron.engine.offload``); parameters a process
-    holds whole only.
+    streams through the GPU at each step (``dion3_megatron.engine.offload``), with the pieces of
+    parameters that lie in host memory too (FSDP2's ``CPUOffloadPolicy``).
 
     A step with a non-finite gradient anywhere changes nothing, warns, and counts in
     `skipped_steps`. A step that raises (a setting changed to an invalid value since
@@ -101,11 +101,6 @@ class Dion3(Dion3FrontEnd):
             names = grouping.param_names(self.param_groups)
             for p in sharded:
                 check_placements(p, names[p])
-                if self.offload:
-                    raise ValueError(
-                        f"{names[p]}: Dion3(offload=True) keeps the state of parameters a process holds whole in host "
-                        "memory; a DTensor's state is a DTensor placed like it: leave offload off for DTensor parameters"
-                    )
 
     @property
     def fractions(self) -> Fractions:

@@ -300,7 +300,8 @@ OPTIONS: tuple[Option, ...] = (
         "keep the Dion3 state in pinned host memory and stream it through the GPU at each step, one shape group at a time "
         "(the next group's copy overlapping this group's step, run eagerly): the GPU holds about two shape groups' state "
         "during a step and none between steps, for the state's round trip over the host link; AdamW's state stays beside "
-        "its tensors. Without a GPU the state is in host memory already: no change. Under DeepSpeed ZeRO, offload_optimizer sets it",
+        "its tensors. Parameters (or FSDP2 pieces) in host memory travel with their group's state. Without a GPU the state "
+        "is in host memory already: no change. Under DeepSpeed ZeRO, offload_optimizer sets it",
         front_ends=_NOT_MEGATRON,
         **_OPTIMIZER_WIDE,
     ),

@@ -94,6 +94,7 @@ def _train(rank: int, world: int, layout: str, settings: dict, bad_step: int) ->
         "fractions": dict(opt.fractions),
         "held": _held_where(model, opt),
         **({"dion3 state": _dion3_state(model, opt)} if "momentum_dtype" in settings else {}),
+        **({"streamed to": str(opt._whole.session.engine.offload)} if settings.get("offload") else {}),
     }
 
 
@@ -291,10 +292,14 @@ def test_fsdp2_with_cpu_offload_policy_steps_as_the_single_process_step(two_rank
 
 
 @pytest.mark.gpu
-def test_fsdp2_with_cpu_offload_policy_on_a_gpu_steps_as_the_single_process_step():
-    cases = [("offload-cuda", settings, bad_step) for _, settings, bad_step in OFFLOAD_CASES]
-    outs = run_distributed(_session, 1, cases, timeout=300, backend="cuda:nccl,cpu:gloo")
-    _check_offloaded_runs(cases, [out["cases"] for out in outs], pinned=True)
+@pytest.mark.parametrize("streamed", [False, True], ids=["stepped-on-the-host", "streamed-through-the-gpu"])
+def test_fsdp2_with_cpu_offload_policy_on_a_gpu_steps_as_the_single_process_step(streamed):
+    """Dion3's step on the host, or with offload=True streamed through the GPU (the pieces, their
+    gradients and the state copied there one shape group at a time, and back)."""
+    cases = [("offload-cuda", {**settings, **({"offload": True} if streamed else {})}, bad_step) for _, settings, bad_step in OFFLOAD_CASES]
+    (out,) = run_distributed(_session, 1, cases, timeout=300, backend="cuda:nccl,cpu:gloo")
+    _check_offloaded_runs(cases, [out["cases"]], pinned=True)
+    assert [run.get("streamed to") for run in out["cases"]] == ["cuda:0" if streamed else None] * len(cases)
 
 
 def _pieces_in_cpu_memory_of_a_cuda_mesh(rank: int, world: int) -> dict:

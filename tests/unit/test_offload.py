@@ -267,19 +267,54 @@ def test_an_offloaded_step_of_split_matrices_equals_the_step_without_on_every_ex
     assert covered == {"StaticExchange", "PlannedExchange", "GeneralExchange"}, covered
 
 
-def _dtensor_offload_refusal(rank, world):
+def _dtensor_run(rank, world, offloaded, momentum_dtype):
+    """Row and column pieces of DTensor parameters (FSDP2's and tensor parallelism's placements),
+    three steps of fresh gradients by a Dion3 offloaded to the CPU standing in for a GPU (or not):
+    this rank's pieces of the weights and of their state, and where the state lies."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    weight = torch.nn.Parameter(distribute_tensor(torch.ones(8, 4), init_device_mesh("cpu", (world,)), [Shard(0)]))
-    with pytest.raises(ValueError) as error:
-        Dion3([("sharded", weight)], offload=True)
-    return str(error.value)
+    if offloaded:  # (each process of its own: the fixture's patch, made here)
+        offload.step_device = lambda on, device: CPU if on else None
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(3)
+    placed = [("rows", (24, 40), Shard(0)), ("cols", (40, 24), Shard(1)), ("rows2", (24, 40), Shard(0))]
+    params = [
+        (name, torch.nn.Parameter(distribute_tensor(torch.randn(shape, generator=gen), mesh, [where]))) for name, shape, where in placed
+    ]
+    opt = Dion3(params, lr=0.05, fraction=0.5, staleness=1.0, ns_dtype=torch.float64, momentum_dtype=momentum_dtype, offload=offloaded)
+    for _ in range(3):
+        for (_, shape, where), (_, p) in zip(placed, params):
+            p.grad = distribute_tensor(torch.randn(shape, generator=gen), mesh, [where])
+        opt.step()
+    engine = opt._whole.session.engine
+    states = {name: {part: v.to_local().clone() for part, v in opt.state[p].items()} for name, p in params}
+    return {name: p.to_local().detach().clone() for name, p in params}, states, engine.offload
 
 
-@pytest.mark.slow  # a process of its own
-def test_dtensor_parameters_refuse_offload_at_construction_naming_them():
+def dtensor_worker(rank, world):
+    out = []
+    for momentum_dtype in ("fp32", "bf16"):
+        weights, states, _ = _dtensor_run(rank, world, False, momentum_dtype)
+        weights_offloaded, states_offloaded, device = _dtensor_run(rank, world, True, momentum_dtype)
+        out.append((weights, states, weights_offloaded, states_offloaded, str(device)))
+    return out
+
+
+@pytest.mark.slow
+def test_an_offloaded_step_of_dtensor_parameters_equals_the_step_without():
+    """offload=True with DTensor parameters (FSDP2's CPUOffloadPolicy, on a GPU, streams their
+    host pieces through it): the same weights and state, bit for bit, the state DTensors placed
+    like the parameters."""
     from support.dist_utils import run_distributed
 
-    (message,) = run_distributed(_dtensor_offload_refusal, 1)
-    assert message.startswith("sharded: Dion3(offload=True) keeps the state of parameters a process holds whole"), message
+    for rank_results in run_distributed(dtensor_worker, 2):
+        for weights, states, weights_offloaded, states_offloaded, device in rank_results:
+            assert device == "cpu"  # the engine streamed to its stand-in device
+            for name in weights:
+                assert torch.equal(weights[name], weights_offloaded[name]), name
+                assert sorted(states[name]) == sorted(states_offloaded[name]), name
+                for part, value in states[name].items():
+                    assert torch.equal(value, states_offloaded[name][part]), (name, part)
+            moved = max(s["momentum"].float().abs().max().item() for s in states.values())
+            assert moved > 0
