@@ -8,7 +8,8 @@ peak memory printed and written to the JSON.
 
 ``--cpu-offload-policy``: a second copy of the model under ``fully_shard(...,
 offload_policy=CPUOffloadPolicy())``, its pieces, gradients and optimizer state in (page-locked) CPU
-memory, stepped there by Dion3 and AdamW, timed beside the same optimizers on the GPU copy.
+memory, stepped there by Dion3 and AdamW, and by Dion3 with ``offload=True`` (streamed through the
+GPU), timed beside the same optimizers on the GPU copy.
 
   torchrun --standalone --nproc-per-node 1 benchmarks/bench_fsdp2.py [--model 14b|350m] [--layers 4]
       [--dion-path DIR] [--cpu-offload-policy] [--json out.json]     # DIR: a checkout of microsoft/dion
@@ -109,6 +110,7 @@ def main() -> None:
     if args.cpu_offload_policy:
         offloaded = _sharded_params(args.model, args.layers, device, mesh, CPUOffloadPolicy())
         optimizers["Dion3 f=1/4, CPUOffloadPolicy"] = Dion3(offloaded, fraction=0.25)
+        optimizers["Dion3 f=1/4, CPUOffloadPolicy, offload=True"] = Dion3(offloaded, fraction=0.25, offload=True)
         optimizers["AdamW (torch, foreach), CPUOffloadPolicy"] = torch.optim.AdamW(offloaded, lr=1e-4, foreach=True)
     times = cuda_median_ms_interleaved({name: (lambda i, o=opt: o.step()) for name, opt in optimizers.items()}, reps=args.reps, warmup=3)
     if dist.get_rank() == 0:
