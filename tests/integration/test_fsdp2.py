@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from typing import Optional
 
 import pytest
 import torch
@@ -101,7 +102,7 @@ def _train(rank: int, world: int, layout: str, settings: dict, bad_step: int) ->
 def _dion3_state(model: torch.nn.Module, opt) -> dict[str, dict[str, tuple]]:
     """Each Dion3 matrix's state, gathered whole, with the placements of its DTensors."""
     return {
-        n: {part: (v.full_tensor().clone(), tuple(v.placements)) for part, v in opt.state[p].items()}
+        n: {part: (v.full_tensor().cpu().clone(), tuple(v.placements)) for part, v in opt.state[p].items()}
         for n, p in model.named_parameters()
         if n in MATRICES
     }
@@ -134,8 +135,9 @@ def _session(rank: int, world: int, cases: list[tuple[str, dict, int]]) -> dict:
 
 def _two_rank_session(rank: int, world: int, checkpoint: str) -> dict:
     """Every two-rank run of this file on one process group: the cases, the offloaded ones, the
-    refusals, the first steps of the checkpoint tests (saved in ``checkpoint``) and the bf16
-    checkpoint's resume; last the runs whose steps are refused on every rank."""
+    refusals, the first steps of the checkpoint tests (saved in ``checkpoint``), the bf16
+    checkpoint's resume and those under CPUOffloadPolicy, saved, resumed and run uninterrupted; last
+    the runs whose steps are refused on every rank."""
     out = _session(rank, world, CASES[2])
     out["offload"] = _session(rank, world, OFFLOAD_CASES)["cases"]
     out["refused"] = _refusals(world)
@@ -144,6 +146,10 @@ def _two_rank_session(rank: int, world: int, checkpoint: str) -> dict:
     _dcp_worker(rank, world, "fsdp", checkpoint, range(0, 2), DCP_SETTINGS)
     _dcp_worker(rank, world, "fsdp", checkpoint + "-bf16", range(0, 2), BF16)
     out["bf16 resumed"] = _dcp_worker(rank, world, "fsdp", checkpoint + "-bf16", range(2, STEPS), BF16)
+    for tag, settings in OFFLOAD_CHECKPOINTS.items():  # saved under CPUOffloadPolicy, resumed under it
+        _dcp_worker(rank, world, "offload", f"{checkpoint}-{tag}", range(0, 2), settings)
+        out[f"{tag} resumed"] = _dcp_worker(rank, world, "offload", f"{checkpoint}-{tag}", range(2, STEPS), settings)
+        out[f"{tag} uninterrupted"] = _dcp_worker(rank, world, "offload", None, range(0, STEPS), settings)
     out["auto resumed"] = _auto_resumed(world, checkpoint + "-auto")
     out["gradient changed"] = _gradient_changed_at_a_later_step(rank, world)
     out["outside the mesh"] = _outside_the_mesh(rank, world)
@@ -158,10 +164,12 @@ def _four_rank_session(rank: int, world: int, checkpoint: str) -> dict:
 
 
 def _resumed_alone(rank: int, world: int, checkpoint: str) -> dict:
-    """The two-rank session's checkpoints, fp32 and bf16 momentum, resumed at one rank."""
+    """The two-rank session's checkpoints, fp32 and bf16 momentum, resumed at one rank; those saved
+    under CPUOffloadPolicy resumed without it."""
     return {
         "fp32": _dcp_worker(rank, world, "fsdp", checkpoint, range(2, STEPS), DCP_SETTINGS),
         "bf16": _dcp_worker(rank, world, "fsdp", checkpoint + "-bf16", range(2, STEPS), BF16),
+        **{tag: _dcp_worker(rank, world, "fsdp", f"{checkpoint}-{tag}", range(2, STEPS), s) for tag, s in OFFLOAD_CHECKPOINTS.items()},
     }
 
 
@@ -188,6 +196,7 @@ def _single_process(settings: dict, bad_step: int) -> dict:
 STALENESS, SKIP, AUTO = ({"fraction": 0.25, "staleness": 1.0}, -1), ({"fraction": 0.5}, 1), ({}, -1)
 DCP_SETTINGS = {"fraction": 0.5, "staleness": 1.0}
 BF16 = {**DCP_SETTINGS, "momentum_dtype": "bf16"}  # the momentum stored in bf16, stochastically rounded
+OFFLOAD_CHECKPOINTS = {"offload": DCP_SETTINGS, "offload-bf16": BF16}  # (tag: settings) saved under CPUOffloadPolicy
 # (layout, settings, step whose gradient gets a NaN on the last rank, -1 for none) per world size
 CASES = {
     2: [
@@ -271,12 +280,13 @@ def test_auto_fraction_is_chosen_alike_on_every_rank(session):
 # memory (that needs CUDA): they run the policy with pin_memory=False; the GPU test runs it as a
 # GPU job does (a CUDA mesh, page-locked pieces, NCCL for FSDP2's collectives and gloo for the CPU
 # tensors of Dion3's, as torchtitan's enable_cpu_offload sets up its process group).
-OFFLOAD_CASES = [("offload", {"fraction": 0.5}, -1), ("offload", *STALENESS), ("offload", *SKIP)]
+OFFLOAD_CASES = [("offload", {"fraction": 0.5}, -1), ("offload", *STALENESS), ("offload", *SKIP), ("offload", BF16, -1)]
 
 
 def _check_offloaded_runs(cases: list, outs: list[list[dict]], pinned: bool) -> None:
     """Every rank's run of each case equals the single-process step, with the weights, their
-    gradients and Dion3's state in CPU memory (the weights page-locked where ``pinned``)."""
+    gradients and Dion3's state in CPU memory (the weights page-locked where ``pinned``); a bf16
+    momentum is the single process's."""
     held = {"weights": {"cpu"}, "gradients": {"cpu"}, "state": {"cpu"}, "pinned": pinned, "offloaded": True}
     for (layout, settings, bad_step), *per_rank in zip(cases, *outs):
         expected = _single_process(settings, bad_step)
@@ -285,6 +295,8 @@ def _check_offloaded_runs(cases: list, outs: list[list[dict]], pinned: bool) -> 
             assert out["skipped"] == (bad_step >= 0), (layout, settings, bad_step)
             for name, value in out["params"].items():
                 torch.testing.assert_close(value, expected[name], **TOL, msg=lambda m, n=name, c=settings: f"{layout} {c} {n}: {m}")
+            if settings.get("momentum_dtype") == "bf16":
+                _assert_bf16_state_is_the_single_process_one(out["dion3 state"], _single_process_dion3_state(settings, bad_step), layout)
 
 
 def test_fsdp2_with_cpu_offload_policy_steps_as_the_single_process_step(two_ranks):
@@ -363,10 +375,12 @@ def test_pieces_in_cpu_memory_of_a_cuda_mesh_keep_their_state_there(two_ranks):
             torch.testing.assert_close(value, expected, **TOL, msg=lambda m, q=part, r=rank: f"rank {r} {q}: {m}")
 
 
-def _dcp_worker(rank: int, world: int, layout: str, directory: str, steps: range, settings: dict) -> dict:
-    """Steps ``steps`` of the batches; saves through torch.distributed.checkpoint after them when
-    they start at 0, else first loads what a run at another world size saved: the parameters and
-    the Dion3 state after them (and the Dion3 state as loaded)."""
+def _dcp_worker(rank: int, world: int, layout: str, directory: Optional[str], steps: range, settings: dict) -> dict:
+    """Steps ``steps`` of the batches; saves through torch.distributed.checkpoint after them in
+    ``directory`` (None: no save) when they start at 0, else first loads what a run at another world
+    size or layout saved: the parameters and the Dion3 state after them, where the pieces and the
+    state lie and whether the Dion3 state is page-locked (and the Dion3 state as loaded, and where
+    it lay then)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -382,18 +396,29 @@ def _dcp_worker(rank: int, world: int, layout: str, directory: str, steps: range
         dcp.load(state, checkpoint_id=directory)
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, opt, state["optim"])
-        out["loaded"] = _dion3_state(model, opt)
+        out["loaded"], out["held after the load"] = _dion3_state(model, opt), _held_where(model, opt)
+    device = model.up.weight.device_mesh.device_type  # where the forward runs: the mesh's device
     for x in _batches()[steps.start : steps.stop]:
         opt.zero_grad()
-        model(x).square().mean().backward()
+        model(x.to(device)).square().mean().backward()
         opt.step()
-    if not steps.start:
+    if not steps.start and directory is not None:
         dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=directory)
     return {
         **out,
-        "params": {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()},
+        "params": {n: p.detach().full_tensor().cpu().clone() for n, p in model.named_parameters()},
         "dion3 state": _dion3_state(model, opt),
+        "held": _held_where(model, opt),
+        "state pinned": _dion3_state_pinned(model, opt),
+        **({"streamed to": str(opt._whole.session.engine.offload)} if settings.get("offload") else {}),
     }
+
+
+def _dion3_state_pinned(model: torch.nn.Module, opt) -> bool:
+    """Whether this rank's pieces of every Dion3 matrix's state are page-locked."""
+    from dion3_megatron.frontend.dtensor import local
+
+    return all(local(v).is_pinned() for n, p in model.named_parameters() if n in MATRICES for v in opt.state[p].values())
 
 
 def test_a_checkpoint_saved_at_two_ranks_resumes_at_one_and_at_four_with_tensor_parallelism(one_rank, four_ranks):
@@ -418,9 +443,10 @@ def _assert_bf16_state_is_the_single_process_one(state: dict, expected: dict, wh
     whole matrices: the momentum in bf16, its count of steps (``rounding_step``) one per matrix, the
     same, replicated, or for the 3-D experts cut like them; the momentum the single process's bit
     for bit but for an entry whose fp32 sum lay so near a rounding boundary that the fp32 rounding
-    of the distributed gradients put it across (at most 1 in 1000, by one bf16 step). Noise keyed by
-    the place in a rank's piece instead of in the logical matrix leaves most entries apart (86-92 %
-    after three steps at two ranks)."""
+    of the distributed gradients, or of a GPU's forward and backward, put it across (at most one
+    entry, or 1 in 1000 of a larger matrix, by one bf16 step). Noise keyed by the place in a rank's
+    piece instead of in the logical matrix leaves most entries apart (86-92 % after three steps at
+    two ranks)."""
     assert state.keys() == {n for n in expected if n in MATRICES}, what
     for name, parts in state.items():
         assert parts.keys() == {"momentum", "variance", "row_age", "rounding_step"}, (what, name)
@@ -431,7 +457,7 @@ def _assert_bf16_state_is_the_single_process_one(state: dict, expected: dict, wh
         momentum = parts["momentum"][0]
         assert momentum.dtype == torch.bfloat16, (what, name)
         apart = _bf16_steps(momentum, expected[name]["momentum"])
-        assert (apart > 0).float().mean() <= 1e-3 and apart.max() <= 1, (what, name, (apart > 0).sum().item())
+        assert (apart > 0).sum() <= max(1, 1e-3 * apart.numel()) and apart.max() <= 1, (what, name, (apart > 0).sum().item())
         for part in ("variance", "row_age"):
             torch.testing.assert_close(parts[part][0], expected[name][part], **TOL, msg=lambda m, q=part: f"{what} {name} {q}: {m}")
 
@@ -485,6 +511,55 @@ def test_a_bf16_momentum_checkpoint_resumes_bit_identically_at_two_ranks_and_at_
     for name, value in alone["params"].items():
         torch.testing.assert_close(value, expected[name], **TOL, msg=lambda m, n=name: f"resumed at 1 rank {n}: {m}")
     _assert_bf16_state_is_the_single_process_one(alone["dion3 state"], _single_process_dion3_state(BF16, -1), "resumed at 1 rank")
+
+
+def test_a_checkpoint_under_cpu_offload_policy_resumes_exactly_under_it_and_without_it(two_ranks, one_rank):
+    """Saved at two ranks under CPUOffloadPolicy through torch.distributed.checkpoint, fp32 and bf16
+    momentum: resumed at two ranks under the policy the state loads into CPU memory and the run is
+    the uninterrupted one bit for bit, weights and state; resumed at one rank without the policy
+    (the checkpoint holds no placement) it loads the state as saved and steps as the single process."""
+    held = {"weights": {"cpu"}, "state": {"cpu"}, "pinned": False, "offloaded": True}
+    for tag, settings in OFFLOAD_CHECKPOINTS.items():
+        expected = _single_process(settings, bad_step=-1)
+        for rank, per_rank in enumerate(two_ranks):
+            resumed, went_on = per_rank[f"{tag} resumed"], per_rank[f"{tag} uninterrupted"]
+            assert resumed["held after the load"] == {**held, "gradients": set()}, (tag, rank, resumed["held after the load"])
+            assert resumed["held"] == went_on["held"] == {**held, "gradients": {"cpu"}}, (tag, rank, resumed["held"])
+            for name, value in resumed["params"].items():
+                assert torch.equal(value, went_on["params"][name]), (tag, rank, name)
+                torch.testing.assert_close(value, expected[name], **TOL, msg=lambda m, n=name, t=tag: f"{t} at 2 ranks {n}: {m}")
+            assert resumed["dion3 state"].keys() == went_on["dion3 state"].keys() == MATRICES, tag
+            for name, parts in resumed["dion3 state"].items():
+                assert parts.keys() == went_on["dion3 state"][name].keys(), (tag, name)
+                for part, (value, placements) in parts.items():
+                    value_on, placements_on = went_on["dion3 state"][name][part]
+                    assert torch.equal(value, value_on) and placements == placements_on, (tag, rank, name, part)
+        alone, at_two = one_rank[tag], two_ranks[0][f"{tag} resumed"]
+        assert alone["held after the load"] == {**held, "gradients": set(), "offloaded": False}, (tag, alone["held after the load"])
+        assert alone["loaded"].keys() == at_two["loaded"].keys() == MATRICES, tag
+        for name, parts in alone["loaded"].items():
+            for part, (value, _) in parts.items():
+                assert torch.equal(value, at_two["loaded"][name][part][0]), (tag, name, part)
+        for name, value in alone["params"].items():
+            torch.testing.assert_close(value, expected[name], **TOL, msg=lambda m, n=name, t=tag: f"{t} at 1 rank {n}: {m}")
+
+
+@pytest.mark.gpu
+def test_a_checkpoint_under_cpu_offload_policy_on_a_gpu_resumes_as_the_single_process(tmp_path):
+    """One GPU, the pieces page-locked, Dion3's step streamed through the GPU (offload=True): saved
+    after two steps, loaded by a fresh process into CPU memory, the last step equals the single
+    process's, the state in page-locked CPU memory after it."""
+    settings, directory = {**DCP_SETTINGS, "offload": True}, str(tmp_path / "dcp")
+    backend = "cuda:nccl,cpu:gloo"
+    run_distributed(_dcp_worker, 1, "offload-cuda", directory, range(0, 2), settings, timeout=300, backend=backend)
+    (out,) = run_distributed(_dcp_worker, 1, "offload-cuda", directory, range(2, STEPS), settings, timeout=300, backend=backend)
+    held = {"weights": {"cpu"}, "state": {"cpu"}, "pinned": True, "offloaded": True}
+    assert out["held after the load"] == {**held, "gradients": set()}, out["held after the load"]
+    assert out["held"] == {**held, "gradients": {"cpu"}} and out["state pinned"], (out["held"], out["state pinned"])
+    assert out["streamed to"] == "cuda:0"
+    expected = _single_process(DCP_SETTINGS, bad_step=-1)
+    for name, value in out["params"].items():
+        torch.testing.assert_close(value, expected[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 class _AutoNet(torch.nn.Module):

@@ -1,6 +1,6 @@
 """Offloaded state on a GPU (dion3_megatron/engine/offload.py): pinned host state streamed to the GPU
 on side streams, one shape group at a time. The offloaded step equals the step without offload bit
-for bit (torch Dion3 on GPU parameters, on host parameters, and DeepSpeed ZeRO-1 with
+for bit (torch Dion3 on GPU parameters, on host parameters, and DeepSpeed ZeRO 1-3 with
 ``offload_optimizer``), the state lives in pinned host memory, and the GPU holds none of it between
 steps. The same code on the CPU, every copy included: tests/unit/test_offload.py."""
 
@@ -119,25 +119,28 @@ def test_the_gpu_holds_no_offloaded_state_between_steps_and_about_two_groups_dur
     assert torch.cuda.max_memory_allocated() - before < 0.6 * state_bytes
 
 
-def _deepspeed_zero1(rank, world):
-    """ZeRO-1 in fp32 on one GPU, with and without offload_optimizer to the CPU: (the parameters'
-    largest difference, the offloaded engine's device, whether its state is in pinned host memory)."""
+def _deepspeed_offloads(rank, world, cases):
+    """For each (ZeRO stage, momentum dtype) of ``cases``: the run in fp32 on one GPU with and
+    without offload_optimizer to the CPU; (the parameters' largest difference, the offloaded
+    engine's device, whether its state is in pinned host memory)."""
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     import deepspeed
 
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     import dion3_megatron.deepspeed as dion3_ds
     from support import deepspeed_helpers as h
+    from support.deepspeed_offload import offloaded
+    from support.deepspeed_zero3 import Zero3Net, zero3_config
 
     deepspeed.init_distributed(dist_backend="nccl")
 
-    def run(offload: bool):
-        cfg = h.config(1, world=1, clip=0.0, ns_dtype="float32")
-        if offload:
-            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    def run(stage: int, momentum_dtype: str, offload: bool):
+        settings = {"clip": 0.0, "ns_dtype": "float32", "momentum_dtype": momentum_dtype}
+        cfg = zero3_config(1, **settings) if stage == 3 else h.config(stage, world=1, **settings)
         torch.manual_seed(0)
-        model = h.Net().cuda()
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=dion3_ds.param_groups(model), config=cfg)
+        model = (Zero3Net if stage == 3 else h.Net)().cuda()
+        params = model.parameters() if stage == 3 else dion3_ds.param_groups(model)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=offloaded(cfg) if offload else cfg)
         gen = torch.Generator().manual_seed(5)
         for _ in range(3):
             tokens = torch.randint(0, h.VOCAB, (h.GLOBAL_BATCH, h.SEQ), generator=gen).cuda()
@@ -145,19 +148,29 @@ def _deepspeed_zero1(rank, world):
             engine.step()
         opt = h._basic(engine)
         state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
-        params = {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}
-        return params, opt._session.engine.offload, all(v.device.type == "cpu" and v.is_pinned() for v in state)
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+            params = {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}
+        return params, opt._session.engine.offload, bool(state) and all(v.device.type == "cpu" and v.is_pinned() for v in state)
 
-    plain, _, _ = run(False)
-    offloaded, device, pinned = run(True)
-    return h.max_diff(plain, offloaded), str(device), pinned
+    out = []
+    for stage, momentum_dtype in cases:
+        plain, _, _ = run(stage, momentum_dtype, False)
+        offloaded_params, device, pinned = run(stage, momentum_dtype, True)
+        out.append((h.max_diff(plain, offloaded_params), str(device), pinned))
+    return out
+
+
+DEEPSPEED_CASES = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16"), (3, "bf16")]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
-def test_deepspeed_zero1_with_offload_optimizer_equals_zero1_without():
+def test_deepspeed_offload_optimizer_at_zero_1_to_3_equals_the_run_without():
+    """ZeRO 1, 2 and 3, the momentum in fp32 and in bf16: ``offload_optimizer`` to the CPU keeps
+    Dion3's state in pinned host memory, streams it through the GPU, and trains as without it."""
     from support.dist_utils import run_distributed
 
-    ((diff, device, pinned),) = run_distributed(_deepspeed_zero1, 1, backend="nccl", timeout=600)
-    assert device.startswith("cuda") and pinned
-    assert diff <= 1e-6, diff  # (DeepSpeed's ZeRO-Offload averages the gradients on the host)
+    (outs,) = run_distributed(_deepspeed_offloads, 1, DEEPSPEED_CASES, backend="nccl", timeout=600)
+    for (stage, momentum_dtype), (diff, device, pinned) in zip(DEEPSPEED_CASES, outs):
+        assert device.startswith("cuda") and pinned, (stage, momentum_dtype, device, pinned)
+        assert diff <= 1e-6, (stage, momentum_dtype, diff)  # (DeepSpeed's ZeRO-Offload averages the gradients on the host)
