@@ -267,25 +267,35 @@ def test_an_offloaded_step_of_split_matrices_equals_the_step_without_on_every_ex
     assert covered == {"StaticExchange", "PlannedExchange", "GeneralExchange"}, covered
 
 
-def _dtensor_run(rank, world, offloaded, momentum_dtype):
-    """Row and column pieces of DTensor parameters (FSDP2's and tensor parallelism's placements),
-    three steps of fresh gradients by a Dion3 offloaded to the CPU standing in for a GPU (or not):
-    this rank's pieces of the weights and of their state, and where the state lies."""
+# (name, shape, placements) of DTensor parameters on a 1-D mesh (FSDP2's row pieces, tensor
+# parallelism's column pieces) and on a 2 x 2 one (HSDP: replicas of row pieces; FSDP2 over tensor
+# parallelism; and blocks of both).
+DTENSOR_LAYOUTS = {
+    "1-D": [("rows", (24, 40), ["S0"]), ("cols", (40, 24), ["S1"]), ("rows2", (24, 40), ["S0"])],
+    "2-D": [("hsdp", (24, 40), ["R", "S0"]), ("fsdp-tp", (40, 24), ["S0", "S1"]), ("blocks", (24, 40), ["S1", "S0"])],
+}
+
+
+def _dtensor_run(rank, world, layout, offloaded, momentum_dtype):
+    """DTensor parameters placed as ``DTENSOR_LAYOUTS[layout]``, three steps of fresh gradients by
+    a Dion3 offloaded to the CPU standing in for a GPU (or not): this rank's pieces of the weights
+    and of their state, and where the state lies."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     if offloaded:  # (each process of its own: the fixture's patch, made here)
         offload.step_device = lambda on, device: CPU if on else None
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world,) if layout == "1-D" else (2, world // 2))
+    placement = {"R": Replicate(), "S0": Shard(0), "S1": Shard(1)}
     gen = torch.Generator().manual_seed(3)
-    placed = [("rows", (24, 40), Shard(0)), ("cols", (40, 24), Shard(1)), ("rows2", (24, 40), Shard(0))]
+    placed = [(name, shape, [placement[p] for p in where]) for name, shape, where in DTENSOR_LAYOUTS[layout]]
     params = [
-        (name, torch.nn.Parameter(distribute_tensor(torch.randn(shape, generator=gen), mesh, [where]))) for name, shape, where in placed
+        (name, torch.nn.Parameter(distribute_tensor(torch.randn(shape, generator=gen), mesh, where))) for name, shape, where in placed
     ]
     opt = Dion3(params, lr=0.05, fraction=0.5, staleness=1.0, ns_dtype=torch.float64, momentum_dtype=momentum_dtype, offload=offloaded)
     for _ in range(3):
         for (_, shape, where), (_, p) in zip(placed, params):
-            p.grad = distribute_tensor(torch.randn(shape, generator=gen), mesh, [where])
+            p.grad = distribute_tensor(torch.randn(shape, generator=gen), mesh, where)
         opt.step()
     engine = opt._whole.session.engine
     states = {name: {part: v.to_local().clone() for part, v in opt.state[p].items()} for name, p in params}
@@ -294,21 +304,22 @@ def _dtensor_run(rank, world, offloaded, momentum_dtype):
 
 def dtensor_worker(rank, world):
     out = []
-    for momentum_dtype in ("fp32", "bf16"):
-        weights, states, _ = _dtensor_run(rank, world, False, momentum_dtype)
-        weights_offloaded, states_offloaded, device = _dtensor_run(rank, world, True, momentum_dtype)
-        out.append((weights, states, weights_offloaded, states_offloaded, str(device)))
+    for layout in DTENSOR_LAYOUTS:
+        for momentum_dtype in ("fp32", "bf16"):
+            weights, states, _ = _dtensor_run(rank, world, layout, False, momentum_dtype)
+            weights_offloaded, states_offloaded, device = _dtensor_run(rank, world, layout, True, momentum_dtype)
+            out.append((weights, states, weights_offloaded, states_offloaded, str(device)))
     return out
 
 
 @pytest.mark.slow
 def test_an_offloaded_step_of_dtensor_parameters_equals_the_step_without():
     """offload=True with DTensor parameters (FSDP2's CPUOffloadPolicy, on a GPU, streams their
-    host pieces through it): the same weights and state, bit for bit, the state DTensors placed
-    like the parameters."""
+    host pieces through it), on 4 ranks, on a 1-D mesh and on a 2 x 2 one: the same weights and
+    state, bit for bit, the state DTensors placed like the parameters."""
     from support.dist_utils import run_distributed
 
-    for rank_results in run_distributed(dtensor_worker, 2):
+    for rank_results in run_distributed(dtensor_worker, 4):
         for weights, states, weights_offloaded, states_offloaded, device in rank_results:
             assert device == "cpu"  # the engine streamed to its stand-in device
             for name in weights:
