@@ -164,6 +164,12 @@ class EngineSession:
                 logger.info("Dion3 offload: the state lives in host memory and streams to %s for each step", engine.offload)
             else:
                 logger.info("Dion3 offload: no GPU to stream the state to; it lives in host memory already")
+        elif engine.plan and torch.cuda.is_available() and all(s.weight.device.type == "cpu" for sg in engine.plan for s in sg.shards):
+            # (FSDP2's CPUOffloadPolicy puts the pieces there: orthogonalizing on the host is slow)
+            logger.warning(
+                "Dion3: the matrices are in host memory (FSDP2's CPUOffloadPolicy, say) and their step runs on the host's cores; "
+                "Dion3(..., offload=True) streams it through the GPU, one shape group at a time"
+            )
 
     # ----------------------------------------------------------------------------------------
     # The record.

@@ -8,6 +8,7 @@ front ends' ``offload`` changes nothing, as documented."""
 
 from __future__ import annotations
 
+import logging
 import copy
 import io
 
@@ -158,6 +159,21 @@ def test_dion3_offload_without_a_gpu_changes_nothing(monkeypatch):
     assert opt_offloaded.offload and opt_offloaded._whole.session.engine.offload is None
     for a, b in zip(plain.parameters(), offloaded.parameters()):
         assert torch.equal(a, b)
+
+
+HOST_STEP = "their step runs on the host's cores; Dion3(..., offload=True) streams it through the GPU"
+
+
+@pytest.mark.parametrize("gpu", [True, False], ids=["a-gpu-present", "no-gpu"])
+def test_matrices_in_host_memory_beside_a_gpu_say_once_that_offload_streams_their_step(monkeypatch, caplog, gpu):
+    """Host matrices (FSDP2's CPUOffloadPolicy) stepped without offload where a GPU is present:
+    one warning naming offload=True, at the step that builds the engine; none without a GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    net = model()
+    opt = Dion3(net.parameters(), fraction=0.5)
+    with caplog.at_level(logging.WARNING, logger="dion3_megatron"):
+        train(net, opt, 2)
+    assert sum(HOST_STEP in r.getMessage() for r in caplog.records) == (1 if gpu else 0), caplog.text
 
 
 @pytest.fixture
