@@ -26,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 from bench_step import LAYERS
-from timing import cuda_median_ms_interleaved, rounded
+from timing import cpu_model, cuda_median_ms_interleaved, rounded
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -82,8 +82,7 @@ def _sharded_params(model: str, layers: int, device: torch.device, mesh, offload
 
 def _cpu() -> dict:
     """The host that steps the offloaded copy: its model and the threads torch uses."""
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "unknown")
-    return {"model": model, "torch_threads": torch.get_num_threads(), "cores": os.cpu_count()}
+    return {"model": cpu_model(), "torch_threads": torch.get_num_threads(), "cores": os.cpu_count()}
 
 
 def main() -> None:

@@ -39,6 +39,7 @@ from dion3_megatron import Dion3  # noqa: E402
 from dion3_megatron.frontend import lifecycle, whole  # noqa: E402
 from dion3_megatron.frontend.dtensor import HeldPieces  # noqa: E402
 from examples.leave_process_group import leave_process_group  # noqa: E402
+from timing import cpu_model  # noqa: E402
 
 VARIANTS = ("checks", "without placement checks", "without checks")
 
@@ -180,10 +181,7 @@ def main() -> None:
     args = parser.parse_args()
     load = os.getloadavg()[0]  # other work on the machine: the step's medians move with it, the checks' less
     results = {"single process": single_process(args.matrices, args.steps), "fsdp2, 2 ranks": fsdp2(args.steps)}
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
-        platform.processor(),
-    )
+    cpu = cpu_model()
     record = {
         "what": "host time of the step's checks: median ms of opt.step() and of its checks over "
         f"{args.steps} steps per variant, variants alternating",

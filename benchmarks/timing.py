@@ -1,8 +1,11 @@
-"""Timing helpers shared by the GPU benchmarks: CUDA events, warm-up, medians."""
+"""Timing helpers shared by the benchmarks: CUDA events, warm-up, medians; the figures and the host
+a record names."""
 
 from __future__ import annotations
 
+import platform
 import statistics
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -79,3 +82,12 @@ def rounded(value: object, digits: int = 2) -> object:
     if isinstance(value, dict):
         return {k: rounded(v, digits) for k, v in value.items()}
     return value
+
+
+def cpu_model() -> str:
+    """The host CPU's model name (/proc/cpuinfo), else what ``platform`` says."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor())

@@ -8,9 +8,9 @@ front ends' ``offload`` changes nothing, as documented."""
 
 from __future__ import annotations
 
-import logging
 import copy
 import io
+import logging
 
 import pytest
 import torch
@@ -332,7 +332,7 @@ def dtensor_worker(rank, world):
 def test_an_offloaded_step_of_dtensor_parameters_equals_the_step_without():
     """offload=True with DTensor parameters (FSDP2's CPUOffloadPolicy, on a GPU, streams their
     host pieces through it), on 4 ranks, on a 1-D mesh and on a 2 x 2 one: the same weights and
-    state, bit for bit, the state DTensors placed like the parameters."""
+    state pieces, bit for bit."""
     from support.dist_utils import run_distributed
 
     for rank_results in run_distributed(dtensor_worker, 4):

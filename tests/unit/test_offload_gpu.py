@@ -129,14 +129,13 @@ def _deepspeed_offloads(rank, world, cases):
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     import dion3_megatron.deepspeed as dion3_ds
     from support import deepspeed_helpers as h
-    from support.deepspeed_offload import offloaded
-    from support.deepspeed_zero3 import Zero3Net, zero3_config
+    from support.deepspeed_offload import offloaded, stage_config
+    from support.deepspeed_zero3 import Zero3Net
 
     deepspeed.init_distributed(dist_backend="nccl")
 
     def run(stage: int, momentum_dtype: str, offload: bool):
-        settings = {"clip": 0.0, "ns_dtype": "float32", "momentum_dtype": momentum_dtype}
-        cfg = zero3_config(1, **settings) if stage == 3 else h.config(stage, world=1, **settings)
+        cfg = stage_config(stage, 1, ns_dtype="float32", momentum_dtype=momentum_dtype)
         torch.manual_seed(0)
         model = (Zero3Net if stage == 3 else h.Net)().cuda()
         params = model.parameters() if stage == 3 else dion3_ds.param_groups(model)
