@@ -70,6 +70,13 @@ def test_zero_stages_train_alike(session, stage):
     assert len(a) == len(b) == 10 and max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (a, b)
 
 
+def test_zero2_with_offload_optimizer_to_the_cpu_trains_as_without_it(session):
+    run = session[0]["llama_zero2_offload"]
+    a, b = session[0]["llama_zero2"]["losses"], run["losses"]
+    assert run["offload"] is True
+    assert len(a) == len(b) == 10 and max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (a, b)
+
+
 def test_gpt2_conv1d_weights_take_adamw_and_the_tied_head_too(session):
     run = session[0]["gpt2_zero1"]
     split = _by_algorithm(run["split"])

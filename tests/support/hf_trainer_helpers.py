@@ -121,6 +121,7 @@ def losses_of(t) -> list[float]:
 
 def session(rank: int, world: int, tmp: str) -> dict:
     from support import deepspeed_helpers as h
+    from support.deepspeed_offload import offloaded
 
     h.init()
     out: dict[str, Any] = {"seconds": {}}
@@ -159,6 +160,13 @@ def session(rank: int, world: int, tmp: str) -> dict:
         "chosen": [g["fractions"] for g in basic.state_dict()["param_groups"]],
     }
     out["seconds"]["llama_default"] = time.time() - t0
+    # ZeRO-2 with "offload_optimizer" to the CPU, as a user adds it to the config: Dion3 takes the
+    # offload (its state in host memory; here, without a GPU, where it is already).
+    t0 = time.time()
+    t = trainer(llama(), offloaded(ds_config(2, **whole)), os.path.join(tmp, "offload"))
+    t.train()
+    out["llama_zero2_offload"] = {"losses": losses_of(t), "offload": h._basic(t.model_wrapped).offload}
+    out["seconds"]["llama_zero2_offload"] = time.time() - t0
     # Resume: 10 steps saving at 5; a new Trainer resumes from step 5 and must end where the first did.
     t0 = time.time()
     d = os.path.join(tmp, "resume")
